@@ -1,0 +1,61 @@
+"""Typed configuration of the Parquet input pipeline (the `[data]` section of a job config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Where the examples are and how a row of Parquet becomes part of a `Batch`."""
+
+    train_paths: tuple[str, ...] = ()
+    """Parquet files, directories or glob patterns for training."""
+    eval_paths: tuple[str, ...] = ()
+    """Parquet files, directories or glob patterns for evaluation."""
+    batch_size: int = 4096
+    """Examples per batch B, per rank."""
+    label_column: str = "label"
+    """Column holding the 0/1 label."""
+    dense_columns: tuple[str, ...] = ()
+    """Float or integer columns that make up `Batch.dense` [B, Dn], in this order."""
+    dense_fill: float = 0.0
+    """Value a null dense entry becomes."""
+    dense_log1p: bool = False
+    """Apply log(1 + max(x, 0)) to dense values (the Criteo convention)."""
+    sparse_columns: tuple[str, ...] = ()
+    """Id columns: int64 scalars (one id), list<int64> (multi-hot) or strings (hashed to int64)."""
+    weight_columns: dict[str, str] = field(default_factory=dict)
+    """Sparse column -> list<float> column of per-id weights, same lengths as the ids."""
+    max_ids_per_row: int = 1024
+    """A list column longer than this in one row is bad input."""
+    on_bad_rows: Literal["error", "skip"] = "error"
+    """`error` raises naming file, row group and column; `skip` drops the row and counts it."""
+    shuffle: bool = True
+    """Shuffle file/row-group order per epoch and rows through a bounded buffer."""
+    shuffle_buffer_rows: int = 65536
+    """Rows held in the shuffle buffer."""
+    seed: int = 0
+    """Base seed of the shuffle; epoch e uses a seed derived from (seed, e)."""
+    prefetch_batches: int = 2
+    """Batches decoded ahead by a background thread; 0 decodes on the caller's thread."""
+    drop_last: bool = False
+    """Drop the final partial batch of a rank's epoch."""
+    passthrough_columns: tuple[str, ...] = ()
+    """Columns copied next to the scores by `recsys predict`."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_ids_per_row < 1:
+            raise ValueError(f"data.max_ids_per_row must be >= 1, got {self.max_ids_per_row}")
+        if self.shuffle_buffer_rows < 0:
+            raise ValueError(f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        for col in self.weight_columns:
+            if col not in self.sparse_columns:
+                raise ValueError(
+                    f"data.weight_columns names '{col}', which is not in data.sparse_columns"
+                )

@@ -1,0 +1,135 @@
+"""Typed configuration of the parameter server (the `[ps]` section of a job config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TableConfig:
+    """One embedding table, sharded by id across every PS shard (`[[ps.tables]]`)."""
+
+    name: str
+    """Table name; features refer to tables by this name."""
+    dim: int
+    """Row width D."""
+    kind: Literal["dynamic", "hashed"] = "dynamic"
+    """`dynamic`: collisionless id -> row map that grows; `hashed`: ids hashed into `num_embeddings` rows."""
+    num_embeddings: int = 0
+    """Rows of a `hashed` table (across all shards). Unused for `dynamic`."""
+    dtype: Literal["fp32", "fp16"] = "fp32"
+    """Storage type of the rows (optimizer state stays fp32)."""
+    init: Literal["uniform", "normal", "zeros"] = "uniform"
+    """Distribution of a new row, drawn deterministically from (seed, id)."""
+    init_scale: float = 0.01
+    """Half-width of `uniform`, standard deviation of `normal`."""
+    seed: int = 0
+    """Table seed for row init."""
+    optimizer: OptimizerName = "rowwise_adagrad"
+    """Sparse optimizer applied on the shard."""
+    lr: float = 0.01
+    """Learning rate (FTRL: alpha)."""
+    eps: float = 1e-8
+    """Adagrad/Adam epsilon."""
+    initial_accumulator: float = 0.0
+    """Starting value of the Adagrad accumulators."""
+    beta1: float = 0.9
+    """Adam first moment decay."""
+    beta2: float = 0.999
+    """Adam second moment decay."""
+    ftrl_beta: float = 1.0
+    """FTRL-Proximal beta."""
+    ftrl_l1: float = 0.0
+    """FTRL-Proximal L1 strength."""
+    ftrl_l2: float = 0.0
+    """FTRL-Proximal L2 strength."""
+    min_count: int = 0
+    """An id gets a trained row only after this many sightings (0 or 1: at once)."""
+    admit_probability: float = 1.0
+    """Probability that a sighting of an unadmitted id counts towards admission."""
+    unadmitted: Literal["init", "zeros"] = "init"
+    """What a pull returns for an id not admitted yet."""
+    ttl_steps: int = 0
+    """Rows unseen for this many steps are dropped at the next sweep (0: never)."""
+    max_rows: int = 0
+    """Most rows per table per shard; least-frequently-used rows are evicted past it (0: no bound)."""
+
+    def __post_init__(self) -> None:
+        p = f"ps.tables[{self.name}]"
+        if not self.name:
+            raise ValueError("ps.tables: every table needs a non-empty name")
+        if self.dim < 1:
+            raise ValueError(f"{p}.dim must be >= 1, got {self.dim}")
+        if self.kind == "hashed" and self.num_embeddings < 1:
+            raise ValueError(f"{p}.num_embeddings must be >= 1 for kind='hashed', got {self.num_embeddings}")
+        if self.lr <= 0:
+            raise ValueError(f"{p}.lr must be > 0, got {self.lr}")
+        if not 0.0 < self.admit_probability <= 1.0:
+            raise ValueError(f"{p}.admit_probability must be in (0, 1], got {self.admit_probability}")
+        for key in ("min_count", "ttl_steps", "max_rows"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{p}.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PSConfig:
+    """The parameter-server shards and how clients reach them."""
+
+    num_shards: int = 1
+    """Shard processes; id -> shard is splitmix64(id) % num_shards."""
+    addresses: tuple[str, ...] = ()
+    """`tcp://host:port` of every shard in shard order; empty: the local launcher starts them."""
+    bind: str = "127.0.0.1"
+    """Address a shard binds. Any non-loopback address requires auth."""
+    mode: Literal["sync", "async"] = "sync"
+    """`sync`: a step's pushes from all workers are summed and applied once; `async`: applied on arrival."""
+    num_workers: int = 1
+    """Trainers pushing to the shards (sync mode waits for all of them each step)."""
+    max_staleness: int = 1
+    """Async mode: how many steps a trainer may run ahead of the slowest one."""
+    auth: Literal["none", "token", "curve"] = "none"
+    """Authentication, required for non-loopback binds."""
+    token_file: str = ""
+    """File holding the shared token (auth='token')."""
+    curve_keys_dir: str = ""
+    """Directory with server.key_secret / client.key_secret etc. from zmq.auth (auth='curve')."""
+    wire_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Type of rows and gradients on the wire."""
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+    retries: int = 2
+    """Retries of a timed-out request before the error names the shard."""
+    max_frame_bytes: int = 1 << 30
+    """Largest request frame a shard accepts."""
+    tables: tuple[TableConfig, ...] = ()
+    """Embedding tables; every shard holds its part of each."""
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"ps.num_shards must be >= 1, got {self.num_shards}")
+        if self.addresses and len(self.addresses) != self.num_shards:
+            raise ValueError(
+                f"ps.addresses has {len(self.addresses)} entries but ps.num_shards is {self.num_shards}"
+            )
+        if self.num_workers < 1:
+            raise ValueError(f"ps.num_workers must be >= 1, got {self.num_workers}")
+        if self.max_staleness < 0:
+            raise ValueError(f"ps.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"ps.timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 0:
+            raise ValueError(f"ps.retries must be >= 0, got {self.retries}")
+        names = [t.name for t in self.tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"ps.tables: duplicate table names {dup}")
+        if self.auth == "token" and not self.token_file:
+            raise ValueError("ps.token_file must be set when ps.auth = 'token'")
+        if self.auth == "curve" and not self.curve_keys_dir:
+            raise ValueError("ps.curve_keys_dir must be set when ps.auth = 'curve'")

@@ -1,0 +1,100 @@
+"""`recsys` command line: parses argv, sets up logging, calls into the packages. Nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from recsys.config import ConfigError, load_config, to_toml
+
+logger = logging.getLogger("recsys")
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--config", required=required, help="job config (TOML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (TOML syntax; repeatable)")
+
+
+def _cmd_print_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    sys.stdout.write(to_toml(cfg))
+    return 0
+
+
+def _cmd_gen_data(args: argparse.Namespace) -> int:
+    from data.synthetic import generate
+
+    summary = generate(preset=args.preset, rows=args.rows, num_files=args.files, out_dir=args.out,
+                       seed=args.seed, row_group_rows=args.row_group_rows, compression=args.compression)
+    logger.info("wrote %s", summary)
+    return 0
+
+
+def _cmd_convert_criteo(args: argparse.Namespace) -> int:
+    from data.criteo import convert_criteo
+
+    summary = convert_criteo(args.input, args.out_dir, rows_per_file=args.rows_per_file,
+                             row_group_rows=args.row_group_rows, compression=args.compression)
+    logger.info("wrote %s", summary)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from recsys.demo import run_demo
+
+    return run_demo(args.out, rows=args.rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("print-config", help="print the resolved job config as TOML")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=_cmd_print_config)
+
+    p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet")
+    p.add_argument("--preset", default="criteo-like", choices=["criteo-like", "tiny"])
+    p.add_argument("--rows", type=int, required=True)
+    p.add_argument("--files", type=int, default=1)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--row-group-rows", type=int, default=65536)
+    p.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "gzip", "none"])
+    p.set_defaults(func=_cmd_gen_data)
+
+    p = sub.add_parser("convert-criteo", help="Criteo Display Advertising TSV -> Parquet (streaming)")
+    p.add_argument("input", help="TSV file: label, 13 integer, 26 hex categorical columns")
+    p.add_argument("out_dir")
+    p.add_argument("--rows-per-file", type=int, default=4_000_000)
+    p.add_argument("--row-group-rows", type=int, default=131072)
+    p.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "gzip", "none"])
+    p.set_defaults(func=_cmd_convert_criteo)
+
+    p = sub.add_parser("demo", help="quickstart: generate data and run the main job")
+    p.add_argument("--out", default="demo")
+    p.add_argument("--rows", type=int, default=400_000)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        logger.error("config error: %s", e)
+        return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

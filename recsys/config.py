@@ -1,0 +1,306 @@
+"""Job configuration: `JobConfig` and `load_config(path, overrides)`.
+
+A job config is a TOML file with one section per package::
+
+    [data]    -> data.config.DataConfig
+    [ps]      -> embedding_ps.config.PSConfig   ([[ps.tables]] -> TableConfig)
+    [model]   -> ModelConfig
+    [train]   -> TrainConfig
+
+Every section is a frozen dataclass. The loader checks names, types and `Literal` choices
+itself (torchtitan's `_dict_to_dataclass` only rejected unknown names) and turns the
+dataclasses' own `__post_init__` range checks into `ConfigError`s naming the file.
+`--set section.key=value` overrides are parsed as TOML values and go through the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from data.config import DataConfig
+from embedding_ps.config import PSConfig, TableConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the file, the dotted key and the value."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The CTR model: architecture, feature -> table map and dense tower sizes."""
+
+    arch: Literal["dlrm", "dcn", "deepfm", "wide_deep"] = "dlrm"
+    """Model architecture."""
+    feature_tables: dict[str, str] = field(default_factory=dict)
+    """Sparse feature -> PS table name; a feature missing here uses the table of its own name."""
+    table_pooling: dict[str, str] = field(default_factory=dict)
+    """PS table name -> `sum` or `mean` (default `sum`)."""
+    bottom_mlp: tuple[int, ...] = (64, 32)
+    """Hidden sizes of the bottom (dense-feature) MLP; its output width must equal the embedding dim."""
+    top_mlp: tuple[int, ...] = (64, 32)
+    """Hidden sizes of the top MLP before the final logit."""
+    num_cross_layers: int = 3
+    """DCN-v2: cross layers."""
+    dcn_structure: Literal["stacked", "parallel"] = "stacked"
+    """DCN-v2: cross network before the deep part, or beside it."""
+    dropout: float = 0.0
+    """Dropout in the MLPs."""
+
+    def __post_init__(self) -> None:
+        for key in ("bottom_mlp", "top_mlp"):
+            if any(h < 1 for h in getattr(self, key)):
+                raise ValueError(f"model.{key} sizes must be >= 1, got {list(getattr(self, key))}")
+        for table, pooling in self.table_pooling.items():
+            if pooling not in ("sum", "mean"):
+                raise ValueError(f"model.table_pooling.{table} must be 'sum' or 'mean', got {pooling!r}")
+        if self.num_cross_layers < 0:
+            raise ValueError(f"model.num_cross_layers must be >= 0, got {self.num_cross_layers}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """How the job trains: processes, steps, dense optimizer, logging, run directory."""
+
+    num_trainers: int = 1
+    """Trainer processes started by the local launcher."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the dense part runs (NCCL on cuda, gloo on cpu)."""
+    epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int = 0
+    """Stop after this many steps (0: run the epochs out)."""
+    dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
+    """Optimizer of the dense (DDP) parameters."""
+    dense_lr: float = 1e-3
+    """Dense learning rate."""
+    warmup_steps: int = 0
+    """Linear LR warmup steps."""
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    """LR decay after warmup, to zero at max_steps."""
+    grad_accum_steps: int = 1
+    """Micro-batches per dense optimizer step."""
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """DDP gradient compression hook."""
+    autocast: bool = False
+    """bf16 autocast on CPU / AMP on GPU for the dense part."""
+    seed: int = 0
+    """Seed of the dense model init."""
+    log_every: int = 50
+    """Steps between metric lines."""
+    run_dir: str = "runs/default"
+    """Where the resolved config, processes.json, metrics and the final model go."""
+    num_threads: int = 0
+    """torch intra-op threads per process (0: cores / processes)."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_steps", "warmup_steps", "num_threads"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.dense_lr <= 0:
+            raise ValueError(f"train.dense_lr must be > 0, got {self.dense_lr}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    """A whole job: one section per package."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input pipeline."""
+    ps: PSConfig = field(default_factory=PSConfig)
+    """Parameter-server shards and tables."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """CTR model."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop and launcher."""
+
+    def __post_init__(self) -> None:
+        tables = {t.name for t in self.ps.tables}
+        for feature, table in self.model.feature_tables.items():
+            if tables and table not in tables:
+                raise ValueError(
+                    f"model.feature_tables.{feature} = {table!r} is not a table in ps.tables "
+                    f"({sorted(tables)})"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> JobConfig:
+    """Read `path` (TOML; None: all defaults), apply `section.key=value` overrides, validate."""
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: no such config file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return build(JobConfig, raw, source=source, prefix="")
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a bare word is a string: --set model.arch=dcn
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, *, source: str, prefix: str) -> Any:
+    """Make dataclass `cls` from the mapping `raw`, checking every key and value."""
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: '{where}' must be a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{unknown[0]}'; valid: {', '.join(fields)}"
+        )
+    kwargs = {name: _convert(hints[name], value, source=source, key=f"{prefix}{name}")
+              for name, value in raw.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{source}: {where}: {e}") from None
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{source}: {key} must be {expected}, got {value!r}")
+
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, source=source, prefix=f"{key}.")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(
+                f"{source}: {key} must be one of {', '.join(repr(a) for a in args)}, got {value!r}"
+            )
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, source=source, key=key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad("a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise bad(f"a list of {len(args)} items")
+        return tuple(_convert(a, v, source=source, key=f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad("a table")
+        return {str(k): _convert(args[1], v, source=source, key=f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    raise ConfigError(f"{source}: {key}: unsupported config type {tp!r}")
+
+
+def to_dict(cfg: Any) -> Any:
+    """The config as plain TOML-able values (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (tuple, list)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML text that `load_config` reads back into an equal config."""
+    lines: list[str] = []
+    tree = to_dict(cfg)
+    for section, body in tree.items():
+        arrays = {k: v for k, v in body.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
+        lines.append(f"[{section}]")
+        lines += _toml_items({k: v for k, v in body.items() if k not in arrays})
+        for name, items in arrays.items():
+            for item in items:
+                lines += ["", f"[[{section}.{name}]]"] + _toml_items(item)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_items(body: dict[str, Any]) -> list[str]:
+    return [f"{k} = {_toml_value(v)}" for k, v in body.items() if v is not None]
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+
+
+__all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig",
+           "TableConfig", "load_config", "to_dict", "to_toml"]
