@@ -1,0 +1,162 @@
+"""Typed TOML config: every rule raises ConfigError naming file, dotted key and value."""
+
+from pathlib import Path
+
+import pytest
+
+from recsys.config import ConfigError, JobConfig, load_config, to_toml
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_load() -> None:
+    cfg = load_config(None)
+    assert isinstance(cfg, JobConfig)
+    assert cfg.ps.num_shards == 1 and cfg.data.batch_size == 4096
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.ps.tables, f"{path.name} defines no tables"
+    assert cfg.data.sparse_columns
+
+
+def test_configs_dir_is_not_empty() -> None:
+    assert len(list((ROOT / "configs").glob("*.toml"))) >= 1
+
+
+def test_values_are_read(tmp_path: Path) -> None:
+    p = write(tmp_path, """
+[data]
+batch_size = 128
+sparse_columns = ["a", "b"]
+weight_columns = {b = "b_w"}
+[ps]
+num_shards = 3
+[[ps.tables]]
+name = "a"
+dim = 8
+optimizer = "adam"
+[model]
+bottom_mlp = [16, 8]
+""")
+    cfg = load_config(p)
+    assert cfg.data.batch_size == 128
+    assert cfg.data.sparse_columns == ("a", "b")
+    assert cfg.data.weight_columns == {"b": "b_w"}
+    assert cfg.ps.num_shards == 3
+    assert cfg.ps.tables[0].optimizer == "adam" and cfg.ps.tables[0].dim == 8
+    assert cfg.model.bottom_mlp == (16, 8)
+
+
+def test_unknown_key_names_file_dotted_key_and_valid_keys(tmp_path: Path) -> None:
+    p = write(tmp_path, "[ps]\nnum_shard = 2\n")
+    with pytest.raises(ConfigError, match=r"job\.toml: unknown key 'ps\.num_shard'; valid: num_shards, "):
+        load_config(p)
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer'; valid: data, ps, model, train"):
+        load_config(write(tmp_path, "[trainer]\nx = 1\n"))
+
+
+def test_unknown_key_in_array_of_tables(tmp_path: Path) -> None:
+    p = write(tmp_path, '[[ps.tables]]\nname = "a"\ndim = 4\nlearning_rate = 0.1\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'ps\.tables\[0\]\.learning_rate'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('[data]\nbatch_size = "big"\n', r"data\.batch_size must be an integer, got 'big'"),
+        ("[data]\nbatch_size = 1.5\n", r"data\.batch_size must be an integer, got 1\.5"),
+        ("[data]\nshuffle = 1\n", r"data\.shuffle must be true or false, got 1"),
+        ("[data]\nsparse_columns = \"a\"\n", r"data\.sparse_columns must be a list, got 'a'"),
+        ("[data]\nsparse_columns = [1]\n", r"data\.sparse_columns\[0\] must be a string, got 1"),
+        ("[train]\ndense_lr = \"x\"\n", r"train\.dense_lr must be a number"),
+        ("[ps]\ntables = 3\n", r"ps\.tables must be a list, got 3"),
+    ],
+)
+def test_wrong_type(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))
+
+
+def test_bad_choice_names_key_value_and_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"ps\.mode must be one of 'sync', 'async', got 'fast'"):
+        load_config(write(tmp_path, '[ps]\nmode = "fast"\n'))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[ps]\nnum_shards = 0\n", r"job\.toml: ps\.num_shards must be >= 1, got 0"),
+        ("[data]\nbatch_size = 0\n", r"data\.batch_size must be >= 1, got 0"),
+        ('[[ps.tables]]\nname = "t"\ndim = 0\n', r"ps\.tables\[t\]\.dim must be >= 1, got 0"),
+        ('[[ps.tables]]\nname = "t"\ndim = 4\nkind = "hashed"\n', r"num_embeddings must be >= 1"),
+        ("[train]\nnum_trainers = 0\n", r"train\.num_trainers must be >= 1, got 0"),
+        ("[model]\ndropout = 1.5\n", r"model\.dropout must be in \[0, 1\), got 1\.5"),
+    ],
+)
+def test_range_errors(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_required_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"ps\.tables\[0\].*dim"):
+        load_config(write(tmp_path, '[[ps.tables]]\nname = "t"\n'))
+
+
+def test_cross_section_rule(tmp_path: Path) -> None:
+    text = '[[ps.tables]]\nname = "t"\ndim = 4\n[model]\nfeature_tables = {f = "nope"}\n'
+    with pytest.raises(ConfigError, match=r"model\.feature_tables\.f = 'nope' is not a table"):
+        load_config(write(tmp_path, text))
+
+
+def test_overrides_go_through_validation(tmp_path: Path) -> None:
+    p = write(tmp_path, "[ps]\nnum_shards = 2\n")
+    cfg = load_config(p, ["ps.num_shards=4", "model.arch=dcn", "data.sparse_columns=['x','y']",
+                          "train.dense_lr=0.05"])
+    assert cfg.ps.num_shards == 4 and cfg.model.arch == "dcn"
+    assert cfg.data.sparse_columns == ("x", "y") and cfg.train.dense_lr == 0.05
+    with pytest.raises(ConfigError, match=r"ps\.num_shards must be >= 1, got 0"):
+        load_config(p, ["ps.num_shards=0"])
+    with pytest.raises(ConfigError, match=r"unknown key 'ps\.num_shard'"):
+        load_config(p, ["ps.num_shard=3"])
+    with pytest.raises(ConfigError, match=r"model\.arch must be one of"):
+        load_config(p, ["model.arch=resnet"])
+    with pytest.raises(ConfigError, match=r"expected section\.key=value"):
+        load_config(p, ["ps.num_shards"])
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.toml: no such config file"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"job\.toml: not valid TOML"):
+        load_config(write(tmp_path, "[ps\n"))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_resolved_toml_round_trips(tmp_path: Path, path: Path) -> None:
+    cfg = load_config(path, ["train.dense_lr=0.002"])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+
+
+def test_print_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from recsys.cli import main
+
+    p = write(tmp_path, "[ps]\nnum_shards = 2\n")
+    assert main(["print-config", "--config", str(p), "--set", "ps.num_shards=5"]) == 0
+    out = capsys.readouterr().out
+    assert "num_shards = 5" in out
+    assert main(["print-config", "--config", str(p), "--set", "ps.bogus=1"]) == 2

@@ -1,0 +1,52 @@
+"""The package layering of ARCHITECTURE.md, read from the imports with ast."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = {
+    "data": {"recsys", "embedding_ps"},
+    "embedding_ps": {"recsys", "data"},
+}
+
+
+def imported_top_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+            "import_module", "__import__"
+        ):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_does_not_import_forbidden_layers(package: str) -> None:
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no python files under {package}/"
+    bad = {
+        str(f.relative_to(ROOT)): sorted(imported_top_modules(f) & FORBIDDEN[package]) for f in files
+    }
+    bad = {f: mods for f, mods in bad.items() if mods}
+    assert not bad, f"forbidden imports (see ARCHITECTURE.md): {bad}"
+
+
+def test_checker_sees_forbidden_imports(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("import recsys.config\nfrom data.batch import Batch\nimportlib.import_module('embedding_ps.x')\n")
+    assert imported_top_modules(src) >= {"recsys", "data", "embedding_ps"}
+
+
+def test_no_pickle_in_packages() -> None:
+    for package in ("data", "embedding_ps", "recsys"):
+        for f in (ROOT / package).rglob("*.py"):
+            mods = imported_top_modules(f)
+            assert not mods & {"pickle", "cloudpickle", "marshal", "dill"}, f"{f} imports a pickler"
