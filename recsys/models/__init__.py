@@ -1,0 +1,60 @@
+"""CTR model architectures (the dense part; sparse rows come from the parameter server).
+
+Every model is called the same way and has a `needs_linear_terms` attribute::
+
+    model = build_model(cfg.model, num_dense=13, num_sparse=26, embedding_dim=16)
+    logits = model(dense, pooled, pooled_linear)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
+    if model.needs_linear_terms: ...               # pull the dim-1 rows of model.linear_feature_tables
+
+One file per architecture: dlrm.py, dcn.py, deepfm.py, wide_deep.py; shared blocks in mlp.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from recsys.config import ModelConfig
+from recsys.models.dcn import DCN, CrossNet
+from recsys.models.deepfm import DeepFM, FactorizationMachine
+from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
+from recsys.models.mlp import MLP, LinearTerms
+from recsys.models.wide_deep import WideDeep
+
+logger = logging.getLogger(__name__)
+
+ARCHS: dict[str, type[nn.Module]] = {"dlrm": DLRM, "dcn": DCN, "deepfm": DeepFM, "wide_deep": WideDeep}
+"""`model.arch` -> model class."""
+
+
+def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> nn.Module:
+    """The dense model of `model_cfg.arch` for Dn dense features and F pooled embeddings of dim D.
+
+    Parameters are drawn from torch's global RNG: call `torch.manual_seed` first for a
+    reproducible init. Raises ValueError when the sizes do not fit the arch, naming the field.
+    """
+    if num_dense < 0:
+        raise ValueError(f"num_dense must be >= 0, got {num_dense}")
+    if num_sparse < 1:
+        raise ValueError(f"model.arch = {model_cfg.arch!r} needs at least one sparse feature, got num_sparse={num_sparse}")
+    if embedding_dim < 1:
+        raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+    cls = ARCHS[model_cfg.arch]   # the config loader already checked the Literal
+    if model_cfg.linear_feature_tables and not cls.needs_linear_terms:
+        # Otherwise the trainer would pull and push dim-1 rows that never reach the loss.
+        users = sorted(name for name, c in ARCHS.items() if c.needs_linear_terms)
+        raise ValueError(f"model.linear_feature_tables is set, but model.arch = {model_cfg.arch!r} has no "
+                         f"first-order terms (only {', '.join(users)} use them)")
+    model = cls(model_cfg, num_dense=num_dense, num_sparse=num_sparse, embedding_dim=embedding_dim)
+    if cls.needs_linear_terms and not model_cfg.linear_feature_tables:
+        logger.info("%s: model.linear_feature_tables is empty, so the sparse first-order terms are left out",
+                    model_cfg.arch)
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("built %s: Dn=%d F=%d D=%d, %d dense parameters", model_cfg.arch, num_dense, num_sparse,
+                embedding_dim, num_params)
+    return model
+
+
+__all__ = ["ARCHS", "build_model", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
+           "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms"]

@@ -1,0 +1,77 @@
+"""DeepFM (Guo et al., 2017): a factorization machine and a DNN share the embeddings.
+
+::
+
+    logit = LinearTerms(dense, pooled_linear)          first order: bias + w.dense + sum of dim-1 rows
+          + FactorizationMachine(pooled)               second order: sum_{i<j} <v_i, v_j>
+          + DNN([dense | flatten(pooled)])             higher order
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recsys.config import ModelConfig
+from recsys.models.mlp import MLP, LinearTerms
+
+
+class FactorizationMachine(nn.Module):
+    """Second-order FM term: the sum of the dot products of every pair of the F embeddings.
+
+    Uses the identity sum_{i<j} <v_i, v_j> = 0.5 * sum_d ((sum_i v_id)^2 - sum_i v_id^2), which
+    costs O(F D) instead of the O(F^2 D) of the pairs. No parameters: the factors v_i are the
+    embeddings themselves.
+
+    Example::
+
+        fm = FactorizationMachine()
+        out = fm(torch.rand(4, 26, 16))   # [4]
+    """
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[B, F, D] -> [B]."""
+        square_of_sum = pooled.sum(dim=1).pow(2)                             # [B, D]
+        sum_of_square = pooled.pow(2).sum(dim=1)                             # [B, D]
+        return 0.5 * (square_of_sum - sum_of_square).sum(dim=1)              # [B]
+
+
+class DeepFM(nn.Module):
+    """DeepFM's dense part: first-order terms + FM + DNN, summed into one logit.
+
+    Args:
+        config: `model.top_mlp` (the DNN's hidden widths), `model.dropout`. `model.bottom_mlp`
+            is not used.
+        num_dense: Dn (0 is allowed).
+        num_sparse: F.
+        embedding_dim: D.
+
+    Example::
+
+        cfg = ModelConfig(arch="deepfm", top_mlp=(64, 32))
+        model = DeepFM(cfg, num_dense=13, num_sparse=26, embedding_dim=16)
+        logits = model(torch.rand(4, 13), torch.rand(4, 26, 16), torch.rand(4, 26))   # [4]
+    """
+
+    needs_linear_terms = True
+    """Reads `pooled_linear` [B, F_lin], the dim-1 rows of `model.linear_feature_tables`."""
+
+    def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.linear = LinearTerms(num_dense)
+        self.fm = FactorizationMachine()
+        self.dnn = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout)
+        self.dnn_out = nn.Linear(self.dnn.out_features, 1)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
+                pooled_linear: torch.Tensor | None = None) -> torch.Tensor:
+        """dense [B, Dn], pooled [B, F, D], pooled_linear [B, F_lin] or None -> logits [B].
+
+        Without `pooled_linear` (no linear tables configured) the sparse first-order terms are
+        left out; the dense ones and the bias remain.
+        """
+        first = self.linear(dense, pooled_linear)                            # [B]
+        second = self.fm(pooled)                                             # [B]
+        x = torch.cat([dense, pooled.flatten(1)], dim=1)                     # [B, Dn + F*D]
+        deep = self.dnn_out(self.dnn(x)).squeeze(1)                          # [B]
+        return first + second + deep                                         # [B]

@@ -1,0 +1,149 @@
+"""DLRM (Naumov et al., 2019), laid out as torchrec's `torchrec/models/dlrm.py`.
+
+::
+
+    dense [B, Dn] --DenseArch (bottom MLP)--> [B, D] ─┐
+    pooled [B, F, D] ─────────────────────────────────┴─> InteractionArch --> [B, D + F(F+1)/2]
+                                                                              --OverArch--> logits [B]
+
+The sparse arch (lookups on the PS and pooling) lives in `recsys.training.sparse_arch`; DLRM gets
+its output `pooled` [B, F, D] and owns only the dense parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recsys.config import ModelConfig
+from recsys.models.mlp import MLP
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP: the dense features become one more D-dim vector beside the F embeddings.
+
+    Args:
+        in_features: number of dense features, Dn.
+        layer_sizes: widths of the bottom MLP; the last one is the embedding dim D.
+        dropout: dropout probability after each ReLU.
+
+    Example::
+
+        arch = DenseArch(13, (64, 16))
+        out = arch(torch.rand(4, 13))   # [4, 16]
+    """
+
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0) -> None:
+        super().__init__()
+        self.mlp = MLP(in_features, layer_sizes, dropout)
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        """[B, Dn] -> [B, D]."""
+        return self.mlp(dense)
+
+
+class InteractionArch(nn.Module):
+    """Pairwise dot products of the F + 1 vectors (bottom output and F embeddings).
+
+    Only the upper triangle without the diagonal is kept: the matrix is symmetric and a vector's
+    dot with itself carries no interaction. The bottom output is concatenated in front, so the
+    dense features also reach the top MLP unmixed.
+
+    Args:
+        num_sparse_features: F.
+
+    Example::
+
+        arch = InteractionArch(num_sparse_features=3)
+        out = arch(torch.rand(4, 16), torch.rand(4, 3, 16))   # [4, 16 + 6]
+    """
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)   # [F(F+1)/2] each
+        # Buffers follow .to(device); not persistent, so they never enter the saved state dict.
+        self.register_buffer("triu_rows", rows, persistent=False)
+        self.register_buffer("triu_cols", cols, persistent=False)
+
+    @property
+    def out_features_extra(self) -> int:
+        """Number of dot products appended after the D bottom features: F(F+1)/2."""
+        return (self.F + 1) * self.F // 2
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """dense [B, D], pooled [B, F, D] -> [B, D + F(F+1)/2]."""
+        combined = torch.cat([dense.unsqueeze(1), pooled], dim=1)            # [B, F+1, D]
+        gram = torch.bmm(combined, combined.transpose(1, 2))                 # [B, F+1, F+1]
+        pairs = gram[:, self.triu_rows, self.triu_cols]                       # [B, F(F+1)/2]
+        return torch.cat([dense, pairs], dim=1)                              # [B, D + F(F+1)/2]
+
+
+class OverArch(nn.Module):
+    """Top MLP, then one linear layer without activation down to the logit.
+
+    Args:
+        in_features: width of the interaction output.
+        layer_sizes: hidden widths of the top MLP (the final width-1 layer is added here).
+        dropout: dropout probability after each hidden ReLU.
+
+    Example::
+
+        arch = OverArch(22, (64, 32))
+        logits = arch(torch.rand(4, 22))   # [4]
+    """
+
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0) -> None:
+        super().__init__()
+        self.mlp = MLP(in_features, layer_sizes, dropout)
+        self.final = nn.Linear(self.mlp.out_features, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Din] -> logits [B]."""
+        return self.final(self.mlp(x)).squeeze(1)                            # [B]
+
+
+class DLRM(nn.Module):
+    """The dense part of DLRM: DenseArch, InteractionArch and OverArch put together.
+
+    Args:
+        config: `model.bottom_mlp` (its last width must equal `embedding_dim`), `model.top_mlp`,
+            `model.dropout`.
+        num_dense: Dn, at least 1 (the bottom MLP's output is one of the interacting vectors).
+        num_sparse: F, the number of pooled embeddings per example.
+        embedding_dim: D.
+
+    Example::
+
+        cfg = ModelConfig(arch="dlrm", bottom_mlp=(32, 16), top_mlp=(64, 32))
+        model = DLRM(cfg, num_dense=13, num_sparse=26, embedding_dim=16)
+        logits = model(torch.rand(4, 13), torch.rand(4, 26, 16))   # [4]
+    """
+
+    needs_linear_terms = False
+    """DLRM has no first-order terms: the trainer need not pull dim-1 rows for it."""
+
+    def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
+        super().__init__()
+        if num_dense < 1:
+            raise ValueError(f"dlrm needs at least one dense feature for its bottom MLP, got num_dense={num_dense}")
+        if not config.bottom_mlp or config.bottom_mlp[-1] != embedding_dim:
+            raise ValueError(
+                f"model.bottom_mlp must end in the embedding dim {embedding_dim} (the bottom output is dotted "
+                f"with the embeddings), got {list(config.bottom_mlp)}"
+            )
+        self.dense_arch = DenseArch(num_dense, config.bottom_mlp, config.dropout)
+        self.inter_arch = InteractionArch(num_sparse)
+        self.over_arch = OverArch(embedding_dim + self.inter_arch.out_features_extra, config.top_mlp,
+                                  config.dropout)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
+                pooled_linear: torch.Tensor | None = None) -> torch.Tensor:
+        """dense [B, Dn], pooled [B, F, D] -> logits [B].
+
+        `pooled_linear` is accepted so every arch shares one call; `build_model` refuses linear
+        tables for DLRM, so it is always None here.
+        """
+        x = self.dense_arch(dense)                                           # [B, D]
+        x = self.inter_arch(x, pooled)                                       # [B, D + F(F+1)/2]
+        return self.over_arch(x)                                             # [B]
