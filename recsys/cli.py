@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -48,6 +49,47 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, rows=args.rows)
 
 
+def _cmd_ps(args: argparse.Namespace) -> int:
+    from embedding_ps.server import serve
+
+    cfg = load_config(args.config, args.overrides)
+    if not 0 <= args.shard < cfg.ps.num_shards:
+        raise ConfigError(f"--shard {args.shard} is outside 0..{cfg.ps.num_shards - 1} (ps.num_shards)")
+    serve(cfg.ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from recsys.training.launch import launch_train
+
+    cfg = load_config(args.config, args.overrides)
+    launch_train(cfg)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from recsys.serving.offline import evaluate_run
+
+    metrics = evaluate_run(args.run, args.data, out=args.out)
+    sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from recsys.serving.offline import predict_run
+
+    predict_run(args.run, args.data, args.out)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from recsys.training.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        logger.info("wrote %s", path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -74,6 +116,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-group-rows", type=int, default=131072)
     p.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "gzip", "none"])
     p.set_defaults(func=_cmd_convert_criteo)
+
+    p = sub.add_parser("ps", help="serve one parameter-server shard")
+    _add_config_args(p)
+    p.add_argument("--shard", type=int, required=True, help="shard index in 0..ps.num_shards-1")
+    p.add_argument("--bind", default=None, help="address to bind (default ps.bind, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="TCP port (0: an ephemeral one)")
+    p.add_argument("--ready-file", default=None, help="write the shard's address here once it serves")
+    p.set_defaults(func=_cmd_ps)
+
+    p = sub.add_parser("train", help="train: start the PS shards and trainers on this machine")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a trained run on Parquet data")
+    p.add_argument("--run", required=True, help="run directory written by `recsys train`")
+    p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
+    p.add_argument("--out", default=None, help="metrics JSON (default RUN/eval_metrics.json)")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("predict", help="score Parquet data with a trained run")
+    p.add_argument("--run", required=True, help="run directory written by `recsys train`")
+    p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
+    p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns")
+    p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("plot", help="write PNG curves (loss, AUC, samples/s) of a run")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("demo", help="quickstart: generate data and run the main job")
     p.add_argument("--out", default="demo")

@@ -39,12 +39,15 @@ class ModelConfig:
     """Model architecture."""
     feature_tables: dict[str, str] = field(default_factory=dict)
     """Sparse feature -> PS table name; a feature missing here uses the table of its own name."""
+    linear_feature_tables: dict[str, str] = field(default_factory=dict)
+    """Sparse feature -> dim-1 PS table of first-order (wide / FM linear) terms (wide_deep, deepfm)."""
     table_pooling: dict[str, str] = field(default_factory=dict)
     """PS table name -> `sum` or `mean` (default `sum`)."""
-    bottom_mlp: tuple[int, ...] = (64, 32)
-    """Hidden sizes of the bottom (dense-feature) MLP; its output width must equal the embedding dim."""
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    """DLRM only: every layer width of the bottom (dense-feature) MLP; the last must equal the tables' dim."""
     top_mlp: tuple[int, ...] = (64, 32)
-    """Hidden sizes of the top MLP before the final logit."""
+    """Hidden widths of the top MLP (DLRM) or of the deep tower (DCN, DeepFM, Wide&Deep); the final
+    layer down to one logit is added."""
     num_cross_layers: int = 3
     """DCN-v2: cross layers."""
     dcn_structure: Literal["stacked", "parallel"] = "stacked"
@@ -109,6 +112,8 @@ class TrainConfig:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.dense_lr <= 0:
             raise ValueError(f"train.dense_lr must be > 0, got {self.dense_lr}")
+        if self.lr_decay != "none" and self.max_steps == 0:
+            raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,13 +130,31 @@ class JobConfig:
     """Training loop and launcher."""
 
     def __post_init__(self) -> None:
-        tables = {t.name for t in self.ps.tables}
-        for feature, table in self.model.feature_tables.items():
-            if tables and table not in tables:
-                raise ValueError(
-                    f"model.feature_tables.{feature} = {table!r} is not a table in ps.tables "
-                    f"({sorted(tables)})"
-                )
+        tables = {t.name: t for t in self.ps.tables}
+        for key in ("feature_tables", "linear_feature_tables"):
+            for feature, table in getattr(self.model, key).items():
+                if tables and table not in tables:
+                    raise ValueError(
+                        f"model.{key}.{feature} = {table!r} is not a table in ps.tables ({sorted(tables)})"
+                    )
+                if key == "linear_feature_tables" and table in tables and tables[table].dim != 1:
+                    raise ValueError(f"model.linear_feature_tables.{feature}: table {table!r} must have "
+                                     f"dim 1, got {tables[table].dim}")
+        dims = {tables[t].dim for f in self.data.sparse_columns
+                if (t := self.model.feature_tables.get(f, f)) in tables}
+        if len(dims) > 1:
+            raise ValueError(f"the tables read by data.sparse_columns must share one dim, got {sorted(dims)}")
+        if self.model.arch == "dlrm" and dims and self.model.bottom_mlp[-1] != next(iter(dims)):
+            raise ValueError(f"model.bottom_mlp must end in the tables' dim {next(iter(dims))} for dlrm, "
+                             f"got {list(self.model.bottom_mlp)}")
+        if self.model.linear_feature_tables and self.model.arch not in ("deepfm", "wide_deep"):
+            raise ValueError(f"model.linear_feature_tables is only used by deepfm and wide_deep, "
+                             f"not {self.model.arch!r}")
+        for column in self.data.weight_columns:
+            table = self.model.feature_tables.get(column, column)
+            if self.model.table_pooling.get(table, "sum") != "sum":
+                raise ValueError(f"data.weight_columns.{column}: per-id weights need sum pooling, but "
+                                 f"model.table_pooling.{table} = {self.model.table_pooling[table]!r}")
 
 
 # ---------------------------------------------------------------------------------------------

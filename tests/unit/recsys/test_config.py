@@ -160,3 +160,24 @@ def test_print_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "num_shards = 5" in out
     assert main(["print-config", "--config", str(p), "--set", "ps.bogus=1"]) == 2
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('[data]\nsparse_columns = ["a", "b"]\n[[ps.tables]]\nname = "a"\ndim = 8\n[[ps.tables]]\nname = "b"\ndim = 4\n',
+         r"must share one dim, got \[4, 8\]"),
+        ('[data]\nsparse_columns = ["a"]\n[[ps.tables]]\nname = "a"\ndim = 8\n[model]\nbottom_mlp = [16, 4]\n',
+         r"model\.bottom_mlp must end in the tables' dim 8 for dlrm, got \[16, 4\]"),
+        ('[data]\nsparse_columns = ["a"]\n[[ps.tables]]\nname = "a"\ndim = 16\n[[ps.tables]]\nname = "a1"\ndim = 1\n'
+         '[model]\nlinear_feature_tables = {a = "a1"}\n', r"only used by deepfm and wide_deep, not 'dlrm'"),
+        ('[data]\nsparse_columns = ["a"]\n[[ps.tables]]\nname = "a"\ndim = 16\n[[ps.tables]]\nname = "a1"\ndim = 2\n'
+         '[model]\narch = "deepfm"\nlinear_feature_tables = {a = "a1"}\n', r"table 'a1' must have dim 1, got 2"),
+        ('[data]\nsparse_columns = ["a"]\nweight_columns = {a = "w"}\n[[ps.tables]]\nname = "a"\ndim = 16\n'
+         '[model]\ntable_pooling = {a = "mean"}\n', r"per-id weights need sum pooling"),
+        ('[train]\nlr_decay = "cosine"\n', r"train\.lr_decay = 'cosine' needs train\.max_steps > 0"),
+    ],
+)
+def test_cross_section_rules(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))
