@@ -1,0 +1,505 @@
+"""One PS shard process: a ZeroMQ ROUTER socket in front of a `ShardState`.
+
+    python -m embedding_ps.server --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
+
+The server only decodes requests and encodes replies (wire format: `embedding_ps.protocol`); rows,
+optimizer state and save/load live in `embedding_ps.shard.ShardState`. It is one thread and never
+blocks: a request that must wait (a sync-mode pull for a step whose predecessor is not applied yet)
+is parked and answered when a later barrier unblocks it. Every request is validated and a bad one
+gets an error reply; the loop never dies on input.
+
+Sync contract (ps.mode = "sync", W = ps.num_workers), per worker and step t = 0, 1, 2, ...::
+
+    pull(table, ids, step=t)          waits on each shard until no step < t is still pending there
+    push(table, ids, grads, step=t)   buffered per step; any number, every table; all acknowledged
+    barrier(t)                        "worker w is done with step t", sent to every shard
+
+When all W workers have sent barrier(t), each shard concatenates step t's buffered pushes of each
+table (in worker order, then arrival order) and calls `state.push` once per table: the step's
+gradients are summed and applied once, exactly as one process pushing the concatenation. A push or
+barrier for a step the shard already applied is refused (STALE_STEP). Steps need not be contiguous
+(a resumed job may start at step 1000), but they are applied in increasing order.
+
+Async mode: each push is applied on arrival. If the workers also send barrier(t), a pull for step s
+waits while s is more than ps.max_staleness steps ahead of the slowest worker's last barrier + 1.
+
+Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
+(client, request id) pairs and answers a retried request from that cache without applying it twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import tomllib
+import typing
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import zmq
+
+from embedding_ps import protocol as P
+from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
+from embedding_ps.config import PSConfig, TableConfig
+
+logger = logging.getLogger(__name__)
+
+REPLAY_ENTRIES = 16384
+"""Replies of non-idempotent requests remembered for retries (each ~100 bytes)."""
+POLL_MS = 200
+"""The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
+
+DEFERRED = object()
+"""What `ShardServer.handle` returns for a request parked until a later barrier."""
+StateFactory = Callable[[PSConfig, int], Any]
+
+
+class PSConfigError(ValueError):
+    """The `[ps]` section of a job config is wrong; the message names the file, key and value."""
+
+
+# ---------------------------------------------------------------------------------------------
+# sync mode: per-step buffers
+
+
+@dataclass
+class _Step:
+    pushes: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)
+
+
+class StepBuffer:
+    """Sync mode: each step's pushes, held until all `num_workers` workers sent its barrier."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.steps: dict[int, _Step] = {}
+        self.last_applied = -1
+
+    def pending_before(self, step: int) -> bool:
+        """True while a step < `step` has pushes or barriers not applied yet."""
+        return any(t < step for t in self.steps)
+
+    def _open(self, step: int, what: str) -> _Step:
+        if step <= self.last_applied:
+            raise P.ProtocolError(f"{what} for step {step}, but step {self.last_applied} is already "
+                                  f"applied", P.Status.STALE_STEP)
+        return self.steps.setdefault(step, _Step())
+
+    def add_push(self, step: int, worker: int, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Buffer ids [N] and grads float32 [N, D] of one push."""
+        self._open(step, f"push of worker {worker}").pushes.setdefault(table, []).append((worker, ids, grads))
+
+    def arrive(self, step: int, worker: int) -> None:
+        self._open(step, f"barrier of worker {worker}").arrived.add(worker)
+
+    def pop_ready(self) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The lowest step if every worker arrived: (step, {table: (ids [M], grads [M, D])})."""
+        if not self.steps:
+            return None
+        step = min(self.steps)
+        if len(self.steps[step].arrived) < self.num_workers:
+            return None
+        entry = self.steps.pop(step)
+        self.last_applied = step
+        merged = {}
+        for table, parts in entry.pushes.items():
+            parts = sorted(parts, key=lambda p: p[0])      # worker order; stable: arrival within one
+            merged[table] = (torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
+        return step, merged
+
+
+# ---------------------------------------------------------------------------------------------
+# the shard server
+
+
+class ShardServer:
+    """Decodes requests for one shard, calls its `state`, encodes replies. No sockets here."""
+
+    def __init__(self, config: PSConfig, shard_index: int, state: Any, token: bytes | None = None) -> None:
+        self.config, self.shard, self.state, self.token = config, shard_index, state, token
+        self.sync = StepBuffer(config.num_workers) if config.mode == "sync" else None
+        self.progress = [-1] * config.num_workers      # async: last barrier step of each worker
+        self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
+        self.counts: dict[str, int] = {op.name.lower(): 0 for op in P.Op}
+        self.errors = 0
+        self.stopping = False
+        self._handlers = {P.Op.PULL: self._pull, P.Op.PUSH: self._push, P.Op.BARRIER: self._barrier,
+                          P.Op.STATS: self._stats, P.Op.HEALTH: self._health, P.Op.SAVE: self._save,
+                          P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep}
+
+    @property
+    def name(self) -> str:
+        return f"ps shard {self.shard}"
+
+    def handle(self, frames: list) -> Any:
+        """Reply frames for request `frames` (zmq.Frame or bytes), or DEFERRED. Never raises."""
+        header = None
+        try:
+            if len(frames) < 2:
+                raise P.ProtocolError(f"a request needs >= 2 frames (header, auth), got {len(frames)}")
+            header = P.unpack_header(_buf(frames[0]))
+            op = P.check_request(header, len(frames))
+            if self.token is not None and not token_matches(self.token, _buf(frames[1])):
+                raise P.ProtocolError("authentication failed: wrong or missing token", P.Status.UNAUTHORIZED)
+            key = (header.client, header.request)
+            if op in (P.Op.PUSH, P.Op.BARRIER) and key in self.replay:
+                logger.info("%s: replayed reply of retried %s request %d", self.name, op.name, header.request)
+                return self.replay[key]
+            reply = self._handlers[op](header, [_buf(f) for f in frames[2:]])
+            if reply is not DEFERRED:
+                self.counts[op.name.lower()] += 1
+                if op in (P.Op.PUSH, P.Op.BARRIER):
+                    self._remember(key, reply)
+            return reply
+        except P.ProtocolError as e:
+            return self._error(header, frames, e.status, str(e))
+        except Exception as e:  # the state failed on a valid request: report it, keep serving
+            logger.exception("%s: %s failed", self.name, "request" if header is None else P.Op(header.op).name)
+            return self._error(header, frames, P.Status.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _error(self, header: P.Header | None, frames: list, status: P.Status, message: str) -> list:
+        self.errors += 1
+        text = f"{self.name}: {message}"
+        logger.warning("%s", text)
+        if header is None:
+            client, request = P.peek_ids(_buf(frames[0])) if frames else (0, 0)
+            header = P.Header(op=0, client=client, request=request)
+        return [header.reply(status, dtype=P.DType.BYTES, count=0, dim=0).pack(), P.text_frame(text)]
+
+    def _remember(self, key: tuple[int, int], reply: list) -> None:
+        self.replay[key] = reply
+        if len(self.replay) > REPLAY_ENTRIES:
+            self.replay.popitem(last=False)
+
+    # -- validation helpers -------------------------------------------------------------------
+
+    def _table(self, h: P.Header) -> TableConfig:
+        if h.table >= len(self.config.tables):
+            raise P.ProtocolError(f"{P.Op(h.op).name}: unknown table {h.table} (this job has "
+                                  f"{len(self.config.tables)} tables)", P.Status.BAD_VALUE)
+        table = self.config.tables[h.table]
+        if h.dim != table.dim:
+            raise P.ProtocolError(f"{P.Op(h.op).name}: table {h.table} ({table.name}) has dim {table.dim}, "
+                                  f"request says {h.dim}", P.Status.BAD_VALUE)
+        return table
+
+    def _worker(self, h: P.Header) -> None:
+        if h.worker >= self.config.num_workers:
+            raise P.ProtocolError(f"{P.Op(h.op).name}: worker {h.worker} is outside 0.."
+                                  f"{self.config.num_workers - 1} (ps.num_workers)", P.Status.BAD_VALUE)
+
+    def _ids(self, h: P.Header, buf: memoryview) -> torch.Tensor:
+        P.expect_bytes(f"{P.Op(h.op).name} ids", len(buf), h.count, 8, self.config.max_frame_bytes)
+        return P.frame_tensor(buf, P.DType.INT64, h.count)
+
+    def _must_wait(self, step: int) -> bool:
+        if self.sync is not None:
+            return self.sync.pending_before(step)
+        slowest_next = min(self.progress) + 1
+        return step - slowest_next > self.config.max_staleness
+
+    def _path(self, h: P.Header, payload: list) -> str:
+        P.expect_bytes(f"{P.Op(h.op).name} path", len(payload[0]), h.count, 1, 1 << 16)
+        path = P.frame_text(payload[0], f"{P.Op(h.op).name} path")
+        if not path:
+            raise P.ProtocolError(f"{P.Op(h.op).name}: empty directory", P.Status.BAD_VALUE)
+        return path
+
+    def _json(self, h: P.Header, obj: Any) -> list:
+        body = json.dumps(_jsonable(obj)).encode()
+        return [h.reply(dtype=P.DType.BYTES, count=len(body), dim=0).pack(), body]
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def _pull(self, h: P.Header, payload: list) -> Any:
+        table = self._table(h)
+        dtype = P.row_dtype(h.dtype, "PULL reply")
+        ids = self._ids(h, payload[0])
+        reply_bytes = h.count * table.dim * P.ITEM_SIZE[dtype]
+        if reply_bytes > self.config.max_frame_bytes:
+            raise P.ProtocolError(f"PULL of {h.count} rows of dim {table.dim} = {reply_bytes} bytes exceeds "
+                                  f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
+        if self._must_wait(h.step):
+            return DEFERRED
+        rows = self.state.pull(h.table, ids, h.step)                     # float32 [N, D]
+        return [h.reply().pack(), P.tensor_frame(P.to_wire(rows, dtype))]
+
+    def _push(self, h: P.Header, payload: list) -> list:
+        table = self._table(h)
+        dtype = P.row_dtype(h.dtype, "PUSH grads")
+        ids = self._ids(h, payload[0])
+        P.expect_bytes("PUSH grads", len(payload[1]), h.count * table.dim, P.ITEM_SIZE[dtype],
+                       self.config.max_frame_bytes)
+        grads = P.frame_tensor(payload[1], dtype, h.count, table.dim).float()   # [N, D]
+        if self.sync is not None:
+            self._worker(h)
+            self.sync.add_push(h.step, h.worker, h.table, ids, grads)
+        else:
+            self.state.push(h.table, ids, grads, h.step)
+        return [h.reply().pack()]
+
+    def _barrier(self, h: P.Header, payload: list) -> list:
+        self._worker(h)
+        if self.sync is None:
+            self.progress[h.worker] = max(self.progress[h.worker], h.step)
+            return [h.reply().pack()]
+        self.sync.arrive(h.step, h.worker)
+        while (ready := self.sync.pop_ready()) is not None:
+            step, merged = ready
+            for table, (ids, grads) in sorted(merged.items()):
+                self.state.push(table, ids, grads, step)
+            logger.debug("%s: applied step %d (%d tables)", self.name, step, len(merged))
+        return [h.reply().pack()]
+
+    def _stats(self, h: P.Header, payload: list) -> list:
+        info = {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
+                "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
+                "state": self.state.stats()}
+        if self.sync is not None:
+            info["last_applied_step"] = self.sync.last_applied
+            info["pending_steps"] = sorted(self.sync.steps)
+        return self._json(h, info)
+
+    def _health(self, h: P.Header, payload: list) -> list:
+        return self._json(h, {"shard": self.shard, "ok": True, "pid": os.getpid(), "mode": self.config.mode,
+                              "last_applied_step": self.sync.last_applied if self.sync else None})
+
+    def _save(self, h: P.Header, payload: list) -> Any:
+        path = self._path(h, payload)
+        if self._must_wait(h.step):
+            return DEFERRED
+        self.state.save(path)
+        logger.info("%s: saved to %s", self.name, path)
+        return self._json(h, {"shard": self.shard, "directory": path})
+
+    def _load(self, h: P.Header, payload: list) -> list:
+        path = self._path(h, payload)
+        self.state.load(path)
+        logger.info("%s: loaded from %s", self.name, path)
+        return self._json(h, {"shard": self.shard, "directory": path})
+
+    def _sweep(self, h: P.Header, payload: list) -> list:
+        return self._json(h, self.state.sweep(h.step))
+
+    def _shutdown(self, h: P.Header, payload: list) -> list:
+        logger.info("%s: shutdown requested by worker %d", self.name, h.worker)
+        self.stopping = True
+        return [h.reply().pack()]
+
+
+def _buf(frame: Any) -> memoryview:
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "item"):        # numpy scalars
+        return obj.item()
+    return str(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# the socket loop
+
+
+def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> None:
+    """Serve until a SHUTDOWN request or `stop` is set. Parked requests are retried after barriers."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    deferred: list[list] = []
+    while not (server.stopping or stop.is_set()):
+        if not poller.poll(POLL_MS):
+            continue
+        while not server.stopping:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            reply = server.handle(msg[1:])
+            if reply is DEFERRED:
+                deferred.append(msg)
+                continue
+            sock.send_multipart([msg[0], *reply], copy=False)
+            if deferred and _op_of(msg) == P.Op.BARRIER:
+                deferred = _retry(server, sock, deferred)
+
+
+def _op_of(msg: list) -> int:
+    buf = _buf(msg[1]) if len(msg) > 1 else b""
+    return buf[6] if len(buf) == P.HEADER_SIZE else -1
+
+
+def _retry(server: ShardServer, sock: zmq.Socket, deferred: list[list]) -> list[list]:
+    still = []
+    for msg in deferred:
+        reply = server.handle(msg[1:])
+        if reply is DEFERRED:
+            still.append(msg)
+        else:
+            sock.send_multipart([msg[0], *reply], copy=False)
+    return still
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port or '*'}" if ":" in host else f"tcp://{host}:{port or '*'}"
+
+
+def _advertised(endpoint: str, host: str) -> str:
+    """The address clients use: a wildcard bind is advertised under this machine's name."""
+    if host in ("0.0.0.0", "*", "::"):
+        return f"tcp://{socket.getfqdn()}:{endpoint.rsplit(':', 1)[1]}"
+    return endpoint
+
+
+def _write_ready(path: str, address: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)
+
+
+def _default_state(config: PSConfig, shard_index: int) -> Any:
+    from embedding_ps.shard import ShardState
+
+    return ShardState(config, shard_index)
+
+
+def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: int = 0,
+          ready_file: str | None = None, state_factory: StateFactory | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Serve shard `shard_index` of every table until SHUTDOWN, SIGTERM or `stop` is set.
+
+    bind: host to bind (default ps.bind); a non-loopback host needs ps.auth (AuthConfigError,
+    raised before anything is bound). port 0: an ephemeral port. The address clients should use is
+    logged and written to `ready_file` (atomically) once the shard serves.
+    state_factory(config, shard_index) builds the shard state (default: ShardState).
+    """
+    if not 0 <= shard_index < config.num_shards:
+        raise ValueError(f"shard index {shard_index} is outside 0..{config.num_shards - 1} (ps.num_shards)")
+    host = bind or config.bind
+    check_bind_auth(config, host, shard_index)
+    token = load_token(config) if config.auth == "token" else None
+    state = (state_factory or _default_state)(config, shard_index)
+    server = ShardServer(config, shard_index, state, token)
+    stop = stop or threading.Event()
+    ctx = zmq.Context()
+    authenticator = None
+    sock = ctx.socket(zmq.ROUTER)
+    old_handler = None
+    try:
+        sock.linger = 1000
+        sock.maxmsgsize = config.max_frame_bytes + P.HEADER_SIZE
+        sock.ipv6 = ":" in host
+        if config.auth == "curve":
+            authenticator = setup_server_curve(ctx, sock, config)
+        sock.bind(_endpoint(host, port))
+        address = _advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), host)
+        if threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        logger.info("ps shard %d/%d serving at %s (%s mode, %d tables, auth %s, pid %d)", shard_index,
+                    config.num_shards, address, config.mode, len(config.tables), config.auth, os.getpid())
+        if ready_file:
+            _write_ready(ready_file, address)
+        run_loop(server, sock, stop)
+        logger.info("ps shard %d stopping", shard_index)
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+        sock.close()
+        if authenticator is not None:
+            authenticator.stop()
+        ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------
+# `[ps]` of a job config (embedding_ps cannot use recsys.config's loader)
+
+
+def load_ps_config(path: str | os.PathLike) -> PSConfig:
+    """PSConfig from the `[ps]` section of TOML file `path`; other sections are ignored.
+
+    Raises PSConfigError for an unknown key (naming the valid ones), a wrong type or choice.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise PSConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise PSConfigError(f"{path}: not valid TOML: {e}") from None
+    return _build(PSConfig, raw.get("ps", {}), f"{path}", "ps")
+
+
+def _build(cls: type, raw: Any, source: str, key: str) -> Any:
+    if not isinstance(raw, dict):
+        raise PSConfigError(f"{source}: '{key}' must be a table, got {type(raw).__name__}")
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise PSConfigError(f"{source}: unknown key '{key}.{unknown[0]}'; valid: {', '.join(names)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _value(hints[k], v, source, f"{key}.{k}") for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise PSConfigError(f"{source}: {e}") from None
+
+
+def _value(tp: Any, v: Any, source: str, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if v not in args:
+            raise PSConfigError(f"{source}: {key} must be one of {', '.join(map(repr, args))}, got {v!r}")
+        return v
+    if origin is tuple:
+        if not isinstance(v, list):
+            raise PSConfigError(f"{source}: {key} must be a list, got {v!r}")
+        if is_dataclass(args[0]):
+            return tuple(_build(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v))
+        return tuple(_value(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v))
+    ok = {bool: lambda x: isinstance(x, bool),
+          int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+          str: lambda x: isinstance(x, str)}
+    if tp not in ok:
+        raise PSConfigError(f"{source}: {key}: unsupported config type {tp!r}")
+    if not ok[tp](v):
+        raise PSConfigError(f"{source}: {key} must be {tp.__name__}, got {v!r}")
+    return float(v) if tp is float else v
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m embedding_ps.server", description="serve one PS shard")
+    parser.add_argument("--config", required=True, help="job config (TOML); its [ps] section is read")
+    parser.add_argument("--shard", type=int, required=True, help="shard index in 0..ps.num_shards-1")
+    parser.add_argument("--bind", default=None, help="address to bind (default ps.bind)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (0: an ephemeral one)")
+    parser.add_argument("--ready-file", default=None, help="write the shard's address here once it serves")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s ps{args.shard}: %(message)s")
+    serve(load_ps_config(Path(args.config)), args.shard, bind=args.bind, port=args.port,
+          ready_file=args.ready_file)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

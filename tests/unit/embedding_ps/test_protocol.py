@@ -1,0 +1,292 @@
+"""Wire format, request validation, replay cache and sync-mode buffering, without sockets.
+
+`ShardServer.handle(frames)` is the whole request path minus the socket, so malformed frames
+are fed to it directly here; tests/integration/test_ps_protocol.py sends the same through a
+real DEALER socket to a shard process.
+"""
+
+import ast
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from embedding_ps import protocol as P
+from embedding_ps.auth import AuthConfigError, check_bind_auth, is_loopback
+from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.server import DEFERRED, PSConfigError, ShardServer, StepBuffer, load_ps_config
+
+ROOT = Path(__file__).resolve().parents[3]
+D = 4
+
+
+class DictState:
+    """Stand-in ShardState: rows from (table, id), plain SGD with lr 1, records calls."""
+
+    def __init__(self, config: PSConfig, shard: int = 0) -> None:
+        self.config = config
+        self.rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.pushes: list[tuple[int, list[int], torch.Tensor, int]] = []
+
+    def _row(self, t: int, i: int) -> torch.Tensor:
+        dim = self.config.tables[t].dim
+        return self.rows.setdefault((t, i), torch.arange(dim, dtype=torch.float32) + 10 * i + 1000 * t)
+
+    def pull(self, table, ids, step):
+        dim = self.config.tables[table].dim
+        return torch.stack([self._row(table, i) for i in ids.tolist()]) if ids.numel() else torch.empty(0, dim)
+
+    def push(self, table, ids, grads, step):
+        self.pushes.append((table, ids.tolist(), grads.clone(), step))
+        for i, g in zip(ids.tolist(), grads):
+            self.rows[(table, i)] = self._row(table, i) - g
+
+    def stats(self):
+        return {"rows": len(self.rows)}
+
+    def sweep(self, step):
+        return {"dropped": 0, "step": step}
+
+    def save(self, directory):
+        self.saved = directory
+
+    def load(self, directory):
+        self.loaded = directory
+
+
+def make(mode="async", workers=1, token=None, **kw) -> tuple[ShardServer, DictState]:
+    cfg = PSConfig(mode=mode, num_workers=workers, tables=(TableConfig(name="a", dim=D),
+                                                           TableConfig(name="b", dim=2)), **kw)
+    state = DictState(cfg)
+    return ShardServer(cfg, 0, state, token), state
+
+
+def pull_req(ids, table=0, dim=D, step=0, request=1, dtype=P.DType.FP32, auth=b""):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    h = P.Header(op=P.Op.PULL, table=table, dtype=dtype, count=ids.numel(), dim=dim, step=step,
+                 client=7, request=request)
+    return [h.pack(), auth, ids.numpy().tobytes()]
+
+
+def push_req(ids, grads, table=0, step=0, worker=0, request=1, dtype=P.DType.FP32):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    g = P.tensor_frame(grads.to(P.TORCH_DTYPES[dtype]))
+    h = P.Header(op=P.Op.PUSH, table=table, dtype=dtype, count=ids.numel(), dim=grads.shape[1], step=step,
+                 worker=worker, client=7, request=request)
+    return [h.pack(), b"", ids.numpy().tobytes(), bytes(g)]
+
+
+def barrier_req(step, worker, request):
+    return [P.Header(op=P.Op.BARRIER, step=step, worker=worker, client=7, request=request).pack(), b""]
+
+
+def status_of(reply) -> tuple[int, str]:
+    h = P.unpack_header(reply[0])
+    return h.status, bytes(reply[1]).decode() if h.status else ""
+
+
+def rows_of(reply, count, dim=D) -> torch.Tensor:
+    h = P.unpack_header(reply[0])
+    assert h.status == P.Status.OK, bytes(reply[1])
+    return P.frame_tensor(bytearray(reply[1]), P.DType(h.dtype), count, dim).float()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_header_round_trip_and_size():
+    h = P.Header(op=P.Op.PUSH, table=3, dtype=P.DType.BF16, count=2**40, dim=64, step=-5, worker=9,
+                 client=2**64 - 1, request=12345, status=P.Status.BAD_VALUE, flags=1)
+    b = h.pack()
+    assert len(b) == P.HEADER_SIZE == 60
+    assert P.unpack_header(b) == h
+    assert b[:4] == b"EPS1"
+
+
+@pytest.mark.parametrize("dtype", [P.DType.FP32, P.DType.FP16, P.DType.BF16, P.DType.INT64])
+def test_tensor_frames_round_trip(dtype):
+    t = (torch.randn(5, 3) * 100).to(P.TORCH_DTYPES[dtype])
+    buf = bytearray(P.tensor_frame(t))
+    assert len(buf) == t.numel() * P.ITEM_SIZE[dtype]
+    assert torch.equal(P.frame_tensor(buf, dtype, 5, 3), t)
+
+
+def test_header_errors():
+    good = P.Header(op=P.Op.PULL).pack()
+    with pytest.raises(P.ProtocolError, match="60 bytes, got 59"):
+        P.unpack_header(good[:-1])
+    with pytest.raises(P.ProtocolError, match="bad magic"):
+        P.unpack_header(b"XXXX" + good[4:])
+    with pytest.raises(P.ProtocolError, match="version 9 not supported"):
+        P.unpack_header(good[:4] + struct.pack("<H", 9) + good[6:])
+
+
+def test_pull_returns_rows_in_order_with_duplicates():
+    server, state = make()
+    rows = rows_of(server.handle(pull_req([5, 1, 5])), 3)
+    assert torch.equal(rows, torch.stack([state._row(0, 5), state._row(0, 1), state._row(0, 5)]))
+
+
+@pytest.mark.parametrize("wire", [P.DType.FP16, P.DType.BF16])
+def test_pull_and_push_in_half_precision(wire):
+    server, state = make()
+    rows = rows_of(server.handle(pull_req([2, 3], dtype=wire)), 2)
+    assert torch.equal(rows, state.pull(0, torch.tensor([2, 3]), 0).to(P.TORCH_DTYPES[wire]).float())
+    g = torch.full((1, D), 0.5)
+    assert status_of(server.handle(push_req([2], g, dtype=wire)))[0] == P.Status.OK
+    assert torch.equal(state.pushes[0][2], g)
+
+
+BAD_CASES = {
+    "one frame": lambda: [P.Header(op=P.Op.PULL).pack()],
+    "truncated header": lambda: [pull_req([1])[0][:30], b"", b""],
+    "wrong magic": lambda: [b"\0\0\0\0" + pull_req([1])[0][4:], b"", bytes(8)],
+    "wrong version": lambda: [pull_req([1])[0][:4] + b"\x02\x00" + pull_req([1])[0][6:], b"", bytes(8)],
+    "unknown op": lambda: [P.Header(op=77).pack(), b""],
+    "missing payload": lambda: pull_req([1, 2])[:2],
+    "extra frame": lambda: pull_req([1]) + [b"x"],
+    "ids size mismatch": lambda: pull_req([1, 2])[:2] + [bytes(12)],
+    "unknown table": lambda: pull_req([1], table=5),
+    "wrong dim": lambda: pull_req([1], dim=D + 1),
+    "bad dtype": lambda: pull_req([1], dtype=P.DType.INT64),
+    "huge count": lambda: [P.Header(op=P.Op.PULL, count=2**60, dim=D, dtype=P.DType.FP32).pack(), b"", bytes(8)],
+    "huge reply": lambda: [P.Header(op=P.Op.PULL, count=2**20, dim=D, dtype=P.DType.FP32).pack(), b"",
+                           bytes(8 * 2**20)],
+    "grads size mismatch": lambda: push_req([1], torch.ones(1, D))[:3] + [bytes(4 * D - 4)],
+    "push to unknown worker": lambda: push_req([1], torch.ones(1, D), worker=3),
+    "save without path": lambda: [P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES).pack(), b"", b""],
+    "path not utf-8": lambda: [P.Header(op=P.Op.LOAD, dtype=P.DType.BYTES, count=2).pack(), b"", b"\xff\xfe"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_request_gets_error_reply_and_server_keeps_serving(case):
+    server, state = make(mode="sync", workers=2, max_frame_bytes=4 * 2**20)
+    status, text = status_of(server.handle(BAD_CASES[case]()))
+    assert status in (P.Status.BAD_FRAME, P.Status.BAD_VALUE), text
+    assert text.startswith("ps shard 0: ")
+    assert state.pushes == [] and server.errors == 1
+    assert rows_of(server.handle(pull_req([1])), 1).shape == (1, D)
+
+
+def test_error_messages_name_the_values():
+    server, _ = make()
+    assert "unknown table 5 (this job has 2 tables)" in status_of(server.handle(pull_req([1], table=5)))[1]
+    assert "has dim 4, request says 7" in status_of(server.handle(pull_req([1], dim=7)))[1]
+    assert "exceeds ps.max_frame_bytes" in status_of(server.handle(BAD_CASES["huge count"]()))[1]
+
+
+def test_state_failure_is_an_internal_error_not_a_crash():
+    server, state = make()
+    state.pull = lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire"))
+    status, text = status_of(server.handle(pull_req([1])))
+    assert status == P.Status.INTERNAL and "disk on fire" in text
+
+
+def test_token_auth():
+    server, _ = make(token=b"s" * 20)
+    assert status_of(server.handle(pull_req([1])))[0] == P.Status.UNAUTHORIZED
+    assert status_of(server.handle(pull_req([1], auth=b"s" * 19 + b"t")))[0] == P.Status.UNAUTHORIZED
+    assert rows_of(server.handle(pull_req([1], auth=b"s" * 20)), 1).shape == (1, D)
+
+
+def test_retried_push_is_applied_once():
+    server, state = make()
+    req = push_req([3], torch.ones(1, D), request=41)
+    first, again = server.handle(req), server.handle(req)
+    assert first == again and status_of(first)[0] == P.Status.OK
+    assert len(state.pushes) == 1
+    server.handle(push_req([3], torch.ones(1, D), request=42))
+    assert len(state.pushes) == 2
+
+
+def test_sync_mode_sums_workers_and_defers_next_pull():
+    server, state = make(mode="sync", workers=2)
+    g0, g1 = torch.full((2, D), 1.0), torch.full((1, D), 2.0)
+    server.handle(push_req([1, 2], g0, worker=0, step=0, request=1))
+    server.handle(push_req([2], g1, worker=1, step=0, request=2))
+    server.handle(barrier_req(0, worker=0, request=3))
+    assert state.pushes == []                                        # worker 1 not done yet
+    assert server.handle(pull_req([2], step=1, request=4)) is DEFERRED
+    assert rows_of(server.handle(pull_req([2], step=0, request=5)), 1).shape == (1, D)   # step 0: no wait
+    server.handle(barrier_req(0, worker=1, request=6))
+    assert len(state.pushes) == 1                                    # one push of the concatenation
+    table, ids, grads, step = state.pushes[0]
+    assert (table, ids, step) == (0, [1, 2, 2], 0) and torch.equal(grads, torch.cat([g0, g1]))
+    assert server.handle(pull_req([2], step=1, request=7)) is not DEFERRED
+    stale = server.handle(push_req([1], g1, worker=0, step=0, request=8))
+    assert status_of(stale)[0] == P.Status.STALE_STEP
+
+
+def test_step_buffer_applies_steps_in_order_and_skips_gaps():
+    buf = StepBuffer(num_workers=1)
+    buf.add_push(1000, 0, 0, torch.tensor([1]), torch.ones(1, D))    # a resumed job starts at 1000
+    assert buf.pending_before(1001) and not buf.pending_before(1000)
+    buf.arrive(1000, 0)
+    step, merged = buf.pop_ready()
+    assert step == 1000 and list(merged) == [0] and buf.pop_ready() is None
+    with pytest.raises(P.ProtocolError, match="step 999, but step 1000 is already applied"):
+        buf.arrive(999, 0)
+
+
+def test_async_staleness_bound():
+    server, _ = make(mode="async", workers=2, max_staleness=1)
+    assert server.handle(pull_req([1], step=1, request=1)) is not DEFERRED
+    assert server.handle(pull_req([1], step=2, request=2)) is DEFERRED   # worker 1 has done nothing
+    server.handle(barrier_req(0, worker=0, request=3))
+    server.handle(barrier_req(0, worker=1, request=4))
+    assert server.handle(pull_req([1], step=2, request=5)) is not DEFERRED
+
+
+def test_json_ops():
+    server, _ = make()
+    path = "/some/dir"
+    h = P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES, count=len(path), request=9)
+    reply = server.handle([h.pack(), b"", path.encode()])
+    assert json.loads(bytes(reply[1])) == {"shard": 0, "directory": path}
+    stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
+    assert stats["state"] == {"rows": 0} and stats["requests"]["save"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_no_pickle_or_marshal_in_embedding_ps():
+    banned = {"pickle", "cPickle", "marshal", "cloudpickle", "dill", "shelve"}
+    for f in (ROOT / "embedding_ps").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not {n.split(".")[0] for n in names} & banned, f"{f} imports {names}"
+
+
+@pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("127.3.4.5", True), ("localhost", True),
+                                       ("::1", True), ("0.0.0.0", False), ("*", False),
+                                       ("10.1.2.3", False), ("example.org", False)])
+def test_is_loopback(host, loop):
+    assert is_loopback(host) is loop
+
+
+def test_non_loopback_bind_without_auth_is_refused():
+    with pytest.raises(AuthConfigError, match="refusing to bind '0.0.0.0' without authentication"):
+        check_bind_auth(PSConfig(), "0.0.0.0", 0)
+    check_bind_auth(PSConfig(), "127.0.0.1", 0)
+
+
+def test_load_ps_config(tmp_path):
+    good = tmp_path / "job.toml"
+    good.write_text('[data]\nx = 1\n[ps]\nnum_shards = 2\nmode = "async"\ntimeout_s = 5\n'
+                    '[[ps.tables]]\nname = "t"\ndim = 8\noptimizer = "adam"\n')
+    cfg = load_ps_config(good)
+    assert cfg.num_shards == 2 and cfg.timeout_s == 5.0 and cfg.tables[0].optimizer == "adam"
+    bad = {"[ps]\nnum_shard = 2\n": r"unknown key 'ps.num_shard'; valid: num_shards, addresses",
+           "[ps]\nmode = \"fast\"\n": r"ps.mode must be one of 'sync', 'async', got 'fast'",
+           "[ps]\nretries = \"2\"\n": r"ps.retries must be int, got '2'",
+           "[[ps.tables]]\nname = \"t\"\ndim = 8\ndimm = 3\n": r"unknown key 'ps.tables\[0\].dimm'; valid: name, dim",
+           "[ps]\nnum_shards = 0\n": r"ps.num_shards must be >= 1, got 0"}
+    for text, match in bad.items():
+        good.write_text(text)
+        with pytest.raises(PSConfigError, match=match):
+            load_ps_config(good)
