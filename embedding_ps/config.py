@@ -56,6 +56,12 @@ class TableConfig:
     """Rows unseen for this many steps are dropped at the next sweep (0: never)."""
     max_rows: int = 0
     """Most rows per table per shard; least-frequently-used rows are evicted past it (0: no bound)."""
+    max_pending: int = 1 << 20
+    """Most not-yet-admitted ids whose sightings a shard counts per table (lowest counts dropped past it)."""
+    eviction_log_max: int = 1 << 22
+    """Most (id, step) eviction records kept per table per shard until read and truncated (oldest dropped)."""
+    kernel: Literal["torch", "fbgemm"] = "torch"
+    """Optimizer update path: vectorized torch, or fbgemm's fused CPU TBE backward (sgd/adagrad/rowwise_adagrad)."""
 
     def __post_init__(self) -> None:
         p = f"ps.tables[{self.name}]"
@@ -69,6 +75,13 @@ class TableConfig:
             raise ValueError(f"{p}.lr must be > 0, got {self.lr}")
         if not 0.0 < self.admit_probability <= 1.0:
             raise ValueError(f"{p}.admit_probability must be in (0, 1], got {self.admit_probability}")
+        if self.kernel == "fbgemm" and self.optimizer not in ("sgd", "adagrad", "rowwise_adagrad"):
+            raise ValueError(
+                f"{p}.kernel='fbgemm' supports optimizer sgd, adagrad, rowwise_adagrad; got {self.optimizer!r}"
+            )
+        for key in ("max_pending", "eviction_log_max"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{p}.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("min_count", "ttl_steps", "max_rows"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{p}.{key} must be >= 0, got {getattr(self, key)}")

@@ -1,0 +1,282 @@
+"""A vectorized open-addressing hash map from arbitrary int64 keys to int32 values.
+
+Layout: `keys` int64 [C] and `vals` int32 [C], C a power of two. A bucket is occupied when
+`vals >= 0`; `EMPTY` (-1) ends a probe chain and `TOMBSTONE` (-2) marks a deleted bucket that a
+probe walks past and an insert may reuse. Occupancy lives in `vals`, never in a sentinel key,
+so every 64-bit key (0, negatives, int64 min/max) is storable. 12 bytes per bucket.
+
+Probing is linear from `home = splitmix64(key + GOLDEN) >> (64 - log2 C)`: the top bits of a
+mix different from the shard hash (`shard_of` uses `splitmix64(key)`), so the ids that one shard
+holds still spread over all buckets.
+
+Every operation works on whole batches with numpy: one probe round handles every key still
+searching, and the next round only those that moved on. An insert claims a free bucket by
+scatter-then-verify: all candidates write their key (the last write wins), read it back, and
+the losers probe on. The map grows (rehashes into twice the buckets) when live entries plus
+tombstones pass `max_load`, and rehashes in place when tombstones crowd it.
+
+`BoundedCounter` (at the end) counts sightings of ids that are not admitted yet, with a hard
+bound on how many ids it remembers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY = -1
+TOMBSTONE = -2
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+
+
+def _home(keys: np.ndarray, bits: int) -> np.ndarray:
+    """int64 [N] -> int64 [N] in [0, 2**bits): the first bucket probed for each key."""
+    z = keys.view(np.uint64) + _GOLDEN
+    z ^= z >> np.uint64(30)
+    z *= _C1
+    z ^= z >> np.uint64(27)
+    z *= _C2
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(64 - bits)).view(np.int64)
+
+
+class IdMap:
+    """int64 key -> int32 value (>= 0), for batches of keys.
+
+    Example::
+
+        m = IdMap()
+        m.insert(np.array([7, -1, 2**63 - 1]), np.array([0, 1, 2], dtype=np.int32))
+        m.lookup(np.array([-1, 5]))   # -> array([1, -1], dtype=int32)
+    """
+
+    def __init__(self, capacity: int = 0, max_load: float = 0.7) -> None:
+        if not 0.1 <= max_load <= 0.9:
+            raise ValueError(f"IdMap.max_load must be in [0.1, 0.9], got {max_load}")
+        self.max_load = max_load
+        self._size = 0
+        self._tombs = 0
+        self._alloc(self._buckets_for(capacity))
+
+    # ------------------------------------------------------------------ public API
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def num_buckets(self) -> int:
+        return self._vals.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._vals.nbytes
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """int64 [N] -> int32 [N]: the value of each key, -1 where absent. Duplicates are fine."""
+        return self._find(np.ascontiguousarray(keys, dtype=np.int64), want="val").astype(np.int32, copy=False)
+
+    def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
+        """Insert keys int64 [N] -> vals int32 [N] (>= 0).
+
+        The keys must be distinct and absent from the map (the caller looked them up first);
+        `contains`/`lookup` tell which. Growth happens here, before probing.
+        """
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        vals = np.ascontiguousarray(vals, dtype=np.int32)
+        if keys.shape != vals.shape:
+            raise ValueError(f"IdMap.insert: {keys.shape[0]} keys but {vals.shape[0]} values")
+        n = keys.shape[0]
+        if n == 0:
+            return
+        if self._size + self._tombs + n > self.max_load * self.num_buckets:
+            self._rehash(self._size + n)
+        self._place(keys, vals)
+        self._size += n
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        """Remove keys int64 [N]; returns int32 [N]: the removed value, -1 where a key was absent."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        pos = self._find(keys)
+        hit = pos >= 0
+        out = np.full(keys.shape[0], EMPTY, dtype=np.int32)
+        p = np.unique(pos[hit])  # duplicate keys in one call delete once
+        out[hit] = self._vals[pos[hit]]
+        self._vals[p] = TOMBSTONE
+        self._size -= p.shape[0]
+        self._tombs += p.shape[0]
+        if self._tombs > self.max_load * self.num_buckets / 2:
+            self._rehash(self._size)
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All (keys int64 [R], vals int32 [R]), in bucket order."""
+        live = self._vals >= 0
+        return self._keys[live].copy(), self._vals[live].copy()
+
+    def clear(self) -> None:
+        self._size = 0
+        self._tombs = 0
+        self._alloc(self._buckets_for(0))
+
+    # ------------------------------------------------------------------ internals
+    def _buckets_for(self, n: int) -> int:
+        """Power of two (>= 64) that holds n entries at a load between 3/8 and 3/4 of max_load."""
+        b = 1 << max(6, (int(np.ceil(n / self.max_load)) - 1).bit_length())
+        return 2 * b if n > 0.75 * self.max_load * b else b
+
+    def _alloc(self, buckets: int) -> None:
+        # Keys are only read where vals says occupied or tombstone, but their pages are written
+        # now: random inserts would fault them in one by one (2x slower inserts), and a map at
+        # load >= 3/8 touches every page anyway.
+        self._keys = np.full(buckets, 0, dtype=np.int64)
+        self._vals = np.full(buckets, EMPTY, dtype=np.int32)
+        self._bits = buckets.bit_length() - 1
+
+    def _rehash(self, n: int) -> None:
+        keys, vals = self.items()
+        self._alloc(max(self._buckets_for(n), 64))
+        self._tombs = 0
+        self._place(keys, vals)
+
+    def _find(self, keys: np.ndarray, want: str = "pos") -> np.ndarray:
+        """int64 [N] -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1 where absent."""
+        mask = self.num_buckets - 1
+        kv, vv = self._keys, self._vals
+        pos = _home(keys, self._bits)
+        v = vv[pos]
+        hit = kv[pos] == keys
+        hit &= v >= 0
+        out = np.where(hit, pos if want == "pos" else v, -1)
+        idx = np.flatnonzero((v != EMPTY) ^ hit)  # still searching: occupied by another key, or tombstone
+        while idx.shape[0]:
+            pos[idx] = p = (pos[idx] + 1) & mask
+            v = vv[p]
+            hit = kv[p] == keys[idx]
+            hit &= v >= 0
+            found = idx[hit]
+            out[found] = p[hit] if want == "pos" else v[hit]
+            idx = idx[(v != EMPTY) ^ hit]
+        return out
+
+    def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
+        """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE), scatter-then-verify."""
+        mask = self.num_buckets - 1
+        kv, vv = self._keys, self._vals
+        pos = _home(keys, self._bits)
+        idx = None  # None: all keys (round one, without an arange)
+        while idx is None or idx.shape[0]:
+            p = pos if idx is None else pos[idx]
+            k = keys if idx is None else keys[idx]
+            v = vv[p]
+            free = np.flatnonzero(v < 0)
+            fp = p[free]
+            fk = k[free]
+            kv[fp] = fk  # several keys on one free bucket: the last write wins ...
+            won = kv[fp] == fk  # ... and only that key reads itself back
+            wi = free[won]
+            if self._tombs:
+                self._tombs -= int(np.count_nonzero(v[wi] == TOMBSTONE))
+            vv[p[wi]] = vals[wi] if idx is None else vals[idx[wi]]
+            left = np.ones(p.shape[0], dtype=bool)
+            left[wi] = False
+            idx = np.flatnonzero(left) if idx is None else idx[left]
+            pos[idx] = (pos[idx] + 1) & mask
+
+
+class BoundedCounter:
+    """Sighting counts (int32) and last-seen steps of at most `max_entries` int64 keys.
+
+    Used for ids that are not admitted yet: a flood of new ids cannot grow it past the bound.
+    When an `add` would pass the bound, the entries with the lowest (count, last seen) are
+    dropped until a quarter of the bound is free again (ties broken by the smaller key), so
+    their counts start over when they come back.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"BoundedCounter.max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.map = IdMap()
+        self.count = np.zeros(0, dtype=np.int32)
+        self.last_seen = np.zeros(0, dtype=np.int32)
+        self.keys = np.zeros(0, dtype=np.int64)
+        self._free: list[np.ndarray] = []
+        self._hwm = 0
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    @property
+    def nbytes(self) -> int:
+        return self.map.nbytes + self.count.nbytes + self.last_seen.nbytes + self.keys.nbytes
+
+    def add(self, keys: np.ndarray, step: int) -> np.ndarray:
+        """Count one sighting of each distinct key int64 [N] at `step`; returns the counts int32 [N]."""
+        slots = self.map.lookup(keys)
+        n_new = int(np.count_nonzero(slots < 0))
+        if n_new and len(self.map) + n_new > self.max_entries:
+            self._shrink(max(0, min(self.max_entries * 3 // 4, self.max_entries - n_new)))
+            slots = self.map.lookup(keys)  # the shrink may have dropped some of these keys
+        new = slots < 0
+        n_new = int(np.count_nonzero(new))
+        if n_new:
+            slots[new] = self._alloc(n_new)
+            self.map.insert(keys[new], slots[new])
+            self.keys[slots[new]] = keys[new]
+            self.count[slots[new]] = 0
+        self.count[slots] += 1
+        self.last_seen[slots] = step
+        out = self.count[slots].copy()
+        if len(self.map) > self.max_entries:  # a single batch larger than the bound
+            self._shrink(self.max_entries)
+        return out
+
+    def remove(self, keys: np.ndarray) -> None:
+        """Forget keys int64 [N] (admitted ones, or ones dropped by a sweep); absent keys are fine."""
+        slots = self.map.delete(keys)
+        slots = slots[slots >= 0]
+        if slots.shape[0]:
+            self._free.append(slots.astype(np.int64))
+
+    def older_than(self, step: int) -> np.ndarray:
+        """Keys int64 [K] whose last sighting is at or before `step`."""
+        keys, slots = self.map.items()
+        return keys[self.last_seen[slots] <= step]
+
+    def state(self) -> dict[str, np.ndarray]:
+        keys, slots = self.map.items()
+        return {"keys": keys, "count": self.count[slots].copy(), "last_seen": self.last_seen[slots].copy()}
+
+    def set_state(self, keys: np.ndarray, count: np.ndarray, last_seen: np.ndarray) -> None:
+        self.__init__(self.max_entries)
+        n = keys.shape[0]
+        slots = self._alloc(n)
+        self.map.insert(keys, slots)
+        self.keys[slots], self.count[slots], self.last_seen[slots] = keys, count, last_seen
+
+    def _alloc(self, n: int) -> np.ndarray:
+        free = np.concatenate(self._free) if self._free else np.zeros(0, dtype=np.int64)
+        take, rest = free[:n], free[n:]
+        self._free = [rest] if rest.shape[0] else []
+        k = n - take.shape[0]
+        if self._hwm + k > self.count.shape[0]:
+            cap = max(2 * self.count.shape[0], self._hwm + k, 1024)
+            for name in ("count", "last_seen", "keys"):
+                old = getattr(self, name)
+                new = np.empty(cap, dtype=old.dtype)
+                new[: self._hwm] = old[: self._hwm]
+                setattr(self, name, new)
+        out = np.concatenate([take, np.arange(self._hwm, self._hwm + k)]).astype(np.int32)
+        self._hwm += k
+        return out
+
+    def _shrink(self, keep: int) -> None:
+        keys, slots = self.map.items()
+        drop = keys.shape[0] - keep
+        if drop <= 0:
+            return
+        prio = (self.count[slots].astype(np.int64) << 32) | self.last_seen[slots].astype(np.int64)
+        order = np.lexsort((keys, prio))[:drop]
+        self.remove(keys[order])
+        self.dropped += drop

@@ -1,0 +1,174 @@
+"""Sparse optimizers applied on a shard: SGD, Adagrad, row-wise Adagrad, lazy Adam, FTRL-Proximal.
+
+Every optimizer updates only the rows it is given. `apply_update` is the vectorized path: it
+receives unique slots [U] with gradients [U, D] that were already summed per id (the update is
+non-linear, so duplicate ids must be merged first; `table.py` does it with torch.unique +
+index_add_). `reference_update` is the same math written for one row at a time, for tests.
+
+Math per row (g: the summed gradient [D], w: the row [D]; all in fp32):
+
+    sgd              w -= lr * g
+    adagrad          h += g*g;                   w -= lr * g / (sqrt(h) + eps)        (h: [D])
+    rowwise_adagrad  h += mean(g*g);             w -= lr * g / (sqrt(h) + eps)        (h: scalar)
+    adam (lazy)      t += 1; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g*g
+                     w -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)      (t: this row's updates)
+    ftrl             n' = n + g*g; sigma = (sqrt(n') - sqrt(n)) / lr; z += g - sigma * w; n = n'
+                     w = 0 if |z| <= l1 else -(z - sign(z) l1) / ((ftrl_beta + sqrt(n)) / lr + l2)
+
+The two Adagrads are fbgemm's EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD (weight_decay 0): the
+row-wise accumulator adds the mean over the row of g*g, and eps is added after the sqrt.
+FTRL is McMahan et al. 2013 (per coordinate, alpha = lr); it starts from the row's current w,
+so a random init is carried into z by the first update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embedding_ps.config import TableConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One per-row optimizer state tensor: [C] (`per_coordinate=False`) or [C, D]."""
+
+    name: str
+    per_coordinate: bool
+    dtype: torch.dtype
+    fill: str  # "zero" or "initial_accumulator"
+
+
+_SPECS: dict[str, tuple[StateSpec, ...]] = {
+    "sgd": (),
+    "adagrad": (StateSpec("sum_sq", True, torch.float32, "initial_accumulator"),),
+    "rowwise_adagrad": (StateSpec("sum_sq", False, torch.float32, "initial_accumulator"),),
+    "adam": (
+        StateSpec("exp_avg", True, torch.float32, "zero"),
+        StateSpec("exp_avg_sq", True, torch.float32, "zero"),
+        StateSpec("steps", False, torch.int32, "zero"),
+    ),
+    "ftrl": (StateSpec("z", True, torch.float32, "zero"), StateSpec("n", True, torch.float32, "zero")),
+}
+
+
+def state_specs(cfg: TableConfig) -> tuple[StateSpec, ...]:
+    """The per-row state tensors of this table's optimizer."""
+    return _SPECS[cfg.optimizer]
+
+
+def fill_value(cfg: TableConfig, spec: StateSpec) -> float:
+    return cfg.initial_accumulator if spec.fill == "initial_accumulator" else 0.0
+
+
+# ---------------------------------------------------------------------------- vectorized path
+def apply_update(
+    cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor
+) -> None:
+    """Update rows `slots` (int64 [U], unique) of weights [C, D] and state in place from grads float32 [U, D]."""
+    if slots.numel() == 0:
+        return
+    if cfg.kernel == "fbgemm":
+        from embedding_ps import kernels  # the only module that imports fbgemm_gpu
+
+        kernels.fbgemm_update(cfg, weights, state, slots, grads)
+        return
+    _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads)
+
+
+def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
+    """weights[slots] += delta (float32 [U, D]); fp16 rows are updated in fp32 and rounded once."""
+    if weights.dtype == torch.float32:
+        weights.index_add_(0, slots, delta)  # pre-scaled delta: index_add_(alpha=) is slow on CPU
+    else:
+        rows = weights.index_select(0, slots).float().add_(delta)
+        weights.index_copy_(0, slots, rows.to(weights.dtype))
+
+
+def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
+    _add_rows(w, slots, g * (-cfg.lr))
+
+
+def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
+    h = st["sum_sq"].index_select(0, slots).addcmul_(g, g)  # [U, D]
+    st["sum_sq"].index_copy_(0, slots, h)
+    denom = h.sqrt_().add_(cfg.eps)
+    _add_rows(w, slots, torch.div(g, denom).mul_(-cfg.lr))
+
+
+def _rowwise_adagrad(
+    cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor
+) -> None:
+    g_sq_mean = torch.einsum("ud,ud->u", g, g).div_(g.shape[1])  # [U], no [U, D] temporary
+    h = st["sum_sq"].index_select(0, slots).add_(g_sq_mean)
+    st["sum_sq"].index_copy_(0, slots, h)
+    mult = h.sqrt_().add_(cfg.eps).reciprocal_().mul_(-cfg.lr)  # [U]
+    _add_rows(w, slots, g * mult.unsqueeze(1))
+
+
+def _adam(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
+    b1, b2 = cfg.beta1, cfg.beta2
+    t = st["steps"].index_select(0, slots).add_(1)  # int32 [U]
+    st["steps"].index_copy_(0, slots, t)
+    m = st["exp_avg"].index_select(0, slots).mul_(b1).add_(g, alpha=1.0 - b1)
+    v = st["exp_avg_sq"].index_select(0, slots).mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    st["exp_avg"].index_copy_(0, slots, m)
+    st["exp_avg_sq"].index_copy_(0, slots, v)
+    t64 = t.to(torch.float64).unsqueeze(1)
+    bc1 = (1.0 - torch.pow(b1, t64)).to(torch.float32)  # [U, 1]
+    bc2 = (1.0 - torch.pow(b2, t64)).to(torch.float32)
+    denom = v.div_(bc2).sqrt_().add_(cfg.eps)
+    _add_rows(w, slots, m.div_(bc1).div_(denom).mul_(-cfg.lr))
+
+
+def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
+    alpha = cfg.lr
+    rows = w.index_select(0, slots).float()  # [U, D]
+    z = st["z"].index_select(0, slots)
+    n = st["n"].index_select(0, slots)
+    n_new = torch.addcmul(n, g, g)
+    sqrt_n_new = n_new.sqrt()
+    sigma = (sqrt_n_new - n.sqrt_()).div_(alpha)
+    z.add_(g).sub_(sigma.mul_(rows))
+    st["z"].index_copy_(0, slots, z)
+    st["n"].index_copy_(0, slots, n_new)
+    shrunk = z - torch.sign(z) * cfg.ftrl_l1
+    new_w = shrunk.neg_().div_(sqrt_n_new.add_(cfg.ftrl_beta).div_(alpha).add_(cfg.ftrl_l2))
+    new_w.masked_fill_(z.abs() <= cfg.ftrl_l1, 0.0)
+    w.index_copy_(0, slots, new_w.to(w.dtype))
+
+
+_UPDATES = {"sgd": _sgd, "adagrad": _adagrad, "rowwise_adagrad": _rowwise_adagrad, "adam": _adam, "ftrl": _ftrl}
+
+
+# ---------------------------------------------------------------------------- reference
+def reference_update(cfg: TableConfig, w: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
+    """One row, in place: w float32 [D], state {name: [D] or [] tensor}, g float32 [D] (already summed)."""
+    lr, eps = cfg.lr, cfg.eps
+    if cfg.optimizer == "sgd":
+        w -= lr * g
+    elif cfg.optimizer == "adagrad":
+        state["sum_sq"] += g * g
+        w -= lr * g / (torch.sqrt(state["sum_sq"]) + eps)
+    elif cfg.optimizer == "rowwise_adagrad":
+        state["sum_sq"] += (g * g).sum() / g.shape[0]
+        w -= lr * g / (torch.sqrt(state["sum_sq"]) + eps)
+    elif cfg.optimizer == "adam":
+        state["steps"] += 1
+        t = int(state["steps"])
+        state["exp_avg"] = cfg.beta1 * state["exp_avg"] + (1 - cfg.beta1) * g
+        state["exp_avg_sq"] = cfg.beta2 * state["exp_avg_sq"] + (1 - cfg.beta2) * g * g
+        m_hat = state["exp_avg"] / (1 - cfg.beta1**t)
+        v_hat = state["exp_avg_sq"] / (1 - cfg.beta2**t)
+        w -= lr * m_hat / (torch.sqrt(v_hat) + eps)
+    elif cfg.optimizer == "ftrl":
+        n_new = state["n"] + g * g
+        sigma = (torch.sqrt(n_new) - torch.sqrt(state["n"])) / lr
+        state["z"] += g - sigma * w
+        state["n"] = n_new
+        z = state["z"]
+        new_w = -(z - torch.sign(z) * cfg.ftrl_l1) / ((cfg.ftrl_beta + torch.sqrt(n_new)) / lr + cfg.ftrl_l2)
+        w.copy_(torch.where(z.abs() <= cfg.ftrl_l1, torch.zeros_like(w), new_w))
+    else:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}")

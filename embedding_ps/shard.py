@@ -1,0 +1,234 @@
+"""`ShardState`: everything one PS shard holds, for every table of `PSConfig.tables`.
+
+The server layer decodes a request and calls one of these methods; the state lives here.
+Table `t` is `config.tables[t]`. Ids are raw int64 ids; a `hashed` table maps them to its row
+keys here (`sharding.keys_of`), so the client sends raw ids routed by `sharding.route`.
+
+Example::
+
+    state = ShardState(PSConfig(tables=(TableConfig(name="user", dim=16),)), shard_index=0)
+    rows = state.pull(0, ids, step=0)              # float32 [N, 16]
+    state.push(0, ids, torch.ones(len(ids), 16), step=0)
+
+Every public method takes one lock, so a threaded server may call them from several threads.
+Steps are int32 counters on the rows: 0 <= step < 2**31.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+
+import numpy as np
+import torch
+
+from embedding_ps.config import PSConfig
+from embedding_ps.sharding import keys_of, shard_of
+from embedding_ps.table import TableShard
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAX_STEP = 2**31 - 1
+# TableConfig fields that must match between a saved shard and the config loading it.
+_LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
+
+
+class ShardState:
+    """One shard (`shard_index` of `config.num_shards`) of every table in `config.tables`."""
+
+    def __init__(self, config: PSConfig, shard_index: int) -> None:
+        if not 0 <= shard_index < config.num_shards:
+            raise ValueError(f"shard_index must be in [0, {config.num_shards}), got {shard_index}")
+        self.config = config
+        self.shard_index = shard_index
+        self.tables = [
+            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})") for i, t in enumerate(config.tables)
+        ]
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ hot path
+    def pull(self, table: int, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """Rows float32 [N, D] of ids int64 [N] (duplicates fine). Read-only: inserts nothing.
+
+        Ids without a row (never pushed, not admitted yet, evicted) get their deterministic init
+        row, or zeros if the table says `unadmitted = "zeros"`. `step` is accepted for symmetry
+        with push; a pull does not change last-seen.
+        """
+        t = self._table(table)
+        ids = self._ids(table, ids)
+        with self._lock:
+            return t.pull(keys_of(ids, t.cfg))
+
+    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        """Apply gradients float32 [N, D] of ids int64 [N] at `step`.
+
+        Sums the gradients of duplicate ids, counts a sighting of every missing id (admission),
+        gives admitted ids their init row, runs the table's optimizer on the rows that exist,
+        updates count / last-seen / last-update and evicts past `max_rows`. Gradients of ids
+        that are not admitted are dropped.
+        """
+        t = self._table(table)
+        ids = self._ids(table, ids)
+        self._check_step(step)
+        if grads.dim() != 2 or grads.shape[0] != ids.shape[0] or grads.shape[1] != t.cfg.dim:
+            raise ValueError(
+                f"shard {self.shard_index} table {table} ({t.cfg.name!r}): grads must be "
+                f"[{ids.shape[0]}, {t.cfg.dim}], got {list(grads.shape)}"
+            )
+        if ids.shape[0] == 0:
+            return
+        grads = grads.detach().to(torch.float32).contiguous()
+        with self._lock:
+            t.push(keys_of(ids, t.cfg), grads, step)
+
+    def sweep(self, step: int) -> dict[str, int]:
+        """TTL eviction in every table; returns {"evicted_ttl": n, "pending_dropped": n, "<name>/evicted_ttl": ...}."""
+        self._check_step(step)
+        out = {"evicted_ttl": 0, "pending_dropped": 0}
+        with self._lock:
+            for t in self.tables:
+                for key, n in t.sweep(step).items():
+                    out[key] += n
+                    out[f"{t.cfg.name}/{key}"] = n
+        return out
+
+    # ------------------------------------------------------------------ inspection
+    def stats(self) -> dict[str, int | float]:
+        """Flat stats: `<table name>/<key>` for every table, plus totals `rows` and `bytes`."""
+        out: dict[str, int | float] = {"rows": 0, "bytes": 0}
+        with self._lock:
+            for t in self.tables:
+                s = t.stats()
+                out["rows"] += s["rows"]
+                out["bytes"] += s["bytes"]
+                out.update({f"{t.cfg.name}/{k}": v for k, v in s.items()})
+        return out
+
+    def dump_table(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(keys int64 [R] sorted, rows float32 [R, D], per-row state {name: [R] or [R, D]}).
+
+        Keys are raw ids for `dynamic` tables and hashed row indices for `hashed` ones; the dict
+        holds the optimizer state plus `count`, `last_seen`, `last_update`.
+        """
+        t = self._table(table)
+        with self._lock:
+            return t.dump()
+
+    def eviction_log(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys int64 [E], steps int64 [E]) evicted since the last truncation, oldest first."""
+        t = self._table(table)
+        with self._lock:
+            return t.eviction_log()
+
+    def truncate_eviction_log(self, table: int, through_step: int) -> None:
+        """Forget the eviction records of steps <= through_step (after a delta export read them)."""
+        t = self._table(table)
+        with self._lock:
+            t.truncate_eviction_log(through_step)
+
+    def load_dump(
+        self, table: int, keys: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor], step: int = 0
+    ) -> int:
+        """Re-sharding: insert the rows of a `dump_table` (of any shard) that this shard owns.
+
+        Keeps the keys with `shard_of(keys, num_shards) == shard_index`, so feeding every old
+        shard's dump to every new shard re-shards N -> M. Returns the number of rows taken.
+        """
+        t = self._table(table)
+        mine = shard_of(keys, self.config.num_shards) == self.shard_index
+        with self._lock:
+            t.load_rows(keys[mine].contiguous(), rows[mine], {k: v[mine] for k, v in state.items()}, step)
+        return int(mine.sum())
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, directory: str) -> None:
+        """Write every table's state as .npy files plus manifest.json; atomic by directory rename."""
+        tmp = f"{directory}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        manifest: dict = {
+            "format_version": FORMAT_VERSION,
+            "shard_index": self.shard_index,
+            "num_shards": self.config.num_shards,
+            "tables": [],
+        }
+        with self._lock:
+            for i, t in enumerate(self.tables):
+                arrays, meta = t.to_arrays()
+                sub = os.path.join(tmp, f"table{i}")
+                os.makedirs(sub)
+                for name, a in arrays.items():
+                    _write_npy(os.path.join(sub, f"{name}.npy"), a)
+                layout = {f: getattr(t.cfg, f) for f in _LAYOUT_FIELDS}
+                manifest["tables"].append({"layout": layout, "meta": meta, "arrays": sorted(arrays)})
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        old = f"{directory}.old-{os.getpid()}"
+        if os.path.exists(directory):
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+        logger.info("shard %d saved to %s", self.shard_index, directory)
+
+    def load(self, directory: str) -> None:
+        """Replace all state with a `save`d shard; the saved layout must match this config."""
+        path = os.path.join(directory, "manifest.json")
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shard {self.shard_index}: no saved shard at {directory} (missing {path})") from None
+        self._check_manifest(manifest, directory)
+        with self._lock:
+            for i, (t, entry) in enumerate(zip(self.tables, manifest["tables"])):
+                sub = os.path.join(directory, f"table{i}")
+                arrays = {name: np.load(os.path.join(sub, f"{name}.npy"), allow_pickle=False) for name in entry["arrays"]}
+                t.from_arrays(arrays, entry["meta"])
+        logger.info("shard %d loaded from %s", self.shard_index, directory)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_manifest(self, manifest: dict, directory: str) -> None:
+        where = f"{directory}/manifest.json"
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+        for key, mine in (("shard_index", self.shard_index), ("num_shards", self.config.num_shards)):
+            if manifest[key] != mine:
+                raise ValueError(f"{where}: saved {key}={manifest[key]} but this shard has {key}={mine}")
+        if len(manifest["tables"]) != len(self.tables):
+            raise ValueError(f"{where}: {len(manifest['tables'])} tables saved, config has {len(self.tables)}")
+        for i, (t, entry) in enumerate(zip(self.tables, manifest["tables"])):
+            for field in _LAYOUT_FIELDS:
+                if entry["layout"][field] != getattr(t.cfg, field):
+                    raise ValueError(
+                        f"{where}: table {i} saved with {field}={entry['layout'][field]!r}, "
+                        f"config has {field}={getattr(t.cfg, field)!r}"
+                    )
+
+    def _table(self, table: int) -> TableShard:
+        if not 0 <= table < len(self.tables):
+            raise IndexError(f"shard {self.shard_index}: table {table} out of range [0, {len(self.tables)})")
+        return self.tables[table]
+
+    def _ids(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(
+                f"shard {self.shard_index} table {table}: ids must be int64 [N], got {ids.dtype} {list(ids.shape)}"
+            )
+        return ids.contiguous()
+
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step <= _MAX_STEP:
+            raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
+
+
+def _write_npy(path: str, a: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,356 @@
+"""One shard of one embedding table: id -> slot map, rows, optimizer state, counters, admission, eviction.
+
+Storage is slot-major: row `s` of `weights` [C, D], of every optimizer state tensor [C] or
+[C, D], and of `slot_keys` / `count` / `last_seen` / `last_update` [C] belong to the key that
+the map sends to slot `s`. Capacity C doubles when slots run out; the spare part is allocated
+with `torch.empty` and never written until used, so untouched pages cost no resident memory.
+Evicted slots go on a free stack and are reused first.
+
+Keys are what `sharding.keys_of` returns: the raw id for `dynamic` tables, the hashed row index
+for `hashed` ones. Row init is `init.init_rows(key, ...)`, a pure function of (seed, key).
+
+Admission: a key gets a row on the push that brings its sightings to `max(min_count, 1)`; each
+push of a missing key is one sighting, counted with probability `admit_probability` (a coin
+that is a hash of (seed, key, step), so it does not depend on shards or order). Gradients of
+keys that are not admitted are dropped. Sightings of waiting keys live in a `BoundedCounter`
+of at most `max_pending` keys.
+
+Eviction: `sweep(step)` drops rows with `step - last_seen >= ttl_steps`; a push that leaves
+more than `max_rows` rows evicts the least frequently pushed ones (lowest `count`, then oldest
+`last_seen`, then smallest key). Each eviction is logged as (key, step) until truncated.
+`last_seen` and `last_update` are the step of the last push that reached the row (a pull
+changes nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from embedding_ps.config import TableConfig
+from embedding_ps.idmap import BoundedCounter, IdMap
+from embedding_ps.init import init_rows
+from embedding_ps.optim import apply_update, fill_value, state_specs
+from embedding_ps.sharding import splitmix64_np
+
+logger = logging.getLogger(__name__)
+
+_ADMIT_SALT = 0x5851F42D4C957F2D
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_COUNTERS = ("slot_keys", "count", "last_seen", "last_update")
+
+
+class TableShard:
+    """The rows of one table that one shard owns. Not thread-safe: `ShardState` serializes calls."""
+
+    def __init__(self, cfg: TableConfig, where: str = "") -> None:
+        self.cfg = cfg
+        self.where = where or f"table {cfg.name!r}"
+        self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
+        self.specs = state_specs(cfg)
+        self.map = IdMap()
+        self.pending = BoundedCounter(cfg.max_pending)
+        self.cap = 0
+        self.hwm = 0  # slots [0, hwm) have been used at least once
+        self.free = np.zeros(0, dtype=np.int32)  # stack of reusable slots, top at [nfree - 1]
+        self.nfree = 0
+        self.weights = torch.empty(0, cfg.dim, dtype=self.wdtype)
+        self.state = {s.name: torch.empty((0, cfg.dim) if s.per_coordinate else (0,), dtype=s.dtype) for s in self.specs}
+        self.slot_keys = torch.empty(0, dtype=torch.int64)
+        self.count = torch.empty(0, dtype=torch.int32)
+        self.last_seen = torch.empty(0, dtype=torch.int32)
+        self.last_update = torch.empty(0, dtype=torch.int32)
+        self.evlog: list[tuple[np.ndarray, int]] = []
+        self.evlog_len = 0
+        self.evlog_lost_through = -1  # entries with step <= this were dropped unread (log over its bound)
+        self.totals = {"admitted": 0, "evicted_ttl": 0, "evicted_lfu": 0, "dropped_grads": 0}
+        self._admit_key = int(splitmix64_np(np.array([(cfg.seed ^ _ADMIT_SALT) & (2**64 - 1)], np.uint64))[0])
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    # ------------------------------------------------------------------ pull / push
+    def pull(self, keys: torch.Tensor) -> torch.Tensor:
+        """int64 [N] keys (dups ok) -> float32 [N, D]. Missing keys get their init row, or zeros."""
+        slots = self.map.lookup(keys.numpy())
+        hit = slots >= 0
+        if hit.all():
+            return self.weights.index_select(0, torch.from_numpy(slots).long()).float()
+        out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
+        hit_t = torch.from_numpy(hit)
+        if hit.any():
+            out[hit_t] = self.weights.index_select(0, torch.from_numpy(slots[hit]).long()).float()
+        miss_t = ~hit_t
+        if self.cfg.unadmitted == "zeros":
+            out[miss_t] = 0.0
+        else:
+            out[miss_t] = init_rows(keys[miss_t], self.cfg.dim, self.cfg.seed, self.cfg.init, self.cfg.init_scale)
+        return out
+
+    def push(self, keys: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        """Apply grads float32 [N, D] of keys int64 [N] (dups summed) at `step`."""
+        knp = keys.numpy()
+        slots = self.map.lookup(knp)  # int32 [N]
+        miss = slots < 0
+        if miss.any():
+            self._admit_missing(knp, slots, miss, step)
+        ok = slots >= 0
+        n_ok = int(np.count_nonzero(ok))
+        if n_ok < slots.shape[0]:
+            self.totals["dropped_grads"] += slots.shape[0] - n_ok
+            if n_ok == 0:
+                return
+            slots, grads = slots[ok], grads[torch.from_numpy(ok)]
+        uniq, inv = torch.unique(torch.from_numpy(slots), return_inverse=True)  # sorted: gathers walk memory in order
+        if uniq.shape[0] == n_ok:  # no duplicates: only reorder
+            summed = torch.empty_like(grads).index_copy_(0, inv, grads)
+        else:
+            summed = torch.zeros(uniq.shape[0], grads.shape[1], dtype=torch.float32).index_add_(0, inv, grads)
+        u = uniq.long()
+        apply_update(self.cfg, self.weights, self.state, u, summed)
+        self.count.index_copy_(0, u, self.count.index_select(0, u).add_(1))
+        self.last_seen.index_fill_(0, u, step)
+        self.last_update.index_fill_(0, u, step)
+        if self.cfg.max_rows and len(self.map) > self.cfg.max_rows:
+            self._evict_lfu(len(self.map) - self.cfg.max_rows, step)
+
+    # ------------------------------------------------------------------ admission / allocation
+    def _admit_missing(self, knp: np.ndarray, slots: np.ndarray, miss: np.ndarray, step: int) -> None:
+        """Give rows to the missing keys that pass admission; writes their slots into `slots` [N]."""
+        mk, inv = np.unique(knp[miss], return_inverse=True)
+        admit = self._admission(mk, step)
+        if not admit.any():
+            return
+        new = np.full(mk.shape[0], -1, dtype=np.int32)
+        new[admit] = self._allocate(mk[admit], step)
+        slots[miss] = new[inv]
+
+    def _admission(self, keys: np.ndarray, step: int) -> np.ndarray:
+        """Distinct missing keys int64 [K] -> bool [K]: admitted on this push."""
+        cfg = self.cfg
+        need = max(cfg.min_count, 1)
+        counted = np.ones(keys.shape[0], dtype=bool)
+        if cfg.admit_probability < 1.0:
+            counted = admission_coin(keys, step, self._admit_key) < cfg.admit_probability
+        if need == 1:
+            return counted
+        counts = np.zeros(keys.shape[0], dtype=np.int32)
+        counts[counted] = self.pending.add(keys[counted], step)
+        admit = counts >= need
+        if admit.any():
+            self.pending.remove(keys[admit])
+        return admit
+
+    def _allocate(self, keys: np.ndarray, step: int) -> np.ndarray:
+        """Distinct absent keys int64 [K] -> their new slots int32 [K], rows and state initialised."""
+        k = keys.shape[0]
+        take = min(k, self.nfree)
+        reuse = self.free[self.nfree - take : self.nfree][::-1].copy()
+        self.nfree -= take
+        fresh = k - take
+        if self.hwm + fresh > self.cap:
+            self._grow(self.hwm + fresh)
+        slots = np.concatenate([reuse, np.arange(self.hwm, self.hwm + fresh, dtype=np.int32)])
+        self.hwm += fresh
+        s = torch.from_numpy(slots).long()
+        kt = torch.from_numpy(keys)
+        cfg = self.cfg
+        rows = init_rows(kt, cfg.dim, cfg.seed, cfg.init, cfg.init_scale)
+        self.weights.index_copy_(0, s, rows.to(self.wdtype))
+        for spec in self.specs:
+            self.state[spec.name].index_fill_(0, s, fill_value(cfg, spec))
+        self.slot_keys.index_copy_(0, s, kt)
+        self.count.index_fill_(0, s, 0)
+        self.last_seen.index_fill_(0, s, step)
+        self.last_update.index_fill_(0, s, step)
+        self.map.insert(keys, slots)
+        self.totals["admitted"] += k
+        return slots
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.cap, 64)
+        for name in ("weights", *_COUNTERS):
+            setattr(self, name, _regrow(getattr(self, name), cap, self.hwm))
+        for name, t in self.state.items():
+            self.state[name] = _regrow(t, cap, self.hwm)
+        self.cap = cap
+        logger.debug("%s: capacity %d rows", self.where, cap)
+
+    # ------------------------------------------------------------------ eviction
+    def _evict(self, keys: np.ndarray, slots: np.ndarray, step: int, reason: str) -> None:
+        if keys.shape[0] == 0:
+            return
+        self.map.delete(keys)
+        n = slots.shape[0]
+        if self.nfree + n > self.free.shape[0]:
+            grown = np.empty(max(2 * self.free.shape[0], self.nfree + n, 64), dtype=np.int32)
+            grown[: self.nfree] = self.free[: self.nfree]
+            self.free = grown
+        self.free[self.nfree : self.nfree + n] = slots
+        self.nfree += n
+        self.totals[f"evicted_{reason}"] += n
+        self.evlog.append((keys.copy(), step))
+        self.evlog_len += n
+        while self.evlog_len > self.cfg.eviction_log_max and self.evlog:
+            old_keys, old_step = self.evlog.pop(0)
+            self.evlog_len -= old_keys.shape[0]
+            self.evlog_lost_through = max(self.evlog_lost_through, old_step)
+
+    def _evict_lfu(self, n: int, step: int) -> None:
+        """Evict the n rows with the lowest (count, last_seen, key)."""
+        keys, slots = self.map.items()
+        n = min(n, keys.shape[0])
+        s = torch.from_numpy(slots).long()
+        prio = (self.count.index_select(0, s).long() << 32) | self.last_seen.index_select(0, s).long()
+        prio = prio.numpy()
+        kth = np.partition(prio, n - 1)[n - 1]
+        pick = np.flatnonzero(prio < kth)
+        ties = np.flatnonzero(prio == kth)
+        pick = np.concatenate([pick, ties[np.argsort(keys[ties], kind="stable")[: n - pick.shape[0]]]])
+        self._evict(keys[pick], slots[pick], step, "lfu")
+
+    def sweep(self, step: int) -> dict[str, int]:
+        """TTL eviction: drop rows (and waiting admission counts) unseen for `ttl_steps` steps."""
+        ttl = self.cfg.ttl_steps
+        if not ttl:
+            return {"evicted_ttl": 0, "pending_dropped": 0}
+        keys, slots = self.map.items()
+        old = self.last_seen.numpy()[slots] <= step - ttl
+        self._evict(keys[old], slots[old], step, "ttl")
+        stale = self.pending.older_than(step - ttl)
+        self.pending.remove(stale)
+        return {"evicted_ttl": int(np.count_nonzero(old)), "pending_dropped": int(stale.shape[0])}
+
+    def eviction_log(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys int64 [E], steps int64 [E]) of evictions not truncated yet, oldest first."""
+        if not self.evlog:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        keys = np.concatenate([k for k, _ in self.evlog])
+        steps = np.concatenate([np.full(k.shape[0], s, dtype=np.int64) for k, s in self.evlog])
+        return torch.from_numpy(keys), torch.from_numpy(steps)
+
+    def truncate_eviction_log(self, through_step: int) -> None:
+        """Forget eviction records with step <= through_step."""
+        self.evlog = [(k, s) for k, s in self.evlog if s > through_step]
+        self.evlog_len = sum(k.shape[0] for k, _ in self.evlog)
+
+    # ------------------------------------------------------------------ stats / dump
+    def row_bytes(self) -> int:
+        """Bytes of one slot across weights, optimizer state and counters."""
+        d = self.cfg.dim
+        per = d * self.weights.element_size() + 8 + 3 * 4
+        for spec in self.specs:
+            per += (d if spec.per_coordinate else 1) * torch.empty(0, dtype=spec.dtype).element_size()
+        return per
+
+    def stats(self) -> dict[str, int | float]:
+        used = self.hwm * self.row_bytes()
+        aux = self.map.nbytes + self.pending.nbytes + self.free.nbytes + 8 * self.evlog_len
+        return {
+            "rows": len(self.map),
+            "capacity": self.cap,
+            "slots_used": self.hwm,
+            "free_slots": self.nfree,
+            "pending": len(self.pending),
+            "pending_dropped": self.pending.dropped,
+            "bytes": used + aux,
+            "bytes_reserved": self.cap * self.row_bytes() + aux,
+            "map_buckets": self.map.num_buckets,
+            "eviction_log": self.evlog_len,
+            **self.totals,
+        }
+
+    def dump(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(keys int64 [R] sorted, rows float32 [R, D], {state name / count / last_seen / last_update: [R, ...]})."""
+        keys, slots = self.map.items()
+        order = np.argsort(keys, kind="stable")
+        keys, s = keys[order], torch.from_numpy(slots[order]).long()
+        extra = {name: t.index_select(0, s) for name, t in self.state.items()}
+        for name in ("count", "last_seen", "last_update"):
+            extra[name] = getattr(self, name).index_select(0, s)
+        return torch.from_numpy(keys), self.weights.index_select(0, s).float(), extra
+
+    def load_rows(self, keys: torch.Tensor, rows: torch.Tensor, extra: dict[str, torch.Tensor], step: int) -> None:
+        """Insert or overwrite rows by key (re-sharding): keys int64 [R] distinct, rows [R, D], `dump`'s dict."""
+        knp = keys.numpy()
+        slots = self.map.lookup(knp)
+        miss = slots < 0
+        if miss.any():
+            slots[miss] = self._allocate(knp[miss], step)
+            self.totals["admitted"] -= int(np.count_nonzero(miss))
+        s = torch.from_numpy(slots).long()
+        self.weights.index_copy_(0, s, rows.to(self.wdtype))
+        for name, t in self.state.items():
+            if name in extra:
+                t.index_copy_(0, s, extra[name].to(t.dtype))
+        for name in ("count", "last_seen", "last_update"):
+            if name in extra:
+                getattr(self, name).index_copy_(0, s, extra[name].to(torch.int32))
+
+
+    # ------------------------------------------------------------------ save / load
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Every piece of state as plain arrays (slot-major ones cut at hwm) plus scalar metadata."""
+        h = self.hwm
+        arrays = {"weights": self.weights[:h].numpy(), "free": self.free[: self.nfree]}
+        for name, t in self.state.items():
+            arrays[f"state.{name}"] = t[:h].numpy()
+        for name in _COUNTERS:
+            arrays[name] = getattr(self, name)[:h].numpy()
+        arrays["map_keys"], arrays["map_slots"] = self.map.items()
+        for name, a in self.pending.state().items():
+            arrays[f"pending.{name}"] = a
+        log_keys, log_steps = self.eviction_log()
+        arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
+        meta = {"hwm": h, "evlog_lost_through": self.evlog_lost_through, "pending_dropped": self.pending.dropped}
+        meta.update(self.totals)
+        return arrays, meta
+
+    def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
+        """Replace all state with what `to_arrays` returned (arrays are copied)."""
+        self.__init__(self.cfg, self.where)
+        h = int(meta["hwm"])
+        self._grow(max(h, 64))
+        self.hwm = h
+        self.weights[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays["weights"])))
+        for name, t in self.state.items():
+            t[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[f"state.{name}"])))
+        for name in _COUNTERS:
+            getattr(self, name)[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[name])))
+        self.free = np.array(arrays["free"], dtype=np.int32)
+        self.nfree = self.free.shape[0]
+        self.map = IdMap(capacity=arrays["map_keys"].shape[0])
+        self.map.insert(arrays["map_keys"], arrays["map_slots"])
+        self.pending.set_state(arrays["pending.keys"], arrays["pending.count"], arrays["pending.last_seen"])
+        self.pending.dropped = int(meta["pending_dropped"])
+        self.evlog = [(k.copy(), int(s)) for k, s in _split_log(arrays["evlog_keys"], arrays["evlog_steps"])]
+        self.evlog_len = int(arrays["evlog_keys"].shape[0])
+        self.evlog_lost_through = int(meta["evlog_lost_through"])
+        for key in self.totals:
+            self.totals[key] = int(meta[key])
+
+
+def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, int]]:
+    """Flat (keys [E], steps [E]) of the eviction log -> chunks of one step each."""
+    if keys.shape[0] == 0:
+        return []
+    cut = np.flatnonzero(np.diff(steps)) + 1
+    return [(k, int(s[0])) for k, s in zip(np.split(keys, cut), np.split(steps, cut))]
+
+
+def admission_coin(keys: np.ndarray, step: int, key: int) -> np.ndarray:
+    """int64 [K] -> float64 [K] in [0, 1): the admission coin of (table seed, key, step)."""
+    z = splitmix64_np(keys.view(np.uint64) ^ np.uint64(key))
+    z += np.uint64(step & (2**64 - 1)) * _GOLDEN
+    z = splitmix64_np(z)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _regrow(t: torch.Tensor, cap: int, keep: int) -> torch.Tensor:
+    """A tensor of `cap` rows (spare rows untouched, so not resident) holding t's first `keep` rows."""
+    new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype)
+    if keep:
+        new[:keep].copy_(t[:keep])
+    return new
