@@ -150,6 +150,9 @@ class JobConfig:
         if self.model.linear_feature_tables and self.model.arch not in ("deepfm", "wide_deep"):
             raise ValueError(f"model.linear_feature_tables is only used by deepfm and wide_deep, "
                              f"not {self.model.arch!r}")
+        if self.ps.mode == "async" and self.ps.max_staleness < 1:
+            raise ValueError("ps.max_staleness must be >= 1 in async mode (a trainer pulls step t+1's rows "
+                             f"while step t computes), got {self.ps.max_staleness}")
         for column in self.data.weight_columns:
             table = self.model.feature_tables.get(column, column)
             if self.model.table_pooling.get(table, "sum") != "sum":

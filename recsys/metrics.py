@@ -132,7 +132,7 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return buf.cpu()
 
 
-def _all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """1-D tensors of any length from every rank, concatenated in rank order (no pickling)."""
     device = _collective_device(group)
     world = dist.get_world_size(group)
@@ -277,8 +277,8 @@ class CTRMetrics:
         out.streaming_auc.hist = total[4:].view(2, K).clone()
         if self.exact_auc:
             empty = torch.zeros(0, dtype=torch.float64)
-            out._labels = [_all_gather_cat(torch.cat(self._labels) if self._labels else empty, group)]
-            out._scores = [_all_gather_cat(torch.cat(self._scores) if self._scores else empty, group)]
+            out._labels = [all_gather_cat(torch.cat(self._labels) if self._labels else empty, group)]
+            out._scores = [all_gather_cat(torch.cat(self._scores) if self._scores else empty, group)]
         return out
 
     def compute(self) -> dict[str, float]:

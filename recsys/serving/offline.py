@@ -1,0 +1,70 @@
+"""`recsys eval` and `recsys predict` on a finished run: the saved model scores Parquet data.
+
+The saved PS shards are loaded into in-process shard states (same sharding as in training), the
+dense state into the model, and the trainer's own forward path scores the data, so offline
+scores are the training job's scores, not a re-implementation of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from recsys.config import ConfigError, JobConfig, load_config
+from recsys.training.store import LocalStore
+from recsys.training.trainer import Trainer
+from recsys.training.worker import eval_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def open_run(run_dir: str | Path) -> tuple[JobConfig, Trainer]:
+    """The run's resolved config and a trainer holding its final model (no processes started)."""
+    run = Path(run_dir)
+    model_dir = run / "model"
+    for needed in (run / "config.toml", model_dir / "dense.pt", model_dir / "ps"):
+        if not needed.exists():
+            raise ConfigError(f"{run}: not a finished run, {needed} is missing")
+    cfg = load_config(run / "config.toml")
+    store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
+    trainer = Trainer(cfg, store)
+    trainer.model.load_state_dict(torch.load(model_dir / "dense.pt", weights_only=True))
+    return cfg, trainer
+
+
+def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None) -> dict[str, float]:
+    _, trainer = open_run(run_dir)
+    try:
+        labels, scores, extras = trainer.predict(tuple(data))
+    finally:
+        trainer.close()
+    if labels.numel() == 0:
+        raise ValueError(f"no rows in {data}")
+    metrics = eval_metrics(labels, scores, extras.get("p_true"))
+    path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
+    path.write_text(json.dumps(metrics, indent=1))
+    logger.info("eval on %s: %s (written to %s)", data, metrics, path)
+    return metrics
+
+
+def predict_run(run_dir: str | Path, data: list[str], out: str) -> int:
+    """Write `score` plus the configured passthrough columns to the Parquet file `out`."""
+    cfg, trainer = open_run(run_dir)
+    try:
+        _, scores, extras = trainer.predict(tuple(data))
+    finally:
+        trainer.close()
+    columns = {"score": pa.array(scores.numpy().astype("float32"))}
+    for name in cfg.data.passthrough_columns:
+        if name in extras:
+            columns[name] = pa.array(extras[name].numpy())
+    tmp = Path(out).with_suffix(".tmp")
+    pq.write_table(pa.table(columns), tmp)
+    tmp.replace(out)
+    logger.info("wrote %d scores to %s", len(scores), out)
+    return len(scores)

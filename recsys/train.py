@@ -1,0 +1,37 @@
+"""Trainer entry for torchrun (multi-node): `torchrun ... -m recsys.train --config X --set ps.addresses=[...]`.
+
+The PS shards run elsewhere (`recsys ps` on the PS hosts); ps.addresses lists them in shard order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from recsys.config import ConfigError, load_config, to_toml
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pathlib import Path
+
+    from recsys.training.worker import run_worker
+
+    p = argparse.ArgumentParser(prog="python -m recsys.train", description=__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.ps.addresses:
+        raise ConfigError(f"{args.config}: ps.addresses must list the shards for `recsys.train` "
+                          f"(the local launcher `recsys train` starts its own)")
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = run_dir / "config.toml"
+    resolved.write_text(to_toml(cfg))
+    run_worker(str(resolved), list(cfg.ps.addresses), str(run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

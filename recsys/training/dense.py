@@ -1,0 +1,82 @@
+"""The dense side of a trainer: DDP wrapping, comm hooks, optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from recsys.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Cast a bucket to bf16, allreduce, cast back and average.
+
+    torch's stock bf16_compress_hook refuses gloo (it needs NCCL); this one works on both.
+    """
+    group = state if isinstance(state, dist.ProcessGroup) else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buf = bucket.buffer()
+    compressed = buf.to(torch.bfloat16).div_(world)
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(f: torch.futures.Future) -> torch.Tensor:
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(decompress)
+
+
+def wrap_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """DDP over the default process group with the configured comm hook (no-op for 1 process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    bucket_cap_mb = 25
+    if cfg.comm_hook == "powersgd" and dist.get_backend() == "gloo":
+        # PowerSGD deadlocks on gloo when gradients span several buckets (PLATFORM-NOTES): one bucket.
+        bucket_cap_mb = 1 << 14
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=bucket_cap_mb)
+    if cfg.comm_hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif cfg.comm_hook == "bf16":
+        ddp.register_comm_hook(None, _bf16_hook)
+    elif cfg.comm_hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2, random_seed=cfg.seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    return ddp
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.dense_optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.dense_lr)
+    if cfg.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.dense_lr)
+    return torch.optim.SGD(params, lr=cfg.dense_lr)
+
+
+def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Multiplier of dense_lr at optimizer step `step`: linear warmup, then none/linear/cosine decay."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_decay == "none" or total_steps <= cfg.warmup_steps:
+        return 1.0
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.lr_decay == "linear":
+        return 1.0 - frac
+    return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))

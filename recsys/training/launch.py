@@ -1,0 +1,143 @@
+"""Local launcher: `recsys train` starts the PS shards and the trainers on this machine.
+
+    launcher ──Popen──> ps shard 0..N-1   (python -m recsys.cli ps ...; die with the launcher)
+             ──torch.distributed.elastic──> trainer rank 0..W-1 (run_worker; gloo / NCCL)
+
+It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
+waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from recsys.config import JobConfig, to_toml
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM to the child when the launcher dies (even by SIGKILL)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP workers starve 2 cores
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts hang without it
+    return env
+
+
+def write_run_dir(cfg: JobConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "pids").mkdir(exist_ok=True)
+    path = run_dir / "config.toml"
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ps.num_shards shard processes on ephemeral ports; return them and their addresses."""
+    procs: list[subprocess.Popen] = []
+    ready_files = []
+    for shard in range(cfg.ps.num_shards):
+        ready = run_dir / f"ps-{shard}.ready"
+        ready.unlink(missing_ok=True)
+        ready_files.append(ready)
+        log = open(run_dir / f"ps-{shard}.log", "ab")
+        cmd = [sys.executable, "-m", "recsys.cli", "ps", "--config", str(config_path),
+               "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
+        procs.append(subprocess.Popen(cmd, env=child_env(1), stdout=log, stderr=subprocess.STDOUT,
+                                      preexec_fn=_die_with_parent))
+        log.close()
+    addresses = []
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for shard, (proc, ready) in enumerate(zip(procs, ready_files)):
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"ps shard {shard} exited with code {proc.returncode} before it was "
+                                   f"ready; see {run_dir / f'ps-{shard}.log'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ps shard {shard} not ready after {READY_TIMEOUT_S:.0f} s; "
+                                   f"see {run_dir / f'ps-{shard}.log'}")
+            time.sleep(0.05)
+        addresses.append(ready.read_text().strip())
+    return procs, addresses
+
+
+def write_processes(run_dir: Path, shards: list[subprocess.Popen]) -> list[dict]:
+    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid()}]
+    entries += [{"role": "ps", "rank": i, "pid": p.pid} for i, p in enumerate(shards)]
+    for f in sorted((run_dir / "pids").glob("trainer-*.json")):
+        entries.append(json.loads(f.read_text()))
+    (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
+    return entries
+
+
+def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def launch_train(cfg: JobConfig) -> dict:
+    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from recsys.training.worker import run_worker
+
+    # the shards wait for every trainer's barrier: they must know how many there are
+    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
+    run_dir = Path(cfg.train.run_dir)
+    config_path = write_run_dir(cfg, run_dir)
+    (run_dir / "metrics.json").unlink(missing_ok=True)
+    shards: list[subprocess.Popen] = []
+    try:
+        shards, addresses = start_shards(cfg, config_path, run_dir)
+        write_processes(run_dir, shards)
+        logger.info("ps shards ready at %s", ", ".join(addresses))
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        lc = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=cfg.train.num_trainers,
+            run_id=f"recsys-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
+            start_method="spawn", local_addr="127.0.0.1",
+        )
+        elastic_launch(lc, run_worker)(str(config_path), list(addresses), str(run_dir))
+        write_processes(run_dir, shards)
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()
+                                         if isinstance(v, (int, float))))
+        return metrics
+    finally:
+        stop(shards)
+        write_processes(run_dir, shards)

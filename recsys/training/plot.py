@@ -1,0 +1,55 @@
+"""`recsys plot RUN_DIR`: PNG curves of a run's metrics.jsonl (loss, AUC, samples/s)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CURVES = {
+    "loss": ("loss/train",),
+    "auc": ("auc/train", "final/auc", "auc"),
+    "samples_per_s": ("perf/samples_per_s",),
+}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line: {e}") from None
+    return rows
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write one PNG per curve that has data into RUN_DIR/plots; return their paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("recsys plot needs matplotlib: pip install matplotlib") from None
+    run = Path(run_dir)
+    rows = read_metrics(run / "metrics.jsonl")
+    out_dir = run / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for name, keys in CURVES.items():
+        points = [(r["step"], r[k]) for r in rows for k in keys if k in r]
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.set_title(f"{run.name}: {name}")
+        ax.grid(alpha=0.3)
+        path = out_dir / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

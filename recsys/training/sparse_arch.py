@@ -1,0 +1,201 @@
+"""Sparse arch: a batch's jagged ids -> unique ids per table -> rows pulled from the PS -> pooled.
+
+For one step::
+
+    lookup = sparse_arch.lookup(batch, store)   # issues one pull per table (async, all in flight)
+    pooled, linear = lookup.wait()              # [B, F, D] and [B, F_lin] (or None)
+    ... forward, loss.backward() ...
+    lookup.push(scale)                          # row gradients [U, D] of every table -> store
+
+The rows of each table come back as a leaf tensor [U, D] with requires_grad, so autograd gives
+their gradient directly; no embedding table lives in the trainer. Pooling is one
+`F.embedding_bag` per group of tables sharing (dim, pooling mode): the groups' rows are
+concatenated so the whole batch pools in a handful of kernel calls, not one per feature.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from data.batch import Batch
+from embedding_ps.config import TableConfig
+
+
+class EmbeddingStore(Protocol):
+    """What the sparse arch needs from the parameter server (PSClient or an in-process store)."""
+
+    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> "Future[torch.Tensor]":
+        """Rows [N, D] float32 of int64 ids [N] of table index `table`, for training step `step`."""
+        ...
+
+    def push_async(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> "Future[None]":
+        """Send row gradients [N, D] of ids [N]; the PS applies the table's optimizer."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TablePlan:
+    """One table's part of the batch: which features read it and how they pool."""
+
+    table: int                # index into ps.tables
+    name: str
+    dim: int
+    pooling: str              # "sum" | "mean"
+    features: tuple[int, ...]  # indices into the batch's feature keys, in output order
+    linear: bool              # dim-1 table feeding the model's first-order (wide) terms
+
+
+def plan_tables(
+    features: tuple[str, ...],
+    tables: tuple[TableConfig, ...],
+    feature_tables: dict[str, str],
+    linear_feature_tables: dict[str, str],
+    table_pooling: dict[str, str],
+) -> list[TablePlan]:
+    """Group features by the table they read. Raises ValueError naming a feature or table."""
+    index = {t.name: i for i, t in enumerate(tables)}
+    plans: list[TablePlan] = []
+    for linear, mapping in ((False, feature_tables), (True, linear_feature_tables)):
+        by_table: dict[str, list[int]] = {}
+        for f, feature in enumerate(features):
+            name = mapping.get(feature, None if linear else feature)
+            if name is None:
+                continue
+            if name not in index:
+                raise ValueError(f"feature '{feature}' reads table '{name}', which is not in ps.tables")
+            by_table.setdefault(name, []).append(f)
+        for name, feats in by_table.items():
+            cfg = tables[index[name]]
+            if linear and cfg.dim != 1:
+                raise ValueError(f"linear table '{name}' must have dim 1, got {cfg.dim}")
+            plans.append(TablePlan(index[name], name, cfg.dim, table_pooling.get(name, "sum"),
+                                   tuple(feats), linear))
+    return plans
+
+
+@dataclass
+class SparseLookup:
+    """One step's pulled rows; holds the leaves whose gradients go back to the store."""
+
+    store: EmbeddingStore
+    plans: list[TablePlan]
+    ids: list[torch.Tensor]               # per plan: unique ids [U]
+    inverse: list[torch.Tensor]           # per plan: [N_t] index into the unique ids
+    offsets: list[torch.Tensor]           # per plan: [len(features) * B] bag starts
+    weights: list[torch.Tensor | None]    # per plan: [N_t] per-id weights or None
+    batch_size: int
+    num_features: int
+    futures: list[Future] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+    pull_s: float = 0.0
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
+        t0 = time.perf_counter()
+        self.rows = [fut.result().requires_grad_(True) for fut in self.futures]
+        self.pull_s += time.perf_counter() - t0
+        B = self.batch_size
+        pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
+        linear: dict[int, torch.Tensor] = {}   # feature index -> [B]
+        for group in _groups(self.plans):
+            out = self._pool_group(group)       # [sum(F_t) * B, D]
+            start = 0
+            for p in group:
+                for f in self.plans[p].features:
+                    piece = out[start:start + B]
+                    start += B
+                    if self.plans[p].linear:
+                        linear[f] = piece[:, 0]
+                    else:
+                        pooled[f] = piece
+        dense_feats = sorted(pooled)
+        stacked = torch.stack([pooled[f] for f in dense_feats], dim=1)  # [B, F, D]
+        lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
+        return stacked, lin
+
+    def _pool_group(self, group: list[int]) -> torch.Tensor:
+        """embedding_bag over the concatenated rows of tables sharing dim and pooling mode."""
+        rows = torch.cat([self.rows[p] for p in group]) if len(group) > 1 else self.rows[group[0]]
+        base = 0
+        indices, offsets, weights = [], [], []
+        num_ids = 0
+        for p in group:
+            indices.append(self.inverse[p] + base)
+            offsets.append(self.offsets[p] + num_ids)
+            base += self.ids[p].numel()
+            num_ids += self.inverse[p].numel()
+            w = self.weights[p]
+            weights.append(w if w is not None else torch.ones(self.inverse[p].numel()))
+        use_weights = any(self.weights[p] is not None for p in group)
+        mode = self.plans[group[0]].pooling
+        return F.embedding_bag(
+            torch.cat(indices), rows, torch.cat(offsets), mode=mode,
+            per_sample_weights=torch.cat(weights) if use_weights else None,
+        )
+
+    def push(self, scale: float = 1.0) -> list[Future]:
+        """Send every table's row gradient, multiplied by `scale`, to the store."""
+        futures = []
+        for p, rows in enumerate(self.rows):
+            grad = rows.grad
+            if grad is None:       # the table's output did not reach the loss
+                grad = torch.zeros_like(rows)
+            if scale != 1.0:
+                grad = grad * scale
+            futures.append(self.store.push_async(self.plans[p].table, self.ids[p], grad.detach()))
+        return futures
+
+
+def _groups(plans: list[TablePlan]) -> list[list[int]]:
+    keys: dict[tuple[int, str], list[int]] = {}
+    for i, p in enumerate(plans):
+        keys.setdefault((p.dim, p.pooling), []).append(i)
+    return list(keys.values())
+
+
+class SparseArch:
+    """Turns a Batch's KeyedJagged ids into pulls and, after backward, pushes.
+
+    Example::
+
+        arch = SparseArch(plans)
+        lookup = arch.lookup(batch, store)
+        pooled, linear = lookup.wait()     # [B, F, D], [B, F_lin] | None
+    """
+
+    def __init__(self, plans: list[TablePlan]) -> None:
+        self.plans = plans
+
+    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
+        kj = batch.sparse
+        B = batch.batch_size
+        F_all = len(kj.keys)
+        lengths = kj.lengths.view(F_all, B).to(torch.int64)        # [F, B]
+        per_feature = lengths.sum(dim=1)                            # [F]
+        starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
+        starts_l, counts_l = starts.tolist(), per_feature.tolist()
+        look = SparseLookup(store, self.plans, [], [], [], [], B, F_all)
+        t0 = time.perf_counter()
+        for plan in self.plans:
+            pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
+            values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]          # [N_t]
+            lens = lengths[list(plan.features)].reshape(-1)                        # [F_t * B]
+            offsets = torch.cumsum(lens, 0) - lens                                 # [F_t * B]
+            uniq, inverse = torch.unique(values, return_inverse=True)              # [U], [N_t]
+            if batch.weights is not None:
+                wp = [batch.weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
+                look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])
+            else:
+                look.weights.append(None)
+            look.ids.append(uniq)
+            look.inverse.append(inverse)
+            look.offsets.append(offsets)
+            look.futures.append(store.pull_async(plan.table, uniq, step))
+        look.pull_s = time.perf_counter() - t0
+        return look

@@ -1,0 +1,234 @@
+"""Trainer: one process per rank. Sparse rows come from the PS, the dense model trains under DDP.
+
+A step, in both modes::
+
+    ids --unique--> pull rows [U, D] --embedding_bag--> pooled [B, F, D] --model--> logits [B]
+    loss.backward()  -> dense grads allreduced by DDP, row grads [U, D] pushed to the PS
+
+`sync`: push(t), then barrier(t); the PS applies the step's summed row gradients once, and the
+next pull waits for that. Row gradients are scaled by 1/W so that, with DDP averaging the dense
+gradients, W trainers compute exactly what one process computes on the concatenated batch.
+`async`: the next batch's rows are pulled while the current batch computes, and each push is
+applied by the PS on arrival.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from data.batch import Batch
+from data.loader import ParquetLoader
+from recsys.config import JobConfig
+from recsys.metrics import MetricSink
+from recsys.models import build_model
+from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
+from recsys.training.sparse_arch import EmbeddingStore, SparseArch, SparseLookup, plan_tables
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent per phase since the last log line."""
+
+    data: float = 0.0
+    pull: float = 0.0
+    push: float = 0.0
+    total: float = 0.0
+    samples: int = 0
+    loss_sum: float = 0.0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {
+            "loss/train": self.loss_sum / n,
+            "perf/samples_per_s": self.samples / max(self.total, 1e-9),
+            "data/wait_frac": self.data / max(self.total, 1e-9),
+            "ps/pull_ms": 1e3 * self.pull / n,
+            "ps/push_ms": 1e3 * self.push / n,
+        }
+
+
+def build_sparse_arch(cfg: JobConfig) -> SparseArch:
+    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, cfg.model.feature_tables,
+                        cfg.model.linear_feature_tables, cfg.model.table_pooling)
+    return SparseArch(plans)
+
+
+def build_dense_model(cfg: JobConfig) -> nn.Module:
+    dims = {t.dim for p, t in ((p, cfg.ps.tables[p.table]) for p in build_sparse_arch(cfg).plans) if not p.linear}
+    if len(dims) != 1:
+        raise ValueError(f"the model's embedding tables must share one dim, got {sorted(dims)}")
+    num_sparse = sum(len(p.features) for p in build_sparse_arch(cfg).plans if not p.linear)
+    torch.manual_seed(cfg.train.seed)
+    return build_model(cfg.model, num_dense=len(cfg.data.dense_columns), num_sparse=num_sparse,
+                       embedding_dim=dims.pop())
+
+
+class Trainer:
+    """Build / train_step / train / evaluate / close for one rank."""
+
+    def __init__(self, cfg: JobConfig, store: EmbeddingStore, *, rank: int = 0, world_size: int = 1,
+                 metric_logger: MetricSink | None = None) -> None:
+        self.cfg, self.store, self.rank, self.world_size = cfg, store, rank, world_size
+        self.device = torch.device(cfg.train.device)
+        self.sparse = build_sparse_arch(cfg)
+        self.model = build_dense_model(cfg).to(self.device)
+        self.ddp = wrap_ddp(self.model, cfg.train, self.device)
+        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.train)
+        self.loss_fn = nn.BCEWithLogitsLoss()
+        self.metric_logger = metric_logger
+        self.step = 0
+        self._loader: ParquetLoader | None = None
+        self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps())
+
+    def total_steps(self) -> int:
+        return self.cfg.train.max_steps or 0
+
+    @property
+    def loader(self) -> ParquetLoader:
+        """The training reader (built on first use: eval / predict never open the train files)."""
+        if self._loader is None:
+            self._loader = ParquetLoader(self.cfg.data, self.cfg.data.train_paths, rank=self.rank,
+                                         world_size=self.world_size)
+        return self._loader
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def forward(self, batch: Batch, lookup: SparseLookup, train: bool = True) -> torch.Tensor:
+        """Logits [B] of a batch whose rows are (being) pulled in `lookup`."""
+        pooled, linear = lookup.wait()                          # [B, F, D], [B, F_lin] | None
+        model = self.ddp if train else self.model
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.autocast):
+            logits = model(batch.dense.to(self.device), pooled.to(self.device),
+                           None if linear is None else linear.to(self.device))
+        return logits.float()
+
+    def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes) -> float:
+        """Forward, backward, push row grads, dense optimizer step. Returns the batch loss."""
+        acc = self.cfg.train.grad_accum_steps
+        last_micro = (self.step + 1) % acc == 0
+        sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else _null()
+        with sync_ctx:
+            logits = self.forward(batch, lookup)
+            loss = self.loss_fn(logits, batch.labels.to(self.device))
+            (loss / acc).backward()
+        t0 = time.perf_counter()
+        futures = lookup.push(scale=1.0 / (self.world_size * acc))
+        for fut in futures:
+            fut.result()
+        self.store.barrier(self.step)   # sync: the shards apply the step; async: progress for staleness
+        times.push += time.perf_counter() - t0
+        times.pull += lookup.pull_s
+        if last_micro:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    def _batches(self) -> Iterator[tuple[Batch, float]]:
+        """Training batches over all epochs, with the seconds spent waiting for each."""
+        for epoch in range(self.cfg.train.epochs):
+            self.loader.set_epoch(epoch)
+            it = iter(self.loader)
+            while True:
+                t0 = time.perf_counter()
+                batch = next(it, None)
+                if batch is None:
+                    break
+                yield batch, time.perf_counter() - t0
+
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        times = StepTimes()
+        t_start = t_log = time.perf_counter()
+        prefetch = cfg.ps.mode == "async"
+        pending: tuple[Batch, SparseLookup] | None = None
+        batches = self._batches()
+        samples = 0
+        self.model.train()
+        while not cfg.train.max_steps or self.step < cfg.train.max_steps:
+            if pending is None:
+                nxt = next(batches, None)
+                if nxt is None:
+                    break
+                times.data += nxt[1]
+                pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step))
+            batch, lookup = pending
+            pending = None
+            if prefetch:   # async: the next batch's pulls fly while this one computes
+                nxt = next(batches, None)
+                if nxt is not None:
+                    times.data += nxt[1]
+                    pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step + 1))
+            loss = self.train_step(batch, lookup, times)
+            self.step += 1
+            times.steps += 1
+            times.samples += batch.batch_size
+            samples += batch.batch_size
+            times.loss_sum += loss
+            if self.step % cfg.train.log_every == 0:
+                times.total = time.perf_counter() - t_log
+                self._log(times.as_metrics())
+                times, t_log = StepTimes(), time.perf_counter()
+        elapsed = time.perf_counter() - t_start
+        return {"steps": float(self.step), "train_s": elapsed, "samples": float(samples)}
+
+    def predict(self, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Labels [N], scores [N] (sigmoid of logits) and passthrough columns [N] of this rank's part of `paths`.
+
+        The next batch's pulls fly while the current batch computes.
+        """
+        labels, scores = [], []
+        extras: dict[str, list[torch.Tensor]] = {}
+        self.model.eval()
+        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False)   # scores in file order
+        with torch.no_grad(), ParquetLoader(data_cfg, paths, rank=self.rank,
+                                            world_size=self.world_size) as loader:
+            it = iter(loader)
+            batch = next(it, None)
+            lookup = self.sparse.lookup(batch, self.store) if batch is not None else None
+            while batch is not None:
+                nxt = next(it, None)
+                nxt_lookup = self.sparse.lookup(nxt, self.store) if nxt is not None else None
+                scores.append(torch.sigmoid(self.forward(batch, lookup, train=False)))
+                labels.append(batch.labels)
+                for name, col in (batch.extras or {}).items():
+                    extras.setdefault(name, []).append(torch.as_tensor(col))
+                batch, lookup = nxt, nxt_lookup
+        self.model.train()
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
+        return cat(labels), cat(scores), {k: cat(v) for k, v in extras.items()}
+
+    def _log(self, values: dict[str, float]) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            t = torch.tensor(list(values.values()), dtype=torch.float64)
+            dist.all_reduce(t)
+            values = dict(zip(values, (t / self.world_size).tolist()))
+            values["perf/samples_per_s"] *= self.world_size
+        if self.rank == 0 and self.metric_logger is not None:
+            self.metric_logger.log(values, self.step)
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,113 @@
+"""One trainer process: joins the process group, trains, evaluates, saves (rank 0), reports."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from recsys.config import JobConfig, load_config
+from recsys.metrics import (MetricLogger, NullMetricLogger, all_gather_cat, auc, calibration, logloss,
+                            normalized_entropy)
+from recsys.training.store import connect_store
+from recsys.training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor of any length from every rank, concatenated in rank order (as is for 1 process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    return all_gather_cat(t, None)
+
+
+def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None) -> dict[str, float]:
+    """auc, logloss, ne, calibration (and oracle_auc when p_true is known) of the gathered eval set."""
+    labels, scores = labels.double(), scores.double()
+    out = {
+        "auc": float(auc(labels, scores)),
+        "logloss": float(logloss(labels, scores)),
+        "ne": float(normalized_entropy(labels, scores)),
+        "calibration": float(calibration(labels, scores)),
+        "eval_examples": float(labels.numel()),
+    }
+    if p_true is not None:
+        out["oracle_auc"] = float(auc(labels, p_true.double()))
+    return out
+
+
+def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s trainer{rank}: %(message)s")
+    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
+    if cfg.train.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def save_model(trainer: Trainer, store, model_dir: Path) -> None:
+    """Dense state (rank 0) plus every shard's own dump, written by the shards themselves."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(trainer.model.state_dict(), model_dir / "dense.tmp")
+    os.replace(model_dir / "dense.tmp", model_dir / "dense.pt")
+    store.save(str((model_dir / "ps").resolve()))
+
+
+def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
+    """Entry point of a trainer process (started by torch.distributed.elastic)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(config_path)
+    if cfg.ps.num_workers != world:
+        raise ValueError(f"{config_path}: ps.num_workers = {cfg.ps.num_workers} but {world} trainers run; "
+                         f"the shards would wait for workers that never come")
+    _setup_process(cfg, rank, world)
+    out = Path(run_dir)
+    (out / "pids").mkdir(parents=True, exist_ok=True)
+    (out / "pids" / f"trainer-{rank}.json").write_text(
+        json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid()}))
+    metric_logger = MetricLogger(out / "metrics.jsonl") if rank == 0 else NullMetricLogger()
+    store = connect_store(cfg, addresses, worker_id=rank)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger)
+        t0 = time.perf_counter()
+        summary = trainer.train()
+        samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
+        final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
+        final["samples_per_s"] = float(_sum_all(samples_per_s))
+        if cfg.data.eval_paths:
+            labels, scores, extras = trainer.predict(cfg.data.eval_paths)
+            p_true = extras.get("p_true")
+            labels, scores = gather_cat(labels), gather_cat(scores)
+            p_true = gather_cat(p_true) if p_true is not None else None
+            final.update(eval_metrics(labels, scores, p_true))
+        if rank == 0:
+            save_model(trainer, store, out / "model")
+            metric_logger.log({f"final/{k}": v for k, v in final.items()}, trainer.step)
+            (out / "metrics.json").write_text(json.dumps(final, indent=1))
+            logger.info("final metrics: %s", final)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        store.close()
+        metric_logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _sum_all(x: float) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
