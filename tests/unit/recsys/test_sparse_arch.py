@@ -20,7 +20,7 @@ class DictStore:
         self.tables = tables
         self.pushed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def pull_async(self, table: int, ids: torch.Tensor) -> Future:
+    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> Future:
         f: Future = Future()
         f.set_result(self.tables[table][ids].clone())
         return f
