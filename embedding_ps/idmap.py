@@ -186,10 +186,10 @@ class IdMap:
 class BoundedCounter:
     """Sighting counts (int32) and last-seen steps of at most `max_entries` int64 keys.
 
-    Used for ids that are not admitted yet: a flood of new ids cannot grow it past the bound.
-    When an `add` would pass the bound, the entries with the lowest (count, last seen) are
-    dropped until a quarter of the bound is free again (ties broken by the smaller key), so
-    their counts start over when they come back.
+    Used for ids that are not admitted yet: a flood of new ids cannot grow it past the bound
+    (beyond one batch, transiently). When an `add` leaves more than `max_entries` keys, the
+    entries with the lowest (count, last seen, key) are dropped until a quarter of the bound is
+    free again, so their counts start over when they come back.
     """
 
     def __init__(self, max_entries: int) -> None:
@@ -214,10 +214,6 @@ class BoundedCounter:
     def add(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Count one sighting of each distinct key int64 [N] at `step`; returns the counts int32 [N]."""
         slots = self.map.lookup(keys)
-        n_new = int(np.count_nonzero(slots < 0))
-        if n_new and len(self.map) + n_new > self.max_entries:
-            self._shrink(max(0, min(self.max_entries * 3 // 4, self.max_entries - n_new)))
-            slots = self.map.lookup(keys)  # the shrink may have dropped some of these keys
         new = slots < 0
         n_new = int(np.count_nonzero(new))
         if n_new:
@@ -228,8 +224,8 @@ class BoundedCounter:
         self.count[slots] += 1
         self.last_seen[slots] = step
         out = self.count[slots].copy()
-        if len(self.map) > self.max_entries:  # a single batch larger than the bound
-            self._shrink(self.max_entries)
+        if len(self.map) > self.max_entries:
+            self._shrink(self.max_entries * 3 // 4)
         return out
 
     def remove(self, keys: np.ndarray) -> None:

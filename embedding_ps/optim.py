@@ -172,3 +172,37 @@ def reference_update(cfg: TableConfig, w: torch.Tensor, state: dict[str, torch.T
         w.copy_(torch.where(z.abs() <= cfg.ftrl_l1, torch.zeros_like(w), new_w))
     else:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+class ReferenceTable:
+    """A whole table in plain torch, one row at a time: {key: (row [D], state)}. For tests only.
+
+    `push` sums duplicate keys' gradients in arrival order, creates missing rows from `init`
+    (a function key -> float32 [D]), and applies `reference_update`; no admission or eviction.
+    """
+
+    def __init__(self, cfg: TableConfig, init) -> None:
+        self.cfg, self.init, self.rows = cfg, init, {}
+
+    def _new_row(self, key: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        d = self.cfg.dim
+        state = {
+            s.name: torch.full((d,) if s.per_coordinate else (), fill_value(self.cfg, s), dtype=s.dtype)
+            for s in state_specs(self.cfg)
+        }
+        return self.init(key).clone().to(torch.float32), state
+
+    def push(self, keys: torch.Tensor, grads: torch.Tensor) -> None:
+        summed: dict[int, torch.Tensor] = {}
+        for k, g in zip(keys.tolist(), grads):
+            summed[k] = summed[k] + g if k in summed else g.clone()
+        for k, g in summed.items():
+            if k not in self.rows:
+                self.rows[k] = self._new_row(k)
+            w, state = self.rows[k]
+            reference_update(self.cfg, w, state, g)
+            if self.cfg.dtype == "fp16":
+                w.copy_(w.half().float())
+
+    def pull(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.rows[k][0] if k in self.rows else self.init(k) for k in keys.tolist()])

@@ -38,7 +38,6 @@ from embedding_ps.sharding import splitmix64_np
 logger = logging.getLogger(__name__)
 
 _ADMIT_SALT = 0x5851F42D4C957F2D
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _COUNTERS = ("slot_keys", "count", "last_seen", "last_update")
 
 
@@ -182,6 +181,8 @@ class TableShard:
     def _evict(self, keys: np.ndarray, slots: np.ndarray, step: int, reason: str) -> None:
         if keys.shape[0] == 0:
             return
+        order = np.argsort(keys, kind="stable")  # log and free stack in key order: independent of map layout
+        keys, slots = keys[order], slots[order]
         self.map.delete(keys)
         n = slots.shape[0]
         if self.nfree + n > self.free.shape[0]:
@@ -304,7 +305,7 @@ class TableShard:
             arrays[f"pending.{name}"] = a
         log_keys, log_steps = self.eviction_log()
         arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
-        meta = {"hwm": h, "evlog_lost_through": self.evlog_lost_through, "pending_dropped": self.pending.dropped}
+        meta = {"hwm": h, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through, "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
         return arrays, meta
 
@@ -312,7 +313,7 @@ class TableShard:
         """Replace all state with what `to_arrays` returned (arrays are copied)."""
         self.__init__(self.cfg, self.where)
         h = int(meta["hwm"])
-        self._grow(max(h, 64))
+        self._grow(max(h, int(meta["capacity"]), 64))
         self.hwm = h
         self.weights[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays["weights"])))
         for name, t in self.state.items():
@@ -343,7 +344,7 @@ def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, in
 def admission_coin(keys: np.ndarray, step: int, key: int) -> np.ndarray:
     """int64 [K] -> float64 [K] in [0, 1): the admission coin of (table seed, key, step)."""
     z = splitmix64_np(keys.view(np.uint64) ^ np.uint64(key))
-    z += np.uint64(step & (2**64 - 1)) * _GOLDEN
+    z += np.uint64((step * 0x9E3779B97F4A7C15) & (2**64 - 1))
     z = splitmix64_np(z)
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 

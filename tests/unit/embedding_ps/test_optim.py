@@ -1,0 +1,118 @@
+"""Every sparse optimizer: hand-computed values, the one-row reference, and fbgemm == torch."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.init import init_rows
+from embedding_ps.optim import ReferenceTable
+from embedding_ps.shard import ShardState
+
+OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
+
+
+def one_table_state(**kw) -> ShardState:
+    return ShardState(PSConfig(tables=(TableConfig(name="t", **kw),)), 0)
+
+
+def rows_of(state: ShardState, ids: list[int]) -> torch.Tensor:
+    return state.pull(0, torch.tensor(ids, dtype=torch.int64))
+
+
+# ids [3, 3, 5]: id 3 gets [1, 2] + [3, -2] = [4, 0], id 5 gets [0.5, 0.5]; rows start at zero.
+IDS = torch.tensor([3, 3, 5])
+GRADS = torch.tensor([[1.0, 2.0], [3.0, -2.0], [0.5, 0.5]])
+HAND = {
+    # w -= 0.1 * g
+    ("sgd", 1): [[-0.4, 0.0], [-0.05, -0.05]],
+    # h = g*g = [16, 0] / [.25, .25];  w = -0.1 * g / sqrt(h)  (0 / (0 + eps) = 0)
+    ("adagrad", 1): [[-0.1, 0.0], [-0.1, -0.1]],
+    # h = mean(g*g) = 8 / 0.25;  w = -0.1 * g / sqrt(h)
+    ("rowwise_adagrad", 1): [[-0.4 / math.sqrt(8.0), 0.0], [-0.1, -0.1]],
+    # bias-corrected m_hat = g, v_hat = g*g at t=1 and again at t=2: each step moves -0.1 * sign(g)
+    ("adam", 1): [[-0.1, 0.0], [-0.1, -0.1]],
+    ("adam", 2): [[-0.2, 0.0], [-0.2, -0.2]],
+    # n = g*g, z = g, w = -z / ((beta + |g|) / alpha) = -0.1 g / (1 + |g|)
+    ("ftrl", 1): [[-0.4 / 5.0, 0.0], [-0.05 / 1.5, -0.05 / 1.5]],
+}
+
+
+@pytest.mark.parametrize("name,pushes", sorted(HAND))
+def test_hand_computed_values_with_duplicate_ids(name: str, pushes: int) -> None:
+    state = one_table_state(dim=2, init="zeros", optimizer=name, lr=0.1)
+    for step in range(pushes):
+        state.push(0, IDS, GRADS, step=step)
+    torch.testing.assert_close(rows_of(state, [3, 5]), torch.tensor(HAND[(name, pushes)]), atol=1e-6, rtol=1e-5)
+
+
+def test_ftrl_l1_zeroes_small_z_and_l2_shrinks() -> None:
+    state = one_table_state(dim=2, init="zeros", optimizer="ftrl", lr=0.1, ftrl_l1=1.0, ftrl_l2=2.0)
+    state.push(0, IDS, GRADS, step=0)
+    # id 3: z = [4, 0] -> w0 = -(4 - 1) / ((1 + 4) / 0.1 + 2) = -3 / 52, w1 = 0 (|z| <= l1); id 5: |z| = 0.5 <= 1
+    torch.testing.assert_close(rows_of(state, [3, 5]), torch.tensor([[-3.0 / 52.0, 0.0], [0.0, 0.0]]))
+
+
+def test_rowwise_adagrad_state_is_mean_square_plus_initial_accumulator() -> None:
+    state = one_table_state(dim=2, init="zeros", optimizer="rowwise_adagrad", lr=0.1, initial_accumulator=1.0)
+    state.push(0, IDS, GRADS, step=0)
+    keys, rows, st = state.dump_table(0)
+    assert keys.tolist() == [3, 5]
+    torch.testing.assert_close(st["sum_sq"], torch.tensor([9.0, 1.25]))
+    torch.testing.assert_close(rows[0], torch.tensor([-0.4 / 3.0, 0.0]))
+
+
+def random_pushes(num_pushes: int, dim: int, seed: int = 0, id_range: int = 60, n: int = 50):
+    g = torch.Generator().manual_seed(seed)
+    for step in range(num_pushes):
+        ids = torch.randint(-id_range, id_range, (n,), generator=g)  # many duplicates per push
+        yield step, ids, torch.randn(n, dim, generator=g)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_fast_path_matches_one_row_reference(name: str, dtype: str) -> None:
+    cfg = TableConfig(name="t", dim=5, optimizer=name, lr=0.05, dtype=dtype, init="normal", init_scale=0.1,
+                      initial_accumulator=0.1, ftrl_l1=0.01, ftrl_l2=0.1, seed=7)
+    state = ShardState(PSConfig(tables=(cfg,)), 0)
+    ref = ReferenceTable(cfg, lambda k: init_rows(torch.tensor([k]), cfg.dim, cfg.seed, cfg.init, cfg.init_scale)[0]
+                         .to(torch.float16 if dtype == "fp16" else torch.float32).float())
+    for step, ids, grads in random_pushes(8, cfg.dim):
+        state.push(0, ids, grads, step)
+        ref.push(ids, grads)
+    keys, rows, st = state.dump_table(0)
+    assert sorted(ref.rows) == keys.tolist()
+    expect = torch.stack([ref.rows[k][0] for k in keys.tolist()])
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == "fp16" else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(rows, expect, **tol)
+    for sname, values in st.items():
+        if sname in ("count", "last_seen", "last_update"):
+            continue
+        expect_state = torch.stack([ref.rows[k][1][sname] for k in keys.tolist()])
+        torch.testing.assert_close(values, expect_state, **tol)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_fbgemm_kernel_matches_torch_path(name: str, dtype: str) -> None:
+    base = TableConfig(name="t", dim=8, optimizer=name, lr=0.05, dtype=dtype, initial_accumulator=0.1)
+    results = []
+    for kernel in ("torch", "fbgemm"):
+        state = ShardState(PSConfig(tables=(dataclasses.replace(base, kernel=kernel),)), 0)
+        for step, ids, grads in random_pushes(6, base.dim, seed=3):
+            state.push(0, ids, grads, step)
+        results.append(state.dump_table(0))
+    (k0, r0, s0), (k1, r1, s1) = results
+    assert torch.equal(k0, k1)
+    # fp16 rows: the two paths may round the last bit differently
+    tol = dict(atol=1e-4, rtol=1e-3) if dtype == "fp16" else dict(atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(r0, r1, **tol)
+    for sname in s0:
+        torch.testing.assert_close(s0[sname], s1[sname], atol=1e-6, rtol=1e-6)
+
+
+def test_fbgemm_kernel_rejected_for_adam() -> None:
+    with pytest.raises(ValueError, match="kernel='fbgemm' supports optimizer sgd, adagrad, rowwise_adagrad"):
+        TableConfig(name="t", dim=4, optimizer="adam", kernel="fbgemm")
