@@ -1,0 +1,161 @@
+"""Sync mode is exact: W trainers + S shards end where one plain-PyTorch process ends.
+
+The job runs for real (`recsys train` path: PS shard processes, trainers under
+torch.distributed.elastic, gloo DDP). The reference is one process with nn.EmbeddingBag tables,
+the same dense model and optimizer, and the PS optimizer's own per-row math
+(`embedding_ps.optim.reference_update`), trained on the concatenation of the ranks' batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from data.loader import ParquetLoader
+from data.synthetic import generate
+from embedding_ps.init import init_rows
+from embedding_ps.optim import fill_value, reference_update, state_specs
+from recsys.config import JobConfig, load_config
+from recsys.models import build_model
+from recsys.training.launch import launch_train
+from recsys.training.store import LocalStore
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 20
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-data")
+    generate(preset="tiny", rows=4 * STEPS * BATCH, num_files=3, out_dir=str(out), seed=5, row_group_rows=500)
+    return out
+
+
+def job(tmp_path: Path, data: Path, trainers: int, shards: int, optimizer: str) -> JobConfig:
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"data.train_paths=['{data}']", "data.eval_paths=[]", f"data.batch_size={BATCH}",
+        "data.shuffle_buffer_rows=64", "data.drop_last=true",
+        f"ps.num_shards={shards}", "ps.mode='sync'", f"train.num_trainers={trainers}",
+        f"train.max_steps={STEPS}", f"train.run_dir='{tmp_path / 'run'}'", "train.log_every=5",
+        "train.num_threads=1",
+    ])
+    return _with_optimizer(cfg, optimizer)
+
+
+def _with_optimizer(cfg: JobConfig, optimizer: str) -> JobConfig:
+    import dataclasses
+
+    tables = tuple(dataclasses.replace(t, optimizer=optimizer, lr=0.05 if optimizer != "adam" else 0.01)
+                   for t in cfg.ps.tables)
+    return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
+
+
+def global_batches(cfg: JobConfig, world: int):
+    """Per step, every rank's batch (rank order), read exactly as the trainers read them."""
+    loaders = [ParquetLoader(cfg.data, cfg.data.train_paths, rank=r, world_size=world) for r in range(world)]
+    try:
+        for loader in loaders:
+            loader.set_epoch(0)
+        its = [iter(loader) for loader in loaders]
+        for _ in range(STEPS):
+            yield [next(it) for it in its]
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+class Reference:
+    """One process: nn.EmbeddingBag per table over the ids of the data, the same dense model."""
+
+    def __init__(self, cfg: JobConfig, vocab: dict[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.tables = {t.name: t for t in cfg.ps.tables}
+        self.vocab = vocab                                  # table -> sorted ids [V]
+        self.bags = {}
+        self.state = {}
+        for name, ids in vocab.items():
+            t = self.tables[name]
+            bag = nn.EmbeddingBag(ids.numel(), t.dim, mode=cfg.model.table_pooling.get(name, "sum"))
+            with torch.no_grad():
+                bag.weight.copy_(init_rows(ids, t.dim, t.seed, t.init, t.init_scale))
+            self.bags[name] = bag
+            self.state[name] = [
+                {s.name: torch.full((t.dim,) if s.per_coordinate else (), fill_value(t, s), dtype=s.dtype)
+                 for s in state_specs(t)} for _ in range(ids.numel())
+            ]
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
+                                 num_sparse=len(cfg.data.sparse_columns), embedding_dim=cfg.ps.tables[0].dim)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.train.dense_lr)
+
+    def step(self, batches) -> None:
+        dense = torch.cat([b.dense for b in batches])
+        labels = torch.cat([b.labels for b in batches])
+        pooled = []
+        for feature in self.cfg.data.sparse_columns:
+            values, lengths = [], []
+            for b in batches:
+                j = b.sparse[feature]
+                values.append(j.values)
+                lengths.append(j.lengths.long())
+            values, lengths = torch.cat(values), torch.cat(lengths)
+            local = torch.searchsorted(self.vocab[feature], values)
+            pooled.append(self.bags[feature](local, torch.cumsum(lengths, 0) - lengths))
+        logits = self.model(dense, torch.stack(pooled, dim=1), None)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        for bag in self.bags.values():
+            bag.zero_grad()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        for feature in self.cfg.data.sparse_columns:            # the PS's sparse update, row by row
+            touched = torch.unique(torch.cat([torch.searchsorted(self.vocab[feature], b.sparse[feature].values)
+                                              for b in batches]))
+            w, g = self.bags[feature].weight, self.bags[feature].weight.grad
+            with torch.no_grad():
+                for r in touched.tolist():
+                    reference_update(self.tables[feature], w[r], self.state[feature][r], g[r].clone())
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("trainers, shards", [(1, 1), (2, 2)])
+def test_sync_training_equals_one_process_reference(tmp_path: Path, tiny_data: Path, trainers: int,
+                                                    shards: int, optimizer: str) -> None:
+    cfg = job(tmp_path, tiny_data, trainers, shards, optimizer)
+    launch_train(cfg)
+    run = tmp_path / "run"
+    assert json.loads((run / "metrics.json").read_text())["steps"] == STEPS
+
+    steps = list(global_batches(cfg, trainers))
+    vocab = {f: torch.unique(torch.cat([b.sparse[f].values for bs in steps for b in bs]))
+             for f in cfg.data.sparse_columns}
+    ref = Reference(cfg, vocab)
+    for batches in steps:
+        ref.step(batches)
+
+    dense = torch.load(run / "model" / "dense.pt", weights_only=True)
+    for name, p in ref.model.state_dict().items():
+        torch.testing.assert_close(dense[name], p, atol=1e-5, rtol=0, msg=f"dense {name}")
+    store = LocalStore.from_dir(cfg.ps, run / "model" / "ps")
+    for t, table in enumerate(cfg.ps.tables):
+        got = store.pull(t, vocab[table.name])
+        torch.testing.assert_close(got, ref.bags[table.name].weight.detach(), atol=1e-5, rtol=0,
+                                   msg=f"table {table.name}")
+    # the run really trained: the rows moved away from their init
+    first = cfg.ps.tables[0]
+    init = init_rows(vocab[first.name], first.dim, first.seed, first.init, first.init_scale)
+    assert (store.pull(0, vocab[first.name]) - init).abs().max() > 1e-3
+    processes = json.loads((run / "processes.json").read_text())
+    assert sum(p["role"] == "trainer" for p in processes) == trainers
+    for p in processes:
+        if p["role"] != "launcher":
+            with pytest.raises(ProcessLookupError):
+                os.kill(p["pid"], 0)
