@@ -43,7 +43,12 @@ class DataConfig:
     drop_last: bool = False
     """Drop the final partial batch of a rank's epoch."""
     passthrough_columns: tuple[str, ...] = ()
-    """Columns copied next to the scores by `recsys predict`."""
+    """Columns carried unchanged into `Batch.extras` (numpy [B]), e.g. copied next to the scores by
+    `recsys predict`."""
+    validate_batches: bool = False
+    """Run `validate_batch()` on every batch the loader yields (the data-boundary check)."""
+    pin_memory: bool = False
+    """Put batches in page-locked memory in the prefetch thread (only when CUDA is available)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -54,6 +59,11 @@ class DataConfig:
             raise ValueError(f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
         if self.prefetch_batches < 0:
             raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        for key in ("dense_columns", "sparse_columns", "passthrough_columns"):
+            cols = getattr(self, key)
+            if len(set(cols)) != len(cols):
+                dup = sorted({c for c in cols if cols.count(c) > 1})
+                raise ValueError(f"data.{key} names {dup} more than once")
         for col in self.weight_columns:
             if col not in self.sparse_columns:
                 raise ValueError(

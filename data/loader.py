@@ -1,0 +1,427 @@
+"""`ParquetLoader`: Parquet files -> `Batch`es for one rank, shuffled, prefetched, exactly resumable.
+
+    loader = ParquetLoader(cfg.data, cfg.data.train_paths, rank=r, world_size=W)
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:            # Batch of cfg.batch_size rows (the last may be smaller)
+            ...
+        state = loader.state_dict()     # JSON-able; into the checkpoint
+    loader.close()
+
+Order (see data/sharding.py): the (file, row group) units are permuted per epoch with a seed of
+(seed, epoch), the rank takes its contiguous share of rows, and the rows are shuffled inside
+windows of `shuffle_buffer_rows` with a seed of (seed, epoch, rank, window). The position is
+(epoch, window, offset inside the window), so `state_dict()` after any batch and
+`load_state_dict()` into a new loader continue with exactly the rows an uninterrupted read would
+have given, without storing rows. Under on_bad_rows = "skip" the offset counts the rows kept.
+
+A daemon thread decodes `prefetch_batches` batches ahead; its exceptions are raised in the
+consumer. The position reported is that of the batches the consumer has received, not of the
+ones decoded ahead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from data.batch import Batch, validate_batch
+from data.config import DataConfig
+from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
+from data.rows import BatchLayout, Index, Rows, gather
+from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
+
+__all__ = ["DataError", "ParquetLoader"]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_MAX_OPEN_FILES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One step of the stream: a batch (None at the end of the epoch) and the position after it."""
+
+    batch: Batch | None
+    window: int
+    offset: int
+    bad_rows: int
+    """rows dropped in the windows this item entered first"""
+
+
+class _Files:
+    """Reads the row groups of a stream in order, `readahead` row groups ahead on a worker thread.
+
+    `keys` is the order the producer will ask for (source, row group); the open Parquet files (a
+    few, LRU) are used by the worker thread only (or by the caller's thread when readahead = 0).
+    """
+
+    def __init__(self, sources: list[ParquetSource], plan: ColumnPlan, keys: list[tuple[int, int]],
+                 readahead: int) -> None:
+        self.sources, self.plan = sources, plan
+        self.open: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self.keys = deque(keys)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-read") if readahead > 0 else None
+        self.ahead: deque[tuple[tuple[int, int], Future[pa.Table]]] = deque()
+        self.readahead = readahead
+        self.key: tuple[int, int] | None = None
+        self.table: pa.Table | None = None
+
+    def _read(self, src: int, rg: int) -> pa.Table:
+        source = self.sources[src]
+        pf = self.open.pop(src, None)
+        if pf is None:
+            try:
+                pf = pq.ParquetFile(source.path, metadata=source.metadata)
+            except Exception as e:
+                raise DataError(f"{source.path}: row group {rg}: cannot open ({type(e).__name__}: {e})") from e
+        self.open[src] = pf
+        if len(self.open) > _MAX_OPEN_FILES:
+            self.open.popitem(last=False)[1].close()
+        return read_row_group(source, pf, rg, self.plan)
+
+    def row_group(self, src: int, rg: int) -> pa.Table:
+        """The planned columns of row group `rg` of source `src` (the last one is kept)."""
+        if self.key == (src, rg):
+            return self.table
+        self.key, self.table = None, None                # drop the previous row group first
+        while self.keys and self.keys[0] != (src, rg):   # the stream asks in `keys` order
+            self.keys.popleft()
+        if self.keys:
+            self.keys.popleft()
+        if self.pool is None:
+            table = self._read(src, rg)
+        else:
+            while self.ahead and self.ahead[0][0] != (src, rg):
+                self.ahead.popleft()[1].cancel()
+            fut = self.ahead.popleft()[1] if self.ahead else self.pool.submit(self._read, src, rg)
+            while len(self.ahead) < self.readahead and self.keys:
+                nxt = self.keys[len(self.ahead)] if len(self.ahead) < len(self.keys) else None
+                if nxt is None:
+                    break
+                self.ahead.append((nxt, self.pool.submit(self._read, *nxt)))
+            table = fut.result()
+        self.key, self.table = (src, rg), table
+        return table
+
+    def close(self) -> None:
+        self.key, self.table = None, None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.clear()
+        while self.open:
+            self.open.popitem()[1].close()
+
+
+class _Reader:
+    """The immutable part of a loader: what to read and how; produces a rank's stream of `_Item`s."""
+
+    def __init__(self, cfg: DataConfig, paths: Sequence[str], rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.sources, self.plan, self.skipped = scan_files(cfg, resolve_paths(tuple(paths)))
+        self.decoder = Decoder(cfg, self.plan)
+        self.units = list_units([s.row_group_rows for s in self.sources])
+        self.row_shuffle = cfg.shuffle and cfg.shuffle_buffer_rows > 0
+        self.window_rows = cfg.shuffle_buffer_rows if self.row_shuffle else DEFAULT_WINDOW_ROWS
+        self.layout = BatchLayout(tuple(cfg.sparse_columns), self.plan.layout, bool(cfg.weight_columns))
+        self.pin = cfg.pin_memory and torch.cuda.is_available()
+        h = hashlib.sha1()
+        for s in self.sources:
+            h.update(f"{os.path.basename(s.path)}:{','.join(map(str, s.row_group_rows))};".encode())
+        self.fingerprint = h.hexdigest()
+
+    def windows(self, epoch: int) -> Windows:
+        pieces = rank_stream(self.units, epoch=epoch, seed=self.cfg.seed, shuffle=self.cfg.shuffle,
+                             rank=self.rank, world_size=self.world_size)
+        return Windows(pieces, self.window_rows)
+
+    def _window(self, files: _Files, windows: Windows, w: int) -> tuple[Rows | None, int]:
+        """(the kept rows of window w in file order - None if none, rows dropped)."""
+        parts, dropped = [], 0
+        for p in windows.pieces_of(w):
+            path = self.sources[p.source].path
+            try:
+                table = files.row_group(p.source, p.row_group)
+            except DataError as e:
+                if self.cfg.on_bad_rows == "error":
+                    raise
+                logger.warning("skipping %d rows: %s", p.num_rows, e)
+                dropped += p.num_rows
+                continue
+            rows, n_bad, why = self.decoder.decode(table.slice(p.start, p.num_rows),
+                                                   f"{path}: row group {p.row_group}", p.start)
+            if n_bad:
+                logger.warning("%s: row group %d rows %d..%d: skipped %d bad rows (%s)", path, p.row_group,
+                               p.start, p.stop - 1, n_bad, ", ".join(f"{k}: {v}" for k, v in why.items()))
+            dropped += n_bad
+            if len(rows):
+                parts.append(rows)
+        return (Rows.concat(parts) if parts else None), dropped
+
+    def _batch(self, segments: list[tuple[Rows, Index]]) -> Batch:
+        batch = gather(segments, self.layout)
+        if self.cfg.validate_batches:
+            validate_batch(batch)
+        return batch.pin_memory() if self.pin else batch
+
+    def stream(self, epoch: int, window: int, offset: int) -> Iterator[_Item]:
+        """Items of `epoch` from position (window, offset) to the end (a final item with batch None)."""
+        windows = self.windows(epoch)
+        keys = [(p.source, p.row_group) for w in range(window, windows.num_windows) for p in windows.pieces_of(w)]
+        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
+        B = self.cfg.batch_size
+        carry: list[tuple[Rows, Index]] = []
+        n_carry = bad = 0
+        try:
+            for w in range(window, windows.num_windows):
+                rows, dropped = self._window(files, windows, w)
+                n = 0 if rows is None else len(rows)
+                start = offset if w == window else 0
+                if start == 0:
+                    bad += dropped             # counted by the item that enters the window
+                if start > n:
+                    raise ValueError(f"resume position (window {w}, offset {start}) is past the "
+                                     f"window's {n} rows: the data changed since the state was saved")
+                order = epoch_seed(self.cfg.seed, epoch, 1, self.rank, w).permutation(n) if self.row_shuffle else None
+                pos = start
+                while pos < n:
+                    take = min(B - n_carry, n - pos)
+                    carry.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
+                    n_carry += take
+                    pos += take
+                    if n_carry == B:
+                        yield _Item(self._batch(carry), *((w, pos) if pos < n else (w + 1, 0)), bad)
+                        carry, n_carry, bad = [], 0, 0
+            end = max(windows.num_windows, window)
+            if carry and not self.cfg.drop_last:
+                yield _Item(self._batch(carry), end, 0, bad)
+                bad = 0
+            yield _Item(None, end, 0, bad)
+        finally:
+            files.close()
+
+
+class _Prefetcher:
+    """Runs an item generator on a daemon thread, at most `depth` items ahead of the consumer."""
+
+    def __init__(self, items: Iterator[_Item], depth: int) -> None:
+        self._q: queue.Queue[Any] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(items,), name="parquet-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, items: Iterator[_Item]) -> None:
+        try:
+            for item in items:
+                if not self._put(item):
+                    return
+        except BaseException as e:       # handed to the consumer, raised there
+            self._put(e)
+        finally:
+            items.close()
+
+    def _put(self, x: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(x, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __next__(self) -> _Item:
+        while True:
+            try:
+                x = self._q.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    raise RuntimeError("the Parquet prefetch thread ended without a result") from None
+                continue
+            if isinstance(x, BaseException):
+                raise x
+            return x
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            logger.warning("the Parquet prefetch thread did not stop within 60 s")
+
+
+class _LoaderIter:
+    """One pass over a rank's epoch; reports each received item back to its loader."""
+
+    def __init__(self, loader: ParquetLoader, items: Iterator[_Item] | _Prefetcher) -> None:
+        self._loader = loader
+        self._items = items
+        self._done = False
+
+    def __iter__(self) -> _LoaderIter:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        try:
+            item = next(self._items)
+        except BaseException:
+            self.close()
+            raise
+        self._loader._consume(item)
+        if item.batch is None:
+            self.close()
+            raise StopIteration
+        return item.batch
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._items.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class ParquetLoader:
+    """Batches of one rank from Parquet files, directories or globs; see the module docstring.
+
+    Example::
+
+        with ParquetLoader(cfg, ["data/train"], rank=0, world_size=2) as loader:
+            loader.set_epoch(0)
+            for batch in loader:    # dense [B, Dn], sparse KeyedJagged [F * B], labels [B]
+                ...
+    """
+
+    def __init__(self, config: DataConfig, paths: Sequence[str], *, rank: int = 0, world_size: int = 1) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if isinstance(paths, str):
+            paths = [paths]
+        if not paths:
+            raise DataError("no data paths given")
+        self._reader = _Reader(config, paths, rank, world_size)
+        self.config = config
+        self._active: weakref.ref[_LoaderIter] | None = None
+        self._epoch = self._window = self._offset = self._batches = self._bad = 0
+        self._resume = False
+        lo, hi = (rank * self.total_rows // world_size, (rank + 1) * self.total_rows // world_size)
+        self._rank_rows = hi - lo
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    @property
+    def files(self) -> list[str]:
+        """The files read (after expanding directories and globs, minus skipped ones)."""
+        return [s.path for s in self._reader.sources]
+
+    @property
+    def total_rows(self) -> int:
+        """Rows in all readable files (all ranks)."""
+        return sum(u.num_rows for u in self._reader.units)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this rank reads per epoch (the same every epoch; fewer if bad rows are skipped)."""
+        return self._rank_rows
+
+    @property
+    def num_batches(self) -> int:
+        """Batches this rank yields per epoch (fewer if bad rows are skipped)."""
+        B = self.config.batch_size
+        return self._rank_rows // B if self.config.drop_last else -(-self._rank_rows // B)
+
+    @property
+    def num_bad_rows(self) -> int:
+        """Rows dropped so far under on_bad_rows = "skip" (all epochs; restored by load_state_dict)."""
+        return self._bad
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch `epoch` next, from its start - or from a position restored for that epoch."""
+        self._stop_active()
+        if self._resume and epoch == self._epoch:
+            return
+        self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, False
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._stop_active()
+        if not self._resume:
+            self._window = self._offset = self._batches = 0
+        self._resume = False
+        items = self._reader.stream(self._epoch, self._window, self._offset)
+        depth = self.config.prefetch_batches
+        it = _LoaderIter(self, _Prefetcher(items, depth) if depth > 0 else items)
+        self._active = weakref.ref(it)
+        return it
+
+    def _consume(self, item: _Item) -> None:
+        self._window, self._offset = item.window, item.offset
+        self._bad += item.bad_rows
+        if item.batch is not None:
+            self._batches += 1
+        elif self._bad:
+            logger.info("epoch %d rank %d: %d bad rows skipped so far", self._epoch, self._reader.rank, self._bad)
+
+    def _stop_active(self) -> None:
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.close()
+        self._active = None
+
+    # -- checkpointing ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int | str]:
+        """The position after the batches received so far; plain ints and strings (JSON-able)."""
+        r = self._reader
+        return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window, "offset": self._offset,
+                "batches": self._batches, "num_bad_rows": self._bad, "rank": r.rank,
+                "world_size": r.world_size, "seed": self.config.seed, "shuffle": int(self.config.shuffle),
+                "window_rows": r.window_rows, "dataset": r.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (from `state_dict()` of a loader over the same data and layout)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"loader state must be a dict with version {STATE_VERSION}, got {got}")
+        current = self.state_dict()
+        for key in ("rank", "world_size", "seed", "shuffle", "window_rows", "dataset"):
+            if state.get(key) != current[key]:
+                raise ValueError(f"loader state was saved with {key} = {state.get(key)!r}, this loader has "
+                                 f"{current[key]!r}; the position would not match")
+        for key in ("epoch", "window", "offset", "batches", "num_bad_rows"):
+            v = state.get(key)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"loader state '{key}' must be an int >= 0, got {v!r}")
+        self._stop_active()
+        self._epoch, self._window, self._offset = state["epoch"], state["window"], state["offset"]
+        self._batches, self._bad, self._resume = state["batches"], state["num_bad_rows"], True
+
+    # -- resources ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the prefetch thread of an unfinished pass (the loader can still be iterated again)."""
+        self._stop_active()
+
+    def __enter__(self) -> ParquetLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

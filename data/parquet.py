@@ -1,0 +1,425 @@
+"""Parquet files -> `Rows`: path discovery, the footer scan, schema checks and vectorized decoding.
+
+A file is scanned once (footer only) when the loader is built: row counts per row group for the
+sharding plan, and the schema, checked against `DataConfig` (missing column, wrong type). Decoding
+one row group (or a row range of one) turns Arrow columns into numpy without a Python loop over
+rows, and checks the values (null label, NaN/inf, negative id, over-long list, weight/id length
+mismatch, null id inside a list). A bad value raises `DataError` naming the file, row group, column
+and row, or, with `on_bad_rows = "skip"`, the row is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.config import DataConfig
+from data.hashing import hash_strings
+from data.rows import ListColumn, Rows, ScalarColumn
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, row group, column and row where they apply."""
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery and footer scan
+# ---------------------------------------------------------------------------------------------
+def _dir_files(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
+        out += [os.path.join(dirpath, f) for f in filenames if not f.startswith((".", "_"))]
+    return sorted(out)
+
+
+def resolve_paths(paths: tuple[str, ...] | list[str]) -> list[str]:
+    """Files named by `paths` (files, directories - recursively, skipping names that start with
+    `.` or `_` - and glob patterns), in a deterministic order, each file once."""
+    if isinstance(paths, str):
+        paths = [paths]
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = _dir_files(p)
+        elif os.path.isfile(p):
+            found = [p]
+        elif glob.has_magic(p):
+            found = []
+            for m in sorted(glob.glob(p, recursive=True)):
+                found += _dir_files(m) if os.path.isdir(m) else [m]
+        else:
+            raise DataError(f"data path '{p}' does not exist")
+        if not found:
+            raise DataError(f"data path '{p}' matched no files")
+        files += found
+    unique = list(dict.fromkeys(os.path.normpath(f) for f in files))
+    if len(unique) < len(files):
+        logger.warning("data paths name %d files more than once; each is read once", len(files) - len(unique))
+    return unique
+
+
+@dataclass(frozen=True, slots=True)
+class ParquetSource:
+    """One scanned file: its footer and rows per row group."""
+
+    path: str
+    metadata: pq.FileMetaData
+    row_group_rows: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnPlan:
+    """What to read and how each sparse feature is laid out, fixed by the config and the first file."""
+
+    columns: tuple[str, ...]
+    """every column read, each once"""
+    sparse_is_list: tuple[bool, ...]
+    """per `config.sparse_columns`: a list column (True) or a one-id column (False)"""
+
+    @property
+    def layout(self) -> tuple[tuple[bool, int], ...]:
+        """per sparse feature: (is_list, index among the list or among the one-id features)."""
+        out, n_list, n_scalar = [], 0, 0
+        for is_list in self.sparse_is_list:
+            out.append((is_list, n_list if is_list else n_scalar))
+            n_list += is_list
+            n_scalar += not is_list
+        return tuple(out)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_id(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string_view(t))
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> tuple[bool, ...]:
+    """Raises DataError for a missing or wrongly typed column; returns the per-feature is_list."""
+    where = f"{path} (schema of all {n_rg} row groups)"
+    want = {cfg.label_column: "label", **{c: "dense" for c in cfg.dense_columns},
+            **{c: "sparse" for c in cfg.sparse_columns},
+            **{w: "weight" for w in cfg.weight_columns.values()},
+            **{c: "passthrough" for c in cfg.passthrough_columns}}
+    for col, role in want.items():
+        if schema.get_field_index(col) < 0:
+            raise DataError(f"{where}, column '{col}': missing ({role} column); the file has "
+                            f"{schema.names}")
+        t = schema.field(col).type
+        ok = {"label": _is_number(t), "dense": _is_number(t), "passthrough": True,
+              "sparse": _is_id(t) or (_is_list(t) and _is_id(t.value_type)),
+              "weight": _is_number(t) or (_is_list(t) and _is_number(t.value_type))}[role]
+        if not ok:
+            expect = {"label": "a number", "dense": "a number",
+                      "sparse": "an integer, a string or a list of those",
+                      "weight": "a number or a list of numbers"}[role]
+            raise DataError(f"{where}, column '{col}': wrong type {t} for a {role} column, expected {expect}")
+    for col, wcol in cfg.weight_columns.items():
+        if _is_list(schema.field(col).type) and not _is_list(schema.field(wcol).type):
+            raise DataError(f"{where}, column '{wcol}': wrong type {schema.field(wcol).type} for the weights "
+                            f"of the list column '{col}', expected a list of numbers")
+    return tuple(_is_list(schema.field(c).type) for c in cfg.sparse_columns)
+
+
+def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], ColumnPlan, list[str]]:
+    """Reads every footer: (sources, column plan, skipped files).
+
+    An unreadable or empty file raises DataError, or is skipped (and listed) under on_bad_rows="skip".
+    Schema errors always raise: no row of such a file could be read.
+    """
+    sources, skipped = [], []
+    is_list: tuple[bool, ...] | None = None
+    first = ""
+    for path in files:
+        try:
+            with pq.ParquetFile(path) as pf:
+                md, schema = pf.metadata, pf.schema_arrow
+        except Exception as e:                       # pyarrow raises ArrowInvalid, OSError, ...
+            msg = f"{path}: unreadable Parquet file ({type(e).__name__}: {e})"
+            if cfg.on_bad_rows == "error":
+                raise DataError(msg) from e
+            logger.warning("skipping %s", msg)
+            skipped.append(path)
+            continue
+        if md.num_rows == 0:
+            msg = f"{path}: empty file (0 rows in {md.num_row_groups} row groups)"
+            if cfg.on_bad_rows == "error":
+                raise DataError(msg)
+            logger.warning("skipping %s", msg)
+            skipped.append(path)
+            continue
+        kinds = _check_schema(path, schema, cfg, md.num_row_groups)
+        if is_list is None:
+            is_list, first = kinds, path
+        elif kinds != is_list:
+            f = next(i for i, (a, b) in enumerate(zip(kinds, is_list)) if a != b)
+            col = cfg.sparse_columns[f]
+            raise DataError(f"{path} (schema), column '{col}': wrong type {schema.field(col).type}: it is "
+                            f"{'a list' if is_list[f] else 'a one-id'} column in {first}")
+        sources.append(ParquetSource(path, md, tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))))
+    if not sources:
+        raise DataError(f"no readable rows in {len(files)} files (skipped: {skipped})")
+    cols = (cfg.label_column, *cfg.dense_columns, *cfg.sparse_columns, *cfg.weight_columns.values(),
+            *cfg.passthrough_columns)
+    return sources, ColumnPlan(tuple(dict.fromkeys(cols)), is_list), skipped
+
+
+def read_row_group(source: ParquetSource, pf: pq.ParquetFile, rg: int, plan: ColumnPlan) -> pa.Table:
+    """The planned columns of one row group; an I/O or decoding failure becomes a DataError."""
+    try:
+        return pf.read_row_group(rg, columns=list(plan.columns))
+    except Exception as e:
+        raise DataError(f"{source.path}: row group {rg}: unreadable ({type(e).__name__}: {e})") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+# ---------------------------------------------------------------------------------------------
+class _Checker:
+    """Collects bad rows of one decoded range, or raises on the first in error mode."""
+
+    def __init__(self, where: str, n: int, row0: int, skip: bool) -> None:
+        self.where, self.n, self.row0, self.skip = where, n, row0, skip
+        self.bad = np.zeros(n, dtype=bool)
+        self.counts: Counter[str] = Counter()
+
+    def flag(self, column: str, mask: np.ndarray, what: str, values: np.ndarray | None = None) -> None:
+        """mask: bool [n] rows with the problem; values: [n] what to show for the first one."""
+        count = int(np.count_nonzero(mask))
+        if not count:
+            return
+        if not self.skip:
+            i = int(np.argmax(mask))
+            v = None if values is None else values[i]
+            shown = "" if values is None else f" (value {v.item() if hasattr(v, 'item') else v!r})"
+            raise DataError(f"{self.where}, column '{column}': {what} at row {self.row0 + i}{shown}; "
+                            f"{count} such rows in rows {self.row0}..{self.row0 + self.n - 1}")
+        self.bad |= mask
+        self.counts[f"{column}: {what}"] += count
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else pa.concat_arrays(col.chunks)
+
+
+def _raw(arr: pa.Array) -> np.ndarray:
+    """The value buffer of a fixed-width numeric array as numpy [n], zero-copy and read-only.
+
+    Slots under nulls hold unspecified values: callers mask them with `_valid`.
+    """
+    dtype = np.dtype(arr.type.to_pandas_dtype())
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+def _valid(arr: pa.Array) -> np.ndarray:
+    """bool [n]: not null."""
+    if not arr.null_count:
+        return np.ones(len(arr), dtype=bool)
+    bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
+    return np.unpackbits(bits, count=arr.offset + len(arr), bitorder="little")[arr.offset:].view(bool)
+
+
+def _numbers(arr: pa.Array, fill: float) -> np.ndarray:
+    """float or int [n] with nulls -> fill; a read-only view of Arrow memory where there are no nulls."""
+    if pa.types.is_boolean(arr.type):
+        arr = arr.cast(pa.uint8())
+    x = _raw(arr)
+    if arr.null_count:
+        x = np.where(_valid(arr), x, np.array(fill, dtype=np.float64 if x.dtype.kind != "f" else x.dtype))
+    return x
+
+
+def _ids(arr: pa.Array) -> tuple[np.ndarray, bool]:
+    """(int64 [n] ids (any value at nulls), whether they may be negative) of a flat id array.
+
+    A view of Arrow memory for int64 (read-only); integers are not range-checked here, uint64 ids
+    of 2**63 or more come out negative (and are then flagged as negative ids).
+    """
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        if not pa.types.is_integer(t.value_type):
+            return hash_strings(arr), False
+        arr, t = arr.dictionary_decode(), t.value_type
+    if not pa.types.is_integer(t):
+        return hash_strings(arr), False
+    x = _raw(arr)
+    if x.dtype != np.int64:
+        x = x.view(np.int64) if x.dtype == np.uint64 else x.astype(np.int64)
+    return x, pa.types.is_signed_integer(t) or pa.types.is_uint64(t)
+
+
+def _row_of_value(offsets: np.ndarray) -> np.ndarray:
+    """int64 [N]: the row each value of a jagged column belongs to."""
+    lens = np.diff(offsets)
+    return np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+
+
+def _rows_with(offsets: np.ndarray, value_mask: np.ndarray) -> np.ndarray:
+    """bool [n]: rows of a jagged column (offsets [n + 1]) holding a value where value_mask [N] is True."""
+    rows = np.zeros(offsets.size - 1, dtype=bool)
+    if value_mask.any():
+        rows[_row_of_value(offsets)[value_mask]] = True
+    return rows
+
+
+def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """(offsets int64 [n + 1] rebased to 0, child values covering exactly those offsets).
+
+    A null list gets length 0 (Arrow allows a null slot to span values; those are dropped).
+    """
+    offsets = np.asarray(arr.offsets, dtype=np.int64)
+    child = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    offsets = offsets - offsets[0]
+    if arr.null_count:
+        valid = _valid(arr)
+        lens = np.diff(offsets)
+        if bool((lens[~valid] > 0).any()):
+            keep = np.repeat(valid, lens)
+            child = child.filter(pa.array(keep))
+            lens = np.where(valid, lens, 0)
+            offsets = np.zeros(lens.size + 1, np.int64)
+            np.cumsum(lens, out=offsets[1:])
+    return offsets, child
+
+
+class Decoder:
+    """Turns a row range of a `pa.Table` (one row group) into checked `Rows`."""
+
+    def __init__(self, cfg: DataConfig, plan: ColumnPlan) -> None:
+        self.cfg, self.plan = cfg, plan
+        self.list_cols = [c for c, is_list in zip(cfg.sparse_columns, plan.sparse_is_list) if is_list]
+        self.scalar_cols = [c for c, is_list in zip(cfg.sparse_columns, plan.sparse_is_list) if not is_list]
+
+    def decode(self, table: pa.Table, where: str, row0: int) -> tuple[Rows, int, Counter[str]]:
+        """(good rows, number of rows dropped, dropped rows by 'column: problem').
+
+        where = "FILE: row group G"; row0 = the table's first row inside the row group (for messages).
+        """
+        cfg = self.cfg
+        n = table.num_rows
+        chk = _Checker(where, n, row0, cfg.on_bad_rows == "skip")
+        labels = self._labels(table, chk)
+        dense = self._dense(table, chk)
+        scalars = [self._scalar(table, col, chk) for col in self.scalar_cols]
+        lists = [self._list(table, col, chk) for col in self.list_cols]
+        extras = {c: np.array(_column(table, c).to_numpy(zero_copy_only=False)) for c in cfg.passthrough_columns}
+        rows = Rows(labels, dense, scalars, lists, extras)
+        if not chk.counts:
+            return rows, 0, chk.counts
+        return rows.keep(~chk.bad), int(np.count_nonzero(chk.bad)), chk.counts
+
+    def _scalar(self, table: pa.Table, col: str, chk: _Checker) -> ScalarColumn:
+        arr = _column(table, col)
+        ids, signed = _ids(arr)                          # [n], a read-only view where possible
+        valid = _valid(arr) if arr.null_count else None
+        if signed:
+            neg = ids < 0
+            chk.flag(col, neg if valid is None else neg & valid, "negative id", ids)
+        weights = None
+        if col in self.cfg.weight_columns:
+            weights = np.ones(len(arr), np.float32)
+            self._scalar_weights(table, col, valid if valid is not None else np.ones(len(arr), bool),
+                                 weights, chk)
+        return ScalarColumn(ids, valid, weights)
+
+    def _labels(self, table: pa.Table, chk: _Checker) -> np.ndarray:
+        col = self.cfg.label_column
+        arr = _column(table, col)
+        chk.flag(col, ~_valid(arr), "null label")
+        labels = np.array(_numbers(arr, 0.0), dtype=np.float32)                # [n], owned
+        chk.flag(col, ~((labels >= 0) & (labels <= 1)), "label outside [0, 1]", labels)
+        return labels
+
+    def _dense(self, table: pa.Table, chk: _Checker) -> np.ndarray:
+        cfg = self.cfg
+        dense = np.empty((len(cfg.dense_columns), table.num_rows), dtype=np.float32)   # [Dn, n]
+        for j, col in enumerate(cfg.dense_columns):
+            arr = _column(table, col)
+            if pa.types.is_boolean(arr.type):
+                arr = arr.cast(pa.uint8())
+            x = _raw(arr)
+            dense[j] = x
+            if arr.null_count and x.dtype.kind == "f":        # garbage under a null may be NaN
+                np.putmask(dense[j], ~_valid(arr), np.float32(cfg.dense_fill))
+            elif arr.null_count:                              # finite garbage: x * valid + fill * ~valid
+                valid = _valid(arr)
+                dense[j] *= valid
+                if cfg.dense_fill:
+                    dense[j] += np.float32(cfg.dense_fill) * ~valid
+            if x.dtype.kind == "f":      # integers are always finite in float32
+                chk.flag(col, ~np.isfinite(dense[j]), "NaN or inf", dense[j])
+        if cfg.dense_log1p:
+            np.maximum(dense, 0, out=dense)
+            np.log1p(dense, out=dense)
+        return np.ascontiguousarray(dense.T)                                       # [n, Dn]
+
+    def _scalar_weights(self, table: pa.Table, col: str, valid: np.ndarray, out: np.ndarray,
+                        chk: _Checker) -> None:
+        wcol = self.cfg.weight_columns[col]
+        arr = _column(table, wcol)
+        if _is_list(arr.type):
+            offsets, child = _list_parts(arr)
+            lens = np.diff(offsets)
+            chk.flag(wcol, lens != valid, f"weight list length differs from the ids of '{col}'", lens)
+            ok = lens == valid
+            w = _numbers(child, np.nan).astype(np.float32)
+            out[ok & valid] = w[np.repeat(ok, lens)]
+        else:
+            chk.flag(wcol, valid & ~_valid(arr), f"null weight for an id of '{col}'")
+            out[:] = _numbers(arr, 1.0)
+            out[~valid] = 1.0
+        chk.flag(wcol, ~np.isfinite(out), "NaN or inf weight", out)
+
+    def _list(self, table: pa.Table, col: str, chk: _Checker) -> ListColumn:
+        arr = _column(table, col)
+        offsets, child = _list_parts(arr)
+        lens = np.diff(offsets)                                               # [n]
+        chk.flag(col, lens > self.cfg.max_ids_per_row,
+                 f"list longer than data.max_ids_per_row = {self.cfg.max_ids_per_row}", lens)
+        values, signed = _ids(child)                                          # [N_f], maybe a view
+        if child.null_count:
+            chk.flag(col, _rows_with(offsets, ~_valid(child)), "null id inside a list")
+        if signed:
+            neg = values < 0
+            if neg.any():
+                first = np.zeros(lens.size, np.int64)          # first negative id of each row
+                first[_row_of_value(offsets)[neg][::-1]] = values[neg][::-1]
+                chk.flag(col, _rows_with(offsets, neg), "negative id in a list", first)
+        weights = None
+        if col in self.cfg.weight_columns:
+            weights = self._list_weights(table, col, offsets, chk)
+        return ListColumn(values, offsets, weights)
+
+    def _list_weights(self, table: pa.Table, col: str, offsets: np.ndarray, chk: _Checker) -> np.ndarray:
+        """float32 [N_f] weights aligned with the ids of list column `col` (offsets int64 [n + 1])."""
+        wcol = self.cfg.weight_columns[col]
+        woff, child = _list_parts(_column(table, wcol))
+        lens, wlens = np.diff(offsets), np.diff(woff)
+        mismatch = wlens != lens
+        chk.flag(wcol, mismatch, f"weight list length differs from the ids of '{col}'", wlens)
+        w = np.array(_numbers(child, np.nan), np.float32)                      # [N_w], owned
+        if mismatch.any():   # skip mode: give the ids' shape; these rows are dropped anyway
+            fixed = np.ones(int(offsets[-1]), np.float32)
+            fixed[np.repeat(~mismatch, lens)] = w[np.repeat(~mismatch, wlens)]
+            w = fixed
+        chk.flag(wcol, _rows_with(offsets, ~np.isfinite(w)), "NaN, inf or null weight")
+        return w
