@@ -48,7 +48,7 @@ import torch
 import zmq
 
 from embedding_ps import protocol as P
-from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
+from embedding_ps.auth import AuthConfigError, check_bind_auth, load_token, setup_server_curve, token_matches
 from embedding_ps.config import PSConfig, TableConfig
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,8 @@ class ShardServer:
                 raise P.ProtocolError(f"a request needs >= 2 frames (header, auth), got {len(frames)}")
             header = P.unpack_header(_buf(frames[0]))
             op = P.check_request(header, len(frames))
+            if header.step < 0:
+                raise P.ProtocolError(f"{op.name}: step must be >= 0, got {header.step}", P.Status.BAD_VALUE)
             if self.token is not None and not token_matches(self.token, _buf(frames[1])):
                 raise P.ProtocolError("authentication failed: wrong or missing token", P.Status.UNAUTHORIZED)
             key = (header.client, header.request)
@@ -163,6 +165,8 @@ class ShardServer:
             return reply
         except P.ProtocolError as e:
             return self._error(header, frames, e.status, str(e))
+        except (ValueError, IndexError) as e:   # the state refused the values (step range, ...)
+            return self._error(header, frames, P.Status.BAD_VALUE, f"{type(e).__name__}: {e}")
         except Exception as e:  # the state failed on a valid request: report it, keep serving
             logger.exception("%s: %s failed", self.name, "request" if header is None else P.Op(header.op).name)
             return self._error(header, frames, P.Status.INTERNAL, f"{type(e).__name__}: {e}")
@@ -275,15 +279,16 @@ class ShardServer:
                               "last_applied_step": self.sync.last_applied if self.sync else None})
 
     def _save(self, h: P.Header, payload: list) -> Any:
-        path = self._path(h, payload)
+        path = shard_dir(self._path(h, payload), self.shard)
         if self._must_wait(h.step):
             return DEFERRED
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         self.state.save(path)
         logger.info("%s: saved to %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})
 
     def _load(self, h: P.Header, payload: list) -> list:
-        path = self._path(h, payload)
+        path = shard_dir(self._path(h, payload), self.shard)
         self.state.load(path)
         logger.info("%s: loaded from %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})
@@ -295,6 +300,11 @@ class ShardServer:
         logger.info("%s: shutdown requested by worker %d", self.name, h.worker)
         self.stopping = True
         return [h.reply().pack()]
+
+
+def shard_dir(directory: str, shard_index: int) -> str:
+    """Where shard `shard_index` keeps its part of a save under `directory` (SAVE/LOAD requests)."""
+    return os.path.join(directory, f"shard{shard_index}")
 
 
 def _buf(frame: Any) -> memoryview:
@@ -496,8 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s %(levelname)s ps{args.shard}: %(message)s")
-    serve(load_ps_config(Path(args.config)), args.shard, bind=args.bind, port=args.port,
-          ready_file=args.ready_file)
+    try:
+        config = load_ps_config(Path(args.config))
+        serve(config, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file)
+    except (PSConfigError, AuthConfigError, ValueError) as e:
+        logger.error("%s", e)
+        return 2
     return 0
 
 

@@ -157,6 +157,7 @@ BAD_CASES = {
     "grads size mismatch": lambda: push_req([1], torch.ones(1, D))[:3] + [bytes(4 * D - 4)],
     "push to unknown worker": lambda: push_req([1], torch.ones(1, D), worker=3),
     "save without path": lambda: [P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES).pack(), b"", b""],
+    "negative step": lambda: pull_req([1], step=-3),
     "path not utf-8": lambda: [P.Header(op=P.Op.LOAD, dtype=P.DType.BYTES, count=2).pack(), b"", b"\xff\xfe"],
 }
 
@@ -240,12 +241,13 @@ def test_async_staleness_bound():
     assert server.handle(pull_req([1], step=2, request=5)) is not DEFERRED
 
 
-def test_json_ops():
-    server, _ = make()
-    path = "/some/dir"
+def test_json_ops(tmp_path):
+    server, state = make()
+    path = str(tmp_path / "ckpt")
     h = P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES, count=len(path), request=9)
     reply = server.handle([h.pack(), b"", path.encode()])
-    assert json.loads(bytes(reply[1])) == {"shard": 0, "directory": path}
+    assert json.loads(bytes(reply[1])) == {"shard": 0, "directory": f"{path}/shard0"}
+    assert state.saved == f"{path}/shard0"
     stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
     assert stats["state"] == {"rows": 0} and stats["requests"]["save"] == 1
 

@@ -1,0 +1,143 @@
+"""Helpers to run PS shard processes on 127.0.0.1 for the integration tests.
+
+`ShardProcesses(config, tmp_path)` starts `python -m embedding_ps.server` once per shard (ports
+chosen by the shard: `--port 0`, read back from its ready file), restarts a shard on its old port
+(so connected clients reconnect by themselves) and kills everything in `close()`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from embedding_ps.config import PSConfig, TableConfig
+
+READY_TIMEOUT_S = 60.0
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def ps_toml(config: PSConfig) -> str:
+    """The `[ps]` section (with `[[ps.tables]]`) that `load_ps_config` reads back into `config`."""
+    lines = ["[ps]"]
+    lines += [f"{k} = {_toml_value(getattr(config, k))}" for k in PSConfig.__dataclass_fields__ if k != "tables"]
+    for t in config.tables:
+        lines += ["", "[[ps.tables]]"]
+        lines += [f"{k} = {_toml_value(getattr(t, k))}" for k in TableConfig.__dataclass_fields__]
+    return "\n".join(lines) + "\n"
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS="1")
+    return env
+
+
+class ShardProcesses:
+    """`config.num_shards` shard processes of `config`; use as a context manager."""
+
+    def __init__(self, config: PSConfig, workdir: Path, name: str = "ps") -> None:
+        self.config, self.workdir, self.name = config, Path(workdir), name
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / f"{name}.toml"
+        self.config_path.write_text(ps_toml(config))
+        self.procs: list[subprocess.Popen | None] = [None] * config.num_shards
+        self.addresses: list[str] = [""] * config.num_shards
+
+    def __enter__(self) -> "ShardProcesses":
+        try:
+            self.start(range(self.config.num_shards))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ready(self, shard: int) -> Path:
+        return self.workdir / f"{self.name}-{shard}.ready"
+
+    def log(self, shard: int) -> str:
+        path = self.workdir / f"{self.name}-{shard}.log"
+        return path.read_text() if path.exists() else ""
+
+    def start(self, shards, port_of_old_address: bool = False) -> None:
+        """Start `shards` (all at once), wait until each serves; reuse old ports if asked."""
+        shards = list(shards)
+        for s in shards:
+            self._ready(s).unlink(missing_ok=True)
+            port = self.addresses[s].rsplit(":", 1)[1] if port_of_old_address and self.addresses[s] else "0"
+            cmd = [sys.executable, "-m", "embedding_ps.server", "--config", str(self.config_path),
+                   "--shard", str(s), "--port", port, "--ready-file", str(self._ready(s))]
+            with open(self.workdir / f"{self.name}-{s}.log", "ab") as log:
+                self.procs[s] = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for s in shards:
+            while not self._ready(s).exists():
+                if self.procs[s].poll() is not None:
+                    raise RuntimeError(f"shard {s} exited with {self.procs[s].returncode}:\n{self.log(s)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"shard {s} not ready in {READY_TIMEOUT_S} s:\n{self.log(s)}")
+                time.sleep(0.02)
+            self.addresses[s] = self._ready(s).read_text().strip()
+
+    def kill(self, shard: int) -> None:
+        proc = self.procs[shard]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def restart(self, shard: int) -> None:
+        """Kill shard `shard` (no save) and start a fresh process on the same port."""
+        self.kill(shard)
+        self.start([shard], port_of_old_address=True)
+
+    def wait_exit(self, timeout_s: float = 10.0) -> list[int]:
+        """Exit codes of every shard after they stop by themselves (e.g. after SHUTDOWN)."""
+        return [p.wait(timeout=timeout_s) for p in self.procs if p is not None]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for s, p in enumerate(self.procs):
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+@pytest.fixture
+def shard_processes(tmp_path):
+    """Factory: `shard_processes(config)` -> a started ShardProcesses, closed after the test."""
+    started: list[ShardProcesses] = []
+
+    def start(config: PSConfig, name: str = "ps") -> ShardProcesses:
+        procs = ShardProcesses(config, tmp_path, name)
+        started.append(procs)
+        return procs.__enter__()
+
+    try:
+        yield start
+    finally:
+        for procs in started:
+            procs.close()
