@@ -1,0 +1,130 @@
+"""The CLI end to end on tiny data: gen-data -> train -> eval -> predict; no process of a run survives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 240
+
+
+def recsys(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    return subprocess.run([sys.executable, "-m", "recsys.cli", *args], cwd=ROOT, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is dead for our purpose
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except FileNotFoundError:
+        return False
+
+
+def assert_all_dead(run: Path) -> list[dict]:
+    procs = json.loads((run / "processes.json").read_text())
+    deadline = time.monotonic() + 15
+    while any(alive(p["pid"]) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in procs if alive(p["pid"])]
+    for p in left:
+        os.kill(p["pid"], signal.SIGKILL)
+    assert not left, f"processes of the run still alive: {left}"
+    return procs
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli-data")
+    r = recsys("gen-data", "--preset", "tiny", "--rows", "12000", "--files", "2", "--out", str(out), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def train_args(run: Path, data: Path, *extra: str) -> list[str]:
+    return ["train", "--config", "configs/tiny.toml",
+            "--set", f"data.train_paths=['{data}/part-00000.parquet']",
+            "--set", f"data.eval_paths=['{data}/part-00001.parquet']",
+            "--set", f"train.run_dir='{run}'", "--set", "ps.num_shards=2", *extra]
+
+
+def test_train_eval_predict(tmp_path: Path, data_dir: Path) -> None:
+    run = tmp_path / "run"
+    r = recsys(*train_args(run, data_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    for key in ("auc", "logloss", "ne", "calibration", "samples_per_s", "steps", "oracle_auc"):
+        assert key in metrics, key
+    assert metrics["steps"] > 0 and 0.5 < metrics["auc"] <= 1.0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss/train" in x for x in lines)
+    procs = assert_all_dead(run)
+    assert [p["role"] for p in procs].count("ps") == 2 and [p["role"] for p in procs].count("trainer") == 1
+
+    r = recsys("eval", "--run", str(run), "--data", f"{data_dir}/part-00001.parquet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    evaluated = json.loads(r.stdout)
+    assert evaluated["auc"] == pytest.approx(metrics["auc"], abs=1e-9)   # the same model, the same data
+    assert evaluated["oracle_auc"] == pytest.approx(metrics["oracle_auc"], abs=1e-9)
+
+    preds = tmp_path / "preds.parquet"
+    r = recsys("predict", "--run", str(run), "--data", f"{data_dir}/part-00001.parquet", "--out", str(preds))
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = pq.read_table(preds)
+    source = pq.read_table(data_dir / "part-00001.parquet", columns=["row_id", "p_true"])
+    assert table.column_names == ["score", "row_id", "p_true"]
+    assert table.column("row_id").to_pylist() == source.column("row_id").to_pylist()
+    scores = table.column("score").to_numpy()
+    assert ((scores > 0) & (scores < 1)).all()
+
+
+def test_failing_trainer_tears_down_shards(tmp_path: Path, data_dir: Path) -> None:
+    run = tmp_path / "run"
+    r = recsys(*train_args(run, data_dir, "--set", "data.dense_columns=['I1', 'nope']"))
+    assert r.returncode != 0
+    assert "nope" in r.stderr     # the error names the missing column
+    assert_all_dead(run)
+
+
+def test_ctrl_c_tears_everything_down(tmp_path: Path, data_dir: Path) -> None:
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *train_args(run, data_dir, "--set", "train.epochs=1000")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:      # wait until a trainer is running
+            if (run / "pids" / "trainer-0.json").exists():
+                break
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    procs = json.loads((run / "processes.json").read_text())
+    trainer = json.loads((run / "pids" / "trainer-0.json").read_text())
+    if trainer not in procs:
+        procs.append(trainer)
+        (run / "processes.json").write_text(json.dumps(procs))
+    assert_all_dead(run)
