@@ -95,8 +95,9 @@ class _Request:
 class _IOThread(threading.Thread):
     """Owns the sockets: sends requests, receives replies, retries, completes futures."""
 
-    def __init__(self, config: PSConfig, addresses: Sequence[str]) -> None:
+    def __init__(self, config: PSConfig, addresses: Sequence[str], num_threads: int) -> None:
         super().__init__(name="ps-client-io", daemon=True)
+        self.num_threads = num_threads
         self.config, self.addresses = config, list(addresses)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
@@ -122,6 +123,8 @@ class _IOThread(threading.Thread):
         return sock
 
     def run(self) -> None:
+        # OpenMP's thread count is per thread: without this a new thread uses every core
+        torch.set_num_threads(self.num_threads)
         self.ctx = zmq.Context()
         self.socks = [self._socket(s) for s in range(len(self.addresses))]
         try:
@@ -253,34 +256,44 @@ class _IOThread(threading.Thread):
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Where each unique id goes: shard-sorted order and per-shard counts."""
+    """How a request's ids [N] travel: the ids sent, grouped by shard, and the way back.
 
-    sorted_ids: torch.Tensor     # int64 [U], grouped by shard
-    counts: list[int]            # [S] ids per shard
-    gather: torch.Tensor         # int64 [N]: caller position -> position in sorted_ids
-    scatter: torch.Tensor        # int64 [N]: same, used to sum grads into shard order
+    With dedup, `gather` [N] maps each caller position to its unique id's position in `sent`
+    (rows come back with one index_select; grads are summed with one index_add_). Without,
+    `place` [N] is the caller position of each sent id (None: the same order, one shard).
+    """
+
+    sent: torch.Tensor                 # int64 [U] ids grouped by shard (U = N without dedup)
+    counts: list[int]                  # [S] ids per shard
+    gather: torch.Tensor | None        # int64 [N] (dedup) or None
+    place: torch.Tensor | None         # int64 [U] (no dedup, several shards) or None
 
 
 class PSClient:
     """Pull rows from / push gradients to every PS shard. See the module docstring.
 
     addresses: `tcp://host:port` of shard 0..S-1. worker_id: this trainer's rank (sync mode).
+    dedup: deduplicate ids before sending (sort + inverse). A caller whose ids are already unique
+    (the sparse arch) passes False and saves a sort per request; duplicates stay correct either way
+    (the shard sums duplicate gradients), they only cost wire bytes.
     """
 
-    def __init__(self, config: PSConfig, addresses: Sequence[str], worker_id: int = 0) -> None:
+    def __init__(self, config: PSConfig, addresses: Sequence[str], worker_id: int = 0, *,
+                 dedup: bool = True) -> None:
         if len(addresses) != config.num_shards:
             raise ValueError(f"PSClient: {len(addresses)} addresses for ps.num_shards = {config.num_shards}")
         if not 0 <= worker_id < 2**32:
             raise ValueError(f"PSClient: worker_id must be in [0, 2**32), got {worker_id}")
         self.config, self.addresses, self.worker_id = config, list(addresses), worker_id
         self.step = 0
+        self.dedup = dedup
         self.wire = P.WIRE_DTYPES[config.wire_dtype]
         self._token = load_token(config) if config.auth == "token" else b""
         self._client = secrets.randbits(64)
         self._ids = itertools.count(1)
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
-        self._io = _IOThread(config, self.addresses)
+        self._io = _IOThread(config, self.addresses, torch.get_num_threads())
         self._io.start()
         self._closed = False
 
@@ -294,7 +307,7 @@ class PSClient:
             return _done(torch.empty(0, dim))
         plan = self._plan(table, ids)
         reqs = []
-        for shard, chunk in self._chunks(plan, plan.sorted_ids):
+        for shard, chunk in self._chunks(plan, plan.sent):
             h = self._header(P.Op.PULL, table, step, dtype=self.wire, count=chunk.numel(), dim=dim)
             reqs.append((shard, h, [P.tensor_frame(chunk)]))
         return self._submit(P.Op.PULL, reqs, lambda parts: self._assemble(plan, parts, dim))
@@ -314,11 +327,14 @@ class PSClient:
         if ids.numel() == 0:
             return _done(None)
         plan = self._plan(table, ids)
-        summed = torch.zeros(plan.sorted_ids.numel(), dim, dtype=torch.float32)   # [U, D], shard order
-        summed.index_add_(0, plan.scatter, grads.detach().to("cpu", torch.float32))
-        wire = P.to_wire(summed, self.wire)
+        grads = grads.detach().to("cpu", torch.float32)
+        if plan.gather is not None:        # sum the grads of duplicates into shard order
+            sent = torch.zeros(plan.sent.numel(), dim).index_add_(0, plan.gather, grads)   # [U, D]
+        else:
+            sent = grads if plan.place is None else grads.index_select(0, plan.place)       # [N, D]
+        wire = P.to_wire(sent, self.wire)
         reqs = []
-        for (shard, chunk), (_, g) in zip(self._chunks(plan, plan.sorted_ids), self._chunks(plan, wire)):
+        for (shard, chunk), (_, g) in zip(self._chunks(plan, plan.sent), self._chunks(plan, wire)):
             h = self._header(P.Op.PUSH, table, step, dtype=self.wire, count=chunk.numel(), dim=dim)
             reqs.append((shard, h, [P.tensor_frame(chunk), P.tensor_frame(g)]))
         fut = self._submit(P.Op.PUSH, reqs, lambda parts: None)
@@ -398,18 +414,20 @@ class PSClient:
         return ids.detach().cpu()
 
     def _plan(self, table: int, ids: torch.Tensor) -> _Plan:
-        """Dedup ids [N] and group the unique ids by shard (vectorized)."""
-        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)     # [U], [N]
+        """Dedup ids [N] (if self.dedup) and group them by shard: argsort + bincount, no loop."""
         n = self.config.num_shards
+        if self.dedup:
+            ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)   # [U], [N]
         if n == 1:
-            return _Plan(uniq, [uniq.numel()], inverse, inverse)
-        shard = route(uniq, self.config.tables[table], n)                     # [U]
-        order = torch.argsort(shard, stable=True)                              # [U]
+            return _Plan(ids, [ids.numel()], inverse if self.dedup else None, None)
+        shard = route(ids, self.config.tables[table], n)                        # [U]
+        order = torch.argsort(shard, stable=True)                               # [U]
         counts = torch.bincount(shard, minlength=n).tolist()
+        if not self.dedup:
+            return _Plan(ids[order], counts, None, order)
         pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel())                               # uniq index -> sorted position
-        where = pos[inverse]                                                   # [N]
-        return _Plan(uniq[order], counts, where, where)
+        pos[order] = torch.arange(order.numel())                                # unique index -> sent position
+        return _Plan(ids[order], counts, pos[inverse], None)
 
     @staticmethod
     def _chunks(plan: _Plan, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -418,20 +436,27 @@ class PSClient:
 
     def _assemble(self, plan: _Plan, parts: dict[int, tuple[P.Header, list]], dim: int) -> torch.Tensor:
         """Replies of every shard -> float32 rows [N, D] in the caller's order."""
-        rows = torch.empty(plan.sorted_ids.numel(), dim)                       # [U, D], shard order
-        start = 0
+        replies = []                                                            # (shard, rows [n_s, D])
         for shard, count in enumerate(plan.counts):
             if count == 0:
                 continue
             header, payload = parts[shard]
-            dtype = P.row_dtype(header.dtype, f"PULL reply of ps shard {shard}")
+            what = f"PULL reply of ps shard {shard}"
             if len(payload) != 1:
-                raise P.ProtocolError(f"PULL reply of ps shard {shard} has {len(payload)} payload frames, not 1")
-            P.expect_bytes(f"PULL reply of ps shard {shard}", len(payload[0]), count * dim,
-                           P.ITEM_SIZE[dtype], 1 << 62)
-            rows[start:start + count] = P.frame_tensor(payload[0], dtype, count, dim)
-            start += count
-        return rows.index_select(0, plan.gather)                               # [N, D]
+                raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not 1")
+            dtype = P.row_dtype(header.dtype, what)
+            P.expect_bytes(what, len(payload[0]), count * dim, P.ITEM_SIZE[dtype], 1 << 62)
+            replies.append(P.frame_tensor(payload[0], dtype, count, dim))
+        if len(replies) == 1 and plan.place is None:
+            rows = replies[0].float()                          # one shard: no copy for fp32 (the frame)
+        elif plan.place is None:
+            rows = torch.cat(replies).float()                  # [U, D] in sent order
+        else:                                                  # no dedup: straight to caller order
+            rows = torch.empty(plan.sent.numel(), dim)
+            for place, part in zip(torch.split(plan.place, [c for c in plan.counts if c]), replies):
+                rows.index_copy_(0, place, part.float())
+            return rows
+        return rows if plan.gather is None else rows.index_select(0, plan.gather)   # [N, D]
 
     def _header(self, op: P.Op, table: int = 0, step: int | None = None, **fields: int) -> P.Header:
         return P.Header(op=op, table=table, step=self.step if step is None else step, worker=self.worker_id,

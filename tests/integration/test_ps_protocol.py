@@ -64,6 +64,8 @@ def test_bad_frames_get_error_replies_and_shard_keeps_serving(shard_processes):
         assert torch.equal(rows[0], rows[1]) and not torch.equal(rows[0], rows[2])
         with PSClient(CFG, shards.addresses) as client:
             assert torch.equal(client.pull(0, torch.tensor([8, 7])), rows[[2, 0]])
+            with PSClient(CFG, shards.addresses, dedup=False) as raw:   # duplicates sent as they are
+                assert torch.equal(raw.pull(0, torch.tensor([8, 7, 8])), rows[[2, 0, 2]])
             assert client.stats()[0]["errors"] == len(BAD)
             with pytest.raises(PSRequestError, match="PULL to ps shard 0 at .* failed \\(BAD_VALUE\\)"):
                 _bad_dim(client)

@@ -33,7 +33,7 @@ def test_sharded_equals_unsharded_restart_and_save_load(shard_processes, tmp_pat
     ref = ShardState(dataclasses.replace(CFG, num_shards=1), 0)
     gen = torch.Generator().manual_seed(1)
     every = torch.unique(torch.cat([torch.arange(-100, 400), EXTREMES]))
-    with PSClient(CFG, shards.addresses) as client:
+    with PSClient(CFG, shards.addresses) as client, PSClient(CFG, shards.addresses, dedup=False) as raw:
         # 1 vs 3 shards: the same initial rows
         for t, name in enumerate(TABLE_NAMES):
             assert torch.equal(client.pull(t, every), ref.pull(t, every, 0)), name
@@ -43,12 +43,14 @@ def test_sharded_equals_unsharded_restart_and_save_load(shard_processes, tmp_pat
             for t, table in enumerate(CFG.tables):
                 ids = _batch(gen)
                 grads = torch.randn(ids.numel(), table.dim, generator=gen)
-                client.push(t, ids, grads, step=step)
+                (client if step % 2 == 0 else raw).push(t, ids, grads, step=step)   # with / without dedup
                 ref.push(t, ids, grads, step)
         trained = {}
         for t, name in enumerate(TABLE_NAMES):
             trained[t] = client.pull(t, every)
             torch.testing.assert_close(trained[t], ref.pull(t, every, 3), rtol=0, atol=1e-6, msg=name)
+            shuffled = torch.cat([every, every])[torch.randperm(2 * every.numel(), generator=gen)]
+            assert torch.equal(raw.pull(t, shuffled), client.pull(t, shuffled)), name
         rows_per_shard = [s["state"]["rows"] for s in client.stats()]
         assert all(r > 0 for r in rows_per_shard) and sum(rows_per_shard) == ref.stats()["rows"]
 

@@ -1,0 +1,205 @@
+"""PS throughput over the network: shard processes + client processes on 127.0.0.1.
+
+    python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9]
+
+For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
+OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
+from --pool ids already in the table, row-wise Adagrad) at dim 16 and 64, as --wire, with
+client-side dedup off unless --dedup (the ids are unique, as the sparse arch sends them); all clients start each
+phase together. Per client the median time of one request gives its rows/s; a configuration's
+rows/s is the sum over its clients. `pull_push` combines a pull and a push of the same rows
+(1 / (1/pull + 1/push)), and `per_shard` divides that by the shard processes.
+
+In the same run: the in-process baseline (`index_select` + `index_add_` on a [pool, D] tensor),
+the in-process ShardState, the id->slot map's lookups+inserts per second and RSS bytes per row
+against the raw fp32 row (the last three from benchmarks/ps_table.py).
+
+--json prints one line with `rows_per_s` (pull+push per shard process, dim 64, 1 shard and 1
+client), `baseline_rows_per_s` (index_select + index_add_, dim 64), `map_ids_per_s`,
+`bytes_per_row_ratio`, and every measurement under `detail`.
+Note: this machine may have 2 cores for all processes; with 2 shards and 2 clients, 4 processes
+share them, so the larger configurations measure contention as much as scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ps_table import bench_map, bench_rss, median_s  # noqa: E402
+
+from embedding_ps.client import PSClient  # noqa: E402
+from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
+from embedding_ps.server import serve  # noqa: E402
+
+DIMS = (16, 64)
+READY_TIMEOUT_S = 120.0
+
+
+def make_config(num_shards: int, num_workers: int, wire: str = "fp32") -> PSConfig:
+    tables = tuple(TableConfig(name=f"d{d}", dim=d, optimizer="rowwise_adagrad") for d in DIMS)
+    return PSConfig(num_shards=num_shards, mode="async", num_workers=num_workers, timeout_s=120.0,
+                    retries=0, wire_dtype=wire, tables=tables)
+
+
+def shard_main(config: PSConfig, index: int, ready_file: str) -> None:
+    torch.set_num_threads(1)
+    serve(config, index, ready_file=ready_file)
+
+
+def client_main(config: PSConfig, addresses: list[str], worker: int, args: dict, barrier, out_file: str) -> None:
+    """One client process: per dim, a pull phase then a push phase; writes median seconds as JSON."""
+    torch.set_num_threads(1)
+    pool = torch.arange(args["pool"], dtype=torch.int64) * 7919 + 13        # the ids present in the table
+    gen = torch.Generator().manual_seed(worker)
+    out = {}
+    with PSClient(config, addresses, worker_id=worker, dedup=args["dedup"]) as client:
+        for t, dim in enumerate(DIMS):
+            batches = [pool[torch.randperm(pool.numel(), generator=gen)[:args["batch"]]] for _ in range(4)]
+            grads = torch.randn(args["batch"], dim, generator=gen) * 1e-3
+            for phase, fn in (("pull", lambda ids: client.pull(t, ids)),
+                              ("push", lambda ids: client.push(t, ids, grads))):
+                barrier.wait(timeout=READY_TIMEOUT_S)
+                times = []
+                for r in range(args["repeats"] + 1):
+                    t0 = time.perf_counter()
+                    fn(batches[r % len(batches)])
+                    times.append(time.perf_counter() - t0)
+                out[f"{phase}_d{dim}"] = float(np.median(times[1:]))      # the first is a warm-up
+    Path(out_file).write_text(json.dumps(out))
+
+
+def prefill(config: PSConfig, addresses: list[str], pool: int) -> None:
+    ids = torch.arange(pool, dtype=torch.int64) * 7919 + 13
+    with PSClient(config, addresses) as client:
+        for t, dim in enumerate(DIMS):
+            for chunk in torch.split(ids, 200_000):
+                client.push(t, chunk, torch.zeros(chunk.numel(), dim))
+
+
+def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str) -> dict[str, float]:
+    config = make_config(num_shards, max(num_clients, 1), args["wire"])
+    shards, clients = [], []
+    try:
+        ready = [os.path.join(workdir, f"s{num_shards}c{num_clients}-{i}.ready") for i in range(num_shards)]
+        for i in range(num_shards):
+            shards.append(ctx.Process(target=shard_main, args=(config, i, ready[i]), daemon=True))
+            shards[-1].start()
+        addresses = [wait_ready(path, proc) for path, proc in zip(ready, shards)]
+        prefill(config, addresses, args["pool"])
+        barrier = ctx.Barrier(num_clients)
+        outs = [os.path.join(workdir, f"s{num_shards}c{num_clients}-client{w}.json") for w in range(num_clients)]
+        for w in range(num_clients):
+            clients.append(ctx.Process(target=client_main, args=(config, addresses, w, args, barrier, outs[w])))
+            clients[-1].start()
+        for proc in clients:
+            proc.join(timeout=1200)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"client process exited with {proc.exitcode}")
+        results = [json.loads(Path(o).read_text()) for o in outs]
+        with PSClient(config, addresses) as client:
+            client.shutdown()
+        for proc in shards:
+            proc.join(timeout=30)
+    finally:
+        for proc in shards + clients:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+    res: dict[str, float] = {}
+    tag = f"s{num_shards}_c{num_clients}"
+    for dim in DIMS:
+        pull = sum(args["batch"] / r[f"pull_d{dim}"] for r in results)
+        push = sum(args["batch"] / r[f"push_d{dim}"] for r in results)
+        res[f"{tag}_pull_d{dim}_rows_per_s"] = pull
+        res[f"{tag}_push_d{dim}_rows_per_s"] = push
+        res[f"{tag}_pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / pull + 1.0 / push)
+        res[f"{tag}_pull_push_d{dim}_per_shard_rows_per_s"] = res[f"{tag}_pull_push_d{dim}_rows_per_s"] / num_shards
+    return res
+
+
+def wait_ready(path: str, proc) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not os.path.exists(path):
+        if not proc.is_alive():
+            raise RuntimeError(f"shard process exited with {proc.exitcode} before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"shard not ready after {READY_TIMEOUT_S} s ({path})")
+        time.sleep(0.05)
+    return Path(path).read_text().strip()
+
+
+def baseline(pool: int, batch: int, repeats: int) -> dict[str, float]:
+    """In-process index_select + index_add_ of `batch` unique rows of a [pool, D] tensor."""
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for dim in DIMS:
+        weights = torch.randn(pool, dim, generator=g)
+        idx = torch.randperm(pool, generator=g)[:batch]
+        grads = torch.randn(batch, dim, generator=g)
+        sel = batch / median_s(lambda: weights.index_select(0, idx), repeats)
+        add = batch / median_s(lambda: weights.index_add_(0, idx, grads), repeats)
+        out[f"baseline_index_select_d{dim}_rows_per_s"] = sel
+        out[f"baseline_index_add_d{dim}_rows_per_s"] = add
+        out[f"baseline_pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / sel + 1.0 / add)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--batch", type=int, default=100_000, help="unique ids per request")
+    p.add_argument("--pool", type=int, default=400_000, help="rows in each table")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--shards", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--wire", choices=["fp32", "fp16", "bf16"], default="fp32", help="ps.wire_dtype")
+    p.add_argument("--dedup", action="store_true",
+                   help="let the client deduplicate (a sort per request; the ids are unique already)")
+    p.add_argument("--skip-core", action="store_true", help="skip the map and RSS measurements")
+    p.add_argument("--map-rows", type=int, default=2_000_000)
+    p.add_argument("--rss-rows", type=int, default=1_000_000)
+    args = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"           # inherited by the spawned processes
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    torch.set_num_threads(1)
+    ctx = mp.get_context("spawn")
+    knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
+             "dedup": args.dedup}
+    res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0)}
+    with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:
+        for s in args.shards:
+            for c in args.clients:
+                res.update(run_config(ctx, s, c, knobs, workdir))
+    res.update(baseline(args.pool, args.batch, args.repeats))
+    if not args.skip_core:
+        res.update(bench_map(args.map_rows, args.batch, args.repeats))
+        res.update(bench_rss(args.rss_rows, 64))
+    first = f"s{args.shards[0]}_c{args.clients[0]}"
+    summary = {
+        "rows_per_s": res[f"{first}_pull_push_d64_per_shard_rows_per_s"],
+        "baseline_rows_per_s": res["baseline_pull_push_d64_rows_per_s"],
+        "map_ids_per_s": res.get("map_lookup_insert_10pct_new_ids_per_s", float("nan")),
+        "bytes_per_row_ratio": res.get("rss_ratio_d64", float("nan")),
+    }
+    if args.json:
+        print(json.dumps({**summary, "detail": res}))
+        return
+    for k, v in {**res, **summary}.items():
+        shown = f"{v / 1e6:10.2f} M" if v >= 1e5 else f"{v:12.3f}"
+        print(f"{k:48s} {shown}")
+
+
+if __name__ == "__main__":
+    main()
