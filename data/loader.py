@@ -29,12 +29,12 @@ import queue
 import threading
 import weakref
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -97,26 +97,21 @@ class _Files:
 
     def row_group(self, src: int, rg: int) -> pa.Table:
         """The planned columns of row group `rg` of source `src` (the last one is kept)."""
-        if self.key == (src, rg):
+        key = (src, rg)
+        if self.key == key:
             return self.table
         self.key, self.table = None, None                # drop the previous row group first
-        while self.keys and self.keys[0] != (src, rg):   # the stream asks in `keys` order
-            self.keys.popleft()
-        if self.keys:
+        if self.keys and self.keys[0] == key:            # asked in `keys` order (or again after a failure)
             self.keys.popleft()
         if self.pool is None:
             table = self._read(src, rg)
         else:
-            while self.ahead and self.ahead[0][0] != (src, rg):
-                self.ahead.popleft()[1].cancel()
-            fut = self.ahead.popleft()[1] if self.ahead else self.pool.submit(self._read, src, rg)
-            while len(self.ahead) < self.readahead and self.keys:
-                nxt = self.keys[len(self.ahead)] if len(self.ahead) < len(self.keys) else None
-                if nxt is None:
-                    break
+            fut = self.ahead.popleft()[1] if self.ahead and self.ahead[0][0] == key else \
+                self.pool.submit(self._read, src, rg)
+            for nxt in islice(self.keys, len(self.ahead), self.readahead):
                 self.ahead.append((nxt, self.pool.submit(self._read, *nxt)))
             table = fut.result()
-        self.key, self.table = (src, rg), table
+        self.key, self.table = key, table
         return table
 
     def close(self) -> None:
@@ -259,6 +254,8 @@ class _Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
+        if threading.current_thread() is self._thread:     # (a garbage collection ran on the thread)
+            return
         self._thread.join(timeout=60)
         if self._thread.is_alive():
             logger.warning("the Parquet prefetch thread did not stop within 60 s")
@@ -295,7 +292,10 @@ class _LoaderIter:
             self._items.close()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:                  # interpreter shutdown: nothing left to stop cleanly
+            pass
 
 
 class ParquetLoader:

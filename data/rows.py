@@ -55,8 +55,9 @@ def take_jagged(offsets: np.ndarray, idx: Index) -> tuple[np.ndarray, Index]:
         a, b, _ = idx.indices(offsets.size - 1)
         b = max(a, b)
         return np.diff(offsets[a:b + 1]), slice(int(offsets[a]), int(offsets[b]))
-    starts = offsets[:-1].take(idx)                              # [m]
-    lens = offsets[1:].take(idx) - starts                        # [m]
+    starts = offsets.take(idx)                                   # [m]
+    lens = offsets.take(idx + 1)                                 # [m]
+    lens -= starts
     ends = np.cumsum(lens)
     gather = np.repeat(starts - (ends - lens), lens)             # [N_sel] start shift of each value
     gather += np.arange(gather.size, dtype=np.int64)
@@ -139,18 +140,24 @@ class BatchLayout:
     """whether batches carry per-id weights (1.0 for features without a weight column)"""
 
 
+def _stack(segments: list[tuple[Rows, Index]], get) -> np.ndarray:
+    """The selected rows of one field of each segment, one after the other, as a new array."""
+    if len(segments) == 1:
+        rows, idx = segments[0]
+        return get(rows)[idx].copy() if isinstance(idx, slice) else get(rows).take(idx, axis=0)
+    return np.concatenate([_pick(get(r), idx) for r, idx in segments])
+
+
 def gather(segments: list[tuple[Rows, Index]], layout: BatchLayout) -> Batch:
     """A `Batch` of the rows `idx` of each (rows, idx) segment, one after the other (new arrays).
 
-    B = the total number of rows selected. Ids of a feature are written feature-major; one take per
-    column and segment, one concatenation for all values.
+    B = the total number of rows selected. First the lengths [F, B] and, per (feature, segment),
+    which values to copy; then each is copied once, straight into its place in the values [N].
     """
     sizes = [len(range(*idx.indices(len(r)))) if isinstance(idx, slice) else idx.size for r, idx in segments]
     B = sum(sizes)
-    F = len(layout.keys)
-    lengths = np.empty((F, B), dtype=np.int32)                                  # [F, B]
-    vals: list[np.ndarray] = []
-    wts: list[np.ndarray] = []
+    lengths = np.empty((len(layout.keys), B), dtype=np.int32)                 # [F, B]
+    copies: list[tuple[np.ndarray, Index, np.ndarray | None, int]] = []        # (source, selector, weights, count)
     for f, (is_list, i) in enumerate(layout.where):
         at = 0
         for (rows, idx), n in zip(segments, sizes):
@@ -158,33 +165,39 @@ def gather(segments: list[tuple[Rows, Index]], layout: BatchLayout) -> Batch:
                 col = rows.lists[i]
                 lens, sel = take_jagged(col.offsets, idx)
                 lengths[f, at:at + n] = lens
-                vals.append(col.values[sel])
-                w = col.weights[sel] if col.weights is not None else None
-                m = int(lens.sum())
+                m = sel.stop - sel.start if isinstance(sel, slice) else sel.size
+                copies.append((col.values, sel, col.weights, m))
             else:
                 col = rows.scalars[i]
-                ids = _pick(col.ids, idx)
-                w = _pick(col.weights, idx) if col.weights is not None else None
+                sel = idx
                 if col.valid is None:
                     lengths[f, at:at + n] = 1
                 else:
                     v = _pick(col.valid, idx)
                     lengths[f, at:at + n] = v
-                    ids = ids[v]
-                    w = None if w is None else w[v]
-                vals.append(ids)
-                m = ids.size
-            if layout.weighted:
-                wts.append(w if w is not None else np.ones(m, np.float32))
+                    sel = idx[v] if not isinstance(idx, slice) else np.flatnonzero(v) + idx.indices(len(rows))[0]
+                m = n if sel is idx else sel.size
+                copies.append((col.ids, sel, col.weights, m))
             at += n
-    cat = np.concatenate          # copies even a single array: the batch owns its memory
-    values = cat(vals) if vals else np.zeros(0, np.int64)
-    weights = torch.from_numpy(cat(wts) if wts else np.zeros(0, np.float32)) if layout.weighted else None
-    extras = {k: cat([_pick(r.extras[k], idx) for r, idx in segments]) for k in segments[0][0].extras}
+    total = sum(c[3] for c in copies)
+    values = np.empty(total, dtype=np.int64)                                    # [N]
+    weights = np.empty(total, dtype=np.float32) if layout.weighted else None   # [N]
+    pos = 0
+    for src, sel, w, m in copies:
+        for a, out in ((src, values), (w, weights)):
+            if out is None:
+                continue
+            if a is None:
+                out[pos:pos + m] = 1.0
+            elif isinstance(sel, slice):
+                out[pos:pos + m] = a[sel]
+            else:
+                np.take(a, sel, out=out[pos:pos + m])
+        pos += m
     return Batch(
-        dense=torch.from_numpy(cat([_pick(r.dense, idx) for r, idx in segments])),
+        dense=torch.from_numpy(_stack(segments, lambda r: r.dense)),
         sparse=KeyedJagged(layout.keys, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))),
-        labels=torch.from_numpy(cat([_pick(r.labels, idx) for r, idx in segments])),
-        weights=weights,
-        extras=extras,
+        labels=torch.from_numpy(_stack(segments, lambda r: r.labels)),
+        weights=None if weights is None else torch.from_numpy(weights),
+        extras={k: _stack(segments, lambda r, k=k: r.extras[k]) for k in segments[0][0].extras},
     )

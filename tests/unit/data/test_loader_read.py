@@ -65,7 +65,7 @@ def test_read_back_equals_pyarrow_row_by_row(h, dataset, prefetch):
 
 def test_shuffled_read_is_a_permutation_with_the_same_rows(h, dataset):
     path, table = dataset
-    cfg = h.make_cfg(shuffle=True, shuffle_buffer_rows=20, dense_log1p=True, dense_fill=-3.0)
+    cfg = h.make_cfg(shuffle=True, shuffle_buffer_rows=20, dense_log1p=True, dense_fill=2.5)
     with ParquetLoader(cfg, [path]) as loader:
         got = h.read_all(loader)
     want = h.expected_rows(table, cfg)
