@@ -308,6 +308,7 @@ class PSClient:
         plan = self._plan(table, ids)
         reqs = []
         for shard, chunk in self._chunks(plan, plan.sent):
+            self._check_size("pull", table, shard, chunk.numel(), dim)
             h = self._header(P.Op.PULL, table, step, dtype=self.wire, count=chunk.numel(), dim=dim)
             reqs.append((shard, h, [P.tensor_frame(chunk)]))
         return self._submit(P.Op.PULL, reqs, lambda parts: self._assemble(plan, parts, dim))
@@ -335,6 +336,7 @@ class PSClient:
         wire = P.to_wire(sent, self.wire)
         reqs = []
         for (shard, chunk), (_, g) in zip(self._chunks(plan, plan.sent), self._chunks(plan, wire)):
+            self._check_size("push", table, shard, chunk.numel(), dim)
             h = self._header(P.Op.PUSH, table, step, dtype=self.wire, count=chunk.numel(), dim=dim)
             reqs.append((shard, h, [P.tensor_frame(chunk), P.tensor_frame(g)]))
         fut = self._submit(P.Op.PUSH, reqs, lambda parts: None)
@@ -457,6 +459,14 @@ class PSClient:
                 rows.index_copy_(0, place, part.float())
             return rows
         return rows if plan.gather is None else rows.index_select(0, plan.gather)   # [N, D]
+
+    def _check_size(self, op: str, table: int, shard: int, count: int, dim: int) -> None:
+        """Refuse a request whose rows frame would pass ps.max_frame_bytes (the shard drops those)."""
+        size = count * dim * P.ITEM_SIZE[self.wire]
+        if size > self.config.max_frame_bytes:
+            raise ValueError(f"{op} of {count} rows of table {table} (dim {dim}) to ps shard {shard} at "
+                             f"{self.addresses[shard]} is {size} bytes, over ps.max_frame_bytes = "
+                             f"{self.config.max_frame_bytes}; split the ids")
 
     def _header(self, op: P.Op, table: int = 0, step: int | None = None, **fields: int) -> P.Header:
         return P.Header(op=op, table=table, step=self.step if step is None else step, worker=self.worker_id,

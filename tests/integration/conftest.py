@@ -113,17 +113,13 @@ class ShardProcesses:
         return [p.wait(timeout=timeout_s) for p in self.procs if p is not None]
 
     def close(self) -> None:
+        """Kill what still runs (graceful exits are tested where they matter: SHUTDOWN, SIGTERM)."""
         for p in self.procs:
             if p is not None and p.poll() is None:
-                p.terminate()
-        for s, p in enumerate(self.procs):
-            if p is None:
-                continue
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait(timeout=5)
+        for p in self.procs:
+            if p is not None:
+                p.wait(timeout=10)
 
 
 @pytest.fixture

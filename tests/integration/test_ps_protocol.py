@@ -113,3 +113,29 @@ def test_dead_shard_raises_shard_unavailable_naming_it():
         assert elapsed < 10.0   # ~0.6 s: the deadline, not a hang
         with pytest.raises(ShardUnavailableError, match="no reply to HEALTH"):
             client.health()
+
+
+def test_retry_resends_the_same_request_and_late_replies_are_dropped():
+    """A push unanswered for ps.timeout_s is sent again with the same request id (the shard's
+    replay cache then answers it without applying it twice); a second, late reply is ignored."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.rcvtimeo = 10_000
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    cfg = PSConfig(num_shards=1, timeout_s=0.3, retries=3, tables=CFG.tables, max_frame_bytes=1000)
+    try:
+        with PSClient(cfg, [f"tcp://127.0.0.1:{port}"], worker_id=0) as client:
+            fut = client.push_async(0, torch.tensor([5, 6]), torch.ones(2, D))
+            first, second = router.recv_multipart(), router.recv_multipart()   # no reply to the first
+            assert first == second
+            h = P.unpack_header(first[1])
+            assert (h.op, h.count, h.dim) == (P.Op.PUSH, 2, D)
+            for _ in range(2):
+                router.send_multipart([first[0], h.reply().pack()])
+            assert fut.result(timeout=10) is None
+            with pytest.raises(ValueError, match="over ps.max_frame_bytes = 1000"):
+                client.pull(0, torch.arange(100))
+    finally:
+        router.close()
+        ctx.term()

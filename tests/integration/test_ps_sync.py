@@ -56,4 +56,7 @@ def test_two_workers_one_step_equals_one_push_of_the_concatenation(shard_process
         ref.push(0, ids[0], grads[0, 0], 1)
         assert (w0.step, w1.step) == (2, 2)
         torch.testing.assert_close(w1.pull(0, every), ref.pull(0, every, 2), rtol=0, atol=1e-6)
+    for proc in shards.procs:          # SIGTERM (what the launcher sends) stops a shard cleanly
+        proc.terminate()
+    assert shards.wait_exit() == [0, 0]
 
