@@ -64,9 +64,18 @@ def fill_value(cfg: TableConfig, spec: StateSpec) -> float:
 
 # ---------------------------------------------------------------------------- vectorized path
 def apply_update(
-    cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor
+    cfg: TableConfig,
+    weights: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    slots: torch.Tensor,
+    grads: torch.Tensor,
+    scratch: torch.Tensor | None = None,
 ) -> None:
-    """Update rows `slots` (int64 [U], unique) of weights [C, D] and state in place from grads float32 [U, D]."""
+    """Update rows `slots` (int64 [U], unique) of weights [C, D] and state in place from grads float32 [U, D].
+
+    `grads` is only read. `scratch` (float32 [U, D], optional) is a buffer the update may
+    overwrite, so a shard can reuse one instead of allocating [U, D] per call.
+    """
     if slots.numel() == 0:
         return
     if cfg.kernel == "fbgemm":
@@ -74,7 +83,9 @@ def apply_update(
 
         kernels.fbgemm_update(cfg, weights, state, slots, grads)
         return
-    _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads)
+    if scratch is None:
+        scratch = torch.empty_like(grads)
+    _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)
 
 
 def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
@@ -86,28 +97,30 @@ def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -
         weights.index_copy_(0, slots, rows.to(weights.dtype))
 
 
-def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
-    _add_rows(w, slots, g * (-cfg.lr))
+# Each update: (cfg, weights [C, D], state, slots int64 [U], g float32 [U, D] read-only, scratch [U, D]).
+def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
+    _add_rows(w, slots, torch.mul(g, -cfg.lr, out=tmp))
 
 
-def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
-    h = st["sum_sq"].index_select(0, slots).addcmul_(g, g)  # [U, D]
+def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
+    h = torch.index_select(st["sum_sq"], 0, slots, out=tmp).addcmul_(g, g)  # [U, D]
     st["sum_sq"].index_copy_(0, slots, h)
     denom = h.sqrt_().add_(cfg.eps)
-    _add_rows(w, slots, torch.div(g, denom).mul_(-cfg.lr))
+    _add_rows(w, slots, torch.div(g, denom, out=tmp).mul_(-cfg.lr))
 
 
 def _rowwise_adagrad(
-    cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor
+    cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor
 ) -> None:
-    g_sq_mean = torch.einsum("ud,ud->u", g, g).div_(g.shape[1])  # [U], no [U, D] temporary
+    # mean of g*g over the row: ||g||^2 / D (vector_norm is one pass, no [U, D] temporary)
+    g_sq_mean = torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1])  # [U]
     h = st["sum_sq"].index_select(0, slots).add_(g_sq_mean)
     st["sum_sq"].index_copy_(0, slots, h)
     mult = h.sqrt_().add_(cfg.eps).reciprocal_().mul_(-cfg.lr)  # [U]
-    _add_rows(w, slots, g * mult.unsqueeze(1))
+    _add_rows(w, slots, torch.mul(g, mult.unsqueeze(1), out=tmp))
 
 
-def _adam(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
+def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
     b1, b2 = cfg.beta1, cfg.beta2
     t = st["steps"].index_select(0, slots).add_(1)  # int32 [U]
     st["steps"].index_copy_(0, slots, t)
@@ -122,7 +135,7 @@ def _adam(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots:
     _add_rows(w, slots, m.div_(bc1).div_(denom).mul_(-cfg.lr))
 
 
-def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict[str, torch.Tensor], slots: torch.Tensor, g: torch.Tensor) -> None:
+def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
     alpha = cfg.lr
     rows = w.index_select(0, slots).float()  # [U, D]
     z = st["z"].index_select(0, slots)

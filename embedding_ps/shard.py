@@ -16,6 +16,8 @@ Steps are int32 counters on the rows: 0 <= step < 2**31.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -94,6 +96,7 @@ class ShardState:
                 for key, n in t.sweep(step).items():
                     out[key] += n
                     out[f"{t.cfg.name}/{key}"] = n
+            release_free_heap()
         return out
 
     # ------------------------------------------------------------------ inspection
@@ -190,6 +193,8 @@ class ShardState:
                 sub = os.path.join(directory, f"table{i}")
                 arrays = {name: np.load(os.path.join(sub, f"{name}.npy"), allow_pickle=False) for name in entry["arrays"]}
                 t.from_arrays(arrays, entry["meta"])
+                del arrays
+            release_free_heap()
         logger.info("shard %d loaded from %s", self.shard_index, directory)
 
     # ------------------------------------------------------------------ helpers
@@ -225,6 +230,27 @@ class ShardState:
     def _check_step(self, step: int) -> None:
         if not 0 <= step <= _MAX_STEP:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
+
+
+_LIBC: list = []
+
+
+def release_free_heap() -> None:
+    """Give freed heap pages back to the OS (glibc `malloc_trim`); a no-op elsewhere.
+
+    Large temporaries (a push's [N, D] buffers, a rehash's key arrays) leave free chunks inside
+    glibc's heap that still count as resident memory. A shard calls this after sweeps and loads,
+    never on the hot path (trimmed pages fault in again, ~several us each on a VM).
+    """
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+            _LIBC.append(lib if lib is not None and hasattr(lib, "malloc_trim") else None)
+        except OSError:
+            _LIBC.append(None)
+    if _LIBC[0] is not None:
+        _LIBC[0].malloc_trim(0)
 
 
 def _write_npy(path: str, a: np.ndarray) -> None:

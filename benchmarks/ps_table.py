@@ -1,0 +1,215 @@
+"""In-process microbenchmarks of one PS shard's core (no network).
+
+    python benchmarks/ps_table.py [--json] [--rows 2000000] [--batch 100000] [--repeats 15] [--threads 1]
+
+1. id -> slot map: lookups of present ids, lookups of absent ids, inserts of new ids, and the
+   push pattern "look up a batch, insert what is missing" (10% new), on a map of --rows ids.
+2. ShardState pull / push (row-wise Adagrad) of --batch unique present ids, dim 16 and 64, on a
+   table of --rows rows; and the baseline: plain `index_select` / `index_add_` on a preallocated
+   [rows, D] tensor with the same indices (what a shard with no map, optimizer or counters costs).
+3. Resident bytes per row at dim 64 (weights + row-wise Adagrad state + map + counters), measured
+   as the RSS growth of a fresh subprocess that fills a table with --rss-rows rows (after
+   `release_free_heap()`, which a shard runs after each sweep; the untrimmed growth is printed
+   too; the growth includes constant per-process buffers, e.g. the [batch, D] update scratch),
+   against the raw fp32 row (4 * 64 = 256 bytes).
+Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.idmap import IdMap
+from embedding_ps.shard import ShardState, release_free_heap
+
+
+CPU_CLOCK = [False]  # --clock cpu: time.process_time (robust on a shared, overloaded machine)
+
+
+def median_s(fn, repeats: int, setup=None) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up (wall clock, or process CPU time)."""
+    clock = time.process_time if CPU_CLOCK[0] else time.perf_counter
+    if setup:
+        setup()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return float(np.median(times))
+
+
+def bench_map(rows: int, batch: int, repeats: int) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    keys = rng.integers(-(2**63), 2**63 - 1, rows + (repeats + 2) * batch * 2, dtype=np.int64)
+    m = IdMap()
+    for i in range(0, rows, 1 << 20):
+        m.insert(keys[i : min(i + (1 << 20), rows)], np.arange(i, min(i + (1 << 20), rows), dtype=np.int32))
+    present = keys[rng.integers(0, rows, batch)]
+    absent = keys[rows : rows + batch]
+    out = {"map_size": float(len(m)), "map_load": len(m) / m.num_buckets}
+    out["map_lookup_hit_ids_per_s"] = batch / median_s(lambda: m.lookup(present), repeats)
+    out["map_lookup_miss_ids_per_s"] = batch / median_s(lambda: m.lookup(absent), repeats)
+    cursor = [rows]
+
+    def fresh_batch(n_new: int) -> np.ndarray:
+        new = keys[cursor[0] : cursor[0] + n_new]
+        cursor[0] += n_new
+        return np.concatenate([new, keys[rng.integers(0, rows, batch - n_new)]])
+
+    def insert_new() -> None:
+        m.insert(keys[cursor[0] : cursor[0] + batch], np.zeros(batch, dtype=np.int32))
+        cursor[0] += batch
+
+    out["map_insert_new_ids_per_s"] = batch / median_s(insert_new, repeats)
+    pending = [None]
+
+    def lookup_insert() -> None:
+        b = pending[0]
+        slots = m.lookup(b)
+        miss = slots < 0
+        m.insert(b[miss], np.zeros(int(miss.sum()), dtype=np.int32))
+
+    def prep() -> None:
+        pending[0] = np.unique(fresh_batch(batch // 10))
+
+    out["map_lookup_insert_10pct_new_ids_per_s"] = batch / median_s(lookup_insert, repeats, setup=prep)
+    return out
+
+
+def bench_shard(rows: int, batch: int, dim: int, repeats: int) -> dict[str, float]:
+    cfg = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),))
+    state = ShardState(cfg, 0)
+    all_ids = torch.from_numpy(np.random.default_rng(1).permutation(rows * 7)[:rows].astype(np.int64) - rows)
+    for i in range(0, rows, 1 << 18):  # fill the table
+        chunk = all_ids[i : i + (1 << 18)]
+        state.push(0, chunk, torch.zeros(chunk.shape[0], dim), step=0)
+    g = torch.Generator().manual_seed(2)
+    ids = all_ids[torch.randperm(rows, generator=g)[:batch]]
+    grads = torch.randn(batch, dim, generator=g)
+    step = [1]
+
+    def push() -> None:
+        state.push(0, ids, grads, step[0])
+        step[0] += 1
+
+    out = {
+        f"pull_d{dim}_rows_per_s": batch / median_s(lambda: state.pull(0, ids), repeats),
+        f"push_d{dim}_rows_per_s": batch / median_s(push, repeats),
+    }
+    out[f"pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / out[f"pull_d{dim}_rows_per_s"] + 1.0 / out[f"push_d{dim}_rows_per_s"])
+    del state
+    weights = torch.empty(rows, dim)
+    weights.normal_()
+    idx = torch.randperm(rows, generator=g)[:batch]
+    out[f"baseline_index_select_d{dim}_rows_per_s"] = batch / median_s(lambda: weights.index_select(0, idx), repeats)
+    out[f"baseline_index_add_d{dim}_rows_per_s"] = batch / median_s(lambda: weights.index_add_(0, idx, grads), repeats)
+    out[f"baseline_pull_push_d{dim}_rows_per_s"] = 1.0 / (
+        1.0 / out[f"baseline_index_select_d{dim}_rows_per_s"] + 1.0 / out[f"baseline_index_add_d{dim}_rows_per_s"]
+    )
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_child(rows: int, dim: int, batch: int) -> None:
+    """Subprocess body: print JSON with the RSS growth of filling one table with `rows` rows, `batch` per push."""
+    cfg = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),))
+    state = ShardState(cfg, 0)
+    ids = torch.from_numpy(np.random.default_rng(3).integers(-(2**63), 2**63 - 1, rows, dtype=np.int64))
+    state.push(0, ids[:1000], torch.zeros(1000, dim), step=0)  # warm up allocators and torch
+    before = rss_bytes()
+    for i in range(1000, rows, batch):
+        chunk = ids[i : i + batch]
+        state.push(0, chunk, torch.zeros(chunk.shape[0], dim), step=0)
+    after = rss_bytes()
+    release_free_heap()  # what a shard does after sweeps: free heap chunks of temporaries go back
+    trimmed = rss_bytes()
+    st = state.stats()
+    print(json.dumps({"rows": st["rows"], "rss_growth": after - before, "rss_growth_trimmed": trimmed - before,
+                      "map_buckets": st["t/map_buckets"], "capacity": st["t/capacity"],
+                      "accounted_bytes": st["t/bytes"]}))
+
+
+def bench_rss(rows: int, dim: int, batch: int) -> dict[str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--rss-child", str(rows), "--dim", str(dim), "--batch", str(batch)],
+        capture_output=True, text=True, timeout=1200, env=env, check=True,
+    )
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    added = r["rows"] - 1000
+    per_row = r["rss_growth_trimmed"] / added
+    return {
+        "rss_rows": float(r["rows"]),
+        f"rss_bytes_per_row_untrimmed_d{dim}": r["rss_growth"] / added,
+        f"rss_bytes_per_row_d{dim}": per_row,
+        f"raw_fp32_row_bytes_d{dim}": 4.0 * dim,
+        f"rss_ratio_d{dim}": per_row / (4.0 * dim),
+        f"accounted_bytes_per_row_d{dim}": r["accounted_bytes"] / r["rows"],
+        "rss_map_load": r["rows"] / r["map_buckets"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--batch", type=int, default=100_000)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: process CPU time, for a machine shared with other jobs (1 thread only)")
+    p.add_argument("--rss-rows", type=int, default=5_000_000)
+    p.add_argument("--skip-rss", action="store_true")
+    p.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--dim", type=int, default=64, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    CPU_CLOCK[0] = args.clock == "cpu"
+    if args.rss_child:
+        rss_child(args.rss_child, args.dim, args.batch)
+        return
+    res: dict[str, float | str] = {"clock": args.clock, "threads": float(args.threads), "batch": float(args.batch),
+                                   "rows": float(args.rows)}
+    res.update(bench_map(args.rows, args.batch, args.repeats))
+    for dim in (16, 64):
+        res.update(bench_shard(args.rows, args.batch, dim, args.repeats))
+    if not args.skip_rss:
+        res.update(bench_rss(args.rss_rows, 64, args.batch))
+    for dim in (16, 64):
+        res[f"ratio_pull_vs_index_select_d{dim}"] = res[f"pull_d{dim}_rows_per_s"] / res[f"baseline_index_select_d{dim}_rows_per_s"]
+        res[f"ratio_push_vs_index_add_d{dim}"] = res[f"push_d{dim}_rows_per_s"] / res[f"baseline_index_add_d{dim}_rows_per_s"]
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return
+    targets = {"map_lookup_insert_10pct_new_ids_per_s": 20e6, "pull_push_d64_rows_per_s": 10e6, "rss_ratio_d64": 1.3}
+    for k, v in res.items():
+        if isinstance(v, str):
+            print(f"{k:45s} {v:>12s}")
+            continue
+        note = ""
+        if k in targets:
+            ok = v <= targets[k] if k.startswith("rss_ratio") else v >= targets[k]
+            note = f"   target {'<=' if k.startswith('rss_ratio') else '>='} {targets[k]:g}: {'ok' if ok else 'MISSED'}"
+        shown = f"{v / 1e6:10.2f} M" if v >= 1e5 else f"{v:12.3f}"
+        print(f"{k:45s} {shown}{note}")
+
+
+if __name__ == "__main__":
+    main()
