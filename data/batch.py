@@ -31,8 +31,6 @@ class Jagged:
     """int64 [N_f]"""
     lengths: torch.Tensor
     """int32 [B]"""
-    weights: torch.Tensor | None = None
-    """float32 [N_f] per-id weights, or None"""
 
     def offsets(self) -> torch.Tensor:
         """int64 [B + 1], offsets[0] = 0, offsets[-1] = N_f."""

@@ -332,6 +332,11 @@ class ParquetLoader:
         return [s.path for s in self._reader.sources]
 
     @property
+    def skipped_files(self) -> list[str]:
+        """Files left out as empty or unreadable under on_bad_rows = "skip"."""
+        return list(self._reader.skipped)
+
+    @property
     def total_rows(self) -> int:
         """Rows in all readable files (all ranks)."""
         return sum(u.num_rows for u in self._reader.units)

@@ -227,7 +227,10 @@ def _raw(arr: pa.Array) -> np.ndarray:
     Slots under nulls hold unspecified values: callers mask them with `_valid`.
     """
     dtype = np.dtype(arr.type.to_pandas_dtype())
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+    buf = arr.buffers()[1]
+    if buf is None or len(arr) == 0:                  # e.g. an all-null column may have no values buffer
+        return np.zeros(len(arr), dtype=dtype)
+    return np.frombuffer(buf, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
 
 
 def _valid(arr: pa.Array) -> np.ndarray:

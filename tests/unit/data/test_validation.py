@@ -150,6 +150,7 @@ def test_empty_and_unreadable_files(h, tmp_path):
     # skip mode: the bad files are left out, the good one is read whole
     with ParquetLoader(h.make_cfg(on_bad_rows="skip"), [str(tmp_path / "ds")]) as loader:
         assert loader.files == [good]
+        assert loader.skipped_files == [empty, str(junk), str(zero)]
         assert sorted(h.row_ids(loader)) == list(range(N))
     with pytest.raises(DataError, match="no readable rows in 3 files"):
         read(h, str(tmp_path / "ds" / "[bcd].parquet"), on_bad_rows="skip")
