@@ -33,9 +33,11 @@ class DataConfig:
     on_bad_rows: Literal["error", "skip"] = "error"
     """`error` raises naming file, row group and column; `skip` drops the row and counts it."""
     shuffle: bool = True
-    """Shuffle file/row-group order per epoch and rows through a bounded buffer."""
+    """Shuffle the (file, row group) order per epoch and the rows inside windows of
+    `shuffle_buffer_rows` (see data/sharding.py); the order is a function of (seed, epoch, rank)."""
     shuffle_buffer_rows: int = 65536
-    """Rows held in the shuffle buffer."""
+    """Rows of a shuffle window: at most this many, made of whole row groups where they fit (a larger
+    row group is cut). 0 shuffles only the row-group order."""
     seed: int = 0
     """Base seed of the shuffle; epoch e uses a seed derived from (seed, e)."""
     prefetch_batches: int = 2
