@@ -12,7 +12,8 @@
    `release_free_heap()`, which a shard runs after each sweep; the untrimmed growth is printed
    too; the growth includes constant per-process buffers, e.g. the [batch, D] update scratch),
    against the raw fp32 row (4 * 64 = 256 bytes).
-Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows.
+Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
+`pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def bench_map(rows: int, batch: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def combined(pull_rate: float, push_rate: float) -> float:
+    """Rows pulled plus rows pushed per second when a shard alternates equal pulls and pushes."""
+    return 2.0 / (1.0 / pull_rate + 1.0 / push_rate)
+
+
 def bench_shard(rows: int, batch: int, dim: int, repeats: int) -> dict[str, float]:
     cfg = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),))
     state = ShardState(cfg, 0)
@@ -109,15 +115,15 @@ def bench_shard(rows: int, batch: int, dim: int, repeats: int) -> dict[str, floa
         f"pull_d{dim}_rows_per_s": batch / median_s(lambda: state.pull(0, ids), repeats),
         f"push_d{dim}_rows_per_s": batch / median_s(push, repeats),
     }
-    out[f"pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / out[f"pull_d{dim}_rows_per_s"] + 1.0 / out[f"push_d{dim}_rows_per_s"])
+    out[f"pull_push_d{dim}_rows_per_s"] = combined(out[f"pull_d{dim}_rows_per_s"], out[f"push_d{dim}_rows_per_s"])
     del state
     weights = torch.empty(rows, dim)
     weights.normal_()
     idx = torch.randperm(rows, generator=g)[:batch]
     out[f"baseline_index_select_d{dim}_rows_per_s"] = batch / median_s(lambda: weights.index_select(0, idx), repeats)
     out[f"baseline_index_add_d{dim}_rows_per_s"] = batch / median_s(lambda: weights.index_add_(0, idx, grads), repeats)
-    out[f"baseline_pull_push_d{dim}_rows_per_s"] = 1.0 / (
-        1.0 / out[f"baseline_index_select_d{dim}_rows_per_s"] + 1.0 / out[f"baseline_index_add_d{dim}_rows_per_s"]
+    out[f"baseline_pull_push_d{dim}_rows_per_s"] = combined(
+        out[f"baseline_index_select_d{dim}_rows_per_s"], out[f"baseline_index_add_d{dim}_rows_per_s"]
     )
     return out
 

@@ -147,6 +147,23 @@ class ShardState:
             t.load_rows(keys[mine].contiguous(), rows[mine], {k: v[mine] for k, v in state.items()}, step)
         return int(mine.sum())
 
+    def load_resharded(self, directories: list[str], step: int = 0) -> int:
+        """Re-sharding N -> M from disk: take this shard's rows from every `save`d shard of an old layout.
+
+        `directories` are all N old shard directories (any num_shards, same tables). Rows, optimizer
+        state, counts and last-seen steps move; admission counts of waiting ids and eviction logs
+        stay behind (they are per old shard). Returns the number of rows taken.
+        """
+        taken = 0
+        for directory in directories:
+            manifest = self._read_manifest(directory)
+            self._check_manifest(manifest, directory, same_layout_only=True)
+            for i, entry in enumerate(manifest["tables"]):
+                sub = os.path.join(directory, f"table{i}")
+                taken += self.load_dump(i, *_dump_from_saved(sub, entry), step=step)
+        release_free_heap()
+        return taken
+
     # ------------------------------------------------------------------ save / load
     def save(self, directory: str) -> None:
         """Write every table's state as .npy files plus manifest.json; atomic by directory rename."""
@@ -181,12 +198,7 @@ class ShardState:
 
     def load(self, directory: str) -> None:
         """Replace all state with a `save`d shard; the saved layout must match this config."""
-        path = os.path.join(directory, "manifest.json")
-        try:
-            with open(path) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shard {self.shard_index}: no saved shard at {directory} (missing {path})") from None
+        manifest = self._read_manifest(directory)
         self._check_manifest(manifest, directory)
         with self._lock:
             for i, (t, entry) in enumerate(zip(self.tables, manifest["tables"])):
@@ -198,12 +210,20 @@ class ShardState:
         logger.info("shard %d loaded from %s", self.shard_index, directory)
 
     # ------------------------------------------------------------------ helpers
-    def _check_manifest(self, manifest: dict, directory: str) -> None:
+    def _read_manifest(self, directory: str) -> dict:
+        path = os.path.join(directory, "manifest.json")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shard {self.shard_index}: no saved shard at {directory} (missing {path})") from None
+
+    def _check_manifest(self, manifest: dict, directory: str, same_layout_only: bool = False) -> None:
         where = f"{directory}/manifest.json"
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{where}: format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
         for key, mine in (("shard_index", self.shard_index), ("num_shards", self.config.num_shards)):
-            if manifest[key] != mine:
+            if manifest[key] != mine and not same_layout_only:
                 raise ValueError(f"{where}: saved {key}={manifest[key]} but this shard has {key}={mine}")
         if len(manifest["tables"]) != len(self.tables):
             raise ValueError(f"{where}: {len(manifest['tables'])} tables saved, config has {len(self.tables)}")
@@ -230,6 +250,21 @@ class ShardState:
     def _check_step(self, step: int) -> None:
         if not 0 <= step <= _MAX_STEP:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
+
+
+def _dump_from_saved(sub: str, entry: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One saved table directory -> what `TableShard.dump` returns (keys, rows float32, state + counters)."""
+
+    def load(name: str) -> np.ndarray:
+        return np.load(os.path.join(sub, f"{name}.npy"), allow_pickle=False)
+
+    keys, slots = load("map_keys"), load("map_slots").astype(np.int64)
+    rows = torch.from_numpy(load("weights")[slots]).float()
+    extra = {n[len("state."):]: torch.from_numpy(load(n)[slots]) for n in entry["arrays"] if n.startswith("state.")}
+    meta = torch.from_numpy(load("meta")[slots])
+    extra["count"] = (meta >> 32).to(torch.int32)
+    extra["last_seen"] = (meta & 0xFFFFFFFF).to(torch.int32)
+    return torch.from_numpy(keys), rows, extra
 
 
 _LIBC: list = []

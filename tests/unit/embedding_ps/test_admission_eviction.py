@@ -103,7 +103,6 @@ def test_lfu_evicts_least_frequent_then_oldest_then_smallest_id() -> None:
     assert (s.stats()["t/slots_used"], s.stats()["t/free_slots"]) == (5, 2)
 
 
-@pytest.mark.slow
 def test_memory_stays_bounded_under_a_flood_of_new_ids() -> None:
     s = state_with(max_rows=2000, eviction_log_max=50_000)
     batch = 20_000
@@ -120,7 +119,6 @@ def test_memory_stays_bounded_under_a_flood_of_new_ids() -> None:
     assert s.tables[0].evlog_lost_through >= 0  # old log entries were dropped, and that is recorded
 
 
-@pytest.mark.slow
 def test_pending_memory_bounded_under_flood_with_min_count() -> None:
     s = state_with(min_count=2, max_pending=10_000)
     for i in range(50):

@@ -40,9 +40,14 @@ HAND = {
 }
 
 
-@pytest.mark.parametrize("name,pushes", sorted(HAND))
-def test_hand_computed_values_with_duplicate_ids(name: str, pushes: int) -> None:
-    state = one_table_state(dim=2, init="zeros", optimizer=name, lr=0.1)
+HAND_CASES = [(n, p, "torch") for n, p in sorted(HAND)] + [
+    (n, p, "fbgemm") for n, p in sorted(HAND) if n in ("sgd", "adagrad", "rowwise_adagrad")
+]
+
+
+@pytest.mark.parametrize("name,pushes,kernel", HAND_CASES)
+def test_hand_computed_values_with_duplicate_ids(name: str, pushes: int, kernel: str) -> None:
+    state = one_table_state(dim=2, init="zeros", optimizer=name, lr=0.1, kernel=kernel)
     for step in range(pushes):
         state.push(0, IDS, GRADS, step=step)
     torch.testing.assert_close(rows_of(state, [3, 5]), torch.tensor(HAND[(name, pushes)]), atol=1e-6, rtol=1e-5)

@@ -141,6 +141,23 @@ def test_reshard_three_to_two_via_dumps(optimizer: str) -> None:
     assert_dumps_equal(two.dump(0), one.dump(0))
 
 
+def test_reshard_from_saved_directories_matches_in_memory_reshard(tmp_path) -> None:
+    tables = (TableConfig(name="a", dim=3, optimizer="adam"), TableConfig(name="b", dim=2, kind="hashed", num_embeddings=30))
+    three = Sharded(PSConfig(num_shards=3, tables=tables))
+    for t, table in enumerate(tables):
+        for step, ids, grads in pushes(4, table.dim, seed=t):
+            three.push(t, ids, grads, step)
+    dirs = []
+    for i, shard in enumerate(three.shards):
+        dirs.append(str(tmp_path / f"old{i}"))
+        shard.save(dirs[-1])
+    two = Sharded(PSConfig(num_shards=2, tables=tables))
+    taken = sum(shard.load_resharded(dirs) for shard in two.shards)
+    assert taken == sum(len(t) for s in three.shards for t in s.tables)
+    for t in range(len(tables)):
+        assert_dumps_equal(two.dump(t), three.dump(t), atol=0.0)
+
+
 def test_input_errors_name_shard_table_and_values() -> None:
     state = ShardState(PSConfig(num_shards=2, tables=(TableConfig(name="t", dim=4),)), 1)
     with pytest.raises(ValueError, match=r"shard 1 table 0 \('t'\): grads must be \[2, 4\], got \[2, 3\]"):
