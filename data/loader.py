@@ -14,6 +14,10 @@ windows of `shuffle_buffer_rows` with a seed of (seed, epoch, rank, window). The
 (epoch, window, offset inside the window), so `state_dict()` after any batch and
 `load_state_dict()` into a new loader continue with exactly the rows an uninterrupted read would
 have given, without storing rows. Under on_bad_rows = "skip" the offset counts the rows kept.
+Resuming: `load_state_dict(state)`, then iterate epochs from `state["epoch"]`; `set_epoch` of that
+epoch keeps the restored position, `set_epoch` of any other epoch starts that epoch afresh. Ranks
+read within one row of each other; `num_batches` (exact unless rows are skipped) lets a DDP trainer
+agree on a common step count.
 
 A daemon thread decodes `prefetch_batches` batches ahead; its exceptions are raised in the
 consumer. The position reported is that of the batches the consumer has received, not of the
