@@ -116,6 +116,7 @@ class TableShard:
         m = meta[un]
         m >>= 32
         m += 1
+        np.minimum(m, _LOW32 >> 1, out=m)  # count saturates at 2**31 - 1: meta stays >= 0
         m <<= 32
         m |= step
         meta[un] = m  # count += 1, last_seen = step (numpy 1-D gather/scatter: ~5x torch index ops here)
@@ -125,13 +126,17 @@ class TableShard:
     # ------------------------------------------------------------------ admission / allocation
     def _admit_missing(self, knp: np.ndarray, slots: np.ndarray, miss: np.ndarray, step: int) -> None:
         """Give rows to the missing keys that pass admission; writes their slots into `slots` [N]."""
-        mk, inv = np.unique(knp[miss], return_inverse=True)
+        mk = knp[miss]
+        srt = np.sort(mk)
+        inv = None
+        if srt.shape[0] > 1 and (srt[1:] == srt[:-1]).any():  # the same new id twice in one push
+            mk, inv = np.unique(mk, return_inverse=True)
         admit = self._admission(mk, step)
         if not admit.any():
             return
         new = np.full(mk.shape[0], -1, dtype=np.int32)
         new[admit] = self._allocate(mk[admit], step)
-        slots[miss] = new[inv]
+        slots[miss] = new if inv is None else new[inv]
 
     def _admission(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Distinct missing keys int64 [K] -> bool [K]: admitted on this push."""
@@ -158,16 +163,21 @@ class TableShard:
         fresh = k - take
         if self.hwm + fresh > self.cap:
             self._grow(self.hwm + fresh)
-        slots = np.concatenate([reuse, np.arange(self.hwm, self.hwm + fresh, dtype=np.int32)])
-        self.hwm += fresh
-        s = torch.from_numpy(slots).long()
-        kt = torch.from_numpy(keys)
+        lo, hi = self.hwm, self.hwm + fresh
+        slots = np.concatenate([reuse, np.arange(lo, hi, dtype=np.int32)])
+        self.hwm = hi
         cfg = self.cfg
-        rows = init_rows(kt, cfg.dim, cfg.seed, cfg.init, cfg.init_scale)
-        self.weights.index_copy_(0, s, rows.to(self.wdtype))
+        rows = init_rows(torch.from_numpy(keys), cfg.dim, cfg.seed, cfg.init, cfg.init_scale).to(self.wdtype)
+        # reused slots are scattered; fresh ones are the contiguous range [lo, hi): plain slice writes
+        r = torch.from_numpy(reuse).long()
+        self.weights.index_copy_(0, r, rows[:take])
+        self.weights[lo:hi] = rows[take:]
         for spec in self.specs:
-            self.state[spec.name].index_fill_(0, s, fill_value(cfg, spec))
-        self.meta.index_fill_(0, s, step)  # count 0, last_seen = step
+            fill = fill_value(cfg, spec)
+            self.state[spec.name].index_fill_(0, r, fill)
+            self.state[spec.name][lo:hi] = fill
+        self.meta.index_fill_(0, r, step)  # count 0, last_seen = step
+        self.meta[lo:hi] = step
         self.map.insert(keys, slots)
         self.totals["admitted"] += k
         return slots

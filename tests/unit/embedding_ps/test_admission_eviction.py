@@ -126,3 +126,27 @@ def test_pending_memory_bounded_under_flood_with_min_count() -> None:
         assert s.stats()["t/pending"] <= 10_000
     assert s.stats()["t/bytes"] < 2_000_000
     assert np.isfinite(s.stats()["t/bytes"])
+
+
+def test_reused_slots_start_from_init_row_and_fresh_optimizer_state() -> None:
+    from embedding_ps.optim import ReferenceTable
+
+    cfg = TableConfig(name="t", dim=2, optimizer="rowwise_adagrad", lr=0.5, ttl_steps=1, initial_accumulator=0.25)
+    s = ShardState(PSConfig(tables=(cfg,)), 0)
+    g = torch.Generator().manual_seed(0)
+    old = torch.arange(100, 140)
+    s.push(0, old, torch.randn(40, 2, generator=g), step=0)
+    s.sweep(1)  # all 40 rows evicted, their slots freed
+    assert s.stats()["t/free_slots"] == 40
+    ref = ReferenceTable(cfg, lambda k: init_rows(torch.tensor([k]), 2, 0, "uniform", 0.01)[0])
+    new = torch.cat([torch.arange(0, 30), old[:20]])  # 50 ids: 40 reuse freed slots, 10 fresh
+    for step in (2, 3):
+        grads = torch.randn(50, 2, generator=g)
+        s.push(0, new, grads, step)
+        ref.push(new, grads)
+    assert s.stats()["t/slots_used"] == 50
+    keys, rows, st = s.dump_table(0)
+    assert keys.tolist() == sorted(ref.rows)
+    torch.testing.assert_close(rows, torch.stack([ref.rows[k][0] for k in keys.tolist()]))
+    torch.testing.assert_close(st["sum_sq"], torch.stack([ref.rows[k][1]["sum_sq"] for k in keys.tolist()]))
+    assert st["count"].tolist() == [2] * 50
