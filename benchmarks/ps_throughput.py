@@ -185,7 +185,7 @@ def main() -> None:
     res.update(baseline(args.pool, args.batch, args.repeats))
     if not args.skip_core:
         res.update(bench_map(args.map_rows, args.batch, args.repeats))
-        res.update(bench_rss(args.rss_rows, 64))
+        res.update(bench_rss(args.rss_rows, 64, args.batch))
     first = f"s{args.shards[0]}_c{args.clients[0]}"
     summary = {
         "rows_per_s": res[f"{first}_pull_push_d64_per_shard_rows_per_s"],
