@@ -129,6 +129,7 @@ class ShardServer:
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
         self.sync = StepBuffer(config.num_workers) if config.mode == "sync" else None
         self.progress = [-1] * config.num_workers      # async: last barrier step of each worker
+        self.max_pull_lead = 0                         # async: most steps a served pull ran ahead
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.counts: dict[str, int] = {op.name.lower(): 0 for op in P.Op}
         self.errors = 0
@@ -235,6 +236,8 @@ class ShardServer:
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self._must_wait(h.step):
             return DEFERRED
+        if self.sync is None:
+            self.max_pull_lead = max(self.max_pull_lead, h.step - (min(self.progress) + 1))
         rows = self.state.pull(h.table, ids, h.step)                     # float32 [N, D]
         return [h.reply().pack(), P.tensor_frame(P.to_wire(rows, dtype))]
 
@@ -272,6 +275,9 @@ class ShardServer:
         if self.sync is not None:
             info["last_applied_step"] = self.sync.last_applied
             info["pending_steps"] = sorted(self.sync.steps)
+        else:
+            info["max_pull_lead"] = self.max_pull_lead
+            info["worker_progress"] = list(self.progress)
         return self._json(h, info)
 
     def _health(self, h: P.Header, payload: list) -> list:

@@ -81,4 +81,4 @@ def connect_store(cfg: JobConfig, addresses: list[str], worker_id: int):
     """The network client to the run's shards, speaking the EmbeddingStore protocol."""
     from embedding_ps.client import PSClient
 
-    return PSClient(cfg.ps, addresses, worker_id=worker_id)
+    return PSClient(cfg.ps, addresses, worker_id=worker_id, dedup=False)  # the sparse arch sends unique ids

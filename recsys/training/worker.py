@@ -91,6 +91,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
             final.update(eval_metrics(labels, scores, p_true))
         if rank == 0:
             save_model(trainer, store, out / "model")
+            (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
             metric_logger.log({f"final/{k}": v for k, v in final.items()}, trainer.step)
             (out / "metrics.json").write_text(json.dumps(final, indent=1))
             logger.info("final metrics: %s", final)
