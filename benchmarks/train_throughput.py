@@ -1,0 +1,381 @@
+"""End-to-end training throughput: our trainer + PS against in-process TorchRec and nn.EmbeddingBag.
+
+    python benchmarks/train_throughput.py [--json] [--rows N] [--steps S] [--repeats R]
+
+One criteo-like Parquet dataset (`data.synthetic.generate`, zstd) in a temporary directory; every
+configuration reads it with `data.loader.ParquetLoader` (shuffle on, prefetch thread on). The job:
+26 one-id sparse features C1..C26 + 13 dense I1..I13 (log1p), B = 4096, embedding dim D = 64,
+DLRM with bottom_mlp [128, 64] and top_mlp [128, 64] (configs/quickstart.toml's), BCE loss, dense
+Adam (lr 1e-3), row-wise Adagrad on the embeddings (lr 0.05; the plain baseline: element-wise):
+
+- `ours_sync`  / `ours_async`: `recsys.training.launch.launch_train` with 1 trainer + 1 PS shard
+  process, ps.mode sync / async (the config is configs/quickstart.toml with overrides). Rate: the
+  trainer's own `perf/samples_per_s` lines in metrics.jsonl (one per `--log-every` steps).
+- `ours_local` (diagnostic): our `Trainer` in this process on a `LocalStore` (the PS shard's state
+  in-process: no network, no PS process, the same sparse arch, same async prefetch loop).
+  ours_local vs torchrec is the cost of our sparse arch; ours_async vs ours_local that of the PS.
+- `torchrec`: the same DLRM in this process, embeddings in torchrec's FusedEmbeddingBagCollection
+  (fbgemm TBE, EXACT_ROWWISE_ADAGRAD fused into backward), 26 tables of min(vocab, --cap) rows.
+- `plain`: the same DLRM in this process, 26 `nn.EmbeddingBag(sparse=True)` tables of
+  min(vocab, --cap) rows, `torch.optim.Adagrad` on them.
+
+The baselines map each 64-bit id to `id % min(vocab, --cap)` (vectorized, inside the timed step)
+so their tables stay bounded; our PS keeps a collisionless id -> row map that grows instead.
+
+Every configuration runs --log-every + --steps steps and times them in intervals of --log-every
+steps (loader wait, forward, backward, optimizer steps, PS round trips all included); the first
+interval is warm-up and dropped, the rate of a run is the median over its other intervals, and
+the reported rate is the median over --repeats runs (the configurations interleaved per repeat).
+The in-process runs use torch.set_num_threads(--threads); our launched trainer gets
+train.num_threads = --threads too, and the PS shard process 1 thread (the launcher's setting).
+
+--json prints one line: `ours_sync`, `ours_async`, `ours_local`, `torchrec`, `plain` (samples/s;
+null when not run or torchrec is not importable), `ratio_async_vs_torchrec`, `ratio_sync_vs_torchrec`,
+`ratio_async_vs_plain`, `ratio_sync_vs_plain`, `ratio_local_vs_torchrec`, `target` (0.8), `meets_target`, per-configuration detail (every run's
+rate; for ours the median ps/pull_ms, ps/push_ms, data/wait_frac) and `notes`.
+Timings on a shared 2-core machine are noisy: compare ratios from one run, not absolute rates.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: spinning OpenMP starves 2 cores
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.batch import Batch, KeyedJagged  # noqa: E402
+from data.loader import ParquetLoader  # noqa: E402
+from data.synthetic import PRESETS, generate  # noqa: E402
+from recsys.config import JobConfig, load_config  # noqa: E402
+from recsys.training.trainer import build_dense_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+SPARSE = tuple(f"C{i}" for i in range(1, 27))
+CONFIGS = ("ours_sync", "ours_async", "ours_local", "torchrec", "plain")
+TARGET = 0.8
+SPARSE_LR = 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# the job
+
+
+def job_config(args: argparse.Namespace, data_dir: str, run_dir: str, mode: str) -> JobConfig:
+    """configs/quickstart.toml with the benchmark's overrides (26 one-id features, D = 64, B = --batch-size)."""
+    tables = ", ".join(f'{{name = "{c}", dim = {args.dim}, optimizer = "rowwise_adagrad", lr = {SPARSE_LR}, '
+                       f'kernel = "{args.ps_kernel}"}}' for c in SPARSE)
+    total_steps = args.log_every + args.steps
+    epochs = math.ceil(total_steps * args.batch_size / args.rows) + 1
+    overrides = [
+        f"data.train_paths = [{json.dumps(data_dir)}]", "data.eval_paths = []",
+        f"data.sparse_columns = {json.dumps(list(SPARSE))}", "data.passthrough_columns = []",
+        f"data.batch_size = {args.batch_size}",
+        f"ps.tables = [{tables}]", f'ps.mode = "{mode}"', "ps.num_shards = 1",
+        "model.table_pooling = {}", f"model.bottom_mlp = [128, {args.dim}]",
+        "train.num_trainers = 1", f"train.max_steps = {total_steps}", f"train.epochs = {epochs}",
+        f"train.log_every = {args.log_every}", f"train.num_threads = {args.threads}",
+        f"train.run_dir = {json.dumps(run_dir)}",
+    ]
+    return load_config(QUICKSTART, overrides)
+
+
+def table_rows(cap: int) -> list[int]:
+    """Rows of each baseline table: min(vocab, cap) per feature C1..C26 of the criteo-like preset."""
+    vocab = {s.name: s.vocab for s in PRESETS["criteo-like"].sparse}
+    return [min(vocab[c], cap) for c in SPARSE]
+
+
+def remap(kj: KeyedJagged, rows: torch.Tensor) -> KeyedJagged:
+    """ids [N] -> id % rows[feature] (int64 [F] rows), so that each id indexes its bounded table."""
+    F = len(kj.keys)
+    per_feature = kj.lengths.view(F, -1).sum(dim=1, dtype=torch.int64)               # [F]
+    mod = torch.repeat_interleave(rows, per_feature, output_size=kj.values.numel())  # [N]
+    return KeyedJagged(kj.keys, torch.remainder(kj.values, mod), kj.lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# ours: launch_train with 1 trainer + 1 PS shard
+
+
+def run_ours(cfg: JobConfig) -> dict:
+    """Launch the job; the median of its perf/samples_per_s lines after the first, and PS timings."""
+    from recsys.training.launch import launch_train
+
+    run_dir = Path(cfg.train.run_dir)
+    launch_train(cfg)
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines() if s.strip()]
+    return summarize_lines(lines, cfg, str(run_dir / "metrics.jsonl"))
+
+
+class _Lines:
+    """A MetricSink that keeps the trainer's metric lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict] = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.lines.append({"step": step, **metrics})
+
+    def close(self) -> None:
+        pass
+
+
+def run_local(cfg: JobConfig, args: argparse.Namespace) -> dict:
+    """Our Trainer in this process on a LocalStore (in-process PS shard, no network, no PS process)."""
+    from recsys.training.store import LocalStore
+    from recsys.training.trainer import Trainer
+
+    torch.set_num_threads(args.threads)
+    sink = _Lines()
+    trainer = Trainer(cfg, LocalStore.create(cfg.ps), metric_logger=sink)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return summarize_lines(sink.lines, cfg, "ours_local")
+
+
+def summarize_lines(lines: list[dict], cfg: JobConfig, where: str) -> dict:
+    """Median rate and PS timings of a trainer's metric lines after the first (warm-up) one."""
+    lines = [x for x in lines if x.get("perf/samples_per_s") is not None]
+    if len(lines) < 2:
+        raise RuntimeError(f"{where}: {len(lines)} perf/samples_per_s lines, need >= 2 "
+                           f"(train.max_steps = {cfg.train.max_steps}, log_every = {cfg.train.log_every})")
+    timed = lines[1:]
+    med = lambda k: statistics.median(float(x[k]) for x in timed if x.get(k) is not None)   # noqa: E731
+    out = {"samples_per_s": med("perf/samples_per_s"), "intervals": [x["perf/samples_per_s"] for x in timed],
+           "pull_ms": med("ps/pull_ms"), "push_ms": med("ps/push_ms"), "data_wait_frac": med("data/wait_frac")}
+    out["step_ms"] = 1e3 * cfg.data.batch_size / out["samples_per_s"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process baselines
+
+
+class TorchRecSparse(nn.Module):
+    """26 tables in one FusedEmbeddingBagCollection (row-wise Adagrad fused into backward): KJT -> [B, F, D]."""
+
+    def __init__(self, rows: list[int], dim: int) -> None:
+        super().__init__()
+        import torchrec.optim
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+        tables = [EmbeddingBagConfig(name=f"t_{c}", embedding_dim=dim, num_embeddings=n, feature_names=[c])
+                  for c, n in zip(SPARSE, rows)]
+        self.ebc = FusedEmbeddingBagCollection(tables=tables, optimizer_type=torchrec.optim.RowWiseAdagrad,
+                                               optimizer_kwargs={"lr": SPARSE_LR}, device=torch.device("cpu"))
+        self.F, self.D = len(tables), dim
+
+    def forward(self, kj: KeyedJagged) -> torch.Tensor:
+        out = self.ebc(kj.to_torchrec()).values()          # [B, F * D], features in table order
+        return out.view(-1, self.F, self.D)
+
+
+class PlainSparse(nn.Module):
+    """One nn.EmbeddingBag(sparse=True, mode="sum") per feature: KeyedJagged -> [B, F, D]."""
+
+    def __init__(self, rows: list[int], dim: int) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in rows)
+        for bag in self.bags:
+            nn.init.uniform_(bag.weight, -0.01, 0.01)
+
+    def forward(self, kj: KeyedJagged) -> torch.Tensor:
+        F = len(kj.keys)
+        lengths = kj.lengths.view(F, -1).to(torch.int64)                  # [F, B]
+        counts = lengths.sum(dim=1)                                       # [F]
+        offsets = torch.cumsum(lengths, 1) - lengths                      # [F, B] bag starts per feature
+        ends = torch.cumsum(counts, 0).tolist()
+        starts = [0] + ends[:-1]
+        pooled = [bag(kj.values[s:e], offsets[f])
+                  for f, (bag, s, e) in enumerate(zip(self.bags, starts, ends))]
+        return torch.stack(pooled, dim=1)                                   # [B, F, D]
+
+
+def batches(loader: ParquetLoader, epochs: int):
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        yield from loader
+
+
+def run_inprocess(kind: str, cfg: JobConfig, args: argparse.Namespace) -> dict:
+    """Train the same DLRM in this process for log_every + steps steps; median samples/s per interval."""
+    torch.set_num_threads(args.threads)
+    rows = table_rows(args.cap)
+    model = build_dense_model(cfg)          # the trainer's DLRM, same seed
+    sparse = TorchRecSparse(rows, args.dim) if kind == "torchrec" else PlainSparse(rows, args.dim)
+    dense_opt = torch.optim.Adam(model.parameters(), lr=cfg.train.dense_lr)
+    sparse_opt = torch.optim.Adagrad(sparse.parameters(), lr=SPARSE_LR) if kind == "plain" else None
+    loss_fn = nn.BCEWithLogitsLoss()
+    rows_t = torch.tensor(rows, dtype=torch.int64)
+    rates, n, steps = [], 0, 0
+    with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
+        it = batches(loader, cfg.train.epochs)
+        t_log = time.perf_counter()
+        while steps < cfg.train.max_steps:
+            batch: Batch = next(it)
+            pooled = sparse(remap(batch.sparse, rows_t))                  # [B, F, D]
+            loss = loss_fn(model(batch.dense, pooled, None), batch.labels)
+            dense_opt.zero_grad(set_to_none=True)
+            if sparse_opt is not None:
+                sparse_opt.zero_grad(set_to_none=True)
+            loss.backward()                                               # torchrec: rows updated here
+            dense_opt.step()
+            if sparse_opt is not None:
+                sparse_opt.step()
+            steps += 1
+            n += batch.batch_size
+            if steps % cfg.train.log_every == 0:
+                now = time.perf_counter()
+                rates.append(n / (now - t_log))
+                n, t_log = 0, now
+    timed = rates[1:]
+    if not timed:
+        raise RuntimeError(f"{kind}: {len(rates)} intervals, need >= 2")
+    out = {"samples_per_s": statistics.median(timed), "intervals": timed, "final_loss": float(loss.detach())}
+    out["step_ms"] = 1e3 * cfg.data.batch_size / out["samples_per_s"]
+    return out
+
+
+def torchrec_missing() -> str | None:
+    """None when torchrec's FusedEmbeddingBagCollection imports, else why not."""
+    try:
+        import torchrec.optim  # noqa: F401
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection  # noqa: F401
+    except Exception as e:   # ImportError, or an fbgemm/torch mismatch failing at import
+        return f"torchrec not importable ({type(e).__name__}: {e}); torchrec reported as null"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def run(args: argparse.Namespace) -> dict:
+    notes: list[str] = []
+    configs = [c for c in CONFIGS if c in args.configs]
+    if "torchrec" in configs and (why := torchrec_missing()):
+        notes.append(why)
+        configs.remove("torchrec")
+    results: dict[str, list[dict]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        data_dir = os.path.join(tmp, "data")
+        t0 = time.perf_counter()
+        generate(preset="criteo-like", rows=args.rows, num_files=args.files, out_dir=data_dir, seed=0)
+        gen_s = time.perf_counter() - t0
+        for r in range(args.repeats):
+            for c in configs:
+                run_dir = os.path.join(tmp, f"run-{c}-{r}")
+                mode = "sync" if c == "ours_sync" else "async"
+                cfg = job_config(args, data_dir, run_dir, mode)
+                if c == "ours_local":
+                    res = run_local(cfg, args)
+                elif c.startswith("ours"):
+                    res = run_ours(cfg)
+                else:
+                    res = run_inprocess(c, cfg, args)
+                results[c].append(res)
+                if not args.json:
+                    print(f"  repeat {r + 1}/{args.repeats} {c:10s} {res['samples_per_s']:10,.0f} samples/s",
+                          file=sys.stderr, flush=True)
+    return summarize(args, results, notes, gen_s)
+
+
+def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: list[str], gen_s: float) -> dict:
+    rate = {c: (round(statistics.median(x["samples_per_s"] for x in results[c])) if results.get(c) else None)
+            for c in CONFIGS}
+    ratio = lambda a, b: round(rate[a] / rate[b], 3) if rate[a] and rate[b] else None   # noqa: E731
+    detail = {}
+    for c, runs in results.items():
+        d = {"runs_samples_per_s": [round(x["samples_per_s"]) for x in runs],
+             "step_ms": round(statistics.median(x["step_ms"] for x in runs), 1)}
+        for k in ("pull_ms", "push_ms", "data_wait_frac", "final_loss"):
+            if runs and k in runs[0]:
+                d[k] = round(statistics.median(x[k] for x in runs), 3)
+        detail[c] = d
+    out = {**rate, "ratio_async_vs_torchrec": ratio("ours_async", "torchrec"),
+           "ratio_sync_vs_torchrec": ratio("ours_sync", "torchrec"),
+           "ratio_async_vs_plain": ratio("ours_async", "plain"),
+           "ratio_sync_vs_plain": ratio("ours_sync", "plain"),
+           "ratio_local_vs_torchrec": ratio("ours_local", "torchrec"), "target": TARGET}
+    out["meets_target"] = None if out["ratio_async_vs_torchrec"] is None else out["ratio_async_vs_torchrec"] >= TARGET
+    out.update({"rows": args.rows, "steps": args.steps, "log_every": args.log_every, "repeats": args.repeats,
+                "batch_size": args.batch_size, "dim": args.dim, "threads": args.threads, "cap": args.cap,
+                "ps_kernel": args.ps_kernel, "gen_s": round(gen_s, 2), "cpus": os.cpu_count(),
+                "detail": detail, "notes": notes})
+    return out
+
+
+def print_table(r: dict) -> None:
+    print(f"criteo-like, {r['rows']:,} rows, 26 one-id features + 13 dense, D={r['dim']}, B={r['batch_size']}, "
+          f"{r['steps']} timed steps (+{r['log_every']} warm-up), median of {r['repeats']}, "
+          f"{r['threads']} torch threads, {r['cpus']} cpus")
+    labels = {"ours_sync": "ours sync (1 trainer + 1 PS)", "ours_async": "ours async (1 trainer + 1 PS)",
+              "ours_local": "ours, in-process LocalStore",
+              "torchrec": "torchrec FusedEBC, 1 process", "plain": "nn.EmbeddingBag sparse, 1 process"}
+    print(f"  {'configuration':34s} {'samples/s':>10s} {'step ms':>8s} {'pull ms':>8s} {'push ms':>8s} {'data wait':>9s}")
+    for c in CONFIGS:
+        d = r["detail"].get(c, {})
+        v = r[c]
+        fmt = lambda k, f: (f.format(d[k]) if k in d else "-")   # noqa: E731
+        print(f"  {labels[c]:34s} {('%10.0f' % v) if v else '      null'} {fmt('step_ms', '{:8.1f}'):>8s} "
+              f"{fmt('pull_ms', '{:8.1f}'):>8s} {fmt('push_ms', '{:8.1f}'):>8s} {fmt('data_wait_frac', '{:9.3f}'):>9s}")
+    for k, label in (("ratio_async_vs_torchrec", "ours_async / torchrec"),
+                     ("ratio_sync_vs_torchrec", "ours_sync / torchrec"),
+                     ("ratio_async_vs_plain", "ours_async / plain"),
+                     ("ratio_local_vs_torchrec", "ours_local / torchrec")):
+        v = r[k]
+        print(f"  {label:24s} {'null' if v is None else f'{v:.3f}'}")
+    verdict = {True: "met", False: "NOT met", None: "not measured"}[r["meets_target"]]
+    print(f"  target ours_async >= {r['target']}x torchrec: {verdict}")
+    for n in r["notes"]:
+        print(f"  note: {n}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--rows", type=int, default=200_000, help="rows of generated data (read in epochs)")
+    p.add_argument("--files", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="timed steps per run (after --log-every warm-up steps)")
+    p.add_argument("--log-every", type=int, default=5, help="steps per timing interval")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration (median)")
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer / baseline process")
+    p.add_argument("--cap", type=int, default=200_000, help="most rows per baseline table (id % min(vocab, cap))")
+    p.add_argument("--ps-kernel", choices=("torch", "fbgemm"), default="torch", help="ps.tables[*].kernel")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    a = p.parse_args()
+    if a.steps < a.log_every:
+        p.error(f"--steps ({a.steps}) must be >= --log-every ({a.log_every})")
+    a.steps = a.log_every * math.ceil(a.steps / a.log_every)
+    logging.basicConfig(level=logging.WARNING)
+    r = run(a)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        print_table(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
