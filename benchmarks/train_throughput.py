@@ -30,9 +30,10 @@ The in-process runs use torch.set_num_threads(--threads); our launched trainer g
 train.num_threads = --threads too, and the PS shard process 1 thread (the launcher's setting).
 
 --json prints one line: `ours_sync`, `ours_async`, `ours_local`, `torchrec`, `plain` (samples/s;
-null when not run or torchrec is not importable), `ratio_async_vs_torchrec`, `ratio_sync_vs_torchrec`,
-`ratio_async_vs_plain`, `ratio_sync_vs_plain`, `ratio_local_vs_torchrec`, `target` (0.8), `meets_target`, per-configuration detail (every run's
-rate; for ours the median ps/pull_ms, ps/push_ms, data/wait_frac) and `notes`.
+null when not run or torchrec is not importable), `ratio_async_vs_torchrec`,
+`ratio_sync_vs_torchrec`, `ratio_async_vs_plain`, `ratio_sync_vs_plain`, `ratio_local_vs_torchrec`,
+`target` (0.8), `meets_target`, per-configuration detail (every run's rate; for ours the median
+ps/pull_ms, ps/push_ms, data/wait_frac) and `notes`.
 Timings on a shared 2-core machine are noisy: compare ratios from one run, not absolute rates.
 """
 
