@@ -317,7 +317,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
            "ratio_async_vs_plain": ratio("ours_async", "plain"),
            "ratio_sync_vs_plain": ratio("ours_sync", "plain"),
            "ratio_local_vs_torchrec": ratio("ours_local", "torchrec"), "target": TARGET}
-    out["meets_target"] = None if out["ratio_async_vs_torchrec"] is None else out["ratio_async_vs_torchrec"] >= TARGET
+    r = out["ratio_async_vs_torchrec"]
+    out["meets_target"] = None if r is None else r >= TARGET
     out.update({"rows": args.rows, "steps": args.steps, "log_every": args.log_every, "repeats": args.repeats,
                 "batch_size": args.batch_size, "dim": args.dim, "threads": args.threads, "cap": args.cap,
                 "ps_kernel": args.ps_kernel, "gen_s": round(gen_s, 2), "cpus": os.cpu_count(),
@@ -332,13 +333,15 @@ def print_table(r: dict) -> None:
     labels = {"ours_sync": "ours sync (1 trainer + 1 PS)", "ours_async": "ours async (1 trainer + 1 PS)",
               "ours_local": "ours, in-process LocalStore",
               "torchrec": "torchrec FusedEBC, 1 process", "plain": "nn.EmbeddingBag sparse, 1 process"}
-    print(f"  {'configuration':34s} {'samples/s':>10s} {'step ms':>8s} {'pull ms':>8s} {'push ms':>8s} {'data wait':>9s}")
+    print(f"  {'configuration':34s} {'samples/s':>10s} {'step ms':>8s} {'pull ms':>8s} {'push ms':>8s} "
+          f"{'data wait':>9s}")
     for c in CONFIGS:
         d = r["detail"].get(c, {})
         v = r[c]
         fmt = lambda k, f: (f.format(d[k]) if k in d else "-")   # noqa: E731
         print(f"  {labels[c]:34s} {('%10.0f' % v) if v else '      null'} {fmt('step_ms', '{:8.1f}'):>8s} "
-              f"{fmt('pull_ms', '{:8.1f}'):>8s} {fmt('push_ms', '{:8.1f}'):>8s} {fmt('data_wait_frac', '{:9.3f}'):>9s}")
+              f"{fmt('pull_ms', '{:8.1f}'):>8s} {fmt('push_ms', '{:8.1f}'):>8s} "
+              f"{fmt('data_wait_frac', '{:9.3f}'):>9s}")
     for k, label in (("ratio_async_vs_torchrec", "ours_async / torchrec"),
                      ("ratio_sync_vs_torchrec", "ours_sync / torchrec"),
                      ("ratio_async_vs_plain", "ours_async / plain"),
@@ -362,7 +365,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer / baseline process")
-    p.add_argument("--cap", type=int, default=200_000, help="most rows per baseline table (id % min(vocab, cap))")
+    p.add_argument("--cap", type=int, default=200_000, help="most rows per baseline table (ids map to id %% min(vocab, cap))")
     p.add_argument("--ps-kernel", choices=("torch", "fbgemm"), default="torch", help="ps.tables[*].kernel")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     a = p.parse_args()
