@@ -365,7 +365,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer / baseline process")
-    p.add_argument("--cap", type=int, default=200_000, help="most rows per baseline table (ids map to id %% min(vocab, cap))")
+    p.add_argument("--cap", type=int, default=200_000,
+                   help="most rows per baseline table (ids map to id %% min(vocab, cap))")
     p.add_argument("--ps-kernel", choices=("torch", "fbgemm"), default="torch", help="ps.tables[*].kernel")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     a = p.parse_args()
