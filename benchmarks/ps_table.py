@@ -128,6 +128,27 @@ def bench_shard(rows: int, batch: int, dim: int, repeats: int) -> dict[str, floa
     return out
 
 
+def bench_kernels(rows: int, batch: int, repeats: int, dim: int = 64) -> dict[str, float]:
+    """Push rows/s of the vectorized torch update vs fbgemm's fused CPU TBE update (same table, same ids)."""
+    out = {}
+    all_ids = torch.arange(rows, dtype=torch.int64)
+    g = torch.Generator().manual_seed(4)
+    ids = all_ids[torch.randperm(rows, generator=g)[:batch]]
+    grads = torch.randn(batch, dim, generator=g)
+    for optimizer in ("sgd", "rowwise_adagrad"):
+        for kernel in ("torch", "fbgemm"):
+            cfg = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer=optimizer, kernel=kernel),))
+            state = ShardState(cfg, 0)
+            for i in range(0, rows, 1 << 18):
+                chunk = all_ids[i : i + (1 << 18)]
+                state.push(0, chunk, torch.zeros(chunk.shape[0], dim), step=0)
+            out[f"push_{optimizer}_{kernel}_d{dim}_rows_per_s"] = batch / median_s(
+                lambda: state.push(0, ids, grads, 1), repeats
+            )
+            del state
+    return out
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -183,6 +204,7 @@ def main() -> None:
                    help="cpu: process CPU time, for a machine shared with other jobs (1 thread only)")
     p.add_argument("--rss-rows", type=int, default=5_000_000)
     p.add_argument("--skip-rss", action="store_true")
+    p.add_argument("--kernels", action="store_true", help="also time fbgemm's fused update against torch's")
     p.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, default=64, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -196,6 +218,8 @@ def main() -> None:
     res.update(bench_map(args.rows, args.batch, args.repeats))
     for dim in (16, 64):
         res.update(bench_shard(args.rows, args.batch, dim, args.repeats))
+    if args.kernels:
+        res.update(bench_kernels(args.rows, args.batch, args.repeats))
     if not args.skip_rss:
         res.update(bench_rss(args.rss_rows, 64, args.batch))
     for dim in (16, 64):

@@ -148,14 +148,17 @@ class IdMap:
         hit &= v >= 0
         out = np.where(hit, pos if want == "pos" else v, -1)
         idx = np.flatnonzero((v != EMPTY) ^ hit)  # still searching: occupied by another key, or tombstone
-        while idx.shape[0]:
-            pos[idx] = p = (pos[idx] + 1) & mask
+        p = pos[idx]
+        k = keys[idx]
+        while idx.shape[0]:  # later rounds carry (idx, bucket, key) compressed, sequential reads only
+            p += 1
+            p &= mask
             v = vv[p]
-            hit = kv[p] == keys[idx]
+            hit = kv[p] == k
             hit &= v >= 0
-            found = idx[hit]
-            out[found] = p[hit] if want == "pos" else v[hit]
-            idx = idx[(v != EMPTY) ^ hit]
+            out[idx[hit]] = p[hit] if want == "pos" else v[hit]
+            keep = (v != EMPTY) ^ hit
+            idx, p, k = idx[keep], p[keep], k[keep]
         return out
 
     def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
