@@ -363,6 +363,17 @@ class PSClient:
         self._broadcast(P.Op.BARRIER, step=step)
         self.step = step + 1
 
+    def barrier_async(self, step: int) -> "Future[list]":
+        """`barrier(step)` without waiting for this client's pushes or the shards' replies.
+
+        For async mode, where the barrier only reports progress: each shard serves one
+        connection's requests in order, so it sees this worker's pushes of `step` before the
+        barrier (unless a push had to be retried after a timeout). Sets `self.step = step + 1`.
+        """
+        fut = self._broadcast_async(P.Op.BARRIER, step=step)
+        self.step = step + 1
+        return fut
+
     def stats(self) -> list[dict]:
         """Per shard (in shard order): request counts, errors, sync state and `ShardState.stats()`."""
         return self._broadcast(P.Op.STATS)
@@ -482,6 +493,9 @@ class PSClient:
         return call.future
 
     def _broadcast(self, op: P.Op, step: int | None = None, text: str | None = None) -> list:
+        return self._wait(self._broadcast_async(op, step, text))
+
+    def _broadcast_async(self, op: P.Op, step: int | None = None, text: str | None = None) -> Future:
         payload = [] if text is None else [P.text_frame(text)]
         reqs = [(s, self._header(op, step=step, dtype=P.DType.BYTES if text else P.DType.NONE,
                                  count=len(payload[0]) if text else 0), payload)
@@ -490,7 +504,7 @@ class PSClient:
         def finish(parts: dict[int, tuple[P.Header, list]]) -> list:
             return [json.loads(bytes(parts[s][1][0])) if parts[s][1] else None for s in range(len(reqs))]
 
-        return self._wait(self._submit(op, reqs, finish))
+        return self._submit(op, reqs, finish)
 
     def _wait(self, fut: Future) -> Any:
         # the I/O thread fails every future by its deadline; this bound only guards against a bug

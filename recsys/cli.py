@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="quickstart: generate data and run the main job")
     p.add_argument("--out", default="demo")
-    p.add_argument("--rows", type=int, default=400_000)
+    p.add_argument("--rows", type=int, default=600_000)
     p.set_defaults(func=_cmd_demo)
     return parser
 

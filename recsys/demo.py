@@ -1,6 +1,6 @@
 """The README's quickstart: generate criteo-like data, train DLRM on 1 PS + 1 trainer, evaluate.
 
-    recsys demo [--out demo] [--rows 400000]
+    recsys demo [--out demo] [--rows 600000]
 
 Writes `OUT/data` (4 Parquet files: 3 train, 1 eval) once, then runs configs/quickstart.toml
 with the local launcher into `OUT/run` and prints the eval AUC next to the oracle AUC (the AUC
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
 
 
-def run_demo(out: str, rows: int = 400_000) -> int:
+def run_demo(out: str, rows: int = 600_000) -> int:
     from data.synthetic import generate
     from recsys.training.launch import launch_train
 

@@ -45,7 +45,8 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None) -
         trainer.close()
     if labels.numel() == 0:
         raise ValueError(f"no rows in {data}")
-    metrics = eval_metrics(labels, scores, extras.get("p_true"))
+    p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
+    metrics = eval_metrics(labels, scores, p_true)
     path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
     path.write_text(json.dumps(metrics, indent=1))
     logger.info("eval on %s: %s (written to %s)", data, metrics, path)
@@ -62,7 +63,7 @@ def predict_run(run_dir: str | Path, data: list[str], out: str) -> int:
     columns = {"score": pa.array(scores.numpy().astype("float32"))}
     for name in cfg.data.passthrough_columns:
         if name in extras:
-            columns[name] = pa.array(extras[name].numpy())
+            columns[name] = pa.array(extras[name])
     tmp = Path(out).with_suffix(".tmp")
     pq.write_table(pa.table(columns), tmp)
     tmp.replace(out)

@@ -38,6 +38,14 @@ class EmbeddingStore(Protocol):
         """Send row gradients [N, D] of ids [N]; the PS applies the table's optimizer."""
         ...
 
+    def barrier(self, step: int) -> None:
+        """This worker is done with `step` (sync mode: the PS applies the step once all are)."""
+        ...
+
+    def barrier_async(self, step: int) -> "Future":
+        """`barrier` without waiting (async mode: progress report for ps.max_staleness)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class TablePlan:
@@ -104,16 +112,16 @@ class SparseLookup:
         pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
         linear: dict[int, torch.Tensor] = {}   # feature index -> [B]
         for group in _groups(self.plans):
-            out = self._pool_group(group)       # [sum(F_t) * B, D]
-            start = 0
-            for p in group:
-                for f in self.plans[p].features:
-                    piece = out[start:start + B]
-                    start += B
-                    if self.plans[p].linear:
-                        linear[f] = piece[:, 0]
-                    else:
-                        pooled[f] = piece
+            out = self._pool_group(group)                   # [sum(F_t) * B, D]
+            feats = [f for p in group for f in self.plans[p].features]
+            linear_group = self.plans[group[0]].linear
+            # one view + unbind: its backward is one stack, where B-row slices would each
+            # allocate and add a full-size zero gradient (quadratic in the number of features)
+            for f, piece in zip(feats, out.view(len(feats), B, -1).unbind(0)):   # [B, D] each
+                if linear_group:
+                    linear[f] = piece[:, 0]
+                else:
+                    pooled[f] = piece
         dense_feats = sorted(pooled)
         stacked = torch.stack([pooled[f] for f in dense_feats], dim=1)  # [B, F, D]
         lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
@@ -153,9 +161,10 @@ class SparseLookup:
 
 
 def _groups(plans: list[TablePlan]) -> list[list[int]]:
-    keys: dict[tuple[int, str], list[int]] = {}
+    """Plans pooled by one embedding_bag call: same dim, pooling mode and kind (linear or not)."""
+    keys: dict[tuple[int, str, bool], list[int]] = {}
     for i, p in enumerate(plans):
-        keys.setdefault((p.dim, p.pooling), []).append(i)
+        keys.setdefault((p.dim, p.pooling, p.linear), []).append(i)
     return list(keys.values())
 
 

@@ -69,6 +69,13 @@ class LocalStore:
     def barrier(self, step: int) -> None:
         self.step = step + 1
 
+    def barrier_async(self, step: int) -> Future:
+        self.barrier(step)
+        return _done(None)
+
+    def stats(self) -> list[dict]:
+        return [state.stats() for state in self.states]
+
     def save(self, root: str) -> None:
         for i, state in enumerate(self.states):
             state.save(shard_dir(str(root), i))

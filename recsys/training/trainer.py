@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,6 +90,7 @@ class Trainer:
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
+        self._in_flight: list = []         # async: the last step's push and barrier futures
         self._loader: ParquetLoader | None = None
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps())
 
@@ -125,9 +127,17 @@ class Trainer:
             (loss / acc).backward()
         t0 = time.perf_counter()
         futures = lookup.push(scale=1.0 / (self.world_size * acc))
-        for fut in futures:
-            fut.result()
-        self.store.barrier(self.step)   # sync: the shards apply the step; async: progress for staleness
+        if self.cfg.ps.mode == "sync":
+            for fut in futures:
+                fut.result()
+            self.store.barrier(self.step)        # the shards apply the step once all workers are here
+        else:
+            # async: the previous step's pushes must be acknowledged (errors surface, at most one
+            # step of gradients in flight); this step's fly while the next batch computes. The
+            # barrier reports progress so the shards can hold a trainer to ps.max_staleness.
+            for fut in self._in_flight:
+                fut.result()
+            self._in_flight = [*futures, self.store.barrier_async(self.step)]
         times.push += time.perf_counter() - t0
         times.pull += lookup.pull_s
         if last_micro:
@@ -142,11 +152,14 @@ class Trainer:
         """Training batches over all epochs, with the seconds spent waiting for each."""
         for epoch in range(self.cfg.train.epochs):
             self.loader.set_epoch(epoch)
+            # ranks' shares differ by up to one row: every rank takes the smallest batch count, or
+            # DDP's allreduce and the PS barrier would wait for a rank that has already finished
+            steps = self._min_over_ranks(self.loader.num_batches)
             it = iter(self.loader)
-            while True:
+            for _ in range(steps):
                 t0 = time.perf_counter()
                 batch = next(it, None)
-                if batch is None:
+                if batch is None:    # rows skipped as bad (data.on_bad_rows = "skip")
                     break
                 yield batch, time.perf_counter() - t0
 
@@ -183,18 +196,21 @@ class Trainer:
                 times.total = time.perf_counter() - t_log
                 self._log(times.as_metrics())
                 times, t_log = StepTimes(), time.perf_counter()
+        for fut in self._in_flight:
+            fut.result()
+        self._in_flight = []
         elapsed = time.perf_counter() - t_start
         return {"steps": float(self.step), "train_s": elapsed, "samples": float(samples)}
 
-    def predict(self, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def predict(self, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
         """Labels [N], scores [N] (sigmoid of logits) and passthrough columns [N] of this rank's part of `paths`.
 
-        The next batch's pulls fly while the current batch computes.
+        Rows come in file order (no shuffle); the next batch's pulls fly while the current one computes.
         """
         labels, scores = [], []
-        extras: dict[str, list[torch.Tensor]] = {}
+        extras: dict[str, list[np.ndarray]] = {}
         self.model.eval()
-        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False)   # scores in file order
+        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False)
         with torch.no_grad(), ParquetLoader(data_cfg, paths, rank=self.rank,
                                             world_size=self.world_size) as loader:
             it = iter(loader)
@@ -205,12 +221,19 @@ class Trainer:
                 nxt_lookup = self.sparse.lookup(nxt, self.store) if nxt is not None else None
                 scores.append(torch.sigmoid(self.forward(batch, lookup, train=False)))
                 labels.append(batch.labels)
-                for name, col in (batch.extras or {}).items():
-                    extras.setdefault(name, []).append(torch.as_tensor(col))
+                for name, col in batch.extras.items():
+                    extras.setdefault(name, []).append(np.asarray(col))
                 batch, lookup = nxt, nxt_lookup
         self.model.train()
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
-        return cat(labels), cat(scores), {k: cat(v) for k, v in extras.items()}
+        return cat(labels), cat(scores), {k: np.concatenate(v) for k, v in extras.items()}
+
+    def _min_over_ranks(self, n: int) -> int:
+        if not dist.is_initialized() or self.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def _log(self, values: dict[str, float]) -> None:
         if dist.is_initialized() and self.world_size > 1:

@@ -85,7 +85,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
         final["samples_per_s"] = float(_sum_all(samples_per_s))
         if cfg.data.eval_paths:
             labels, scores, extras = trainer.predict(cfg.data.eval_paths)
-            p_true = extras.get("p_true")
+            p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
             labels, scores = gather_cat(labels), gather_cat(scores)
             p_true = gather_cat(p_true) if p_true is not None else None
             final.update(eval_metrics(labels, scores, p_true))
