@@ -15,6 +15,10 @@ scatter-then-verify: all candidates write their key (the last write wins), read 
 the losers probe on. The map grows (rehashes into twice the buckets) when live entries plus
 tombstones pass `max_load`, and rehashes in place when tombstones crowd it.
 
+With the native library (`native.py`, `_native.c`) lookups, deletes' probes and inserts run
+one key at a time in C on the same arrays (inserts then simply take the first free bucket of
+the chain, in order); `EMBEDDING_PS_NATIVE=0` keeps the numpy rounds, which stay the reference.
+
 `BoundedCounter` (at the end) counts sightings of ids that are not admitted yet, with a hard
 bound on how many ids it remembers.
 """
@@ -22,6 +26,8 @@ bound on how many ids it remembers.
 from __future__ import annotations
 
 import numpy as np
+
+from embedding_ps import native
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -73,6 +79,9 @@ class IdMap:
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """int64 [N] -> int32 [N]: the value of each key, -1 where absent. Duplicates are fine."""
+        lib = native.lib()
+        if lib is not None:
+            return native.map_find(lib, self._keys, self._vals, self._bits, np.ascontiguousarray(keys, dtype=np.int64), "val")
         return self._find(np.ascontiguousarray(keys, dtype=np.int64), want="val").astype(np.int32, copy=False)
 
     def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
@@ -140,6 +149,9 @@ class IdMap:
 
     def _find(self, keys: np.ndarray, want: str = "pos") -> np.ndarray:
         """int64 [N] -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1 where absent."""
+        lib = native.lib()
+        if lib is not None:
+            return native.map_find(lib, self._keys, self._vals, self._bits, keys, want)
         mask = self.num_buckets - 1
         kv, vv = self._keys, self._vals
         pos = _home(keys, self._bits)
@@ -163,6 +175,10 @@ class IdMap:
 
     def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
         """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE), scatter-then-verify."""
+        lib = native.lib()
+        if lib is not None:
+            self._tombs -= native.map_place(lib, self._keys, self._vals, self._bits, keys, vals)
+            return
         mask = self.num_buckets - 1
         kv, vv = self._keys, self._vals
         pos = _home(keys, self._bits)

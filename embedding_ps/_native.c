@@ -1,0 +1,284 @@
+/* Native fast path of one PS shard: id -> slot map probes and fused sparse optimizer updates.
+ *
+ * Plain C99, no Python or torch headers: `embedding_ps/native.py` compiles this file with the
+ * system C compiler (-O3 -ffp-contract=off, never -march=native) on first use and calls it
+ * through ctypes with raw pointers into numpy arrays / torch tensors (the caller checks dtype,
+ * contiguity and bounds). Every function has a numpy/torch twin (idmap.py, optim.py,
+ * table.py) that stays the reference; tests compare the two.
+ *
+ * Map layout (idmap.py): keys int64 [C], vals int32 [C], C = 2**bits; vals >= 0 occupied,
+ * -1 EMPTY (ends a probe chain), -2 TOMBSTONE (probed past, reusable by inserts). Linear
+ * probing from home = splitmix64(key + GOLDEN) >> (64 - bits).
+ *
+ * Float math follows the torch ops of optim.py step by step in fp32 (scalars rounded to fp32
+ * as torch does for a float32 tensor op with a Python scalar), so sgd and adagrad are bit-exact;
+ * rowwise_adagrad's mean of g*g is a reduction whose order differs from torch's (~1 ulp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PS_EMPTY (-1)
+#define PS_TOMB (-2)
+#define PF 8 /* items ahead to prefetch */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch((const void *)(p))
+#define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1)
+#else
+#define PREFETCH(p) ((void)0)
+#define PREFETCH_W(p) ((void)0)
+#endif
+
+int ps_abi_version(void) { return 1; }
+
+static inline uint64_t ps_home(int64_t key, int bits) {
+    uint64_t z = (uint64_t)key + 0x9E3779B97F4A7C15ULL;
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z >> (64 - bits);
+}
+
+/* For each key: its value (out_val, -1 if absent) and/or bucket (out_pos, -1 if absent).
+ * Either output may be NULL. Returns 0, or -1 if a probe chain had no EMPTY end (corrupt map). */
+int ps_map_find(const int64_t *kv, const int32_t *vv, int bits, const int64_t *keys, int64_t n,
+                int32_t *out_val, int64_t *out_pos) {
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    uint64_t ring[PF];
+    int64_t i;
+    for (i = 0; i < n && i < PF; i++) {
+        ring[i] = ps_home(keys[i], bits);
+        PREFETCH(vv + ring[i]);
+        PREFETCH(kv + ring[i]);
+    }
+    for (i = 0; i < n; i++) {
+        uint64_t p = ring[i % PF];
+        if (i + PF < n) {
+            uint64_t h = ps_home(keys[i + PF], bits);
+            ring[i % PF] = h;
+            PREFETCH(vv + h);
+            PREFETCH(kv + h);
+        }
+        const int64_t k = keys[i];
+        int32_t val = -1;
+        int64_t pos = -1;
+        uint64_t left = mask + 1;
+        for (;;) {
+            int32_t v = vv[p];
+            if (v == PS_EMPTY) break;
+            if (v >= 0 && kv[p] == k) {
+                val = v;
+                pos = (int64_t)p;
+                break;
+            }
+            p = (p + 1) & mask;
+            if (--left == 0) return -1;
+        }
+        if (out_val) out_val[i] = val;
+        if (out_pos) out_pos[i] = pos;
+    }
+    return 0;
+}
+
+/* Insert distinct keys absent from the map into the first free bucket (EMPTY or TOMBSTONE) of
+ * their chain, in order. The caller grew the map first. Returns the number of tombstones
+ * reused, or -1 if a chain had no free bucket. */
+int64_t ps_map_place(int64_t *kv, int32_t *vv, int bits, const int64_t *keys, const int32_t *vals,
+                     int64_t n) {
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    uint64_t ring[PF];
+    int64_t i, tombs = 0;
+    for (i = 0; i < n && i < PF; i++) {
+        ring[i] = ps_home(keys[i], bits);
+        PREFETCH_W(vv + ring[i]);
+        PREFETCH_W(kv + ring[i]);
+    }
+    for (i = 0; i < n; i++) {
+        uint64_t p = ring[i % PF];
+        if (i + PF < n) {
+            uint64_t h = ps_home(keys[i + PF], bits);
+            ring[i % PF] = h;
+            PREFETCH_W(vv + h);
+            PREFETCH_W(kv + h);
+        }
+        uint64_t left = mask + 1;
+        while (vv[p] >= 0) {
+            p = (p + 1) & mask;
+            if (--left == 0) return -1;
+        }
+        if (vv[p] == PS_TOMB) tombs++;
+        kv[p] = keys[i];
+        vv[p] = vals[i];
+    }
+    return tombs;
+}
+
+/* 1 if slots [n] (each in [0, nbits)) hold a value twice, else 0. `bitmap` has >= nbits bits,
+ * all zero on entry, and is all zero again on return. */
+int ps_has_duplicates(const int32_t *slots, int64_t n, uint8_t *bitmap) {
+    int dup = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        uint32_t s = (uint32_t)slots[i];
+        uint8_t bit = (uint8_t)(1u << (s & 7));
+        if (bitmap[s >> 3] & bit) dup = 1;
+        bitmap[s >> 3] |= bit;
+    }
+    for (i = 0; i < n; i++) bitmap[(uint32_t)slots[i] >> 3] = 0;
+    return dup;
+}
+
+/* ------------------------------------------------------------------ fp16 <-> fp32 (IEEE, RNE) */
+static inline float ps_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F;
+    uint32_t man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while ((man & 0x400) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t ps_f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) { /* inf or nan */
+        return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? (0x200 | ((ax >> 13) & 0x3FF)) : 0));
+    }
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds to >= 65520: inf */
+    if (ax < 0x38800000u) {                                   /* below the smallest normal half */
+        if (ax < 0x33000000u) return (uint16_t)sign;          /* < 2**-25: rounds to zero */
+        uint32_t e = ax >> 23;
+        uint32_t man = (ax & 0x7FFFFF) | 0x800000;
+        uint32_t shift = 126 - e; /* 14 + (113 - e) - 1 + 1 */
+        uint32_t r = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1);
+        uint32_t half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((ax - 0x38000000u) >> 13); /* rebias exponent 127 -> 15 */
+    uint32_t rem = ax & 0x1FFF;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+}
+
+void ps_f2h_array(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = ps_f2h(src[i]);
+}
+
+void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = ps_h2f(src[i]);
+}
+
+/* ------------------------------------------------------------------ gather (pull) */
+/* out [n, d] float32 = rows slots of w [C, d] (fp32 or fp16 when half != 0); slots all valid. */
+void ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out) {
+    const int64_t es = half ? 2 : 4;
+    const char *base = (const char *)w;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PF < n) {
+            const char *r = base + (int64_t)slots[i + PF] * d * es;
+            for (int64_t b = 0; b < d * es; b += 64) PREFETCH(r + b);
+        }
+        const char *row = base + (int64_t)slots[i] * d * es;
+        float *o = out + i * d;
+        if (half) {
+            const uint16_t *h = (const uint16_t *)row;
+            for (int64_t j = 0; j < d; j++) o[j] = ps_h2f(h[j]);
+        } else {
+            memcpy(o, row, (size_t)(d * 4));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ fused updates (push) */
+enum { PS_SGD = 0, PS_ADAGRAD = 1, PS_ROWWISE_ADAGRAD = 2 };
+
+/* Update rows slots [n] (unique) of w [C, d] (fp32, or fp16 when half != 0) and the optimizer
+ * state from grads g [n, d] (read-only): the math of optim._sgd / _adagrad / _rowwise_adagrad
+ * (state: sum_sq [C, d] for adagrad, [C] for rowwise_adagrad, unused for sgd). `neg_lr` is
+ * (float)(-lr), `eps` (float)eps. With meta != NULL also the row's counters, as table.push:
+ * count = min(count + 1, 2**31 - 1), last_seen = step (meta = count << 32 | last_seen). */
+void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
+               const float *g, float neg_lr, float eps, int64_t *meta, int64_t step) {
+    const int64_t es = half ? 2 : 4;
+    char *base = (char *)w;
+    float tmp[1024];
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PF < n) {
+            int64_t s = slots[i + PF];
+            const char *r = base + s * d * es;
+            for (int64_t b = 0; b < d * es; b += 64) PREFETCH_W(r + b);
+            if (opt == PS_ADAGRAD) {
+                const float *hr = state + s * d;
+                for (int64_t b = 0; b < d; b += 16) PREFETCH_W(hr + b);
+            } else if (opt == PS_ROWWISE_ADAGRAD) {
+                PREFETCH_W(state + s);
+            }
+            if (meta) PREFETCH_W(meta + s);
+        }
+        const int64_t s = slots[i];
+        const float *gi = g + i * d;
+        /* delta[j] into tmp (chunks of 1024 columns) then w += delta */
+        float mult = 0.0f;
+        if (opt == PS_ROWWISE_ADAGRAD) {
+            double acc = 0.0;
+            for (int64_t j = 0; j < d; j++) acc += (double)gi[j] * (double)gi[j];
+            float nrm = (float)sqrt(acc);
+            float mean = (nrm * nrm) / (float)d;
+            float h = state[s] + mean;
+            state[s] = h;
+            mult = (1.0f / (sqrtf(h) + eps)) * neg_lr;
+        }
+        for (int64_t j0 = 0; j0 < d; j0 += 1024) {
+            int64_t m = d - j0 < 1024 ? d - j0 : 1024;
+            const float *gj = gi + j0;
+            if (opt == PS_SGD) {
+                for (int64_t j = 0; j < m; j++) tmp[j] = gj[j] * neg_lr;
+            } else if (opt == PS_ROWWISE_ADAGRAD) {
+                for (int64_t j = 0; j < m; j++) tmp[j] = gj[j] * mult;
+            } else { /* adagrad */
+                float *hr = state + s * d + j0;
+                for (int64_t j = 0; j < m; j++) {
+                    float h = hr[j] + gj[j] * gj[j];
+                    hr[j] = h;
+                    tmp[j] = (gj[j] / (sqrtf(h) + eps)) * neg_lr;
+                }
+            }
+            if (half) {
+                uint16_t *wr = (uint16_t *)(base + s * d * 2) + j0;
+                for (int64_t j = 0; j < m; j++) wr[j] = ps_f2h(ps_h2f(wr[j]) + tmp[j]);
+            } else {
+                float *wr = (float *)(base + s * d * 4) + j0;
+                for (int64_t j = 0; j < m; j++) wr[j] += tmp[j];
+            }
+        }
+        if (meta) {
+            int64_t c = (meta[s] >> 32) + 1;
+            if (c > 0x7FFFFFFF) c = 0x7FFFFFFF;
+            meta[s] = (c << 32) | step;
+        }
+    }
+}

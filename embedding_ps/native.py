@@ -1,0 +1,231 @@
+"""Loader of the shard's native fast path (`_native.c`), compiled on first use and called with ctypes.
+
+The C file has no Python or torch headers. On first use it is compiled with the system C
+compiler (`cc`, else `gcc`, else `clang`; `-O3 -shared -fPIC -ffp-contract=off`, never
+`-march=native`: the cached library may move between machines) into
+`$XDG_CACHE_HOME/recsys-hybrid/` (default `~/.cache/recsys-hybrid/`, else a per-user temp
+directory), named by a hash of the source, the flags and the machine, and written atomically
+(compiled to a temporary name, then renamed). If there is no compiler or anything fails, one
+warning is logged and `lib()` returns None: every caller then keeps its numpy/torch path,
+which stays the reference (tests compare the two).
+
+`EMBEDDING_PS_NATIVE=0` (the one environment variable `embedding_ps` reads) forces the pure
+numpy/torch paths; `set_enabled(False)` does the same from code (tests).
+
+Wrappers here check dtypes, contiguity and sizes before passing raw pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "EMBEDDING_PS_NATIVE"
+_SRC = Path(__file__).with_name("_native.c")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
+_ABI = 1
+
+_lock = threading.Lock()
+_state: dict = {"loaded": False, "lib": None, "enabled": os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")}
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_SIGS = {
+    "ps_abi_version": ([], ctypes.c_int),
+    "ps_map_find": ([_P, _P, ctypes.c_int, _P, _I64, _P, _P], ctypes.c_int),
+    "ps_map_place": ([_P, _P, ctypes.c_int, _P, _P, _I64], _I64),
+    "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
+    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P], None),
+    "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64], None),
+    "ps_f2h_array": ([_P, _P, _I64], None),
+    "ps_h2f_array": ([_P, _P, _I64], None),
+}
+OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the native path on or off for this process; returns the previous setting."""
+    prev = _state["enabled"]
+    _state["enabled"] = bool(enabled)
+    return prev
+
+
+def lib():
+    """The loaded ctypes library, or None (disabled, no compiler, or the build failed)."""
+    if not _state["enabled"]:
+        return None
+    if not _state["loaded"]:
+        with _lock:
+            if not _state["loaded"]:
+                _state["lib"] = _load()
+                _state["loaded"] = True
+    return _state["lib"]
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def _cache_dirs() -> list[Path]:
+    dirs = []
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        dirs.append(Path(xdg) / "recsys-hybrid")
+    try:
+        dirs.append(Path.home() / ".cache" / "recsys-hybrid")
+    except RuntimeError:  # no home directory
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    dirs.append(Path(tempfile.gettempdir()) / f"recsys-hybrid-{uid}")
+    return dirs
+
+
+def _compiler() -> str | None:
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _load():
+    try:
+        src = _SRC.read_bytes()
+        tag = hashlib.sha256(src + repr((_FLAGS, platform.machine(), platform.system())).encode()).hexdigest()[:16]
+        name = f"_native-{tag}.so"
+        so = None
+        for d in _cache_dirs():
+            if (d / name).is_file():
+                so = d / name
+                break
+        if so is None:
+            so = _compile(src, name)
+        native = ctypes.CDLL(str(so))
+        for fn, (args, res) in _SIGS.items():
+            f = getattr(native, fn)
+            f.argtypes, f.restype = args, res
+        if native.ps_abi_version() != _ABI:
+            raise RuntimeError(f"{so}: ABI version {native.ps_abi_version()}, expected {_ABI}")
+        logger.debug("embedding_ps native path: %s", so)
+        return native
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the numpy/torch path
+        logger.warning("embedding_ps: native fast path unavailable, using numpy/torch (%s)", e)
+        return None
+
+
+def _compile(src: bytes, name: str) -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
+    errors = []
+    for d in _cache_dirs():
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp.so", dir=d)
+            os.close(fd)
+        except OSError as e:
+            errors.append(f"{d}: {e}")
+            continue
+        try:
+            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC)], capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, d / name)  # atomic: a concurrent process sees no library or a whole one
+            return d / name
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("no writable cache directory: " + "; ".join(errors))
+
+
+# ---------------------------------------------------------------------------- checked wrappers
+def _ptr(a) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+def _check(a, dtype, name: str) -> None:
+    if isinstance(a, np.ndarray):
+        ok = a.dtype == dtype and a.flags.c_contiguous
+    else:
+        ok = a.dtype == dtype and a.is_contiguous() and a.device.type == "cpu"
+    if not ok:
+        raise TypeError(f"native: {name} must be a contiguous {dtype} array, got {a.dtype}")
+
+
+def map_find(native, kv: np.ndarray, vv: np.ndarray, bits: int, keys: np.ndarray, want: str) -> np.ndarray:
+    """IdMap._find in C: int64 [N] keys -> int32 values (want="val") or int64 buckets (want="pos"), -1 absent."""
+    _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals"), _check(keys, np.int64, "keys")
+    assert kv.shape[0] == vv.shape[0] == 1 << bits
+    n = keys.shape[0]
+    if want == "val":
+        out = np.empty(n, dtype=np.int32)
+        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, out.ctypes.data, None)
+    else:
+        out = np.empty(n, dtype=np.int64)
+        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, None, out.ctypes.data)
+    if rc != 0:
+        raise RuntimeError("IdMap: probe chain without an empty bucket (corrupt map)")
+    return out
+
+
+def map_place(native, kv: np.ndarray, vv: np.ndarray, bits: int, keys: np.ndarray, vals: np.ndarray) -> int:
+    """IdMap._place in C (sequential inserts); returns the number of tombstones reused."""
+    _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals")
+    _check(keys, np.int64, "keys"), _check(vals, np.int32, "vals")
+    assert kv.shape[0] == vv.shape[0] == 1 << bits and keys.shape == vals.shape
+    r = native.ps_map_place(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, vals.ctypes.data, keys.shape[0])
+    if r < 0:
+        raise RuntimeError("IdMap: no free bucket (map full)")
+    return int(r)
+
+
+def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:
+    """Whether int32 slots (each in [0, 8 * bitmap.size)) repeat; bitmap: uint8, zero, left zero."""
+    _check(slots, np.int32, "slots"), _check(bitmap, np.uint8, "bitmap")
+    return bool(native.ps_has_duplicates(slots.ctypes.data, slots.shape[0], bitmap.ctypes.data))
+
+
+def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor) -> None:
+    """out float32 [N, D] = weights[slots] (fp32 or fp16 weights); slots int32 [N], all in range."""
+    _check(slots, np.int32, "slots"), _check(out, torch.float32, "out")
+    half = weights.dtype == torch.float16
+    _check(weights, torch.float16 if half else torch.float32, "weights")
+    n, d = out.shape
+    assert slots.shape[0] == n and weights.shape[1] == d
+    native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr())
+
+
+def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, slots: np.ndarray,
+           grads: torch.Tensor, lr: float, eps: float, meta: torch.Tensor | None, step: int) -> None:
+    """The fused update of unique rows slots int32 [U] from grads float32 [U, D] (see ps_update in _native.c)."""
+    half = weights.dtype == torch.float16
+    _check(weights, torch.float16 if half else torch.float32, "weights")
+    _check(slots, np.int32, "slots"), _check(grads, torch.float32, "grads")
+    n, d = grads.shape
+    assert slots.shape[0] == n and weights.shape[1] == d
+    opt = OPTIMIZERS[optimizer]
+    sp = None
+    if opt != OPTIMIZERS["sgd"]:
+        _check(state, torch.float32, "optimizer state")
+        assert state.shape[0] == weights.shape[0]
+        sp = state.data_ptr()
+    mp = None
+    if meta is not None:
+        _check(meta, torch.int64, "meta")
+        mp = meta.data_ptr()
+    native.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
+                     float(np.float32(-lr)), float(np.float32(eps)), mp, int(step))
