@@ -20,7 +20,8 @@
 
 #define PS_EMPTY (-1)
 #define PS_TOMB (-2)
-#define PF 8 /* items ahead to prefetch */
+#define PF 8   /* keys ahead to prefetch in map probes */
+#define PFU 16 /* rows ahead to prefetch in gathers and updates */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
@@ -193,14 +194,20 @@ void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
 }
 
 /* ------------------------------------------------------------------ gather (pull) */
-/* out [n, d] float32 = rows slots of w [C, d] (fp32 or fp16 when half != 0); slots all valid. */
-void ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out) {
+/* out [n, d] float32 = rows slots of w [C, d] (fp32 or fp16 when half != 0); rows of out whose
+ * slot is < 0 are left as they are. Returns the number of such rows. */
+int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out) {
     const int64_t es = half ? 2 : 4;
     const char *base = (const char *)w;
+    int64_t missing = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (i + PF < n) {
-            const char *r = base + (int64_t)slots[i + PF] * d * es;
+        if (i + PFU < n && slots[i + PFU] >= 0) {
+            const char *r = base + (int64_t)slots[i + PFU] * d * es;
             for (int64_t b = 0; b < d * es; b += 64) PREFETCH(r + b);
+        }
+        if (slots[i] < 0) {
+            missing++;
+            continue;
         }
         const char *row = base + (int64_t)slots[i] * d * es;
         float *o = out + i * d;
@@ -211,24 +218,52 @@ void ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t
             memcpy(o, row, (size_t)(d * 4));
         }
     }
+    return missing;
 }
 
 /* ------------------------------------------------------------------ fused updates (push) */
 enum { PS_SGD = 0, PS_ADAGRAD = 1, PS_ROWWISE_ADAGRAD = 2 };
 
+/* sum of g[j]^2 over a row: 16 independent fp32 lanes (vectorizes without -ffast-math), then
+ * pairwise. torch's vector_norm reduces in another order: results differ by ~1 ulp. */
+static inline float ps_sumsq(const float *restrict g, int64_t d) {
+    float acc[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16)
+        for (int l = 0; l < 16; l++) acc[l] += g[j + l] * g[j + l];
+    for (int l = 0; j < d; j++, l++) acc[l] += g[j] * g[j];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+static inline void ps_axpy_f32(float *restrict w, const float *restrict g, float a, int64_t d) {
+    for (int64_t j = 0; j < d; j++) w[j] += g[j] * a; /* torch: delta = g * a (fp32), w += delta */
+}
+
+static inline void ps_adagrad_f32(float *restrict w, float *restrict h, const float *restrict g, float neg_lr,
+                                  float eps, int64_t d) {
+    for (int64_t j = 0; j < d; j++) {
+        float hj = h[j] + g[j] * g[j];
+        h[j] = hj;
+        w[j] += (g[j] / (sqrtf(hj) + eps)) * neg_lr;
+    }
+}
+
 /* Update rows slots [n] (unique) of w [C, d] (fp32, or fp16 when half != 0) and the optimizer
  * state from grads g [n, d] (read-only): the math of optim._sgd / _adagrad / _rowwise_adagrad
  * (state: sum_sq [C, d] for adagrad, [C] for rowwise_adagrad, unused for sgd). `neg_lr` is
  * (float)(-lr), `eps` (float)eps. With meta != NULL also the row's counters, as table.push:
- * count = min(count + 1, 2**31 - 1), last_seen = step (meta = count << 32 | last_seen). */
+ * count = min(count + 1, 2**31 - 1), last_seen = step (meta = count << 32 | last_seen).
+ * fp16 rows are updated in fp32 and rounded once (round to nearest even), as optim._add_rows. */
 void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
                const float *g, float neg_lr, float eps, int64_t *meta, int64_t step) {
     const int64_t es = half ? 2 : 4;
     char *base = (char *)w;
-    float tmp[1024];
+    float tmp[256];
     for (int64_t i = 0; i < n; i++) {
-        if (i + PF < n) {
-            int64_t s = slots[i + PF];
+        if (i + PFU < n) {
+            int64_t s = slots[i + PFU];
             const char *r = base + s * d * es;
             for (int64_t b = 0; b < d * es; b += 64) PREFETCH_W(r + b);
             if (opt == PS_ADAGRAD) {
@@ -241,38 +276,30 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
         }
         const int64_t s = slots[i];
         const float *gi = g + i * d;
-        /* delta[j] into tmp (chunks of 1024 columns) then w += delta */
-        float mult = 0.0f;
+        float mult = neg_lr;
         if (opt == PS_ROWWISE_ADAGRAD) {
-            double acc = 0.0;
-            for (int64_t j = 0; j < d; j++) acc += (double)gi[j] * (double)gi[j];
-            float nrm = (float)sqrt(acc);
-            float mean = (nrm * nrm) / (float)d;
-            float h = state[s] + mean;
+            float nrm = sqrtf(ps_sumsq(gi, d));
+            float h = state[s] + (nrm * nrm) / (float)d;
             state[s] = h;
             mult = (1.0f / (sqrtf(h) + eps)) * neg_lr;
         }
-        for (int64_t j0 = 0; j0 < d; j0 += 1024) {
-            int64_t m = d - j0 < 1024 ? d - j0 : 1024;
-            const float *gj = gi + j0;
-            if (opt == PS_SGD) {
-                for (int64_t j = 0; j < m; j++) tmp[j] = gj[j] * neg_lr;
-            } else if (opt == PS_ROWWISE_ADAGRAD) {
-                for (int64_t j = 0; j < m; j++) tmp[j] = gj[j] * mult;
-            } else { /* adagrad */
-                float *hr = state + s * d + j0;
-                for (int64_t j = 0; j < m; j++) {
-                    float h = hr[j] + gj[j] * gj[j];
-                    hr[j] = h;
-                    tmp[j] = (gj[j] / (sqrtf(h) + eps)) * neg_lr;
-                }
-            }
-            if (half) {
-                uint16_t *wr = (uint16_t *)(base + s * d * 2) + j0;
-                for (int64_t j = 0; j < m; j++) wr[j] = ps_f2h(ps_h2f(wr[j]) + tmp[j]);
-            } else {
-                float *wr = (float *)(base + s * d * 4) + j0;
-                for (int64_t j = 0; j < m; j++) wr[j] += tmp[j];
+        if (!half) {
+            float *wr = (float *)base + s * d;
+            if (opt == PS_ADAGRAD)
+                ps_adagrad_f32(wr, state + s * d, gi, neg_lr, eps, d);
+            else
+                ps_axpy_f32(wr, gi, mult, d);
+        } else {
+            for (int64_t j0 = 0; j0 < d; j0 += 256) {
+                int64_t m = d - j0 < 256 ? d - j0 : 256;
+                const float *gj = gi + j0;
+                uint16_t *wr = (uint16_t *)base + s * d + j0;
+                for (int64_t j = 0; j < m; j++) tmp[j] = ps_h2f(wr[j]);
+                if (opt == PS_ADAGRAD)
+                    ps_adagrad_f32(tmp, state + s * d + j0, gj, neg_lr, eps, m);
+                else
+                    ps_axpy_f32(tmp, gj, mult, m);
+                for (int64_t j = 0; j < m; j++) wr[j] = ps_f2h(tmp[j]);
             }
         }
         if (meta) {

@@ -48,7 +48,7 @@ _SIGS = {
     "ps_map_find": ([_P, _P, ctypes.c_int, _P, _I64, _P, _P], ctypes.c_int),
     "ps_map_place": ([_P, _P, ctypes.c_int, _P, _P, _I64], _I64),
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
-    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P], None),
+    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P], _I64),
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
     "ps_h2f_array": ([_P, _P, _I64], None),
@@ -199,14 +199,15 @@ def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:
     return bool(native.ps_has_duplicates(slots.ctypes.data, slots.shape[0], bitmap.ctypes.data))
 
 
-def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor) -> None:
-    """out float32 [N, D] = weights[slots] (fp32 or fp16 weights); slots int32 [N], all in range."""
+def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor) -> int:
+    """out float32 [N, D] = weights[slots] (fp32 or fp16 weights), slots int32 [N] < len(weights);
+    rows with slot < 0 are left untouched. Returns how many there were."""
     _check(slots, np.int32, "slots"), _check(out, torch.float32, "out")
     half = weights.dtype == torch.float16
     _check(weights, torch.float16 if half else torch.float32, "weights")
     n, d = out.shape
     assert slots.shape[0] == n and weights.shape[1] == d
-    native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr())
+    return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr())
 
 
 def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, slots: np.ndarray,

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from embedding_ps import native
 from embedding_ps.config import TableConfig
 
 
@@ -86,6 +88,32 @@ def apply_update(
     if scratch is None:
         scratch = torch.empty_like(grads)
     _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)
+
+
+def native_update(
+    cfg: TableConfig,
+    weights: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    slots: np.ndarray,
+    grads: torch.Tensor,
+    meta: torch.Tensor | None = None,
+    step: int = 0,
+) -> bool:
+    """`apply_update` in C (`_native.c` ps_update), one pass per row, if it applies; returns whether it ran.
+
+    slots int32 [U] (unique), grads float32 [U, D]; with `meta` (int64 [C], count << 32 |
+    last_seen) also the row counters as `TableShard.push` updates them. Runs for the torch
+    kernel's sgd / adagrad / rowwise_adagrad on fp32 or fp16 rows when the native library is
+    loaded; False otherwise (adam, ftrl, kernel="fbgemm", EMBEDDING_PS_NATIVE=0, no compiler).
+    """
+    if cfg.kernel != "torch" or cfg.optimizer not in native.OPTIMIZERS:
+        return False
+    lib = native.lib()
+    if lib is None:
+        return False
+    st = state.get("sum_sq")
+    native.update(lib, cfg.optimizer, weights, st, slots, grads, cfg.lr, cfg.eps, meta, step)
+    return True
 
 
 def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:

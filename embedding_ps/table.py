@@ -32,10 +32,11 @@ import logging
 import numpy as np
 import torch
 
+from embedding_ps import native
 from embedding_ps.config import TableConfig
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
-from embedding_ps.optim import apply_update, fill_value, state_specs
+from embedding_ps.optim import apply_update, fill_value, native_update, state_specs
 from embedding_ps.sharding import splitmix64_np
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class TableShard:
         self.state = {s.name: torch.empty((0, cfg.dim) if s.per_coordinate else (0,), dtype=s.dtype) for s in self.specs}
         self.meta = torch.empty(0, dtype=torch.int64)  # count << 32 | last_seen
         self._scratch = torch.empty(0)  # reused [U, D] buffer of the update: no fresh large allocation per push
+        self._dupbits = np.zeros(0, dtype=np.uint8)  # native duplicate check: one bit per slot, kept all zero
         self.evlog: list[tuple[np.ndarray, int]] = []
         self.evlog_len = 0
         self.evlog_lost_through = -1  # entries with step <= this were dropped unread (log over its bound)
@@ -76,19 +78,31 @@ class TableShard:
     # ------------------------------------------------------------------ pull / push
     def pull(self, keys: torch.Tensor) -> torch.Tensor:
         """int64 [N] keys (dups ok) -> float32 [N, D]. Missing keys get their init row, or zeros."""
-        slots = torch.from_numpy(self.map.lookup(keys.numpy()))  # int32 [N], -1: no row
+        snp = self.map.lookup(keys.numpy())  # int32 [N], -1: no row
+        lib = native.lib()
+        if lib is not None:  # one C pass copies (and widens fp16) the rows that exist
+            out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
+            if native.gather(lib, self.weights, snp, out) == 0:
+                return out
+            miss = torch.from_numpy(snp < 0)
+            self._fill_missing(keys, miss, out)
+            return out
+        slots = torch.from_numpy(snp)
         hit = slots >= 0
         if bool(hit.all()):
             return self.weights.index_select(0, slots).float()
         out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
         if bool(hit.any()):
             out[hit] = self.weights.index_select(0, slots[hit]).float()
-        miss = ~hit
+        self._fill_missing(keys, ~hit, out)
+        return out
+
+    def _fill_missing(self, keys: torch.Tensor, miss: torch.Tensor, out: torch.Tensor) -> None:
+        """out[miss] = the rows a pull returns for keys without a row: init rows, or zeros."""
         if self.cfg.unadmitted == "zeros":
             out[miss] = 0.0
         else:
             out[miss] = init_rows(keys[miss], self.cfg.dim, self.cfg.seed, self.cfg.init, self.cfg.init_scale)
-        return out
 
     def push(self, keys: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Apply grads float32 [N, D] of keys int64 [N] (dups summed) at `step`. `grads` is not modified."""
@@ -104,6 +118,31 @@ class TableShard:
                 if n_ok == 0:
                     return
                 slots, grads = slots[ok], grads[torch.from_numpy(ok)]
+        if not self._push_native(slots, grads, step):
+            self._push_torch(slots, grads, step)
+        if self.cfg.max_rows and len(self.map) > self.cfg.max_rows:
+            self._evict_lfu(len(self.map) - self.cfg.max_rows, step)
+
+    def _push_native(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> bool:
+        """The optimizer update and counters of existing rows `slots` int32 [N] in C, if it applies.
+
+        Duplicates are detected with a bitmap over the slots (no sort) and summed exactly as
+        `_sum_duplicates` does (index_add_ in arrival order), then `optim.native_update` runs the
+        update and the counters in one pass per row.
+        """
+        cfg = self.cfg
+        if cfg.kernel != "torch" or cfg.optimizer not in native.OPTIMIZERS:
+            return False
+        lib = native.lib()
+        if lib is None:
+            return False
+        if self._dupbits.shape[0] * 8 < self.cap:
+            self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
+        if native.has_duplicates(lib, slots, self._dupbits):
+            slots, grads = _merge_duplicates(slots, grads)
+        return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step)
+
+    def _push_torch(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> None:
         u, g = _sum_duplicates(slots, grads)
         if self._scratch.numel() < g.numel():
             scratch = torch.empty(g.numel())
@@ -120,8 +159,6 @@ class TableShard:
         m <<= 32
         m |= step
         meta[un] = m  # count += 1, last_seen = step (numpy 1-D gather/scatter: ~5x torch index ops here)
-        if self.cfg.max_rows and len(self.map) > self.cfg.max_rows:
-            self._evict_lfu(len(self.map) - self.cfg.max_rows, step)
 
     # ------------------------------------------------------------------ admission / allocation
     def _admit_missing(self, knp: np.ndarray, slots: np.ndarray, miss: np.ndarray, step: int) -> None:
@@ -368,10 +405,16 @@ def _sum_duplicates(slots: np.ndarray, grads: torch.Tensor) -> tuple[torch.Tenso
     srt = np.sort(slots)
     if srt.shape[0] < 2 or not (srt[1:] == srt[:-1]).any():
         return torch.from_numpy(slots).long(), grads
+    uniq, summed = _merge_duplicates(slots, grads)
+    return torch.from_numpy(uniq).long(), summed
+
+
+def _merge_duplicates(slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """slots int32 [N] with duplicates, grads [N, D] -> (sorted unique slots int32 [U], grads summed in arrival order)."""
     uniq, inv = np.unique(slots, return_inverse=True)
     summed = torch.zeros(uniq.shape[0], grads.shape[1], dtype=torch.float32)
-    summed.index_add_(0, torch.from_numpy(inv.astype(np.int64, copy=False)), grads)
-    return torch.from_numpy(uniq).long(), summed
+    summed.index_add_(0, torch.from_numpy(inv.astype(np.int64, copy=False).reshape(-1)), grads)
+    return uniq, summed
 
 
 def admission_coin(keys: np.ndarray, step: int, key: int) -> np.ndarray:
