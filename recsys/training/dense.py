@@ -15,8 +15,8 @@ from recsys.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 
-def _bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Cast a bucket to bf16, allreduce, cast back and average.
+def _bf16_hook(state, bucket):  # no annotations: DDP rejects the string form `from __future__` makes
+    """Cast a bucket (dist.GradBucket) to bf16, allreduce, cast back and average; returns a Future.
 
     torch's stock bf16_compress_hook refuses gloo (it needs NCCL); this one works on both.
     """

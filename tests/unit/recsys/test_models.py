@@ -211,3 +211,15 @@ def test_linear_tables_refused_for_archs_without_first_order_terms(arch):
 def test_needs_a_sparse_feature():
     with pytest.raises(ValueError, match="num_sparse=0"):
         build_model(config("deepfm"), num_dense=DN, num_sparse=0, embedding_dim=D)
+
+
+def test_lr_schedule_warmup_and_decay() -> None:
+    from recsys.config import TrainConfig
+    from recsys.training.dense import lr_factor
+
+    cfg = TrainConfig(warmup_steps=4, lr_decay="linear", max_steps=14)
+    assert [lr_factor(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, cfg, 14) == 1.0 and lr_factor(9, cfg, 14) == 0.5 and lr_factor(14, cfg, 14) == 0.0
+    cos = TrainConfig(lr_decay="cosine", max_steps=10)
+    assert lr_factor(0, cos, 10) == 1.0 and abs(lr_factor(5, cos, 10) - 0.5) < 1e-12 and lr_factor(10, cos, 10) < 1e-12
+    assert lr_factor(7, TrainConfig(), 0) == 1.0
