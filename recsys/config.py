@@ -102,6 +102,8 @@ class TrainConfig:
     """Where the resolved config, processes.json, metrics and the final model go."""
     num_threads: int = 0
     """torch intra-op threads per process (0: cores / processes)."""
+    eval_auc: Literal["exact", "streaming"] = "exact"
+    """Eval AUC from every (label, score) pair, or from a bucketed histogram (bounded memory)."""
 
     def __post_init__(self) -> None:
         for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):

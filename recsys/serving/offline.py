@@ -38,7 +38,7 @@ def open_run(run_dir: str | Path) -> tuple[JobConfig, Trainer]:
 
 
 def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None) -> dict[str, float]:
-    _, trainer = open_run(run_dir)
+    cfg, trainer = open_run(run_dir)
     try:
         labels, scores, extras = trainer.predict(tuple(data))
     finally:
@@ -46,7 +46,7 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None) -
     if labels.numel() == 0:
         raise ValueError(f"no rows in {data}")
     p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-    metrics = eval_metrics(labels, scores, p_true)
+    metrics = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact")
     path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
     path.write_text(json.dumps(metrics, indent=1))
     logger.info("eval on %s: %s (written to %s)", data, metrics, path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from torch import nn
 from data.batch import Batch
 from data.loader import ParquetLoader
 from recsys.config import JobConfig
-from recsys.metrics import MetricSink
+from recsys.metrics import MetricSink, StreamingAUC
 from recsys.models import build_model
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.sparse_arch import EmbeddingStore, SparseArch, SparseLookup, plan_tables
@@ -47,12 +48,13 @@ class StepTimes:
     samples: int = 0
     loss_sum: float = 0.0
     steps: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    auc: StreamingAUC = field(default_factory=lambda: StreamingAUC(1000))   # train AUC of the window
 
     def as_metrics(self) -> dict[str, float]:
         n = max(self.steps, 1)
         return {
             "loss/train": self.loss_sum / n,
+            "auc/train": self.auc.compute(),
             "perf/samples_per_s": self.samples / max(self.total, 1e-9),
             "data/wait_frac": self.data / max(self.total, 1e-9),
             "ps/pull_ms": 1e3 * self.pull / n,
@@ -125,6 +127,7 @@ class Trainer:
             logits = self.forward(batch, lookup)
             loss = self.loss_fn(logits, batch.labels.to(self.device))
             (loss / acc).backward()
+        times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
         futures = lookup.push(scale=1.0 / (self.world_size * acc))
         if self.cfg.ps.mode == "sync":
@@ -172,6 +175,8 @@ class Trainer:
         batches = self._batches()
         samples = 0
         self.model.train()
+        total = cfg.train.max_steps or cfg.train.epochs * self.loader.num_batches
+        bar = progress_bar(total, enabled=self.rank == 0)
         while not cfg.train.max_steps or self.step < cfg.train.max_steps:
             if pending is None:
                 nxt = next(batches, None)
@@ -192,6 +197,9 @@ class Trainer:
             times.samples += batch.batch_size
             samples += batch.batch_size
             times.loss_sum += loss
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if self.step % cfg.train.log_every == 0:
                 times.total = time.perf_counter() - t_log
                 self._log(times.as_metrics())
@@ -199,6 +207,8 @@ class Trainer:
         for fut in self._in_flight:
             fut.result()
         self._in_flight = []
+        if bar is not None:
+            bar.close()
         elapsed = time.perf_counter() - t_start
         return {"steps": float(self.step), "train_s": elapsed, "samples": float(samples)}
 
@@ -247,6 +257,17 @@ class Trainer:
     def close(self) -> None:
         if self._loader is not None:
             self._loader.close()
+
+
+def progress_bar(total: int, enabled: bool):
+    """A tqdm bar on stderr when it is a terminal (rank 0 only), else None."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
 
 
 class _null:

@@ -12,33 +12,25 @@ import torch
 import torch.distributed as dist
 
 from recsys.config import JobConfig, load_config
-from recsys.metrics import (MetricLogger, NullMetricLogger, all_gather_cat, auc, calibration, logloss,
-                            normalized_entropy)
+from recsys.metrics import CTRMetrics, MetricLogger, NullMetricLogger
 from recsys.training.store import connect_store
 from recsys.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-def gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor of any length from every rank, concatenated in rank order (as is for 1 process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return t
-    return all_gather_cat(t, None)
-
-
-def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None) -> dict[str, float]:
-    """auc, logloss, ne, calibration (and oracle_auc when p_true is known) of the gathered eval set."""
-    labels, scores = labels.double(), scores.double()
-    out = {
-        "auc": float(auc(labels, scores)),
-        "logloss": float(logloss(labels, scores)),
-        "ne": float(normalized_entropy(labels, scores)),
-        "calibration": float(calibration(labels, scores)),
-        "eval_examples": float(labels.numel()),
-    }
+def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
+                 exact_auc: bool = True) -> dict[str, float]:
+    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
+    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals)."""
+    m = CTRMetrics(exact_auc=exact_auc)
+    m.update(labels, scores)
+    out = m.reduced().compute()
+    out["eval_examples"] = out.pop("count")
     if p_true is not None:
-        out["oracle_auc"] = float(auc(labels, p_true.double()))
+        oracle = CTRMetrics(exact_auc=exact_auc)
+        oracle.update(labels, p_true)
+        out["oracle_auc"] = oracle.reduced().compute()["auc"]
     return out
 
 
@@ -86,9 +78,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
         if cfg.data.eval_paths:
             labels, scores, extras = trainer.predict(cfg.data.eval_paths)
             p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-            labels, scores = gather_cat(labels), gather_cat(scores)
-            p_true = gather_cat(p_true) if p_true is not None else None
-            final.update(eval_metrics(labels, scores, p_true))
+            final.update(eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact"))
         if rank == 0:
             save_model(trainer, store, out / "model")
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))

@@ -258,3 +258,19 @@ def test_null_metric_logger_does_nothing(tmp_path):
     with NullMetricLogger() as ml:
         ml.log({"loss/train": 1.0}, step=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_metrics_exact_and_streaming() -> None:
+    from recsys.training.worker import eval_metrics
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(5000, generator=g)
+    labels = (torch.rand(5000, generator=g) < p).float()
+    scores = (p + 0.3 * torch.rand(5000, generator=g)).clamp(0, 1)
+    exact = eval_metrics(labels, scores, p)
+    assert exact["auc"] == pytest.approx(auc(labels, scores), abs=1e-12)
+    assert exact["oracle_auc"] == pytest.approx(auc(labels, p), abs=1e-12)
+    assert exact["eval_examples"] == 5000 and exact["logloss"] == pytest.approx(logloss(labels, scores))
+    streaming = eval_metrics(labels, scores, p, exact_auc=False)
+    assert streaming["auc"] == pytest.approx(exact["auc"], abs=1e-3)
+    assert streaming["oracle_auc"] == pytest.approx(exact["oracle_auc"], abs=1e-3)
