@@ -1,6 +1,7 @@
 """In-process microbenchmarks of one PS shard's core (no network).
 
     python benchmarks/ps_table.py [--json] [--rows 2000000] [--batch 100000] [--repeats 15] [--threads 1]
+                                  [--native on|off|both]
 
 1. id -> slot map: lookups of present ids, lookups of absent ids, inserts of new ids, and the
    push pattern "look up a batch, insert what is missing" (10% new), on a map of --rows ids.
@@ -12,6 +13,8 @@
    `release_free_heap()`, which a shard runs after each sweep; the untrimmed growth is printed
    too; the growth includes constant per-process buffers, e.g. the [batch, D] update scratch),
    against the raw fp32 row (4 * 64 = 256 bytes).
+--native: with (`on`, the default) or without (`off`, as EMBEDDING_PS_NATIVE=0) the C fast path of
+embedding_ps/native.py; `both` runs sections 1-2 twice and suffixes every key `_native` / `_pure`.
 Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
 `pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """
@@ -28,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from embedding_ps import native
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.idmap import IdMap
 from embedding_ps.shard import ShardState, release_free_heap
@@ -176,7 +180,8 @@ def rss_child(rows: int, dim: int, batch: int) -> None:
 def bench_rss(rows: int, dim: int, batch: int) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, __file__, "--rss-child", str(rows), "--dim", str(dim), "--batch", str(batch)],
+        [sys.executable, __file__, "--rss-child", str(rows), "--dim", str(dim), "--batch", str(batch),
+         "--native", "on" if native.available() else "off"],
         capture_output=True, text=True, timeout=1200, env=env, check=True,
     )
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -205,30 +210,47 @@ def main() -> None:
     p.add_argument("--rss-rows", type=int, default=5_000_000)
     p.add_argument("--skip-rss", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also time fbgemm's fused update against torch's")
+    p.add_argument("--native", choices=("on", "off", "both"), default="on",
+                   help="the C fast path (embedding_ps/native.py) on, off, or both (keys suffixed _native/_pure)")
     p.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, default=64, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     CPU_CLOCK[0] = args.clock == "cpu"
     if args.rss_child:
+        native.set_enabled(args.native != "off")
         rss_child(args.rss_child, args.dim, args.batch)
         return
     res: dict[str, float | str] = {"clock": args.clock, "threads": float(args.threads), "batch": float(args.batch),
                                    "rows": float(args.rows)}
-    res.update(bench_map(args.rows, args.batch, args.repeats))
-    for dim in (16, 64):
-        res.update(bench_shard(args.rows, args.batch, dim, args.repeats))
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.native]
+    for use_native in modes:
+        native.set_enabled(use_native)
+        part = bench_map(args.rows, args.batch, args.repeats)
+        for dim in (16, 64):
+            part.update(bench_shard(args.rows, args.batch, dim, args.repeats))
+        if args.native == "both":
+            suffix = "_native" if use_native else "_pure"
+            part = {k + suffix if k.endswith("_per_s") else k: v for k, v in part.items()}
+        res.update(part)
+    res["native"] = "both" if args.native == "both" else ("on" if native.available() else "off")
+    native.set_enabled(args.native != "off")
     if args.kernels:
         res.update(bench_kernels(args.rows, args.batch, args.repeats))
     if not args.skip_rss:
         res.update(bench_rss(args.rss_rows, 64, args.batch))
     for dim in (16, 64):
-        res[f"ratio_pull_vs_index_select_d{dim}"] = res[f"pull_d{dim}_rows_per_s"] / res[f"baseline_index_select_d{dim}_rows_per_s"]
-        res[f"ratio_push_vs_index_add_d{dim}"] = res[f"push_d{dim}_rows_per_s"] / res[f"baseline_index_add_d{dim}_rows_per_s"]
+        for sfx in ("_native", "_pure") if args.native == "both" else ("",):
+            res[f"ratio_pull_vs_index_select_d{dim}{sfx}"] = (
+                res[f"pull_d{dim}_rows_per_s{sfx}"] / res[f"baseline_index_select_d{dim}_rows_per_s{sfx}"])
+            res[f"ratio_push_vs_index_add_d{dim}{sfx}"] = (
+                res[f"push_d{dim}_rows_per_s{sfx}"] / res[f"baseline_index_add_d{dim}_rows_per_s{sfx}"])
     if args.json:
         print(json.dumps(res, indent=1))
         return
     targets = {"map_lookup_insert_10pct_new_ids_per_s": 20e6, "pull_push_d64_rows_per_s": 10e6, "rss_ratio_d64": 1.3}
+    if args.native == "both":
+        targets.update({k + "_native": v for k, v in targets.items()})
     for k, v in res.items():
         if isinstance(v, str):
             print(f"{k:45s} {v:>12s}")

@@ -1,6 +1,6 @@
 """PS throughput over the network: shard processes + client processes on 127.0.0.1.
 
-    python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9]
+    python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9] [--native on|off]
 
 For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
 OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
@@ -9,6 +9,9 @@ client-side dedup off unless --dedup (the ids are unique, as the sparse arch sen
 phase together. Per client the median time of one request gives its rows/s; a configuration's
 rows/s is the sum over its clients. `pull_push` combines a pull and a push of the same rows
 (1 / (1/pull + 1/push)), and `per_shard` divides that by the shard processes.
+
+--native off runs every process (shards and the in-process parts) without the C fast path of
+embedding_ps/native.py (EMBEDDING_PS_NATIVE=0, inherited by the spawned processes).
 
 In the same run: the in-process baseline (`index_select` + `index_add_` on a [pool, D] tensor),
 the in-process ShardState, the id->slot map's lookups+inserts per second and RSS bytes per row
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ps_table import bench_map, bench_rss, median_s  # noqa: E402
 
+from embedding_ps import native  # noqa: E402
 from embedding_ps.client import PSClient  # noqa: E402
 from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
 from embedding_ps.server import serve  # noqa: E402
@@ -168,16 +172,21 @@ def main() -> None:
     p.add_argument("--dedup", action="store_true",
                    help="let the client deduplicate (a sort per request; the ids are unique already)")
     p.add_argument("--skip-core", action="store_true", help="skip the map and RSS measurements")
+    p.add_argument("--native", choices=("on", "off"), default="on",
+                   help="the shard's C fast path (embedding_ps/native.py); off = EMBEDDING_PS_NATIVE=0 everywhere")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"           # inherited by the spawned processes
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ["EMBEDDING_PS_NATIVE"] = "1" if args.native == "on" else "0"  # inherited too
+    native.set_enabled(args.native == "on")
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup}
-    res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0)}
+    res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
+                             "native": float(native.available())}
     with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:
         for s in args.shards:
             for c in args.clients:
