@@ -15,31 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.config import PSConfig
+from recsys.config import JobConfig, to_toml
 
 READY_TIMEOUT_S = 60.0
 
 
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
 def ps_toml(config: PSConfig) -> str:
-    """The `[ps]` section (with `[[ps.tables]]`) that `load_ps_config` reads back into `config`."""
-    lines = ["[ps]"]
-    lines += [f"{k} = {_toml_value(getattr(config, k))}" for k in PSConfig.__dataclass_fields__ if k != "tables"]
-    for t in config.tables:
-        lines += ["", "[[ps.tables]]"]
-        lines += [f"{k} = {_toml_value(getattr(t, k))}" for k in TableConfig.__dataclass_fields__]
-    return "\n".join(lines) + "\n"
+    """A job config holding `config` as its `[ps]` section, which `load_ps_config` reads back."""
+    return to_toml(JobConfig(ps=config))
 
 
 def child_env() -> dict[str, str]:
