@@ -63,7 +63,7 @@ from data.batch import Batch, KeyedJagged  # noqa: E402
 from data.loader import ParquetLoader  # noqa: E402
 from data.synthetic import PRESETS, generate  # noqa: E402
 from recsys.config import JobConfig, load_config  # noqa: E402
-from recsys.training.trainer import build_dense_model  # noqa: E402
+from recsys.training.trainer import build_dense_model, build_sparse_arch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -221,7 +221,7 @@ def run_inprocess(kind: str, cfg: JobConfig, args: argparse.Namespace) -> dict:
     """Train the same DLRM in this process for log_every + steps steps; median samples/s per interval."""
     torch.set_num_threads(args.threads)
     rows = table_rows(args.cap)
-    model = build_dense_model(cfg)          # the trainer's DLRM, same seed
+    model = build_dense_model(cfg, build_sparse_arch(cfg))   # the trainer's DLRM, same seed
     sparse = TorchRecSparse(rows, args.dim) if kind == "torchrec" else PlainSparse(rows, args.dim)
     dense_opt = torch.optim.Adam(model.parameters(), lr=cfg.train.dense_lr)
     sparse_opt = torch.optim.Adagrad(sparse.parameters(), lr=SPARSE_LR) if kind == "plain" else None

@@ -68,25 +68,25 @@ def build_sparse_arch(cfg: JobConfig) -> SparseArch:
     return SparseArch(plans)
 
 
-def build_dense_model(cfg: JobConfig) -> nn.Module:
-    dims = {t.dim for p, t in ((p, cfg.ps.tables[p.table]) for p in build_sparse_arch(cfg).plans) if not p.linear}
-    if len(dims) != 1:
-        raise ValueError(f"the model's embedding tables must share one dim, got {sorted(dims)}")
-    num_sparse = sum(len(p.features) for p in build_sparse_arch(cfg).plans if not p.linear)
+def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
+    """The dense model for the pooled features `sparse` produces (one dim D: JobConfig checks it)."""
+    plans = [p for p in sparse.plans if not p.linear]
+    if not plans:
+        raise ValueError("data.sparse_columns maps no feature to an embedding table: the model has no input")
     torch.manual_seed(cfg.train.seed)
-    return build_model(cfg.model, num_dense=len(cfg.data.dense_columns), num_sparse=num_sparse,
-                       embedding_dim=dims.pop())
+    return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
+                       num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim)
 
 
 class Trainer:
-    """Build / train_step / train / evaluate / close for one rank."""
+    """Build / train_step / train / predict / close for one rank."""
 
     def __init__(self, cfg: JobConfig, store: EmbeddingStore, *, rank: int = 0, world_size: int = 1,
                  metric_logger: MetricSink | None = None) -> None:
         self.cfg, self.store, self.rank, self.world_size = cfg, store, rank, world_size
         self.device = torch.device(cfg.train.device)
         self.sparse = build_sparse_arch(cfg)
-        self.model = build_dense_model(cfg).to(self.device)
+        self.model = build_dense_model(cfg, self.sparse).to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.train)
         self.loss_fn = nn.BCEWithLogitsLoss()
@@ -94,10 +94,7 @@ class Trainer:
         self.step = 0
         self._in_flight: list = []         # async: the last step's push and barrier futures
         self._loader: ParquetLoader | None = None
-        self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps())
-
-    def total_steps(self) -> int:
-        return self.cfg.train.max_steps or 0
+        self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
 
     @property
     def loader(self) -> ParquetLoader:
