@@ -9,12 +9,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from recsys.config import ConfigError, load_config, to_toml
+from recsys.config import ConfigError, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pathlib import Path
 
+    from recsys.training.launch import write_run_dir
     from recsys.training.worker import run_worker
 
     p = argparse.ArgumentParser(prog="python -m recsys.train", description=__doc__)
@@ -25,11 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cfg.ps.addresses:
         raise ConfigError(f"{args.config}: ps.addresses must list the shards for `recsys.train` "
                           f"(the local launcher `recsys train` starts its own)")
-    run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = run_dir / "config.toml"
-    resolved.write_text(to_toml(cfg))
-    run_worker(str(resolved), list(cfg.ps.addresses), str(run_dir))
+    resolved = write_run_dir(cfg, Path(cfg.train.run_dir), fresh=False)   # every rank: same file, atomic
+    run_worker(str(resolved), list(cfg.ps.addresses), str(cfg.train.run_dir))
     return 0
 
 

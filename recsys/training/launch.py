@@ -49,11 +49,17 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def write_run_dir(cfg: JobConfig, run_dir: Path) -> Path:
+def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
+    """Create the run directory and write the resolved config (atomically); `fresh` forgets a
+    previous run's trainer pids."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "pids").mkdir(exist_ok=True)
+    for old in (run_dir / "pids").glob("trainer-*.json") if fresh else ():
+        old.unlink()
     path = run_dir / "config.toml"
-    path.write_text(to_toml(cfg))
+    tmp = run_dir / f"config.toml.{os.getpid()}.tmp"
+    tmp.write_text(to_toml(cfg))
+    os.replace(tmp, path)
     return path
 
 

@@ -1,0 +1,66 @@
+"""The documented multi-node path on one node: `recsys ps` shards + `torchrun -m recsys.train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data.synthetic import generate
+from recsys.training.launch import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 180
+
+
+def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    generate(preset="tiny", rows=6000, num_files=2, out_dir=str(data), seed=4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    common = ["--config", "configs/tiny.toml", "--set", "ps.num_shards=2", "--set", "ps.num_workers=2",
+              "--set", "data.batch_size=64"]
+    shards = []
+    try:
+        ready = [tmp_path / f"ps{i}.ready" for i in range(2)]
+        for i in range(2):
+            shards.append(subprocess.Popen(
+                [sys.executable, "-m", "recsys.cli", "ps", *common, "--shard", str(i), "--port", "0",
+                 "--ready-file", str(ready[i])], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 60
+        while not all(r.exists() for r in ready):
+            assert time.monotonic() < deadline, "shards not ready"
+            assert all(p.poll() is None for p in shards), [p.stderr.read() for p in shards if p.poll() is not None]
+            time.sleep(0.05)
+        addresses = [r.read_text().strip() for r in ready]
+        port = free_port()
+        run = tmp_path / "run"
+        r = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
+             "-m", "recsys.train", *common,
+             "--set", f"ps.addresses={json.dumps(addresses)}",
+             "--set", f"data.train_paths=['{data}/part-00000.parquet']",
+             "--set", f"data.eval_paths=['{data}/part-00001.parquet']",
+             "--set", f"train.run_dir='{run}'"],
+            cwd=ROOT, env=env, timeout=TIMEOUT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["steps"] > 0 and metrics["eval_examples"] == 3000 and metrics["auc"] > 0.55
+        stats = json.loads((run / "ps_stats.json").read_text())
+        assert [s["shard"] for s in stats] == [0, 1]
+    finally:
+        for p in shards:
+            p.terminate()
+        for p in shards:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
