@@ -98,7 +98,6 @@ class SparseLookup:
     offsets: list[torch.Tensor]           # per plan: [len(features) * B] bag starts
     weights: list[torch.Tensor | None]    # per plan: [N_t] per-id weights or None
     batch_size: int
-    num_features: int
     futures: list[Future] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
     pull_s: float = 0.0
@@ -140,8 +139,10 @@ class SparseLookup:
             num_ids += self.inverse[p].numel()
             w = self.weights[p]
             weights.append(w if w is not None else torch.ones(self.inverse[p].numel()))
-        use_weights = any(self.weights[p] is not None for p in group)
         mode = self.plans[group[0]].pooling
+        # batch.weights covers every feature (1.0 where a feature has no weight column); only sum
+        # pooling takes per-id weights, and JobConfig rejects weight columns on mean-pooled tables
+        use_weights = mode == "sum" and any(self.weights[p] is not None for p in group)
         return F.embedding_bag(
             torch.cat(indices), rows, torch.cat(offsets), mode=mode,
             per_sample_weights=torch.cat(weights) if use_weights else None,
@@ -189,7 +190,7 @@ class SparseArch:
         per_feature = lengths.sum(dim=1)                            # [F]
         starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
-        look = SparseLookup(store, self.plans, [], [], [], [], B, F_all)
+        look = SparseLookup(store, self.plans, [], [], [], [], B)
         t0 = time.perf_counter()
         for plan in self.plans:
             pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]

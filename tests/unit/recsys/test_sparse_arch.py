@@ -108,3 +108,20 @@ def test_plan_errors_name_feature_and_table() -> None:
         plan_tables(("x",), tables, {}, {}, {})
     with pytest.raises(ValueError, match="linear table 't' must have dim 1, got 4"):
         plan_tables(("x",), tables, {"x": "t"}, {"x": "t"}, {})
+
+
+def test_weights_apply_only_to_sum_pooled_tables() -> None:
+    keys = ("a", "b")
+    tables = (TableConfig(name="a", dim=4), TableConfig(name="b", dim=4))
+    plans = plan_tables(keys, tables, {}, {}, {"a": "sum", "b": "mean"})
+    g = torch.Generator().manual_seed(7)
+    store = DictStore({0: torch.randn(V, 4, generator=g), 1: torch.randn(V, 4, generator=g)})
+    batch = make_batch(6, keys, seed=8, weights=True)
+    pooled, _ = SparseArch(plans).lookup(batch, store).wait()
+    n_a = int(batch.sparse.lengths[:6].sum())
+    la, lb = batch.sparse.lengths[:6].long(), batch.sparse.lengths[6:].long()
+    ref_a = F.embedding_bag(batch.sparse.values[:n_a], store.tables[0], torch.cumsum(la, 0) - la, mode="sum",
+                            per_sample_weights=batch.weights[:n_a])
+    ref_b = F.embedding_bag(batch.sparse.values[n_a:], store.tables[1], torch.cumsum(lb, 0) - lb, mode="mean")
+    torch.testing.assert_close(pooled[:, 0], ref_a)
+    torch.testing.assert_close(pooled[:, 1], ref_b)
