@@ -79,6 +79,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
             labels, scores, extras = trainer.predict(cfg.data.eval_paths)
             p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
             final.update(eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact"))
+        if dist.is_initialized():
+            dist.barrier()      # every rank's last pushes are acknowledged before the shards save
         if rank == 0:
             save_model(trainer, store, out / "model")
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
