@@ -1,7 +1,5 @@
 """recsys: hybrid CTR training (sparse embeddings on PS shards, dense towers on DDP)."""
 
-from embedding_ps.versions import check_torch_fbgemm
-
-check_torch_fbgemm()
+import embedding_ps  # noqa: F401  (checks the installed torch / fbgemm-gpu pair on import)
 
 __version__ = "0.1.0"
