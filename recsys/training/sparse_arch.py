@@ -46,6 +46,10 @@ class EmbeddingStore(Protocol):
         """`barrier` without waiting (async mode: progress report for ps.max_staleness)."""
         ...
 
+    def sweep(self, step: int) -> list:
+        """Drop rows unseen for their table's ttl_steps as of `step`."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class TablePlan:

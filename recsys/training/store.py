@@ -76,6 +76,9 @@ class LocalStore:
     def stats(self) -> list[dict]:
         return [state.stats() for state in self.states]
 
+    def sweep(self, step: int) -> list[dict]:
+        return [state.sweep(step) for state in self.states]
+
     def save(self, root: str) -> None:
         for i, state in enumerate(self.states):
             state.save(shard_dir(str(root), i))

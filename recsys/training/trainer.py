@@ -93,6 +93,7 @@ class Trainer:
         self.metric_logger = metric_logger
         self.step = 0
         self._in_flight: list = []         # async: the last step's push and barrier futures
+        self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
 
@@ -198,6 +199,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if self.step % cfg.train.log_every == 0:
+                if self._sweeps and self.rank == 0:   # TTL eviction on the shards
+                    self.store.sweep(self.step)
                 times.total = time.perf_counter() - t_log
                 self._log(times.as_metrics())
                 times, t_log = StepTimes(), time.perf_counter()
