@@ -161,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         logger.error("config error: %s", e)
         return 2
+    except (ValueError, RuntimeError, TimeoutError, OSError) as e:
+        # bad data, a dead process, a missing file: the message names it; -v adds the traceback
+        logger.error("%s: %s", type(e).__name__, e, exc_info=args.verbose)
+        return 1
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -114,6 +115,34 @@ def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
             p.wait(timeout=5)
 
 
+class ShardWatchdog(threading.Thread):
+    """Ends the job at once when a PS shard process dies, instead of trainers timing out on it.
+
+    It signals this process with SIGTERM; torch elastic's agent (in the main thread) then tears the
+    trainers down, and `launch_train` raises an error naming the shard and its log.
+    """
+
+    def __init__(self, shards: list[subprocess.Popen], poll_s: float = 0.2) -> None:
+        super().__init__(name="ps-watchdog", daemon=True)
+        self.shards, self.poll_s = shards, poll_s
+        self.dead: tuple[int, int] | None = None          # (shard, exit code)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.poll_s):
+            for i, p in enumerate(self.shards):
+                if p.poll() is not None:
+                    self.dead = (i, p.returncode)
+                    logger.error("ps shard %d exited with code %s during training; stopping the job",
+                                 i, p.returncode)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
 def launch_train(cfg: JobConfig) -> dict:
     """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -138,7 +167,18 @@ def launch_train(cfg: JobConfig) -> dict:
             rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
             start_method="spawn", local_addr="127.0.0.1",
         )
-        elastic_launch(lc, run_worker)(str(config_path), list(addresses), str(run_dir))
+        watchdog = ShardWatchdog(shards)
+        watchdog.start()
+        try:
+            elastic_launch(lc, run_worker)(str(config_path), list(addresses), str(run_dir))
+        except BaseException as e:
+            if watchdog.dead is not None:
+                shard, code = watchdog.dead
+                raise RuntimeError(f"ps shard {shard} exited with code {code} during training; see "
+                                   f"{run_dir / f'ps-{shard}.log'}") from e
+            raise
+        finally:
+            watchdog.stop()
         write_processes(run_dir, shards)
         metrics = json.loads((run_dir / "metrics.json").read_text())
         logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()

@@ -128,3 +128,31 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path, data_dir: Path) -> None:
         procs.append(trainer)
         (run / "processes.json").write_text(json.dumps(procs))
     assert_all_dead(run)
+
+
+def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) -> None:
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *train_args(run, data_dir, "--set", "train.epochs=1000")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (run / "pids" / "trainer-0.json").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        shard1 = next(p for p in json.loads((run / "processes.json").read_text()) if p["role"] == "ps" and p["rank"] == 1)
+        os.kill(shard1["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)      # well before the client's own 180 s timeout
+        assert proc.returncode != 0
+        assert "ps shard 1 exited with code -9 during training" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    procs = json.loads((run / "processes.json").read_text())
+    trainer = json.loads((run / "pids" / "trainer-0.json").read_text())
+    if trainer not in procs:
+        procs.append(trainer)
+        (run / "processes.json").write_text(json.dumps(procs))
+    assert_all_dead(run)
