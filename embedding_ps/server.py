@@ -34,7 +34,9 @@ import json
 import logging
 import os
 import signal
+import inspect
 import socket
+import sys
 import threading
 import tomllib
 import typing
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import zmq
 
@@ -119,6 +122,65 @@ class StepBuffer:
 
 
 # ---------------------------------------------------------------------------------------------
+# reply buffers
+
+
+class ReplyBuffers:
+    """Reusable byte buffers for PULL replies, which zmq sends without a copy.
+
+    A fresh [N, D] allocation per pull is a fresh mmap on glibc: every page faults again (~2-3
+    ms for 25 MB). A buffer is free again once zmq has released the frame viewing it (CPython
+    reference counts: only this pool still refers to it). Sizes are rounded up to a power of two
+    so that requests of similar sizes share buffers; at most `max_bytes` are kept.
+    """
+
+    MIN_BYTES = 1 << 16          # smaller frames are copied by pyzmq anyway
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bufs: list[np.ndarray] = []
+        self.total = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """uint8 [nbytes], not initialized, not referred to by anything else."""
+        best = None
+        for i in range(len(self.bufs)):
+            if self.bufs[i].nbytes >= nbytes and self._idle(i) and (
+                    best is None or self.bufs[i].nbytes < self.bufs[best].nbytes):
+                best = i
+        if best is not None:
+            return self.bufs[best][:nbytes]
+        size = max(self.MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
+        if size > self.max_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8).numpy()
+        while self.total + size > self.max_bytes:     # drop idle buffers (smallest first) to make room
+            idle = [i for i in range(len(self.bufs)) if self._idle(i)]
+            if not idle:
+                return torch.empty(nbytes, dtype=torch.uint8).numpy()
+            i = min(idle, key=lambda i: self.bufs[i].nbytes)
+            self.total -= self.bufs.pop(i).nbytes
+        # torch's allocation, viewed by numpy: numpy itself would madvise(MADV_HUGEPAGE) a large
+        # array, and huge pages made each send slower here (more sys time, pages faulting again)
+        a = torch.empty(size, dtype=torch.uint8).numpy()
+        self.bufs.append(a)
+        self.total += size
+        return a[:nbytes]
+
+    def _idle(self, i: int) -> bool:
+        # references: the list and getrefcount's argument; more while a frame (a view) is alive
+        return sys.getrefcount(self.bufs[i]) <= 2
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        """An uninitialized contiguous tensor backed by a pool buffer."""
+        n = shape[0] * shape[1]
+        item = torch.empty(0, dtype=dtype).element_size()
+        if n * item < self.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.from_numpy(self.take(n * item))
+        return raw.view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
 # the shard server
 
 
@@ -137,6 +199,11 @@ class ShardServer:
         self._handlers = {P.Op.PULL: self._pull, P.Op.PUSH: self._push, P.Op.BARRIER: self._barrier,
                           P.Op.STATS: self._stats, P.Op.HEALTH: self._health, P.Op.SAVE: self._save,
                           P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep}
+        self.buffers = ReplyBuffers()
+        try:
+            self._pull_out = "out" in inspect.signature(state.pull).parameters
+        except (TypeError, ValueError, AttributeError):
+            self._pull_out = False
 
     @property
     def name(self) -> str:
@@ -238,6 +305,14 @@ class ShardServer:
             return DEFERRED
         if self.sync is None:
             self.max_pull_lead = max(self.max_pull_lead, h.step - (min(self.progress) + 1))
+        shape = (h.count, table.dim)
+        if self._pull_out and h.count:
+            if dtype == P.DType.FP32:       # rows straight into a reused buffer: no fresh pages
+                rows = self.state.pull(h.table, ids, h.step, out=self.buffers.tensor(torch.float32, shape))
+                return [h.reply().pack(), P.tensor_frame(rows)]
+            rows = self.state.pull(h.table, ids, h.step)                 # float32 [N, D]
+            wire = self.buffers.tensor(P.TORCH_DTYPES[dtype], shape)
+            return [h.reply().pack(), P.tensor_frame(wire.copy_(rows))]
         rows = self.state.pull(h.table, ids, h.step)                     # float32 [N, D]
         return [h.reply().pack(), P.tensor_frame(P.to_wire(rows, dtype))]
 
@@ -353,6 +428,7 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
                 deferred.append(msg)
                 continue
             sock.send_multipart([msg[0], *reply], copy=False)
+            reply = None      # zmq holds the frames now: the reply buffer is free once it is sent
             if deferred and _op_of(msg) == P.Op.BARRIER:
                 deferred = _retry(server, sock, deferred)
 
@@ -370,6 +446,7 @@ def _retry(server: ShardServer, sock: zmq.Socket, deferred: list[list]) -> list[
             still.append(msg)
         else:
             sock.send_multipart([msg[0], *reply], copy=False)
+        reply = None
     return still
 
 
@@ -397,6 +474,18 @@ def _default_state(config: PSConfig, shard_index: int) -> Any:
     return ShardState(config, shard_index)
 
 
+def _prime_malloc() -> None:
+    """Free one large block so glibc raises its mmap threshold (to ~30 MB) now.
+
+    Below that threshold, request-sized blocks (zmq's receive buffers, push temporaries) come
+    from the heap and are reused; above it each is a fresh mmap whose every page faults in again
+    (measured: ~900 faults and ~1-2 ms per 100k-row d64 push). glibc raises the threshold
+    itself after the first such free, but only if one happens to come along.
+    """
+    block = torch.empty(30 << 20, dtype=torch.uint8)
+    del block
+
+
 def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: int = 0,
           ready_file: str | None = None, state_factory: StateFactory | None = None,
           stop: threading.Event | None = None) -> None:
@@ -413,6 +502,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
     check_bind_auth(config, host, shard_index)
     token = load_token(config) if config.auth == "token" else None
     state = (state_factory or _default_state)(config, shard_index)
+    _prime_malloc()
     server = ShardServer(config, shard_index, state, token)
     stop = stop or threading.Event()
     ctx = zmq.Context()

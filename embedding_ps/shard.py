@@ -27,6 +27,7 @@ import threading
 import numpy as np
 import torch
 
+from embedding_ps import native
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import keys_of, shard_of
 from embedding_ps.table import TableShard
@@ -53,17 +54,33 @@ class ShardState:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ hot path
-    def pull(self, table: int, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+    def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows float32 [N, D] of ids int64 [N] (duplicates fine). Read-only: inserts nothing.
 
         Ids without a row (never pushed, not admitted yet, evicted) get their deterministic init
         row, or zeros if the table says `unadmitted = "zeros"`. `step` is accepted for symmetry
-        with push; a pull does not change last-seen.
+        with push; a pull does not change last-seen. `out`: a float32 [N, D] contiguous tensor
+        to write the rows into and return (the server reuses reply buffers: a fresh [N, D]
+        allocation per request costs page faults); default a new tensor.
         """
         t = self._table(table)
         ids = self._ids(table, ids)
+        if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (ids.shape[0], t.cfg.dim)
+                                or not out.is_contiguous()):
+            raise ValueError(f"shard {self.shard_index} table {table}: out must be contiguous float32 "
+                             f"[{ids.shape[0]}, {t.cfg.dim}], got {out.dtype} {list(out.shape)}")
         with self._lock:
-            return t.pull(keys_of(ids, t.cfg))
+            keys = keys_of(ids, t.cfg)
+            if out is None:
+                return t.pull(keys)
+            lib = native.lib()
+            if lib is None:            # the torch path allocates its own result: copy it over
+                return out.copy_(t.pull(keys))
+            # TableShard.pull's native path, writing into `out`
+            snp = t.map.lookup(keys.numpy())
+            if native.gather(lib, t.weights, snp, out) != 0:
+                t._fill_missing(keys, torch.from_numpy(snp < 0), out)
+            return out
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Apply gradients float32 [N, D] of ids int64 [N] at `step`.
