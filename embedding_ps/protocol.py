@@ -119,6 +119,9 @@ class Header:
 
     def reply(self, status: Status = Status.OK, **fields: int) -> "Header":
         """The header of the reply to this request: op, client and request echoed."""
+        if not fields:      # the common case, without dataclasses.replace's generic overhead
+            return Header(self.op, self.table, self.dtype, self.count, self.dim, self.step, self.worker,
+                          self.client, self.request, int(status), 0, self.magic, self.version)
         return replace(self, status=int(status), flags=0, **fields)
 
 
