@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -102,38 +103,12 @@ def test_failing_trainer_tears_down_shards(tmp_path: Path, data_dir: Path) -> No
     assert_all_dead(run)
 
 
-def test_ctrl_c_tears_everything_down(tmp_path: Path, data_dir: Path) -> None:
-    run = tmp_path / "run"
+@contextlib.contextmanager
+def running_job(run: Path, data: Path):
+    """A long `recsys train` in the background, yielded once its trainer runs; afterwards every
+    process of the run (the trainer included, even if processes.json missed it) must be gone."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *train_args(run, data_dir, "--set", "train.epochs=1000")],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:      # wait until a trainer is running
-            if (run / "pids" / "trainer-0.json").exists():
-                break
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.2)
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-        assert proc.returncode != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    procs = json.loads((run / "processes.json").read_text())
-    trainer = json.loads((run / "pids" / "trainer-0.json").read_text())
-    if trainer not in procs:
-        procs.append(trainer)
-        (run / "processes.json").write_text(json.dumps(procs))
-    assert_all_dead(run)
-
-
-def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) -> None:
-    run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *train_args(run, data_dir, "--set", "train.epochs=1000")],
+    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *train_args(run, data, "--set", "train.epochs=1000")],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -141,11 +116,7 @@ def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) ->
             assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
             time.sleep(0.2)
         time.sleep(1.0)
-        shard1 = next(p for p in json.loads((run / "processes.json").read_text()) if p["role"] == "ps" and p["rank"] == 1)
-        os.kill(shard1["pid"], signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)      # well before the client's own 180 s timeout
-        assert proc.returncode != 0
-        assert "ps shard 1 exited with code -9 during training" in err
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -156,3 +127,20 @@ def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) ->
         procs.append(trainer)
         (run / "processes.json").write_text(json.dumps(procs))
     assert_all_dead(run)
+
+
+def test_ctrl_c_tears_everything_down(tmp_path: Path, data_dir: Path) -> None:
+    with running_job(tmp_path / "run", data_dir) as proc:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert proc.returncode != 0
+
+
+def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) -> None:
+    run = tmp_path / "run"
+    with running_job(run, data_dir) as proc:
+        shard1 = next(p for p in json.loads((run / "processes.json").read_text()) if p["role"] == "ps" and p["rank"] == 1)
+        os.kill(shard1["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)      # well before the client's own 180 s timeout
+        assert proc.returncode != 0
+        assert "ps shard 1 exited with code -9 during training" in err
