@@ -55,7 +55,19 @@ def _cmd_ps(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if not 0 <= args.shard < cfg.ps.num_shards:
         raise ConfigError(f"--shard {args.shard} is outside 0..{cfg.ps.num_shards - 1} (ps.num_shards)")
-    serve(cfg.ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file)
+    factory = None
+    if args.restore:
+        from recsys.training.reshard import restore_shard
+
+        factory = lambda config, shard: restore_shard(config, shard, args.restore)   # noqa: E731
+    serve(cfg.ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory)
+    return 0
+
+
+def _cmd_reshard(args: argparse.Namespace) -> int:
+    from recsys.training.reshard import reshard_checkpoint
+
+    reshard_checkpoint(args.checkpoint, args.shards, args.out)
     return 0
 
 
@@ -63,7 +75,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from recsys.training.launch import launch_train
 
     cfg = load_config(args.config, args.overrides)
-    launch_train(cfg)
+    launch_train(cfg, resume=args.resume)
     return 0
 
 
@@ -123,11 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=None, help="address to bind (default ps.bind, 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="TCP port (0: an ephemeral one)")
     p.add_argument("--ready-file", default=None, help="write the shard's address here once it serves")
+    p.add_argument("--restore", default=None, metavar="PS_DIR",
+                   help="first load this shard's part of a saved PS (a checkpoint's model/ps; any shard count)")
     p.set_defaults(func=_cmd_ps)
 
     p = sub.add_parser("train", help="train: start the PS shards and trainers on this machine")
     _add_config_args(p)
+    p.add_argument("--resume", default=None, metavar="latest|PATH",
+                   help="continue from the run's newest good checkpoint, or from a checkpoint directory")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("reshard", help="write a checkpoint re-sharded into a different number of PS shards")
+    p.add_argument("checkpoint", help="checkpoint directory (run_dir/checkpoints/step-*)")
+    p.add_argument("--shards", type=int, required=True, help="the new ps.num_shards")
+    p.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
+    p.set_defaults(func=_cmd_reshard)
 
     p = sub.add_parser("eval", help="evaluate a trained run on Parquet data")
     p.add_argument("--run", required=True, help="run directory written by `recsys train`")

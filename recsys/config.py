@@ -104,16 +104,35 @@ class TrainConfig:
     """torch intra-op threads per process (0: cores / processes)."""
     eval_auc: Literal["exact", "streaming"] = "exact"
     """Eval AUC from every (label, score) pair, or from a bucketed histogram (bounded memory)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints in `run_dir/checkpoints` (0: none by step count)."""
+    checkpoint_every_s: float = 0.0
+    """Seconds between checkpoints (0: none by time; checked every `log_every` steps)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    checkpoint_background: bool = True
+    """Shards snapshot in memory and write while training goes on (False: training waits for the write)."""
+    max_restarts: int = 3
+    """The local launcher restarts the job from the latest checkpoint this many times after a PS
+    shard or a trainer is killed (exit by a signal: kill -9, OOM); an error raised by the job itself
+    is not retried."""
+    trace_column: str = ""
+    """Debugging: write the values of this passthrough column for every trained example to
+    `run_dir/trace/` (one .npy per rank and attempt), to check the data order."""
 
     def __post_init__(self) -> None:
         for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_steps", "warmup_steps", "num_threads"):
+        for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.dense_lr <= 0:
             raise ValueError(f"train.dense_lr must be > 0, got {self.dense_lr}")
+        if self.checkpoint_every_s < 0:
+            raise ValueError(f"train.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.lr_decay != "none" and self.max_steps == 0:
             raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
 
@@ -155,6 +174,9 @@ class JobConfig:
         if self.ps.mode == "async" and self.ps.max_staleness < 1:
             raise ValueError("ps.max_staleness must be >= 1 in async mode (a trainer pulls step t+1's rows "
                              f"while step t computes), got {self.ps.max_staleness}")
+        if self.train.trace_column and self.train.trace_column not in self.data.passthrough_columns:
+            raise ValueError(f"train.trace_column = {self.train.trace_column!r} must be one of "
+                             f"data.passthrough_columns {list(self.data.passthrough_columns)}")
         for column in self.data.weight_columns:
             table = self.model.feature_tables.get(column, column)
             if self.model.table_pooling.get(table, "sum") != "sum":

@@ -1,11 +1,16 @@
 """Trainer entry for torchrun (multi-node): `torchrun ... -m recsys.train --config X --set ps.addresses=[...]`.
 
 The PS shards run elsewhere (`recsys ps` on the PS hosts); ps.addresses lists them in shard order.
+`--resume latest|PATH` continues from a checkpoint: rank 0 tells the running shards to load its
+rows (same shard count), every rank restores its dense state and data position. When torchrun
+restarts the workers (`--max-restarts`, after a trainer died), they resume from the latest
+checkpoint by themselves. The run directory must be on a filesystem every trainer and shard sees.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,13 +26,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m recsys.train", description=__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--resume", default=None, metavar="latest|PATH")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if not cfg.ps.addresses:
         raise ConfigError(f"{args.config}: ps.addresses must list the shards for `recsys.train` "
                           f"(the local launcher `recsys train` starts its own)")
+    from recsys.training.checkpoint import resolve_resume
+
     resolved = write_run_dir(cfg, Path(cfg.train.run_dir), fresh=False)   # every rank: same file, atomic
-    run_worker(str(resolved), list(cfg.ps.addresses), str(cfg.train.run_dir))
+    resume = args.resume
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "latest"          # torchrun restarted the workers: continue where the job was
+    checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
+    run_worker(str(resolved), list(cfg.ps.addresses), str(cfg.train.run_dir),
+               None if checkpoint is None else str(checkpoint), load_shards=True)
     return 0
 
 

@@ -5,6 +5,12 @@
 
 It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
 waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
+
+Recovery: when a shard or a trainer is killed (it exits by a signal: kill -9, the OOM killer),
+every process of the attempt is stopped and the job starts again from the latest good checkpoint
+(fresh shards load their part of it, any shard count), up to `train.max_restarts` times; each
+restart is logged and appended to `run_dir/restarts.jsonl`. An error the job raises itself (bad
+data, bad config) is not retried: it would fail the same way.
 """
 
 from __future__ import annotations
@@ -64,8 +70,12 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
     return path
 
 
-def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start ps.num_shards shard processes on ephemeral ports; return them and their addresses."""
+def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
+                 restore: Path | None = None) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ps.num_shards shard processes on ephemeral ports; return them and their addresses.
+
+    restore: a saved PS directory (a checkpoint's model/ps) each shard loads its part of first.
+    """
     procs: list[subprocess.Popen] = []
     ready_files = []
     for shard in range(cfg.ps.num_shards):
@@ -75,6 +85,8 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path) -> tuple[list
         log = open(run_dir / f"ps-{shard}.log", "ab")
         cmd = [sys.executable, "-m", "recsys.cli", "ps", "--config", str(config_path),
                "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
+        if restore is not None:
+            cmd += ["--restore", str(restore)]
         procs.append(subprocess.Popen(cmd, env=child_env(1), stdout=log, stderr=subprocess.STDOUT,
                                       preexec_fn=_die_with_parent))
         log.close()
@@ -93,11 +105,14 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path) -> tuple[list
     return procs, addresses
 
 
-def write_processes(run_dir: Path, shards: list[subprocess.Popen]) -> list[dict]:
+def write_processes(run_dir: Path, shards: list[subprocess.Popen], earlier: list[dict] = ()) -> list[dict]:
+    """processes.json: this launcher, the current attempt's shards and trainers, then `earlier`
+    attempts' processes."""
     entries = [{"role": "launcher", "rank": 0, "pid": os.getpid()}]
     entries += [{"role": "ps", "rank": i, "pid": p.pid} for i, p in enumerate(shards)]
     for f in sorted((run_dir / "pids").glob("trainer-*.json")):
         entries.append(json.loads(f.read_text()))
+    entries += [e for e in earlier if e["role"] != "launcher"]
     (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
     return entries
 
@@ -143,21 +158,62 @@ class ShardWatchdog(threading.Thread):
         self.join(timeout=5)
 
 
-def launch_train(cfg: JobConfig) -> dict:
-    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+class JobFailure(RuntimeError):
+    """An attempt of the job failed; `killed` when a process died by a signal (worth a restart)."""
 
-    from recsys.training.worker import run_worker
+    def __init__(self, message: str, killed: bool) -> None:
+        super().__init__(message)
+        self.killed = killed
+
+
+def launch_train(cfg: JobConfig, resume: str | None = None) -> dict:
+    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json).
+
+    resume: `latest` (the run directory's newest good checkpoint; none yet: start afresh) or a
+    checkpoint path. The trainer and shard counts may differ from the checkpoint's.
+    """
+    from recsys.training.checkpoint import resolve_resume
 
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
     run_dir = Path(cfg.train.run_dir)
     config_path = write_run_dir(cfg, run_dir)
+    checkpoint = resolve_resume(run_dir, resume) if resume else None
+    if resume == "latest" and checkpoint is None:
+        logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", run_dir)
+    earlier: list[dict] = []
+    restarts = 0
+    while True:
+        try:
+            return _attempt(cfg, config_path, run_dir, checkpoint, earlier)
+        except JobFailure as e:
+            if not e.killed or restarts >= cfg.train.max_restarts:
+                raise RuntimeError(str(e) + ("" if not e.killed else
+                                   f" (after {restarts} restarts; train.max_restarts = {cfg.train.max_restarts})")) from e
+            restarts += 1
+            checkpoint = resolve_resume(run_dir, "latest")
+            where = f"checkpoint {checkpoint.name}" if checkpoint else "step 0 (no checkpoint yet)"
+            logger.warning("%s; restart %d/%d from %s", e, restarts, cfg.train.max_restarts, where)
+            with open(run_dir / "restarts.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "restart": restarts, "reason": str(e),
+                                    "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+            write_run_dir(cfg, run_dir)          # forget the dead attempt's trainer pids
+
+
+def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
+             earlier: list[dict]) -> dict:
+    """One start of the shards and trainers; raises JobFailure when a process of it fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from recsys.training.worker import run_worker
+
     (run_dir / "metrics.json").unlink(missing_ok=True)
     shards: list[subprocess.Popen] = []
     try:
-        shards, addresses = start_shards(cfg, config_path, run_dir)
-        write_processes(run_dir, shards)
+        shards, addresses = start_shards(cfg, config_path, run_dir,
+                                         None if checkpoint is None else checkpoint / "model" / "ps")
+        write_processes(run_dir, shards, earlier)
         logger.info("ps shards ready at %s", ", ".join(addresses))
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -170,20 +226,27 @@ def launch_train(cfg: JobConfig) -> dict:
         watchdog = ShardWatchdog(shards)
         watchdog.start()
         try:
-            elastic_launch(lc, run_worker)(str(config_path), list(addresses), str(run_dir))
+            elastic_launch(lc, run_worker)(str(config_path), list(addresses), str(run_dir),
+                                           None if checkpoint is None else str(checkpoint))
         except BaseException as e:
             if watchdog.dead is not None:
                 shard, code = watchdog.dead
-                raise RuntimeError(f"ps shard {shard} exited with code {code} during training; see "
-                                   f"{run_dir / f'ps-{shard}.log'}") from e
+                raise JobFailure(f"ps shard {shard} exited with code {code} during training; see "
+                                 f"{run_dir / f'ps-{shard}.log'}", killed=code < 0) from e
+            if isinstance(e, ChildFailedError):
+                killed = [f for f in e.failures.values() if f.exitcode < 0]
+                if killed:
+                    f = killed[0]
+                    raise JobFailure(f"trainer rank {f.local_rank} (pid {f.pid}) was killed by signal "
+                                     f"{-f.exitcode} ({f.signal_name()})", killed=True) from e
             raise
         finally:
             watchdog.stop()
-        write_processes(run_dir, shards)
+        write_processes(run_dir, shards, earlier)
         metrics = json.loads((run_dir / "metrics.json").read_text())
         logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                                          if isinstance(v, (int, float))))
         return metrics
     finally:
         stop(shards)
-        write_processes(run_dir, shards)
+        earlier[:] = write_processes(run_dir, shards, earlier)

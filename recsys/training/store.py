@@ -79,9 +79,14 @@ class LocalStore:
     def sweep(self, step: int) -> list[dict]:
         return [state.sweep(step) for state in self.states]
 
-    def save(self, root: str) -> None:
+    def save(self, root: str, step: int | None = None, background: bool = False) -> list[dict]:
+        """Every shard's state under `root` (written at once: `background` only matters over the network)."""
         for i, state in enumerate(self.states):
             state.save(shard_dir(str(root), i))
+        return [{"shard": i, "directory": shard_dir(str(root), i)} for i in range(len(self.states))]
+
+    def wait_saved(self, root: str, timeout_s: float) -> list[dict]:
+        return [{"shard": i, "directory": shard_dir(str(root), i), "state": "done"} for i in range(len(self.states))]
 
     def close(self) -> None:
         pass

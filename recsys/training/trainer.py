@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from data.loader import ParquetLoader
 from recsys.config import JobConfig
 from recsys.metrics import MetricSink, StreamingAUC
 from recsys.models import build_model
+from recsys.training.checkpoint import Checkpointer, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.sparse_arch import EmbeddingStore, SparseArch, SparseLookup, plan_tables
 
@@ -96,6 +98,20 @@ class Trainer:
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
+        self.checkpointer = Checkpointer(cfg, rank=rank, world_size=world_size)
+        self.start_step = 0
+        self._start_epoch = 0
+
+    def restore(self, checkpoint: str) -> dict:
+        """Continue from a checkpoint (see recsys.training.checkpoint); the shards load their part
+        separately. Async mode: tells the shards this worker's progress, for the staleness bound."""
+        manifest = restore_trainer(self, checkpoint)
+        self.start_step = self.step
+        self.store.step = self.step        # the step its pushes carry (a barrier advances it from here)
+        self._start_epoch = int(self.loader.state_dict()["epoch"])
+        if self.cfg.ps.mode == "async" and self.step > 0:
+            self.store.barrier(self.step - 1)
+        return manifest
 
     @property
     def loader(self) -> ParquetLoader:
@@ -149,46 +165,53 @@ class Trainer:
 
     # -- loops ----------------------------------------------------------------------------------
 
-    def _batches(self) -> Iterator[tuple[Batch, float]]:
-        """Training batches over all epochs, with the seconds spent waiting for each."""
-        for epoch in range(self.cfg.train.epochs):
-            self.loader.set_epoch(epoch)
+    def _batches(self) -> Iterator[tuple[Batch, float, dict]]:
+        """Training batches over all epochs (from a restored position on), with the seconds spent
+        waiting for each and the reader position after it."""
+        for epoch in range(self._start_epoch, self.cfg.train.epochs):
+            self.loader.set_epoch(epoch)        # a restored position of this epoch is kept
             # ranks' shares differ by up to one row: every rank takes the smallest batch count, or
             # DDP's allreduce and the PS barrier would wait for a rank that has already finished
-            steps = self._min_over_ranks(self.loader.num_batches)
+            steps = self._min_over_ranks(self.loader.remaining_batches)
             it = iter(self.loader)
             for _ in range(steps):
                 t0 = time.perf_counter()
                 batch = next(it, None)
                 if batch is None:    # rows skipped as bad (data.on_bad_rows = "skip")
                     break
-                yield batch, time.perf_counter() - t0
+                yield batch, time.perf_counter() - t0, self.loader.state_dict()
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg
         times = StepTimes()
         t_start = t_log = time.perf_counter()
         prefetch = cfg.ps.mode == "async"
-        pending: tuple[Batch, SparseLookup] | None = None
+        pending: tuple[Batch, SparseLookup, dict] | None = None
         batches = self._batches()
         samples = 0
+        trace: list[np.ndarray] = []
         self.model.train()
         total = cfg.train.max_steps or cfg.train.epochs * self.loader.num_batches
         bar = progress_bar(total, enabled=self.rank == 0)
+        if bar is not None:
+            bar.update(self.step)
+        position = self.loader.state_dict()
         while not cfg.train.max_steps or self.step < cfg.train.max_steps:
             if pending is None:
                 nxt = next(batches, None)
                 if nxt is None:
                     break
                 times.data += nxt[1]
-                pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step))
-            batch, lookup = pending
+                pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step), nxt[2])
+            batch, lookup, position = pending
             pending = None
             if prefetch:   # async: the next batch's pulls fly while this one computes
                 nxt = next(batches, None)
                 if nxt is not None:
                     times.data += nxt[1]
-                    pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step + 1))
+                    pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step + 1), nxt[2])
+            if cfg.train.trace_column:
+                trace.append(np.asarray(batch.extras[cfg.train.trace_column]))
             loss = self.train_step(batch, lookup, times)
             self.step += 1
             times.steps += 1
@@ -204,13 +227,37 @@ class Trainer:
                 times.total = time.perf_counter() - t_log
                 self._log(times.as_metrics())
                 times, t_log = StepTimes(), time.perf_counter()
+            if self.checkpointer.due(self.step):
+                self.checkpoint(position)
+        self.drain()
+        if self.checkpointer.enabled and self.checkpointer.last_step != self.step:
+            self.checkpoint(position)           # the end of this run: a later one can continue it
+        self.checkpointer.join()
+        if bar is not None:
+            bar.close()
+        if trace:
+            self._write_trace(np.concatenate(trace))
+        elapsed = time.perf_counter() - t_start
+        out = {"steps": float(self.step), "train_s": elapsed, "samples": float(samples)}
+        if self.checkpointer.pauses:
+            out["checkpoint_pause_s"] = float(np.median(self.checkpointer.pauses))
+        return out
+
+    def drain(self) -> None:
+        """Wait until every push this rank sent is acknowledged (async mode keeps one step in flight)."""
         for fut in self._in_flight:
             fut.result()
         self._in_flight = []
-        if bar is not None:
-            bar.close()
-        elapsed = time.perf_counter() - t_start
-        return {"steps": float(self.step), "train_s": elapsed, "samples": float(samples)}
+
+    def checkpoint(self, position: dict) -> None:
+        """A checkpoint after `self.step` steps; `position`: the reader state after the last trained batch."""
+        self.drain()
+        self.checkpointer.save(self, position)
+
+    def _write_trace(self, values: np.ndarray) -> None:
+        out = Path(self.cfg.train.run_dir) / "trace"
+        out.mkdir(parents=True, exist_ok=True)
+        np.save(out / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", values, allow_pickle=False)
 
     def predict(self, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
         """Labels [N], scores [N] (sigmoid of logits) and passthrough columns [N] of this rank's part of `paths`.

@@ -52,8 +52,14 @@ def save_model(trainer: Trainer, store, model_dir: Path) -> None:
     store.save(str((model_dir / "ps").resolve()))
 
 
-def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
-    """Entry point of a trainer process (started by torch.distributed.elastic)."""
+def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
+               load_shards: bool = False) -> None:
+    """Entry point of a trainer process (started by torch.distributed.elastic).
+
+    resume: a checkpoint directory to continue from. load_shards: rank 0 also tells the (already
+    running, same-count) shards to load the checkpoint's rows; the local launcher instead starts
+    fresh shards that load their part themselves (any shard count).
+    """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(config_path)
@@ -65,16 +71,25 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str) -> None:
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "pids" / f"trainer-{rank}.json").write_text(
         json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid()}))
-    metric_logger = MetricLogger(out / "metrics.jsonl") if rank == 0 else NullMetricLogger()
+    metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
+                     else NullMetricLogger())
     store = connect_store(cfg, addresses, worker_id=rank)
     trainer = None
     try:
         trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger)
+        if resume is not None:
+            if load_shards and rank == 0:
+                store.load(str((Path(resume) / "model" / "ps").resolve()))
+            if load_shards and dist.is_initialized():
+                dist.barrier()            # nobody pulls before the shards hold the checkpoint's rows
+            trainer.restore(resume)
         t0 = time.perf_counter()
         summary = trainer.train()
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
         final["samples_per_s"] = float(_sum_all(samples_per_s))
+        if "checkpoint_pause_s" in summary:
+            final["checkpoint_pause_s"] = summary["checkpoint_pause_s"]
         if cfg.data.eval_paths:
             labels, scores, extras = trainer.predict(cfg.data.eval_paths)
             p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None

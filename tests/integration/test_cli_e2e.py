@@ -104,11 +104,12 @@ def test_failing_trainer_tears_down_shards(tmp_path: Path, data_dir: Path) -> No
 
 
 @contextlib.contextmanager
-def running_job(run: Path, data: Path):
+def running_job(run: Path, data: Path, *extra: str):
     """A long `recsys train` in the background, yielded once its trainer runs; afterwards every
     process of the run (the trainer included, even if processes.json missed it) must be gone."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *train_args(run, data, "--set", "train.epochs=1000")],
+    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli",
+                             *train_args(run, data, "--set", "train.epochs=1000", *extra)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -137,8 +138,9 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path, data_dir: Path) -> None:
 
 
 def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) -> None:
+    """Without restarts left, a killed shard ends the job at once (test_recovery: with restarts)."""
     run = tmp_path / "run"
-    with running_job(run, data_dir) as proc:
+    with running_job(run, data_dir, "--set", "train.max_restarts=0") as proc:
         shard1 = next(p for p in json.loads((run / "processes.json").read_text()) if p["role"] == "ps" and p["rank"] == 1)
         os.kill(shard1["pid"], signal.SIGKILL)
         _, err = proc.communicate(timeout=60)      # well before the client's own 180 s timeout

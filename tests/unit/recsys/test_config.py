@@ -181,3 +181,18 @@ def test_print_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_cross_section_rules(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[train]\ncheckpoint_every = -1\n", r"train\.checkpoint_every must be >= 0, got -1"),
+        ("[train]\ncheckpoint_every_s = -0.5\n", r"train\.checkpoint_every_s must be >= 0, got -0\.5"),
+        ("[train]\nkeep_checkpoints = 0\n", r"train\.keep_checkpoints must be >= 1, got 0"),
+        ("[train]\nmax_restarts = -2\n", r"train\.max_restarts must be >= 0, got -2"),
+        ('[train]\ntrace_column = "row_id"\n', r"train\.trace_column = 'row_id' must be one of data\.passthrough_columns"),
+    ],
+)
+def test_checkpoint_keys_validated(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))

@@ -1,0 +1,88 @@
+"""Re-sharding N -> M: a checkpoint's shards restore into any number of shards by re-hashing ids.
+
+Every old shard directory is read by every new shard, which keeps the rows whose id hashes to it
+(`embedding_ps.sharding.shard_of`): rows, optimizer state, counts and last-seen steps move.
+Admission counts of ids still waiting and eviction logs stay behind (they are per old shard).
+
+- at resume: each new shard process loads its own part at start-up (`restore_shard`), in parallel;
+- offline: `recsys reshard CKPT --shards M --out DIR` writes a checkpoint with M shards, one new
+  shard in memory at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from embedding_ps.config import PSConfig
+from embedding_ps.server import shard_dir
+from embedding_ps.shard import ShardState
+from recsys.config import load_config, to_toml
+from recsys.training.checkpoint import verify_checkpoint, write_manifest
+
+logger = logging.getLogger(__name__)
+
+
+def saved_shard_dirs(ps_dir: str | Path) -> list[str]:
+    """The shard directories of a saved PS (`ps_dir/shard{i}`), in shard order; checks none is missing."""
+    ps_dir = Path(ps_dir)
+    found = sorted(ps_dir.glob("shard*"), key=lambda p: int(p.name[len("shard"):]) if p.name[5:].isdigit() else -1)
+    found = [p for p in found if p.name[5:].isdigit()]
+    if not found:
+        raise FileNotFoundError(f"{ps_dir}: no saved shards (shard0, shard1, ...)")
+    manifest = json.loads((found[0] / "manifest.json").read_text())
+    n = int(manifest["num_shards"])
+    dirs = [shard_dir(str(ps_dir), i) for i in range(n)]
+    missing = [d for d in dirs if not Path(d).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"{ps_dir}: saved with {n} shards but {', '.join(missing)} missing")
+    return dirs
+
+
+def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardState:
+    """Shard `shard_index` of `config` holding its part of the PS saved under `ps_dir` (any shard count)."""
+    old = saved_shard_dirs(ps_dir)
+    state = ShardState(config, shard_index)
+    if len(old) == config.num_shards:
+        state.load(old[shard_index])
+    else:
+        rows = state.load_resharded(old)
+        logger.info("shard %d/%d: took %d rows from %d old shards", shard_index, config.num_shards, rows, len(old))
+    return state
+
+
+def reshard_checkpoint(checkpoint: str | Path, num_shards: int, out: str | Path) -> Path:
+    """Write checkpoint `checkpoint` re-sharded into `num_shards` shards at `out` (a new checkpoint).
+
+    Dense model, trainer state and data positions are copied; the config says ps.num_shards = M.
+    """
+    src, out = Path(checkpoint), Path(out)
+    if num_shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {num_shards}")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new directory")
+    manifest = verify_checkpoint(src)
+    cfg = load_config(src / "config.toml")
+    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_shards=num_shards))
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=lambda d, names: [n for n in names if Path(d) == src / "model" and n == "ps"
+                                                        or Path(d) == src and n == "manifest.json"])
+    old = saved_shard_dirs(src / "model" / "ps")
+    total = 0
+    for i in range(num_shards):       # one new shard in memory at a time
+        state = ShardState(cfg.ps, i)
+        total += state.load_resharded(old)
+        state.save(shard_dir(str(tmp / "model" / "ps"), i))
+        del state
+    (tmp / "config.toml").write_text(to_toml(cfg))
+    info = {k: v for k, v in manifest.items() if k not in ("files", "format", "version")}
+    info.update(num_shards=num_shards, resharded_from=len(old))
+    write_manifest(tmp, info)
+    tmp.rename(out)
+    logger.info("re-sharded %s (%d shards) into %s (%d shards, %d rows)", src, len(old), out, num_shards, total)
+    return out
+
