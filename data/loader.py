@@ -39,6 +39,7 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -47,13 +48,15 @@ from data.batch import Batch, validate_batch
 from data.config import DataConfig
 from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
 from data.rows import BatchLayout, Index, Rows, gather
+from data.elastic import (Part, Segment, after, check_same_epoch, plan_from_json, plan_parts, plan_rows,
+                          plan_to_json, share)
 from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
 
 __all__ = ["DataError", "ParquetLoader"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 _MAX_OPEN_FILES = 8
 
 
@@ -144,9 +147,11 @@ class _Reader:
             h.update(f"{os.path.basename(s.path)}:{','.join(map(str, s.row_group_rows))};".encode())
         self.fingerprint = h.hexdigest()
 
-    def windows(self, epoch: int) -> Windows:
+    def windows(self, epoch: int, world: int | None = None, rank: int | None = None) -> Windows:
+        """The windows of the stream of `rank` of `world` ranks (default: this loader's) in `epoch`."""
         pieces = rank_stream(self.units, epoch=epoch, seed=self.cfg.seed, shuffle=self.cfg.shuffle,
-                             rank=self.rank, world_size=self.world_size)
+                             rank=self.rank if rank is None else rank,
+                             world_size=self.world_size if world is None else world)
         return Windows(pieces, self.window_rows)
 
     def _window(self, files: _Files, windows: Windows, w: int) -> tuple[Rows | None, int]:
@@ -215,6 +220,64 @@ class _Reader:
         finally:
             files.close()
 
+    def plan_stream(self, epoch: int, plan: list[Segment], done: int) -> Iterator[_Item]:
+        """Items of `epoch` over rows [done, end) of an elastic plan (data/elastic.py), at positions
+        (0, rows of the plan done); a final item with batch None.
+
+        A window's dropped rows count once: in the part that starts at its place 0.
+        """
+        streams: dict[tuple[int, int], Windows] = {}
+        for s in plan:
+            if (s.world, s.rank) not in streams:
+                streams[s.world, s.rank] = self.windows(epoch, s.world, s.rank)
+        parts = plan_parts(plan, done, lambda world, rank: streams[world, rank])
+        B, total = self.cfg.batch_size, plan_rows(plan)
+        carry: list[tuple[Rows, Index]] = []
+        n_carry = bad = 0
+        windows = self._plan_windows(epoch, parts, streams)
+        try:
+            for p, rows, order, dropped in windows:
+                n = 0 if rows is None else len(rows)
+                if p.a == 0:
+                    bad += dropped
+                pos, stop = min(p.a, n), min(p.c, n)
+                while pos < stop:
+                    take = min(B - n_carry, stop - pos)
+                    carry.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
+                    n_carry += take
+                    pos += take
+                    if n_carry == B:
+                        yield _Item(self._batch(carry), 0, p.base + pos if pos < stop else p.end, bad)
+                        carry, n_carry, bad = [], 0, 0
+            if carry and not self.cfg.drop_last:
+                yield _Item(self._batch(carry), 0, total, bad)
+                bad = 0
+            yield _Item(None, 0, total, bad)
+        finally:
+            windows.close()
+
+    def _plan_windows(self, epoch: int, parts: list[Part], streams: dict[tuple[int, int], Windows]
+                      ) -> Iterator[tuple[Part, Rows | None, np.ndarray | None, int]]:
+        """(part, its window's kept rows, their shuffled order [n] or None, rows dropped) per part.
+
+        The whole window is decoded, as its kept rows and their order depend on all of it; a window
+        that two parts in a row need is decoded once.
+        """
+        ids = [(p.world, p.rank, p.window) for p in parts]
+        keys = [(q.source, q.row_group) for i, (world, rank, w) in enumerate(ids) if i == 0 or ids[i - 1] != ids[i]
+                for q in streams[world, rank].pieces_of(w)]
+        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
+        try:
+            for i, p in enumerate(parts):
+                if i == 0 or ids[i - 1] != ids[i]:
+                    rows, dropped = self._window(files, streams[p.world, p.rank], p.window)
+                    n = 0 if rows is None else len(rows)
+                    order = epoch_seed(self.cfg.seed, epoch, 1, p.rank, p.window).permutation(n) \
+                        if self.row_shuffle else None
+                yield p, rows, order, dropped
+        finally:
+            files.close()
 
 class _Prefetcher:
     """Runs an item generator on a daemon thread, at most `depth` items ahead of the consumer."""
@@ -325,6 +388,8 @@ class ParquetLoader:
         self._active: weakref.ref[_LoaderIter] | None = None
         self._epoch = self._window = self._offset = self._batches = self._bad = 0
         self._resume = False
+        self._plan: list[Segment] | None = None
+        """an elastic plan (data/elastic.py) for this epoch, with _offset its rows done; None: the rank stream"""
         lo, hi = (rank * self.total_rows // world_size, (rank + 1) * self.total_rows // world_size)
         self._rank_rows = hi - lo
 
@@ -357,6 +422,19 @@ class ParquetLoader:
         return self._rank_rows // B if self.config.drop_last else -(-self._rank_rows // B)
 
     @property
+    def remaining_batches(self) -> int:
+        """Batches this rank still yields in the current epoch from the current (or restored)
+        position: what the next pass yields after load_state_dict / resume_from / set_epoch (exact
+        unless bad rows are skipped). After resume_from, ranks agree on the min over ranks of it."""
+        if self._plan is not None:
+            left = plan_rows(self._plan) - self._offset
+        else:
+            windows = self._reader.windows(self._epoch)
+            left = windows.num_rows - windows.starts[min(self._window, windows.num_windows)] - self._offset
+        B, left = self.config.batch_size, max(left, 0)
+        return left // B if self.config.drop_last else -(-left // B)
+
+    @property
     def num_bad_rows(self) -> int:
         """Rows dropped so far under on_bad_rows = "skip" (all epochs; restored by load_state_dict)."""
         return self._bad
@@ -369,13 +447,17 @@ class ParquetLoader:
         if self._resume and epoch == self._epoch:
             return
         self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, False
+        self._plan = None
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_active()
         if not self._resume:
             self._window = self._offset = self._batches = 0
         self._resume = False
-        items = self._reader.stream(self._epoch, self._window, self._offset)
+        if self._plan is None:
+            items = self._reader.stream(self._epoch, self._window, self._offset)
+        else:                                   # the rest of an elastic plan (see resume_from)
+            items = self._reader.plan_stream(self._epoch, self._plan, self._offset)
         depth = self.config.prefetch_batches
         it = _LoaderIter(self, _Prefetcher(items, depth) if depth > 0 else items)
         self._active = weakref.ref(it)
@@ -397,31 +479,104 @@ class ParquetLoader:
 
     # -- checkpointing ------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int | str]:
-        """The position after the batches received so far; plain ints and strings (JSON-able)."""
-        r = self._reader
-        return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window, "offset": self._offset,
-                "batches": self._batches, "num_bad_rows": self._bad, "rank": r.rank,
-                "world_size": r.world_size, "seed": self.config.seed, "shuffle": int(self.config.shuffle),
-                "window_rows": r.window_rows, "dataset": r.fingerprint}
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches received so far; plain ints, strings and lists (JSON-able).
+
+        'epoch', 'window', 'offset' (rows of the window done), 'batches' (this pass), 'num_bad_rows',
+        and what the position depends on: 'rank', 'world_size', 'seed', 'shuffle', 'window_rows',
+        'dataset'. After resume_from with another world size the position is an elastic plan:
+        'elastic' = 1, 'segments' = [[world, rank, lo, hi], ...] (rows [lo, hi) of rank `rank` of
+        `world`'s stream, in its order) and 'done' (rows of them read); else 0, [] and 0.
+        """
+        r, plan = self._reader, self._plan
+        return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window,
+                "offset": self._offset if plan is None else 0, "batches": self._batches,
+                "num_bad_rows": self._bad, "rank": r.rank, "world_size": r.world_size, "seed": self.config.seed,
+                "shuffle": int(self.config.shuffle), "window_rows": r.window_rows, "dataset": r.fingerprint,
+                "elastic": int(plan is not None), "segments": [] if plan is None else plan_to_json(plan),
+                "done": 0 if plan is None else self._offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` (from `state_dict()` of a loader over the same data and layout)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"loader state must be a dict with version {STATE_VERSION}, got {got}")
+        """Continue from `state` (from `state_dict()` of a loader over the same data and layout, with
+        the same rank and world size; see resume_from for another world size)."""
+        plan = self._check_state(state, "loader state")
         current = self.state_dict()
-        for key in ("rank", "world_size", "seed", "shuffle", "window_rows", "dataset"):
+        for key in ("rank", "world_size"):
             if state.get(key) != current[key]:
                 raise ValueError(f"loader state was saved with {key} = {state.get(key)!r}, this loader has "
-                                 f"{current[key]!r}; the position would not match")
-        for key in ("epoch", "window", "offset", "batches", "num_bad_rows"):
-            v = state.get(key)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"loader state '{key}' must be an int >= 0, got {v!r}")
+                                 f"{current[key]!r}; the position would not match (resume_from takes the "
+                                 f"states of all ranks of another world size)")
         self._stop_active()
         self._epoch, self._window, self._offset = state["epoch"], state["window"], state["offset"]
         self._batches, self._bad, self._resume = state["batches"], state["num_bad_rows"], True
+        self._plan = plan
+        if plan is not None:
+            self._window, self._offset = 0, state["done"]
+
+    def resume_from(self, states: Sequence[dict[str, Any]]) -> None:
+        """Continue an epoch from the `state_dict()`s of every rank of a previous run (index = old
+        rank), of any world size W_old, all at the same epoch.
+
+        W_old = this world size: exactly load_state_dict(states[rank]). Otherwise the rows no old
+        rank has read yet (old rank 0's in its order, then old rank 1's, ...) are split into
+        contiguous shares within one row of each other, and this rank reads its share; later
+        epochs are ordinary (data/elastic.py). num_bad_rows: rank 0 takes the old ranks' sum.
+        """
+        if isinstance(states, dict) or not isinstance(states, Sequence) or not states:
+            raise ValueError(f"resume_from needs a list of the loader states of all old ranks, got "
+                             f"{type(states).__name__} of length {len(states) if hasattr(states, '__len__') else '?'}")
+        plans = [self._check_state(st, f"states[{i}]") for i, st in enumerate(states)]
+        for i, st in enumerate(states):
+            if (st.get("rank"), st.get("world_size")) != (i, len(states)):
+                raise ValueError(f"states[{i}] has rank = {st.get('rank')!r}, world_size = "
+                                 f"{st.get('world_size')!r}; resume_from needs the states of all "
+                                 f"{len(states)} old ranks in rank order")
+        epoch = check_same_epoch(states)
+        r = self._reader
+        if len(states) == r.world_size:
+            self.load_state_dict(states[r.rank])
+            return
+        unread = [seg for i, st in enumerate(states) for seg in self._unread(st, plans[i], f"states[{i}]")]
+        self._stop_active()
+        self._plan = share(unread, rank=r.rank, world_size=r.world_size)
+        self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, True
+        self._bad = sum(st["num_bad_rows"] for st in states) if r.rank == 0 else 0
+
+    def _unread(self, state: dict[str, Any], plan: list[Segment] | None, where: str) -> list[Segment]:
+        """The segments a checked state has not read yet, in its reading order."""
+        if plan is not None:
+            return after(plan, state["done"])
+        world, rank, w, offset = state["world_size"], state["rank"], state["window"], state["offset"]
+        windows = self._reader.windows(state["epoch"], world, rank)
+        n = windows.num_windows
+        if not (w < n and offset <= windows.starts[w + 1] - windows.starts[w] or (w, offset) == (n, 0)):
+            raise ValueError(f"{where} position (window {w}, offset {offset}) is not in its stream's "
+                             f"{n} windows: the data changed since the state was saved")
+        start = windows.starts[w] + offset
+        return [Segment(world, rank, start, windows.num_rows)] if start < windows.num_rows else []
+
+    def _check_state(self, state: Any, where: str) -> list[Segment] | None:
+        """ValueError naming the key unless `state` fits this loader's data and layout; its elastic
+        plan (None for a rank-stream position)."""
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{where} must be a dict with version {STATE_VERSION} (or 1), got {got}")
+        r = self._reader
+        current = {"seed": self.config.seed, "shuffle": int(self.config.shuffle), "window_rows": r.window_rows,
+                   "dataset": r.fingerprint}
+        for key, value in current.items():
+            if state.get(key) != value:
+                raise ValueError(f"{where} was saved with {key} = {state.get(key)!r}, this loader has "
+                                 f"{value!r}; the position would not match")
+        for key in ("epoch", "window", "offset", "batches", "num_bad_rows", "rank", "world_size"):
+            v = state.get(key)
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{where} '{key}' must be an int >= 0, got {v!r}")
+        if state.get("elastic", 0) not in (0, 1):
+            raise ValueError(f"{where} 'elastic' must be 0 or 1, got {state.get('elastic')!r}")
+        if not state.get("elastic", 0):
+            return None
+        return plan_from_json(state.get("segments"), state.get("done"), self.total_rows, where)
 
     # -- resources ----------------------------------------------------------------------------
 
