@@ -22,14 +22,17 @@ chains of world sizes (2 -> 1 -> 2 -> 3) still read every example of the epoch e
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from data.sharding import Windows
 
-__all__ = ["Segment", "Part", "after", "share", "plan_rows", "plan_parts", "plan_to_json", "plan_from_json",
-           "stream_rows", "check_same_epoch"]
+__all__ = ["STATE_VERSION", "Segment", "Part", "after", "share", "plan_rows", "plan_parts", "plan_row_groups",
+           "plan_to_json", "plan_from_json", "stream_rows", "check_state", "check_old_states", "unread_segments"]
+
+STATE_VERSION = 2
+"""Of ParquetLoader.state_dict(); 2 added 'elastic', 'segments' and 'done' (a version 1 state loads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ class Part:
     c: int
     base: int
     end: int
+
+    def same_window(self, other: Part) -> bool:
+        return (self.world, self.rank, self.window) == (other.world, other.rank, other.window)
 
 
 def stream_rows(total_rows: int, world: int, rank: int) -> int:
@@ -109,14 +115,12 @@ def share(plan: Sequence[Segment], *, rank: int, world_size: int) -> list[Segmen
     return merge(out)
 
 
-def plan_parts(plan: Sequence[Segment], done: int, windows_of: Callable[[int, int], Windows]) -> list[Part]:
-    """The window parts that hold rows [done, end) of `plan`, in reading order.
-
-    `windows_of(world, rank)` gives the windows of a stream of the plan's epoch.
-    """
+def plan_parts(plan: Sequence[Segment], done: int, streams: Mapping[tuple[int, int], Windows]) -> list[Part]:
+    """The window parts that hold rows [done, end) of `plan`, in reading order; `streams` maps
+    (world, rank) to the windows of that stream in the plan's epoch."""
     parts, base = [], 0
     for s in plan:
-        windows = windows_of(s.world, s.rank)
+        windows = streams[s.world, s.rank]
         starts = windows.starts
         lo = s.lo + max(0, done - base)
         w = bisect_right(starts, lo) - 1                 # the window holding row lo
@@ -127,6 +131,14 @@ def plan_parts(plan: Sequence[Segment], done: int, windows_of: Callable[[int, in
             w += 1
         base += s.num_rows
     return parts
+
+
+def plan_row_groups(parts: Sequence[Part], streams: Mapping[tuple[int, int], Windows]) -> list[tuple[int, int]]:
+    """(source, row group) in the order reading `parts` needs them (a window two parts in a row
+    share is read once; a row group that follows itself is listed once)."""
+    keys = [(q.source, q.row_group) for i, p in enumerate(parts) if i == 0 or not p.same_window(parts[i - 1])
+            for q in streams[p.world, p.rank].pieces_of(p.window)]
+    return [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
 
 
 # -- state ------------------------------------------------------------------------------------------
@@ -156,8 +168,37 @@ def plan_from_json(value: Any, done: Any, total_rows: int, where: str) -> list[S
     return plan
 
 
-def check_same_epoch(states: Sequence[dict[str, Any]]) -> int:
-    """The epoch all `states` are at; ValueError listing which ranks are at which epoch otherwise."""
+def check_state(state: Any, where: str, expected: dict[str, Any], total_rows: int) -> list[Segment] | None:
+    """ValueError naming the key and value unless `state` (a loader's state_dict()) is well formed
+    and was saved with the `expected` values; its elastic plan, or None for a rank-stream position."""
+    if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{where} must be a dict with version {STATE_VERSION} (or 1), got {got}")
+    for key, value in expected.items():
+        if state.get(key) != value:
+            raise ValueError(f"{where} was saved with {key} = {state.get(key)!r}, this loader has "
+                             f"{value!r}; the position would not match")
+    for key in ("epoch", "window", "offset", "batches", "num_bad_rows", "rank", "world_size"):
+        v = state.get(key)
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{where} '{key}' must be an int >= 0, got {v!r}")
+    elastic = state.get("elastic", 0)                       # (absent from version 1)
+    if elastic not in (0, 1):
+        raise ValueError(f"{where} 'elastic' must be 0 or 1, got {elastic!r}")
+    return plan_from_json(state.get("segments"), state.get("done"), total_rows, where) if elastic else None
+
+
+def check_old_states(states: Any) -> int:
+    """The epoch of the states of all ranks of a run, in rank order; ValueError otherwise (listing
+    which ranks are at which epoch when they differ)."""
+    if isinstance(states, dict) or not isinstance(states, Sequence) or not states:
+        raise ValueError(f"resume_from needs a list of the loader states of all old ranks, got "
+                         f"{'an empty ' if isinstance(states, Sequence) else ''}{type(states).__name__}")
+    for i, st in enumerate(states):
+        if not isinstance(st, dict) or (st.get("rank"), st.get("world_size")) != (i, len(states)):
+            got = (st.get("rank"), st.get("world_size")) if isinstance(st, dict) else (None, None)
+            raise ValueError(f"states[{i}] has rank = {got[0]!r}, world_size = {got[1]!r}; resume_from "
+                             f"needs the states of all {len(states)} old ranks in rank order")
     ranks: dict[Any, list[int]] = {}
     for i, s in enumerate(states):
         ranks.setdefault(s.get("epoch"), []).append(i)
@@ -166,3 +207,18 @@ def check_same_epoch(states: Sequence[dict[str, Any]]) -> int:
         raise ValueError(f"the old ranks' loader states are at different epochs ({where}); "
                          f"take the states of all ranks at the same point")
     return states[0]["epoch"]
+
+
+def unread_segments(state: dict[str, Any], plan: list[Segment] | None, windows: Windows,
+                    where: str) -> list[Segment]:
+    """What a checked state has not read yet, in its order: the rest of its plan, or of its rank
+    stream (whose `windows`) from its (window, offset)."""
+    if plan is not None:
+        return after(plan, state["done"])
+    world, rank, w, offset = state["world_size"], state["rank"], state["window"], state["offset"]
+    n, starts = windows.num_windows, windows.starts
+    if not (w < n and offset <= starts[w + 1] - starts[w] or (w, offset) == (n, 0)):
+        raise ValueError(f"{where} position (window {w}, offset {offset}) is not in its stream's "
+                         f"{n} windows: the data changed since the state was saved")
+    start = starts[w] + offset
+    return [Segment(world, rank, start, windows.num_rows)] if start < windows.num_rows else []

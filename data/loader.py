@@ -17,7 +17,9 @@ have given, without storing rows. Under on_bad_rows = "skip" the offset counts t
 Resuming: `load_state_dict(state)`, then iterate epochs from `state["epoch"]`; `set_epoch` of that
 epoch keeps the restored position, `set_epoch` of any other epoch starts that epoch afresh. Ranks
 read within one row of each other; `num_batches` (exact unless rows are skipped) lets a DDP trainer
-agree on a common step count.
+agree on a common step count. Elastic: `resume_from(states of all old ranks)` continues the epoch
+with another number of ranks, each reading its share of the rows no old rank has read
+(data/elastic.py); `remaining_batches` gives the count for that epoch.
 
 A daemon thread decodes `prefetch_batches` batches ahead; its exceptions are raised in the
 consumer. The position reported is that of the batches the consumer has received, not of the
@@ -46,23 +48,23 @@ import torch
 
 from data.batch import Batch, validate_batch
 from data.config import DataConfig
+from data.elastic import (STATE_VERSION, Part, Segment, check_old_states, check_state, plan_parts, plan_row_groups,
+                          plan_rows, plan_to_json, share, unread_segments)
 from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
 from data.rows import BatchLayout, Index, Rows, gather
-from data.elastic import (Part, Segment, after, check_same_epoch, plan_from_json, plan_parts, plan_rows,
-                          plan_to_json, share)
 from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
 
 __all__ = ["DataError", "ParquetLoader"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
 _MAX_OPEN_FILES = 8
 
 
 @dataclass(frozen=True, slots=True)
 class _Item:
-    """One step of the stream: a batch (None at the end of the epoch) and the position after it."""
+    """One step of the stream: a batch (None at the end of the epoch) and the position after it:
+    (window, offset) in the rank stream, or (0, rows done) in an elastic plan."""
 
     batch: Batch | None
     window: int
@@ -226,11 +228,8 @@ class _Reader:
 
         A window's dropped rows count once: in the part that starts at its place 0.
         """
-        streams: dict[tuple[int, int], Windows] = {}
-        for s in plan:
-            if (s.world, s.rank) not in streams:
-                streams[s.world, s.rank] = self.windows(epoch, s.world, s.rank)
-        parts = plan_parts(plan, done, lambda world, rank: streams[world, rank])
+        streams = {(s.world, s.rank): self.windows(epoch, s.world, s.rank) for s in plan}
+        parts = plan_parts(plan, done, streams)
         B, total = self.cfg.batch_size, plan_rows(plan)
         carry: list[tuple[Rows, Index]] = []
         n_carry = bad = 0
@@ -263,14 +262,11 @@ class _Reader:
         The whole window is decoded, as its kept rows and their order depend on all of it; a window
         that two parts in a row need is decoded once.
         """
-        ids = [(p.world, p.rank, p.window) for p in parts]
-        keys = [(q.source, q.row_group) for i, (world, rank, w) in enumerate(ids) if i == 0 or ids[i - 1] != ids[i]
-                for q in streams[world, rank].pieces_of(w)]
-        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+        keys = plan_row_groups(parts, streams)
         files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
         try:
             for i, p in enumerate(parts):
-                if i == 0 or ids[i - 1] != ids[i]:
+                if i == 0 or not p.same_window(parts[i - 1]):
                     rows, dropped = self._window(files, streams[p.world, p.rank], p.window)
                     n = 0 if rows is None else len(rows)
                     order = epoch_seed(self.cfg.seed, epoch, 1, p.rank, p.window).permutation(n) \
@@ -278,6 +274,7 @@ class _Reader:
                 yield p, rows, order, dropped
         finally:
             files.close()
+
 
 class _Prefetcher:
     """Runs an item generator on a daemon thread, at most `depth` items ahead of the consumer."""
@@ -522,61 +519,25 @@ class ParquetLoader:
         contiguous shares within one row of each other, and this rank reads its share; later
         epochs are ordinary (data/elastic.py). num_bad_rows: rank 0 takes the old ranks' sum.
         """
-        if isinstance(states, dict) or not isinstance(states, Sequence) or not states:
-            raise ValueError(f"resume_from needs a list of the loader states of all old ranks, got "
-                             f"{type(states).__name__} of length {len(states) if hasattr(states, '__len__') else '?'}")
+        epoch = check_old_states(states)
         plans = [self._check_state(st, f"states[{i}]") for i, st in enumerate(states)]
-        for i, st in enumerate(states):
-            if (st.get("rank"), st.get("world_size")) != (i, len(states)):
-                raise ValueError(f"states[{i}] has rank = {st.get('rank')!r}, world_size = "
-                                 f"{st.get('world_size')!r}; resume_from needs the states of all "
-                                 f"{len(states)} old ranks in rank order")
-        epoch = check_same_epoch(states)
         r = self._reader
         if len(states) == r.world_size:
             self.load_state_dict(states[r.rank])
             return
-        unread = [seg for i, st in enumerate(states) for seg in self._unread(st, plans[i], f"states[{i}]")]
+        unread = [seg for i, st in enumerate(states) for seg in
+                  unread_segments(st, plans[i], r.windows(epoch, len(states), i), f"states[{i}]")]
         self._stop_active()
         self._plan = share(unread, rank=r.rank, world_size=r.world_size)
         self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, True
         self._bad = sum(st["num_bad_rows"] for st in states) if r.rank == 0 else 0
 
-    def _unread(self, state: dict[str, Any], plan: list[Segment] | None, where: str) -> list[Segment]:
-        """The segments a checked state has not read yet, in its reading order."""
-        if plan is not None:
-            return after(plan, state["done"])
-        world, rank, w, offset = state["world_size"], state["rank"], state["window"], state["offset"]
-        windows = self._reader.windows(state["epoch"], world, rank)
-        n = windows.num_windows
-        if not (w < n and offset <= windows.starts[w + 1] - windows.starts[w] or (w, offset) == (n, 0)):
-            raise ValueError(f"{where} position (window {w}, offset {offset}) is not in its stream's "
-                             f"{n} windows: the data changed since the state was saved")
-        start = windows.starts[w] + offset
-        return [Segment(world, rank, start, windows.num_rows)] if start < windows.num_rows else []
-
     def _check_state(self, state: Any, where: str) -> list[Segment] | None:
         """ValueError naming the key unless `state` fits this loader's data and layout; its elastic
         plan (None for a rank-stream position)."""
-        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{where} must be a dict with version {STATE_VERSION} (or 1), got {got}")
         r = self._reader
-        current = {"seed": self.config.seed, "shuffle": int(self.config.shuffle), "window_rows": r.window_rows,
-                   "dataset": r.fingerprint}
-        for key, value in current.items():
-            if state.get(key) != value:
-                raise ValueError(f"{where} was saved with {key} = {state.get(key)!r}, this loader has "
-                                 f"{value!r}; the position would not match")
-        for key in ("epoch", "window", "offset", "batches", "num_bad_rows", "rank", "world_size"):
-            v = state.get(key)
-            if type(v) is not int or v < 0:
-                raise ValueError(f"{where} '{key}' must be an int >= 0, got {v!r}")
-        if state.get("elastic", 0) not in (0, 1):
-            raise ValueError(f"{where} 'elastic' must be 0 or 1, got {state.get('elastic')!r}")
-        if not state.get("elastic", 0):
-            return None
-        return plan_from_json(state.get("segments"), state.get("done"), self.total_rows, where)
+        return check_state(state, where, {"seed": self.config.seed, "shuffle": int(self.config.shuffle),
+                                          "window_rows": r.window_rows, "dataset": r.fingerprint}, self.total_rows)
 
     # -- resources ----------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 import collections
 import json
+import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +54,29 @@ def run(h, path, world, k, states=None, epoch=0, **kw):
     return got, out
 
 
+def fresh(h, path, rank, world, epoch=0, **kw):
+    with ParquetLoader(cfg(h, **kw), [path], rank=rank, world_size=world) as loader:
+        loader.set_epoch(epoch)
+        return list(loader)
+
+
+def run_rank(h, path, rank, world, states):
+    with ParquetLoader(cfg(h), [path], rank=rank, world_size=world) as loader:
+        loader.resume_from(states)
+        return list(loader)
+
+
+def threads():
+    return [t for t in threading.enumerate() if t.name.startswith(("parquet-prefetch", "parquet-read"))]
+
+
+def wait_no_threads(timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
+
 def assert_once(*reads):
     counts = collections.Counter(i for rows in reads for r in rows for i in r)
     assert sorted(counts) == list(range(TOTAL))
@@ -60,10 +85,10 @@ def assert_once(*reads):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("old, new, k", [(2, 1, [3, 7]), (1, 2, 5), (2, 3, [4, 0]), (3, 2, [1, 6, 2]),
-                                         (2, 3, [None, 2]), (3, 1, [None, 0, None])])
+                                         (2, 3, [None, 2]), (3, 1, [None, 0, None]), (2, 3, [None, 15])])
 def test_every_row_once_when_the_world_size_changes(h, files, shuffle, old, new, k):
-    """Old ranks stop at different places (inside windows, at the start, at the end); the new ranks
-    read the rest: together every row once, shares within one row of each other."""
+    """Old ranks stop at different places (inside windows, at the start, at the end, one row before
+    it); the new ranks read the rest: together every row once, shares within one row of each other."""
     before, states = run(h, files, old, k, shuffle=shuffle)
     after_, _ = run(h, files, new, None, states, shuffle=shuffle)
     assert_once(before, after_)
@@ -100,12 +125,6 @@ def test_all_old_ranks_finished_starts_the_next_epoch(h, files):
         loader.set_epoch(1)
         assert loader.remaining_batches == loader.num_batches
         assert [ids(b) for b in loader] == [ids(b) for b in fresh(h, files, 0, 3, epoch=1)]
-
-
-def fresh(h, path, rank, world, epoch=0, **kw):
-    with ParquetLoader(cfg(h, **kw), [path], rank=rank, world_size=world) as loader:
-        loader.set_epoch(epoch)
-        return list(loader)
 
 
 def test_same_world_size_is_an_exact_resume(h, files):
@@ -162,6 +181,21 @@ def test_remaining_batches_with_drop_last_and_prefetch(h, files):
                 assert len(batches[-1]) == left and all(len(b) == 5 for b in batches[-1])
                 assert loader.num_batches == (TOTAL * (rank + 1) // 3 - TOTAL * rank // 3) // 5
         assert batches[0] == batches[1]
+
+
+def test_early_break_inside_a_remainder_stops_the_threads(h, files):
+    _, states = run(h, files, 2, [3, 7])
+    with ParquetLoader(cfg(h, prefetch_batches=2), [files], rank=1, world_size=3) as loader:
+        loader.resume_from(states)
+        it = iter(loader)
+        head = [ids(next(it)) for _ in range(2)]
+        state = loader.state_dict()
+        assert threads()
+    assert wait_no_threads() == []
+    del it
+    with ParquetLoader(cfg(h), [files], rank=1, world_size=3) as loader:
+        loader.load_state_dict(state)
+        assert head + [ids(b) for b in loader] == [ids(b) for b in run_rank(h, files, 1, 3, states)]
 
 
 def test_remaining_batches_on_the_ordinary_path(h, files):
