@@ -16,7 +16,7 @@ chains of world sizes (2 -> 1 -> 2 -> 3) still read every example of the epoch e
 
     unread = [seg for st in old_states for seg in after(plan_of(st), done_of(st))]
     plan = share(unread, rank=r, world_size=W)     # this rank's segments
-    parts = plan_parts(plan, 0, windows_of)         # what to decode, window by window
+    parts = plan_parts(plan, done, streams)         # what to decode, window by window
 """
 
 from __future__ import annotations
