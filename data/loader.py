@@ -17,7 +17,9 @@ have given, without storing rows. Under on_bad_rows = "skip" the offset counts t
 Resuming: `load_state_dict(state)`, then iterate epochs from `state["epoch"]`; `set_epoch` of that
 epoch keeps the restored position, `set_epoch` of any other epoch starts that epoch afresh. Ranks
 read within one row of each other; `num_batches` (exact unless rows are skipped) lets a DDP trainer
-agree on a common step count.
+agree on a common step count. Elastic: `resume_from(states of all old ranks)` continues the epoch
+with another number of ranks, each reading its share of the rows no old rank has read
+(data/elastic.py); `remaining_batches` gives the count for that epoch.
 
 A daemon thread decodes `prefetch_batches` batches ahead; its exceptions are raised in the
 consumer. The position reported is that of the batches the consumer has received, not of the
@@ -39,12 +41,15 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from data.batch import Batch, validate_batch
 from data.config import DataConfig
+from data.elastic import (STATE_VERSION, Part, Segment, check_old_states, check_state, plan_parts, plan_row_groups,
+                          plan_rows, plan_to_json, share, unread_segments)
 from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
 from data.rows import BatchLayout, Index, Rows, gather
 from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
@@ -53,13 +58,13 @@ __all__ = ["DataError", "ParquetLoader"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
 _MAX_OPEN_FILES = 8
 
 
 @dataclass(frozen=True, slots=True)
 class _Item:
-    """One step of the stream: a batch (None at the end of the epoch) and the position after it."""
+    """One step of the stream: a batch (None at the end of the epoch) and the position after it:
+    (window, offset) in the rank stream, or (0, rows done) in an elastic plan."""
 
     batch: Batch | None
     window: int
@@ -144,9 +149,11 @@ class _Reader:
             h.update(f"{os.path.basename(s.path)}:{','.join(map(str, s.row_group_rows))};".encode())
         self.fingerprint = h.hexdigest()
 
-    def windows(self, epoch: int) -> Windows:
+    def windows(self, epoch: int, world: int | None = None, rank: int | None = None) -> Windows:
+        """The windows of the stream of `rank` of `world` ranks (default: this loader's) in `epoch`."""
         pieces = rank_stream(self.units, epoch=epoch, seed=self.cfg.seed, shuffle=self.cfg.shuffle,
-                             rank=self.rank, world_size=self.world_size)
+                             rank=self.rank if rank is None else rank,
+                             world_size=self.world_size if world is None else world)
         return Windows(pieces, self.window_rows)
 
     def _window(self, files: _Files, windows: Windows, w: int) -> tuple[Rows | None, int]:
@@ -212,6 +219,59 @@ class _Reader:
                 yield _Item(self._batch(carry), end, 0, bad)
                 bad = 0
             yield _Item(None, end, 0, bad)
+        finally:
+            files.close()
+
+    def plan_stream(self, epoch: int, plan: list[Segment], done: int) -> Iterator[_Item]:
+        """Items of `epoch` over rows [done, end) of an elastic plan (data/elastic.py), at positions
+        (0, rows of the plan done); a final item with batch None.
+
+        A window's dropped rows count once: in the part that starts at its place 0.
+        """
+        streams = {(s.world, s.rank): self.windows(epoch, s.world, s.rank) for s in plan}
+        parts = plan_parts(plan, done, streams)
+        B, total = self.cfg.batch_size, plan_rows(plan)
+        carry: list[tuple[Rows, Index]] = []
+        n_carry = bad = 0
+        windows = self._plan_windows(epoch, parts, streams)
+        try:
+            for p, rows, order, dropped in windows:
+                n = 0 if rows is None else len(rows)
+                if p.a == 0:
+                    bad += dropped
+                pos, stop = min(p.a, n), min(p.c, n)
+                while pos < stop:
+                    take = min(B - n_carry, stop - pos)
+                    carry.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
+                    n_carry += take
+                    pos += take
+                    if n_carry == B:
+                        yield _Item(self._batch(carry), 0, p.base + pos if pos < stop else p.end, bad)
+                        carry, n_carry, bad = [], 0, 0
+            if carry and not self.cfg.drop_last:
+                yield _Item(self._batch(carry), 0, total, bad)
+                bad = 0
+            yield _Item(None, 0, total, bad)
+        finally:
+            windows.close()
+
+    def _plan_windows(self, epoch: int, parts: list[Part], streams: dict[tuple[int, int], Windows]
+                      ) -> Iterator[tuple[Part, Rows | None, np.ndarray | None, int]]:
+        """(part, its window's kept rows, their shuffled order [n] or None, rows dropped) per part.
+
+        The whole window is decoded, as its kept rows and their order depend on all of it; a window
+        that two parts in a row need is decoded once.
+        """
+        keys = plan_row_groups(parts, streams)
+        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
+        try:
+            for i, p in enumerate(parts):
+                if i == 0 or not p.same_window(parts[i - 1]):
+                    rows, dropped = self._window(files, streams[p.world, p.rank], p.window)
+                    n = 0 if rows is None else len(rows)
+                    order = epoch_seed(self.cfg.seed, epoch, 1, p.rank, p.window).permutation(n) \
+                        if self.row_shuffle else None
+                yield p, rows, order, dropped
         finally:
             files.close()
 
@@ -325,6 +385,8 @@ class ParquetLoader:
         self._active: weakref.ref[_LoaderIter] | None = None
         self._epoch = self._window = self._offset = self._batches = self._bad = 0
         self._resume = False
+        self._plan: list[Segment] | None = None
+        """an elastic plan (data/elastic.py) for this epoch, with _offset its rows done; None: the rank stream"""
         lo, hi = (rank * self.total_rows // world_size, (rank + 1) * self.total_rows // world_size)
         self._rank_rows = hi - lo
 
@@ -357,6 +419,19 @@ class ParquetLoader:
         return self._rank_rows // B if self.config.drop_last else -(-self._rank_rows // B)
 
     @property
+    def remaining_batches(self) -> int:
+        """Batches this rank still yields in the current epoch from the current (or restored)
+        position: what the next pass yields after load_state_dict / resume_from / set_epoch (exact
+        unless bad rows are skipped). After resume_from, ranks agree on the min over ranks of it."""
+        if self._plan is not None:
+            left = plan_rows(self._plan) - self._offset
+        else:
+            windows = self._reader.windows(self._epoch)
+            left = windows.num_rows - windows.starts[min(self._window, windows.num_windows)] - self._offset
+        B, left = self.config.batch_size, max(left, 0)
+        return left // B if self.config.drop_last else -(-left // B)
+
+    @property
     def num_bad_rows(self) -> int:
         """Rows dropped so far under on_bad_rows = "skip" (all epochs; restored by load_state_dict)."""
         return self._bad
@@ -369,13 +444,17 @@ class ParquetLoader:
         if self._resume and epoch == self._epoch:
             return
         self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, False
+        self._plan = None
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_active()
         if not self._resume:
             self._window = self._offset = self._batches = 0
         self._resume = False
-        items = self._reader.stream(self._epoch, self._window, self._offset)
+        if self._plan is None:
+            items = self._reader.stream(self._epoch, self._window, self._offset)
+        else:                                   # the rest of an elastic plan (see resume_from)
+            items = self._reader.plan_stream(self._epoch, self._plan, self._offset)
         depth = self.config.prefetch_batches
         it = _LoaderIter(self, _Prefetcher(items, depth) if depth > 0 else items)
         self._active = weakref.ref(it)
@@ -397,31 +476,68 @@ class ParquetLoader:
 
     # -- checkpointing ------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int | str]:
-        """The position after the batches received so far; plain ints and strings (JSON-able)."""
-        r = self._reader
-        return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window, "offset": self._offset,
-                "batches": self._batches, "num_bad_rows": self._bad, "rank": r.rank,
-                "world_size": r.world_size, "seed": self.config.seed, "shuffle": int(self.config.shuffle),
-                "window_rows": r.window_rows, "dataset": r.fingerprint}
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches received so far; plain ints, strings and lists (JSON-able).
+
+        'epoch', 'window', 'offset' (rows of the window done), 'batches' (this pass), 'num_bad_rows',
+        and what the position depends on: 'rank', 'world_size', 'seed', 'shuffle', 'window_rows',
+        'dataset'. After resume_from with another world size the position is an elastic plan:
+        'elastic' = 1, 'segments' = [[world, rank, lo, hi], ...] (rows [lo, hi) of rank `rank` of
+        `world`'s stream, in its order) and 'done' (rows of them read); else 0, [] and 0.
+        """
+        r, plan = self._reader, self._plan
+        return {"version": STATE_VERSION, "epoch": self._epoch, "window": self._window,
+                "offset": self._offset if plan is None else 0, "batches": self._batches,
+                "num_bad_rows": self._bad, "rank": r.rank, "world_size": r.world_size, "seed": self.config.seed,
+                "shuffle": int(self.config.shuffle), "window_rows": r.window_rows, "dataset": r.fingerprint,
+                "elastic": int(plan is not None), "segments": [] if plan is None else plan_to_json(plan),
+                "done": 0 if plan is None else self._offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` (from `state_dict()` of a loader over the same data and layout)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"loader state must be a dict with version {STATE_VERSION}, got {got}")
+        """Continue from `state` (from `state_dict()` of a loader over the same data and layout, with
+        the same rank and world size; see resume_from for another world size)."""
+        plan = self._check_state(state, "loader state")
         current = self.state_dict()
-        for key in ("rank", "world_size", "seed", "shuffle", "window_rows", "dataset"):
+        for key in ("rank", "world_size"):
             if state.get(key) != current[key]:
                 raise ValueError(f"loader state was saved with {key} = {state.get(key)!r}, this loader has "
-                                 f"{current[key]!r}; the position would not match")
-        for key in ("epoch", "window", "offset", "batches", "num_bad_rows"):
-            v = state.get(key)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"loader state '{key}' must be an int >= 0, got {v!r}")
+                                 f"{current[key]!r}; the position would not match (resume_from takes the "
+                                 f"states of all ranks of another world size)")
         self._stop_active()
         self._epoch, self._window, self._offset = state["epoch"], state["window"], state["offset"]
         self._batches, self._bad, self._resume = state["batches"], state["num_bad_rows"], True
+        self._plan = plan
+        if plan is not None:
+            self._window, self._offset = 0, state["done"]
+
+    def resume_from(self, states: Sequence[dict[str, Any]]) -> None:
+        """Continue an epoch from the `state_dict()`s of every rank of a previous run (index = old
+        rank), of any world size W_old, all at the same epoch.
+
+        W_old = this world size: exactly load_state_dict(states[rank]). Otherwise the rows no old
+        rank has read yet (old rank 0's in its order, then old rank 1's, ...) are split into
+        contiguous shares within one row of each other, and this rank reads its share; later
+        epochs are ordinary (data/elastic.py). num_bad_rows: rank 0 takes the old ranks' sum.
+        """
+        epoch = check_old_states(states)
+        plans = [self._check_state(st, f"states[{i}]") for i, st in enumerate(states)]
+        r = self._reader
+        if len(states) == r.world_size:
+            self.load_state_dict(states[r.rank])
+            return
+        unread = [seg for i, st in enumerate(states) for seg in
+                  unread_segments(st, plans[i], r.windows(epoch, len(states), i), f"states[{i}]")]
+        self._stop_active()
+        self._plan = share(unread, rank=r.rank, world_size=r.world_size)
+        self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, True
+        self._bad = sum(st["num_bad_rows"] for st in states) if r.rank == 0 else 0
+
+    def _check_state(self, state: Any, where: str) -> list[Segment] | None:
+        """ValueError naming the key unless `state` fits this loader's data and layout; its elastic
+        plan (None for a rank-stream position)."""
+        r = self._reader
+        return check_state(state, where, {"seed": self.config.seed, "shuffle": int(self.config.shuffle),
+                                          "window_rows": r.window_rows, "dataset": r.fingerprint}, self.total_rows)
 
     # -- resources ----------------------------------------------------------------------------
 

@@ -92,6 +92,10 @@ class Windows:
         if cur:
             self.windows.append(cur)
         self.num_rows = sum(p.num_rows for p in pieces)
+        self.starts = [0]
+        """[num_windows + 1]: window w holds rows [starts[w], starts[w + 1]) of the stream"""
+        for win in self.windows:
+            self.starts.append(self.starts[-1] + sum(p.num_rows for p in win))
 
     @property
     def num_windows(self) -> int:
