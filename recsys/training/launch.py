@@ -158,6 +158,19 @@ class ShardWatchdog(threading.Thread):
         self.join(timeout=5)
 
 
+def check_devices(cfg: JobConfig) -> None:
+    """train.device = "cuda": one GPU per local trainer (NCCL refuses two ranks on one GPU)."""
+    if cfg.train.device != "cuda":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < cfg.train.num_trainers:
+        raise ValueError(f"train.device = 'cuda' with train.num_trainers = {cfg.train.num_trainers}, but this "
+                         f"machine has {gpus} GPU(s): each trainer needs its own GPU (set train.num_trainers "
+                         f"<= {gpus}, or train.device = 'cpu')")
+
+
 class JobFailure(RuntimeError):
     """An attempt of the job failed; `killed` when a process died by a signal (worth a restart)."""
 
@@ -174,6 +187,7 @@ def launch_train(cfg: JobConfig, resume: str | None = None) -> dict:
     """
     from recsys.training.checkpoint import resolve_resume
 
+    check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
     run_dir = Path(cfg.train.run_dir)

@@ -196,3 +196,14 @@ def test_cross_section_rules(tmp_path: Path, text: str, match: str) -> None:
 def test_checkpoint_keys_validated(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, text))
+
+
+def test_cuda_needs_a_gpu_per_local_trainer(tmp_path: Path) -> None:
+    import torch
+
+    from recsys.training.launch import check_devices
+
+    cfg = load_config(None, ["train.device='cuda'", f"train.num_trainers={torch.cuda.device_count() + 1}"])
+    with pytest.raises(ValueError, match=r"train\.num_trainers = \d+, but this machine has \d+ GPU"):
+        check_devices(cfg)
+    check_devices(load_config(None, ["train.num_trainers=4"]))        # cpu: any count
