@@ -58,7 +58,9 @@ def _save(root: Path, cfg: JobConfig, trainer: Trainer, store: LocalStore, check
 @pytest.fixture(scope="session")
 def train_run() -> Callable[..., list[Path]]:
     def make(root: Path, cfg: JobConfig, steps: tuple[int, ...] = (0,), checkpoints: bool = False) -> list[Path]:
-        """Train `cfg` and save after each of `steps` (0: the whole epoch); the last save is a run dir."""
+        """Train `cfg` and save after each of `steps` (0: the whole epoch); the last save is a run dir.
+
+        Steps after the first go on with the data from where the last part stopped."""
         torch.manual_seed(0)
         store = LocalStore.create(cfg.ps)
         trainer = Trainer(cfg, store)
@@ -66,6 +68,8 @@ def train_run() -> Callable[..., list[Path]]:
         try:
             for i, n in enumerate(steps):
                 trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=n))
+                if i:     # go on with the data where the last part stopped, as a resumed run would
+                    trainer.loader.load_state_dict(trainer.loader.state_dict())
                 trainer.train()
                 last = i == len(steps) - 1
                 out.append(_save(root / ("run" if last else f"ckpt-{trainer.step}"), cfg, trainer, store,
