@@ -57,10 +57,14 @@ def quantize(rows: torch.Tensor, precision: str) -> np.ndarray:
 
 
 def dequantize(matrix: np.ndarray, precision: str, dim: int) -> torch.Tensor:
-    """The stored matrix [R, W] -> float32 [R, D] (a new tensor)."""
-    m = torch.from_numpy(np.ascontiguousarray(matrix))
-    if precision in ("fp32", "fp16"):
-        return m.to(torch.float32, copy=True)
+    """The stored matrix [R, W] -> float32 [R, D]; for fp32 it shares memory with a writable `matrix`."""
+    if not matrix.flags.writeable or not matrix.flags.c_contiguous:
+        matrix = np.array(matrix)                   # a read-only memory map: torch wants its own copy
+    m = torch.from_numpy(matrix)
+    if precision == "fp32":
+        return m
+    if precision == "fp16":
+        return m.float()
     if precision == "int8":
         return torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(m)
     if precision == "int4":
