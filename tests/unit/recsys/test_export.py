@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from data.loader import ParquetLoader
+from embedding_ps.config import TableConfig
 from recsys.metrics import CTRMetrics
 from recsys.serving import Predictor
 from recsys.serving.dense_export import check_no_pickle, load_dense
@@ -44,14 +45,22 @@ def exports(tmp_path_factory, run) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def offline(run, export_data):
-    """(labels [N], scores [N]) of the trained model on the eval file, through the training code path."""
-    _, trainer = open_run(run)
-    try:
-        labels, scores, _ = trainer.predict((str(export_data / "part-00001.parquet"),))
-    finally:
-        trainer.close()
-    return labels, scores
+def offline_of(export_data):
+    def scores_of(run: Path) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [N], scores [N]) of a trained run on the eval file, through the training code path."""
+        _, trainer = open_run(run)
+        try:
+            labels, scores, _ = trainer.predict((str(export_data / "part-00001.parquet"),))
+        finally:
+            trainer.close()
+        return labels, scores
+
+    return scores_of
+
+
+@pytest.fixture(scope="module")
+def offline(run, offline_of):
+    return offline_of(run)
 
 
 def auc(labels: torch.Tensor, scores: np.ndarray) -> float:
@@ -195,3 +204,26 @@ def test_export_refuses_to_replace_a_directory_that_is_not_an_export(run, tmp_pa
         export_model(resolve_source(run=run), out, "fp16")
     assert (out / "notes.txt").read_text() == "keep"
     assert not list(tmp_path.glob(".precious.tmp-*"))
+
+
+def test_deepfm_with_linear_tables(tmp_path, export_data, tiny_config, train_run, offline_of) -> None:
+    """A model with first-order (dim-1) tables: the dense program takes the linear terms too."""
+    cfg = tiny_config(export_data, tmp_path / "run", max_steps=20)
+    lin = {"C1": "C1_lin", "C2": "C2_lin", "M1": "M1_lin"}
+    tables = cfg.ps.tables + tuple(TableConfig(name=t, dim=1, lr=0.05) for t in lin.values())
+    cfg = dataclasses.replace(
+        cfg, ps=dataclasses.replace(cfg.ps, tables=tables),
+        model=dataclasses.replace(cfg.model, arch="deepfm", linear_feature_tables=lin,
+                                  table_pooling={"M1": "mean", "M1_lin": "mean"}))
+    run = train_run(tmp_path, cfg)[0]
+    labels, scores = offline_of(run)
+    table = pq.read_table(export_data / "part-00001.parquet")
+    for precision in ("fp32", "int4"):
+        m = export_model(resolve_source(run=run), tmp_path / precision, precision)
+        assert [i["name"] for i in m["dense"]["inputs"]] == ["dense", "pooled", "linear"]
+        assert [f["table"] for f in m["features"]["linear"]] == ["C1_lin", "C2_lin", "M1_lin"]
+        got = Predictor(tmp_path / precision).predict(table)
+        if precision == "fp32":
+            np.testing.assert_allclose(got, scores.numpy(), atol=1e-5, rtol=0)
+        else:
+            assert abs(auc(labels, got) - auc(labels, scores.numpy())) <= 0.005
