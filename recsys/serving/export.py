@@ -152,9 +152,13 @@ def read_manifest(root: str | Path, verify: bool = True) -> dict:
         raise ExportError(f"{root}: not an export ({path} is missing)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path}: corrupt manifest ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ExportError(f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')}, "
-                          f"expected {FORMAT!r} v{FORMAT_VERSION}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("format_version") != FORMAT_VERSION:
+        got = (manifest.get("format"), manifest.get("format_version")) if isinstance(manifest, dict) else None
+        raise ExportError(f"{path}: format {got}, expected {FORMAT!r} v{FORMAT_VERSION}")
+    missing = [k for k in ("kind", "step", "precision", "tables", "files", "dense") if k not in manifest]
+    if missing:
+        raise ExportError(f"{path}: corrupt manifest, no {missing}")
     for rel, want in manifest["files"].items():
         f = root / rel
         if not f.is_file():
