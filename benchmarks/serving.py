@@ -12,6 +12,11 @@ it in fp32, fp16, int8 and int4. Then, per precision, times (median over repeats
 - predictions/s from a pyarrow Table of 4096 rows (decoding included)
 
 at B = 1, 64, 4096, with `--threads` torch threads (default 1).
+
+Measured (2-core shared VM, 1 thread, C1 1.0M rows, 28 tables): lookups/s 70-120k at B=1, 0.5-0.66M
+at B=64, 5.5-6.5M at B=4096; predictions/s ~320-450 at B=1, ~11-12k at B=64, 107-129k at B=4096
+(fp32/fp16 ~128k, int8/int4 ~108k; from a pyarrow Table incl. decoding 94-122k). Batch 1 is per-call
+overhead: ~28 tables x ~50-80 us of Python/numpy per table plus ~0.35 ms for the exported program.
 """
 
 from __future__ import annotations
