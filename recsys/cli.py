@@ -94,6 +94,25 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from recsys.serving.export import export_model
+    from recsys.serving.source import resolve_source
+
+    source = resolve_source(run=args.run, checkpoint=args.checkpoint)
+    manifest = export_model(source, args.out, precision=args.precision, since=args.since)
+    sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],
+                                 "precision": manifest["precision"], "rows": manifest["rows"]}) + "\n")
+    return 0
+
+
+def _cmd_export_apply(args: argparse.Namespace) -> int:
+    from recsys.serving.delta import apply_delta
+
+    manifest = apply_delta(args.base, args.delta, args.out)
+    sys.stdout.write(json.dumps({"out": args.out, "step": manifest["step"], "rows": manifest["rows"]}) + "\n")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from recsys.training.plot import plot_run
 
@@ -162,6 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
     p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns")
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("export", help="export embeddings + dense model for serving (see recsys/serving/export.py)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory written by `recsys train`")
+    src.add_argument("--checkpoint", help="checkpoint directory (config.toml, model/, manifest.json)")
+    p.add_argument("--out", required=True, help="export directory (written beside it, renamed into place)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    p.add_argument("--since", type=int, default=None, metavar="STEP",
+                   help="delta export: rows updated and ids evicted at steps >= STEP (a base export's step)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("export-apply", help="apply a delta export to a base export -> a full export")
+    p.add_argument("base", help="full export directory")
+    p.add_argument("delta", help="delta export directory (recsys export --since)")
+    p.add_argument("--out", required=True, help="the resulting full export directory")
+    p.set_defaults(func=_cmd_export_apply)
 
     p = sub.add_parser("plot", help="write PNG curves (loss, AUC, samples/s) of a run")
     p.add_argument("run_dir")

@@ -1,0 +1,39 @@
+"""One in-memory `pa.Table` -> `Batch`, with the loader's own checks and decoding (serving).
+
+    batch = decode_table(cfg.data, table)      # B = table.num_rows, rows in table order
+
+The same `Decoder` and `gather` the `ParquetLoader` uses, so a served row becomes exactly the
+`Batch` training and eval made of it. A table without the label column is scored with labels 0
+(serving data has none); passthrough columns the table lacks are left out of `Batch.extras`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+
+from data.batch import Batch
+from data.config import DataConfig
+from data.parquet import ColumnPlan, DataError, Decoder, _check_schema
+from data.rows import BatchLayout, gather
+
+__all__ = ["DataError", "decode_table"]
+
+
+def decode_table(cfg: DataConfig, table: pa.Table, where: str = "<table>") -> Batch:
+    """Rows of `table` as one Batch; bad values raise DataError naming `where`, the column and
+    row (or drop the row under `on_bad_rows = "skip"`)."""
+    if cfg.label_column not in table.column_names:
+        table = table.append_column(cfg.label_column, pa.array(np.zeros(table.num_rows, np.float32)))
+    keep = tuple(c for c in cfg.passthrough_columns if c in table.column_names)
+    if keep != cfg.passthrough_columns:
+        cfg = dataclasses.replace(cfg, passthrough_columns=keep)
+    is_list = _check_schema(where, table.schema, cfg, 1)
+    cols = (cfg.label_column, *cfg.dense_columns, *cfg.sparse_columns, *cfg.weight_columns.values(),
+            *cfg.passthrough_columns)
+    plan = ColumnPlan(tuple(dict.fromkeys(cols)), is_list)
+    rows, _, _ = Decoder(cfg, plan).decode(table.select(list(plan.columns)), where, 0)
+    layout = BatchLayout(tuple(cfg.sparse_columns), plan.layout, bool(cfg.weight_columns))
+    return gather([(rows, slice(0, len(rows)))], layout)

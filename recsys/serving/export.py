@@ -1,0 +1,247 @@
+"""Embedding export for serving: per table, ids sorted with their rows, as safetensors and Parquet.
+
+    recsys export --run RUN_DIR --out DIR [--precision fp32|fp16|int8|int4] [--since STEP]
+
+An export directory::
+
+    manifest.json                 what is here (below) + sha256 and size of every other file
+    config.toml                   the run's resolved job config
+    dense.pt2                     the dense model, a torch.export program (see dense_export.py)
+    tables/NAME.safetensors       "ids" int64 [R] (sorted) [, "tombstones" int64 [E]], "weight" [R, W]
+    tables/NAME.parquet           id int64, vector fixed_size_list<...>[W'] [, scale float32, bias float32]
+    tables/NAME.tombstones.parquet   (delta exports) id int64: ids to delete
+
+"weight" is the matrix of quantize.py for the precision: float32 / float16 [R, D], or fbgemm's
+fused rows uint8 (int8: D codes | f32 scale | f32 bias; int4: packed nibbles | f16 scale | f16
+bias). The Parquet file splits the quantized rows into `vector` (the codes: fixed_size_list<uint8>,
+int4 packed two per byte, low nibble first), `scale` and `bias` (value = code * scale + bias); for
+fp32/fp16 `vector` is fixed_size_list<float>/<halffloat>[D]. Ids are raw ids for `dynamic` tables
+and hashed row indices (`embedding_ps.sharding.keys_of`) for `hashed` ones. An id a table lacks
+serves the table's `unadmitted` default: the deterministic init row of (seed, key) or zeros,
+exactly what a PS pull returns.
+
+A delta export (`--since S`, manifest kind "delta") holds the rows updated at steps >= S and the
+tombstones of ids evicted since (see source.py), plus the full dense model; `export-apply`
+(delta.py) or `Predictor(base, deltas=[...])` applies it to a base export of a step >= S.
+
+The export is written table by table (each read shard by shard, see source.py) into a temporary
+directory beside DIR, which is renamed into place at the end. Live shards writing their own part
+is not supported: the export reads saved shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recsys.config import JobConfig, to_toml
+from recsys.serving.dense_export import export_dense
+from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
+from recsys.serving.source import SavedShards, Source
+from recsys.serving.tensorfile import ExportError, read_header, sha256_file, write_safetensors
+from recsys.training.trainer import build_sparse_arch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "recsys-export"
+FORMAT_VERSION = 1
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_ROW_GROUP = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------------
+# one table's files
+
+
+def table_files(name: str) -> dict[str, str]:
+    if not _SAFE_NAME.match(name) or name.startswith("."):
+        raise ExportError(f"table {name!r}: name is not usable as a file name (letters, digits, _ . - only)")
+    return {"safetensors": f"tables/{name}.safetensors", "parquet": f"tables/{name}.parquet"}
+
+
+def write_table(root: Path, name: str, ids: np.ndarray, matrix: np.ndarray, precision: str, dim: int,
+                tombstones: np.ndarray | None = None) -> dict[str, str]:
+    """Write one table's safetensors + Parquet files under `root`; returns their relative paths."""
+    files = table_files(name)
+    tensors = {"ids": ids.astype(np.int64, copy=False)}
+    if tombstones is not None:
+        tensors["tombstones"] = tombstones.astype(np.int64, copy=False)
+    tensors["weight"] = matrix
+    write_safetensors(root / files["safetensors"], tensors,
+                      {"table": name, "precision": precision, "dim": str(dim)})
+    cols: dict[str, pa.Array] = {"id": pa.array(ids, pa.int64())}
+    if precision in QUANTIZED:
+        codes, scale, bias = split_fused(matrix, precision)
+        flat = np.ascontiguousarray(codes).reshape(-1)
+        cols["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint8()), codes.shape[1])
+        cols["scale"], cols["bias"] = pa.array(scale), pa.array(bias)
+    else:
+        cols["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(matrix).reshape(-1)), dim)
+    meta = {"recsys.table": name, "recsys.precision": precision, "recsys.dim": str(dim)}
+    pq.write_table(pa.table(cols).replace_schema_metadata(meta), root / files["parquet"],
+                   row_group_size=_ROW_GROUP, compression="zstd")
+    if tombstones is not None:
+        files["tombstones_parquet"] = f"tables/{name}.tombstones.parquet"
+        pq.write_table(pa.table({"id": pa.array(tombstones, pa.int64())}), root / files["tombstones_parquet"],
+                       compression="zstd")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+
+
+def features_section(cfg: JobConfig) -> dict:
+    """Sparse features in the order the dense program takes them, with their tables and pooling."""
+    names = cfg.data.sparse_columns
+    out: dict[str, list] = {"pooled": [], "linear": []}
+    for plan in build_sparse_arch(cfg).plans:
+        for f in plan.features:
+            out["linear" if plan.linear else "pooled"].append(
+                (f, {"feature": names[f], "table": plan.name, "pooling": plan.pooling, "dim": plan.dim,
+                     "weight_column": cfg.data.weight_columns.get(names[f])}))
+    return {k: [e for _, e in sorted(v, key=lambda x: x[0])] for k, v in out.items()}
+
+
+def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: int | None, files: dict, precision: str) -> dict:
+    tc = cfg.ps.tables[t]
+    entry = {"name": tc.name, "index": t, "dim": tc.dim, "kind": tc.kind, "num_embeddings": tc.num_embeddings,
+             "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": rows,
+             "weight": {"dtype": str(np.dtype({"fp32": "float32", "fp16": "float16"}.get(precision, "uint8"))),
+                        "width": width(precision, tc.dim)},
+             "default": {"unadmitted": tc.unadmitted, "init": tc.init, "init_scale": tc.init_scale, "seed": tc.seed},
+             "files": files}
+    if tombstones is not None:
+        entry["tombstones"] = tombstones
+    return entry
+
+
+def finish_manifest(root: Path, manifest: dict) -> dict:
+    """Add sha256 + size of every file under `root` and write manifest.json (fsynced)."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        rel = path.relative_to(root).as_posix()
+        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest["files"] = files
+    with open(root / "manifest.json", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def read_manifest(root: str | Path, verify: bool = True) -> dict:
+    """manifest.json of an export; with `verify`, every file's size and sha256 are checked.
+
+    Raises ExportError naming the file that is missing, truncated, changed or unlisted.
+    """
+    root = Path(root)
+    path = root / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{root}: not an export ({path} is missing)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{path}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("format_version") != FORMAT_VERSION:
+        got = (manifest.get("format"), manifest.get("format_version")) if isinstance(manifest, dict) else None
+        raise ExportError(f"{path}: format {got}, expected {FORMAT!r} v{FORMAT_VERSION}")
+    missing = [k for k in ("kind", "step", "precision", "tables", "files", "dense") if k not in manifest]
+    if missing:
+        raise ExportError(f"{path}: corrupt manifest, no {missing}")
+    for rel, want in manifest["files"].items():
+        f = root / rel
+        if not f.is_file():
+            raise ExportError(f"{f}: listed in {path} but missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise ExportError(f"{f}: {size} bytes, the manifest says {want['bytes']} (truncated or changed)")
+        if verify and sha256_file(f) != want["sha256"]:
+            raise ExportError(f"{f}: sha256 differs from the manifest (corrupted or changed)")
+    for entry in manifest["tables"]:
+        read_header(root / entry["files"]["safetensors"])      # a broken header names the file
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# writing a whole export
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`, replacing an older export there (never another directory)."""
+    if out.exists():
+        if not (out / "manifest.json").exists() and any(out.iterdir()):
+            raise ExportError(f"{out}: exists and is not an export; refusing to replace it")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def staging_dir(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "tables").mkdir(parents=True)
+    return tmp
+
+
+def export_model(source: Source, out: str | Path, precision: str = "fp32", since: int | None = None) -> dict:
+    """Write a full export (or with `since`, a delta) of `source` to `out`; returns the manifest."""
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if since is not None and not 0 <= since <= source.step:
+        raise ExportError(f"--since {since} must be in [0, {source.step}] (the {source.origin} is at step {source.step})")
+    cfg, out = source.config, Path(out)
+    t0 = time.perf_counter()
+    tmp = staging_dir(out)
+    try:
+        shards = SavedShards(source)
+        entries = []
+        for t, tc in enumerate(cfg.ps.tables):
+            part = shards.read_table(t, since)
+            matrix = quantize(part.rows, precision)
+            files = write_table(tmp, tc.name, part.ids, matrix, precision, tc.dim,
+                                part.tombstones if since is not None else None)
+            entries.append(table_entry(cfg, t, int(part.ids.shape[0]),
+                                       None if since is None else int(part.tombstones.shape[0]), files, precision))
+            logger.info("table %s: %d rows%s", tc.name, part.ids.shape[0],
+                        "" if since is None else f", {part.tombstones.shape[0]} tombstones")
+            del part, matrix                         # one table in memory at a time
+        dense = export_dense(cfg, source.model_dir / "dense.pt", tmp / "dense.pt2")
+        manifest = new_manifest(cfg, tmp, "full" if since is None else "delta", source.step, since,
+                                precision, entries, dense, source.origin)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported %s at step %d (%s%s) to %s in %.1f s", source.origin, source.step, precision,
+                "" if since is None else f", delta since {since}", out, time.perf_counter() - t0)
+    return manifest
+
+
+def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | None, precision: str,
+                 tables: list[dict], dense: dict, origin: str) -> dict:
+    """Write config.toml and manifest.json into `root`."""
+    (root / "config.toml").write_text(to_toml(cfg))
+    data = cfg.data
+    dense.update(columns=list(data.dense_columns), log1p=data.dense_log1p, fill=data.dense_fill)
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "step": step, "since": since,
+        "precision": precision, "origin": origin, "created_unix": int(time.time()),
+        "tables": tables, "features": features_section(cfg), "dense": dense,
+        "rows": {e["name"]: e["rows"] for e in tables},
+    }
+    return finish_manifest(root, manifest)

@@ -1,0 +1,88 @@
+"""Tiny trained runs for the export tests, made in-process (LocalStore + Trainer, no processes).
+
+`export_data`: the `tiny` synthetic preset, part-00000 (train) and part-00001 (eval), 15000 rows each.
+`tiny_config(data, run_dir, tables={...}, **train)`: configs/tiny.toml on that data, 2 PS shards.
+`train_run(root, cfg, steps, checkpoints)`: trains and saves after each of `steps`: the last save
+is a run directory as `recsys train` writes it (config.toml, model/dense.pt, model/ps/shard{i}/,
+metrics.json), the earlier ones checkpoint directories (manifest.json with "step" instead of
+metrics.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.synthetic import generate
+from recsys.config import JobConfig, load_config, to_toml
+from recsys.training.store import LocalStore
+from recsys.training.trainer import Trainer
+from recsys.training.worker import save_model
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="session")
+def export_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export-data")
+    generate(preset="tiny", rows=30000, num_files=2, out_dir=str(out), seed=5)
+    return out
+
+
+def _tiny_config(data: Path, run_dir: Path, tables: dict[str, dict] | None = None, **train: object) -> JobConfig:
+    """configs/tiny.toml on `data`, 2 shards; `tables` updates fields of named tables."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"data.train_paths=['{data}/part-00000.parquet']", f"data.eval_paths=['{data}/part-00001.parquet']",
+        f"train.run_dir='{run_dir}'", "ps.num_shards=2"])
+    new = tuple(dataclasses.replace(t, **(tables or {}).get(t.name, {})) for t in cfg.ps.tables)
+    return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=new),
+                               train=dataclasses.replace(cfg.train, **train))
+
+
+def _save(root: Path, cfg: JobConfig, trainer: Trainer, store: LocalStore, checkpoint: bool) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    save_model(trainer, store, root / "model")
+    (root / "config.toml").write_text(to_toml(cfg))
+    if checkpoint:
+        (root / "manifest.json").write_text(json.dumps({"step": trainer.step}))
+    else:
+        (root / "metrics.json").write_text(json.dumps({"steps": float(trainer.step)}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def train_run() -> Callable[..., list[Path]]:
+    def make(root: Path, cfg: JobConfig, steps: tuple[int, ...] = (0,), checkpoints: bool = False) -> list[Path]:
+        """Train `cfg` and save after each of `steps` (0: the whole epoch); the last save is a run dir.
+
+        Steps after the first go on with the data from where the last part stopped."""
+        torch.manual_seed(0)
+        store = LocalStore.create(cfg.ps)
+        trainer = Trainer(cfg, store)
+        out = []
+        try:
+            for i, n in enumerate(steps):
+                trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=n))
+                if i:     # go on with the data where the last part stopped, as a resumed run would
+                    trainer.loader.load_state_dict(trainer.loader.state_dict())
+                trainer.train()
+                last = i == len(steps) - 1
+                out.append(_save(root / ("run" if last else f"ckpt-{trainer.step}"), cfg, trainer, store,
+                                 checkpoint=checkpoints and not last))
+        finally:
+            trainer.close()
+        return out
+
+    return make
+
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Callable[..., JobConfig]:
+    """`tiny_config(data, run_dir, tables={"C4": {"max_rows": 300}}, log_every=5)` -> JobConfig."""
+    return _tiny_config
