@@ -4,8 +4,8 @@
 `tiny_config(data, run_dir, tables={...}, **train)`: configs/tiny.toml on that data, 2 PS shards.
 `train_run(root, cfg, steps, checkpoints)`: trains and saves after each of `steps`: the last save
 is a run directory as `recsys train` writes it (config.toml, model/dense.pt, model/ps/shard{i}/,
-metrics.json), the earlier ones checkpoint directories (manifest.json with "step" instead of
-metrics.json).
+metrics.json), the earlier ones checkpoints (`run_dir/checkpoints/step-*`, written by the trainer's
+Checkpointer).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from data.synthetic import generate
 from recsys.config import JobConfig, load_config, to_toml
+from recsys.training.checkpoint import checkpoint_path
 from recsys.training.store import LocalStore
 from recsys.training.trainer import Trainer
 from recsys.training.worker import save_model
@@ -45,13 +46,14 @@ def _tiny_config(data: Path, run_dir: Path, tables: dict[str, dict] | None = Non
 
 
 def _save(root: Path, cfg: JobConfig, trainer: Trainer, store: LocalStore, checkpoint: bool) -> Path:
+    if checkpoint:               # a real checkpoint of the job (recsys.training.checkpoint)
+        trainer.checkpointer.save(trainer, trainer.loader.state_dict())
+        trainer.checkpointer.join()
+        return checkpoint_path(cfg.train.run_dir, trainer.step)
     root.mkdir(parents=True, exist_ok=True)
     save_model(trainer, store, root / "model")
     (root / "config.toml").write_text(to_toml(cfg))
-    if checkpoint:
-        (root / "manifest.json").write_text(json.dumps({"step": trainer.step}))
-    else:
-        (root / "metrics.json").write_text(json.dumps({"steps": float(trainer.step)}))
+    (root / "metrics.json").write_text(json.dumps({"steps": float(trainer.step)}))
     return root
 
 
