@@ -8,8 +8,10 @@ Adagrad, filled by pushing every id once (chunks of 2**18). Timed, on the same s
 
 - blocking save: `ShardState.save(dir)`: checksummed files written under the lock (the shard
   serves nothing meanwhile), fsynced, renamed into place;
-- background save: `snapshot()` (the copy under the lock: the only pause the shard sees) and
-  `ShardSnapshot.write(dir)` (what the writer thread does, timed here on the main thread);
+- background save, as the server does it: `snapshot_buffers()` (fresh memory for the copy, faulted
+  in without the lock; the server does this on a thread while it serves: "prepare"), `snapshot(buffers)`
+  (the copy under the lock: the only pause the shard sees) and `ShardSnapshot.write(dir)` (what the
+  writer thread does, timed here on the main thread);
 - load: `ShardState.load(dir)` into a fresh shard (read + sha256 check of every file).
 
 pause_fraction = snapshot_s / blocking_save_s in the same run; the target is <= 0.25 at 1e7 rows.
@@ -64,10 +66,13 @@ def files_of(directory: str) -> dict:
 def bench_size(rows: int, dim: int, repeats: int, tmp: str) -> dict[str, float | int | bool]:
     fill_s, state = timed(fill, rows, dim)
     blocking, background = os.path.join(tmp, f"blocking-{rows}"), os.path.join(tmp, f"background-{rows}")
-    save_s, pause_s, write_s = [], [], []
+    save_s, prepare_s, pause_s, write_s = [], [], [], []
     for _ in range(repeats):
         save_s.append(timed(state.save, blocking)[0])
-        snap = state.snapshot()
+        t, buffers = timed(state.snapshot_buffers)
+        prepare_s.append(t)
+        snap = state.snapshot(buffers)
+        del buffers
         pause_s.append(snap.snapshot_s)
         write_s.append(snap.write(background)["write_s"])
         nbytes = snap.nbytes
@@ -87,7 +92,8 @@ def bench_size(rows: int, dim: int, repeats: int, tmp: str) -> dict[str, float |
     shutil.rmtree(background)
     save, pause = statistics.median(save_s), statistics.median(pause_s)
     return {"rows": rows, "dim": dim, "bytes": nbytes, "fill_s": fill_s, "blocking_save_s": save,
-            "load_s": statistics.median(load_s), "snapshot_s": pause, "background_write_s": statistics.median(write_s),
+            "load_s": statistics.median(load_s), "prepare_s": statistics.median(prepare_s), "snapshot_s": pause,
+            "background_write_s": statistics.median(write_s),
             "verify_s": verify_s, "pause_fraction": pause / save, "identical": identical}
 
 
@@ -121,11 +127,11 @@ def main() -> None:
 
 def print_row(r: dict, header: bool) -> None:
     if header:
-        print(f"{'rows':>10} {'MB':>8} {'save s':>8} {'load s':>8} {'pause s':>8} {'write s':>8} "
+        print(f"{'rows':>10} {'MB':>8} {'save s':>8} {'load s':>8} {'prep s':>8} {'pause s':>8} {'write s':>8} "
               f"{'pause/save':>10} {'save GB/s':>9} {'copy GB/s':>9} identical")
     gb = r["bytes"] / 1e9
     print(f"{r['rows']:>10.0e} {r['bytes'] / 1e6:>8.1f} {r['blocking_save_s']:>8.3f} {r['load_s']:>8.3f} "
-          f"{r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} {r['pause_fraction']:>10.3f} "
+          f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} {r['pause_fraction']:>10.3f} "
           f"{gb / r['blocking_save_s']:>9.2f} {gb / r['snapshot_s']:>9.2f} {r['identical']}", flush=True)
 
 

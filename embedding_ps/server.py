@@ -24,9 +24,10 @@ Async mode: each push is applied on arrival. If the workers also send barrier(t)
 waits while s is more than ps.max_staleness steps ahead of the slowest worker's last barrier + 1.
 
 Saves: SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files
-before replying; with protocol.FLAG_BACKGROUND it copies the state, replies, and a thread writes
-the copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
-write runs, new SAVE and LOAD requests are parked and retried when it ends.
+before replying; with protocol.FLAG_BACKGROUND a thread first faults in memory for a copy (the SAVE
+is parked meanwhile), then the shard copies its state into it, replies, and a thread writes the
+copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
+save is prepared or written, new SAVE and LOAD requests are parked and retried when that ends.
 
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.
@@ -370,12 +371,15 @@ class ShardServer:
 
     def _save(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
-        if self._must_wait(h.step) or self.saver.busy:    # busy: retried when the running write ends
+        if self._must_wait(h.step) or self.saver.busy:    # busy: retried when the saver's phase ends
             return DEFERRED
         if h.flags & P.FLAG_BACKGROUND:
             if not callable(getattr(self.state, "snapshot", None)):
                 raise P.ProtocolError("SAVE: this shard's state cannot take snapshots (no background saves)",
                                       P.Status.BAD_VALUE)
+            if self.saver.phase == "idle" and callable(getattr(self.state, "snapshot_buffers", None)):
+                self.saver.prepare(self.state)            # fault in the copy's memory on a thread first
+                return DEFERRED
             return self._json(h, self.saver.start(self.state, path, h.step))
         reply = self.saver.save(self.state, path, h.step)
         logger.info("%s: saved to %s", self.name, path)
@@ -397,6 +401,7 @@ class ShardServer:
         path = shard_dir(self._path(h, payload), self.shard)
         if self.saver.busy:
             return DEFERRED
+        self.saver.drop_buffers()
         self.state.load(path)
         logger.info("%s: loaded from %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})

@@ -32,13 +32,15 @@ import torch
 from embedding_ps import native
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import keys_of, shard_of
-from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, ShardSnapshot, TableSnapshot, read_array,
-                                   read_manifest, verify_shard)
+from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, ShardSnapshot, TableSnapshot, prefaulted,
+                                   read_array, read_manifest, verify_shard)
 from embedding_ps.table import TableShard
 
 logger = logging.getLogger(__name__)
 
 _MAX_STEP = 2**31 - 1
+SNAPSHOT_SLACK = 0.05
+"""`snapshot_buffers` adds this fraction of spare rows, for rows pushed before the copy starts."""
 # TableConfig fields that must match between a saved shard and the config loading it.
 _LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
 
@@ -185,16 +187,33 @@ class ShardState:
         return taken
 
     # ------------------------------------------------------------------ save / load
-    def snapshot(self) -> ShardSnapshot:
+    def snapshot_buffers(self, slack: float = SNAPSHOT_SLACK) -> list[dict[str, np.ndarray]]:
+        """Buffers for `snapshot(buffers)`, one dict per table, with every page already faulted in.
+
+        Takes the lock only to read the sizes (plus `slack` spare rows); allocating and touching
+        the memory, the slow part of a fresh copy, happens outside it, so a server can do this on a
+        thread while it serves.
+        """
+        with self._lock:
+            plans = [t.snapshot_plan(slack) for t in self.tables]
+        return [{name: prefaulted(shape, dtype) for name, (shape, dtype) in plan.items()} for plan in plans]
+
+    def snapshot(self, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot:
         """A copy of all state (every table's `to_arrays`, copied), taken under the lock.
 
-        The copy is the only time the shard pauses; `ShardSnapshot.write(directory)` then writes
-        it exactly as `save` would, without the lock (e.g. on a background thread).
+        The copy under the lock is the only time the shard pauses (`snapshot_s`): it goes into
+        `buffers` from `snapshot_buffers()` (made here, before taking the lock, if not given; an
+        array that outgrew its buffer is allocated under the lock). `ShardSnapshot.write(directory)`
+        then writes it exactly as `save` would, without the lock (e.g. on a background thread).
         """
         t0 = time.perf_counter()
+        made = buffers is None
+        if made:
+            buffers = self.snapshot_buffers()
+        t1 = time.perf_counter()
         with self._lock:
-            snap = self._snapshot(copy=True)
-        snap.snapshot_s = time.perf_counter() - t0
+            snap = self._snapshot(copy=True, buffers=buffers)
+        snap.snapshot_s, snap.prepare_s = time.perf_counter() - t1, (t1 - t0) if made else 0.0
         return snap
 
     def save(self, directory: str) -> dict:
@@ -225,10 +244,10 @@ class ShardState:
         logger.info("shard %d loaded from %s", self.shard_index, directory)
 
     # ------------------------------------------------------------------ helpers
-    def _snapshot(self, copy: bool) -> ShardSnapshot:
+    def _snapshot(self, copy: bool, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot:
         tables = []
-        for t in self.tables:
-            arrays, meta = t.to_arrays(copy=copy)
+        for i, t in enumerate(self.tables):
+            arrays, meta = t.to_arrays(copy=copy, into=buffers[i] if buffers else None)
             layout = {f: getattr(t.cfg, f) for f in _LAYOUT_FIELDS}
             tables.append(TableSnapshot(layout=layout, meta=meta, arrays=arrays))
         return ShardSnapshot(self.shard_index, self.config.num_shards, tables)

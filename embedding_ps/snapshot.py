@@ -66,7 +66,9 @@ class ShardSnapshot:
     num_shards: int
     tables: list[TableSnapshot]
     snapshot_s: float = 0.0
-    """Seconds the copy took (the shard's pause)."""
+    """Seconds the copy took under the shard's lock (the shard's pause)."""
+    prepare_s: float = 0.0
+    """Seconds spent faulting in the buffers before that, without the lock (0 if given buffers)."""
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +119,19 @@ class ShardSnapshot:
             _fsync_dir(os.path.join(tmp, f"table{i}"))
             manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": sorted(t.arrays)})
         return manifest
+
+
+def prefaulted(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """np.empty(shape, dtype) with every page touched once.
+
+    Faulting in a fresh multi-GB array (the kernel finds and zeroes its pages) costs more than
+    copying into it: measured 0.26 s against 0.09 s for 2.56 GB here, and up to 5 s on this VM when
+    the memory was not used recently. A snapshot copies into buffers faulted in beforehand, outside
+    the shard's lock, so that cost is not part of the pause.
+    """
+    a = np.empty(shape, dtype)
+    a.reshape(-1).view(np.uint8)[::4096] = 0
+    return a
 
 
 def write_array(path: str, a: np.ndarray) -> dict:
@@ -280,5 +295,5 @@ def verify_shard(directory: str) -> None:
                                     f"manifest says {expect['sha256']} ({size} bytes)")
 
 
-__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "TableSnapshot", "read_array",
+__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "TableSnapshot", "prefaulted", "read_array",
            "read_manifest", "shard_dir", "verify_shard", "write_array"]

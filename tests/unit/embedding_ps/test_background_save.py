@@ -1,9 +1,11 @@
 """Background SAVE through `ShardServer.handle` (no sockets): reply at once after the snapshot, status
 writing -> done / failed, the shard serves while the write runs, a second SAVE or a LOAD waits for it,
-and in sync mode the snapshot is exactly the state after the steps before the SAVE's step."""
+and in sync mode the snapshot (taken once its buffers are faulted in on a thread) is exactly the
+state after the steps before the SAVE's step."""
 
 import json
 import threading
+import time
 
 import torch
 
@@ -156,7 +158,16 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         assert save_bg(server, path, step=1, request=21) is DEFERRED   # step 0 still waits for worker 1
         server.handle(request(P.Op.BARRIER, step=0, worker=1, request=22))
         replica.push(0, torch.tensor([1, 2, 3, 1, 2, 3]), torch.ones(6, D), step=0)
-        assert body(save_bg(server, path, step=1, request=21))["background"] is True
+        assert save_bg(server, path, step=1, request=21) is DEFERRED    # buffers fault in on a thread first
+        assert server.saver.phase in ("preparing", "ready")
+        assert P.unpack_header(server.handle(pull([1, 2]))[0]).status == P.Status.OK     # serving meanwhile
+        deadline = time.monotonic() + TIMEOUT_S
+        while not server.wakeup():
+            assert time.monotonic() < deadline, "snapshot buffers never got ready"
+            time.sleep(0.001)
+        assert server.saver.phase == "ready"
+        reply = body(save_bg(server, path, step=1, request=21))
+        assert reply["background"] is True and status(server)["prepare_s"] > 0
         for worker in (0, 1):                                           # step 1, after the snapshot
             server.handle(push([3, 4], step=1, worker=worker, request=30 + worker, grad=-2.0))
             server.handle(request(P.Op.BARRIER, step=1, worker=worker, request=40 + worker))

@@ -230,6 +230,24 @@ def test_snapshot_write_equals_blocking_save_and_is_a_consistent_cut(tmp_path) -
     assert_same(full_view(restored), view_at_snapshot)
 
 
+def test_snapshot_into_buffers_made_before_more_rows_arrived(tmp_path) -> None:
+    """Buffers faulted in beforehand (sized then, plus slack) still give an exact snapshot after pushes
+    that outgrow them: those arrays are allocated afresh."""
+    state = ShardState(CONFIG, 0)
+    drive(state, range(2), seed=6)
+    buffers = state.snapshot_buffers(slack=0.0)
+    drive(state, range(2, 9), seed=7)                 # more rows than the buffers hold
+    state.save(str(tmp_path / "blocking"))
+    snap = state.snapshot(buffers)
+    assert snap.prepare_s == 0.0
+    outgrown = [t.hwm > b["weights"].shape[0] for t, b in zip(state.tables, buffers)]
+    assert any(outgrown) and not all(outgrown)
+    for grew, t, b in zip(outgrown, snap.tables, buffers):    # the arrays view the buffers that fit
+        assert np.shares_memory(t.arrays["weights"], b["weights"]) is not grew
+    snap.write(str(tmp_path / "background"))
+    assert files_of(str(tmp_path / "background")) == files_of(str(tmp_path / "blocking"))
+
+
 def test_failed_write_removes_its_tmp_dir_and_keeps_the_older_save(tmp_path) -> None:
     state, path = saved(tmp_path)
     before = files_of(path)
