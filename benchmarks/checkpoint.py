@@ -18,8 +18,11 @@ pause_fraction = snapshot_s / blocking_save_s in the same run; the target is <= 
 The two saves are compared file by file (sha256 in the manifests): they must be identical. With
 --repeats N each timing is the median of N. Files go under a temp dir (in --tmpdir) that is deleted.
 Memory: the table (rows * (4 * dim + 12) bytes plus the id map), once more for the snapshot, and
-during the load the files' bytes plus the new table; 1e7 x 64 needs ~8 GB at its peak.
-On a shared machine the numbers are noisy: compare sizes and fractions from one run.
+during the load the files' bytes plus the new table; 1e7 x 64 peaked at 6.1 GB resident.
+"prepare" is a process's first touch of that much fresh memory: on the VM this was written on,
+4.8-5.9 s for 2.8 GB the first time, 0.26 s on later saves of the same process (pages the kernel
+had just taken back). On a shared machine the numbers are noisy: compare sizes and fractions
+from one run.
 """
 
 from __future__ import annotations
@@ -131,7 +134,8 @@ def print_row(r: dict, header: bool) -> None:
               f"{'pause/save':>10} {'save GB/s':>9} {'copy GB/s':>9} identical")
     gb = r["bytes"] / 1e9
     print(f"{r['rows']:>10.0e} {r['bytes'] / 1e6:>8.1f} {r['blocking_save_s']:>8.3f} {r['load_s']:>8.3f} "
-          f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} {r['pause_fraction']:>10.3f} "
+          f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} "
+          f"{r['pause_fraction']:>10.3f} "
           f"{gb / r['blocking_save_s']:>9.2f} {gb / r['snapshot_s']:>9.2f} {r['identical']}", flush=True)
 
 

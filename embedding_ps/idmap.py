@@ -117,7 +117,8 @@ class IdMap:
             self._rehash(self._size)
         return out
 
-    def items(self, keys_out: np.ndarray | None = None, vals_out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def items(self, keys_out: np.ndarray | None = None,
+              vals_out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """All (keys int64 [R], vals int32 [R]), in bucket order; new arrays, or the first R entries
         of `keys_out` / `vals_out` when both are given and long enough (a snapshot's pre-faulted buffers)."""
         live = self._vals >= 0

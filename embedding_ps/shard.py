@@ -290,7 +290,8 @@ class ShardState:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
 
 
-def _dump_from_saved(directory: str, manifest: dict, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _dump_from_saved(directory: str, manifest: dict,
+                     table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One saved table -> what `TableShard.dump` returns (keys, rows float32, state + counters)."""
 
     def load(name: str) -> np.ndarray:

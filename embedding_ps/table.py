@@ -346,7 +346,8 @@ class TableShard:
 
 
     # ------------------------------------------------------------------ save / load
-    def to_arrays(self, copy: bool = False, into: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    def to_arrays(self, copy: bool = False,
+                  into: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """Every piece of state as plain arrays (slot-major ones cut at hwm) plus scalar metadata.
 
         copy=False: the slot-major arrays and the free stack view the live state (valid until the

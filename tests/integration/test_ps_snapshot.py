@@ -150,7 +150,8 @@ def test_parked_save_resumes_after_the_write_and_wait_saved_names_the_shard(tmp_
             client.save("/ckpt/a", background=True)
             assert client.save_status()[0]["state"] == "writing"
             assert torch.equal(client.pull(0, torch.tensor([1, 2])), torch.full((2, 4), 7.0))   # served
-            with pytest.raises(SaveTimeoutError, match=f"ps shard 0 at {address}: save to /ckpt/a/shard0 still writing"):
+            slow = f"ps shard 0 at {address}: save to /ckpt/a/shard0 still writing"
+            with pytest.raises(SaveTimeoutError, match=slow):
                 client.wait_saved("/ckpt/a", timeout_s=0.3)
             second = pool.submit(client.save, "/ckpt/b", background=True)
             time.sleep(0.5)
