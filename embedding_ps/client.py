@@ -45,6 +45,7 @@ from embedding_ps import protocol as P
 from embedding_ps.auth import load_token, setup_client_curve
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import route
+from embedding_ps.snapshot import shard_dir
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,22 @@ class PSRequestError(RuntimeError):
             name = str(status)
         super().__init__(f"{op} to ps shard {shard} at {address} failed ({name}): {message}")
         self.shard, self.address, self.status = shard, address, status
+
+
+class SaveFailedError(RuntimeError):
+    """A shard's save failed (or its last save is not the one waited for); names shard and address."""
+
+    def __init__(self, shard: int, address: str, message: str) -> None:
+        super().__init__(f"ps shard {shard} at {address}: {message}")
+        self.shard, self.address = shard, address
+
+
+class SaveTimeoutError(TimeoutError):
+    """A shard still wrote its background save when `wait_saved` gave up; names shard and address."""
+
+    def __init__(self, shard: int, address: str, message: str) -> None:
+        super().__init__(f"ps shard {shard} at {address}: {message}")
+        self.shard, self.address = shard, address
 
 
 @dataclass(eq=False)
@@ -381,9 +398,54 @@ class PSClient:
     def health(self) -> list[dict]:
         return self._broadcast(P.Op.HEALTH)
 
-    def save(self, directory: str) -> list[dict]:
-        """Every shard saves its state under `directory` (a path on the shards' machine)."""
-        return self._broadcast(P.Op.SAVE, text=directory)
+    def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
+        """Every shard saves its state under `directory`/shard<i> (a path on the shards' machine).
+
+        step: the request's step (default `self.step`); in sync mode each shard first applies
+        every step < `step`. background=False: returns once every shard has written its files,
+        [{"shard", "directory", "background": False, "write_s", "bytes"}, ...]. background=True:
+        returns once every shard has copied its state (the consistent cut; pushes after it are
+        not in the save): [{"shard", "directory", "snapshot_s", "background": True}, ...], while
+        the shards write in the background: `wait_saved(directory, timeout_s)` before relying on it.
+        A shard still writing an earlier background save finishes that one first.
+        """
+        flags = P.FLAG_BACKGROUND if background else 0
+        return self._broadcast(P.Op.SAVE, step=step, text=directory, flags=flags)
+
+    def save_status(self) -> list[dict]:
+        """Per shard, the last save: {"shard", "directory", "state": "none" | "writing" | "done" |
+        "failed", "error", "write_s", "bytes", "snapshot_s", "background", "step"}."""
+        return self._broadcast(P.Op.SAVE_STATUS)
+
+    def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
+        """Poll `save_status` until every shard's last save is `directory` and done; returns the statuses.
+
+        Raises SaveFailedError naming the shard index and address if a shard's write failed or its
+        last save is another directory, SaveTimeoutError if one still writes after `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = 0.01
+        while True:
+            statuses = self.save_status()
+            writing = []
+            for s, st in enumerate(statuses):
+                want = shard_dir(directory, s)
+                if st["directory"] != want:
+                    raise SaveFailedError(s, self.addresses[s], f"its last save is {st['directory']!r} "
+                                          f"({st['state']}), not {want!r}")
+                if st["state"] == "failed":
+                    raise SaveFailedError(s, self.addresses[s], f"save to {want} failed: {st['error']}")
+                if st["state"] != "done":
+                    writing.append(s)
+            if not writing:
+                return statuses
+            left = deadline - time.monotonic()
+            if left <= 0:
+                s = writing[0]
+                raise SaveTimeoutError(s, self.addresses[s], f"save to {shard_dir(directory, s)} still "
+                                       f"{statuses[s]['state']} after {timeout_s:g} s")
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.25)
 
     def load(self, directory: str) -> list[dict]:
         """Every shard loads its state from `directory`."""
@@ -492,13 +554,14 @@ class PSClient:
         self._io.submit(items)
         return call.future
 
-    def _broadcast(self, op: P.Op, step: int | None = None, text: str | None = None) -> list:
-        return self._wait(self._broadcast_async(op, step, text))
+    def _broadcast(self, op: P.Op, step: int | None = None, text: str | None = None, flags: int = 0) -> list:
+        return self._wait(self._broadcast_async(op, step, text, flags))
 
-    def _broadcast_async(self, op: P.Op, step: int | None = None, text: str | None = None) -> Future:
+    def _broadcast_async(self, op: P.Op, step: int | None = None, text: str | None = None,
+                         flags: int = 0) -> Future:
         payload = [] if text is None else [P.text_frame(text)]
         reqs = [(s, self._header(op, step=step, dtype=P.DType.BYTES if text else P.DType.NONE,
-                                 count=len(payload[0]) if text else 0), payload)
+                                 count=len(payload[0]) if text else 0, flags=flags), payload)
                 for s in range(self.config.num_shards)]
 
         def finish(parts: dict[int, tuple[P.Header, list]]) -> list:
@@ -521,4 +584,4 @@ def _done(value: Any) -> Future:
     return fut
 
 
-__all__ = ["PSClient", "ShardUnavailableError", "PSRequestError"]
+__all__ = ["PSClient", "ShardUnavailableError", "PSRequestError", "SaveFailedError", "SaveTimeoutError"]

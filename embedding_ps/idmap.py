@@ -117,10 +117,15 @@ class IdMap:
             self._rehash(self._size)
         return out
 
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """All (keys int64 [R], vals int32 [R]), in bucket order."""
+    def items(self, keys_out: np.ndarray | None = None,
+              vals_out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """All (keys int64 [R], vals int32 [R]), in bucket order; new arrays, or the first R entries
+        of `keys_out` / `vals_out` when both are given and long enough (a snapshot's pre-faulted buffers)."""
         live = self._vals >= 0
-        return self._keys[live].copy(), self._vals[live].copy()
+        if keys_out is None or vals_out is None or min(keys_out.shape[0], vals_out.shape[0]) < self._size:
+            return self._keys[live], self._vals[live]   # boolean indexing copies
+        n = int(np.count_nonzero(live))
+        return np.compress(live, self._keys, out=keys_out[:n]), np.compress(live, self._vals, out=vals_out[:n])
 
     def clear(self) -> None:
         self._size = 0

@@ -10,9 +10,13 @@ A message is a list of ZeroMQ frames. A request is::
         SAVE/LOAD directory, UTF-8                   (dtype BYTES, count = byte length)
         others    nothing
 
+SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (a copy in memory), replies at
+once and writes the copy on a thread; SAVE_STATUS reports how that write went (`embedding_ps.saver`).
+Without the flag, SAVE replies once the files are written.
+
 A reply is ``[header, payload...]`` with the request's op, request id and client id echoed:
-PULL -> rows dtype [N, D]; STATS / HEALTH / SAVE / LOAD / SWEEP -> JSON bytes; PUSH / BARRIER /
-SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with the error message.
+PULL -> rows dtype [N, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP -> JSON bytes; PUSH /
+BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with the error message.
 
 Header fields (60 bytes, ``<IHBBHHIIQIIqQQ``)::
 
@@ -53,6 +57,11 @@ class Op(enum.IntEnum):
     LOAD = 7
     SHUTDOWN = 8
     SWEEP = 9
+    SAVE_STATUS = 10
+
+
+FLAG_BACKGROUND = 1
+"""SAVE request flag: snapshot now, reply at once, write the files on a background thread."""
 
 
 class Status(enum.IntEnum):
@@ -82,7 +91,7 @@ WIRE_DTYPES = {"fp32": DType.FP32, "fp16": DType.FP16, "bf16": DType.BF16}
 
 # payload frames after [header, auth] per op (requests)
 REQUEST_PAYLOADS = {Op.PULL: 1, Op.PUSH: 2, Op.BARRIER: 0, Op.STATS: 0, Op.HEALTH: 0, Op.SAVE: 1,
-                    Op.LOAD: 1, Op.SHUTDOWN: 0, Op.SWEEP: 0}
+                    Op.LOAD: 1, Op.SHUTDOWN: 0, Op.SWEEP: 0, Op.SAVE_STATUS: 0}
 
 
 class ProtocolError(ValueError):
@@ -227,7 +236,7 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
         raise ProtocolError(f"{what}: payload is not UTF-8 ({e})", Status.BAD_VALUE) from None
 
 
-__all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
+__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
            "ProtocolError", "WIRE_DTYPES", "ITEM_SIZE", "unpack_header", "peek_ids", "check_request",
            "expect_bytes", "row_dtype", "tensor_frame", "frame_tensor", "to_wire", "text_frame",
            "frame_text"]

@@ -23,6 +23,12 @@ barrier for a step the shard already applied is refused (STALE_STEP). Steps need
 Async mode: each push is applied on arrival. If the workers also send barrier(t), a pull for step s
 waits while s is more than ps.max_staleness steps ahead of the slowest worker's last barrier + 1.
 
+Saves: SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files
+before replying; with protocol.FLAG_BACKGROUND a thread first faults in memory for a copy (the SAVE
+is parked meanwhile), then the shard copies its state into it, replies, and a thread writes the
+copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
+save is prepared or written, new SAVE and LOAD requests are parked and retried when that ends.
+
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.
 """
@@ -53,6 +59,8 @@ import zmq
 from embedding_ps import protocol as P
 from embedding_ps.auth import AuthConfigError, check_bind_auth, load_token, setup_server_curve, token_matches
 from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.saver import BackgroundSaver
+from embedding_ps.snapshot import shard_dir
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +206,10 @@ class ShardServer:
         self.stopping = False
         self._handlers = {P.Op.PULL: self._pull, P.Op.PUSH: self._push, P.Op.BARRIER: self._barrier,
                           P.Op.STATS: self._stats, P.Op.HEALTH: self._health, P.Op.SAVE: self._save,
-                          P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep}
+                          P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep,
+                          P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
+        self.saver = BackgroundSaver(self.name, shard_index)
         try:
             self._pull_out = "out" in inspect.signature(state.pull).parameters
         except (TypeError, ValueError, AttributeError):
@@ -346,7 +356,7 @@ class ShardServer:
     def _stats(self, h: P.Header, payload: list) -> list:
         info = {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
                 "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
-                "state": self.state.stats()}
+                "state": self.state.stats(), "save": self.saver.status()}
         if self.sync is not None:
             info["last_applied_step"] = self.sync.last_applied
             info["pending_steps"] = sorted(self.sync.steps)
@@ -361,15 +371,37 @@ class ShardServer:
 
     def _save(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
-        if self._must_wait(h.step):
+        if self._must_wait(h.step) or self.saver.busy:    # busy: retried when the saver's phase ends
             return DEFERRED
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.state.save(path)
+        if h.flags & P.FLAG_BACKGROUND:
+            if not callable(getattr(self.state, "snapshot", None)):
+                raise P.ProtocolError("SAVE: this shard's state cannot take snapshots (no background saves)",
+                                      P.Status.BAD_VALUE)
+            if self.saver.phase == "idle" and callable(getattr(self.state, "snapshot_buffers", None)):
+                self.saver.prepare(self.state)            # fault in the copy's memory on a thread first
+                return DEFERRED
+            return self._json(h, self.saver.start(self.state, path, h.step))
+        reply = self.saver.save(self.state, path, h.step)
         logger.info("%s: saved to %s", self.name, path)
-        return self._json(h, {"shard": self.shard, "directory": path})
+        return self._json(h, reply)
 
-    def _load(self, h: P.Header, payload: list) -> list:
+    def _save_status(self, h: P.Header, payload: list) -> list:
+        return self._json(h, self.saver.status())
+
+    def wakeup(self) -> bool:
+        """True once after a background write ended: parked SAVE / LOAD requests may go on now."""
+        return self.saver.take_finished()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Let a running background write finish (a SHUTDOWN does not lose a checkpoint)."""
+        if not self.saver.wait(timeout_s):
+            logger.error("%s: background save still writing after %s s; abandoning it", self.name, timeout_s)
+
+    def _load(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
+        if self.saver.busy:
+            return DEFERRED
+        self.saver.drop_buffers()
         self.state.load(path)
         logger.info("%s: loaded from %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})
@@ -381,11 +413,6 @@ class ShardServer:
         logger.info("%s: shutdown requested by worker %d", self.name, h.worker)
         self.stopping = True
         return [h.reply().pack()]
-
-
-def shard_dir(directory: str, shard_index: int) -> str:
-    """Where shard `shard_index` keeps its part of a save under `directory` (SAVE/LOAD requests)."""
-    return os.path.join(directory, f"shard{shard_index}")
 
 
 def _buf(frame: Any) -> memoryview:
@@ -417,6 +444,8 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
     deferred: list[list] = []
     while not (server.stopping or stop.is_set()):
         if not poller.poll(POLL_MS):
+            if deferred and server.wakeup():
+                deferred = _retry(server, sock, deferred)
             continue
         while not server.stopping:
             try:
@@ -429,7 +458,7 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
                 continue
             sock.send_multipart([msg[0], *reply], copy=False)
             reply = None      # zmq holds the frames now: the reply buffer is free once it is sent
-            if deferred and _op_of(msg) == P.Op.BARRIER:
+            if deferred and (_op_of(msg) == P.Op.BARRIER or server.wakeup()):
                 deferred = _retry(server, sock, deferred)
 
 
@@ -526,6 +555,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
         run_loop(server, sock, stop)
         logger.info("ps shard %d stopping", shard_index)
     finally:
+        server.close()
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
         sock.close()

@@ -12,17 +12,19 @@ Example::
 
 Every public method takes one lock, so a threaded server may call them from several threads.
 Steps are int32 counters on the rows: 0 <= step < 2**31.
+
+Checkpoints: `save(dir)` / `load(dir)`, or `snapshot()` (a copy taken under the lock: the only
+pause) then `ShardSnapshot.write(dir)` from any thread. Files are checksummed; the format,
+`verify_shard` and `CorruptShardError` live in `embedding_ps.snapshot` and are exported here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import logging
-import os
-import shutil
 import threading
+import time
 
 import numpy as np
 import torch
@@ -30,12 +32,15 @@ import torch
 from embedding_ps import native
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import keys_of, shard_of
+from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, ShardSnapshot, TableSnapshot, prefaulted,
+                                   read_array, read_manifest, verify_shard)
 from embedding_ps.table import TableShard
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 _MAX_STEP = 2**31 - 1
+SNAPSHOT_SLACK = 0.05
+"""`snapshot_buffers` adds this fraction of spare rows, for rows pushed before the copy starts."""
 # TableConfig fields that must match between a saved shard and the config loading it.
 _LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
 
@@ -169,76 +174,92 @@ class ShardState:
 
         `directories` are all N old shard directories (any num_shards, same tables). Rows, optimizer
         state, counts and last-seen steps move; admission counts of waiting ids and eviction logs
-        stay behind (they are per old shard). Returns the number of rows taken.
+        stay behind (they are per old shard). Every file read is checked against its checksum
+        (CorruptShardError). Returns the number of rows taken.
         """
         taken = 0
         for directory in directories:
             manifest = self._read_manifest(directory)
             self._check_manifest(manifest, directory, same_layout_only=True)
             for i, entry in enumerate(manifest["tables"]):
-                sub = os.path.join(directory, f"table{i}")
-                taken += self.load_dump(i, *_dump_from_saved(sub, entry), step=step)
+                taken += self.load_dump(i, *_dump_from_saved(directory, manifest, i), step=step)
         release_free_heap()
         return taken
 
     # ------------------------------------------------------------------ save / load
-    def save(self, directory: str) -> None:
-        """Write every table's state as .npy files plus manifest.json; atomic by directory rename."""
-        tmp = f"{directory}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        manifest: dict = {
-            "format_version": FORMAT_VERSION,
-            "shard_index": self.shard_index,
-            "num_shards": self.config.num_shards,
-            "tables": [],
-        }
+    def snapshot_buffers(self, slack: float = SNAPSHOT_SLACK) -> list[dict[str, np.ndarray]]:
+        """Buffers for `snapshot(buffers)`, one dict per table, with every page already faulted in.
+
+        Takes the lock only to read the sizes (plus `slack` spare rows); allocating and touching
+        the memory, the slow part of a fresh copy, happens outside it, so a server can do this on a
+        thread while it serves.
+        """
         with self._lock:
-            for i, t in enumerate(self.tables):
-                arrays, meta = t.to_arrays()
-                sub = os.path.join(tmp, f"table{i}")
-                os.makedirs(sub)
-                for name, a in arrays.items():
-                    _write_npy(os.path.join(sub, f"{name}.npy"), a)
-                layout = {f: getattr(t.cfg, f) for f in _LAYOUT_FIELDS}
-                manifest["tables"].append({"layout": layout, "meta": meta, "arrays": sorted(arrays)})
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        old = f"{directory}.old-{os.getpid()}"
-        if os.path.exists(directory):
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-        logger.info("shard %d saved to %s", self.shard_index, directory)
+            plans = [t.snapshot_plan(slack) for t in self.tables]
+        return [{name: prefaulted(shape, dtype) for name, (shape, dtype) in plan.items()} for plan in plans]
+
+    def snapshot(self, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot:
+        """A copy of all state (every table's `to_arrays`, copied), taken under the lock.
+
+        The copy under the lock is the only time the shard pauses (`snapshot_s`): it goes into
+        `buffers` from `snapshot_buffers()` (made here, before taking the lock, if not given; an
+        array that outgrew its buffer is allocated under the lock). `ShardSnapshot.write(directory)`
+        then writes it exactly as `save` would, without the lock (e.g. on a background thread).
+        """
+        t0 = time.perf_counter()
+        made = buffers is None
+        if made:
+            buffers = self.snapshot_buffers()
+        t1 = time.perf_counter()
+        with self._lock:
+            snap = self._snapshot(copy=True, buffers=buffers)
+        snap.snapshot_s, snap.prepare_s = time.perf_counter() - t1, (t1 - t0) if made else 0.0
+        return snap
+
+    def save(self, directory: str) -> dict:
+        """Write every table's state as checksummed .npy files plus manifest.json; atomic by rename.
+
+        The same writer as `snapshot().write(directory)`, but on views of the live arrays with the
+        lock held throughout: a blocking save needs no second copy of the shard in memory.
+        Returns {"directory", "bytes", "write_s"}.
+        """
+        with self._lock:
+            return self._snapshot(copy=False).write(directory)
 
     def load(self, directory: str) -> None:
-        """Replace all state with a `save`d shard; the saved layout must match this config."""
+        """Replace all state with a `save`d shard; the saved layout must match this config.
+
+        Every file is read and checked (size, sha256) before any state changes: a damaged save
+        raises CorruptShardError naming the file and leaves this shard as it was.
+        """
         manifest = self._read_manifest(directory)
         self._check_manifest(manifest, directory)
+        tables = [{name: read_array(directory, manifest, i, name) for name in entry["arrays"]}
+                  for i, entry in enumerate(manifest["tables"])]
         with self._lock:
-            for i, (t, entry) in enumerate(zip(self.tables, manifest["tables"])):
-                sub = os.path.join(directory, f"table{i}")
-                arrays = {name: np.load(os.path.join(sub, f"{name}.npy"), allow_pickle=False) for name in entry["arrays"]}
+            for t, entry, arrays in zip(self.tables, manifest["tables"], tables):
                 t.from_arrays(arrays, entry["meta"])
-                del arrays
+            del tables, arrays
             release_free_heap()
         logger.info("shard %d loaded from %s", self.shard_index, directory)
 
     # ------------------------------------------------------------------ helpers
+    def _snapshot(self, copy: bool, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot:
+        tables = []
+        for i, t in enumerate(self.tables):
+            arrays, meta = t.to_arrays(copy=copy, into=buffers[i] if buffers else None)
+            layout = {f: getattr(t.cfg, f) for f in _LAYOUT_FIELDS}
+            tables.append(TableSnapshot(layout=layout, meta=meta, arrays=arrays))
+        return ShardSnapshot(self.shard_index, self.config.num_shards, tables)
+
     def _read_manifest(self, directory: str) -> dict:
-        path = os.path.join(directory, "manifest.json")
         try:
-            with open(path) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shard {self.shard_index}: no saved shard at {directory} (missing {path})") from None
+            return read_manifest(directory)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"shard {self.shard_index}: {e}") from None
 
     def _check_manifest(self, manifest: dict, directory: str, same_layout_only: bool = False) -> None:
         where = f"{directory}/manifest.json"
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{where}: format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
         for key, mine in (("shard_index", self.shard_index), ("num_shards", self.config.num_shards)):
             if manifest[key] != mine and not same_layout_only:
                 raise ValueError(f"{where}: saved {key}={manifest[key]} but this shard has {key}={mine}")
@@ -269,15 +290,17 @@ class ShardState:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
 
 
-def _dump_from_saved(sub: str, entry: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """One saved table directory -> what `TableShard.dump` returns (keys, rows float32, state + counters)."""
+def _dump_from_saved(directory: str, manifest: dict,
+                     table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One saved table -> what `TableShard.dump` returns (keys, rows float32, state + counters)."""
 
     def load(name: str) -> np.ndarray:
-        return np.load(os.path.join(sub, f"{name}.npy"), allow_pickle=False)
+        return read_array(directory, manifest, table, name)
 
     keys, slots = load("map_keys"), load("map_slots").astype(np.int64)
     rows = torch.from_numpy(load("weights")[slots]).float()
-    extra = {n[len("state."):]: torch.from_numpy(load(n)[slots]) for n in entry["arrays"] if n.startswith("state.")}
+    names = manifest["tables"][table]["arrays"]
+    extra = {n[len("state."):]: torch.from_numpy(load(n)[slots]) for n in names if n.startswith("state.")}
     meta = torch.from_numpy(load("meta")[slots])
     extra["count"] = (meta >> 32).to(torch.int32)
     extra["last_seen"] = (meta & 0xFFFFFFFF).to(torch.int32)
@@ -305,8 +328,4 @@ def release_free_heap() -> None:
         _LIBC[0].malloc_trim(0)
 
 
-def _write_npy(path: str, a: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, np.ascontiguousarray(a), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
+__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "ShardState", "release_free_heap", "verify_shard"]

@@ -346,15 +346,19 @@ class TableShard:
 
 
     # ------------------------------------------------------------------ save / load
-    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        """Every piece of state as plain arrays (slot-major ones cut at hwm) plus scalar metadata."""
-        h = self.hwm
-        arrays = {"weights": self.weights[:h].numpy(), "free": self.free[: self.nfree]}
-        for name, t in self.state.items():
-            arrays[f"state.{name}"] = t[:h].numpy()
-        for name in _COUNTERS:
-            arrays[name] = getattr(self, name)[:h].numpy()
-        arrays["map_keys"], arrays["map_slots"] = self.map.items()
+    def to_arrays(self, copy: bool = False,
+                  into: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Every piece of state as plain arrays (slot-major ones cut at hwm) plus scalar metadata.
+
+        copy=False: the slot-major arrays and the free stack view the live state (valid until the
+        next push); copy=True: every array is the caller's own (a snapshot), copied in bulk, into
+        the leading rows of `into[name]` where given and big enough (see `snapshot_plan`).
+        """
+        h, into = self.hwm, into or {}
+        arrays = {name: _copy_rows(t, h, into.get(name)) if copy else t[:h].numpy()
+                  for name, t in self._slot_tensors().items()}
+        arrays["free"] = self.free[: self.nfree].copy() if copy else self.free[: self.nfree]
+        arrays["map_keys"], arrays["map_slots"] = self.map.items(into.get("map_keys"), into.get("map_slots"))
         for name, a in self.pending.state().items():
             arrays[f"pending.{name}"] = a
         log_keys, log_steps = self.eviction_log()
@@ -362,6 +366,22 @@ class TableShard:
         meta = {"hwm": h, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through, "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
         return arrays, meta
+
+    def snapshot_plan(self, slack: float) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """{name: (shape, dtype)} of the big arrays `to_arrays(copy=True)` copies, with `slack` spare
+        rows (pushes between planning and copying may add rows): for buffers faulted in beforehand."""
+        rows = self.hwm + int(self.hwm * slack) + 64
+        plan = {name: ((rows, *t.shape[1:]), t.numpy().dtype) for name, t in self._slot_tensors().items()}
+        n = len(self.map) + int(len(self.map) * slack) + 64
+        plan["map_keys"], plan["map_slots"] = ((n,), np.dtype(np.int64)), ((n,), np.dtype(np.int32))
+        return plan
+
+    def _slot_tensors(self) -> dict[str, torch.Tensor]:
+        """The slot-major tensors [C, ...]: weights, each optimizer state, the counters."""
+        out = {"weights": self.weights}
+        out.update({f"state.{name}": t for name, t in self.state.items()})
+        out.update({name: getattr(self, name) for name in _COUNTERS})
+        return out
 
     def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
         """Replace all state with what `to_arrays` returned (arrays are copied)."""
@@ -385,6 +405,28 @@ class TableShard:
         self.evlog_lost_through = int(meta["evlog_lost_through"])
         for key in self.totals:
             self.totals[key] = int(meta[key])
+
+
+def _bulk_copy(t: torch.Tensor) -> np.ndarray:
+    """A copy of contiguous tensor `t` as a new numpy array, at memory speed.
+
+    numpy allocates (it asks for transparent huge pages on large arrays: ~500x fewer page faults
+    than torch.empty's 4 KB pages, which dominate a fresh multi-GB copy) and torch copies
+    (multi-threaded). Measured on 2.56 GB: 0.22 s, against 0.67 s for torch.clone, 1.3 s for numpy's copy.
+    """
+    out = np.empty_like(t.numpy())
+    torch.from_numpy(out).copy_(t)
+    return out
+
+
+def _copy_rows(t: torch.Tensor, rows: int, buf: np.ndarray | None) -> np.ndarray:
+    """t[:rows] copied into buf[:rows] if `buf` fits (pre-faulted: the copy runs at memory speed), else anew."""
+    src = t[:rows]
+    if buf is None or buf.shape[0] < rows or buf.shape[1:] != tuple(src.shape[1:]) or buf.dtype != src.numpy().dtype:
+        return _bulk_copy(src)
+    out = buf[:rows]
+    torch.from_numpy(out).copy_(src)
+    return out
 
 
 def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, int]]:

@@ -246,10 +246,15 @@ def test_json_ops(tmp_path):
     path = str(tmp_path / "ckpt")
     h = P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES, count=len(path), request=9)
     reply = server.handle([h.pack(), b"", path.encode()])
-    assert json.loads(bytes(reply[1])) == {"shard": 0, "directory": f"{path}/shard0"}
+    body = json.loads(bytes(reply[1]))
+    assert (body["shard"], body["directory"], body["background"]) == (0, f"{path}/shard0", False)
     assert state.saved == f"{path}/shard0"
     stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
     assert stats["state"] == {"rows": 0} and stats["requests"]["save"] == 1
+    assert stats["save"]["state"] == "done" and stats["save"]["directory"] == f"{path}/shard0"
+    h = P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES, count=len(path), request=10, flags=P.FLAG_BACKGROUND)
+    status, text = status_of(server.handle([h.pack(), b"", path.encode()]))
+    assert status == P.Status.BAD_VALUE and "cannot take snapshots" in text   # DictState has no snapshot()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""save/load round-trips every piece of shard state, and training then continues identically."""
+"""save/load round-trips every piece of shard state, and training then continues identically;
+checksums catch damaged files; a snapshot written later equals a blocking save at snapshot time."""
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
+from embedding_ps.shard import FORMAT_VERSION, CorruptShardError, ShardState, verify_shard
 
 TABLES = (
     TableConfig(name="rw", dim=4, optimizer="rowwise_adagrad", min_count=2, max_rows=60, ttl_steps=2),
@@ -107,3 +109,150 @@ def test_load_rejects_other_layouts(tmp_path) -> None:
         ShardState(CONFIG, 1).load(str(tmp_path / "s"))
     with pytest.raises(FileNotFoundError, match="shard 0: no saved shard at"):
         ShardState(CONFIG, 0).load(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------
+# checksums
+
+
+def saved(tmp_path, name: str = "s", shard: int = 0, steps: int = 4) -> tuple[ShardState, str]:
+    state = ShardState(CONFIG, shard)
+    drive(state, range(steps), seed=5)
+    path = str(tmp_path / name)
+    state.save(path)
+    return state, path
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(tmp_path) -> None:
+    _, path = saved(tmp_path)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    assert manifest["format_version"] == FORMAT_VERSION == 2
+    on_disk = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+    assert sorted(manifest["files"]) == [f for f in on_disk if f != "manifest.json"]
+    for rel, entry in manifest["files"].items():
+        data = open(os.path.join(path, rel), "rb").read()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
+    verify_shard(path)
+
+
+def _flip_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) - 5)
+
+
+DAMAGE = {
+    "flipped byte": (_flip_byte, r"table0/weights\.npy: sha256 mismatch"),
+    "truncated": (_truncate, r"table0/weights\.npy: truncated, (\d+) bytes, manifest says \d+"),
+    "missing": (os.remove, r"table0/weights\.npy: missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_file_is_named_by_verify_load_and_reshard(tmp_path, damage: str) -> None:
+    _, path = saved(tmp_path)
+    fn, pattern = DAMAGE[damage]
+    fn(os.path.join(path, "table0", "weights.npy"))
+    with pytest.raises(CorruptShardError, match=pattern) as info:
+        verify_shard(path)
+    assert str(tmp_path / "s" / "table0" / "weights.npy") in str(info.value)
+    other, _ = saved(tmp_path, "other")
+    before = full_view(other)
+    with pytest.raises(CorruptShardError, match=pattern):
+        other.load(path)
+    assert_same(full_view(other), before)          # nothing was replaced: every file is checked first
+    with pytest.raises(CorruptShardError, match=pattern):
+        ShardState(dataclasses.replace(CONFIG, num_shards=1), 0).load_resharded([path])
+
+
+def test_missing_or_broken_manifest_is_named(tmp_path) -> None:
+    _, path = saved(tmp_path)
+    manifest = os.path.join(path, "manifest.json")
+    text = open(manifest).read()
+    open(manifest, "w").write(text[: len(text) // 2])
+    for call in (lambda: verify_shard(path), lambda: ShardState(CONFIG, 0).load(path)):
+        with pytest.raises(CorruptShardError, match=f"{path}/manifest.json: not valid JSON"):
+            call()
+    os.remove(manifest)
+    with pytest.raises(CorruptShardError, match=f"{path}/manifest.json: missing"):
+        verify_shard(path)
+    with pytest.raises(CorruptShardError, match=f"{path}/manifest.json: missing"):
+        ShardState(CONFIG, 0).load_resharded([path])
+    entry = json.loads(text)
+    del entry["files"]["table2/meta.npy"]
+    open(manifest, "w").write(json.dumps(entry))
+    with pytest.raises(CorruptShardError, match=r"table2/meta\.npy is not listed under 'files'"):
+        ShardState(CONFIG, 0).load(path)
+
+
+def test_format_1_saves_still_load(tmp_path) -> None:
+    state, path = saved(tmp_path)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    manifest["format_version"] = 1
+    del manifest["files"]
+    json.dump(manifest, open(os.path.join(path, "manifest.json"), "w"))
+    restored = ShardState(CONFIG, 0)
+    restored.load(path)
+    assert_same(full_view(restored), full_view(state))
+    verify_shard(path)                              # no checksums to check: only that files exist
+    os.remove(os.path.join(path, "table1", "meta.npy"))
+    with pytest.raises(CorruptShardError, match=r"table1/meta\.npy: missing"):
+        verify_shard(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshot + write
+
+
+def files_of(path: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(path) for f in fs}
+
+
+def test_snapshot_write_equals_blocking_save_and_is_a_consistent_cut(tmp_path) -> None:
+    state, blocking = saved(tmp_path, "blocking", shard=1, steps=8)
+    view_at_snapshot = full_view(state)
+    snap = state.snapshot()
+    assert snap.snapshot_s > 0 and snap.nbytes > 0
+    for table, t in zip(state.tables, snap.tables):   # the snapshot owns its memory
+        for live in (table.weights, table.meta, *table.state.values()):
+            assert all(not np.shares_memory(live.numpy(), a) for a in t.arrays.values())
+    drive(state, range(8, 12), seed=9)                # pushes after the snapshot, before the write
+    info = snap.write(str(tmp_path / "background"))
+    assert info["bytes"] == sum(len(b) for k, b in files_of(blocking).items() if k != "manifest.json")
+    assert files_of(str(tmp_path / "background")) == files_of(blocking)    # bit for bit
+    restored = ShardState(CONFIG, 1)
+    restored.load(str(tmp_path / "background"))
+    assert_same(full_view(restored), view_at_snapshot)
+
+
+def test_snapshot_into_buffers_made_before_more_rows_arrived(tmp_path) -> None:
+    """Buffers faulted in beforehand (sized then, plus slack) still give an exact snapshot after pushes
+    that outgrow them: those arrays are allocated afresh."""
+    state = ShardState(CONFIG, 0)
+    drive(state, range(2), seed=6)
+    buffers = state.snapshot_buffers(slack=0.0)
+    drive(state, range(2, 9), seed=7)                 # more rows than the buffers hold
+    state.save(str(tmp_path / "blocking"))
+    snap = state.snapshot(buffers)
+    assert snap.prepare_s == 0.0
+    outgrown = [t.hwm > b["weights"].shape[0] for t, b in zip(state.tables, buffers)]
+    assert any(outgrown) and not all(outgrown)
+    for grew, t, b in zip(outgrown, snap.tables, buffers):    # the arrays view the buffers that fit
+        assert np.shares_memory(t.arrays["weights"], b["weights"]) is not grew
+    snap.write(str(tmp_path / "background"))
+    assert files_of(str(tmp_path / "background")) == files_of(str(tmp_path / "blocking"))
+
+
+def test_failed_write_removes_its_tmp_dir_and_keeps_the_older_save(tmp_path) -> None:
+    state, path = saved(tmp_path)
+    before = files_of(path)
+    snap = state.snapshot()
+    snap.tables[1].arrays["zz_bad"] = np.array([object()])   # written after table 0's files
+    with pytest.raises(ValueError, match=r"zz_bad\.npy: array of dtype object holds Python objects"):
+        snap.write(path)
+    assert sorted(os.listdir(tmp_path)) == ["s"] and files_of(path) == before

@@ -7,7 +7,7 @@ import torch
 
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.init import init_row_reference, init_rows
-from embedding_ps.optim import ReferenceTable
+from embedding_ps.optim import ReferenceTable, state_specs
 from embedding_ps.sharding import hashed_row, route
 from embedding_ps.shard import ShardState
 
@@ -141,21 +141,28 @@ def test_reshard_three_to_two_via_dumps(optimizer: str) -> None:
     assert_dumps_equal(two.dump(0), one.dump(0))
 
 
-def test_reshard_from_saved_directories_matches_in_memory_reshard(tmp_path) -> None:
-    tables = (TableConfig(name="a", dim=3, optimizer="adam"), TableConfig(name="b", dim=2, kind="hashed", num_embeddings=30))
-    three = Sharded(PSConfig(num_shards=3, tables=tables))
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("old_shards,new_shards", [(3, 2), (2, 5)])
+def test_reshard_from_saved_directories(tmp_path, optimizer: str, old_shards: int, new_shards: int) -> None:
+    """Every row, every optimizer slot, count and last-seen step moves N -> M through checksummed saves."""
+    tables = (TableConfig(name="a", dim=3, optimizer=optimizer),
+              TableConfig(name="b", dim=2, kind="hashed", num_embeddings=30, optimizer=optimizer))
+    old = Sharded(PSConfig(num_shards=old_shards, tables=tables))
     for t, table in enumerate(tables):
         for step, ids, grads in pushes(4, table.dim, seed=t):
-            three.push(t, ids, grads, step)
+            old.push(t, ids, grads, step)
     dirs = []
-    for i, shard in enumerate(three.shards):
+    for i, shard in enumerate(old.shards):
         dirs.append(str(tmp_path / f"old{i}"))
         shard.save(dirs[-1])
-    two = Sharded(PSConfig(num_shards=2, tables=tables))
-    taken = sum(shard.load_resharded(dirs) for shard in two.shards)
-    assert taken == sum(len(t) for s in three.shards for t in s.tables)
+    new = Sharded(PSConfig(num_shards=new_shards, tables=tables))
+    taken = sum(shard.load_resharded(dirs) for shard in new.shards)
+    assert taken == sum(len(t) for s in old.shards for t in s.tables)
     for t in range(len(tables)):
-        assert_dumps_equal(two.dump(t), three.dump(t), atol=0.0)
+        a, b = new.dump(t), old.dump(t)
+        assert set(a[2]) == {s.name for s in state_specs(tables[t])} | {"count", "last_seen", "last_update"}
+        assert_dumps_equal(a, b, atol=0.0)
+        assert all(len(s.tables[t]) > 0 for s in new.shards)
 
 
 def test_input_errors_name_shard_table_and_values() -> None:

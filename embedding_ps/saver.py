@@ -1,0 +1,180 @@
+"""A PS shard's saves: blocking, or snapshot now + write on a background thread; the last one's status.
+
+The server's loop calls `start` (background) or `save` (blocking) while handling a SAVE request and
+`status` for SAVE_STATUS. Before a background save, `prepare` faults in the snapshot's buffers on a
+thread (`ShardState.snapshot_buffers`: the slow part of a fresh copy) while the loop keeps serving;
+the SAVE is parked meanwhile, then `start` copies the state into them (the shard's only pause) and
+a thread writes the copy. Phases: idle -> preparing -> ready -> writing -> idle. While `busy`
+(preparing or writing) the server parks SAVE and LOAD requests and retries them once
+`take_finished` says the phase ended.
+
+Status of the last save (what SAVE_STATUS returns)::
+
+    {"shard": i, "directory": "<dir>/shard<i>" | None, "state": "none" | "writing" | "done" | "failed",
+     "error": "<type>: <message>" | None, "write_s": s | None, "bytes": n | None,
+     "snapshot_s": s | None, "prepare_s": s | None, "background": bool | None, "step": t | None}
+
+snapshot_s is the pause (the copy under the shard's lock); prepare_s the time the buffers took to
+fault in beforehand, on a thread, while the shard served.
+
+A failed write leaves no half directory behind (`ShardSnapshot.write` removes its tmp dir), is
+logged, and is reported here; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+JOIN_LOG_S = 10.0
+"""`wait()` logs that it is still waiting every this many seconds."""
+
+
+class BackgroundSaver:
+    """Runs one shard's saves; thread-safe `status`. `name` ("ps shard 3") prefixes log lines."""
+
+    def __init__(self, name: str, shard: int) -> None:
+        self.name, self.shard = name, shard
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._snap: Any = None
+        self._buffers: Any = None
+        self._prepare_s = 0.0
+        self.phase = "idle"
+        """"idle" | "preparing" (buffers being faulted in) | "ready" (buffers made) | "writing"."""
+        self._finished = threading.Event()
+        self._status = self._fresh(None, "none")
+
+    @property
+    def busy(self) -> bool:
+        """True while buffers are being prepared or a write runs (its status is not final yet)."""
+        return self.phase in ("preparing", "writing")
+
+    def prepare(self, state: Any) -> None:
+        """Fault in buffers for the next snapshot (`state.snapshot_buffers()`) on a thread."""
+        if self.busy:
+            raise RuntimeError(f"{self.name}: cannot prepare a snapshot while {self.phase}")
+        self.phase = "preparing"
+        self._finished.clear()
+        self._thread = threading.Thread(target=self._prepare, args=(state,), name=f"{self.name} prepare", daemon=True)
+        self._thread.start()
+
+    def start(self, state: Any, directory: str, step: int) -> dict:
+        """Snapshot `state` now (into the prepared buffers, if any), write it to `directory` on a
+        thread; returns the SAVE reply body.
+
+        Raises RuntimeError if busy (the caller parks the request), and whatever
+        `state.snapshot()` raises (nothing is started then).
+        """
+        if self.busy:
+            raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
+        buffers, self._buffers = self._buffers, None
+        snap = state.snapshot() if buffers is None else state.snapshot(buffers)
+        prepare_s = getattr(snap, "prepare_s", None) if buffers is None else self._prepare_s
+        del buffers
+        with self._lock:
+            self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s, prepare_s=prepare_s,
+                                       background=True, step=step)
+        self.phase = "writing"
+        self._finished.clear()
+        self._snap = snap          # handed over through an attribute, so the thread's args keep no reference
+        self._thread = threading.Thread(target=self._write, args=(directory,), name=f"{self.name} save",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("%s: snapshot for %s in %.3f s (%.1f MB, buffers faulted in %.3f s before); writing in the "
+                    "background", self.name, directory, snap.snapshot_s, snap.nbytes / 1e6, prepare_s or 0.0)
+        return {"shard": self.shard, "directory": directory, "snapshot_s": snap.snapshot_s, "background": True}
+
+    def save(self, state: Any, directory: str, step: int) -> dict:
+        """`state.save(directory)` now (blocking); recorded in the status, errors re-raised."""
+        if self.busy:
+            raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
+        self.drop_buffers()
+        t0 = time.perf_counter()
+        with self._lock:
+            self._status = self._fresh(directory, "writing", background=False, step=step)
+        try:
+            info = state.save(directory) or {}
+        except Exception as e:
+            self._end("failed", error=f"{type(e).__name__}: {e}", write_s=time.perf_counter() - t0)
+            raise
+        self._end("done", write_s=info.get("write_s", time.perf_counter() - t0), bytes=info.get("bytes"))
+        return {"shard": self.shard, "directory": directory, "background": False, "write_s": self._status["write_s"],
+                "bytes": self._status["bytes"]}
+
+    def drop_buffers(self) -> None:
+        """Forget prepared buffers (a LOAD changes every size): a parked SAVE prepares afresh."""
+        if self.phase == "ready":
+            self._buffers, self.phase = None, "idle"
+
+    def status(self) -> dict:
+        with self._lock:
+            return dict(self._status)
+
+    def take_finished(self) -> bool:
+        """True once after a preparation or a write ended (the server then retries parked requests)."""
+        if self._finished.is_set():
+            self._finished.clear()
+            return True
+        return False
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for a running write to end (shutdown); False if it still runs after `timeout_s`."""
+        thread = self._thread
+        if thread is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while thread.is_alive():
+            left = JOIN_LOG_S if deadline is None else min(JOIN_LOG_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            thread.join(left)
+            if thread.is_alive():
+                logger.info("%s: waiting for the background save to %s", self.name, self._status["directory"])
+        return True
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _prepare(self, state: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._buffers = state.snapshot_buffers()
+            self._prepare_s = time.perf_counter() - t0
+        except Exception:     # e.g. MemoryError: the SAVE then copies into fresh memory under the lock
+            logger.exception("%s: preparing snapshot buffers failed", self.name)
+            self._buffers = None
+        finally:
+            self.phase = "ready"
+            self._finished.set()
+
+    def _write(self, directory: str) -> None:
+        t0 = time.perf_counter()
+        snap, self._snap = self._snap, None
+        try:
+            info = snap.write(directory)
+        except Exception as e:     # reported through the status; the shard keeps serving
+            logger.exception("%s: background save to %s failed", self.name, directory)
+            self._end("failed", error=f"{type(e).__name__}: {e}", write_s=time.perf_counter() - t0)
+        else:
+            self._end("done", write_s=info["write_s"], bytes=info["bytes"])
+        finally:
+            snap = None            # the copy's memory goes back now, not when the next save starts
+            self.phase = "idle"
+            self._finished.set()
+
+    def _end(self, state: str, **fields: Any) -> None:
+        with self._lock:
+            self._status.update(state=state, **fields)
+
+    def _fresh(self, directory: str | None, state: str, **fields: Any) -> dict:
+        status = {"shard": self.shard, "directory": directory, "state": state, "error": None, "write_s": None,
+                  "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None}
+        status.update(fields)
+        return status
+
+
+__all__ = ["BackgroundSaver"]
