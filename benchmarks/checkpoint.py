@@ -15,6 +15,13 @@ Adagrad, filled by pushing every id once (chunks of 2**18). Timed, on the same s
 - load: `ShardState.load(dir)` into a fresh shard (read + sha256 check of every file).
 
 pause_fraction = snapshot_s / blocking_save_s in the same run; the target is <= 0.25 at 1e7 rows.
+
+The trainer's view (`--server`, on by default): a shard process (spawned, as `recsys train` starts
+one) is filled through a PSClient, then the client times `save(background=False)` (training stands
+still for the whole write) and two `save(background=True)` calls (training stands still until the
+shard has copied its state: prepare + copy), each followed by `wait_saved`. `trainer_pause_fraction`
+= the second background call's time / the blocking call's; the first is reported apart, since a
+fresh process's first touch of that much memory is slow on a VM.
 The two saves are compared file by file (sha256 in the manifests): they must be identical. With
 --repeats N each timing is the median of N. Files go under a temp dir (in --tmpdir) that is deleted.
 Memory: the table (rows * (4 * dim + 12) bytes plus the id map), once more for the snapshot, and
@@ -28,6 +35,7 @@ from one run.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import json
 import os
 import shutil
@@ -37,7 +45,9 @@ import time
 
 import torch
 
+from embedding_ps.client import PSClient
 from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.server import serve
 from embedding_ps.shard import ShardState, release_free_heap, verify_shard
 
 CHUNK = 1 << 18
@@ -100,6 +110,50 @@ def bench_size(rows: int, dim: int, repeats: int, tmp: str) -> dict[str, float |
             "verify_s": verify_s, "pause_fraction": pause / save, "identical": identical}
 
 
+def _shard_main(config: PSConfig, ready_file: str) -> None:
+    torch.set_num_threads(1)
+    serve(config, 0, ready_file=ready_file)
+
+
+def _wait_ready(path: str, proc) -> str:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"shard process not ready (exit code {proc.exitcode})")
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read().strip()
+
+
+def bench_server(rows: int, dim: int, tmp: str) -> dict[str, float | int]:
+    """What a trainer waits for: a blocking save and two background saves through a shard process."""
+    config = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),), mode="async",
+                      timeout_s=600.0)
+    ready = os.path.join(tmp, f"server-{rows}.ready")
+    proc = mp.get_context("spawn").Process(target=_shard_main, args=(config, ready), daemon=True)
+    proc.start()
+    try:
+        with PSClient(config, [_wait_ready(ready, proc)]) as client:
+            grads = torch.full((CHUNK, dim), 0.01)
+            for lo in range(0, rows, CHUNK):
+                ids = torch.arange(lo, min(lo + CHUNK, rows))
+                client.push(0, ids, grads[: ids.numel()])
+            out: dict[str, float | int] = {"rows": rows, "dim": dim}
+            out["client_blocking_save_s"] = timed(client.save, os.path.join(tmp, f"srv-block-{rows}"))[0]
+            for name in ("first", "second"):
+                directory = os.path.join(tmp, f"srv-{name}-{rows}")
+                out[f"trainer_pause_{name}_s"] = timed(lambda: client.save(directory, background=True))[0]
+                out[f"background_done_{name}_s"] = timed(client.wait_saved, directory, 600.0)[0]
+            client.shutdown()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    out["trainer_pause_fraction"] = out["trainer_pause_second_s"] / out["client_blocking_save_s"]
+    out["trainer_pause_first_fraction"] = out["trainer_pause_first_s"] / out["client_blocking_save_s"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
@@ -108,24 +162,35 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="median of this many saves / loads per size")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (the snapshot copy)")
     p.add_argument("--tmpdir", default=None, help="where the temp dir goes (default: the system's)")
+    p.add_argument("--no-server", dest="server", action="store_false",
+                   help="skip the trainer's view through a shard process")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(float(r)) for r in args.rows.split(",")]
     tmp = tempfile.mkdtemp(prefix="ps-checkpoint-bench-", dir=args.tmpdir)
-    results = []
+    results, served = [], []
     try:
         for rows in sizes:
             results.append(bench_size(rows, args.dim, args.repeats, tmp))
             if not args.json:
                 print_row(results[-1], header=len(results) == 1)
+        for rows in sizes if args.server else ():
+            served.append(bench_server(rows, args.dim, tmp))
+            if not args.json:
+                print_server_row(served[-1], header=len(served) == 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     largest = max(results, key=lambda r: r["rows"])
+    summary = {"pause_fraction": largest["pause_fraction"]}
+    if served:
+        summary["trainer_pause_fraction"] = served[-1]["trainer_pause_fraction"]
+        summary["trainer_pause_first_fraction"] = served[-1]["trainer_pause_first_fraction"]
     if args.json:
-        print(json.dumps({"threads": args.threads, "repeats": args.repeats, "sizes": results,
-                          "pause_fraction": largest["pause_fraction"]}))
+        print(json.dumps({"threads": args.threads, "repeats": args.repeats, "sizes": results, "server": served,
+                          **summary}))
     else:
-        print(f"pause fraction at {largest['rows']:.0e} rows: {largest['pause_fraction']:.3f} (target <= 0.25)")
+        print(f"at {largest['rows']:.0e} rows: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items())
+              + " (target <= 0.25)")
 
 
 def print_row(r: dict, header: bool) -> None:
@@ -137,6 +202,15 @@ def print_row(r: dict, header: bool) -> None:
           f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} "
           f"{r['pause_fraction']:>10.3f} "
           f"{gb / r['blocking_save_s']:>9.2f} {gb / r['snapshot_s']:>9.2f} {r['identical']}", flush=True)
+
+
+def print_server_row(r: dict, header: bool) -> None:
+    if header:
+        print(f"\ntrainer's view (a shard process, PSClient):\n{'rows':>10} {'blocking s':>10} {'pause 1st':>9} "
+              f"{'pause 2nd':>9} {'write 1st':>9} {'write 2nd':>9} {'2nd/blocking':>12}")
+    print(f"{r['rows']:>10.0e} {r['client_blocking_save_s']:>10.3f} {r['trainer_pause_first_s']:>9.3f} "
+          f"{r['trainer_pause_second_s']:>9.3f} {r['background_done_first_s']:>9.3f} "
+          f"{r['background_done_second_s']:>9.3f} {r['trainer_pause_fraction']:>12.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ REPLAY_ENTRIES = 16384
 """Replies of non-idempotent requests remembered for retries (each ~100 bytes)."""
 POLL_MS = 200
 """The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
+BUSY_POLL_MS = 2
+"""... and this often while a background save is prepared or written."""
 
 DEFERRED = object()
 """What `ShardServer.handle` returns for a request parked until a later barrier."""
@@ -443,9 +445,10 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
     poller.register(sock, zmq.POLLIN)
     deferred: list[list] = []
     while not (server.stopping or stop.is_set()):
-        if not poller.poll(POLL_MS):
-            if deferred and server.wakeup():
-                deferred = _retry(server, sock, deferred)
+        if deferred and server.wakeup():      # the saver's phase ended: a parked SAVE / LOAD goes on
+            deferred = _retry(server, sock, deferred)
+        # while the saver works, wake often to notice the end of its phase
+        if not poller.poll(BUSY_POLL_MS if server.saver.busy else POLL_MS):
             continue
         while not server.stopping:
             try:

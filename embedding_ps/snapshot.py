@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,13 @@ def prefaulted(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     the memory was not used recently. A snapshot copies into buffers faulted in beforehand, outside
     the shard's lock, so that cost is not part of the pause.
     """
-    a = np.empty(shape, dtype)
-    a.reshape(-1).view(np.uint8)[::4096] = 0
-    return a
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # torch's allocation, viewed by numpy: numpy madvises a large array for huge pages, and faulting
+    # those in for the first time took 5.6 s for 2.8 GB on this VM against 1.35 s for 4 KB pages
+    raw = torch.empty(max(nbytes, 1), dtype=torch.uint8).numpy()
+    raw[::4096] = 0
+    return raw[:nbytes].view(dtype).reshape(shape)
 
 
 def write_array(path: str, a: np.ndarray) -> dict:
