@@ -19,9 +19,12 @@ pause_fraction = snapshot_s / blocking_save_s in the same run; the target is <= 
 The trainer's view (`--server`, on by default): a shard process (spawned, as `recsys train` starts
 one) is filled through a PSClient, then the client times `save(background=False)` (training stands
 still for the whole write) and two `save(background=True)` calls (training stands still until the
-shard has copied its state: prepare + copy), each followed by `wait_saved`. `trainer_pause_fraction`
-= the second background call's time / the blocking call's; the first is reported apart, since a
-fresh process's first touch of that much memory is slow on a VM.
+shard has copied its state: prepare + copy), each followed by `wait_saved`, then a third one after
+`prepare_save()` made the memory ready ahead (what the trainer does half-way between checkpoints):
+its pause is the copy alone. `trainer_pause_fraction` = that prepared call's time / the blocking
+call's; the unprepared first and second calls are reported too (a fresh process's first touch of
+that much memory is slow on a VM).
+
 The two saves are compared file by file (sha256 in the manifests): they must be identical. With
 --repeats N each timing is the median of N. Files go under a temp dir (in --tmpdir) that is deleted.
 Memory: the table (rows * (4 * dim + 12) bytes plus the id map), once more for the snapshot, and
@@ -140,8 +143,14 @@ def bench_server(rows: int, dim: int, tmp: str) -> dict[str, float | int]:
                 client.push(0, ids, grads[: ids.numel()])
             out: dict[str, float | int] = {"rows": rows, "dim": dim}
             out["client_blocking_save_s"] = timed(client.save, os.path.join(tmp, f"srv-block-{rows}"))[0]
-            for name in ("first", "second"):
+            for name in ("first", "second", "prepared"):
                 directory = os.path.join(tmp, f"srv-{name}-{rows}")
+                if name == "prepared":
+                    client.prepare_save().result(timeout=60)
+                    deadline = time.monotonic() + 600
+                    while any(r["phase"] != "ready" for r in client.prepare_save().result(timeout=60)):
+                        assert time.monotonic() < deadline, "snapshot memory never got ready"
+                        time.sleep(0.01)
                 out[f"trainer_pause_{name}_s"] = timed(lambda: client.save(directory, background=True))[0]
                 out[f"background_done_{name}_s"] = timed(client.wait_saved, directory, 600.0)[0]
             client.shutdown()
@@ -149,8 +158,9 @@ def bench_server(rows: int, dim: int, tmp: str) -> dict[str, float | int]:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
-    out["trainer_pause_fraction"] = out["trainer_pause_second_s"] / out["client_blocking_save_s"]
-    out["trainer_pause_first_fraction"] = out["trainer_pause_first_s"] / out["client_blocking_save_s"]
+    for name, key in (("prepared", "trainer_pause_fraction"), ("first", "trainer_pause_first_fraction"),
+                      ("second", "trainer_pause_second_fraction")):
+        out[key] = out[f"trainer_pause_{name}_s"] / out["client_blocking_save_s"]
     return out
 
 
@@ -185,6 +195,7 @@ def main() -> None:
     if served:
         summary["trainer_pause_fraction"] = served[-1]["trainer_pause_fraction"]
         summary["trainer_pause_first_fraction"] = served[-1]["trainer_pause_first_fraction"]
+        summary["trainer_pause_second_fraction"] = served[-1]["trainer_pause_second_fraction"]
     if args.json:
         print(json.dumps({"threads": args.threads, "repeats": args.repeats, "sizes": results, "server": served,
                           **summary}))
@@ -207,10 +218,10 @@ def print_row(r: dict, header: bool) -> None:
 def print_server_row(r: dict, header: bool) -> None:
     if header:
         print(f"\ntrainer's view (a shard process, PSClient):\n{'rows':>10} {'blocking s':>10} {'pause 1st':>9} "
-              f"{'pause 2nd':>9} {'write 1st':>9} {'write 2nd':>9} {'2nd/blocking':>12}")
+              f"{'pause 2nd':>9} {'prepared':>9} {'write s':>9} {'prepared/blocking':>17}")
     print(f"{r['rows']:>10.0e} {r['client_blocking_save_s']:>10.3f} {r['trainer_pause_first_s']:>9.3f} "
-          f"{r['trainer_pause_second_s']:>9.3f} {r['background_done_first_s']:>9.3f} "
-          f"{r['background_done_second_s']:>9.3f} {r['trainer_pause_fraction']:>12.3f}", flush=True)
+          f"{r['trainer_pause_second_s']:>9.3f} {r['trainer_pause_prepared_s']:>9.3f} "
+          f"{r['background_done_prepared_s']:>9.3f} {r['trainer_pause_fraction']:>17.3f}", flush=True)
 
 
 if __name__ == "__main__":

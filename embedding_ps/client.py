@@ -412,6 +412,11 @@ class PSClient:
         flags = P.FLAG_BACKGROUND if background else 0
         return self._broadcast(P.Op.SAVE, step=step, text=directory, flags=flags)
 
+    def prepare_save(self) -> "Future[list]":
+        """Ask every shard to fault in the memory of its next background snapshot now, on a thread
+        (replies at once: [{"shard", "prepared", "phase"}, ...]), so that the save itself only copies."""
+        return self._broadcast_async(P.Op.SAVE, text="prepare", flags=P.FLAG_PREPARE)
+
     def save_status(self) -> list[dict]:
         """Per shard, the last save: {"shard", "directory", "state": "none" | "writing" | "done" |
         "failed", "error", "write_s", "bytes", "snapshot_s", "background", "step"}."""

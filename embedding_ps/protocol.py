@@ -12,7 +12,9 @@ A message is a list of ZeroMQ frames. A request is::
 
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (a copy in memory), replies at
 once and writes the copy on a thread; SAVE_STATUS reports how that write went (`embedding_ps.saver`).
-Without the flag, SAVE replies once the files are written.
+Without the flag, SAVE replies once the files are written. SAVE with ``flags & FLAG_PREPARE``
+only makes the next background save's memory ready (faulted in on a thread) and replies at once,
+so that the snapshot itself is just a copy.
 
 A reply is ``[header, payload...]`` with the request's op, request id and client id echoed:
 PULL -> rows dtype [N, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP -> JSON bytes; PUSH /
@@ -62,6 +64,8 @@ class Op(enum.IntEnum):
 
 FLAG_BACKGROUND = 1
 """SAVE request flag: snapshot now, reply at once, write the files on a background thread."""
+FLAG_PREPARE = 2
+"""SAVE request flag: fault in the memory of the next background snapshot, reply at once."""
 
 
 class Status(enum.IntEnum):
@@ -236,7 +240,7 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
         raise ProtocolError(f"{what}: payload is not UTF-8 ({e})", Status.BAD_VALUE) from None
 
 
-__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
+__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
            "ProtocolError", "WIRE_DTYPES", "ITEM_SIZE", "unpack_header", "peek_ids", "check_request",
            "expect_bytes", "row_dtype", "tensor_frame", "frame_tensor", "to_wire", "text_frame",
            "frame_text"]

@@ -373,6 +373,11 @@ class ShardServer:
 
     def _save(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
+        if h.flags & P.FLAG_PREPARE:    # ahead of a background save: its memory, while training goes on
+            prepared = self.saver.phase == "idle" and callable(getattr(self.state, "snapshot_buffers", None))
+            if prepared:
+                self.saver.prepare(self.state)
+            return self._json(h, {"shard": self.shard, "prepared": prepared, "phase": self.saver.phase})
         if self._must_wait(h.step) or self.saver.busy:    # busy: retried when the saver's phase ends
             return DEFERRED
         if h.flags & P.FLAG_BACKGROUND:

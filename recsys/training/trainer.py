@@ -229,6 +229,8 @@ class Trainer:
                 times, t_log = StepTimes(), time.perf_counter()
             if self.checkpointer.due(self.step):
                 self.checkpoint(position)
+            else:
+                self.checkpointer.maybe_prepare(self)
         self.drain()
         if self.checkpointer.enabled and self.checkpointer.last_step != self.step:
             self.checkpoint(position)           # the end of this run: a later one can continue it

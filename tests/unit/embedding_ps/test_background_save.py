@@ -187,3 +187,32 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         assert len(state.dump_table(0)[0]) == 4 and len(restored.dump_table(0)[0]) == 3
     finally:
         server.close(TIMEOUT_S)
+
+
+def test_prepare_ahead_makes_the_next_background_save_reply_at_once(tmp_path):
+    """SAVE with FLAG_PREPARE faults the memory in on a thread and replies at once; a later background
+    SAVE then copies straight into those buffers (no parking), and its files hold the state at the SAVE,
+    not at the prepare."""
+    cfg = PSConfig(mode="async", tables=(TableConfig(name="t", dim=D, optimizer="rowwise_adagrad"),))
+    state, replica = ShardState(cfg, 0), ShardState(cfg, 0)
+    server = ShardServer(cfg, 0, state)
+    path = str(tmp_path / "ckpt")
+    try:
+        assert body(server.handle(request(P.Op.SAVE, "prepare", flags=P.FLAG_PREPARE, request=1)))["prepared"]
+        deadline = time.monotonic() + TIMEOUT_S
+        while server.saver.phase != "ready":
+            assert time.monotonic() < deadline, "snapshot buffers never got ready"
+            time.sleep(0.001)
+        again = body(server.handle(request(P.Op.SAVE, "prepare", flags=P.FLAG_PREPARE, request=2)))
+        assert again == {"shard": 0, "prepared": False, "phase": "ready"}       # nothing to do twice
+        server.handle(push([1, 2, 3], step=0, request=3))                       # after the prepare
+        replica.push(0, torch.tensor([1, 2, 3]), torch.ones(3, D), step=0)
+        reply = save_bg(server, path, step=1, request=4)
+        assert reply is not DEFERRED and body(reply)["background"] is True
+        server.close(TIMEOUT_S)
+        assert status(server)["state"] == "done" and status(server)["prepare_s"] > 0
+        restored = ShardState(cfg, 0)
+        restored.load(f"{path}/shard0")
+        assert torch.equal(restored.dump_table(0)[1], replica.dump_table(0)[1])
+    finally:
+        server.close(TIMEOUT_S)
