@@ -17,7 +17,8 @@ Sync contract (ps.mode = "sync", W = ps.num_workers), per worker and step t = 0,
 When all W workers have sent barrier(t), each shard concatenates step t's buffered pushes of each
 table (in worker order, then arrival order) and calls `state.push` once per table: the step's
 gradients are summed and applied once, exactly as one process pushing the concatenation. A push or
-barrier for a step the shard already applied is refused (STALE_STEP). Steps need not be contiguous
+barrier for a step the shard already applied is refused (STALE_STEP). A LOAD forgets every step
+(trainers restarted from a checkpoint count again from its step). Steps need not be contiguous
 (a resumed job may start at step 1000), but they are applied in increasing order.
 
 Async mode: each push is applied on arrival. If the workers also send barrier(t), a pull for step s
@@ -410,6 +411,10 @@ class ShardServer:
             return DEFERRED
         self.saver.drop_buffers()
         self.state.load(path)
+        # the trainers restart from the loaded state: forget the steps and progress of the old run
+        self.sync = StepBuffer(self.config.num_workers) if self.config.mode == "sync" else None
+        self.progress = [-1] * self.config.num_workers
+        self.max_pull_lead = 0
         logger.info("%s: loaded from %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})
 

@@ -64,3 +64,65 @@ def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+
+
+def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path) -> None:
+    """`torchrun --max-restarts 1`: a SIGKILLed trainer brings both workers back, they resume from the
+    latest checkpoint (rank 0 makes the running shards load it) and end where an uninterrupted run of
+    the same job ends."""
+    from recsys.config import load_config
+    from recsys.training.checkpoint import list_checkpoints
+    from recsys.training.launch import launch_train
+
+    data = tmp_path / "data"
+    generate(preset="tiny", rows=6000, num_files=2, out_dir=str(data), seed=4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    job = ["ps.num_shards=2", "ps.num_workers=2", "data.batch_size=64", "train.max_steps=40", "train.epochs=2",
+           "train.checkpoint_every=8", "train.num_threads=1", f"data.train_paths=['{data}/part-00000.parquet']",
+           f"data.eval_paths=['{data}/part-00001.parquet']"]
+    common = ["--config", "configs/tiny.toml"] + [x for o in job for x in ("--set", o)]
+    reference = launch_train(load_config(ROOT / "configs" / "tiny.toml",
+                                         job + ["train.num_trainers=2", f"train.run_dir='{tmp_path / 'ref'}'"]))
+    shards, trainers = [], None
+    run = tmp_path / "run"
+    try:
+        ready = [tmp_path / f"ps{i}.ready" for i in range(2)]
+        for i in range(2):
+            shards.append(subprocess.Popen(
+                [sys.executable, "-m", "recsys.cli", "ps", *common, "--shard", str(i), "--port", "0",
+                 "--ready-file", str(ready[i])], cwd=ROOT, env=env, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while not all(r.exists() for r in ready):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in shards), "shards not ready"
+            time.sleep(0.05)
+        addresses = [r.read_text().strip() for r in ready]
+        trainers = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+             "--max-restarts", "1", "--monitor-interval", "0.2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
+             "-m", "recsys.train", *common, "--set", f"ps.addresses={json.dumps(addresses)}",
+             "--set", f"train.run_dir='{run}'"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + TIMEOUT
+        while not list_checkpoints(run):
+            assert time.monotonic() < deadline and trainers.poll() is None, "no checkpoint before the end"
+            time.sleep(0.05)
+        os.kill(json.loads((run / "pids" / "trainer-1.json").read_text())["pid"], 9)
+        _, err = trainers.communicate(timeout=TIMEOUT)
+        assert trainers.returncode == 0, err[-3000:]
+        assert "resumed from" in err
+    finally:
+        if trainers is not None and trainers.poll() is None:
+            trainers.kill()
+            trainers.wait(timeout=10)
+        for p in shards:
+            p.terminate()
+        for p in shards:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == reference["steps"] == 40
+    assert abs(metrics["auc"] - reference["auc"]) <= 0.002

@@ -216,3 +216,23 @@ def test_prepare_ahead_makes_the_next_background_save_reply_at_once(tmp_path):
         assert torch.equal(restored.dump_table(0)[1], replica.dump_table(0)[1])
     finally:
         server.close(TIMEOUT_S)
+
+
+def test_load_forgets_the_old_runs_steps(tmp_path):
+    """Trainers restarted from a checkpoint (torchrun) LOAD it and go on from its step, which the
+    shard had already applied before: after the LOAD those steps are accepted again."""
+    cfg = PSConfig(mode="sync", num_workers=1, tables=(TableConfig(name="t", dim=D),))
+    server = ShardServer(cfg, 0, ShardState(cfg, 0))
+    path = str(tmp_path / "ckpt")
+    body(server.handle(request(P.Op.SAVE, path, step=0, request=1)))
+    for step in range(3):
+        server.handle(push([1, 2], step=step, request=10 + step))
+        server.handle(request(P.Op.BARRIER, step=step, request=20 + step))
+    assert server.sync.last_applied == 2
+    stale = server.handle(push([1], step=1, request=30))
+    assert P.unpack_header(stale[0]).status == P.Status.STALE_STEP
+    body(server.handle(request(P.Op.LOAD, path, request=31)))
+    assert server.sync.last_applied == -1
+    again = server.handle(push([1], step=1, request=32))
+    assert P.unpack_header(again[0]).status == P.Status.OK
+    server.close(TIMEOUT_S)
