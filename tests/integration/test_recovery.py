@@ -190,3 +190,17 @@ def test_kill_9_recovers_from_checkpoint(tmp_path: Path, data_dir: Path, uninter
     assert abs(metrics["auc"] - full["auc"]) <= 0.002
     left = [p for p in json.loads((run / "processes.json").read_text()) if alive(p["pid"])]
     assert not left, f"processes still alive: {left}"
+
+
+def test_async_resume_keeps_the_staleness_bound(tmp_path: Path, data_dir: Path) -> None:
+    """Async mode: the cut waits for every rank's pushes; after a resume at step 12 the shards know the
+    trainers' progress again (else every pull would wait on a worker 'at step -1')."""
+    run = tmp_path / "run"
+    job = ("train.num_trainers=2", "ps.mode='async'", "ps.max_staleness=2", "train.epochs=2")
+    run_job(run, data_dir, *job, "train.max_steps=12")
+    m = run_job(run, data_dir, *job, "train.max_steps=30", resume="latest")
+    assert m["steps"] == 30 and m["auc"] > 0.6
+    stats = json.loads((run / "ps_stats.json").read_text())
+    assert all(s["max_pull_lead"] <= 2 for s in stats)
+    resumed = train_losses(run)
+    assert max(resumed) == 28 and min(resumed) == 4           # one metrics.jsonl across both runs
