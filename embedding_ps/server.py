@@ -45,13 +45,11 @@ import inspect
 import socket
 import sys
 import threading
-import tomllib
-import typing
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +57,7 @@ import zmq
 
 from embedding_ps import protocol as P
 from embedding_ps.auth import AuthConfigError, check_bind_auth, load_token, setup_server_curve, token_matches
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.config import PSConfig, PSConfigError, TableConfig, load_ps_config
 from embedding_ps.saver import BackgroundSaver
 from embedding_ps.snapshot import shard_dir
 
@@ -75,10 +73,6 @@ BUSY_POLL_MS = 2
 DEFERRED = object()
 """What `ShardServer.handle` returns for a request parked until a later barrier."""
 StateFactory = Callable[[PSConfig, int], Any]
-
-
-class PSConfigError(ValueError):
-    """The `[ps]` section of a job config is wrong; the message names the file, key and value."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,63 +569,6 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
         if authenticator is not None:
             authenticator.stop()
         ctx.term()
-
-
-# ---------------------------------------------------------------------------------------------
-# `[ps]` of a job config (embedding_ps cannot use recsys.config's loader)
-
-
-def load_ps_config(path: str | os.PathLike) -> PSConfig:
-    """PSConfig from the `[ps]` section of TOML file `path`; other sections are ignored.
-
-    Raises PSConfigError for an unknown key (naming the valid ones), a wrong type or choice.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise PSConfigError(f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise PSConfigError(f"{path}: not valid TOML: {e}") from None
-    return _build(PSConfig, raw.get("ps", {}), f"{path}", "ps")
-
-
-def _build(cls: type, raw: Any, source: str, key: str) -> Any:
-    if not isinstance(raw, dict):
-        raise PSConfigError(f"{source}: '{key}' must be a table, got {type(raw).__name__}")
-    names = [f.name for f in fields(cls)]
-    unknown = sorted(set(raw) - set(names))
-    if unknown:
-        raise PSConfigError(f"{source}: unknown key '{key}.{unknown[0]}'; valid: {', '.join(names)}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {k: _value(hints[k], v, source, f"{key}.{k}") for k, v in raw.items()}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise PSConfigError(f"{source}: {e}") from None
-
-
-def _value(tp: Any, v: Any, source: str, key: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        if v not in args:
-            raise PSConfigError(f"{source}: {key} must be one of {', '.join(map(repr, args))}, got {v!r}")
-        return v
-    if origin is tuple:
-        if not isinstance(v, list):
-            raise PSConfigError(f"{source}: {key} must be a list, got {v!r}")
-        if is_dataclass(args[0]):
-            return tuple(_build(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v))
-        return tuple(_value(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v))
-    ok = {bool: lambda x: isinstance(x, bool),
-          int: lambda x: isinstance(x, int) and not isinstance(x, bool),
-          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-          str: lambda x: isinstance(x, str)}
-    if tp not in ok:
-        raise PSConfigError(f"{source}: {key}: unsupported config type {tp!r}")
-    if not ok[tp](v):
-        raise PSConfigError(f"{source}: {key} must be {tp.__name__}, got {v!r}")
-    return float(v) if tp is float else v
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ READY_TIMEOUT_S = 60.0
 
 
 def ps_toml(config: PSConfig) -> str:
-    """A job config holding `config` as its `[ps]` section, which `load_ps_config` reads back."""
+    """A job config holding `config` as its `[ps]` section, which `embedding_ps.config.load_ps_config` reads back."""
     return to_toml(JobConfig(ps=config))
 
 

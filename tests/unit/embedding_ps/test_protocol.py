@@ -16,7 +16,8 @@ import torch
 from embedding_ps import protocol as P
 from embedding_ps.auth import AuthConfigError, check_bind_auth, is_loopback
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import DEFERRED, PSConfigError, ShardServer, StepBuffer, load_ps_config
+from embedding_ps.config import PSConfigError, load_ps_config
+from embedding_ps.server import DEFERRED, ShardServer, StepBuffer
 
 ROOT = Path(__file__).resolve().parents[3]
 D = 4
