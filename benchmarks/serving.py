@@ -113,7 +113,7 @@ def run(rows: int, extra_rows: int, steps: int, threads: int) -> dict:
             t0 = time.perf_counter()
             m = export_model(source, Path(tmp) / prec, prec)
             export_s[prec] = round(time.perf_counter() - t0, 2)
-            sizes[prec] = round(sum(f["bytes"] for k, f in m["files"].items() if k.endswith(".safetensors")) / 2**20, 1)
+            sizes[prec] = round(sum(f["size"] for k, f in m["files"].items() if k.endswith(".safetensors")) / 2**20, 1)
         table = pq.read_table(eval_file)
         cfg = dataclasses.replace(source.config.data, shuffle=False)
         batch_of = {B: decode_table(cfg, table.slice(0, B)) for B in BATCHES}

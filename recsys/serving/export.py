@@ -47,7 +47,8 @@ from recsys.config import JobConfig, to_toml
 from recsys.serving.dense_export import export_dense
 from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
 from recsys.serving.source import SavedShards, Source
-from recsys.serving.tensorfile import ExportError, read_header, sha256_file, write_safetensors
+from recsys.manifest import check_files, file_entry, write_json_atomic
+from recsys.serving.tensorfile import ExportError, read_header, write_safetensors
 from recsys.training.trainer import build_sparse_arch
 
 logger = logging.getLogger(__name__)
@@ -130,12 +131,9 @@ def finish_manifest(root: Path, manifest: dict) -> dict:
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json"):
         rel = path.relative_to(root).as_posix()
-        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        files[rel] = file_entry(path)
     manifest["files"] = files
-    with open(root / "manifest.json", "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_json_atomic(root / "manifest.json", manifest)
     return manifest
 
 
@@ -159,15 +157,7 @@ def read_manifest(root: str | Path, verify: bool = True) -> dict:
     missing = [k for k in ("kind", "step", "precision", "tables", "files", "dense") if k not in manifest]
     if missing:
         raise ExportError(f"{path}: corrupt manifest, no {missing}")
-    for rel, want in manifest["files"].items():
-        f = root / rel
-        if not f.is_file():
-            raise ExportError(f"{f}: listed in {path} but missing")
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            raise ExportError(f"{f}: {size} bytes, the manifest says {want['bytes']} (truncated or changed)")
-        if verify and sha256_file(f) != want["sha256"]:
-            raise ExportError(f"{f}: sha256 differs from the manifest (corrupted or changed)")
+    check_files(root, manifest["files"], ExportError, verify=verify)
     for entry in manifest["tables"]:
         read_header(root / entry["files"]["safetensors"])      # a broken header names the file
     return manifest

@@ -16,7 +16,6 @@ naming the file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -119,9 +118,3 @@ def read_safetensors(path: str | Path, mmap: bool = True) -> tuple[dict[str, np.
     return out, dict(header.get("__metadata__", {}))
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

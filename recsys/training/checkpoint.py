@@ -28,7 +28,6 @@ renames the temporary directory into place, so a directory named `step-*` is alw
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from recsys.config import JobConfig, to_toml
+from recsys.manifest import check_files, file_entry, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +75,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 # manifest
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _known_checksums(root: Path) -> dict[str, dict[str, Any]]:
     """Checksums the shards already computed while writing (their manifest.json `files`), by path
     relative to `root`; hashing them again would re-read every row."""
@@ -108,14 +100,9 @@ def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
         rel = str(path.relative_to(root))
         size = path.stat().st_size
         entry = known.get(rel)
-        files[rel] = entry if entry is not None and entry["size"] == size else {"size": size, "sha256": sha256_file(path)}
+        files[rel] = entry if entry is not None and entry["size"] == size else file_entry(path)
     manifest = {"format": FORMAT, "version": VERSION, **info, "files": files}
-    tmp = root / "manifest.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / "manifest.json")
+    write_json_atomic(root / "manifest.json", manifest)
     return manifest
 
 
@@ -141,17 +128,7 @@ def verify_checkpoint(root: str | Path) -> dict[str, Any]:
     """
     root = Path(root)
     manifest = read_manifest(root)
-    for rel, entry in manifest["files"].items():
-        path = root / rel
-        if not path.is_file():
-            raise CorruptCheckpointError(f"{path}: missing (listed in {root / 'manifest.json'})")
-        size = path.stat().st_size
-        if size != entry["size"]:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {entry['size']} (truncated?)")
-        digest = sha256_file(path)
-        if digest != entry["sha256"]:
-            raise CorruptCheckpointError(f"{path}: sha256 {digest[:12]}..., the manifest says "
-                                         f"{entry['sha256'][:12]}... (the file was altered)")
+    check_files(root, manifest["files"], CorruptCheckpointError)
     return manifest
 
 

@@ -140,7 +140,7 @@ def test_manifest_describes_the_export(exports, run) -> None:
     assert m["features"]["pooled"][4]["pooling"] == "mean"
     assert m["dense"]["columns"] == ["I1", "I2"] and [i["name"] for i in m["dense"]["inputs"]] == ["dense", "pooled"]
     assert set(m["files"]) >= {"dense.pt2", "config.toml", "tables/C1.safetensors", "tables/C1.parquet"}
-    assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in m["files"].values())
+    assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in m["files"].values())
 
 
 @pytest.mark.parametrize("victim, damage", [

@@ -1,0 +1,52 @@
+"""File manifests of checkpoints and exports: size + sha256 of every file, and their check.
+
+A manifest's `files` maps a path relative to its directory to `{"size": bytes, "sha256": hex}` (the
+PS shards' own manifests use the same form), so a truncated or altered file is named, not loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON at `path`, written to a temporary file, fsynced and renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_files(root: Path, files: dict[str, dict[str, Any]], error: type[Exception], *, verify: bool = True) -> None:
+    """Raise `error` naming the first file of `files` (under `root`) that is missing, of another size,
+    or (with `verify`) of another sha256 than its entry says."""
+    for rel, want in files.items():
+        path = root / rel
+        if not path.is_file():
+            raise error(f"{path}: missing (listed in {root / 'manifest.json'})")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise error(f"{path}: {size} bytes, the manifest says {want['size']} (truncated or changed)")
+        if verify:
+            digest = sha256_file(path)
+            if digest != want["sha256"]:
+                raise error(f"{path}: sha256 {digest[:12]}..., the manifest says {want['sha256'][:12]}... "
+                            f"(the file was altered)")
