@@ -121,3 +121,15 @@ def shard_processes(tmp_path):
     finally:
         for procs in started:
             procs.close()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie counts as dead: it only waits to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False

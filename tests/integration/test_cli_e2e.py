@@ -14,6 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from .conftest import alive
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,18 +26,6 @@ def recsys(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     return subprocess.run([sys.executable, "-m", "recsys.cli", *args], cwd=ROOT, env=env, timeout=timeout,
                           capture_output=True, text=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); it is dead for our purpose
-    try:
-        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
-    except FileNotFoundError:
-        return False
 
 
 def assert_all_dead(run: Path) -> list[dict]:

@@ -25,6 +25,8 @@ from recsys.training.checkpoint import list_checkpoints
 from recsys.training.launch import launch_train
 from recsys.training.store import LocalStore
 
+from .conftest import alive
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,17 +147,6 @@ def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = TIMEOUT) 
             raise AssertionError(f"job exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
 
 
 KILL_JOB = ("train.num_trainers=2", "train.max_steps=40", "train.epochs=2", "train.max_restarts=2")

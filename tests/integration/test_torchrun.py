@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,25 +21,40 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180
 
 
-def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    generate(preset="tiny", rows=6000, num_files=2, out_dir=str(data), seed=4)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    common = ["--config", "configs/tiny.toml", "--set", "ps.num_shards=2", "--set", "ps.num_workers=2",
-              "--set", "data.batch_size=64"]
+@contextlib.contextmanager
+def recsys_ps_shards(tmp_path: Path, common: list[str], env: dict[str, str]):
+    """Two `recsys ps` shard processes of the job `common` (CLI args); yields their addresses."""
     shards = []
     try:
         ready = [tmp_path / f"ps{i}.ready" for i in range(2)]
         for i in range(2):
             shards.append(subprocess.Popen(
                 [sys.executable, "-m", "recsys.cli", "ps", *common, "--shard", str(i), "--port", "0",
-                 "--ready-file", str(ready[i])], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+                 "--ready-file", str(ready[i])], cwd=ROOT, env=env, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 60
         while not all(r.exists() for r in ready):
             assert time.monotonic() < deadline, "shards not ready"
-            assert all(p.poll() is None for p in shards), [p.stderr.read() for p in shards if p.poll() is not None]
+            assert all(p.poll() is None for p in shards), "a shard exited before it was ready"
             time.sleep(0.05)
-        addresses = [r.read_text().strip() for r in ready]
+        yield [r.read_text().strip() for r in ready]
+    finally:
+        for p in shards:
+            p.terminate()
+        for p in shards:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    generate(preset="tiny", rows=6000, num_files=2, out_dir=str(data), seed=4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    common = ["--config", "configs/tiny.toml", "--set", "ps.num_shards=2", "--set", "ps.num_workers=2",
+              "--set", "data.batch_size=64"]
+    with recsys_ps_shards(tmp_path, common, env) as addresses:
         port = free_port()
         run = tmp_path / "run"
         r = subprocess.run(
@@ -55,15 +71,6 @@ def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
         assert metrics["steps"] > 0 and metrics["eval_examples"] == 3000 and metrics["auc"] > 0.55
         stats = json.loads((run / "ps_stats.json").read_text())
         assert [s["shard"] for s in stats] == [0, 1]
-    finally:
-        for p in shards:
-            p.terminate()
-        for p in shards:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
 
 
 def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path) -> None:
@@ -83,19 +90,8 @@ def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path) -> Non
     common = ["--config", "configs/tiny.toml"] + [x for o in job for x in ("--set", o)]
     reference = launch_train(load_config(ROOT / "configs" / "tiny.toml",
                                          job + ["train.num_trainers=2", f"train.run_dir='{tmp_path / 'ref'}'"]))
-    shards, trainers = [], None
     run = tmp_path / "run"
-    try:
-        ready = [tmp_path / f"ps{i}.ready" for i in range(2)]
-        for i in range(2):
-            shards.append(subprocess.Popen(
-                [sys.executable, "-m", "recsys.cli", "ps", *common, "--shard", str(i), "--port", "0",
-                 "--ready-file", str(ready[i])], cwd=ROOT, env=env, stderr=subprocess.DEVNULL))
-        deadline = time.monotonic() + 60
-        while not all(r.exists() for r in ready):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in shards), "shards not ready"
-            time.sleep(0.05)
-        addresses = [r.read_text().strip() for r in ready]
+    with recsys_ps_shards(tmp_path, common, env) as addresses:
         trainers = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
              "--max-restarts", "1", "--monitor-interval", "0.2",
@@ -103,26 +99,19 @@ def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path) -> Non
              "-m", "recsys.train", *common, "--set", f"ps.addresses={json.dumps(addresses)}",
              "--set", f"train.run_dir='{run}'"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + TIMEOUT
-        while not list_checkpoints(run):
-            assert time.monotonic() < deadline and trainers.poll() is None, "no checkpoint before the end"
-            time.sleep(0.05)
-        os.kill(json.loads((run / "pids" / "trainer-1.json").read_text())["pid"], 9)
-        _, err = trainers.communicate(timeout=TIMEOUT)
-        assert trainers.returncode == 0, err[-3000:]
-        assert "resumed from" in err
-    finally:
-        if trainers is not None and trainers.poll() is None:
-            trainers.kill()
-            trainers.wait(timeout=10)
-        for p in shards:
-            p.terminate()
-        for p in shards:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while not list_checkpoints(run):
+                assert time.monotonic() < deadline and trainers.poll() is None, "no checkpoint before the end"
+                time.sleep(0.05)
+            os.kill(json.loads((run / "pids" / "trainer-1.json").read_text())["pid"], 9)
+            _, err = trainers.communicate(timeout=TIMEOUT)
+            assert trainers.returncode == 0, err[-3000:]
+            assert "resumed from" in err
+        finally:
+            if trainers.poll() is None:
+                trainers.kill()
+                trainers.wait(timeout=10)
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"] == reference["steps"] == 40
     assert abs(metrics["auc"] - reference["auc"]) <= 0.002
