@@ -106,7 +106,7 @@ class Trainer:
         """Continue from a checkpoint (see recsys.training.checkpoint); the shards load their part
         separately. Async mode: tells the shards this worker's progress, for the staleness bound."""
         manifest = restore_trainer(self, checkpoint)
-        self.start_step = self.step
+        self.start_step = self.checkpointer.last_step = self.step    # no second checkpoint of this step
         self.store.step = self.step        # the step its pushes carry (a barrier advances it from here)
         self._start_epoch = int(self.loader.state_dict()["epoch"])
         if self.cfg.ps.mode == "async" and self.step > 0:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from recsys.config import JobConfig, load_config
 from recsys.metrics import CTRMetrics, MetricLogger, NullMetricLogger
+from recsys.training.checkpoint import read_manifest
 from recsys.training.store import connect_store
 from recsys.training.trainer import Trainer
 
@@ -71,6 +72,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "pids" / f"trainer-{rank}.json").write_text(
         json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid()}))
+    if resume is not None and rank == 0:
+        trim_metrics(out / "metrics.jsonl", read_manifest(Path(resume))["step"])
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
     store = connect_store(cfg, addresses, worker_id=rank)
@@ -111,6 +114,25 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         metric_logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop the lines of steps after `step` from metrics.jsonl (logged by an attempt that died after
+    its last checkpoint: the resumed run logs those steps again)."""
+    if not path.exists():
+        return
+    def before(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except ValueError:           # a line cut short by the kill
+            return False
+
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [x for x in lines if before(x)]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 
 
 def _sum_all(x: float) -> float:

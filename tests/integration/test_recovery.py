@@ -178,6 +178,8 @@ def test_kill_9_recovers_from_checkpoint(tmp_path: Path, data_dir: Path, uninter
     metrics = json.loads((run / "metrics.json").read_text())
     full = json.loads((uninterrupted / "metrics.json").read_text())
     assert metrics["steps"] == 40
+    logged = [x["step"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss/train" in x]
+    assert logged == list(train_losses(uninterrupted))   # each step once: the dead attempt's later lines are gone
     assert abs(metrics["auc"] - full["auc"]) <= 0.002
     left = [p for p in json.loads((run / "processes.json").read_text()) if alive(p["pid"])]
     assert not left, f"processes still alive: {left}"

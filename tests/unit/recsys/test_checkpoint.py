@@ -177,3 +177,14 @@ def test_resume_into_more_shards_equals_uninterrupted(tmp_path: Path, data_dir: 
     assert_same_rows(full_store, store, atol=1e-6)
     for p, q in zip(full.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_resumed_metrics_drop_the_dead_attempts_later_lines(tmp_path: Path) -> None:
+    from recsys.training.worker import trim_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss/train": 0.5}) + "\n" for s in (4, 8, 12, 16)]
+    path.write_text("".join(lines) + '{"step": 20, "loss/tr')        # the kill cut the last line short
+    trim_metrics(path, 8)
+    assert path.read_text() == "".join(lines[:2])
+    trim_metrics(tmp_path / "none.jsonl", 8)                          # no file yet: nothing to do
