@@ -158,6 +158,10 @@ def prune(run_dir: str | Path, keep: int) -> None:
     for path in done[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
         logger.info("removed old checkpoint %s", path.name)
+    if done:     # a killed attempt's unfinished saves of steps before the newest complete one
+        for tmp in checkpoints_dir(run_dir).glob(f".tmp-{PREFIX}*"):
+            if tmp.name[len(".tmp-"):] < done[-1].name:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

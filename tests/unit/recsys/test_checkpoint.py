@@ -92,6 +92,8 @@ def test_resume_equals_uninterrupted(tmp_path: Path, data_dir: Path) -> None:
 
 def test_checkpoint_contents_and_keep_last(tmp_path: Path, data_dir: Path) -> None:
     cfg = job(tmp_path / "run", data_dir, "train.max_steps=25", "train.keep_checkpoints=2")
+    stale = Path(cfg.train.run_dir) / "checkpoints" / ".tmp-step-0000000003"    # a killed attempt's
+    (stale / "model").mkdir(parents=True)
     train(cfg)
     names = [p.name for p in list_checkpoints(cfg.train.run_dir)]
     assert names == ["step-0000000024", "step-0000000025"]          # every 6 steps + the end; keep 2
