@@ -205,8 +205,8 @@ def launch_train(cfg: JobConfig, resume: str | None = None) -> dict:
                 raise RuntimeError(str(e) + ("" if not e.killed else
                                    f" (after {restarts} restarts; train.max_restarts = {cfg.train.max_restarts})")) from e
             restarts += 1
-            checkpoint = resolve_resume(run_dir, "latest")
-            where = f"checkpoint {checkpoint.name}" if checkpoint else "step 0 (no checkpoint yet)"
+            checkpoint = resolve_resume(run_dir, "latest") or checkpoint    # none written yet: where it began
+            where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
             logger.warning("%s; restart %d/%d from %s", e, restarts, cfg.train.max_restarts, where)
             with open(run_dir / "restarts.jsonl", "a") as f:
                 f.write(json.dumps({"time": time.time(), "restart": restarts, "reason": str(e),
