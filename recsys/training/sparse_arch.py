@@ -2,7 +2,7 @@
 
 For one step::
 
-    lookup = sparse_arch.lookup(batch, store)   # issues one pull per table (async, all in flight)
+    lookup = sparse_arch.lookup(batch, store)   # issues the pulls (async, all in flight)
     pooled, linear = lookup.wait()              # [B, F, D] and [B, F_lin] (or None)
     ... forward, loss.backward() ...
     lookup.push(scale)                          # row gradients [U, D] of every table -> store
@@ -93,29 +93,47 @@ def plan_tables(
 
 @dataclass
 class SparseLookup:
-    """One step's pulled rows; holds the leaves whose gradients go back to the store."""
+    """One step's pulled rows; holds the leaves whose gradients go back to the store.
+
+    Rows travel per group of tables pooled together (`_groups`): with a store that has
+    `pull_many_async` a group is one pull (one request per shard) whose rows [U_g, D] are the
+    tables' unique rows back to back, one leaf, and one push of its gradient; otherwise one pull
+    and one push per table.
+    """
 
     store: EmbeddingStore
     plans: list[TablePlan]
+    groups: list[list[int]]               # plan indices pooled by one embedding_bag
     ids: list[torch.Tensor]               # per plan: unique ids [U]
     inverse: list[torch.Tensor]           # per plan: [N_t] index into the unique ids
     offsets: list[torch.Tensor]           # per plan: [len(features) * B] bag starts
     weights: list[torch.Tensor | None]    # per plan: [N_t] per-id weights or None
     batch_size: int
-    futures: list[Future] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)
+    futures: list[list[Future]] = field(default_factory=list)   # per group: 1 (pull_many) or 1 per plan
+    rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
     pull_s: float = 0.0
+
+    def issue(self, step: int | None) -> None:
+        """Start every group's pull(s)."""
+        many = getattr(self.store, "pull_many_async", None)
+        for group in self.groups:
+            if many is not None:
+                self.futures.append([many([self.plans[p].table for p in group], [self.ids[p] for p in group], step)])
+            else:
+                self.futures.append([self.store.pull_async(self.plans[p].table, self.ids[p], step) for p in group])
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
         t0 = time.perf_counter()
-        self.rows = [fut.result().requires_grad_(True) for fut in self.futures]
+        for futs in self.futures:
+            parts = [f.result() for f in futs]
+            self.rows.append((torch.cat(parts) if len(parts) > 1 else parts[0]).requires_grad_(True))
         self.pull_s += time.perf_counter() - t0
         B = self.batch_size
         pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
         linear: dict[int, torch.Tensor] = {}   # feature index -> [B]
-        for group in _groups(self.plans):
-            out = self._pool_group(group)                   # [sum(F_t) * B, D]
+        for g, group in enumerate(self.groups):
+            out = self._pool_group(g, group)                # [sum(F_t) * B, D]
             feats = [f for p in group for f in self.plans[p].features]
             linear_group = self.plans[group[0]].linear
             # one view + unbind: its backward is one stack, where B-row slices would each
@@ -130,15 +148,14 @@ class SparseLookup:
         lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
         return stacked, lin
 
-    def _pool_group(self, group: list[int]) -> torch.Tensor:
-        """embedding_bag over the concatenated rows of tables sharing dim and pooling mode."""
-        rows = torch.cat([self.rows[p] for p in group]) if len(group) > 1 else self.rows[group[0]]
+    def _pool_group(self, g: int, group: list[int]) -> torch.Tensor:
+        """embedding_bag over the group's rows [U_g, D] (tables sharing dim and pooling mode)."""
         base = 0
         indices, offsets, weights = [], [], []
         num_ids = 0
         for p in group:
-            indices.append(self.inverse[p] + base)
-            offsets.append(self.offsets[p] + num_ids)
+            indices.append(self.inverse[p] + base if base else self.inverse[p])
+            offsets.append(self.offsets[p] + num_ids if num_ids else self.offsets[p])
             base += self.ids[p].numel()
             num_ids += self.inverse[p].numel()
             w = self.weights[p]
@@ -147,21 +164,29 @@ class SparseLookup:
         # batch.weights covers every feature (1.0 where a feature has no weight column); only sum
         # pooling takes per-id weights, and JobConfig rejects weight columns on mean-pooled tables
         use_weights = mode == "sum" and any(self.weights[p] is not None for p in group)
+        cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
         return F.embedding_bag(
-            torch.cat(indices), rows, torch.cat(offsets), mode=mode,
-            per_sample_weights=torch.cat(weights) if use_weights else None,
+            cat(indices), self.rows[g], cat(offsets), mode=mode,
+            per_sample_weights=cat(weights) if use_weights else None,
         )
 
     def push(self, scale: float = 1.0) -> list[Future]:
         """Send every table's row gradient, multiplied by `scale`, to the store."""
         futures = []
-        for p, rows in enumerate(self.rows):
+        many = getattr(self.store, "push_many_async", None)
+        for group, rows in zip(self.groups, self.rows):
             grad = rows.grad
-            if grad is None:       # the table's output did not reach the loss
+            if grad is None:       # the group's output did not reach the loss
                 grad = torch.zeros_like(rows)
             if scale != 1.0:
                 grad = grad * scale
-            futures.append(self.store.push_async(self.plans[p].table, self.ids[p], grad.detach()))
+            grad = grad.detach()
+            if many is not None:
+                futures.append(many([self.plans[p].table for p in group], [self.ids[p] for p in group], grad))
+                continue
+            sizes = [self.ids[p].numel() for p in group]
+            for p, g in zip(group, torch.split(grad, sizes)):
+                futures.append(self.store.push_async(self.plans[p].table, self.ids[p], g))
         return futures
 
 
@@ -185,6 +210,7 @@ class SparseArch:
 
     def __init__(self, plans: list[TablePlan]) -> None:
         self.plans = plans
+        self.groups = _groups(plans)
 
     def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
         kj = batch.sparse
@@ -194,7 +220,7 @@ class SparseArch:
         per_feature = lengths.sum(dim=1)                            # [F]
         starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
-        look = SparseLookup(store, self.plans, [], [], [], [], B)
+        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], B)
         t0 = time.perf_counter()
         for plan in self.plans:
             pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
@@ -210,6 +236,6 @@ class SparseArch:
             look.ids.append(uniq)
             look.inverse.append(inverse)
             look.offsets.append(offsets)
-            look.futures.append(store.pull_async(plan.table, uniq, step))
+        look.issue(step)
         look.pull_s = time.perf_counter() - t0
         return look

@@ -32,6 +32,23 @@ class DictStore:
         return f
 
 
+class ManyStore(DictStore):
+    """DictStore with the multi-table calls: the sparse arch then pulls and pushes once per group."""
+
+    def pull_many_async(self, tables: list[int], ids: list[torch.Tensor], step: int | None = None) -> Future:
+        self.many_calls = getattr(self, "many_calls", 0) + 1
+        f: Future = Future()
+        f.set_result(torch.cat([self.tables[t][i].clone() for t, i in zip(tables, ids)]))
+        return f
+
+    def push_many_async(self, tables: list[int], ids: list[torch.Tensor], grads: torch.Tensor) -> Future:
+        for t, i, g in zip(tables, ids, grads.split([x.numel() for x in ids])):
+            self.push_async(t, i, g)
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+
 def make_batch(B: int, keys: tuple[str, ...], seed: int, weights: bool = False) -> Batch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (len(keys) * B,), generator=g, dtype=torch.int32)
@@ -43,7 +60,8 @@ def make_batch(B: int, keys: tuple[str, ...], seed: int, weights: bool = False) 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool) -> None:
+@pytest.mark.parametrize("store_cls", [DictStore, ManyStore])
+def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool, store_cls) -> None:
     if weighted and pooling == "mean":
         pytest.skip("per-id weights need sum pooling")
     keys = ("a", "b", "c")
@@ -52,7 +70,7 @@ def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: 
     plans = plan_tables(keys, tables, {"a": "t0", "b": "t1", "c": "t0"}, {}, {"t0": pooling, "t1": pooling})
     g = torch.Generator().manual_seed(0)
     dense = {0: torch.randn(V, 4, generator=g), 1: torch.randn(V, 4, generator=g)}
-    store = DictStore(dense)
+    store = store_cls(dense)
     B = 7
     batch = make_batch(B, keys, seed=1, weights=weighted)
     lookup = SparseArch(plans).lookup(batch, store)
