@@ -107,6 +107,7 @@ class SparseLookup:
     ids: list[torch.Tensor]               # per plan: unique ids [U]
     inverse: list[torch.Tensor]           # per plan: [N_t] index into the unique ids
     offsets: list[torch.Tensor]           # per plan: [len(features) * B] bag starts
+    lengths: list[torch.Tensor]           # per plan: [len(features) * B] bag lengths (int64)
     weights: list[torch.Tensor | None]    # per plan: [N_t] per-id weights or None
     batch_size: int
     futures: list[list[Future]] = field(default_factory=list)   # per group: 1 (pull_many) or 1 per plan
@@ -130,11 +131,22 @@ class SparseLookup:
             self.rows.append((torch.cat(parts) if len(parts) > 1 else parts[0]).requires_grad_(True))
         self.pull_s += time.perf_counter() - t0
         B = self.batch_size
+        feats_of = [[f for p in group for f in self.plans[p].features] for group in self.groups]
+        dense_groups = [g for g, group in enumerate(self.groups) if not self.plans[group[0]].linear]
+        if len(dense_groups) == 1 and feats_of[dense_groups[0]] == sorted(feats_of[dense_groups[0]]):
+            # the usual case: one group holds every embedded feature, in order; pooled straight
+            # into [B, F, D] (bags example-major), with no stack and no copy of its gradient
+            g = dense_groups[0]
+            stacked = self._pool_group(g, self.groups[g], example_major=True).view(B, len(feats_of[g]), -1)
+        else:
+            stacked = None
         pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
         linear: dict[int, torch.Tensor] = {}   # feature index -> [B]
         for g, group in enumerate(self.groups):
+            if stacked is not None and g in dense_groups:
+                continue
             out = self._pool_group(g, group)                # [sum(F_t) * B, D]
-            feats = [f for p in group for f in self.plans[p].features]
+            feats = feats_of[g]
             linear_group = self.plans[group[0]].linear
             # one view + unbind: its backward is one stack, where B-row slices would each
             # allocate and add a full-size zero gradient (quadratic in the number of features)
@@ -143,13 +155,17 @@ class SparseLookup:
                     linear[f] = piece[:, 0]
                 else:
                     pooled[f] = piece
-        dense_feats = sorted(pooled)
-        stacked = torch.stack([pooled[f] for f in dense_feats], dim=1)  # [B, F, D]
+        if stacked is None:
+            stacked = torch.stack([pooled[f] for f in sorted(pooled)], dim=1)  # [B, F, D]
         lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
         return stacked, lin
 
-    def _pool_group(self, g: int, group: list[int]) -> torch.Tensor:
-        """embedding_bag over the group's rows [U_g, D] (tables sharing dim and pooling mode)."""
+    def _pool_group(self, g: int, group: list[int], example_major: bool = False) -> torch.Tensor:
+        """embedding_bag over the group's rows [U_g, D] (tables sharing dim and pooling mode).
+
+        Bags are feature-major ([F_g * B, D]: feature after feature), or with `example_major`
+        example-major ([B * F_g, D], i.e. [B, F_g, D]): the ids are permuted into that order first.
+        """
         base = 0
         indices, offsets, weights = [], [], []
         num_ids = 0
@@ -165,10 +181,10 @@ class SparseLookup:
         # pooling takes per-id weights, and JobConfig rejects weight columns on mean-pooled tables
         use_weights = mode == "sum" and any(self.weights[p] is not None for p in group)
         cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
-        return F.embedding_bag(
-            cat(indices), self.rows[g], cat(offsets), mode=mode,
-            per_sample_weights=cat(weights) if use_weights else None,
-        )
+        idx, offs, w = cat(indices), cat(offsets), (cat(weights) if use_weights else None)
+        if example_major:
+            idx, offs, w = _to_example_major(idx, cat([self.lengths[p] for p in group]), self.batch_size, w)
+        return F.embedding_bag(idx, self.rows[g], offs, mode=mode, per_sample_weights=w)
 
     def push(self, scale: float = 1.0) -> list[Future]:
         """Send every table's row gradient, multiplied by `scale`, to the store."""
@@ -188,6 +204,23 @@ class SparseLookup:
             for p, g in zip(group, torch.split(grad, sizes)):
                 futures.append(self.store.push_async(self.plans[p].table, self.ids[p], g))
         return futures
+
+
+def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
+                      weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Bags feature-major -> example-major: indices [N] and lengths [F * B] of bag (f, b) at f * B + b
+    -> (indices [N], offsets [B * F], weights [N] | None) of bag (f, b) at b * F + f."""
+    F_ = lengths.numel() // B
+    N = indices.numel()
+    em_lengths = lengths.view(F_, B).t().reshape(-1)                        # [B * F]
+    em_offsets = torch.cumsum(em_lengths, 0) - em_lengths                  # [B * F]
+    fm_offsets = torch.cumsum(lengths, 0) - lengths                        # [F * B]
+    shift = em_offsets.view(B, F_).t().reshape(-1) - fm_offsets            # [F * B]: new start - old start
+    dest = torch.arange(N) + torch.repeat_interleave(shift, lengths, output_size=N)   # [N]
+    out = torch.empty_like(indices).index_copy_(0, dest, indices)
+    if weights is not None:
+        weights = torch.empty_like(weights).index_copy_(0, dest, weights)
+    return out, em_offsets, weights
 
 
 def _groups(plans: list[TablePlan]) -> list[list[int]]:
@@ -220,7 +253,7 @@ class SparseArch:
         per_feature = lengths.sum(dim=1)                            # [F]
         starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
-        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], B)
+        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B)
         t0 = time.perf_counter()
         for plan in self.plans:
             pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
@@ -236,6 +269,7 @@ class SparseArch:
             look.ids.append(uniq)
             look.inverse.append(inverse)
             look.offsets.append(offsets)
+            look.lengths.append(lens)
         look.issue(step)
         look.pull_s = time.perf_counter() - t0
         return look

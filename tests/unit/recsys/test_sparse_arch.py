@@ -61,15 +61,19 @@ def make_batch(B: int, keys: tuple[str, ...], seed: int, weights: bool = False) 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("store_cls", [DictStore, ManyStore])
-def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool, store_cls) -> None:
+@pytest.mark.parametrize("shared", [True, False])
+def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool, store_cls, shared) -> None:
     if weighted and pooling == "mean":
         pytest.skip("per-id weights need sum pooling")
     keys = ("a", "b", "c")
-    # features a and c share table t0; b reads t1
-    tables = (TableConfig(name="t0", dim=4), TableConfig(name="t1", dim=4))
-    plans = plan_tables(keys, tables, {"a": "t0", "b": "t1", "c": "t0"}, {}, {"t0": pooling, "t1": pooling})
+    # shared: features a and c share table t0 (bags feature-major, then stacked); else c reads
+    # t2 and the features are in table order (pooled example-major straight into [B, F, D])
+    tables = (TableConfig(name="t0", dim=4), TableConfig(name="t1", dim=4), TableConfig(name="t2", dim=4))
+    feature_table = {0: 0, 1: 1, 2: 0 if shared else 2}
+    plans = plan_tables(keys, tables, {k: f"t{feature_table[f]}" for f, k in enumerate(keys)}, {},
+                        {"t0": pooling, "t1": pooling, "t2": pooling})
     g = torch.Generator().manual_seed(0)
-    dense = {0: torch.randn(V, 4, generator=g), 1: torch.randn(V, 4, generator=g)}
+    dense = {t: torch.randn(V, 4, generator=g) for t in range(3)}
     store = store_cls(dense)
     B = 7
     batch = make_batch(B, keys, seed=1, weights=weighted)
@@ -79,7 +83,6 @@ def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: 
 
     # reference: one dense EmbeddingBag per feature over leaf copies of the tables
     ref_tables = {t: w.clone().requires_grad_(True) for t, w in dense.items()}
-    feature_table = {0: 0, 1: 1, 2: 0}
     lengths = batch.sparse.lengths.view(3, B).long()
     starts = torch.cumsum(lengths.sum(1), 0) - lengths.sum(1)
     ref = []
@@ -95,7 +98,7 @@ def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: 
     (pooled * w).sum().backward()
     (ref_pooled * w).sum().backward()
     lookup.push(scale=0.5)
-    for t in (0, 1):
+    for t in sorted(set(feature_table.values())):
         ids, grads = store.pushed[t]
         assert torch.equal(ids, torch.unique(ids)), "pushed ids must be unique"
         torch.testing.assert_close(grads, 0.5 * ref_tables[t].grad[ids])
