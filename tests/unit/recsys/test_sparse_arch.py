@@ -146,3 +146,24 @@ def test_weights_apply_only_to_sum_pooled_tables() -> None:
     ref_b = F.embedding_bag(batch.sparse.values[n_a:], store.tables[1], torch.cumsum(lb, 0) - lb, mode="mean")
     torch.testing.assert_close(pooled[:, 0], ref_a)
     torch.testing.assert_close(pooled[:, 1], ref_b)
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [0, 2, 1, 1], [3, 0, 0, 1]])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sum_pool_backward_matches_embedding_bag(lengths, weighted) -> None:
+    from recsys.training.sparse_arch import _SumPool
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(5, 3, generator=g, requires_grad=True)
+    ref_rows = rows.detach().clone().requires_grad_(True)
+    lens = torch.tensor(lengths)
+    idx = torch.randint(0, 5, (int(lens.sum()),), generator=g)
+    offs = torch.cumsum(lens, 0) - lens
+    w = torch.rand(idx.numel(), generator=g) if weighted else None
+    out = _SumPool.apply(rows, idx, offs, lens, w)
+    ref = F.embedding_bag(idx, ref_rows, offs, mode="sum", per_sample_weights=w)
+    torch.testing.assert_close(out, ref)
+    up = torch.randn(out.shape, generator=g)
+    (out * up).sum().backward()
+    (ref * up).sum().backward()
+    torch.testing.assert_close(rows.grad, ref_rows.grad)
