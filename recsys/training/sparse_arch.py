@@ -285,13 +285,17 @@ class SparseArch:
         per_feature = lengths.sum(dim=1)                            # [F]
         starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
+        bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
         look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B)
         t0 = time.perf_counter()
         for plan in self.plans:
             pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
             values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]          # [N_t]
-            lens = lengths[list(plan.features)].reshape(-1)                        # [F_t * B]
-            offsets = torch.cumsum(lens, 0) - lens                                 # [F_t * B]
+            if len(plan.features) == 1:          # views of the batch-wide [F, B] tensors
+                lens, offsets = lengths[plan.features[0]], bag_starts[plan.features[0]]   # [B]
+            else:
+                lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
+                offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
             uniq, inverse = torch.unique(values, return_inverse=True)              # [U], [N_t]
             if batch.weights is not None:
                 wp = [batch.weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
