@@ -7,10 +7,13 @@ For one step::
     ... forward, loss.backward() ...
     lookup.push(scale)                          # row gradients [U, D] of every table -> store
 
-The rows of each table come back as a leaf tensor [U, D] with requires_grad, so autograd gives
-their gradient directly; no embedding table lives in the trainer. Pooling is one
-`F.embedding_bag` per group of tables sharing (dim, pooling mode): the groups' rows are
-concatenated so the whole batch pools in a handful of kernel calls, not one per feature.
+The rows of each group of tables sharing (dim, pooling mode) come back as one leaf tensor
+[U_g, D] with requires_grad (the tables' unique rows back to back: one multi-table pull, one
+request per shard, when the store has `pull_many_async`), so autograd gives their gradient
+directly; no embedding table lives in the trainer. Pooling is one `F.embedding_bag` per group, so
+the whole batch pools in a handful of kernel calls, not one per feature; sum pooling's backward is
+one index_add_ (`_SumPool`), and the usual single group pools example-major, straight into
+[B, F, D].
 """
 
 from __future__ import annotations
