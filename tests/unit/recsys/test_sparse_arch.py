@@ -148,7 +148,7 @@ def test_weights_apply_only_to_sum_pooled_tables() -> None:
     torch.testing.assert_close(pooled[:, 1], ref_b)
 
 
-@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [0, 2, 1, 1], [3, 0, 0, 1]])
+@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [0, 1, 1, 0], [0, 2, 1, 1], [3, 0, 0, 1], [0, 0]])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_sum_pool_backward_matches_embedding_bag(lengths, weighted) -> None:
     from recsys.training.sparse_arch import _SumPool
