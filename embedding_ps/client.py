@@ -44,6 +44,7 @@ import zmq
 from embedding_ps import protocol as P
 from embedding_ps.auth import load_token, setup_client_curve
 from embedding_ps.config import PSConfig
+from embedding_ps.multi_client import MultiTableOps
 from embedding_ps.sharding import route
 from embedding_ps.snapshot import shard_dir
 
@@ -286,8 +287,10 @@ class _Plan:
     place: torch.Tensor | None         # int64 [U] (no dedup, several shards) or None
 
 
-class PSClient:
+class PSClient(MultiTableOps):
     """Pull rows from / push gradients to every PS shard. See the module docstring.
+
+    pull_many_async / push_many_async (from MultiTableOps): several tables in one request per shard.
 
     addresses: `tcp://host:port` of shard 0..S-1. worker_id: this trainer's rank (sync mode).
     dedup: deduplicate ids before sending (sort + inverse). A caller whose ids are already unique

@@ -8,6 +8,8 @@ A message is a list of ZeroMQ frames. A request is::
         PULL      ids int64 [N]                     (dtype field: the row type wanted back)
         PUSH      ids int64 [N], grads dtype [N, D]
         SAVE/LOAD directory, UTF-8                   (dtype BYTES, count = byte length)
+        PULL_MULTI  index int64 [T, 2], ids int64 [M]          (count = T parts, dim = D of every part)
+        PUSH_MULTI  index int64 [T, 2], ids int64 [M], grads dtype [M, D]
         others    nothing
 
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (a copy in memory), replies at
@@ -16,9 +18,14 @@ Without the flag, SAVE replies once the files are written. SAVE with ``flags & F
 only makes the next background save's memory ready (faulted in on a thread) and replies at once,
 so that the snapshot itself is just a copy.
 
+A multi-table request carries T parts in one message (one request per shard per step instead of
+one per table): row i of `index` is (table, n_i), the ids are the parts' ids back to back
+(M = sum n_i), and so are the grads and the PULL_MULTI reply's rows dtype [M, D]. Every part's
+table must have dim D. It does what the T single-table requests in that order would do.
+
 A reply is ``[header, payload...]`` with the request's op, request id and client id echoed:
-PULL -> rows dtype [N, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP -> JSON bytes; PUSH /
-BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with the error message.
+PULL -> rows dtype [N, D]; PULL_MULTI -> rows dtype [M, D]; STATS / HEALTH / SAVE / SAVE_STATUS /
+LOAD / SWEEP -> JSON bytes; PUSH / PUSH_MULTI / BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with the error message.
 
 Header fields (60 bytes, ``<IHBBHHIIQIIqQQ``)::
 
@@ -60,6 +67,8 @@ class Op(enum.IntEnum):
     SHUTDOWN = 8
     SWEEP = 9
     SAVE_STATUS = 10
+    PULL_MULTI = 11
+    PUSH_MULTI = 12
 
 
 FLAG_BACKGROUND = 1
@@ -95,7 +104,8 @@ WIRE_DTYPES = {"fp32": DType.FP32, "fp16": DType.FP16, "bf16": DType.BF16}
 
 # payload frames after [header, auth] per op (requests)
 REQUEST_PAYLOADS = {Op.PULL: 1, Op.PUSH: 2, Op.BARRIER: 0, Op.STATS: 0, Op.HEALTH: 0, Op.SAVE: 1,
-                    Op.LOAD: 1, Op.SHUTDOWN: 0, Op.SWEEP: 0, Op.SAVE_STATUS: 0}
+                    Op.LOAD: 1, Op.SHUTDOWN: 0, Op.SWEEP: 0, Op.SAVE_STATUS: 0,
+                    Op.PULL_MULTI: 2, Op.PUSH_MULTI: 3}
 
 
 class ProtocolError(ValueError):
@@ -203,6 +213,8 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     The buffer keeps the tensor's memory alive until zmq is done with it.
     """
     t = t.detach().contiguous()
+    if t.numel() == 0:              # memoryview cannot cast a shape with a zero in it
+        return memoryview(b"")
     if t.dtype == torch.bfloat16:   # numpy has no bfloat16: ship the same 2 bytes as int16
         t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")

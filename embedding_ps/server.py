@@ -30,8 +30,9 @@ is parked meanwhile), then the shard copies its state into it, replies, and a th
 copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
 save is prepared or written, new SAVE and LOAD requests are parked and retried when that ends.
 
-Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
-(client, request id) pairs and answers a retried request from that cache without applying it twice.
+Pushes (PUSH, PUSH_MULTI) and barriers are not idempotent: the shard keeps the replies of the last
+REPLAY_ENTRIES (client, request id) pairs and answers a retried request from that cache without
+applying it twice. PULL_MULTI / PUSH_MULTI (one request for several tables) live in `multi_server`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import numpy as np
 import torch
 import zmq
 
+from embedding_ps import multi_server
 from embedding_ps import protocol as P
 from embedding_ps.auth import AuthConfigError, check_bind_auth, load_token, setup_server_curve, token_matches
 from embedding_ps.config import PSConfig, PSConfigError, TableConfig, load_ps_config
@@ -73,6 +75,7 @@ BUSY_POLL_MS = 2
 DEFERRED = object()
 """What `ShardServer.handle` returns for a request parked until a later barrier."""
 StateFactory = Callable[[PSConfig, int], Any]
+_NOT_IDEMPOTENT = (P.Op.PUSH, P.Op.PUSH_MULTI, P.Op.BARRIER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +207,9 @@ class ShardServer:
         self._handlers = {P.Op.PULL: self._pull, P.Op.PUSH: self._push, P.Op.BARRIER: self._barrier,
                           P.Op.STATS: self._stats, P.Op.HEALTH: self._health, P.Op.SAVE: self._save,
                           P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep,
-                          P.Op.SAVE_STATUS: self._save_status}
+                          P.Op.SAVE_STATUS: self._save_status,
+                          P.Op.PUSH_MULTI: lambda h, p: multi_server.push_multi(self, h, p),
+                          P.Op.PULL_MULTI: lambda h, p: multi_server.pull_multi(self, h, p) or DEFERRED}
         self.buffers = ReplyBuffers()
         self.saver = BackgroundSaver(self.name, shard_index)
         try:
@@ -229,13 +234,13 @@ class ShardServer:
             if self.token is not None and not token_matches(self.token, _buf(frames[1])):
                 raise P.ProtocolError("authentication failed: wrong or missing token", P.Status.UNAUTHORIZED)
             key = (header.client, header.request)
-            if op in (P.Op.PUSH, P.Op.BARRIER) and key in self.replay:
+            if op in _NOT_IDEMPOTENT and key in self.replay:
                 logger.info("%s: replayed reply of retried %s request %d", self.name, op.name, header.request)
                 return self.replay[key]
             reply = self._handlers[op](header, [_buf(f) for f in frames[2:]])
             if reply is not DEFERRED:
                 self.counts[op.name.lower()] += 1
-                if op in (P.Op.PUSH, P.Op.BARRIER):
+                if op in _NOT_IDEMPOTENT:
                     self._remember(key, reply)
             return reply
         except P.ProtocolError as e:

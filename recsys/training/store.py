@@ -48,6 +48,8 @@ class LocalStore:
         return [torch.nonzero(owner == s).flatten() for s in range(self.config.num_shards)]
 
     def pull(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        if len(self.states) == 1:
+            return self.states[0].pull(table, ids, self.step)
         out = torch.empty(ids.numel(), self.config.tables[table].dim)
         for s, pos in enumerate(self._buckets(table, ids)):
             if pos.numel():
@@ -55,6 +57,8 @@ class LocalStore:
         return out
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        if len(self.states) == 1:
+            return self.states[0].push(table, ids, grads, self.step)
         for s, pos in enumerate(self._buckets(table, ids)):
             if pos.numel():
                 self.states[s].push(table, ids[pos], grads[pos], self.step)
@@ -64,6 +68,15 @@ class LocalStore:
 
     def push_async(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> Future:
         self.push(table, ids, grads)
+        return _done(None)
+
+    def pull_many_async(self, tables: list[int], ids: list[torch.Tensor], step: int | None = None) -> Future:
+        """Rows [sum N_t, D] of every table's ids, table after table (tables of one dim)."""
+        return _done(torch.cat([self.pull(t, x) for t, x in zip(tables, ids)]))
+
+    def push_many_async(self, tables: list[int], ids: list[torch.Tensor], grads: torch.Tensor) -> Future:
+        for t, x, g in zip(tables, ids, torch.split(grads, [x.numel() for x in ids])):
+            self.push(t, x, g)
         return _done(None)
 
     def barrier(self, step: int) -> None:

@@ -32,6 +32,23 @@ class DictStore:
         return f
 
 
+class ManyStore(DictStore):
+    """DictStore with the multi-table calls: the sparse arch then pulls and pushes once per group."""
+
+    def pull_many_async(self, tables: list[int], ids: list[torch.Tensor], step: int | None = None) -> Future:
+        self.many_calls = getattr(self, "many_calls", 0) + 1
+        f: Future = Future()
+        f.set_result(torch.cat([self.tables[t][i].clone() for t, i in zip(tables, ids)]))
+        return f
+
+    def push_many_async(self, tables: list[int], ids: list[torch.Tensor], grads: torch.Tensor) -> Future:
+        for t, i, g in zip(tables, ids, grads.split([x.numel() for x in ids])):
+            self.push_async(t, i, g)
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+
 def make_batch(B: int, keys: tuple[str, ...], seed: int, weights: bool = False) -> Batch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (len(keys) * B,), generator=g, dtype=torch.int32)
@@ -43,16 +60,21 @@ def make_batch(B: int, keys: tuple[str, ...], seed: int, weights: bool = False) 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool) -> None:
+@pytest.mark.parametrize("store_cls", [DictStore, ManyStore])
+@pytest.mark.parametrize("shared", [True, False])
+def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool, store_cls, shared) -> None:
     if weighted and pooling == "mean":
         pytest.skip("per-id weights need sum pooling")
     keys = ("a", "b", "c")
-    # features a and c share table t0; b reads t1
-    tables = (TableConfig(name="t0", dim=4), TableConfig(name="t1", dim=4))
-    plans = plan_tables(keys, tables, {"a": "t0", "b": "t1", "c": "t0"}, {}, {"t0": pooling, "t1": pooling})
+    # shared: features a and c share table t0 (bags feature-major, then stacked); else c reads
+    # t2 and the features are in table order (pooled example-major straight into [B, F, D])
+    tables = (TableConfig(name="t0", dim=4), TableConfig(name="t1", dim=4), TableConfig(name="t2", dim=4))
+    feature_table = {0: 0, 1: 1, 2: 0 if shared else 2}
+    plans = plan_tables(keys, tables, {k: f"t{feature_table[f]}" for f, k in enumerate(keys)}, {},
+                        {"t0": pooling, "t1": pooling, "t2": pooling})
     g = torch.Generator().manual_seed(0)
-    dense = {0: torch.randn(V, 4, generator=g), 1: torch.randn(V, 4, generator=g)}
-    store = DictStore(dense)
+    dense = {t: torch.randn(V, 4, generator=g) for t in range(3)}
+    store = store_cls(dense)
     B = 7
     batch = make_batch(B, keys, seed=1, weights=weighted)
     lookup = SparseArch(plans).lookup(batch, store)
@@ -61,7 +83,6 @@ def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: 
 
     # reference: one dense EmbeddingBag per feature over leaf copies of the tables
     ref_tables = {t: w.clone().requires_grad_(True) for t, w in dense.items()}
-    feature_table = {0: 0, 1: 1, 2: 0}
     lengths = batch.sparse.lengths.view(3, B).long()
     starts = torch.cumsum(lengths.sum(1), 0) - lengths.sum(1)
     ref = []
@@ -77,7 +98,7 @@ def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: 
     (pooled * w).sum().backward()
     (ref_pooled * w).sum().backward()
     lookup.push(scale=0.5)
-    for t in (0, 1):
+    for t in sorted(set(feature_table.values())):
         ids, grads = store.pushed[t]
         assert torch.equal(ids, torch.unique(ids)), "pushed ids must be unique"
         torch.testing.assert_close(grads, 0.5 * ref_tables[t].grad[ids])
@@ -125,3 +146,24 @@ def test_weights_apply_only_to_sum_pooled_tables() -> None:
     ref_b = F.embedding_bag(batch.sparse.values[n_a:], store.tables[1], torch.cumsum(lb, 0) - lb, mode="mean")
     torch.testing.assert_close(pooled[:, 0], ref_a)
     torch.testing.assert_close(pooled[:, 1], ref_b)
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [0, 1, 1, 0], [0, 2, 1, 1], [3, 0, 0, 1], [0, 0]])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sum_pool_backward_matches_embedding_bag(lengths, weighted) -> None:
+    from recsys.training.sparse_arch import _SumPool
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(5, 3, generator=g, requires_grad=True)
+    ref_rows = rows.detach().clone().requires_grad_(True)
+    lens = torch.tensor(lengths)
+    idx = torch.randint(0, 5, (int(lens.sum()),), generator=g)
+    offs = torch.cumsum(lens, 0) - lens
+    w = torch.rand(idx.numel(), generator=g) if weighted else None
+    out = _SumPool.apply(rows, idx, offs, lens, w)
+    ref = F.embedding_bag(idx, ref_rows, offs, mode="sum", per_sample_weights=w)
+    torch.testing.assert_close(out, ref)
+    up = torch.randn(out.shape, generator=g)
+    (out * up).sum().backward()
+    (ref * up).sum().backward()
+    torch.testing.assert_close(rows.grad, ref_rows.grad)
