@@ -162,3 +162,14 @@ def h():
         ref_hash=ref_hash, make_table=make_table, make_cfg=make_cfg, write=write, FULL=FULL,
         expected_rows=expected_rows, batch_rows=batch_rows, read_all=read_all, row_ids=row_ids,
         assert_rows_equal=assert_rows_equal)
+
+
+@pytest.fixture
+def uneven_files(h, tmp_path):
+    """4 files of 37, 50, 21, 44 rows (row ids 0..151) in row groups of 16: uneven, so windows and
+    files cut batches and resume positions fall inside windows."""
+    row0 = 0
+    for i, n in enumerate((37, 50, 21, 44)):
+        h.write(tmp_path / "ds" / f"part-{i}.parquet", h.make_table(n, seed=i, row0=row0), row_group_rows=16)
+        row0 += n
+    return str(tmp_path / "ds")

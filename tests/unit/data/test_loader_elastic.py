@@ -16,13 +16,8 @@ TOTAL = 152
 
 
 @pytest.fixture
-def files(h, tmp_path):
-    """4 files of 37, 50, 21, 44 rows (row ids 0..151) in row groups of 16."""
-    row0 = 0
-    for i, n in enumerate((37, 50, 21, 44)):
-        h.write(tmp_path / "ds" / f"part-{i}.parquet", h.make_table(n, seed=i, row0=row0), row_group_rows=16)
-        row0 += n
-    return str(tmp_path / "ds")
+def files(uneven_files):
+    return uneven_files
 
 
 def cfg(h, **kw):

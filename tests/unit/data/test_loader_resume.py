@@ -15,13 +15,8 @@ from data.parquet import DataError
 
 
 @pytest.fixture
-def files(h, tmp_path):
-    """4 files of 37, 50, 21, 44 rows in row groups of 16 (uneven, so windows and files cut batches)."""
-    row0 = 0
-    for i, n in enumerate((37, 50, 21, 44)):
-        h.write(tmp_path / "ds" / f"part-{i}.parquet", h.make_table(n, seed=i, row0=row0), row_group_rows=16)
-        row0 += n
-    return str(tmp_path / "ds")
+def files(uneven_files):
+    return uneven_files
 
 
 def cfg(h, **kw):
