@@ -48,14 +48,8 @@ def pull_multi(server: Any, h: P.Header, payload: list) -> Any:
     dtype = P.row_dtype(h.dtype, "PULL_MULTI reply")
     tables, counts, ids = parse_parts(server, h, payload[0], payload[1])
     total = ids.shape[0]
-    reply_bytes = total * h.dim * P.ITEM_SIZE[dtype]
-    if reply_bytes > server.config.max_frame_bytes:
-        raise P.ProtocolError(f"PULL_MULTI of {total} rows of dim {h.dim} = {reply_bytes} bytes exceeds "
-                              f"ps.max_frame_bytes = {server.config.max_frame_bytes}", P.Status.BAD_VALUE)
-    if server._must_wait(h.step):
+    if not server.pull_may_go(h, total, h.dim, dtype):
         return None
-    if server.sync is None:
-        server.max_pull_lead = max(server.max_pull_lead, h.step - (min(server.progress) + 1))
     out = server.buffers.tensor(torch.float32, (total, h.dim))        # [M, D], a reused reply buffer
     start = 0
     for t, n in zip(tables, counts):

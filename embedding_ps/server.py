@@ -305,18 +305,25 @@ class ShardServer:
 
     # -- ops ------------------------------------------------------------------------------------
 
+    def pull_may_go(self, h: P.Header, rows: int, dim: int, dtype: P.DType) -> bool:
+        """PULL / PULL_MULTI of `rows` rows: refuse a reply over ps.max_frame_bytes; False while the
+        step must wait (sync: earlier steps pending; async: too far ahead), else note its lead."""
+        reply_bytes = rows * dim * P.ITEM_SIZE[dtype]
+        if reply_bytes > self.config.max_frame_bytes:
+            raise P.ProtocolError(f"{P.Op(h.op).name} of {rows} rows of dim {dim} = {reply_bytes} bytes exceeds "
+                                  f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
+        if self._must_wait(h.step):
+            return False
+        if self.sync is None:
+            self.max_pull_lead = max(self.max_pull_lead, h.step - (min(self.progress) + 1))
+        return True
+
     def _pull(self, h: P.Header, payload: list) -> Any:
         table = self._table(h)
         dtype = P.row_dtype(h.dtype, "PULL reply")
         ids = self._ids(h, payload[0])
-        reply_bytes = h.count * table.dim * P.ITEM_SIZE[dtype]
-        if reply_bytes > self.config.max_frame_bytes:
-            raise P.ProtocolError(f"PULL of {h.count} rows of dim {table.dim} = {reply_bytes} bytes exceeds "
-                                  f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
-        if self._must_wait(h.step):
+        if not self.pull_may_go(h, h.count, table.dim, dtype):
             return DEFERRED
-        if self.sync is None:
-            self.max_pull_lead = max(self.max_pull_lead, h.step - (min(self.progress) + 1))
         shape = (h.count, table.dim)
         if self._pull_out and h.count:
             if dtype == P.DType.FP32:       # rows straight into a reused buffer: no fresh pages
