@@ -73,6 +73,30 @@ class _Item:
     """rows dropped in the windows this item entered first"""
 
 
+class _Carry:
+    """Rows gathered towards the next batch of `batch_size` rows, from one or more windows."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.parts: list[tuple[Rows, Index]] = []
+        self.n = 0
+
+    def take(self, rows: Rows, order: np.ndarray | None, pos: int, stop: int) -> Iterator[int]:
+        """Add rows [pos, stop) of `rows` (in `order` when shuffled); yields the position after
+        each batch it completes, which the caller takes with `pop` before the next one fills."""
+        while pos < stop:
+            take = min(self.batch_size - self.n, stop - pos)
+            self.parts.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
+            self.n += take
+            pos += take
+            if self.n == self.batch_size:
+                yield pos
+
+    def pop(self) -> list[tuple[Rows, Index]]:
+        parts, self.parts, self.n = self.parts, [], 0
+        return parts
+
+
 class _Files:
     """Reads the row groups of a stream in order, `readahead` row groups ahead on a worker thread.
 
@@ -191,9 +215,8 @@ class _Reader:
         keys = [(p.source, p.row_group) for w in range(window, windows.num_windows) for p in windows.pieces_of(w)]
         keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
         files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
-        B = self.cfg.batch_size
-        carry: list[tuple[Rows, Index]] = []
-        n_carry = bad = 0
+        carry = _Carry(self.cfg.batch_size)
+        bad = 0
         try:
             for w in range(window, windows.num_windows):
                 rows, dropped = self._window(files, windows, w)
@@ -205,18 +228,12 @@ class _Reader:
                     raise ValueError(f"resume position (window {w}, offset {start}) is past the "
                                      f"window's {n} rows: the data changed since the state was saved")
                 order = epoch_seed(self.cfg.seed, epoch, 1, self.rank, w).permutation(n) if self.row_shuffle else None
-                pos = start
-                while pos < n:
-                    take = min(B - n_carry, n - pos)
-                    carry.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
-                    n_carry += take
-                    pos += take
-                    if n_carry == B:
-                        yield _Item(self._batch(carry), *((w, pos) if pos < n else (w + 1, 0)), bad)
-                        carry, n_carry, bad = [], 0, 0
+                for pos in carry.take(rows, order, start, n):
+                    yield _Item(self._batch(carry.pop()), *((w, pos) if pos < n else (w + 1, 0)), bad)
+                    bad = 0
             end = max(windows.num_windows, window)
-            if carry and not self.cfg.drop_last:
-                yield _Item(self._batch(carry), end, 0, bad)
+            if carry.n and not self.cfg.drop_last:
+                yield _Item(self._batch(carry.pop()), end, 0, bad)
                 bad = 0
             yield _Item(None, end, 0, bad)
         finally:
@@ -230,26 +247,21 @@ class _Reader:
         """
         streams = {(s.world, s.rank): self.windows(epoch, s.world, s.rank) for s in plan}
         parts = plan_parts(plan, done, streams)
-        B, total = self.cfg.batch_size, plan_rows(plan)
-        carry: list[tuple[Rows, Index]] = []
-        n_carry = bad = 0
+        total = plan_rows(plan)
+        carry = _Carry(self.cfg.batch_size)
+        bad = 0
         windows = self._plan_windows(epoch, parts, streams)
         try:
             for p, rows, order, dropped in windows:
                 n = 0 if rows is None else len(rows)
                 if p.a == 0:
                     bad += dropped
-                pos, stop = min(p.a, n), min(p.c, n)
-                while pos < stop:
-                    take = min(B - n_carry, stop - pos)
-                    carry.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
-                    n_carry += take
-                    pos += take
-                    if n_carry == B:
-                        yield _Item(self._batch(carry), 0, p.base + pos if pos < stop else p.end, bad)
-                        carry, n_carry, bad = [], 0, 0
-            if carry and not self.cfg.drop_last:
-                yield _Item(self._batch(carry), 0, total, bad)
+                stop = min(p.c, n)
+                for pos in carry.take(rows, order, min(p.a, n), stop):
+                    yield _Item(self._batch(carry.pop()), 0, p.base + pos if pos < stop else p.end, bad)
+                    bad = 0
+            if carry.n and not self.cfg.drop_last:
+                yield _Item(self._batch(carry.pop()), 0, total, bad)
                 bad = 0
             yield _Item(None, 0, total, bad)
         finally:
