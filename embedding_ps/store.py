@@ -1,0 +1,96 @@
+"""The one contract between a trainer (or predictor) and wherever the embedding rows live.
+
+    rows = store.pull_many_async([0, 1], [ids0, ids1], step).result()   # float32 [N0 + N1, D]
+    store.push_many_async([0, 1], [ids0, ids1], grads, step)            # grads float32 [N0 + N1, D]
+    store.barrier(step)                                                  # sync: the step is applied
+
+Three implementations, and nothing else is used at these seams (no `getattr` probing, no private
+members): `embedding_ps.client.PSClient` (the shards over the network), `embedding_ps.local.LocalStore`
+(the shards' states in this process: offline eval, tests) and the export-backed store of
+`recsys.serving` (read-only rows of an export). Test doubles implement this Protocol too.
+
+Rows are addressed by table index (into `ps.tables`) and int64 ids; the tables of one multi-table
+call share the embedding dim D; rows and gradients are in the caller's order, table after table.
+A single table is a call with one part (`pull` / `push` are that, blocking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class EmbeddingStore(Protocol):
+    """Multi-table pull/push (blocking and async), steps, save/load, stats, close."""
+
+    step: int
+    """The training step requests carry when none is given; `barrier(t)` sets it to t + 1."""
+
+    # -- rows -------------------------------------------------------------------------------------
+
+    def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
+                        step: int | None = None) -> "Future[torch.Tensor]":
+        """A Future of float32 rows [sum N_t, D] of every table's int64 ids [N_t], in order."""
+        ...
+
+    def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
+                        step: int | None = None) -> "Future[None]":
+        """Send float32 grads [sum N_t, D] (rows in pull_many_async's order); the store applies each
+        table's optimizer (sync mode: at the step's barrier). Duplicate ids get the sum."""
+        ...
+
+    def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        """float32 rows [N, D] of one table's int64 ids [N] (a one-part pull, blocking)."""
+        ...
+
+    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
+        """Send one table's grads [N, D] of ids [N] and wait for the acknowledgement."""
+        ...
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def barrier(self, step: int) -> None:
+        """Wait for this worker's pushes, then tell the store it is done with `step` (sync mode: the
+        step is applied once every worker is done with it). Sets `step` to `step + 1`."""
+        ...
+
+    def barrier_async(self, step: int) -> "Future":
+        """`barrier` without waiting (async mode: a progress report for ps.max_staleness)."""
+        ...
+
+    def sweep(self, step: int) -> list[dict]:
+        """Every shard drops rows unseen for their table's ttl_steps as of `step`; per-shard counts."""
+        ...
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
+        """Every shard saves its part under `directory` (one `embedding_ps.snapshot` directory each)."""
+        ...
+
+    def prepare_save(self) -> "Future[list]":
+        """Fault in the memory of the next background save ahead of it (may do nothing)."""
+        ...
+
+    def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
+        """Block until every shard's last save is `directory` and written; per-shard statuses."""
+        ...
+
+    def load(self, directory: str) -> list[dict]:
+        """Every shard loads its part of a save under `directory`."""
+        ...
+
+    def stats(self) -> list[dict]:
+        """Per shard: row counts, memory, request counters (whatever the store knows)."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets / threads. Idempotent."""
+        ...
+
+
+__all__ = ["EmbeddingStore"]
