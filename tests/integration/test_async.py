@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from data.synthetic import generate
 from recsys.config import load_config
 from recsys.training.launch import launch_train
 
@@ -16,9 +15,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_async_training_learns_and_respects_staleness(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    generate(preset="tiny", rows=60000, num_files=3, out_dir=str(data), seed=1)
+def test_async_training_learns_and_respects_staleness(tmp_path: Path, tiny_dataset) -> None:
+    data = tiny_dataset(rows=60000, files=3, seed=1)
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"data.train_paths=['{data}/part-00000.parquet', '{data}/part-00001.parquet']",
         f"data.eval_paths=['{data}/part-00002.parquet']",

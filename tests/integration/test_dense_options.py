@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.synthetic import generate
 from recsys.config import load_config
 from recsys.training.launch import launch_train
 
@@ -19,9 +18,8 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dense-opts")
-    generate(preset="tiny", rows=4000, num_files=2, out_dir=str(out), seed=2, row_group_rows=500)
+def data(tiny_dataset) -> Path:
+    out = tiny_dataset(rows=4000, files=2, seed=2, row_group_rows=500)
     return out
 
 

@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from data.synthetic import generate
 from recsys.config import load_config, to_toml
 from recsys.serving import Predictor
 from recsys.training.store import LocalStore
@@ -40,9 +39,8 @@ def save(root: Path, cfg, trainer: Trainer, store: LocalStore, step_file: str) -
     return root
 
 
-def test_export_delta_apply_cli(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    generate(preset="tiny", rows=8000, num_files=2, out_dir=str(data), seed=11)
+def test_export_delta_apply_cli(tmp_path: Path, tiny_dataset) -> None:
+    data = tiny_dataset(rows=8000, files=2, seed=11)
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"data.train_paths=['{data}/part-00000.parquet']", f"data.eval_paths=['{data}/part-00001.parquet']",
         f"train.run_dir='{tmp_path / 'run'}'", "ps.num_shards=2", "train.max_steps=8"])

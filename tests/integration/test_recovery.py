@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from data.synthetic import generate
 from recsys.config import load_config
 from recsys.training.checkpoint import list_checkpoints
 from recsys.training.launch import launch_train
@@ -36,10 +35,13 @@ TIMEOUT = 300
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def data_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dataset) -> Path:
+    """part-*.parquet (the shared train set) and eval/ (another seed), as links to the session's datasets."""
     out = tmp_path_factory.mktemp("recovery-data")
-    generate(preset="tiny", rows=ROWS, num_files=3, out_dir=str(out), seed=11, row_group_rows=400)
-    generate(preset="tiny", rows=4000, num_files=1, out_dir=str(out / "eval"), seed=12)
+    train = tiny_dataset(rows=ROWS, files=3, seed=11, row_group_rows=400)
+    for part in sorted(train.glob("part-*.parquet")):
+        (out / part.name).symlink_to(part)
+    (out / "eval").symlink_to(tiny_dataset(rows=4000, files=1, seed=12), target_is_directory=True)
     return out
 
 

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from data.loader import ParquetLoader
-from data.synthetic import generate
 from embedding_ps.init import init_rows
 from embedding_ps.optim import fill_value, reference_update, state_specs
 from recsys.config import JobConfig, load_config
@@ -33,9 +32,8 @@ BATCH = 32
 
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-data")
-    generate(preset="tiny", rows=4 * STEPS * BATCH, num_files=3, out_dir=str(out), seed=5, row_group_rows=500)
+def tiny_data(tiny_dataset) -> Path:
+    out = tiny_dataset(rows=4 * STEPS * BATCH, files=3, seed=5, row_group_rows=500)
     return out
 
 

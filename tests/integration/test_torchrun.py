@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from data.synthetic import generate
 from recsys.training.launch import free_port
 
 pytestmark = pytest.mark.integration
@@ -48,9 +47,8 @@ def recsys_ps_shards(tmp_path: Path, common: list[str], env: dict[str, str]):
                 p.wait(timeout=5)
 
 
-def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    generate(preset="tiny", rows=6000, num_files=2, out_dir=str(data), seed=4)
+def test_ps_hosts_and_torchrun_trainers(tmp_path: Path, tiny_dataset) -> None:
+    data = tiny_dataset(rows=6000, files=2, seed=4)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     common = ["--config", "configs/tiny.toml", "--set", "ps.num_shards=2", "--set", "ps.num_workers=2",
               "--set", "data.batch_size=64"]
@@ -73,7 +71,7 @@ def test_ps_hosts_and_torchrun_trainers(tmp_path: Path) -> None:
         assert [s["shard"] for s in stats] == [0, 1]
 
 
-def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path) -> None:
+def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path, tiny_dataset) -> None:
     """`torchrun --max-restarts 1`: a SIGKILLed trainer brings both workers back, they resume from the
     latest checkpoint (rank 0 makes the running shards load it) and end where an uninterrupted run of
     the same job ends."""
@@ -81,8 +79,7 @@ def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path) -> Non
     from recsys.training.checkpoint import list_checkpoints
     from recsys.training.launch import launch_train
 
-    data = tmp_path / "data"
-    generate(preset="tiny", rows=6000, num_files=2, out_dir=str(data), seed=4)
+    data = tiny_dataset(rows=6000, files=2, seed=4)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     job = ["ps.num_shards=2", "ps.num_workers=2", "data.batch_size=64", "train.max_steps=40", "train.epochs=2",
            "train.checkpoint_every=8", "train.num_threads=1", f"data.train_paths=['{data}/part-00000.parquet']",

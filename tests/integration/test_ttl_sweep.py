@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from data.synthetic import generate
 from recsys.config import load_config
 from recsys.training.launch import launch_train
 
@@ -22,9 +21,8 @@ def rows_of(run: Path, table: str) -> int:
     return sum(s["state"][f"{table}/rows"] for s in stats)
 
 
-def test_ttl_rows_are_swept(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    generate(preset="tiny", rows=8000, num_files=1, out_dir=str(data), seed=6)
+def test_ttl_rows_are_swept(tmp_path: Path, tiny_dataset) -> None:
+    data = tiny_dataset(rows=8000, files=1, seed=6)
     base = load_config(ROOT / "configs" / "tiny.toml", [
         f"data.train_paths=['{data}']", "data.eval_paths=[]", "data.batch_size=64", "train.log_every=5",
         "train.max_steps=100"])

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.synthetic import generate
 from recsys.config import JobConfig, load_config, to_toml
 from recsys.training.checkpoint import checkpoint_path
 from recsys.training.store import LocalStore
@@ -29,10 +28,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="session")
-def export_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("export-data")
-    generate(preset="tiny", rows=30000, num_files=2, out_dir=str(out), seed=5)
-    return out
+def export_data(tiny_dataset) -> Path:
+    return tiny_dataset(rows=30000, files=2, seed=5)
 
 
 def _tiny_config(data: Path, run_dir: Path, tables: dict[str, dict] | None = None, **train: object) -> JobConfig:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.synthetic import generate
 from embedding_ps.sharding import shard_of
 from recsys.config import JobConfig, load_config
 from recsys.training.checkpoint import (CorruptCheckpointError, list_checkpoints, resolve_resume,
@@ -24,9 +23,8 @@ B = 64
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt-data")
-    generate(preset="tiny", rows=40 * B, num_files=2, out_dir=str(out), seed=7, row_group_rows=300)
+def data_dir(tiny_dataset) -> Path:
+    out = tiny_dataset(rows=40 * B, files=2, seed=7, row_group_rows=300)
     return out
 
 
