@@ -28,276 +28,34 @@ ones decoded ahead.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import queue
 import threading
 import weakref
-from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import islice
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import torch
-
-from data.batch import Batch, validate_batch
+from data.batch import Batch
 from data.config import DataConfig
-from data.elastic import (STATE_VERSION, Part, Segment, check_old_states, check_state, plan_parts, plan_row_groups,
-                          plan_rows, plan_to_json, share, unread_segments)
-from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
-from data.rows import BatchLayout, Index, Rows, gather
-from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
+from data.elastic import (STATE_VERSION, Segment, check_old_states, check_state, plan_rows, plan_to_json, share,
+                          unread_segments)
+from data.parquet import DataError
+from data.reader import Item, Reader
 
 __all__ = ["DataError", "ParquetLoader"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_OPEN_FILES = 8
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    """One step of the stream: a batch (None at the end of the epoch) and the position after it:
-    (window, offset) in the rank stream, or (0, rows done) in an elastic plan."""
-
-    batch: Batch | None
-    window: int
-    offset: int
-    bad_rows: int
-    """rows dropped in the windows this item entered first"""
-
-
-class _Carry:
-    """Rows gathered towards the next batch of `batch_size` rows, from one or more windows."""
-
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
-        self.parts: list[tuple[Rows, Index]] = []
-        self.n = 0
-
-    def take(self, rows: Rows, order: np.ndarray | None, pos: int, stop: int) -> Iterator[int]:
-        """Add rows [pos, stop) of `rows` (in `order` when shuffled); yields the position after
-        each batch it completes, which the caller takes with `pop` before the next one fills."""
-        while pos < stop:
-            take = min(self.batch_size - self.n, stop - pos)
-            self.parts.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
-            self.n += take
-            pos += take
-            if self.n == self.batch_size:
-                yield pos
-
-    def pop(self) -> list[tuple[Rows, Index]]:
-        parts, self.parts, self.n = self.parts, [], 0
-        return parts
-
-
-class _Files:
-    """Reads the row groups of a stream in order, `readahead` row groups ahead on a worker thread.
-
-    `keys` is the order the producer will ask for (source, row group); the open Parquet files (a
-    few, LRU) are used by the worker thread only (or by the caller's thread when readahead = 0).
-    """
-
-    def __init__(self, sources: list[ParquetSource], plan: ColumnPlan, keys: list[tuple[int, int]],
-                 readahead: int) -> None:
-        self.sources, self.plan = sources, plan
-        self.open: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self.keys = deque(keys)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-read") if readahead > 0 else None
-        self.ahead: deque[tuple[tuple[int, int], Future[pa.Table]]] = deque()
-        self.readahead = readahead
-        self.key: tuple[int, int] | None = None
-        self.table: pa.Table | None = None
-
-    def _read(self, src: int, rg: int) -> pa.Table:
-        source = self.sources[src]
-        pf = self.open.pop(src, None)
-        if pf is None:
-            try:
-                pf = pq.ParquetFile(source.path, metadata=source.metadata)
-            except Exception as e:
-                raise DataError(f"{source.path}: row group {rg}: cannot open ({type(e).__name__}: {e})") from e
-        self.open[src] = pf
-        if len(self.open) > _MAX_OPEN_FILES:
-            self.open.popitem(last=False)[1].close()
-        return read_row_group(source, pf, rg, self.plan)
-
-    def row_group(self, src: int, rg: int) -> pa.Table:
-        """The planned columns of row group `rg` of source `src` (the last one is kept)."""
-        key = (src, rg)
-        if self.key == key:
-            return self.table
-        self.key, self.table = None, None                # drop the previous row group first
-        if self.keys and self.keys[0] == key:            # asked in `keys` order (or again after a failure)
-            self.keys.popleft()
-        if self.pool is None:
-            table = self._read(src, rg)
-        else:
-            fut = self.ahead.popleft()[1] if self.ahead and self.ahead[0][0] == key else \
-                self.pool.submit(self._read, src, rg)
-            for nxt in islice(self.keys, len(self.ahead), self.readahead):
-                self.ahead.append((nxt, self.pool.submit(self._read, *nxt)))
-            table = fut.result()
-        self.key, self.table = key, table
-        return table
-
-    def close(self) -> None:
-        self.key, self.table = None, None
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.ahead.clear()
-        while self.open:
-            self.open.popitem()[1].close()
-
-
-class _Reader:
-    """The immutable part of a loader: what to read and how; produces a rank's stream of `_Item`s."""
-
-    def __init__(self, cfg: DataConfig, paths: Sequence[str], rank: int, world_size: int) -> None:
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.sources, self.plan, self.skipped = scan_files(cfg, resolve_paths(tuple(paths)))
-        self.decoder = Decoder(cfg, self.plan)
-        self.units = list_units([s.row_group_rows for s in self.sources])
-        self.row_shuffle = cfg.shuffle and cfg.shuffle_buffer_rows > 0
-        self.window_rows = cfg.shuffle_buffer_rows if self.row_shuffle else DEFAULT_WINDOW_ROWS
-        self.layout = BatchLayout(tuple(cfg.sparse_columns), self.plan.layout, bool(cfg.weight_columns))
-        self.pin = cfg.pin_memory and torch.cuda.is_available()
-        h = hashlib.sha1()
-        for s in self.sources:
-            h.update(f"{os.path.basename(s.path)}:{','.join(map(str, s.row_group_rows))};".encode())
-        self.fingerprint = h.hexdigest()
-
-    def windows(self, epoch: int, world: int | None = None, rank: int | None = None) -> Windows:
-        """The windows of the stream of `rank` of `world` ranks (default: this loader's) in `epoch`."""
-        pieces = rank_stream(self.units, epoch=epoch, seed=self.cfg.seed, shuffle=self.cfg.shuffle,
-                             rank=self.rank if rank is None else rank,
-                             world_size=self.world_size if world is None else world)
-        return Windows(pieces, self.window_rows)
-
-    def _window(self, files: _Files, windows: Windows, w: int) -> tuple[Rows | None, int]:
-        """(the kept rows of window w in file order - None if none, rows dropped)."""
-        parts, dropped = [], 0
-        for p in windows.pieces_of(w):
-            path = self.sources[p.source].path
-            try:
-                table = files.row_group(p.source, p.row_group)
-            except DataError as e:
-                if self.cfg.on_bad_rows == "error":
-                    raise
-                logger.warning("skipping %d rows: %s", p.num_rows, e)
-                dropped += p.num_rows
-                continue
-            rows, n_bad, why = self.decoder.decode(table.slice(p.start, p.num_rows),
-                                                   f"{path}: row group {p.row_group}", p.start)
-            if n_bad:
-                logger.warning("%s: row group %d rows %d..%d: skipped %d bad rows (%s)", path, p.row_group,
-                               p.start, p.stop - 1, n_bad, ", ".join(f"{k}: {v}" for k, v in why.items()))
-            dropped += n_bad
-            if len(rows):
-                parts.append(rows)
-        return (Rows.concat(parts) if parts else None), dropped
-
-    def _batch(self, segments: list[tuple[Rows, Index]]) -> Batch:
-        batch = gather(segments, self.layout)
-        if self.cfg.validate_batches:
-            validate_batch(batch)
-        return batch.pin_memory() if self.pin else batch
-
-    def stream(self, epoch: int, window: int, offset: int) -> Iterator[_Item]:
-        """Items of `epoch` from position (window, offset) to the end (a final item with batch None)."""
-        windows = self.windows(epoch)
-        keys = [(p.source, p.row_group) for w in range(window, windows.num_windows) for p in windows.pieces_of(w)]
-        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
-        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
-        carry = _Carry(self.cfg.batch_size)
-        bad = 0
-        try:
-            for w in range(window, windows.num_windows):
-                rows, dropped = self._window(files, windows, w)
-                n = 0 if rows is None else len(rows)
-                start = offset if w == window else 0
-                if start == 0:
-                    bad += dropped             # counted by the item that enters the window
-                if start > n:
-                    raise ValueError(f"resume position (window {w}, offset {start}) is past the "
-                                     f"window's {n} rows: the data changed since the state was saved")
-                order = epoch_seed(self.cfg.seed, epoch, 1, self.rank, w).permutation(n) if self.row_shuffle else None
-                for pos in carry.take(rows, order, start, n):
-                    yield _Item(self._batch(carry.pop()), *((w, pos) if pos < n else (w + 1, 0)), bad)
-                    bad = 0
-            end = max(windows.num_windows, window)
-            if carry.n and not self.cfg.drop_last:
-                yield _Item(self._batch(carry.pop()), end, 0, bad)
-                bad = 0
-            yield _Item(None, end, 0, bad)
-        finally:
-            files.close()
-
-    def plan_stream(self, epoch: int, plan: list[Segment], done: int) -> Iterator[_Item]:
-        """Items of `epoch` over rows [done, end) of an elastic plan (data/elastic.py), at positions
-        (0, rows of the plan done); a final item with batch None.
-
-        A window's dropped rows count once: in the part that starts at its place 0.
-        """
-        streams = {(s.world, s.rank): self.windows(epoch, s.world, s.rank) for s in plan}
-        parts = plan_parts(plan, done, streams)
-        total = plan_rows(plan)
-        carry = _Carry(self.cfg.batch_size)
-        bad = 0
-        windows = self._plan_windows(epoch, parts, streams)
-        try:
-            for p, rows, order, dropped in windows:
-                n = 0 if rows is None else len(rows)
-                if p.a == 0:
-                    bad += dropped
-                stop = min(p.c, n)
-                for pos in carry.take(rows, order, min(p.a, n), stop):
-                    yield _Item(self._batch(carry.pop()), 0, p.base + pos if pos < stop else p.end, bad)
-                    bad = 0
-            if carry.n and not self.cfg.drop_last:
-                yield _Item(self._batch(carry.pop()), 0, total, bad)
-                bad = 0
-            yield _Item(None, 0, total, bad)
-        finally:
-            windows.close()
-
-    def _plan_windows(self, epoch: int, parts: list[Part], streams: dict[tuple[int, int], Windows]
-                      ) -> Iterator[tuple[Part, Rows | None, np.ndarray | None, int]]:
-        """(part, its window's kept rows, their shuffled order [n] or None, rows dropped) per part.
-
-        The whole window is decoded, as its kept rows and their order depend on all of it; a window
-        that two parts in a row need is decoded once.
-        """
-        keys = plan_row_groups(parts, streams)
-        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
-        try:
-            for i, p in enumerate(parts):
-                if i == 0 or not p.same_window(parts[i - 1]):
-                    rows, dropped = self._window(files, streams[p.world, p.rank], p.window)
-                    n = 0 if rows is None else len(rows)
-                    order = epoch_seed(self.cfg.seed, epoch, 1, p.rank, p.window).permutation(n) \
-                        if self.row_shuffle else None
-                yield p, rows, order, dropped
-        finally:
-            files.close()
-
-
 class _Prefetcher:
     """Runs an item generator on a daemon thread, at most `depth` items ahead of the consumer."""
 
-    def __init__(self, items: Iterator[_Item], depth: int) -> None:
+    def __init__(self, items: Iterator[Item], depth: int) -> None:
         self._q: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(items,), name="parquet-prefetch", daemon=True)
         self._thread.start()
 
-    def _run(self, items: Iterator[_Item]) -> None:
+    def _run(self, items: Iterator[Item]) -> None:
         try:
             for item in items:
                 if not self._put(item):
@@ -316,7 +74,7 @@ class _Prefetcher:
                 pass
         return False
 
-    def __next__(self) -> _Item:
+    def __next__(self) -> Item:
         while True:
             try:
                 x = self._q.get(timeout=1.0)
@@ -340,7 +98,7 @@ class _Prefetcher:
 class _LoaderIter:
     """One pass over a rank's epoch; reports each received item back to its loader."""
 
-    def __init__(self, loader: ParquetLoader, items: Iterator[_Item] | _Prefetcher) -> None:
+    def __init__(self, loader: ParquetLoader, items: Iterator[Item] | _Prefetcher) -> None:
         self._loader = loader
         self._items = items
         self._done = False
@@ -392,7 +150,7 @@ class ParquetLoader:
             paths = [paths]
         if not paths:
             raise DataError("no data paths given")
-        self._reader = _Reader(config, paths, rank, world_size)
+        self._reader = Reader(config, paths, rank, world_size)
         self.config = config
         self._active: weakref.ref[_LoaderIter] | None = None
         self._epoch = self._window = self._offset = self._batches = self._bad = 0
@@ -472,7 +230,7 @@ class ParquetLoader:
         self._active = weakref.ref(it)
         return it
 
-    def _consume(self, item: _Item) -> None:
+    def _consume(self, item: Item) -> None:
         self._window, self._offset = item.window, item.offset
         self._bad += item.bad_rows
         if item.batch is not None:

@@ -163,7 +163,7 @@ def test_paths_files_dirs_globs(h, tmp_path):
 
 
 def test_validate_batches_flag_runs_validate_batch(h, dataset, monkeypatch):
-    import data.loader as loader_mod
+    import data.reader as loader_mod   # the reader validates the batches it cuts
     calls = []
     monkeypatch.setattr(loader_mod, "validate_batch", lambda b: (calls.append(b.batch_size), validate_batch(b)))
     path, _ = dataset
