@@ -43,7 +43,7 @@ from recsys.config import load_config, to_toml  # noqa: E402
 from recsys.serving import Predictor  # noqa: E402
 from recsys.serving.export import export_model  # noqa: E402
 from recsys.serving.source import resolve_source  # noqa: E402
-from recsys.training.store import LocalStore  # noqa: E402
+from embedding_ps.local import LocalStore  # noqa: E402
 from recsys.training.trainer import Trainer  # noqa: E402
 from recsys.training.worker import save_model  # noqa: E402
 

@@ -139,7 +139,7 @@ class _Lines:
 
 def run_local(cfg: JobConfig, args: argparse.Namespace) -> dict:
     """Our Trainer in this process on a LocalStore (in-process PS shard, no network, no PS process)."""
-    from recsys.training.store import LocalStore
+    from embedding_ps.local import LocalStore
     from recsys.training.trainer import Trainer
 
     torch.set_num_threads(args.threads)

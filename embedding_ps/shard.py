@@ -32,8 +32,8 @@ import torch
 from embedding_ps import native
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import keys_of, shard_of
-from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, ShardSnapshot, TableSnapshot, prefaulted,
-                                   read_array, read_manifest, verify_shard)
+from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, SavedShard, ShardSnapshot, TableSnapshot,
+                                   prefaulted, table_layout, verify_shard)
 from embedding_ps.table import TableShard
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 _MAX_STEP = 2**31 - 1
 SNAPSHOT_SLACK = 0.05
 """`snapshot_buffers` adds this fraction of spare rows, for rows pushed before the copy starts."""
-# TableConfig fields that must match between a saved shard and the config loading it.
-_LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
 
 
 class ShardState:
@@ -179,10 +177,10 @@ class ShardState:
         """
         taken = 0
         for directory in directories:
-            manifest = self._read_manifest(directory)
-            self._check_manifest(manifest, directory, same_layout_only=True)
-            for i, entry in enumerate(manifest["tables"]):
-                taken += self.load_dump(i, *_dump_from_saved(directory, manifest, i), step=step)
+            saved = self._open(directory)
+            saved.check(self.config.tables)
+            for i in range(saved.num_tables):
+                taken += self.load_dump(i, *saved.dump_table(i), step=step)
         release_free_heap()
         return taken
 
@@ -232,13 +230,12 @@ class ShardState:
         Every file is read and checked (size, sha256) before any state changes: a damaged save
         raises CorruptShardError naming the file and leaves this shard as it was.
         """
-        manifest = self._read_manifest(directory)
-        self._check_manifest(manifest, directory)
-        tables = [{name: read_array(directory, manifest, i, name) for name in entry["arrays"]}
-                  for i, entry in enumerate(manifest["tables"])]
+        saved = self._open(directory)
+        saved.check(self.config.tables, shard_index=self.shard_index, num_shards=self.config.num_shards)
+        tables = [saved.table_arrays(i) for i in range(saved.num_tables)]
         with self._lock:
-            for t, entry, arrays in zip(self.tables, manifest["tables"], tables):
-                t.from_arrays(arrays, entry["meta"])
+            for i, (t, arrays) in enumerate(zip(self.tables, tables)):
+                t.from_arrays(arrays, saved.meta(i))
             del tables, arrays
             release_free_heap()
         logger.info("shard %d loaded from %s", self.shard_index, directory)
@@ -248,30 +245,14 @@ class ShardState:
         tables = []
         for i, t in enumerate(self.tables):
             arrays, meta = t.to_arrays(copy=copy, into=buffers[i] if buffers else None)
-            layout = {f: getattr(t.cfg, f) for f in _LAYOUT_FIELDS}
-            tables.append(TableSnapshot(layout=layout, meta=meta, arrays=arrays))
+            tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays))
         return ShardSnapshot(self.shard_index, self.config.num_shards, tables)
 
-    def _read_manifest(self, directory: str) -> dict:
+    def _open(self, directory: str) -> SavedShard:
         try:
-            return read_manifest(directory)
+            return SavedShard(directory)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"shard {self.shard_index}: {e}") from None
-
-    def _check_manifest(self, manifest: dict, directory: str, same_layout_only: bool = False) -> None:
-        where = f"{directory}/manifest.json"
-        for key, mine in (("shard_index", self.shard_index), ("num_shards", self.config.num_shards)):
-            if manifest[key] != mine and not same_layout_only:
-                raise ValueError(f"{where}: saved {key}={manifest[key]} but this shard has {key}={mine}")
-        if len(manifest["tables"]) != len(self.tables):
-            raise ValueError(f"{where}: {len(manifest['tables'])} tables saved, config has {len(self.tables)}")
-        for i, (t, entry) in enumerate(zip(self.tables, manifest["tables"])):
-            for field in _LAYOUT_FIELDS:
-                if entry["layout"][field] != getattr(t.cfg, field):
-                    raise ValueError(
-                        f"{where}: table {i} saved with {field}={entry['layout'][field]!r}, "
-                        f"config has {field}={getattr(t.cfg, field)!r}"
-                    )
 
     def _table(self, table: int) -> TableShard:
         if not 0 <= table < len(self.tables):
@@ -288,23 +269,6 @@ class ShardState:
     def _check_step(self, step: int) -> None:
         if not 0 <= step <= _MAX_STEP:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
-
-
-def _dump_from_saved(directory: str, manifest: dict,
-                     table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """One saved table -> what `TableShard.dump` returns (keys, rows float32, state + counters)."""
-
-    def load(name: str) -> np.ndarray:
-        return read_array(directory, manifest, table, name)
-
-    keys, slots = load("map_keys"), load("map_slots").astype(np.int64)
-    rows = torch.from_numpy(load("weights")[slots]).float()
-    names = manifest["tables"][table]["arrays"]
-    extra = {n[len("state."):]: torch.from_numpy(load(n)[slots]) for n in names if n.startswith("state.")}
-    meta = torch.from_numpy(load("meta")[slots])
-    extra["count"] = (meta >> 32).to(torch.int32)
-    extra["last_seen"] = (meta & 0xFFFFFFFF).to(torch.int32)
-    return torch.from_numpy(keys), rows, extra
 
 
 _LIBC: list = []

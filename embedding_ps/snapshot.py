@@ -1,5 +1,7 @@
-"""A shard's checkpoint on disk: the in-memory snapshot, its checksummed writer, verified reads.
+"""The one owner of a saved shard on disk: its name, its writer, its verified readers.
 
+Where a save goes: shard `i` of a save under `root` is `root/shard{i}` (`shard_dir`; every path
+of that form in the project comes from here, and `saved_shard_dirs(root)` lists them back).
 A saved shard is one directory (format 2)::
 
     manifest.json        {"format_version": 2, "shard_index": i, "num_shards": n,
@@ -11,11 +13,15 @@ Every data file is listed under "files" with its size and SHA-256, computed whil
 (never by reading it back). Readers check both before using a file and raise CorruptShardError
 naming the file. Format 1 saves (no "files") still load, unchecked.
 
-A save is atomic: everything is written (and fsynced) into `<dir>.tmp-<pid>`, which is renamed
-into place; an older save at `<dir>` is replaced only then. A failed write removes its tmp dir.
-
+Writing: a save is atomic: everything is written (and fsynced) into `<dir>.tmp-<pid>`, which is
+renamed into place; an older save at `<dir>` is replaced only then. A failed write removes its tmp dir.
 `ShardSnapshot` holds copies of all arrays (`ShardState.snapshot()` takes them under the shard's
 lock), so `write` runs without the lock, e.g. on a background thread while the shard serves.
+
+Reading: `SavedShard(dir)` reads and checks the manifest once; its `array` / `table_arrays` /
+`dump_table` return verified arrays (read into memory, or memory-mapped), `layout(t)` / `meta(t)`
+the table's saved fields. Restore (`ShardState.load`), re-sharding (`load_resharded`), export
+(`recsys.serving.source`) and `verify_shard` all read through it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from embedding_ps.config import TableConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +54,79 @@ class CorruptShardError(ValueError):
     manifest is missing or unreadable. The message names the file and what is wrong."""
 
 
-def shard_dir(directory: str, shard_index: int) -> str:
-    """Where shard `shard_index` keeps its part of a save under `directory` (SAVE/LOAD requests)."""
-    return os.path.join(directory, f"shard{shard_index}")
+LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
+"""TableConfig fields saved as a table's "layout": a config loading the save must match them."""
+_SHARD = "shard"
+_LOW32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# naming
+
+
+def shard_dir(root: str | os.PathLike, shard_index: int) -> str:
+    """Where shard `shard_index` keeps its part of a save under `root` (`root/shard{i}`)."""
+    return os.path.join(os.fspath(root), f"{_SHARD}{shard_index}")
+
+
+def _shard_indices(root: str) -> list[int]:
+    """Indices i of the `shard{i}` directories under `root`, sorted (tmp / old dirs are not)."""
+    names = os.listdir(root)
+    return sorted(int(n[len(_SHARD):]) for n in names
+                  if n.startswith(_SHARD) and n[len(_SHARD):].isdigit() and os.path.isdir(os.path.join(root, n)))
+
+
+def saved_shard_dirs(root: str | os.PathLike) -> list[str]:
+    """The shard directories of a save under `root` (`root/shard{i}`), in shard order.
+
+    The count is the `num_shards` of the lowest one's manifest; FileNotFoundError if `root` holds
+    no saved shard or one of them is missing, CorruptShardError if that manifest is unreadable.
+    """
+    root = os.fspath(root)
+    try:
+        found = _shard_indices(root)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{root}: no saved shards (the directory does not exist)") from None
+    if not found:
+        raise FileNotFoundError(f"{root}: no saved shards ({_SHARD}0, {_SHARD}1, ...)")
+    n = int(read_manifest(shard_dir(root, found[0]))["num_shards"])
+    dirs = [shard_dir(root, i) for i in range(n)]
+    missing = [d for d in dirs if not os.path.isdir(d)]
+    if missing:
+        raise FileNotFoundError(f"{root}: saved with {n} shards but {', '.join(missing)} missing")
+    return dirs
+
+
+def saved_file_checksums(root: str | os.PathLike) -> dict[str, dict]:
+    """{"shard{i}/table{t}/<name>.npy": {"size", "sha256"}} of every shard saved under `root`, as
+    their manifests list them (a checkpoint's manifest reuses them instead of hashing every row
+    again). Best effort: a shard whose manifest is missing or unreadable is left out."""
+    root = os.fspath(root)
+    out: dict[str, dict] = {}
+    try:
+        found = _shard_indices(root)
+    except FileNotFoundError:
+        return out
+    for i in found:
+        try:
+            files = read_manifest(shard_dir(root, i)).get("files", {})
+        except (OSError, ValueError):
+            continue
+        for rel, entry in files.items():
+            if isinstance(entry, dict) and "sha256" in entry and "size" in entry:
+                out[f"{_SHARD}{i}/{rel}"] = entry
+    return out
+
+
+def table_layout(cfg: TableConfig) -> dict:
+    """The "layout" a save records for a table: its `LAYOUT_FIELDS`."""
+    return {f: getattr(cfg, f) for f in LAYOUT_FIELDS}
+
+
+def unpack_meta(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(count, last_seen), int64 each, of saved `meta` int64 [R] (`count << 32 | last_seen`, as
+    `embedding_ps.table` packs its counters)."""
+    return meta >> 32, meta & _LOW32
 
 
 @dataclass
@@ -203,24 +282,113 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
-def read_array(directory: str, manifest: dict, table: int, name: str) -> np.ndarray:
+def read_array(directory: str, manifest: dict, table: int, name: str, mmap: bool = False) -> np.ndarray:
     """Array `name` of table `table`, after checking its size and SHA-256 against the manifest.
 
-    The file is read once into memory; the checksum is taken over those bytes and the array is a
-    view of them. Format 1 (no checksums): read with np.load, unchecked.
+    mmap=False: the file is read once into memory; the checksum is taken over those bytes and the
+    array is a view of them. mmap=True: the file is memory-mapped read-only and hashed through the
+    mapping once (one sequential read of the file, at SHA-256 speed, ~1-2 GB/s a core); its pages
+    then sit in the OS page cache, not in this process's own memory, and the array is a view of the
+    mapping, so gathering a few rows of it later reads no more. Format 1 (no checksums): np.load,
+    unchecked.
     """
     rel = f"table{table}/{name}.npy"
     path = os.path.join(directory, rel)
     if manifest["format_version"] < 2:
         try:
-            return np.load(path, allow_pickle=False)
+            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
         except FileNotFoundError:
             raise CorruptShardError(f"{path}: missing") from None
         except (ValueError, EOFError, OSError) as e:
             raise CorruptShardError(f"{path}: unreadable ({e})") from None
     expect = manifest["files"][rel]
-    buf = _read_checked(path, expect)
+    buf = _map_checked(path, expect) if mmap else _read_checked(path, expect)
     return _parse_npy(path, buf)
+
+
+class SavedShard:
+    """One saved shard, opened for reading: the manifest is read and checked once, and every array
+    read through it is checked against the manifest's size and SHA-256 first (CorruptShardError).
+
+        saved = SavedShard(shard_dir(root, 0))
+        saved.check(config.tables)                 # the layout this config expects
+        w = saved.array(t, "weights", mmap=True)   # verified, memory-mapped
+        keys, rows, state = saved.dump_table(t)    # what `TableShard.dump` gives, from the files
+
+    FileNotFoundError if `directory` does not exist.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = os.fspath(directory)
+        self.manifest = read_manifest(self.directory)
+
+    @property
+    def shard_index(self) -> int:
+        return int(self.manifest["shard_index"])
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.manifest["num_shards"])
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.manifest["tables"])
+
+    def layout(self, table: int) -> dict:
+        """The saved `LAYOUT_FIELDS` of table `table`."""
+        return self.manifest["tables"][table]["layout"]
+
+    def meta(self, table: int) -> dict:
+        """The saved scalar meta of table `table` (hwm, capacity, evlog_lost_through, totals...)."""
+        return self.manifest["tables"][table]["meta"]
+
+    def array_names(self, table: int) -> list[str]:
+        return list(self.manifest["tables"][table]["arrays"])
+
+    def array(self, table: int, name: str, mmap: bool = False) -> np.ndarray:
+        """Verified array `name` of table `table` (see `read_array` for what mmap costs)."""
+        if name not in self.manifest["tables"][table]["arrays"]:
+            raise CorruptShardError(f"{self.directory}/table{table}/{name}.npy: not in the saved shard's manifest")
+        return read_array(self.directory, self.manifest, table, name, mmap=mmap)
+
+    def table_arrays(self, table: int, names: Sequence[str] | None = None, mmap: bool = False) -> dict[str, np.ndarray]:
+        """{name: verified array} of table `table` (all of its arrays by default)."""
+        return {n: self.array(table, n, mmap) for n in (self.array_names(table) if names is None else names)}
+
+    def check(self, tables: Sequence[TableConfig], shard_index: int | None = None, num_shards: int | None = None,
+              fields: Sequence[str] = LAYOUT_FIELDS) -> None:
+        """ValueError naming the field unless this save holds `tables` with the same `fields` (and,
+        where given, is shard `shard_index` of `num_shards`)."""
+        where = os.path.join(self.directory, MANIFEST)
+        for key, mine in (("shard_index", shard_index), ("num_shards", num_shards)):
+            if mine is not None and self.manifest[key] != mine:
+                raise ValueError(f"{where}: saved {key}={self.manifest[key]} but this shard has {key}={mine}")
+        if self.num_tables != len(tables):
+            raise ValueError(f"{where}: {self.num_tables} tables saved, config has {len(tables)}")
+        for i, cfg in enumerate(tables):
+            saved = self.layout(i)
+            for field in fields:
+                if saved.get(field) != getattr(cfg, field):
+                    raise ValueError(f"{where}: table {i} saved with {field}={saved.get(field)!r}, "
+                                     f"config has {field}={getattr(cfg, field)!r}")
+
+    def live_slots(self, table: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys int64 [R], slots int64 [R]) of the rows table `table` holds: key k's row is
+        `weights[slot]` (and its counters `meta[slot]`)."""
+        keys = self.array(table, "map_keys").astype(np.int64, copy=False)
+        return keys, self.array(table, "map_slots").astype(np.int64)
+
+    def dump_table(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """What `TableShard.dump` returns, from the files: (keys int64 [R], rows float32 [R, D],
+        {optimizer state name: [R] or [R, D], "count": int32 [R], "last_seen": int32 [R]})."""
+        keys, slots = self.live_slots(table)
+        rows = torch.from_numpy(self.array(table, "weights")[slots]).float()
+        state = {n[len("state."):]: torch.from_numpy(self.array(table, n)[slots])
+                 for n in self.array_names(table) if n.startswith("state.")}
+        count, last_seen = unpack_meta(self.array(table, "meta")[slots])
+        state["count"] = torch.from_numpy(count).to(torch.int32)
+        state["last_seen"] = torch.from_numpy(last_seen).to(torch.int32)
+        return torch.from_numpy(keys), rows, state
 
 
 def _check_size(path: str, expect: dict) -> int:
@@ -248,6 +416,18 @@ def _read_checked(path: str, expect: dict) -> np.ndarray:
                 raise CorruptShardError(f"{path}: truncated while reading, {pos} bytes, manifest says {size}")
             h.update(buf[pos : pos + n])
             pos += n
+    if h.hexdigest() != expect["sha256"]:
+        raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
+    return buf
+
+
+def _map_checked(path: str, expect: dict) -> np.ndarray:
+    """`path` memory-mapped read-only as uint8 [size], hashed through the mapping and checked."""
+    size = _check_size(path, expect)
+    buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    h = hashlib.sha256()
+    for lo in range(0, size, _CHUNK):
+        h.update(buf[lo : lo + _CHUNK])
     if h.hexdigest() != expect["sha256"]:
         raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
     return buf
@@ -300,5 +480,6 @@ def verify_shard(directory: str) -> None:
                                     f"manifest says {expect['sha256']} ({size} bytes)")
 
 
-__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "TableSnapshot", "prefaulted", "read_array",
-           "read_manifest", "shard_dir", "verify_shard", "write_array"]
+__all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "CorruptShardError", "SavedShard", "ShardSnapshot", "TableSnapshot",
+           "prefaulted", "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
+           "table_layout", "unpack_meta", "verify_shard", "write_array"]

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
-from recsys.training.store import LocalStore
 from recsys.training.trainer import Trainer
 from recsys.training.worker import eval_metrics
 

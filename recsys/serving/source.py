@@ -8,8 +8,10 @@ Both inputs hold `config.toml`, `model/dense.pt` and `model/ps/shard{i}/` (one s
 per shard: manifest.json + table{t}/*.npy); a run's step is `metrics.json["steps"]`, a
 checkpoint's `manifest.json["step"]`. Both count completed training steps.
 
-A table is read shard by shard from the saved arrays (memory-mapped; only the live rows
-`weights[map_slots]` are copied), so one process never holds more than one table's rows.
+Every saved file is read through `embedding_ps.snapshot.SavedShard`, so its size and SHA-256 are
+checked against the shard's manifest before use. A table is read shard by shard: `weights` and
+`meta` memory-mapped (hashed once through the mapping: one sequential read of each file; only the
+live rows `weights[map_slots]` are then copied), so one process never holds more than one table's rows.
 
 Steps of rows and evictions: a push in training step t (0-based) stamps its rows with
 `last_seen = t`; a model saved after S completed steps holds pushes of steps 0..S-1, and TTL
@@ -21,18 +23,22 @@ saved at step S (a superset when S falls mid-way, never less).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from embedding_ps.config import TableConfig
+from embedding_ps.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.serving.tensorfile import ExportError
 
-_LOW32 = 0xFFFFFFFF
+T = TypeVar("T")
 _LAYOUT = ("name", "dim", "kind", "num_embeddings")
+"""The table fields an export needs to match between the saved shards and the config."""
 
 
 @dataclass(frozen=True)
@@ -80,39 +86,28 @@ class TableRows:
 
 
 class SavedShards:
-    """The saved shards of a source; checks their manifests against the config once."""
+    """The saved shards of a source; checks their manifests against the config once.
+
+    Raises ExportError (with the cause's message) for a missing, damaged or mismatched shard."""
 
     def __init__(self, source: Source) -> None:
         self.source = source
         ps = source.config.ps
-        self.dirs = [source.model_dir / "ps" / f"shard{i}" for i in range(ps.num_shards)]
-        self.manifests = [self._manifest(d, i) for i, d in enumerate(self.dirs)]
+        self.shards = [_guard(lambda i=i: self._open(i, ps.num_shards)) for i in range(ps.num_shards)]
 
-    def _manifest(self, directory: Path, index: int) -> dict:
-        path = directory / "manifest.json"
+    def _open(self, index: int, num_shards: int) -> SavedShard:
+        directory = shard_dir(self.source.model_dir / "ps", index)
         try:
-            m = json.loads(path.read_text())
+            saved = SavedShard(directory)
         except FileNotFoundError:
-            raise ExportError(f"{path}: missing (ps.num_shards = {self.source.config.ps.num_shards})") from None
-        except json.JSONDecodeError as e:
-            raise ExportError(f"{path}: not valid JSON ({e})") from None
-        tables = self.source.config.ps.tables
-        if m.get("num_shards") != len(self.dirs) or m.get("shard_index") != index:
-            raise ExportError(f"{path}: shard {m.get('shard_index')} of {m.get('num_shards')}, "
-                              f"expected shard {index} of {len(self.dirs)}")
-        if len(m.get("tables", ())) != len(tables):
-            raise ExportError(f"{path}: {len(m.get('tables', ()))} tables saved, config has {len(tables)}")
-        for t, (cfg, entry) in enumerate(zip(tables, m["tables"])):
-            for field in _LAYOUT:
-                if entry["layout"].get(field) != getattr(cfg, field):
-                    raise ExportError(f"{path}: table {t} saved with {field}={entry['layout'].get(field)!r}, "
-                                      f"config has {field}={getattr(cfg, field)!r}")
-        return m
+            raise ExportError(f"{directory}: missing (ps.num_shards = {num_shards})") from None
+        saved.check(self.source.config.ps.tables, shard_index=index, num_shards=num_shards, fields=_LAYOUT)
+        return saved
 
     def read_table(self, t: int, since: int | None = None) -> TableRows:
         """Table `t` of every shard, concatenated and sorted by id (see the module docstring for `since`)."""
         cfg = self.source.config.ps.tables[t]
-        parts = [self._read_shard(i, t, cfg, since) for i in range(len(self.dirs))]
+        parts = [_guard(lambda s=s: self._read_shard(s, t, cfg, since)) for s in self.shards]
         ids = np.concatenate([p[0] for p in parts])
         rows = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, cfg.dim), np.float32)
         tomb = np.unique(np.concatenate([p[2] for p in parts]))
@@ -124,43 +119,41 @@ class SavedShards:
             raise ExportError(f"table {cfg.name!r}: id {dup} is saved by two shards")
         return TableRows(ids, torch.from_numpy(rows), tomb)
 
-    def _read_shard(self, i: int, t: int, cfg: TableConfig, since: int | None
+    def _read_shard(self, saved: SavedShard, t: int, cfg: TableConfig, since: int | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys int64 [R_i], rows float32 [R_i, D], tombstones int64 [E_i]) of one shard's table."""
-        sub = self.dirs[i] / f"table{t}"
-        entry = self.manifests[i]["tables"][t]
-        keys = _load(sub, "map_keys").astype(np.int64, copy=False)
-        slots = _load(sub, "map_slots").astype(np.int64)
+        keys, slots = saved.live_slots(t)
         tomb = np.zeros(0, np.int64)
         if since is not None:
-            tomb = self._evictions(sub, entry, since, cfg)
+            tomb = self._evictions(saved, t, since, cfg)
             tomb = tomb[~np.isin(tomb, keys)]                                # evicted, then admitted again
-            last_seen = _load(sub, "meta", mmap=True)[slots] & _LOW32        # [R_i] int64
+            _, last_seen = unpack_meta(saved.array(t, "meta", mmap=True)[slots])   # [R_i] int64
             changed = last_seen >= since
             keys, slots = keys[changed], slots[changed]
-        weights = _load(sub, "weights", mmap=True)
+        weights = saved.array(t, "weights", mmap=True)
         if weights.ndim != 2 or weights.shape[1] != cfg.dim:
-            raise ExportError(f"{sub}/weights.npy: shape {weights.shape}, table {cfg.name!r} has dim {cfg.dim}")
+            raise ExportError(f"{saved.directory}/table{t}/weights.npy: shape {weights.shape}, "
+                              f"table {cfg.name!r} has dim {cfg.dim}")
         rows = np.asarray(weights[slots], dtype=np.float32)                  # [R_i, D], fp16 tables widen
         return np.array(keys, dtype=np.int64), rows, tomb
 
-    def _evictions(self, sub: Path, entry: dict, since: int, cfg: TableConfig) -> np.ndarray:
-        lost = int(entry["meta"].get("evlog_lost_through", -1))
+    def _evictions(self, saved: SavedShard, t: int, since: int, cfg: TableConfig) -> np.ndarray:
+        lost = int(saved.meta(t).get("evlog_lost_through", -1))
         if lost >= since:
             raise ExportError(
-                f"{sub}: table {cfg.name!r}: the eviction log no longer covers step {since} (records through "
-                f"step {lost} were dropped past eviction_log_max = {cfg.eviction_log_max}); a delta since "
-                f"{since} cannot name every evicted id: make a full export")
-        keys, steps = _load(sub, "evlog_keys"), _load(sub, "evlog_steps")
+                f"{saved.directory}/table{t}: table {cfg.name!r}: the eviction log no longer covers step {since} "
+                f"(records through step {lost} were dropped past eviction_log_max = {cfg.eviction_log_max}); "
+                f"a delta since {since} cannot name every evicted id: make a full export")
+        keys, steps = saved.array(t, "evlog_keys"), saved.array(t, "evlog_steps")
         return np.unique(keys[steps >= since].astype(np.int64))
 
 
-def _load(sub: Path, name: str, mmap: bool = False) -> np.ndarray:
-    path = sub / f"{name}.npy"
+def _guard(read: Callable[[], T]) -> T:
+    """`read()`, with a damaged or mismatched saved shard (ValueError, incl. CorruptShardError) or a
+    missing file reported as ExportError."""
     try:
-        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except FileNotFoundError:
-        raise ExportError(f"{path}: missing from the saved shard") from None
+        return read()
+    except ExportError:
+        raise
     except (ValueError, OSError) as e:
-        raise ExportError(f"{path}: unreadable ({e})") from None
-
+        raise ExportError(str(e)) from e

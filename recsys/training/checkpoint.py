@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from embedding_ps.snapshot import saved_file_checksums
 from recsys.config import JobConfig, to_toml
 from recsys.manifest import check_files, file_entry, write_json_atomic
 
@@ -78,16 +79,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 def _known_checksums(root: Path) -> dict[str, dict[str, Any]]:
     """Checksums the shards already computed while writing (their manifest.json `files`), by path
     relative to `root`; hashing them again would re-read every row."""
-    known: dict[str, dict[str, Any]] = {}
-    for manifest in root.glob("model/ps/shard*/manifest.json"):
-        try:
-            files = json.loads(manifest.read_text()).get("files", {})
-        except (OSError, ValueError):
-            continue
-        for rel, entry in files.items() if isinstance(files, dict) else ():
-            if isinstance(entry, dict) and "sha256" in entry and "size" in entry:
-                known[str((manifest.parent / rel).relative_to(root))] = entry
-    return known
+    return {f"model/ps/{rel}": entry for rel, entry in saved_file_checksums(root / "model" / "ps").items()}
 
 
 def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:

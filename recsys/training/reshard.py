@@ -12,34 +12,17 @@ Admission counts of ids still waiting and eviction logs stay behind (they are pe
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
 from pathlib import Path
 
 from embedding_ps.config import PSConfig
-from embedding_ps.server import shard_dir
 from embedding_ps.shard import ShardState
+from embedding_ps.snapshot import saved_shard_dirs, shard_dir
 from recsys.config import load_config, to_toml
 from recsys.training.checkpoint import verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
-
-
-def saved_shard_dirs(ps_dir: str | Path) -> list[str]:
-    """The shard directories of a saved PS (`ps_dir/shard{i}`), in shard order; checks none is missing."""
-    ps_dir = Path(ps_dir)
-    found = sorted(ps_dir.glob("shard*"), key=lambda p: int(p.name[len("shard"):]) if p.name[5:].isdigit() else -1)
-    found = [p for p in found if p.name[5:].isdigit()]
-    if not found:
-        raise FileNotFoundError(f"{ps_dir}: no saved shards (shard0, shard1, ...)")
-    manifest = json.loads((found[0] / "manifest.json").read_text())
-    n = int(manifest["num_shards"])
-    dirs = [shard_dir(str(ps_dir), i) for i in range(n)]
-    missing = [d for d in dirs if not Path(d).is_dir()]
-    if missing:
-        raise FileNotFoundError(f"{ps_dir}: saved with {n} shards but {', '.join(missing)} missing")
-    return dirs
 
 
 def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardState:
@@ -76,7 +59,7 @@ def reshard_checkpoint(checkpoint: str | Path, num_shards: int, out: str | Path)
     for i in range(num_shards):       # one new shard in memory at a time
         state = ShardState(cfg.ps, i)
         total += state.load_resharded(old)
-        state.save(shard_dir(str(tmp / "model" / "ps"), i))
+        state.save(shard_dir(tmp / "model" / "ps", i))
         del state
     (tmp / "config.toml").write_text(to_toml(cfg))
     info = {k: v for k, v in manifest.items() if k not in ("files", "format", "version")}

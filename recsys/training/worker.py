@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from embedding_ps.client import PSClient
 from recsys.config import JobConfig, load_config
 from recsys.metrics import CTRMetrics, MetricLogger, NullMetricLogger
 from recsys.training.checkpoint import read_manifest
-from recsys.training.store import connect_store
 from recsys.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         trim_metrics(out / "metrics.jsonl", read_manifest(Path(resume))["step"])
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
-    store = connect_store(cfg, addresses, worker_id=rank)
+    store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
     trainer = None
     try:
         trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger)

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from embedding_ps.local import LocalStore
 from recsys.config import load_config, to_toml
 from recsys.serving import Predictor
-from recsys.training.store import LocalStore
 from recsys.training.trainer import Trainer
 from recsys.training.worker import save_model
 

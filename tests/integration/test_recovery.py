@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from embedding_ps.local import LocalStore
 from recsys.config import load_config
 from recsys.training.checkpoint import list_checkpoints
 from recsys.training.launch import launch_train
-from recsys.training.store import LocalStore
 
 from .conftest import alive
 

@@ -18,11 +18,11 @@ from torch import nn
 
 from data.loader import ParquetLoader
 from embedding_ps.init import init_rows
+from embedding_ps.local import LocalStore
 from embedding_ps.optim import fill_value, reference_update, state_specs
 from recsys.config import JobConfig, load_config
 from recsys.models import build_model
 from recsys.training.launch import launch_train
-from recsys.training.store import LocalStore
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ from embedding_ps import protocol as P
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.server import DEFERRED, ShardServer
 from embedding_ps.shard import ShardState, verify_shard
+from embedding_ps.snapshot import shard_dir
 
 D = 4
 TIMEOUT_S = 20.0
@@ -174,9 +175,9 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         assert server.sync.last_applied == 1
         server.close(TIMEOUT_S)
         assert status(server)["state"] == "done"
-        verify_shard(f"{path}/shard0")
+        verify_shard(shard_dir(path, 0))
         restored = ShardState(cfg, 0)
-        restored.load(f"{path}/shard0")
+        restored.load(shard_dir(path, 0))
         for a, b in zip(restored.dump_table(0), replica.dump_table(0)):
             if isinstance(a, dict):
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -212,7 +213,7 @@ def test_prepare_ahead_makes_the_next_background_save_reply_at_once(tmp_path):
         server.close(TIMEOUT_S)
         assert status(server)["state"] == "done" and status(server)["prepare_s"] > 0
         restored = ShardState(cfg, 0)
-        restored.load(f"{path}/shard0")
+        restored.load(shard_dir(path, 0))
         assert torch.equal(restored.dump_table(0)[1], replica.dump_table(0)[1])
     finally:
         server.close(TIMEOUT_S)

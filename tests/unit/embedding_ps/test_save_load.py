@@ -12,6 +12,7 @@ import torch
 
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.shard import FORMAT_VERSION, CorruptShardError, ShardState, verify_shard
+from embedding_ps.snapshot import SavedShard, saved_file_checksums, saved_shard_dirs, shard_dir
 
 TABLES = (
     TableConfig(name="rw", dim=4, optimizer="rowwise_adagrad", min_count=2, max_rows=60, ttl_steps=2),
@@ -167,6 +168,9 @@ def test_damaged_file_is_named_by_verify_load_and_reshard(tmp_path, damage: str)
     assert_same(full_view(other), before)          # nothing was replaced: every file is checked first
     with pytest.raises(CorruptShardError, match=pattern):
         ShardState(dataclasses.replace(CONFIG, num_shards=1), 0).load_resharded([path])
+    for mmap in (False, True):                     # export's memory-mapped reads check it too
+        with pytest.raises(CorruptShardError, match=pattern):
+            SavedShard(path).array(0, "weights", mmap=mmap)
 
 
 def test_missing_or_broken_manifest_is_named(tmp_path) -> None:
@@ -256,3 +260,41 @@ def test_failed_write_removes_its_tmp_dir_and_keeps_the_older_save(tmp_path) -> 
     with pytest.raises(ValueError, match=r"zz_bad\.npy: array of dtype object holds Python objects"):
         snap.write(path)
     assert sorted(os.listdir(tmp_path)) == ["s"] and files_of(path) == before
+
+
+def test_saved_shard_reads_what_was_saved_mapped_or_not(tmp_path) -> None:
+    state, path = saved(tmp_path)
+    shard = SavedShard(path)
+    assert (shard.shard_index, shard.num_shards, shard.num_tables) == (0, 2, len(TABLES))
+    shard.check(TABLES, shard_index=0, num_shards=2)
+    for t in range(len(TABLES)):
+        read, mapped = shard.table_arrays(t), shard.table_arrays(t, mmap=True)
+        assert read.keys() == mapped.keys() and all(np.array_equal(read[n], mapped[n]) for n in read)
+        assert isinstance(mapped["weights"], np.memmap) and not isinstance(read["weights"], np.memmap)
+        keys, rows, extra = shard.dump_table(t)
+        live_keys, live_rows, live_extra = state.dump_table(t)
+        order = torch.argsort(keys)
+        assert torch.equal(keys[order], live_keys) and torch.equal(rows[order], live_rows)
+        for name, value in extra.items():
+            assert torch.equal(value[order], live_extra[name]), name
+    with pytest.raises(CorruptShardError, match="nope.npy: not in the saved shard's manifest"):
+        shard.array(0, "nope")
+
+
+def test_saved_shard_dirs_lists_and_checks_the_shards_of_a_save(tmp_path) -> None:
+    root = tmp_path / "ps"
+    with pytest.raises(FileNotFoundError, match="no saved shards"):
+        saved_shard_dirs(root)
+    for i in range(2):
+        state = ShardState(CONFIG, i)
+        drive(state, range(2), seed=i)
+        state.save(shard_dir(root, i))
+    os.makedirs(root / "shard0.tmp-123")          # a killed save's leftovers are not shards
+    os.makedirs(root / "shards")
+    assert saved_shard_dirs(root) == [str(root / "shard0"), str(root / "shard1")]
+    sums = saved_file_checksums(root)
+    assert sums["shard1/table0/weights.npy"] == SavedShard(root / "shard1").manifest["files"]["table0/weights.npy"]
+    assert {k.split("/")[0] for k in sums} == {"shard0", "shard1"}
+    os.rename(root / "shard1", tmp_path / "away")
+    with pytest.raises(FileNotFoundError, match=r"saved with 2 shards but .*shard1 missing"):
+        saved_shard_dirs(root)

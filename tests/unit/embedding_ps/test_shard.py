@@ -7,34 +7,21 @@ import torch
 
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.init import init_row_reference, init_rows
+from embedding_ps.local import LocalStore
 from embedding_ps.optim import ReferenceTable, state_specs
-from embedding_ps.sharding import hashed_row, route
+from embedding_ps.sharding import hashed_row
 from embedding_ps.shard import ShardState
 
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
 
 
-class Sharded:
-    """S in-process shards behind the client's routing rule (the network helper tests the real client)."""
+class Sharded(LocalStore):
+    """S in-process shards behind the client's routing rule (`LocalStore`; the network helper tests
+    the real client), plus every shard's dump merged."""
 
     def __init__(self, config: PSConfig) -> None:
-        self.config = config
-        self.shards = [ShardState(config, i) for i in range(config.num_shards)]
-
-    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        owner = route(ids, self.config.tables[table], self.config.num_shards)
-        for s, shard in enumerate(self.shards):
-            mine = owner == s
-            if mine.any():
-                shard.push(table, ids[mine], grads[mine], step)
-
-    def pull(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        owner = route(ids, self.config.tables[table], self.config.num_shards)
-        out = torch.empty(ids.shape[0], self.config.tables[table].dim)
-        for s, shard in enumerate(self.shards):
-            mine = owner == s
-            out[mine] = shard.pull(table, ids[mine])
-        return out
+        super().__init__(config, [ShardState(config, i) for i in range(config.num_shards)])
+        self.shards = self.states
 
     def dump(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         parts = [s.dump_table(table) for s in self.shards]

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from embedding_ps.local import LocalStore
 from recsys.config import JobConfig, load_config, to_toml
 from recsys.training.checkpoint import checkpoint_path
-from recsys.training.store import LocalStore
 from recsys.training.trainer import Trainer
 from recsys.training.worker import save_model
 

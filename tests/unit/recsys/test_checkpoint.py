@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from embedding_ps.local import LocalStore
 from embedding_ps.sharding import shard_of
 from recsys.config import JobConfig, load_config
 from recsys.training.checkpoint import (CorruptCheckpointError, list_checkpoints, resolve_resume,
                                         verify_checkpoint)
 from recsys.training.reshard import reshard_checkpoint
-from recsys.training.store import LocalStore
 from recsys.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[3]

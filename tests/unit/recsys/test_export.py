@@ -14,6 +14,7 @@ import torch
 
 from data.loader import ParquetLoader
 from embedding_ps.config import TableConfig
+from embedding_ps.local import LocalStore
 from recsys.metrics import CTRMetrics
 from recsys.serving import Predictor
 from recsys.serving.dense_export import check_no_pickle, load_dense
@@ -22,7 +23,6 @@ from recsys.serving.quantize import dequantize
 from recsys.serving.source import resolve_source
 from recsys.serving.offline import open_run
 from recsys.serving.tensorfile import ExportError, read_safetensors
-from recsys.training.store import LocalStore
 
 # hashed rows, ids not admitted yet that pull zeros, and the default init rows of unseen ids all
 # reach the scores
