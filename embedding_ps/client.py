@@ -1,15 +1,22 @@
 """PS client: scatter ids by shard -> one request per shard, all in flight -> gather in caller order.
 
     with PSClient(config, addresses, worker_id=rank) as ps:
-        rows = ps.pull(0, ids)                 # ids int64 [N] (duplicates fine) -> float32 [N, D]
-        fut = ps.pull_async(0, next_ids)       # prefetch: a Future of float32 [N', D]
-        ps.push(0, ids, grads)                 # grads float32 [N, D]; duplicates are summed
+        rows = ps.pull_many_async([0, 1], [ids0, ids1]).result()   # float32 [N0 + N1, D]
+        ps.push_many_async([0, 1], [ids0, ids1], grads)            # grads float32 [N0 + N1, D]
+        rows = ps.pull(0, ids)                 # one table: a request with one part
         ps.barrier(step)                       # sync mode: "this worker is done with `step`"
 
-A background I/O thread owns one DEALER socket per shard (zmq sockets are not thread-safe): the
-caller's thread deduplicates (`torch.unique`), routes (`sharding.route`, argsort + bincount, no
-loop per id) and encodes; the I/O thread sends, matches replies by request id, retries and
-assembles the result. Rows and gradients travel as ps.wire_dtype (fp32, fp16 or bf16).
+`PSClient` implements `embedding_ps.store.EmbeddingStore`. A trainer's step touches every table:
+each shard gets one PULL / PUSH whose parts are the tables' ids routed to it (wire:
+`embedding_ps.protocol`). The tables of one call must share the embedding dim D. Rows and gradients
+are in the caller's order: table by table, each table's ids in the order given. A shard request
+over ps.max_frame_bytes is sent as one request per table instead (and one table's request over it
+is refused: split the ids).
+
+The caller's thread deduplicates (`torch.unique`, when `dedup`), routes (`sharding.route`, argsort +
+bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.transport`) sends, matches
+replies by request id, retries and assembles the result. Rows and gradients travel as
+ps.wire_dtype (fp32, fp16 or bf16).
 
 Timeouts and retries: a request unanswered for ps.timeout_s is sent again, up to ps.retries
 times, then its future fails with ShardUnavailableError naming the shard index and address. A
@@ -19,7 +26,7 @@ so it is never applied twice. A shard's error reply fails the future with PSRequ
 ps.timeout_s above the longest step of the slowest worker.
 
 Step: every request carries the client's step (`step`, default 0); `barrier(t)` sets it to t + 1,
-so a trainer that calls pull/push/barrier in order needs no step arguments (see embedding_ps.server
+so a trainer that calls pull/push/barrier in order needs no step arguments (see embedding_ps.gates
 for the sync contract).
 """
 
@@ -28,49 +35,26 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
-import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import zmq
 
 from embedding_ps import protocol as P
-from embedding_ps.auth import load_token, setup_client_curve
+from embedding_ps.auth import load_token
 from embedding_ps.config import PSConfig
-from embedding_ps.multi_client import MultiTableOps
 from embedding_ps.sharding import route
 from embedding_ps.snapshot import shard_dir
+from embedding_ps.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
-
-
-class ShardUnavailableError(ConnectionError):
-    """A shard did not answer within ps.timeout_s after ps.retries retries."""
-
-    def __init__(self, shard: int, address: str, message: str) -> None:
-        super().__init__(f"ps shard {shard} at {address}: {message}")
-        self.shard, self.address = shard, address
-
-
-class PSRequestError(RuntimeError):
-    """A shard refused or failed a request (an error reply); the message is the shard's."""
-
-    def __init__(self, shard: int, address: str, op: str, status: int, message: str) -> None:
-        try:
-            name = P.Status(status).name
-        except ValueError:
-            name = str(status)
-        super().__init__(f"{op} to ps shard {shard} at {address} failed ({name}): {message}")
-        self.shard, self.address, self.status = shard, address, status
 
 
 class SaveFailedError(RuntimeError):
@@ -89,189 +73,6 @@ class SaveTimeoutError(TimeoutError):
         self.shard, self.address = shard, address
 
 
-@dataclass(eq=False)
-class _Call:
-    """One client operation: a request to each of several shards, one future."""
-
-    op: P.Op
-    future: Future
-    finish: Callable[[dict[int, tuple[P.Header, list]]], Any]
-    waiting: int = 0
-    parts: dict[int, tuple[P.Header, list]] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class _Request:
-    call: _Call
-    shard: int
-    request: int
-    frames: list
-    attempts: int = 0
-    deadline: float = 0.0
-
-
-class _IOThread(threading.Thread):
-    """Owns the sockets: sends requests, receives replies, retries, completes futures."""
-
-    def __init__(self, config: PSConfig, addresses: Sequence[str], num_threads: int) -> None:
-        super().__init__(name="ps-client-io", daemon=True)
-        self.num_threads = num_threads
-        self.config, self.addresses = config, list(addresses)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
-        self.pending: dict[int, _Request] = {}
-        self.dead: BaseException | None = None
-
-    def submit(self, item: Any) -> None:
-        if self.dead is not None:
-            raise RuntimeError(f"PSClient I/O thread is gone: {self.dead!r}")
-        self.inbox.put(item)
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:
-            pass   # the pipe is full: the thread is going to wake up anyway
-
-    def _socket(self, shard: int) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        if self.config.auth == "curve":
-            setup_client_curve(sock, self.config)
-        sock.connect(self.addresses[shard])
-        return sock
-
-    def run(self) -> None:
-        # OpenMP's thread count is per thread: without this a new thread uses every core
-        torch.set_num_threads(self.num_threads)
-        self.ctx = zmq.Context()
-        self.socks = [self._socket(s) for s in range(len(self.addresses))]
-        try:
-            self._loop()
-        except BaseException as e:  # never leave a caller waiting on a future forever
-            self.dead = e
-            logger.exception("PSClient I/O thread failed")
-        finally:
-            self.dead = self.dead or RuntimeError("PSClient closed")
-            self._fail_all(self.dead)
-            for sock in self.socks:
-                sock.close(linger=0)
-            self.ctx.term()
-            os.close(self.wake_r)
-            os.close(self.wake_w)
-
-    def _loop(self) -> None:
-        while True:
-            poller = zmq.Poller()
-            poller.register(self.wake_r, zmq.POLLIN)
-            for sock in self.socks:
-                poller.register(sock, zmq.POLLIN)
-            while True:
-                deadline = min((r.deadline for r in self.pending.values()), default=None)
-                wait = None if deadline is None else max(0, int(1000 * (deadline - time.monotonic())) + 1)
-                events = dict(poller.poll(wait))
-                if self.wake_r in events:
-                    os.read(self.wake_r, 4096)
-                    if not self._take_inbox():
-                        return
-                for shard, sock in enumerate(self.socks):
-                    if sock in events:
-                        self._receive(shard, sock)
-                if self._expire():
-                    break   # a socket was replaced: rebuild the poller
-
-    def _take_inbox(self) -> bool:
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return True
-            if item is None:
-                return False
-            for req in item:
-                self.pending[req.request] = req
-                self._send(req)
-
-    def _send(self, req: _Request) -> None:
-        req.attempts += 1
-        req.deadline = time.monotonic() + self.config.timeout_s
-        try:
-            self.socks[req.shard].send_multipart(req.frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            logger.warning("ps shard %d at %s: send queue full; will retry %s", req.shard,
-                           self.addresses[req.shard], req.call.op.name)
-
-    def _receive(self, shard: int, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                header = P.unpack_header(frames[0].buffer)
-            except P.ProtocolError as e:
-                logger.warning("ps shard %d at %s: dropped a malformed reply: %s", shard,
-                               self.addresses[shard], e)
-                continue
-            req = self.pending.pop(header.request, None)
-            if req is None or req.shard != shard or req.call.future.done():
-                continue   # the late answer to a retried request
-            call = req.call
-            if header.status != P.Status.OK:
-                text = bytes(frames[1].buffer).decode("utf-8", "replace") if len(frames) > 1 else ""
-                self._fail(call, PSRequestError(shard, self.addresses[shard], call.op.name, header.status, text))
-                continue
-            call.parts[shard] = (header, [f.buffer for f in frames[1:]])
-            call.waiting -= 1
-            if call.waiting == 0:
-                try:
-                    call.future.set_result(call.finish(call.parts))
-                except Exception as e:   # a reply that does not fit its request
-                    call.future.set_exception(e)
-
-    def _expire(self) -> bool:
-        now = time.monotonic()
-        replaced = False
-        for req in [r for r in self.pending.values() if r.deadline <= now]:
-            if req.call.future.done():
-                self.pending.pop(req.request, None)
-            elif req.attempts <= self.config.retries:
-                logger.warning("ps shard %d at %s: no reply to %s in %g s; retry %d of %d", req.shard,
-                               self.addresses[req.shard], req.call.op.name, self.config.timeout_s,
-                               req.attempts, self.config.retries)
-                self._send(req)
-            else:
-                err = ShardUnavailableError(
-                    req.shard, self.addresses[req.shard],
-                    f"no reply to {req.call.op.name} after {req.attempts} attempt(s) of {self.config.timeout_s:g} s "
-                    f"(ps.timeout_s = {self.config.timeout_s:g}, ps.retries = {self.config.retries})")
-                self._fail(req.call, err)
-                # drop what is queued for the dead peer so it is not delivered if the shard returns
-                self.socks[req.shard].close(linger=0)
-                self.socks[req.shard] = self._socket(req.shard)
-                replaced = True
-        return replaced
-
-    def _fail(self, call: _Call, err: BaseException) -> None:
-        for key in [k for k, r in self.pending.items() if r.call is call]:
-            del self.pending[key]
-        if not call.future.done():
-            call.future.set_exception(err)
-
-    def _fail_all(self, err: BaseException) -> None:
-        calls = {id(r.call): r.call for r in self.pending.values()}
-        self.pending.clear()
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            for req in item or ():
-                calls[id(req.call)] = req.call
-        for call in calls.values():
-            if not call.future.done():
-                call.future.set_exception(err)
-
-
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """How a request's ids [N] travel: the ids sent, grouped by shard, and the way back.
@@ -287,10 +88,8 @@ class _Plan:
     place: torch.Tensor | None         # int64 [U] (no dedup, several shards) or None
 
 
-class PSClient(MultiTableOps):
-    """Pull rows from / push gradients to every PS shard. See the module docstring.
-
-    pull_many_async / push_many_async (from MultiTableOps): several tables in one request per shard.
+class PSClient:
+    """Pull rows from / push gradients to every PS shard (an `EmbeddingStore`). See the module docstring.
 
     addresses: `tcp://host:port` of shard 0..S-1. worker_id: this trainer's rank (sync mode).
     dedup: deduplicate ids before sending (sort + inverse). A caller whose ids are already unique
@@ -313,25 +112,71 @@ class PSClient(MultiTableOps):
         self._ids = itertools.count(1)
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
-        self._io = _IOThread(config, self.addresses, torch.get_num_threads())
+        self._io = IOThread(config, self.addresses, torch.get_num_threads())
         self._io.start()
         self._closed = False
 
     # -- rows -----------------------------------------------------------------------------------
 
-    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> "Future[torch.Tensor]":
-        """A Future of float32 rows [N, D] of int64 ids [N] (any order, duplicates fine)."""
-        dim = self._table(table).dim
-        ids = self._check_ids(table, ids)
-        if ids.numel() == 0:
+    def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
+                        step: int | None = None) -> "Future[torch.Tensor]":
+        """A Future of float32 rows [sum N_t, D]: the rows of every table's int64 ids [N_t], in order."""
+        dim, ids = self._many_args("pull", tables, ids)
+        plans = [self._plan(t, x) for t, x in zip(tables, ids)]
+        shards = self._by_shard([(p, p.sent) for p in plans])
+        if not shards:
             return _done(torch.empty(0, dim))
-        plan = self._plan(table, ids)
+        if self._too_big("pull", tables, shards, dim):     # one request per table instead
+            return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
         reqs = []
-        for shard, chunk in self._chunks(plan, plan.sent):
-            self._check_size("pull", table, shard, chunk.numel(), dim)
-            h = self._header(P.Op.PULL, table, step, dtype=self.wire, count=chunk.numel(), dim=dim)
-            reqs.append((shard, h, [P.tensor_frame(chunk)]))
-        return self._submit(P.Op.PULL, reqs, lambda parts: self._assemble(plan, parts, dim))
+        for shard, parts in shards.items():
+            h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim)
+            reqs.append((shard, h, _frames(tables, parts)))
+        counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
+        return self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim))
+
+    def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
+                        step: int | None = None) -> "Future[None]":
+        """Send float32 grads [sum N_t, D] of every table's ids [N_t] (rows in pull_many's order)."""
+        dim, ids = self._many_args("push", tables, ids)
+        total = sum(x.numel() for x in ids)
+        if grads.dim() != 2 or grads.shape != (total, dim) or not grads.is_floating_point():
+            raise ValueError(f"push to tables {list(tables)}: grads must be float [{total}, {dim}], got "
+                             f"{grads.dtype} {list(grads.shape)}")
+        grads = grads.detach().to("cpu", torch.float32)
+        plans = [self._plan(t, x) for t, x in zip(tables, ids)]
+        sent, start = [], 0
+        for plan, x in zip(plans, ids):
+            g = grads[start:start + x.numel()]                                     # [N_t, D]
+            start += x.numel()
+            if plan.gather is not None:         # sum the grads of duplicates into shard order
+                g = torch.zeros(plan.sent.numel(), dim).index_add_(0, plan.gather, g)
+            elif plan.place is not None:
+                g = g.index_select(0, plan.place)
+            sent.append(g)
+        shards = self._by_shard([(p, p.sent) for p in plans])
+        if not shards:
+            return _done(None)
+        if self._too_big("push", tables, shards, dim):     # one request per table instead
+            splits = torch.split(grads, [x.numel() for x in ids])
+            return _combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
+                            lambda _: None)
+        grad_parts = self._by_shard(list(zip(plans, sent)))
+        reqs = []
+        for shard, parts in shards.items():
+            g = [c for _, c in grad_parts[shard]]
+            wire = P.to_wire(g[0] if len(g) == 1 else torch.cat(g), self.wire)     # [M_s, D]
+            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim)
+            reqs.append((shard, h, [*_frames(tables, parts), P.tensor_frame(wire)]))
+        fut = self._submit(P.Op.PUSH, reqs, lambda replies: None)
+        with self._lock:
+            self._pushes.add(fut)
+        fut.add_done_callback(self._push_done)
+        return fut
+
+    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> "Future[torch.Tensor]":
+        """A Future of float32 rows [N, D] of one table's int64 ids [N] (any order, duplicates fine)."""
+        return self.pull_many_async([table], [ids], step)
 
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """float32 rows [N, D] of int64 ids [N]."""
@@ -339,31 +184,8 @@ class PSClient(MultiTableOps):
 
     def push_async(self, table: int, ids: torch.Tensor, grads: torch.Tensor,
                    step: int | None = None) -> "Future[None]":
-        """Send float32 grads [N, D] of ids [N]; rows of duplicate ids get the sum. Future of None."""
-        dim = self._table(table).dim
-        ids = self._check_ids(table, ids)
-        if grads.dim() != 2 or grads.shape != (ids.numel(), dim) or not grads.is_floating_point():
-            raise ValueError(f"push to table {table}: grads must be float [{ids.numel()}, {dim}], got "
-                             f"{grads.dtype} {list(grads.shape)}")
-        if ids.numel() == 0:
-            return _done(None)
-        plan = self._plan(table, ids)
-        grads = grads.detach().to("cpu", torch.float32)
-        if plan.gather is not None:        # sum the grads of duplicates into shard order
-            sent = torch.zeros(plan.sent.numel(), dim).index_add_(0, plan.gather, grads)   # [U, D]
-        else:
-            sent = grads if plan.place is None else grads.index_select(0, plan.place)       # [N, D]
-        wire = P.to_wire(sent, self.wire)
-        reqs = []
-        for (shard, chunk), (_, g) in zip(self._chunks(plan, plan.sent), self._chunks(plan, wire)):
-            self._check_size("push", table, shard, chunk.numel(), dim)
-            h = self._header(P.Op.PUSH, table, step, dtype=self.wire, count=chunk.numel(), dim=dim)
-            reqs.append((shard, h, [P.tensor_frame(chunk), P.tensor_frame(g)]))
-        fut = self._submit(P.Op.PUSH, reqs, lambda parts: None)
-        with self._lock:
-            self._pushes.add(fut)
-        fut.add_done_callback(self._push_done)
-        return fut
+        """Send float32 grads [N, D] of one table's ids [N]; rows of duplicate ids get the sum."""
+        return self.push_many_async([table], [ids], grads, step)
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
         self._wait(self.push_async(table, ids, grads, step))
@@ -517,38 +339,6 @@ class PSClient(MultiTableOps):
         parts = torch.split(t, plan.counts)
         return [(s, part) for s, part in enumerate(parts) if part.shape[0] > 0]
 
-    def _assemble(self, plan: _Plan, parts: dict[int, tuple[P.Header, list]], dim: int) -> torch.Tensor:
-        """Replies of every shard -> float32 rows [N, D] in the caller's order."""
-        replies = []                                                            # (shard, rows [n_s, D])
-        for shard, count in enumerate(plan.counts):
-            if count == 0:
-                continue
-            header, payload = parts[shard]
-            what = f"PULL reply of ps shard {shard}"
-            if len(payload) != 1:
-                raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not 1")
-            dtype = P.row_dtype(header.dtype, what)
-            P.expect_bytes(what, len(payload[0]), count * dim, P.ITEM_SIZE[dtype], 1 << 62)
-            replies.append(P.frame_tensor(payload[0], dtype, count, dim))
-        if len(replies) == 1 and plan.place is None:
-            rows = replies[0].float()                          # one shard: no copy for fp32 (the frame)
-        elif plan.place is None:
-            rows = torch.cat(replies).float()                  # [U, D] in sent order
-        else:                                                  # no dedup: straight to caller order
-            rows = torch.empty(plan.sent.numel(), dim)
-            for place, part in zip(torch.split(plan.place, [c for c in plan.counts if c]), replies):
-                rows.index_copy_(0, place, part.float())
-            return rows
-        return rows if plan.gather is None else rows.index_select(0, plan.gather)   # [N, D]
-
-    def _check_size(self, op: str, table: int, shard: int, count: int, dim: int) -> None:
-        """Refuse a request whose rows frame would pass ps.max_frame_bytes (the shard drops those)."""
-        size = count * dim * P.ITEM_SIZE[self.wire]
-        if size > self.config.max_frame_bytes:
-            raise ValueError(f"{op} of {count} rows of table {table} (dim {dim}) to ps shard {shard} at "
-                             f"{self.addresses[shard]} is {size} bytes, over ps.max_frame_bytes = "
-                             f"{self.config.max_frame_bytes}; split the ids")
-
     def _header(self, op: P.Op, table: int = 0, step: int | None = None, **fields: int) -> P.Header:
         return P.Header(op=op, table=table, step=self.step if step is None else step, worker=self.worker_id,
                         client=self._client, request=next(self._ids), **fields)
@@ -557,8 +347,8 @@ class PSClient(MultiTableOps):
                 finish: Callable[[dict], Any]) -> Future:
         if self._closed:
             raise RuntimeError("PSClient is closed")
-        call = _Call(op, Future(), finish, waiting=len(reqs))
-        items = [_Request(call, shard, h.request, [h.pack(), self._token, *payload]) for shard, h, payload in reqs]
+        call = Call(op, Future(), finish, waiting=len(reqs))
+        items = [Request(call, shard, h.request, [h.pack(), self._token, *payload]) for shard, h, payload in reqs]
         self._io.submit(items)
         return call.future
 
@@ -585,11 +375,108 @@ class PSClient(MultiTableOps):
         with self._lock:
             self._pushes.discard(fut)
 
+    def _many_args(self, op: str, tables: Sequence[int], ids: Sequence[torch.Tensor]):
+        if len(tables) != len(ids) or not tables:
+            raise ValueError(f"{op}_many: {len(tables)} tables and {len(ids)} id tensors (need as many, >= 1)")
+        dims = {self._table(t).dim for t in tables}
+        if len(dims) != 1:
+            raise ValueError(f"{op}_many: tables {list(tables)} have dims {sorted(dims)}; one call takes one dim")
+        return dims.pop(), [self._check_ids(t, x) for t, x in zip(tables, ids)]
+
+    def _by_shard(self, items: list) -> dict[int, list[tuple[int, torch.Tensor]]]:
+        """[(plan, tensor in plan.sent order)] -> {shard: [(part index, the shard's chunk)]}, parts in order."""
+        out: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for i, (plan, t) in enumerate(items):
+            for shard, chunk in self._chunks(plan, t):
+                out.setdefault(shard, []).append((i, chunk))
+        return out
+
+    def _too_big(self, op: str, tables: Sequence[int], shards: dict[int, list[tuple[int, torch.Tensor]]],
+                 dim: int) -> bool:
+        """Whether a shard's request would pass ps.max_frame_bytes (the shard refuses those). Several
+        tables: True (the caller sends one request per table); one table: ValueError (split the ids)."""
+        limit = self.config.max_frame_bytes
+        for shard, parts in shards.items():
+            n = sum(c.numel() for _, c in parts)
+            size = max(n * dim * P.ITEM_SIZE[self.wire], 16 * len(parts), 8 * n)
+            if size <= limit:
+                continue
+            if len(tables) > 1:
+                return True
+            raise ValueError(f"{op} of {n} rows of table {tables[0]} (dim {dim}) to ps shard {shard} at "
+                             f"{self.addresses[shard]} is {size} bytes, over ps.max_frame_bytes = {limit}; "
+                             f"split the ids")
+        return False
+
+    def _assemble_many(self, plans: list, counts: dict[int, list[int]],
+                       replies: dict[int, tuple[P.Header, list]], dim: int) -> torch.Tensor:
+        """Every shard's PULL_MULTI reply -> float32 rows [sum N_t, D] in the caller's order."""
+        pieces: dict[int, list[torch.Tensor]] = {}          # shard -> rows of each of its parts
+        for shard, cs in counts.items():
+            header, payload = replies[shard]
+            what = f"PULL_MULTI reply of ps shard {shard}"
+            if len(payload) != 1:
+                raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not 1")
+            dtype = P.row_dtype(header.dtype, what)
+            P.expect_bytes(what, len(payload[0]), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
+            rows = P.frame_tensor(payload[0], dtype, sum(cs), dim)
+            if len(counts) == 1 and all(p.gather is None and p.place is None for p in plans):
+                return rows.float()           # one shard, no reordering: the frame itself (fp32)
+            pieces[shard] = list(torch.split(rows, cs))
+        out = []
+        for plan in plans:
+            if plan.sent.numel() == 0:        # a table without ids
+                out.append(torch.empty(0, dim))
+                continue
+            mine = [pieces[s].pop(0) for s, c in enumerate(plan.counts) if c]   # parts in table order
+            if plan.place is not None:
+                rows = torch.empty(plan.sent.numel(), dim)
+                for place, part in zip(torch.split(plan.place, [c for c in plan.counts if c]), mine):
+                    rows.index_copy_(0, place, part.float())
+            else:
+                rows = (torch.cat(mine) if len(mine) != 1 else mine[0]).float()
+                if plan.gather is not None:
+                    rows = rows.index_select(0, plan.gather)
+            out.append(rows)
+        return torch.cat(out) if out else torch.empty(0, dim)
+
+
+def _frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> list:
+    """The index [T, 2] and ids [M] frames of one shard's parts."""
+    index = torch.tensor([[tables[i], c.numel()] for i, c in parts], dtype=torch.int64)
+    ids = parts[0][1] if len(parts) == 1 else torch.cat([c for _, c in parts])
+    return [P.tensor_frame(index), P.tensor_frame(ids)]
+
 
 def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
+
+
+def _combine(futures: list[Future], combine: Callable[[list], Any]) -> Future:
+    """A Future of combine([f.result() for f in futures]) once all are done (the first error wins)."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+            return
+        try:
+            out.set_result(combine([f.result() for f in futures]))
+        except Exception as e:
+            out.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
 
 
 __all__ = ["PSClient", "ShardUnavailableError", "PSRequestError", "SaveFailedError", "SaveTimeoutError"]

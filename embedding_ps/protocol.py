@@ -5,11 +5,9 @@ A message is a list of ZeroMQ frames. A request is::
     frame 0   header   HEADER_SIZE bytes, struct HEADER_FORMAT (little-endian, below)
     frame 1   auth     the shared token (ps.auth = "token"), else empty
     frame 2.. payload  raw little-endian tensor bytes, per op:
-        PULL      ids int64 [N]                     (dtype field: the row type wanted back)
-        PUSH      ids int64 [N], grads dtype [N, D]
+        PULL      index int64 [T, 2], ids int64 [M]                  (count = T parts, dim = D of every
+        PUSH      index int64 [T, 2], ids int64 [M], grads dtype [M, D]  part; dtype: the row type)
         SAVE/LOAD directory, UTF-8                   (dtype BYTES, count = byte length)
-        PULL_MULTI  index int64 [T, 2], ids int64 [M]          (count = T parts, dim = D of every part)
-        PUSH_MULTI  index int64 [T, 2], ids int64 [M], grads dtype [M, D]
         others    nothing
 
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (a copy in memory), replies at
@@ -18,14 +16,18 @@ Without the flag, SAVE replies once the files are written. SAVE with ``flags & F
 only makes the next background save's memory ready (faulted in on a thread) and replies at once,
 so that the snapshot itself is just a copy.
 
-A multi-table request carries T parts in one message (one request per shard per step instead of
-one per table): row i of `index` is (table, n_i), the ids are the parts' ids back to back
-(M = sum n_i), and so are the grads and the PULL_MULTI reply's rows dtype [M, D]. Every part's
-table must have dim D. It does what the T single-table requests in that order would do.
+There is one row path: a PULL or PUSH carries T parts (tables) in one message, so a trainer's
+step costs one request per shard, not one per table; a single table is a request with one part.
+Row i of `index` is (table, n_i), the ids are the parts' ids back to back (M = sum n_i), and so are
+the grads and the PULL reply's rows dtype [M, D]. Every part's table must have dim D.
 
 A reply is ``[header, payload...]`` with the request's op, request id and client id echoed:
-PULL -> rows dtype [N, D]; PULL_MULTI -> rows dtype [M, D]; STATS / HEALTH / SAVE / SAVE_STATUS /
-LOAD / SWEEP -> JSON bytes; PUSH / PUSH_MULTI / BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with the error message.
+PULL -> rows dtype [M, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP -> JSON bytes;
+PUSH / BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with
+the error message.
+
+Version 2 (this one) has only the multi-table PULL / PUSH (ops 11 and 12); version 1 also had
+single-table ops 1 and 2. A peer of another version gets BAD_FRAME naming both versions.
 
 Header fields (60 bytes, ``<IHBBHHIIQIIqQQ``)::
 
@@ -50,15 +52,13 @@ if sys.byteorder != "little":  # tensors go on the wire as their native bytes
     raise ImportError("embedding_ps.protocol needs a little-endian machine (the wire is little-endian)")
 
 MAGIC = 0x31535045  # b"EPS1" read as a little-endian u32
-VERSION = 1
+VERSION = 2
 HEADER_FORMAT = "<IHBBHHIIQIIqQQ"
 HEADER_SIZE = struct.calcsize(HEADER_FORMAT)
 _HEADER = struct.Struct(HEADER_FORMAT)
 
 
 class Op(enum.IntEnum):
-    PULL = 1
-    PUSH = 2
     BARRIER = 3
     STATS = 4
     HEALTH = 5
@@ -67,8 +67,8 @@ class Op(enum.IntEnum):
     SHUTDOWN = 8
     SWEEP = 9
     SAVE_STATUS = 10
-    PULL_MULTI = 11
-    PUSH_MULTI = 12
+    PULL = 11   # multi-table (version 1's single-table PULL was op 1)
+    PUSH = 12   # multi-table (version 1's PUSH was op 2)
 
 
 FLAG_BACKGROUND = 1
@@ -103,9 +103,8 @@ WIRE_DTYPES = {"fp32": DType.FP32, "fp16": DType.FP16, "bf16": DType.BF16}
 """ps.wire_dtype -> DType of rows and gradients on the wire."""
 
 # payload frames after [header, auth] per op (requests)
-REQUEST_PAYLOADS = {Op.PULL: 1, Op.PUSH: 2, Op.BARRIER: 0, Op.STATS: 0, Op.HEALTH: 0, Op.SAVE: 1,
-                    Op.LOAD: 1, Op.SHUTDOWN: 0, Op.SWEEP: 0, Op.SAVE_STATUS: 0,
-                    Op.PULL_MULTI: 2, Op.PUSH_MULTI: 3}
+REQUEST_PAYLOADS = {Op.PULL: 2, Op.PUSH: 3, Op.BARRIER: 0, Op.STATS: 0, Op.HEALTH: 0, Op.SAVE: 1,
+                    Op.LOAD: 1, Op.SHUTDOWN: 0, Op.SWEEP: 0, Op.SAVE_STATUS: 0}
 
 
 class ProtocolError(ValueError):
@@ -157,7 +156,8 @@ def unpack_header(buf: bytes | memoryview) -> Header:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:08x} (expected 0x{MAGIC:08x})")
     if version != VERSION:
-        raise ProtocolError(f"protocol version {version} not supported (this side speaks {VERSION})")
+        raise ProtocolError(f"protocol version {version} not supported (this side speaks {VERSION}): trainers "
+                            f"and PS shards must run the same release")
     return Header(op=op, table=table, dtype=dtype, count=count, dim=dim, step=step, worker=worker,
                   client=client, request=request, status=status, flags=flags, magic=magic,
                   version=version)

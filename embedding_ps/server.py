@@ -1,28 +1,18 @@
-"""One PS shard process: a ZeroMQ ROUTER socket in front of a `ShardState`.
+"""One PS shard process: a ZeroMQ ROUTER socket in front of a shard state (`ShardState`).
 
-    python -m embedding_ps.server --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
+    recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
 
-The server only decodes requests and encodes replies (wire format: `embedding_ps.protocol`); rows,
-optimizer state and save/load live in `embedding_ps.shard.ShardState`. It is one thread and never
-blocks: a request that must wait (a sync-mode pull for a step whose predecessor is not applied yet)
-is parked and answered when a later barrier unblocks it. Every request is validated and a bad one
-gets an error reply; the loop never dies on input.
+(`recsys ps` is the one entry point; it calls `serve` here.) The server only decodes requests and
+encodes replies (wire format: `embedding_ps.protocol`); rows, optimizer state and save/load live in
+`embedding_ps.shard.ShardState`, and the order of pushes and pulls in the mode's gate
+(`embedding_ps.gates`: `SyncGate` or `AsyncGate`, chosen at start). It is one thread and never
+blocks: a request that must wait (a sync-mode pull for a step whose predecessor is not applied yet,
+an async pull too far ahead) is parked and answered when a later barrier unblocks it. Every request
+is validated and a bad one gets an error reply; the loop never dies on input.
 
-Sync contract (ps.mode = "sync", W = ps.num_workers), per worker and step t = 0, 1, 2, ...::
-
-    pull(table, ids, step=t)          waits on each shard until no step < t is still pending there
-    push(table, ids, grads, step=t)   buffered per step; any number, every table; all acknowledged
-    barrier(t)                        "worker w is done with step t", sent to every shard
-
-When all W workers have sent barrier(t), each shard concatenates step t's buffered pushes of each
-table (in worker order, then arrival order) and calls `state.push` once per table: the step's
-gradients are summed and applied once, exactly as one process pushing the concatenation. A push or
-barrier for a step the shard already applied is refused (STALE_STEP). A LOAD forgets every step
-(trainers restarted from a checkpoint count again from its step). Steps need not be contiguous
-(a resumed job may start at step 1000), but they are applied in increasing order.
-
-Async mode: each push is applied on arrival. If the workers also send barrier(t), a pull for step s
-waits while s is more than ps.max_staleness steps ahead of the slowest worker's last barrier + 1.
+Rows travel on one path: PULL and PUSH carry the parts of several tables (a trainer's whole step
+for this shard); every part is validated before any is applied (a bad request changes nothing).
+A LOAD forgets every step (trainers restarted from a checkpoint count again from its step).
 
 Saves: SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files
 before replying; with protocol.FLAG_BACKGROUND a thread first faults in memory for a copy (the SAVE
@@ -30,38 +20,33 @@ is parked meanwhile), then the shard copies its state into it, replies, and a th
 copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
 save is prepared or written, new SAVE and LOAD requests are parked and retried when that ends.
 
-Pushes (PUSH, PUSH_MULTI) and barriers are not idempotent: the shard keeps the replies of the last
-REPLAY_ENTRIES (client, request id) pairs and answers a retried request from that cache without
-applying it twice. PULL_MULTI / PUSH_MULTI (one request for several tables) live in `multi_server`.
+Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
+(client, request id) pairs and answers a retried request from that cache without applying it twice.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import signal
-import inspect
 import socket
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import zmq
 
-from embedding_ps import multi_server
 from embedding_ps import protocol as P
-from embedding_ps.auth import AuthConfigError, check_bind_auth, load_token, setup_server_curve, token_matches
-from embedding_ps.config import PSConfig, PSConfigError, TableConfig, load_ps_config
+from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
+from embedding_ps.config import PSConfig
+from embedding_ps.gates import SyncGate, AsyncGate, make_gate
+from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.snapshot import shard_dir
+from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
 
@@ -71,135 +56,45 @@ POLL_MS = 200
 """The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
 BUSY_POLL_MS = 2
 """... and this often while a background save is prepared or written."""
+MAX_STEP = 2**31 - 1
+"""Steps are int32 on the shard (a row's last-seen step)."""
 
 DEFERRED = object()
 """What `ShardServer.handle` returns for a request parked until a later barrier."""
-StateFactory = Callable[[PSConfig, int], Any]
-_NOT_IDEMPOTENT = (P.Op.PUSH, P.Op.PUSH_MULTI, P.Op.BARRIER)
+_NOT_IDEMPOTENT = (P.Op.PUSH, P.Op.BARRIER)
 
 
-# ---------------------------------------------------------------------------------------------
-# sync mode: per-step buffers
+class ShardStateLike(Protocol):
+    """What the server needs of a shard's state: `embedding_ps.shard.ShardState`, or a test double."""
+
+    def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 rows [N, D] of ids [N], written into `out` when given."""
+        ...
+
+    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None: ...
+
+    def sweep(self, step: int) -> dict: ...
+
+    def stats(self) -> dict: ...
+
+    def save(self, directory: str) -> dict: ...
+
+    def load(self, directory: str) -> None: ...
+
+    def snapshot_buffers(self) -> list[dict[str, np.ndarray]]: ...
+
+    def snapshot(self, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot: ...
 
 
-@dataclass
-class _Step:
-    pushes: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    arrived: set[int] = field(default_factory=set)
-
-
-class StepBuffer:
-    """Sync mode: each step's pushes, held until all `num_workers` workers sent its barrier."""
-
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = num_workers
-        self.steps: dict[int, _Step] = {}
-        self.last_applied = -1
-
-    def pending_before(self, step: int) -> bool:
-        """True while a step < `step` has pushes or barriers not applied yet."""
-        return any(t < step for t in self.steps)
-
-    def _open(self, step: int, what: str) -> _Step:
-        if step <= self.last_applied:
-            raise P.ProtocolError(f"{what} for step {step}, but step {self.last_applied} is already "
-                                  f"applied", P.Status.STALE_STEP)
-        return self.steps.setdefault(step, _Step())
-
-    def add_push(self, step: int, worker: int, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Buffer ids [N] and grads float32 [N, D] of one push."""
-        self._open(step, f"push of worker {worker}").pushes.setdefault(table, []).append((worker, ids, grads))
-
-    def arrive(self, step: int, worker: int) -> None:
-        self._open(step, f"barrier of worker {worker}").arrived.add(worker)
-
-    def pop_ready(self) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
-        """The lowest step if every worker arrived: (step, {table: (ids [M], grads [M, D])})."""
-        if not self.steps:
-            return None
-        step = min(self.steps)
-        if len(self.steps[step].arrived) < self.num_workers:
-            return None
-        entry = self.steps.pop(step)
-        self.last_applied = step
-        merged = {}
-        for table, parts in entry.pushes.items():
-            parts = sorted(parts, key=lambda p: p[0])      # worker order; stable: arrival within one
-            merged[table] = (torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
-        return step, merged
-
-
-# ---------------------------------------------------------------------------------------------
-# reply buffers
-
-
-class ReplyBuffers:
-    """Reusable byte buffers for PULL replies, which zmq sends without a copy.
-
-    A fresh [N, D] allocation per pull is a fresh mmap on glibc: every page faults again (~2-3
-    ms for 25 MB). A buffer is free again once zmq has released the frame viewing it (CPython
-    reference counts: only this pool still refers to it). Sizes are rounded up to a power of two
-    so that requests of similar sizes share buffers; at most `max_bytes` are kept.
-    """
-
-    MIN_BYTES = 1 << 16          # smaller frames are copied by pyzmq anyway
-
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.bufs: list[np.ndarray] = []
-        self.total = 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """uint8 [nbytes], not initialized, not referred to by anything else."""
-        best = None
-        for i in range(len(self.bufs)):
-            if self.bufs[i].nbytes >= nbytes and self._idle(i) and (
-                    best is None or self.bufs[i].nbytes < self.bufs[best].nbytes):
-                best = i
-        if best is not None:
-            return self.bufs[best][:nbytes]
-        size = max(self.MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
-        if size > self.max_bytes:
-            return torch.empty(nbytes, dtype=torch.uint8).numpy()
-        while self.total + size > self.max_bytes:     # drop idle buffers (smallest first) to make room
-            idle = [i for i in range(len(self.bufs)) if self._idle(i)]
-            if not idle:
-                return torch.empty(nbytes, dtype=torch.uint8).numpy()
-            i = min(idle, key=lambda i: self.bufs[i].nbytes)
-            self.total -= self.bufs.pop(i).nbytes
-        # torch's allocation, viewed by numpy: numpy itself would madvise(MADV_HUGEPAGE) a large
-        # array, and huge pages made each send slower here (more sys time, pages faulting again)
-        a = torch.empty(size, dtype=torch.uint8).numpy()
-        self.bufs.append(a)
-        self.total += size
-        return a[:nbytes]
-
-    def _idle(self, i: int) -> bool:
-        # references: the list and getrefcount's argument; more while a frame (a view) is alive
-        return sys.getrefcount(self.bufs[i]) <= 2
-
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        """An uninitialized contiguous tensor backed by a pool buffer."""
-        n = shape[0] * shape[1]
-        item = torch.empty(0, dtype=dtype).element_size()
-        if n * item < self.MIN_BYTES:
-            return torch.empty(shape, dtype=dtype)
-        raw = torch.from_numpy(self.take(n * item))
-        return raw.view(dtype).view(shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# the shard server
+StateFactory = Callable[[PSConfig, int], ShardStateLike]
 
 
 class ShardServer:
-    """Decodes requests for one shard, calls its `state`, encodes replies. No sockets here."""
+    """Decodes requests for one shard, calls its `state` and `gate`, encodes replies. No sockets here."""
 
-    def __init__(self, config: PSConfig, shard_index: int, state: Any, token: bytes | None = None) -> None:
+    def __init__(self, config: PSConfig, shard_index: int, state: ShardStateLike, token: bytes | None = None) -> None:
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
-        self.sync = StepBuffer(config.num_workers) if config.mode == "sync" else None
-        self.progress = [-1] * config.num_workers      # async: last barrier step of each worker
-        self.max_pull_lead = 0                         # async: most steps a served pull ran ahead
+        self.gate: SyncGate | AsyncGate = make_gate(config, state)
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.counts: dict[str, int] = {op.name.lower(): 0 for op in P.Op}
         self.errors = 0
@@ -207,15 +102,9 @@ class ShardServer:
         self._handlers = {P.Op.PULL: self._pull, P.Op.PUSH: self._push, P.Op.BARRIER: self._barrier,
                           P.Op.STATS: self._stats, P.Op.HEALTH: self._health, P.Op.SAVE: self._save,
                           P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep,
-                          P.Op.SAVE_STATUS: self._save_status,
-                          P.Op.PUSH_MULTI: lambda h, p: multi_server.push_multi(self, h, p),
-                          P.Op.PULL_MULTI: lambda h, p: multi_server.pull_multi(self, h, p) or DEFERRED}
+                          P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
         self.saver = BackgroundSaver(self.name, shard_index)
-        try:
-            self._pull_out = "out" in inspect.signature(state.pull).parameters
-        except (TypeError, ValueError, AttributeError):
-            self._pull_out = False
 
     @property
     def name(self) -> str:
@@ -267,30 +156,30 @@ class ShardServer:
 
     # -- validation helpers -------------------------------------------------------------------
 
-    def _table(self, h: P.Header) -> TableConfig:
-        if h.table >= len(self.config.tables):
-            raise P.ProtocolError(f"{P.Op(h.op).name}: unknown table {h.table} (this job has "
-                                  f"{len(self.config.tables)} tables)", P.Status.BAD_VALUE)
-        table = self.config.tables[h.table]
-        if h.dim != table.dim:
-            raise P.ProtocolError(f"{P.Op(h.op).name}: table {h.table} ({table.name}) has dim {table.dim}, "
-                                  f"request says {h.dim}", P.Status.BAD_VALUE)
-        return table
-
-    def _worker(self, h: P.Header) -> None:
-        if h.worker >= self.config.num_workers:
-            raise P.ProtocolError(f"{P.Op(h.op).name}: worker {h.worker} is outside 0.."
-                                  f"{self.config.num_workers - 1} (ps.num_workers)", P.Status.BAD_VALUE)
-
-    def _ids(self, h: P.Header, buf: memoryview) -> torch.Tensor:
-        P.expect_bytes(f"{P.Op(h.op).name} ids", len(buf), h.count, 8, self.config.max_frame_bytes)
-        return P.frame_tensor(buf, P.DType.INT64, h.count)
-
-    def _must_wait(self, step: int) -> bool:
-        if self.sync is not None:
-            return self.sync.pending_before(step)
-        slowest_next = min(self.progress) + 1
-        return step - slowest_next > self.config.max_staleness
+    def _parts(self, h: P.Header, index_buf: memoryview, ids_buf: memoryview
+               ) -> tuple[list[int], list[int], torch.Tensor]:
+        """(tables [T], counts [T], ids int64 [M]) of a PULL / PUSH; ProtocolError naming what is wrong."""
+        name = P.Op(h.op).name
+        limit = self.config.max_frame_bytes
+        if h.count < 1:
+            raise P.ProtocolError(f"{name}: count (parts) must be >= 1, got {h.count}", P.Status.BAD_VALUE)
+        P.expect_bytes(f"{name} index", len(index_buf), 2 * h.count, 8, limit)
+        index = P.frame_tensor(index_buf, P.DType.INT64, 2 * h.count).view(h.count, 2)
+        tables, counts = index[:, 0].tolist(), index[:, 1].tolist()
+        num_tables = len(self.config.tables)
+        for i, (t, n) in enumerate(zip(tables, counts)):
+            if not 0 <= t < num_tables:
+                raise P.ProtocolError(f"{name}: part {i}: unknown table {t} (this job has {num_tables} tables)",
+                                      P.Status.BAD_VALUE)
+            cfg = self.config.tables[t]
+            if cfg.dim != h.dim:
+                raise P.ProtocolError(f"{name}: part {i}: table {t} ({cfg.name}) has dim {cfg.dim}, request "
+                                      f"says {h.dim}", P.Status.BAD_VALUE)
+            if n < 0:
+                raise P.ProtocolError(f"{name}: part {i}: count must be >= 0, got {n}", P.Status.BAD_VALUE)
+        total = sum(counts)
+        P.expect_bytes(f"{name} ids", len(ids_buf), total, 8, limit)
+        return tables, counts, P.frame_tensor(ids_buf, P.DType.INT64, total)
 
     def _path(self, h: P.Header, payload: list) -> str:
         P.expect_bytes(f"{P.Op(h.op).name} path", len(payload[0]), h.count, 1, 1 << 16)
@@ -305,93 +194,71 @@ class ShardServer:
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def pull_may_go(self, h: P.Header, rows: int, dim: int, dtype: P.DType) -> bool:
-        """PULL / PULL_MULTI of `rows` rows: refuse a reply over ps.max_frame_bytes; False while the
-        step must wait (sync: earlier steps pending; async: too far ahead), else note its lead."""
-        reply_bytes = rows * dim * P.ITEM_SIZE[dtype]
-        if reply_bytes > self.config.max_frame_bytes:
-            raise P.ProtocolError(f"{P.Op(h.op).name} of {rows} rows of dim {dim} = {reply_bytes} bytes exceeds "
-                                  f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
-        if self._must_wait(h.step):
-            return False
-        if self.sync is None:
-            self.max_pull_lead = max(self.max_pull_lead, h.step - (min(self.progress) + 1))
-        return True
-
     def _pull(self, h: P.Header, payload: list) -> Any:
-        table = self._table(h)
+        """Rows wire dtype [M, D] of every part's ids, back to back; DEFERRED while the step must wait."""
         dtype = P.row_dtype(h.dtype, "PULL reply")
-        ids = self._ids(h, payload[0])
-        if not self.pull_may_go(h, h.count, table.dim, dtype):
+        tables, counts, ids = self._parts(h, payload[0], payload[1])
+        total = ids.shape[0]
+        reply_bytes = total * h.dim * P.ITEM_SIZE[dtype]
+        if reply_bytes > self.config.max_frame_bytes:
+            raise P.ProtocolError(f"PULL of {total} rows of dim {h.dim} = {reply_bytes} bytes exceeds "
+                                  f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
+        if self.gate.must_wait(h.step):
             return DEFERRED
-        shape = (h.count, table.dim)
-        if self._pull_out and h.count:
-            if dtype == P.DType.FP32:       # rows straight into a reused buffer: no fresh pages
-                rows = self.state.pull(h.table, ids, h.step, out=self.buffers.tensor(torch.float32, shape))
-                return [h.reply().pack(), P.tensor_frame(rows)]
-            rows = self.state.pull(h.table, ids, h.step)                 # float32 [N, D]
-            wire = self.buffers.tensor(P.TORCH_DTYPES[dtype], shape)
-            return [h.reply().pack(), P.tensor_frame(wire.copy_(rows))]
-        rows = self.state.pull(h.table, ids, h.step)                     # float32 [N, D]
-        return [h.reply().pack(), P.tensor_frame(P.to_wire(rows, dtype))]
+        self.gate.pulled(h.step)
+        out = self.buffers.tensor(torch.float32, (total, h.dim))        # [M, D], a reused reply buffer
+        start = 0
+        for t, n in zip(tables, counts):
+            if n:          # each part straight into its contiguous rows of `out`
+                self.state.pull(t, ids[start:start + n], h.step, out=out[start:start + n])
+            start += n
+        if dtype != P.DType.FP32:
+            out = self.buffers.tensor(P.TORCH_DTYPES[dtype], (total, h.dim)).copy_(out)
+        return [h.reply().pack(), P.tensor_frame(out)]
 
     def _push(self, h: P.Header, payload: list) -> list:
-        table = self._table(h)
+        """Every part's grads to the gate: applied now (async) or at the step's last barrier (sync)."""
         dtype = P.row_dtype(h.dtype, "PUSH grads")
-        ids = self._ids(h, payload[0])
-        P.expect_bytes("PUSH grads", len(payload[1]), h.count * table.dim, P.ITEM_SIZE[dtype],
+        tables, counts, ids = self._parts(h, payload[0], payload[1])
+        total = ids.shape[0]
+        P.expect_bytes("PUSH grads", len(payload[2]), total * h.dim, P.ITEM_SIZE[dtype],
                        self.config.max_frame_bytes)
-        grads = P.frame_tensor(payload[1], dtype, h.count, table.dim).float()   # [N, D]
-        if self.sync is not None:
-            self._worker(h)
-            self.sync.add_push(h.step, h.worker, h.table, ids, grads)
-        else:
-            self.state.push(h.table, ids, grads, h.step)
+        if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
+            raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
+        grads = P.frame_tensor(payload[2], dtype, total, h.dim).float()   # [M, D]
+        parts, start = [], 0
+        for t, n in zip(tables, counts):
+            if n:
+                parts.append((t, ids[start:start + n], grads[start:start + n]))
+            start += n
+        self.gate.push(h.worker, h.step, parts)
         return [h.reply().pack()]
 
     def _barrier(self, h: P.Header, payload: list) -> list:
-        self._worker(h)
-        if self.sync is None:
-            self.progress[h.worker] = max(self.progress[h.worker], h.step)
-            return [h.reply().pack()]
-        self.sync.arrive(h.step, h.worker)
-        while (ready := self.sync.pop_ready()) is not None:
-            step, merged = ready
-            for table, (ids, grads) in sorted(merged.items()):
-                self.state.push(table, ids, grads, step)
-            logger.debug("%s: applied step %d (%d tables)", self.name, step, len(merged))
+        self.gate.barrier(h.worker, h.step)
         return [h.reply().pack()]
 
     def _stats(self, h: P.Header, payload: list) -> list:
         info = {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
                 "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
-                "state": self.state.stats(), "save": self.saver.status()}
-        if self.sync is not None:
-            info["last_applied_step"] = self.sync.last_applied
-            info["pending_steps"] = sorted(self.sync.steps)
-        else:
-            info["max_pull_lead"] = self.max_pull_lead
-            info["worker_progress"] = list(self.progress)
+                "state": self.state.stats(), "save": self.saver.status(), **self.gate.stats()}
         return self._json(h, info)
 
     def _health(self, h: P.Header, payload: list) -> list:
         return self._json(h, {"shard": self.shard, "ok": True, "pid": os.getpid(), "mode": self.config.mode,
-                              "last_applied_step": self.sync.last_applied if self.sync else None})
+                              "last_applied_step": self.gate.stats().get("last_applied_step")})
 
     def _save(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
         if h.flags & P.FLAG_PREPARE:    # ahead of a background save: its memory, while training goes on
-            prepared = self.saver.phase == "idle" and callable(getattr(self.state, "snapshot_buffers", None))
+            prepared = self.saver.phase == "idle"
             if prepared:
                 self.saver.prepare(self.state)
             return self._json(h, {"shard": self.shard, "prepared": prepared, "phase": self.saver.phase})
-        if self._must_wait(h.step) or self.saver.busy:    # busy: retried when the saver's phase ends
+        if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the saver's phase ends
             return DEFERRED
         if h.flags & P.FLAG_BACKGROUND:
-            if not callable(getattr(self.state, "snapshot", None)):
-                raise P.ProtocolError("SAVE: this shard's state cannot take snapshots (no background saves)",
-                                      P.Status.BAD_VALUE)
-            if self.saver.phase == "idle" and callable(getattr(self.state, "snapshot_buffers", None)):
+            if self.saver.phase == "idle":
                 self.saver.prepare(self.state)            # fault in the copy's memory on a thread first
                 return DEFERRED
             return self._json(h, self.saver.start(self.state, path, h.step))
@@ -418,9 +285,7 @@ class ShardServer:
         self.saver.drop_buffers()
         self.state.load(path)
         # the trainers restart from the loaded state: forget the steps and progress of the old run
-        self.sync = StepBuffer(self.config.num_workers) if self.config.mode == "sync" else None
-        self.progress = [-1] * self.config.num_workers
-        self.max_pull_lead = 0
+        self.gate = make_gate(self.config, self.state)
         logger.info("%s: loaded from %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})
 
@@ -516,7 +381,7 @@ def _write_ready(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-def _default_state(config: PSConfig, shard_index: int) -> Any:
+def _default_state(config: PSConfig, shard_index: int) -> ShardStateLike:
     from embedding_ps.shard import ShardState
 
     return ShardState(config, shard_index)
@@ -581,27 +446,3 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
         if authenticator is not None:
             authenticator.stop()
         ctx.term()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embedding_ps.server", description="serve one PS shard")
-    parser.add_argument("--config", required=True, help="job config (TOML); its [ps] section is read")
-    parser.add_argument("--shard", type=int, required=True, help="shard index in 0..ps.num_shards-1")
-    parser.add_argument("--bind", default=None, help="address to bind (default ps.bind)")
-    parser.add_argument("--port", type=int, default=0, help="TCP port (0: an ephemeral one)")
-    parser.add_argument("--ready-file", default=None, help="write the shard's address here once it serves")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format=f"%(asctime)s %(levelname)s ps{args.shard}: %(message)s")
-    try:
-        config = load_ps_config(Path(args.config))
-        serve(config, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file)
-    except (PSConfigError, AuthConfigError, ValueError) as e:
-        logger.error("%s", e)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from embedding_ps.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, to_toml
 
 logger = logging.getLogger("recsys")
@@ -216,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
+        logger.error("config error: %s", e)
+        return 2
+    except AuthConfigError as e:     # e.g. a non-loopback bind without ps.auth: fix the config
         logger.error("config error: %s", e)
         return 2
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:

@@ -1,6 +1,6 @@
 """Helpers to run PS shard processes on 127.0.0.1 for the integration tests.
 
-`ShardProcesses(config, tmp_path)` starts `python -m embedding_ps.server` once per shard (ports
+`ShardProcesses(config, tmp_path)` starts `recsys ps` (`python -m recsys.cli ps`) once per shard (ports
 chosen by the shard: `--port 0`, read back from its ready file), restarts a shard on its old port
 (so connected clients reconnect by themselves) and kills everything in `close()`.
 """
@@ -22,7 +22,7 @@ READY_TIMEOUT_S = 60.0
 
 
 def ps_toml(config: PSConfig) -> str:
-    """A job config holding `config` as its `[ps]` section, which `embedding_ps.config.load_ps_config` reads back."""
+    """A job config holding `config` as its `[ps]` section, which `recsys ps` reads back."""
     return to_toml(JobConfig(ps=config))
 
 
@@ -67,7 +67,7 @@ class ShardProcesses:
         for s in shards:
             self._ready(s).unlink(missing_ok=True)
             port = self.addresses[s].rsplit(":", 1)[1] if port_of_old_address and self.addresses[s] else "0"
-            cmd = [sys.executable, "-m", "embedding_ps.server", "--config", str(self.config_path),
+            cmd = [sys.executable, "-m", "recsys.cli", "ps", "--config", str(self.config_path),
                    "--shard", str(s), "--port", port, "--ready-file", str(self._ready(s))]
             with open(self.workdir / f"{self.name}-{s}.log", "ab") as log:
                 self.procs[s] = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)

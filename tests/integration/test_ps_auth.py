@@ -24,7 +24,7 @@ def test_non_loopback_bind_without_auth_refuses_to_start(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(ps_toml(PSConfig(tables=TABLES)))
     ready = tmp_path / "ready"
-    out = subprocess.run([sys.executable, "-m", "embedding_ps.server", "--config", str(path), "--shard", "0",
+    out = subprocess.run([sys.executable, "-m", "recsys.cli", "ps", "--config", str(path), "--shard", "0",
                           "--bind", "0.0.0.0", "--ready-file", str(ready)],
                          env=child_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2

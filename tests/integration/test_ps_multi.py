@@ -1,4 +1,4 @@
-"""PSClient.pull_many_async / push_many_async against live shards equal the single-table calls:
+"""PSClient.pull_many_async / push_many_async against live shards equal the one-table calls:
 2 shards, with and without client dedup, and the fallback for requests over ps.max_frame_bytes."""
 
 import dataclasses
@@ -16,7 +16,7 @@ CFG = PSConfig(num_shards=2, mode="async", timeout_s=20.0, retries=0,
                tables=tuple(TableConfig(name=f"t{i}", dim=D, optimizer="rowwise_adagrad", lr=0.1) for i in range(3)))
 
 
-# 1 shard, max_frame_bytes 1300: one table's 40 rows (1280 bytes) fit, the 65 of a PULL_MULTI do not
+# 1 shard, max_frame_bytes 1300: one table's 40 rows (1280 bytes) fit, the 65 of a three-table PULL do not
 @pytest.mark.parametrize("dedup,shards,max_frame", [(False, 2, 1 << 30), (True, 2, 1 << 30), (False, 1, 1300)])
 def test_many_equals_single_table_calls(shard_processes, dedup, shards, max_frame):
     cfg = dataclasses.replace(CFG, num_shards=shards, max_frame_bytes=max_frame)

@@ -20,25 +20,29 @@ CFG = PSConfig(num_shards=1, mode="async", timeout_s=20.0, retries=0, max_frame_
                tables=(TableConfig(name="t", dim=D, optimizer="sgd", lr=0.5),))
 
 
-def _pull(ids: list[int], **kw) -> list[bytes]:
-    fields = dict(op=P.Op.PULL, table=0, dtype=P.DType.FP32, count=len(ids), dim=D, request=1)
+def _pull(ids: list[int], table: int = 0, n: int | None = None, **kw) -> list[bytes]:
+    """A one-part PULL of `ids` from `table` (`n`: the count the index claims, default len(ids))."""
+    fields = dict(op=P.Op.PULL, dtype=P.DType.FP32, count=1, dim=D, request=1)
     fields.update(kw)
-    return [P.Header(**fields).pack(), b"", torch.tensor(ids, dtype=torch.int64).numpy().tobytes()]
+    index = torch.tensor([[table, len(ids) if n is None else n]], dtype=torch.int64).numpy().tobytes()
+    return [P.Header(**fields).pack(), b"", index, torch.tensor(ids, dtype=torch.int64).numpy().tobytes()]
 
 
 BAD = [
-    ("truncated header", lambda: [_pull([1])[0][:40], b"", bytes(8)], P.Status.BAD_FRAME, "60 bytes"),
+    ("truncated header", lambda: [_pull([1])[0][:40], b"", bytes(16), bytes(8)], P.Status.BAD_FRAME, "60 bytes"),
     ("one frame", lambda: _pull([1])[:1], P.Status.BAD_FRAME, ">= 2 frames"),
-    ("truncated ids", lambda: _pull([1, 2])[:2] + [bytes(12)], P.Status.BAD_FRAME, "frame has 12"),
-    ("wrong magic", lambda: [b"ABCD" + _pull([1])[0][4:], b"", bytes(8)], P.Status.BAD_FRAME, "bad magic"),
-    ("wrong version", lambda: _pull([1], version=2), P.Status.BAD_FRAME, "version 2"),
+    ("truncated ids", lambda: _pull([1, 2])[:3] + [bytes(12)], P.Status.BAD_FRAME, "frame has 12"),
+    ("wrong magic", lambda: [b"ABCD" + _pull([1])[0][4:], b"", bytes(16), bytes(8)], P.Status.BAD_FRAME, "bad magic"),
+    ("version 1 peer", lambda: _pull([1], version=1), P.Status.BAD_FRAME, "version 1 not supported (this side speaks 2)"),
+    ("single-table op of version 1", lambda: [P.Header(op=1, dtype=P.DType.FP32, count=1, dim=D).pack(), b"",
+                                              bytes(8)], P.Status.BAD_FRAME, "unknown op 1"),
     ("unknown op", lambda: [P.Header(op=99).pack(), b""], P.Status.BAD_FRAME, "unknown op 99"),
     ("unknown table", lambda: _pull([1], table=3), P.Status.BAD_VALUE, "unknown table 3"),
     ("wrong dim", lambda: _pull([1], dim=D + 2), P.Status.BAD_VALUE, "request says 6"),
-    ("huge count", lambda: _pull([1], count=2**62), P.Status.BAD_VALUE, "max_frame_bytes"),
+    ("huge count", lambda: _pull([1], n=2**62), P.Status.BAD_VALUE, "max_frame_bytes"),
     ("bad dtype", lambda: _pull([1], dtype=42), P.Status.BAD_VALUE, "dtype code 42"),
     ("push grads short", lambda: [P.Header(op=P.Op.PUSH, dtype=P.DType.FP32, count=1, dim=D).pack(), b"",
-                                  bytes(8), bytes(4 * D - 1)], P.Status.BAD_FRAME, "frame has 15"),
+                                  _pull([1])[2], bytes(8), bytes(4 * D - 1)], P.Status.BAD_FRAME, "frame has 15"),
 ]
 
 
@@ -130,7 +134,8 @@ def test_retry_resends_the_same_request_and_late_replies_are_dropped():
             first, second = router.recv_multipart(), router.recv_multipart()   # no reply to the first
             assert first == second
             h = P.unpack_header(first[1])
-            assert (h.op, h.count, h.dim) == (P.Op.PUSH, 2, D)
+            assert (h.op, h.count, h.dim) == (P.Op.PUSH, 1, D)                  # one part: table 0
+            assert torch.frombuffer(bytearray(first[3]), dtype=torch.int64).tolist() == [0, 2]
             for _ in range(2):
                 router.send_multipart([first[0], h.reply().pack()])
             assert fut.result(timeout=10) is None

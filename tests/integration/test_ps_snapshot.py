@@ -115,10 +115,14 @@ class _GatedState:
         self.gate = threading.Event()
         self.fail = False
 
-    def pull(self, table, ids, step):
-        return torch.full((ids.numel(), self.dim), 7.0)
+    def pull(self, table, ids, step=0, out=None):
+        rows = torch.full((ids.numel(), self.dim), 7.0)
+        return rows if out is None else out.copy_(rows)
 
-    def snapshot(self):
+    def snapshot_buffers(self):
+        return None          # nothing to fault in ahead
+
+    def snapshot(self, buffers=None):
         return _GatedSnapshot(self)
 
     def stats(self):

@@ -42,13 +42,16 @@ class GatedState:
         self.written: list[str] = []
         self.pushes = 0
 
-    def pull(self, table, ids, step):
-        return torch.zeros(ids.numel(), D)
+    def pull(self, table, ids, step=0, out=None):
+        return torch.zeros(ids.numel(), D) if out is None else out.zero_()
 
     def push(self, table, ids, grads, step):
         self.pushes += 1
 
-    def snapshot(self):
+    def snapshot_buffers(self):
+        return None          # nothing to fault in ahead: the snapshot allocates its own
+
+    def snapshot(self, buffers=None):
         return GatedSnapshot(self)
 
     def load(self, directory):
@@ -75,21 +78,35 @@ def save_bg(server, path, **kw):
     return server.handle(request(P.Op.SAVE, path, flags=P.FLAG_BACKGROUND, **kw))
 
 
+def save_bg_ready(server, path, **kw):
+    """A background SAVE of an idle shard: parked while its buffers are prepared on a thread, then retried."""
+    reply = save_bg(server, path, **kw)
+    if reply is DEFERRED and server.saver.phase in ("preparing", "ready"):
+        deadline = time.monotonic() + TIMEOUT_S
+        while not server.wakeup():
+            assert time.monotonic() < deadline, "snapshot buffers never got ready"
+            time.sleep(0.001)
+        reply = save_bg(server, path, **kw)
+    return reply
+
+
 def status(server) -> dict:
     return body(server.handle(request(P.Op.SAVE_STATUS)))
 
 
 def push(ids, step=0, worker=0, request=1, grad=1.0):
     ids = torch.tensor(ids, dtype=torch.int64)
-    h = P.Header(op=P.Op.PUSH, table=0, dtype=P.DType.FP32, count=ids.numel(), dim=D, step=step, worker=worker,
-                 client=7, request=request)
-    return [h.pack(), b"", ids.numpy().tobytes(), torch.full((ids.numel(), D), grad).numpy().tobytes()]
+    h = P.Header(op=P.Op.PUSH, dtype=P.DType.FP32, count=1, dim=D, step=step, worker=worker, client=7,
+                 request=request)
+    index = torch.tensor([[0, ids.numel()]], dtype=torch.int64).numpy().tobytes()      # one part: table 0
+    return [h.pack(), b"", index, ids.numpy().tobytes(), torch.full((ids.numel(), D), grad).numpy().tobytes()]
 
 
 def pull(ids, step=0):
     ids = torch.tensor(ids, dtype=torch.int64)
-    h = P.Header(op=P.Op.PULL, table=0, dtype=P.DType.FP32, count=ids.numel(), dim=D, step=step, client=7)
-    return [h.pack(), b"", ids.numpy().tobytes()]
+    h = P.Header(op=P.Op.PULL, dtype=P.DType.FP32, count=1, dim=D, step=step, client=7)
+    index = torch.tensor([[0, ids.numel()]], dtype=torch.int64).numpy().tobytes()
+    return [h.pack(), b"", index, ids.numpy().tobytes()]
 
 
 def gated_server() -> tuple[ShardServer, GatedState]:
@@ -102,7 +119,7 @@ def test_background_save_replies_at_once_serves_while_writing_and_parks_the_next
     server, state = gated_server()
     try:
         assert status(server)["state"] == "none"
-        reply = body(save_bg(server, "/ckpt/a", step=1))
+        reply = body(save_bg_ready(server, "/ckpt/a", step=1))
         assert reply == {"shard": 0, "directory": "/ckpt/a/shard0", "snapshot_s": 0.001, "background": True}
         assert state.writing.wait(TIMEOUT_S)
         st = status(server)
@@ -117,7 +134,7 @@ def test_background_save_replies_at_once_serves_while_writing_and_parks_the_next
         assert server.wakeup() and not server.wakeup()                 # once per finished write
         st = status(server)
         assert (st["state"], st["error"], st["bytes"], st["write_s"]) == ("done", None, 123, 0.5)
-        assert body(save_bg(server, "/ckpt/b", request=2))["directory"] == "/ckpt/b/shard0"   # the retry
+        assert body(save_bg_ready(server, "/ckpt/b", request=2))["directory"] == "/ckpt/b/shard0"   # the retry
         server.close(TIMEOUT_S)
         assert state.written == ["/ckpt/a/shard0", "/ckpt/b/shard0"]
         assert body(server.handle(request(P.Op.STATS)))["save"]["directory"] == "/ckpt/b/shard0"
@@ -131,13 +148,13 @@ def test_failed_background_write_is_reported_and_the_shard_keeps_serving():
     try:
         state.fail = True
         state.gate.set()
-        body(save_bg(server, "/ckpt/a"))
+        body(save_bg_ready(server, "/ckpt/a"))
         server.close(TIMEOUT_S)
         st = status(server)
         assert st["state"] == "failed" and st["error"] == "OSError: [Errno 28] No space left on device"
         assert P.unpack_header(server.handle(pull([1]))[0]).status == P.Status.OK
         state.fail = False
-        body(save_bg(server, "/ckpt/a", request=2))
+        body(save_bg_ready(server, "/ckpt/a", request=2))
         server.close(TIMEOUT_S)
         assert status(server)["state"] == "done"
     finally:
@@ -172,7 +189,7 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         for worker in (0, 1):                                           # step 1, after the snapshot
             server.handle(push([3, 4], step=1, worker=worker, request=30 + worker, grad=-2.0))
             server.handle(request(P.Op.BARRIER, step=1, worker=worker, request=40 + worker))
-        assert server.sync.last_applied == 1
+        assert server.gate.last_applied == 1
         server.close(TIMEOUT_S)
         assert status(server)["state"] == "done"
         verify_shard(shard_dir(path, 0))
@@ -229,11 +246,11 @@ def test_load_forgets_the_old_runs_steps(tmp_path):
     for step in range(3):
         server.handle(push([1, 2], step=step, request=10 + step))
         server.handle(request(P.Op.BARRIER, step=step, request=20 + step))
-    assert server.sync.last_applied == 2
+    assert server.gate.last_applied == 2
     stale = server.handle(push([1], step=1, request=30))
     assert P.unpack_header(stale[0]).status == P.Status.STALE_STEP
     body(server.handle(request(P.Op.LOAD, path, request=31)))
-    assert server.sync.last_applied == -1
+    assert server.gate.last_applied == -1
     again = server.handle(push([1], step=1, request=32))
     assert P.unpack_header(again[0]).status == P.Status.OK
     server.close(TIMEOUT_S)

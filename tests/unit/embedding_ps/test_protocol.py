@@ -16,8 +16,8 @@ import torch
 from embedding_ps import protocol as P
 from embedding_ps.auth import AuthConfigError, check_bind_auth, is_loopback
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.config import PSConfigError, load_ps_config
-from embedding_ps.server import DEFERRED, ShardServer, StepBuffer
+from embedding_ps.gates import StepBuffer
+from embedding_ps.server import DEFERRED, ShardServer
 
 ROOT = Path(__file__).resolve().parents[3]
 D = 4
@@ -35,9 +35,10 @@ class DictState:
         dim = self.config.tables[t].dim
         return self.rows.setdefault((t, i), torch.arange(dim, dtype=torch.float32) + 10 * i + 1000 * t)
 
-    def pull(self, table, ids, step):
+    def pull(self, table, ids, step=0, out=None):
         dim = self.config.tables[table].dim
-        return torch.stack([self._row(table, i) for i in ids.tolist()]) if ids.numel() else torch.empty(0, dim)
+        rows = torch.stack([self._row(table, i) for i in ids.tolist()]) if ids.numel() else torch.empty(0, dim)
+        return rows if out is None else out.copy_(rows)
 
     def push(self, table, ids, grads, step):
         self.pushes.append((table, ids.tolist(), grads.clone(), step))
@@ -64,19 +65,25 @@ def make(mode="async", workers=1, token=None, **kw) -> tuple[ShardServer, DictSt
     return ShardServer(cfg, 0, state, token), state
 
 
+def index_frame(parts) -> bytes:
+    """The [T, 2] (table, count) index frame of a PULL / PUSH."""
+    return torch.tensor(parts, dtype=torch.int64).numpy().tobytes()
+
+
 def pull_req(ids, table=0, dim=D, step=0, request=1, dtype=P.DType.FP32, auth=b""):
+    """A one-part PULL (one table)."""
     ids = torch.tensor(ids, dtype=torch.int64)
-    h = P.Header(op=P.Op.PULL, table=table, dtype=dtype, count=ids.numel(), dim=dim, step=step,
-                 client=7, request=request)
-    return [h.pack(), auth, ids.numpy().tobytes()]
+    h = P.Header(op=P.Op.PULL, dtype=dtype, count=1, dim=dim, step=step, client=7, request=request)
+    return [h.pack(), auth, index_frame([[table, ids.numel()]]), ids.numpy().tobytes()]
 
 
 def push_req(ids, grads, table=0, step=0, worker=0, request=1, dtype=P.DType.FP32):
+    """A one-part PUSH (one table)."""
     ids = torch.tensor(ids, dtype=torch.int64)
     g = P.tensor_frame(grads.to(P.TORCH_DTYPES[dtype]))
-    h = P.Header(op=P.Op.PUSH, table=table, dtype=dtype, count=ids.numel(), dim=grads.shape[1], step=step,
-                 worker=worker, client=7, request=request)
-    return [h.pack(), b"", ids.numpy().tobytes(), bytes(g)]
+    h = P.Header(op=P.Op.PUSH, dtype=dtype, count=1, dim=grads.shape[1], step=step, worker=worker, client=7,
+                 request=request)
+    return [h.pack(), b"", index_frame([[table, ids.numel()]]), ids.numpy().tobytes(), bytes(g)]
 
 
 def barrier_req(step, worker, request):
@@ -124,6 +131,18 @@ def test_header_errors():
         P.unpack_header(good[:4] + struct.pack("<H", 9) + good[6:])
 
 
+def test_a_version_1_peer_gets_a_clear_error():
+    """Version 2 has one row path (multi-table PULL / PUSH); a version-1 request names both versions."""
+    assert P.VERSION == 2 and not hasattr(P.Op, "PULL_MULTI") and {int(P.Op.PULL), int(P.Op.PUSH)} == {11, 12}
+    server, state = make()
+    v1 = pull_req([1])[0][:4] + struct.pack("<H", 1) + pull_req([1])[0][6:]
+    status, text = status_of(server.handle([v1, b"", bytes(16), bytes(8)]))
+    assert status == P.Status.BAD_FRAME
+    assert "protocol version 1 not supported (this side speaks 2)" in text and "same release" in text
+    old_pull = P.Header(op=1, dtype=P.DType.FP32, count=1, dim=D).pack()      # version 1's single-table op
+    assert "unknown op 1" in status_of(server.handle([old_pull, b"", bytes(8)]))[1]
+
+
 def test_pull_returns_rows_in_order_with_duplicates():
     server, state = make()
     rows = rows_of(server.handle(pull_req([5, 1, 5])), 3)
@@ -144,18 +163,19 @@ BAD_CASES = {
     "one frame": lambda: [P.Header(op=P.Op.PULL).pack()],
     "truncated header": lambda: [pull_req([1])[0][:30], b"", b""],
     "wrong magic": lambda: [b"\0\0\0\0" + pull_req([1])[0][4:], b"", bytes(8)],
-    "wrong version": lambda: [pull_req([1])[0][:4] + b"\x02\x00" + pull_req([1])[0][6:], b"", bytes(8)],
+    "wrong version": lambda: [pull_req([1])[0][:4] + b"\x01\x00" + pull_req([1])[0][6:], b"", bytes(16), bytes(8)],
     "unknown op": lambda: [P.Header(op=77).pack(), b""],
     "missing payload": lambda: pull_req([1, 2])[:2],
     "extra frame": lambda: pull_req([1]) + [b"x"],
-    "ids size mismatch": lambda: pull_req([1, 2])[:2] + [bytes(12)],
+    "ids size mismatch": lambda: pull_req([1, 2])[:3] + [bytes(12)],
     "unknown table": lambda: pull_req([1], table=5),
     "wrong dim": lambda: pull_req([1], dim=D + 1),
     "bad dtype": lambda: pull_req([1], dtype=P.DType.INT64),
-    "huge count": lambda: [P.Header(op=P.Op.PULL, count=2**60, dim=D, dtype=P.DType.FP32).pack(), b"", bytes(8)],
-    "huge reply": lambda: [P.Header(op=P.Op.PULL, count=2**20, dim=D, dtype=P.DType.FP32).pack(), b"",
-                           bytes(8 * 2**20)],
-    "grads size mismatch": lambda: push_req([1], torch.ones(1, D))[:3] + [bytes(4 * D - 4)],
+    "huge count": lambda: [P.Header(op=P.Op.PULL, count=1, dim=D, dtype=P.DType.FP32).pack(), b"",
+                           index_frame([[0, 2**60]]), bytes(8)],
+    "huge reply": lambda: [P.Header(op=P.Op.PULL, count=1, dim=D, dtype=P.DType.FP32).pack(), b"",
+                           index_frame([[0, 2**20]]), bytes(8 * 2**20)],
+    "grads size mismatch": lambda: push_req([1], torch.ones(1, D))[:4] + [bytes(4 * D - 4)],
     "push to unknown worker": lambda: push_req([1], torch.ones(1, D), worker=3),
     "save without path": lambda: [P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES).pack(), b"", b""],
     "negative step": lambda: pull_req([1], step=-3),
@@ -182,7 +202,7 @@ def test_error_messages_name_the_values():
 
 def test_state_failure_is_an_internal_error_not_a_crash():
     server, state = make()
-    state.pull = lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire"))
+    state.pull = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("disk on fire"))
     status, text = status_of(server.handle(pull_req([1])))
     assert status == P.Status.INTERNAL and "disk on fire" in text
 
@@ -253,9 +273,6 @@ def test_json_ops(tmp_path):
     stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
     assert stats["state"] == {"rows": 0} and stats["requests"]["save"] == 1
     assert stats["save"]["state"] == "done" and stats["save"]["directory"] == f"{path}/shard0"
-    h = P.Header(op=P.Op.SAVE, dtype=P.DType.BYTES, count=len(path), request=10, flags=P.FLAG_BACKGROUND)
-    status, text = status_of(server.handle([h.pack(), b"", path.encode()]))
-    assert status == P.Status.BAD_VALUE and "cannot take snapshots" in text   # DictState has no snapshot()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,18 +300,29 @@ def test_non_loopback_bind_without_auth_is_refused():
     check_bind_auth(PSConfig(), "127.0.0.1", 0)
 
 
-def test_load_ps_config(tmp_path):
-    good = tmp_path / "job.toml"
-    good.write_text('[data]\nx = 1\n[ps]\nnum_shards = 2\nmode = "async"\ntimeout_s = 5\n'
-                    '[[ps.tables]]\nname = "t"\ndim = 8\noptimizer = "adam"\n')
-    cfg = load_ps_config(good)
-    assert cfg.num_shards == 2 and cfg.timeout_s == 5.0 and cfg.tables[0].optimizer == "adam"
-    bad = {"[ps]\nnum_shard = 2\n": r"unknown key 'ps.num_shard'; valid: num_shards, addresses",
-           "[ps]\nmode = \"fast\"\n": r"ps.mode must be one of 'sync', 'async', got 'fast'",
-           "[ps]\nretries = \"2\"\n": r"ps.retries must be int, got '2'",
-           "[[ps.tables]]\nname = \"t\"\ndim = 8\ndimm = 3\n": r"unknown key 'ps.tables\[0\].dimm'; valid: name, dim",
-           "[ps]\nnum_shards = 0\n": r"ps.num_shards must be >= 1, got 0"}
-    for text, match in bad.items():
-        good.write_text(text)
-        with pytest.raises(PSConfigError, match=match):
-            load_ps_config(good)
+def test_psclient_implements_the_store_protocol():
+    """PSClient is an EmbeddingStore: every Protocol member, with the Protocol's parameters."""
+    import inspect
+
+    from embedding_ps.client import PSClient
+    from embedding_ps.store import EmbeddingStore
+
+    cfg = PSConfig(tables=(TableConfig(name="a", dim=D),))
+    client = PSClient(cfg, ["tcp://127.0.0.1:1"])        # connects lazily: no shard needed
+    try:
+        assert isinstance(client, EmbeddingStore)
+        for name, member in vars(EmbeddingStore).items():
+            if name.startswith("_") or not callable(member):
+                continue
+            want = [(p.name, p.kind, p.default) for p in inspect.signature(member).parameters.values()][1:]
+            got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(client, name)).parameters.values()]
+            assert got == want, name
+    finally:
+        client.close()
+
+
+def test_gates_are_chosen_once_by_mode():
+    from embedding_ps.gates import AsyncGate, SyncGate
+
+    assert isinstance(make(mode="sync")[0].gate, SyncGate)
+    assert isinstance(make(mode="async")[0].gate, AsyncGate)

@@ -1,0 +1,235 @@
+"""The PS client's transport: one I/O thread owning a DEALER socket per shard.
+
+The caller's thread builds the requests (`embedding_ps.client.PSClient`); `IOThread` sends them,
+matches replies by request id, retries a request unanswered for ps.timeout_s up to ps.retries
+times (then fails its future with ShardUnavailableError naming the shard and address), fails a
+future with PSRequestError on an error reply, and completes a `Call` (one future over requests to
+several shards) once every shard answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from embedding_ps import protocol as P
+from embedding_ps.auth import setup_client_curve
+from embedding_ps.config import PSConfig
+
+logger = logging.getLogger("embedding_ps.client")
+
+
+class ShardUnavailableError(ConnectionError):
+    """A shard did not answer within ps.timeout_s after ps.retries retries."""
+
+    def __init__(self, shard: int, address: str, message: str) -> None:
+        super().__init__(f"ps shard {shard} at {address}: {message}")
+        self.shard, self.address = shard, address
+
+
+class PSRequestError(RuntimeError):
+    """A shard refused or failed a request (an error reply); the message is the shard's."""
+
+    def __init__(self, shard: int, address: str, op: str, status: int, message: str) -> None:
+        try:
+            name = P.Status(status).name
+        except ValueError:
+            name = str(status)
+        super().__init__(f"{op} to ps shard {shard} at {address} failed ({name}): {message}")
+        self.shard, self.address, self.status = shard, address, status
+
+
+@dataclass(eq=False)
+class Call:
+    """One client operation: a request to each of several shards, one future."""
+
+    op: P.Op
+    future: Future
+    finish: Callable[[dict[int, tuple[P.Header, list]]], Any]
+    waiting: int = 0
+    parts: dict[int, tuple[P.Header, list]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Request:
+    call: Call
+    shard: int
+    request: int
+    frames: list
+    attempts: int = 0
+    deadline: float = 0.0
+
+
+class IOThread(threading.Thread):
+    """Owns the sockets: sends requests, receives replies, retries, completes futures."""
+
+    def __init__(self, config: PSConfig, addresses: Sequence[str], num_threads: int) -> None:
+        super().__init__(name="ps-client-io", daemon=True)
+        self.num_threads = num_threads
+        self.config, self.addresses = config, list(addresses)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.pending: dict[int, Request] = {}
+        self.dead: BaseException | None = None
+
+    def submit(self, item: Any) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"PSClient I/O thread is gone: {self.dead!r}")
+        self.inbox.put(item)
+        try:
+            os.write(self.wake_w, b"x")
+        except BlockingIOError:
+            pass   # the pipe is full: the thread is going to wake up anyway
+
+    def _socket(self, shard: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        if self.config.auth == "curve":
+            setup_client_curve(sock, self.config)
+        sock.connect(self.addresses[shard])
+        return sock
+
+    def run(self) -> None:
+        # OpenMP's thread count is per thread: without this a new thread uses every core
+        torch.set_num_threads(self.num_threads)
+        self.ctx = zmq.Context()
+        self.socks = [self._socket(s) for s in range(len(self.addresses))]
+        try:
+            self._loop()
+        except BaseException as e:  # never leave a caller waiting on a future forever
+            self.dead = e
+            logger.exception("PSClient I/O thread failed")
+        finally:
+            self.dead = self.dead or RuntimeError("PSClient closed")
+            self._fail_all(self.dead)
+            for sock in self.socks:
+                sock.close(linger=0)
+            self.ctx.term()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+
+    def _loop(self) -> None:
+        while True:
+            poller = zmq.Poller()
+            poller.register(self.wake_r, zmq.POLLIN)
+            for sock in self.socks:
+                poller.register(sock, zmq.POLLIN)
+            while True:
+                deadline = min((r.deadline for r in self.pending.values()), default=None)
+                wait = None if deadline is None else max(0, int(1000 * (deadline - time.monotonic())) + 1)
+                events = dict(poller.poll(wait))
+                if self.wake_r in events:
+                    os.read(self.wake_r, 4096)
+                    if not self._take_inbox():
+                        return
+                for shard, sock in enumerate(self.socks):
+                    if sock in events:
+                        self._receive(shard, sock)
+                if self._expire():
+                    break   # a socket was replaced: rebuild the poller
+
+    def _take_inbox(self) -> bool:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            for req in item:
+                self.pending[req.request] = req
+                self._send(req)
+
+    def _send(self, req: Request) -> None:
+        req.attempts += 1
+        req.deadline = time.monotonic() + self.config.timeout_s
+        try:
+            self.socks[req.shard].send_multipart(req.frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("ps shard %d at %s: send queue full; will retry %s", req.shard,
+                           self.addresses[req.shard], req.call.op.name)
+
+    def _receive(self, shard: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header = P.unpack_header(frames[0].buffer)
+            except P.ProtocolError as e:
+                logger.warning("ps shard %d at %s: dropped a malformed reply: %s", shard,
+                               self.addresses[shard], e)
+                continue
+            req = self.pending.pop(header.request, None)
+            if req is None or req.shard != shard or req.call.future.done():
+                continue   # the late answer to a retried request
+            call = req.call
+            if header.status != P.Status.OK:
+                text = bytes(frames[1].buffer).decode("utf-8", "replace") if len(frames) > 1 else ""
+                self._fail(call, PSRequestError(shard, self.addresses[shard], call.op.name, header.status, text))
+                continue
+            call.parts[shard] = (header, [f.buffer for f in frames[1:]])
+            call.waiting -= 1
+            if call.waiting == 0:
+                try:
+                    call.future.set_result(call.finish(call.parts))
+                except Exception as e:   # a reply that does not fit its request
+                    call.future.set_exception(e)
+
+    def _expire(self) -> bool:
+        now = time.monotonic()
+        replaced = False
+        for req in [r for r in self.pending.values() if r.deadline <= now]:
+            if req.call.future.done():
+                self.pending.pop(req.request, None)
+            elif req.attempts <= self.config.retries:
+                logger.warning("ps shard %d at %s: no reply to %s in %g s; retry %d of %d", req.shard,
+                               self.addresses[req.shard], req.call.op.name, self.config.timeout_s,
+                               req.attempts, self.config.retries)
+                self._send(req)
+            else:
+                err = ShardUnavailableError(
+                    req.shard, self.addresses[req.shard],
+                    f"no reply to {req.call.op.name} after {req.attempts} attempt(s) of {self.config.timeout_s:g} s "
+                    f"(ps.timeout_s = {self.config.timeout_s:g}, ps.retries = {self.config.retries})")
+                self._fail(req.call, err)
+                # drop what is queued for the dead peer so it is not delivered if the shard returns
+                self.socks[req.shard].close(linger=0)
+                self.socks[req.shard] = self._socket(req.shard)
+                replaced = True
+        return replaced
+
+    def _fail(self, call: Call, err: BaseException) -> None:
+        for key in [k for k, r in self.pending.items() if r.call is call]:
+            del self.pending[key]
+        if not call.future.done():
+            call.future.set_exception(err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        calls = {id(r.call): r.call for r in self.pending.values()}
+        self.pending.clear()
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            for req in item or ():
+                calls[id(req.call)] = req.call
+        for call in calls.values():
+            if not call.future.done():
+                call.future.set_exception(err)
+
+
+__all__ = ["IOThread", "Call", "Request", "ShardUnavailableError", "PSRequestError"]
