@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PS_EMPTY (-1)
@@ -31,7 +32,7 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 1; }
+int ps_abi_version(void) { return 2; }
 
 static inline uint64_t ps_home(int64_t key, int bits) {
     uint64_t z = (uint64_t)key + 0x9E3779B97F4A7C15ULL;
@@ -255,12 +256,21 @@ static inline void ps_adagrad_f32(float *restrict w, float *restrict h, const fl
  * (state: sum_sq [C, d] for adagrad, [C] for rowwise_adagrad, unused for sgd). `neg_lr` is
  * (float)(-lr), `eps` (float)eps. With meta != NULL also the row's counters, as table.push:
  * count = min(count + 1, 2**31 - 1), last_seen = step (meta = count << 32 | last_seen).
- * fp16 rows are updated in fp32 and rounded once (round to nearest even), as optim._add_rows. */
+ * fp16 rows are updated in fp32 and rounded once (round to nearest even), as optim._add_rows.
+ * Weight decay (optim.py): wd_mode 1 ("l2") adds wd * w to the row's gradient before the update
+ * (accumulators included, as fbgemm's TBE); wd_mode 2 ("decoupled") scales the row by `decay`
+ * ((float)(1 - lr * wd)) before adding the update, AdamW-style; 0: none. */
 void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
-               const float *g, float neg_lr, float eps, int64_t *meta, int64_t step) {
+               const float *g, float neg_lr, float eps, int64_t *meta, int64_t step, int wd_mode, float wd,
+               float decay) {
     const int64_t es = half ? 2 : 4;
     char *base = (char *)w;
     float tmp[256];
+    float *gbuf = NULL; /* l2: the row's gradient + wd * w [d] */
+    if (wd_mode == 1) {
+        gbuf = (float *)malloc((size_t)d * sizeof(float));
+        if (!gbuf) return; /* the caller checks the library before; allocation of d floats */
+    }
     for (int64_t i = 0; i < n; i++) {
         if (i + PFU < n) {
             int64_t s = slots[i + PFU];
@@ -276,6 +286,16 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
         }
         const int64_t s = slots[i];
         const float *gi = g + i * d;
+        if (wd_mode == 1) {
+            if (!half) {
+                const float *wr = (const float *)base + s * d;
+                for (int64_t j = 0; j < d; j++) gbuf[j] = gi[j] + wr[j] * wd;
+            } else {
+                const uint16_t *wr = (const uint16_t *)base + s * d;
+                for (int64_t j = 0; j < d; j++) gbuf[j] = gi[j] + ps_h2f(wr[j]) * wd;
+            }
+            gi = gbuf;
+        }
         float mult = neg_lr;
         if (opt == PS_ROWWISE_ADAGRAD) {
             float nrm = sqrtf(ps_sumsq(gi, d));
@@ -285,6 +305,8 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
         }
         if (!half) {
             float *wr = (float *)base + s * d;
+            if (wd_mode == 2)
+                for (int64_t j = 0; j < d; j++) wr[j] *= decay;
             if (opt == PS_ADAGRAD)
                 ps_adagrad_f32(wr, state + s * d, gi, neg_lr, eps, d);
             else
@@ -295,6 +317,8 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
                 const float *gj = gi + j0;
                 uint16_t *wr = (uint16_t *)base + s * d + j0;
                 for (int64_t j = 0; j < m; j++) tmp[j] = ps_h2f(wr[j]);
+                if (wd_mode == 2)
+                    for (int64_t j = 0; j < m; j++) tmp[j] *= decay;
                 if (opt == PS_ADAGRAD)
                     ps_adagrad_f32(tmp, state + s * d + j0, gj, neg_lr, eps, m);
                 else
@@ -308,4 +332,5 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
             meta[s] = (c << 32) | step;
         }
     }
+    free(gbuf);
 }

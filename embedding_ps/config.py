@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 import typing
@@ -63,6 +64,11 @@ class TableConfig:
     """Most not-yet-admitted ids whose sightings a shard counts per table (lowest counts dropped past it)."""
     eviction_log_max: int = 1 << 22
     """Most (id, step) eviction records kept per table per shard until read and truncated (oldest dropped)."""
+    weight_decay: float = 0.0
+    """Regularization of the rows a step touches (sgd, adagrad, rowwise_adagrad, adam; FTRL: ftrl_l1/l2)."""
+    weight_decay_mode: Literal["l2", "decoupled"] = "l2"
+    """`l2`: weight_decay * w is added to a touched row's gradient (fbgemm TBE's L2 mode);
+    `decoupled`: a touched row is scaled by (1 - lr * weight_decay) before its update (AdamW-style)."""
     kernel: Literal["torch", "fbgemm"] = "torch"
     """Optimizer update path: vectorized torch, or fbgemm's fused CPU TBE backward (sgd/adagrad/rowwise_adagrad)."""
 
@@ -78,6 +84,13 @@ class TableConfig:
             raise ValueError(f"{p}.lr must be > 0, got {self.lr}")
         if not 0.0 < self.admit_probability <= 1.0:
             raise ValueError(f"{p}.admit_probability must be in (0, 1], got {self.admit_probability}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise ValueError(f"{p}.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.weight_decay and self.optimizer == "ftrl":
+            raise ValueError(f"{p}.weight_decay does not apply to optimizer 'ftrl': use ftrl_l2 (and ftrl_l1)")
+        if self.weight_decay_mode == "decoupled" and not self.lr * self.weight_decay < 1.0:
+            raise ValueError(f"{p}: decoupled weight decay needs lr * weight_decay < 1 (a row would flip "
+                             f"sign or vanish each step), got {self.lr} * {self.weight_decay}")
         if self.kernel == "fbgemm" and self.optimizer not in ("sgd", "adagrad", "rowwise_adagrad"):
             raise ValueError(
                 f"{p}.kernel='fbgemm' supports optimizer sgd, adagrad, rowwise_adagrad; got {self.optimizer!r}"

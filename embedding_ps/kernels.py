@@ -44,6 +44,17 @@ def fbgemm_update(
     if _IMPORT_ERROR is not None:
         raise RuntimeError(f"table {cfg.name!r}: kernel='fbgemm' but fbgemm_gpu failed to import: {_IMPORT_ERROR}")
     c, d = weights.shape
+    wd = cfg.weight_decay
+    if wd:
+        # around the op, the math of optim.py: L2 into the gradient, or the decoupled shrink of the
+        # touched rows before the op adds its update. Of the CPU ops only rowwise_adagrad takes
+        # weight_decay / weight_decay_mode arguments, and fbgemm-gpu-cpu 1.8.0 ignores them
+        # (measured: rows equal to weight_decay = 0 in both modes), so none is passed.
+        if cfg.weight_decay_mode == "l2":
+            grads = weights.index_select(0, slots).float().mul_(wd).add_(grads)
+        else:
+            rows = weights.index_select(0, slots).float().mul_(1.0 - cfg.lr * wd)
+            weights.index_copy_(0, slots, rows.to(weights.dtype))
     common = dict(
         grad_output=grads.contiguous(),
         host_weights=weights.view(-1),

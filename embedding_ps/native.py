@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "EMBEDDING_PS_NATIVE"
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 1
+_ABI = 2
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")}
@@ -49,7 +49,8 @@ _SIGS = {
     "ps_map_place": ([_P, _P, ctypes.c_int, _P, _P, _I64], _I64),
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
     "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P], _I64),
-    "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64], None),
+    "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
+                   ctypes.c_int, ctypes.c_float, ctypes.c_float], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
     "ps_h2f_array": ([_P, _P, _I64], None),
 }
@@ -210,9 +211,16 @@ def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor) 
     return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr())
 
 
+WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2}
+
+
 def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, slots: np.ndarray,
-           grads: torch.Tensor, lr: float, eps: float, meta: torch.Tensor | None, step: int) -> None:
-    """The fused update of unique rows slots int32 [U] from grads float32 [U, D] (see ps_update in _native.c)."""
+           grads: torch.Tensor, lr: float, eps: float, meta: torch.Tensor | None, step: int,
+           weight_decay: float = 0.0, weight_decay_mode: str = "l2") -> None:
+    """The fused update of unique rows slots int32 [U] from grads float32 [U, D] (see ps_update in _native.c).
+
+    weight_decay > 0: "l2" adds weight_decay * w to each row's gradient, "decoupled" scales the row
+    by (1 - lr * weight_decay) before the update (the math of `optim.apply_update`)."""
     half = weights.dtype == torch.float16
     _check(weights, torch.float16 if half else torch.float32, "weights")
     _check(slots, np.int32, "slots"), _check(grads, torch.float32, "grads")
@@ -229,4 +237,6 @@ def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | 
         _check(meta, torch.int64, "meta")
         mp = meta.data_ptr()
     native.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
-                     float(np.float32(-lr)), float(np.float32(eps)), mp, int(step))
+                     float(np.float32(-lr)), float(np.float32(eps)), mp, int(step),
+                     WEIGHT_DECAY_MODES[weight_decay_mode if weight_decay else "none"],
+                     float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)))

@@ -15,7 +15,14 @@ Math per row (g: the summed gradient [D], w: the row [D]; all in fp32):
     ftrl             n' = n + g*g; sigma = (sqrt(n') - sqrt(n)) / lr; z += g - sigma * w; n = n'
                      w = 0 if |z| <= l1 else -(z - sign(z) l1) / ((ftrl_beta + sqrt(n)) / lr + l2)
 
-The two Adagrads are fbgemm's EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD (weight_decay 0): the
+Weight decay (`weight_decay` wd > 0; sgd, adagrad, rowwise_adagrad, adam), on the touched rows only:
+
+    l2               g = g + wd * w before the update above (accumulators and moments see it too;
+                     fbgemm TBE's WeightDecayMode.L2)
+    decoupled        w = (1 - lr * wd) * w, then the update above with the plain g
+                     (AdamW; fbgemm TBE's WeightDecayMode.DECOUPLED)
+
+The two Adagrads are fbgemm's EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD: the
 row-wise accumulator adds the mean over the row of g*g, and eps is added after the sqrt.
 FTRL is McMahan et al. 2013 (per coordinate, alpha = lr); it starts from the row's current w,
 so a random init is carried into z by the first update.
@@ -85,9 +92,23 @@ def apply_update(
 
         kernels.fbgemm_update(cfg, weights, state, slots, grads)
         return
+    if cfg.weight_decay and cfg.weight_decay_mode == "l2":
+        grads = l2_grads(cfg, weights, slots, grads)
     if scratch is None:
         scratch = torch.empty_like(grads)
     _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)
+
+
+def l2_grads(cfg: TableConfig, weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """grads + weight_decay * w of rows `slots`, float32 [U, D] (a new tensor; `grads` is only read)."""
+    return weights.index_select(0, slots).float().mul_(cfg.weight_decay).add_(grads)
+
+
+def decay_factor(cfg: TableConfig) -> float:
+    """What a touched row is scaled by before its update: 1 - lr * wd (decoupled weight decay) or 1."""
+    if cfg.weight_decay and cfg.weight_decay_mode == "decoupled":
+        return 1.0 - cfg.lr * cfg.weight_decay
+    return 1.0
 
 
 def native_update(
@@ -112,13 +133,18 @@ def native_update(
     if lib is None:
         return False
     st = state.get("sum_sq")
-    native.update(lib, cfg.optimizer, weights, st, slots, grads, cfg.lr, cfg.eps, meta, step)
+    native.update(lib, cfg.optimizer, weights, st, slots, grads, cfg.lr, cfg.eps, meta, step,
+                  cfg.weight_decay, cfg.weight_decay_mode)
     return True
 
 
-def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
-    """weights[slots] += delta (float32 [U, D]); fp16 rows are updated in fp32 and rounded once."""
-    if weights.dtype == torch.float32:
+def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, decay: float = 1.0) -> None:
+    """weights[slots] = weights[slots] * decay + delta (float32 [U, D]); fp16 rows are updated in fp32
+    and rounded once."""
+    if decay != 1.0:
+        rows = weights.index_select(0, slots).float().mul_(decay).add_(delta)
+        weights.index_copy_(0, slots, rows.to(weights.dtype))
+    elif weights.dtype == torch.float32:
         weights.index_add_(0, slots, delta)  # pre-scaled delta: index_add_(alpha=) is slow on CPU
     else:
         rows = weights.index_select(0, slots).float().add_(delta)
@@ -127,14 +153,14 @@ def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -
 
 # Each update: (cfg, weights [C, D], state, slots int64 [U], g float32 [U, D] read-only, scratch [U, D]).
 def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
-    _add_rows(w, slots, torch.mul(g, -cfg.lr, out=tmp))
+    _add_rows(w, slots, torch.mul(g, -cfg.lr, out=tmp), decay_factor(cfg))
 
 
 def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
     h = torch.index_select(st["sum_sq"], 0, slots, out=tmp).addcmul_(g, g)  # [U, D]
     st["sum_sq"].index_copy_(0, slots, h)
     denom = h.sqrt_().add_(cfg.eps)
-    _add_rows(w, slots, torch.div(g, denom, out=tmp).mul_(-cfg.lr))
+    _add_rows(w, slots, torch.div(g, denom, out=tmp).mul_(-cfg.lr), decay_factor(cfg))
 
 
 def _rowwise_adagrad(
@@ -145,7 +171,7 @@ def _rowwise_adagrad(
     h = st["sum_sq"].index_select(0, slots).add_(g_sq_mean)
     st["sum_sq"].index_copy_(0, slots, h)
     mult = h.sqrt_().add_(cfg.eps).reciprocal_().mul_(-cfg.lr)  # [U]
-    _add_rows(w, slots, torch.mul(g, mult.unsqueeze(1), out=tmp))
+    _add_rows(w, slots, torch.mul(g, mult.unsqueeze(1), out=tmp), decay_factor(cfg))
 
 
 def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
@@ -160,7 +186,7 @@ def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: t
     bc1 = (1.0 - torch.pow(b1, t64)).to(torch.float32)  # [U, 1]
     bc2 = (1.0 - torch.pow(b2, t64)).to(torch.float32)
     denom = v.div_(bc2).sqrt_().add_(cfg.eps)
-    _add_rows(w, slots, m.div_(bc1).div_(denom).mul_(-cfg.lr))
+    _add_rows(w, slots, m.div_(bc1).div_(denom).mul_(-cfg.lr), decay_factor(cfg))
 
 
 def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
@@ -187,6 +213,10 @@ _UPDATES = {"sgd": _sgd, "adagrad": _adagrad, "rowwise_adagrad": _rowwise_adagra
 def reference_update(cfg: TableConfig, w: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
     """One row, in place: w float32 [D], state {name: [D] or [] tensor}, g float32 [D] (already summed)."""
     lr, eps = cfg.lr, cfg.eps
+    if cfg.weight_decay and cfg.weight_decay_mode == "l2":
+        g = g + cfg.weight_decay * w
+    elif cfg.weight_decay:
+        w *= 1.0 - lr * cfg.weight_decay
     if cfg.optimizer == "sgd":
         w -= lr * g
     elif cfg.optimizer == "adagrad":
