@@ -437,25 +437,6 @@ class PartWriter:
         return self.files
 
 
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve by ranks: P(score+ > score-) + 0.5 P(tie). Ties get mean ranks."""
-    scores, labels = np.asarray(scores, np.float64), np.asarray(labels) > 0.5
-    n_pos = int(labels.sum())
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError(f"roc_auc needs both classes, got {n_pos} positives and {n_neg} negatives")
-    order = np.argsort(scores, kind="mergesort")
-    s = scores[order]
-    first = np.r_[True, s[1:] != s[:-1]]  # start of each run of equal scores
-    group = np.cumsum(first) - 1
-    starts = np.flatnonzero(first)
-    ends = np.r_[starts[1:], len(s)]
-    mean_rank = (starts + ends + 1) / 2.0  # 1-based mean rank of each tie group
-    ranks = np.empty(len(s))
-    ranks[order] = mean_rank[group]
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
 def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:
     """AUC from histograms of a score over the same bins (ties within a bin count half)."""
     neg_below = np.cumsum(neg) - neg

@@ -80,7 +80,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from recsys.serving.offline import evaluate_run
+    from recsys.training.evaluate import evaluate_run
 
     metrics = evaluate_run(args.run, args.data, out=args.out)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
@@ -88,7 +88,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from recsys.serving.offline import predict_run
+    from recsys.training.evaluate import predict_run
 
     predict_run(args.run, args.data, args.out)
     return 0

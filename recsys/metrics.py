@@ -12,6 +12,7 @@ Undefined values are NaN, not errors, so one degenerate eval shard does not cras
 AUC with only one label present, NE when the base rate is 0 or 1, calibration without positives.
 Empty inputs, labels other than 0/1 and length mismatches raise ValueError.
 
+`eval_metrics` is the eval of a job (every rank's part, plus the oracle AUC of synthetic data).
 `CTRMetrics` accumulates the same quantities batch by batch as sums and histograms, which add up
 across ranks with one `all_reduce`. `MetricLogger` writes `metrics.jsonl` (one JSON object per
 `log` call), one log line, and TensorBoard scalars when tensorboard is installed.
@@ -307,6 +308,21 @@ class CTRMetrics:
         self._scores.clear()
 
 
+def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
+                 exact_auc: bool = True) -> dict[str, float]:
+    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
+    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals)."""
+    m = CTRMetrics(exact_auc=exact_auc)
+    m.update(labels, scores)
+    out = m.reduced().compute()
+    out["eval_examples"] = out.pop("count")
+    if p_true is not None:
+        oracle = CTRMetrics(exact_auc=exact_auc)
+        oracle.update(labels, p_true)
+        out["oracle_auc"] = oracle.reduced().compute()["auc"]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Metric logging
 
@@ -403,5 +419,5 @@ class NullMetricLogger:
         pass
 
 
-__all__ = ["auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics",
+__all__ = ["auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics", "eval_metrics",
            "MetricSink", "MetricLogger", "NullMetricLogger", "EPS"]

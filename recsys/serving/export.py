@@ -49,7 +49,7 @@ from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused
 from recsys.serving.source import SavedShards, Source
 from recsys.manifest import check_files, file_entry, write_json_atomic
 from recsys.serving.tensorfile import ExportError, read_header, write_safetensors
-from recsys.training.trainer import build_sparse_arch
+from recsys.models import build_sparse_arch
 
 logger = logging.getLogger(__name__)
 

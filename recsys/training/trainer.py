@@ -31,10 +31,10 @@ from data.batch import Batch
 from data.loader import ParquetLoader
 from recsys.config import JobConfig
 from recsys.metrics import MetricSink, StreamingAUC
-from recsys.models import build_model
+from embedding_ps.store import EmbeddingStore
+from recsys.models import SparseLookup, build_job_model
 from recsys.training.checkpoint import Checkpointer, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
-from recsys.training.sparse_arch import EmbeddingStore, SparseArch, SparseLookup, plan_tables
 
 logger = logging.getLogger(__name__)
 
@@ -64,22 +64,6 @@ class StepTimes:
         }
 
 
-def build_sparse_arch(cfg: JobConfig) -> SparseArch:
-    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, cfg.model.feature_tables,
-                        cfg.model.linear_feature_tables, cfg.model.table_pooling)
-    return SparseArch(plans)
-
-
-def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
-    """The dense model for the pooled features `sparse` produces (one dim D: JobConfig checks it)."""
-    plans = [p for p in sparse.plans if not p.linear]
-    if not plans:
-        raise ValueError("data.sparse_columns maps no feature to an embedding table: the model has no input")
-    torch.manual_seed(cfg.train.seed)
-    return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
-                       num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim)
-
-
 class Trainer:
     """Build / train_step / train / predict / close for one rank."""
 
@@ -87,8 +71,8 @@ class Trainer:
                  metric_logger: MetricSink | None = None) -> None:
         self.cfg, self.store, self.rank, self.world_size = cfg, store, rank, world_size
         self.device = torch.device(cfg.train.device)
-        self.sparse = build_sparse_arch(cfg)
-        self.model = build_dense_model(cfg, self.sparse).to(self.device)
+        self.sparse, model = build_job_model(cfg)
+        self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.train)
         self.loss_fn = nn.BCEWithLogitsLoss()

@@ -12,27 +12,12 @@ import torch
 import torch.distributed as dist
 
 from recsys.config import JobConfig, load_config
-from recsys.metrics import CTRMetrics, MetricLogger, NullMetricLogger
+from recsys.metrics import MetricLogger, NullMetricLogger, eval_metrics
 from recsys.training.checkpoint import read_manifest
 from recsys.training.store import connect_store
 from recsys.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
-                 exact_auc: bool = True) -> dict[str, float]:
-    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
-    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals)."""
-    m = CTRMetrics(exact_auc=exact_auc)
-    m.update(labels, scores)
-    out = m.reduced().compute()
-    out["eval_examples"] = out.pop("count")
-    if p_true is not None:
-        oracle = CTRMetrics(exact_auc=exact_auc)
-        oracle.update(labels, p_true)
-        out["oracle_auc"] = oracle.reduced().compute()["auc"]
-    return out
 
 
 def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
