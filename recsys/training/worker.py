@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
+from recsys.dist import all_reduce
 from recsys.metrics import MetricLogger, NullMetricLogger, eval_metrics
 from recsys.training.checkpoint import read_manifest
 from recsys.training.store import connect_store
@@ -30,7 +32,7 @@ def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def save_model(trainer: Trainer, store, model_dir: Path) -> None:
+def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path) -> None:
     """Dense state (rank 0) plus every shard's own dump, written by the shards themselves."""
     model_dir.mkdir(parents=True, exist_ok=True)
     torch.save(trainer.model.state_dict(), model_dir / "dense.tmp")
@@ -75,7 +77,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         summary = trainer.train()
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
-        final["samples_per_s"] = float(_sum_all(samples_per_s))
+        final["samples_per_s"] = float(all_reduce(torch.tensor([samples_per_s], dtype=torch.float64)).item())
         if "checkpoint_pause_s" in summary:
             final["checkpoint_pause_s"] = summary["checkpoint_pause_s"]
         if cfg.data.eval_paths:
@@ -118,11 +120,3 @@ def trim_metrics(path: Path, step: int) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
-
-
-def _sum_all(x: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
