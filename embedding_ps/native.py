@@ -9,8 +9,8 @@ directory), named by a hash of the source, the flags and the machine, and writte
 warning is logged and `lib()` returns None: every caller then keeps its numpy/torch path,
 which stays the reference (tests compare the two).
 
-`EMBEDDING_PS_NATIVE=0` (the one environment variable `embedding_ps` reads) forces the pure
-numpy/torch paths; `set_enabled(False)` does the same from code (tests).
+`set_enabled(False)` forces the pure numpy/torch paths (a plain setting: embedding_ps reads no
+environment variables; the `recsys` entry points turn `EMBEDDING_PS_NATIVE=0` into this call).
 
 Wrappers here check dtypes, contiguity and sizes before passing raw pointers.
 """
@@ -33,13 +33,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "EMBEDDING_PS_NATIVE"
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
 _ABI = 1
 
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "lib": None, "enabled": os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")}
+_state: dict = {"loaded": False, "lib": None, "enabled": True}
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64

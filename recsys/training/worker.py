@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 
 def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s trainer{rank}: %(message)s")
     threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     if world > 1 and not dist.is_initialized():
@@ -42,7 +41,7 @@ def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path) -> None
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
                load_shards: bool = False) -> None:
-    """Entry point of a trainer process (started by torch.distributed.elastic).
+    """One trainer process's job (its entry points, which set up logging, are `recsys.train`).
 
     resume: a checkpoint directory to continue from. load_shards: rank 0 also tells the (already
     running, same-count) shards to load the checkpoint's rows; the local launcher instead starts
