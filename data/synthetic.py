@@ -37,6 +37,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data.hashing import GOLDEN, splitmix64_finalize
+
 logger = logging.getLogger(__name__)
 
 GEN_CHUNK = 32768
@@ -159,22 +161,17 @@ PRESETS: dict[str, Preset] = {
 # hashing
 # ---------------------------------------------------------------------------------------------
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 output function, elementwise on uint64 [N] (wrapping arithmetic)."""
+    """The splitmix64 generator's output for state x: the finalizer (`data.hashing`) of x + GOLDEN,
+    elementwise on uint64 [N] (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
-        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        return splitmix64_finalize(x.astype(np.uint64) + np.uint64(GOLDEN))
 
 
 def _mix_scalar(*parts: int) -> int:
     """A uint64 salt made of several ints (scalar splitmix64 chain)."""
     s = 0
     for p in parts:
-        z = ((s ^ (p & MASK64)) + 0x9E3779B97F4A7C15) & MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-        s = z ^ (z >> 31)
+        s = int(splitmix64(np.array([s ^ (p & MASK64)], dtype=np.uint64))[0])
     return s
 
 
