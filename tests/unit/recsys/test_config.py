@@ -231,3 +231,16 @@ def test_load_ps_config_reads_only_the_ps_section(tmp_path: Path) -> None:
             load_ps_config(good)
     with pytest.raises(ConfigError, match="no such config file"):
         load_ps_config(tmp_path / "missing.toml")
+
+
+def test_quickstart_ships_as_package_data() -> None:
+    """`recsys demo` reads the package copy (works from an installed package); the checkout's
+    configs/quickstart.toml is the same file."""
+    from importlib import resources
+
+    from recsys.demo import QUICKSTART
+
+    assert QUICKSTART == resources.files("recsys") / "configs" / "quickstart.toml"
+    assert QUICKSTART.read_bytes() == (ROOT / "configs" / "quickstart.toml").read_bytes()
+    with resources.as_file(QUICKSTART) as path:
+        load_config(path)
