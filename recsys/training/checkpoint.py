@@ -46,6 +46,7 @@ from data.loader import ParquetLoader
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, to_toml
 from recsys.manifest import check_files, file_entry, write_json_atomic
+from recsys.manifest import read_manifest as _read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -129,18 +130,8 @@ def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
-    path = Path(root) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-        raise CorruptCheckpointError(f"{path}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CorruptCheckpointError(f"{path}: version {manifest.get('version')}, this build reads {VERSION}")
-    return manifest
+    return _read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint", format=FORMAT,
+                          version=("version", VERSION))
 
 
 def verify_checkpoint(root: str | Path) -> dict[str, Any]:
