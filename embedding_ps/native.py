@@ -2,10 +2,10 @@
 
 The C file has no Python or torch headers. On first use it is compiled with the system C
 compiler (`cc`, else `gcc`, else `clang`; `-O3 -shared -fPIC -ffp-contract=off`, never
-`-march=native`: the cached library may move between machines) into
-`$XDG_CACHE_HOME/recsys-hybrid/` (default `~/.cache/recsys-hybrid/`, else a per-user temp
-directory), named by a hash of the source, the flags and the machine, and written atomically
-(compiled to a temporary name, then renamed). If there is no compiler or anything fails, one
+`-march=native`: the cached library may move between machines) into the directory given to
+`set_cache_dir` (the `recsys` entry points pass `$XDG_CACHE_HOME/recsys-hybrid/`), else
+`~/.cache/recsys-hybrid/`, else a per-user temp directory, named by a hash of the source, the
+flags and the machine, and written atomically (compiled to a temporary name, then renamed). If there is no compiler or anything fails, one
 warning is logged and `lib()` returns None: every caller then keeps its numpy/torch path,
 which stays the reference (tests compare the two).
 
@@ -38,7 +38,7 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast
 _ABI = 1
 
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "lib": None, "enabled": True}
+_state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -62,6 +62,11 @@ def set_enabled(enabled: bool) -> bool:
     return prev
 
 
+def set_cache_dir(path: str | Path | None) -> None:
+    """Where to cache the compiled library first (None: only the defaults, ~/.cache or temp)."""
+    _state["cache_dir"] = None if path is None else Path(path)
+
+
 def lib():
     """The loaded ctypes library, or None (disabled, no compiler, or the build failed)."""
     if not _state["enabled"]:
@@ -80,9 +85,8 @@ def available() -> bool:
 
 def _cache_dirs() -> list[Path]:
     dirs = []
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        dirs.append(Path(xdg) / "recsys-hybrid")
+    if _state["cache_dir"] is not None:
+        dirs.append(_state["cache_dir"])
     try:
         dirs.append(Path.home() / ".cache" / "recsys-hybrid")
     except RuntimeError:  # no home directory

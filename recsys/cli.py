@@ -26,12 +26,17 @@ def setup_logging(verbose: bool = False, role: str | None = None) -> None:
 
 
 def apply_environment() -> None:
-    """Environment variables recsys passes to the packages as plain settings (they read none)."""
-    value = os.environ.get(NATIVE_ENV_VAR)
-    if value is not None:
-        from embedding_ps import native
+    """Environment variables recsys passes to the packages as plain settings (they read none):
+    EMBEDDING_PS_NATIVE and XDG_CACHE_HOME (where the shard's C fast path is cached)."""
+    value, xdg = os.environ.get(NATIVE_ENV_VAR), os.environ.get("XDG_CACHE_HOME")
+    if value is None and not xdg:
+        return
+    from embedding_ps import native
 
+    if value is not None:
         native.set_enabled(value.strip().lower() not in ("0", "false", "off", "no"))
+    if xdg:
+        native.set_cache_dir(os.path.join(xdg, "recsys-hybrid"))
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
