@@ -63,7 +63,7 @@ from data.batch import Batch, KeyedJagged  # noqa: E402
 from data.loader import ParquetLoader  # noqa: E402
 from data.synthetic import PRESETS, generate  # noqa: E402
 from recsys.config import JobConfig, load_config  # noqa: E402
-from recsys.training.trainer import build_dense_model, build_sparse_arch  # noqa: E402
+from recsys.models import build_dense_model, build_sparse_arch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from data.synthetic import PartWriter
+from data.writer import PartWriter
 
 logger = logging.getLogger(__name__)
 

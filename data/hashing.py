@@ -17,13 +17,18 @@ import pyarrow as pa
 
 FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 FNV_PRIME = np.uint64(0x100000001B3)
+GOLDEN = 0x9E3779B97F4A7C15
+"""SplitMix64's increment (the generator's n-th output is the finalizer of n * GOLDEN)."""
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _MASK63 = np.uint64((1 << 63) - 1)
 
 
 def splitmix64_finalize(z: np.ndarray) -> np.ndarray:
-    """The splitmix64 output function on uint64 [N] (returns a new uint64 [N]; wraps mod 2**64)."""
+    """The splitmix64 output function on uint64 [N] (returns a new uint64 [N]; wraps mod 2**64).
+
+    The one Python copy in data/ (data may not import embedding_ps, whose `sharding.splitmix64_np`
+    is the other); tests/unit/test_splitmix64.py pins both, and the C one, to the same values."""
     z = z.astype(np.uint64, copy=True)
     z ^= z >> np.uint64(30)
     z *= _MIX1

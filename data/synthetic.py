@@ -29,13 +29,14 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from data.hashing import GOLDEN, splitmix64_finalize
+from data.writer import PartWriter
 
 logger = logging.getLogger(__name__)
 
@@ -172,22 +173,17 @@ PRESETS: dict[str, Preset] = {
 # hashing
 # ---------------------------------------------------------------------------------------------
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 output function, elementwise on uint64 [N] (wrapping arithmetic)."""
+    """The splitmix64 generator's output for state x: the finalizer (`data.hashing`) of x + GOLDEN,
+    elementwise on uint64 [N] (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
-        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        return splitmix64_finalize(x.astype(np.uint64) + np.uint64(GOLDEN))
 
 
 def _mix_scalar(*parts: int) -> int:
     """A uint64 salt made of several ints (scalar splitmix64 chain)."""
     s = 0
     for p in parts:
-        z = ((s ^ (p & MASK64)) + 0x9E3779B97F4A7C15) & MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-        s = z ^ (z >> 31)
+        s = int(splitmix64(np.array([s ^ (p & MASK64)], dtype=np.uint64))[0])
     return s
 
 
@@ -369,104 +365,6 @@ def data_config_kwargs(preset: str) -> dict[str, object]:
     s = preset_schema(preset)
     return {"label_column": "label", "dense_columns": s["dense"], "dense_log1p": True,
             "sparse_columns": (*s["sparse"], *s["list"]), "passthrough_columns": ("row_id", "p_true")}
-
-
-# ---------------------------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------------------------
-class PartWriter:
-    """Streams tables into `out_dir/part-%05d.parquet`: file i gets `rows_of_file(i)` rows, in
-    row groups of `row_group_rows` (the last of a file may be shorter). Memory: one row group.
-
-    A file is written as `NAME.tmp` and renamed when complete, so every `part-*.parquet` on disk
-    is a whole, readable file, also after an error (`close()` finishes the current one).
-    """
-
-    def __init__(self, out_dir: str | Path, schema: pa.Schema, rows_of_file: Callable[[int], int],
-                 *, row_group_rows: int, compression: str) -> None:
-        if row_group_rows < 1:
-            raise ValueError(f"row_group_rows must be >= 1, got {row_group_rows}")
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        existing = sorted(self.out_dir.glob("part-*.parquet"))
-        if existing:
-            raise FileExistsError(f"{self.out_dir} already holds {len(existing)} part-*.parquet "
-                                  f"files (e.g. {existing[0].name}); remove them or pick another dir")
-        self.schema, self._rows_of_file = schema, rows_of_file
-        self._rg, self._compression = row_group_rows, compression
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
-        self._writer: pq.ParquetWriter | None = None
-        self._file_index, self._file_left = -1, 0
-        self.files: list[tuple[str, int]] = []
-
-    def write(self, table: pa.Table) -> None:
-        self._pending.append(table)
-        self._pending_rows += table.num_rows
-        while self._pending_rows > 0:
-            if self._file_left == 0:
-                self._open_next()
-            n = min(self._rg, self._file_left)
-            if self._pending_rows < n:
-                return
-            self._write_group(n)
-
-    def _open_next(self) -> None:
-        self._finish_file()
-        self._file_index += 1
-        self._file_left = self._rows_of_file(self._file_index)
-        if self._file_left < 1:
-            raise ValueError(f"more rows than files: file {self._file_index} would get "
-                             f"{self._file_left} rows")
-        path = self.out_dir / f"part-{self._file_index:05d}.parquet.tmp"
-        self._writer = pq.ParquetWriter(path, self.schema, compression=self._compression)
-        self.files.append((str(path)[: -len(".tmp")], 0))
-
-    def _write_group(self, n: int) -> None:
-        """Writes the first n pending rows as one row group of the current file."""
-        t = pa.concat_tables(self._pending) if len(self._pending) > 1 else self._pending[0]
-        self._writer.write_table(t.slice(0, n), row_group_size=n)
-        rest = t.slice(n)
-        self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
-        self._file_left -= n
-        path, rows = self.files[-1]
-        self.files[-1] = (path, rows + n)
-
-    def _finish_file(self) -> None:
-        if self._writer is None:
-            return
-        self._writer.close()
-        self._writer = None
-        path = self.files[-1][0]
-        Path(path + ".tmp").rename(path)
-
-    def close(self) -> list[tuple[str, int]]:
-        """Writes what is pending (a short last row group), closes the file; (path, rows) per file."""
-        try:
-            if self._pending_rows:
-                self._write_group(self._pending_rows)
-        finally:
-            self._finish_file()
-        return self.files
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve by ranks: P(score+ > score-) + 0.5 P(tie). Ties get mean ranks."""
-    scores, labels = np.asarray(scores, np.float64), np.asarray(labels) > 0.5
-    n_pos = int(labels.sum())
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError(f"roc_auc needs both classes, got {n_pos} positives and {n_neg} negatives")
-    order = np.argsort(scores, kind="mergesort")
-    s = scores[order]
-    first = np.r_[True, s[1:] != s[:-1]]  # start of each run of equal scores
-    group = np.cumsum(first) - 1
-    starts = np.flatnonzero(first)
-    ends = np.r_[starts[1:], len(s)]
-    mean_rank = (starts + ends + 1) / 2.0  # 1-based mean rank of each tie group
-    ranks = np.empty(len(s))
-    ranks[order] = mean_rank[group]
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:

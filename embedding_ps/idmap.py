@@ -28,22 +28,16 @@ from __future__ import annotations
 import numpy as np
 
 from embedding_ps import native
+from embedding_ps.sharding import GOLDEN, splitmix64_np
 
 EMPTY = -1
 TOMBSTONE = -2
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_C1 = np.uint64(0xBF58476D1CE4E5B9)
-_C2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(GOLDEN)
 
 
 def _home(keys: np.ndarray, bits: int) -> np.ndarray:
     """int64 [N] -> int64 [N] in [0, 2**bits): the first bucket probed for each key."""
-    z = keys.view(np.uint64) + _GOLDEN
-    z ^= z >> np.uint64(30)
-    z *= _C1
-    z ^= z >> np.uint64(27)
-    z *= _C2
-    z ^= z >> np.uint64(31)
+    z = splitmix64_np(keys.view(np.uint64) + _GOLDEN, copy=False)     # the sum is a new array
     return (z >> np.uint64(64 - bits)).view(np.int64)
 
 

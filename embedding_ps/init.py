@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from embedding_ps.sharding import splitmix64_np
+from embedding_ps.sharding import splitmix64_np, splitmix64_reference
 
 
 def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) -> torch.Tensor:
@@ -66,11 +66,7 @@ def init_row_reference(key: int, dim: int, seed: int, init: str, scale: float) -
     """Plain-Python reference of one row (for tests): the docstring's formulas, integer by integer."""
     m64, m32 = 0xFFFFFFFFFFFFFFFF, 0xFFFFFFFF
 
-    def sm64(z: int) -> int:
-        z &= m64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
-        return z ^ (z >> 31)
+    sm64 = splitmix64_reference
 
     def fmix32(x: int) -> int:
         x ^= x >> 16

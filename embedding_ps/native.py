@@ -2,15 +2,15 @@
 
 The C file has no Python or torch headers. On first use it is compiled with the system C
 compiler (`cc`, else `gcc`, else `clang`; `-O3 -shared -fPIC -ffp-contract=off`, never
-`-march=native`: the cached library may move between machines) into
-`$XDG_CACHE_HOME/recsys-hybrid/` (default `~/.cache/recsys-hybrid/`, else a per-user temp
-directory), named by a hash of the source, the flags and the machine, and written atomically
-(compiled to a temporary name, then renamed). If there is no compiler or anything fails, one
+`-march=native`: the cached library may move between machines) into the directory given to
+`set_cache_dir` (the `recsys` entry points pass `$XDG_CACHE_HOME/recsys-hybrid/`), else
+`~/.cache/recsys-hybrid/`, else a per-user temp directory, named by a hash of the source, the
+flags and the machine, and written atomically (compiled to a temporary name, then renamed). If there is no compiler or anything fails, one
 warning is logged and `lib()` returns None: every caller then keeps its numpy/torch path,
 which stays the reference (tests compare the two).
 
-`EMBEDDING_PS_NATIVE=0` (the one environment variable `embedding_ps` reads) forces the pure
-numpy/torch paths; `set_enabled(False)` does the same from code (tests).
+`set_enabled(False)` forces the pure numpy/torch paths (a plain setting: embedding_ps reads no
+environment variables; the `recsys` entry points turn `EMBEDDING_PS_NATIVE=0` into this call).
 
 Wrappers here check dtypes, contiguity and sizes before passing raw pointers.
 """
@@ -33,13 +33,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "EMBEDDING_PS_NATIVE"
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
 _ABI = 2
 
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "lib": None, "enabled": os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")}
+_state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -64,6 +63,11 @@ def set_enabled(enabled: bool) -> bool:
     return prev
 
 
+def set_cache_dir(path: str | Path | None) -> None:
+    """Where to cache the compiled library first (None: only the defaults, ~/.cache or temp)."""
+    _state["cache_dir"] = None if path is None else Path(path)
+
+
 def lib():
     """The loaded ctypes library, or None (disabled, no compiler, or the build failed)."""
     if not _state["enabled"]:
@@ -82,9 +86,8 @@ def available() -> bool:
 
 def _cache_dirs() -> list[Path]:
     dirs = []
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        dirs.append(Path(xdg) / "recsys-hybrid")
+    if _state["cache_dir"] is not None:
+        dirs.append(_state["cache_dir"])
     try:
         dirs.append(Path.home() / ".cache" / "recsys-hybrid")
     except RuntimeError:  # no home directory

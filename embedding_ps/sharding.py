@@ -30,9 +30,18 @@ _C2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def splitmix64_np(keys: np.ndarray) -> np.ndarray:
-    """uint64 [N] -> uint64 [N]: the SplitMix64 finalizer. `keys` may be int64 or uint64; not modified."""
-    z = np.array(keys, dtype=np.int64, copy=True).view(np.uint64) if keys.dtype != np.uint64 else keys.copy()
+GOLDEN = 0x9E3779B97F4A7C15
+"""SplitMix64's increment: the generator's n-th output is the finalizer of n * GOLDEN."""
+
+
+def splitmix64_np(keys: np.ndarray, *, copy: bool = True) -> np.ndarray:
+    """uint64 [N] -> uint64 [N]: the SplitMix64 finalizer (the one Python copy in embedding_ps;
+    `_native.c` has the C one, pinned by tests/unit/test_splitmix64.py). `keys` may be int64 or
+    uint64 and is not modified, unless `copy=False` and it is a uint64 array: then it is mixed in place."""
+    if keys.dtype != np.uint64:
+        z = np.array(keys, dtype=np.int64, copy=True).view(np.uint64)
+    else:
+        z = keys.copy() if copy else keys
     z ^= z >> _S30
     z *= _C1
     z ^= z >> _S27

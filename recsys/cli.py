@@ -5,13 +5,39 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from embedding_ps.auth import AuthConfigError
-from recsys.config import ConfigError, load_config, to_toml
+from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 
 logger = logging.getLogger("recsys")
+
+NATIVE_ENV_VAR = "EMBEDDING_PS_NATIVE"
+"""`EMBEDDING_PS_NATIVE=0` turns off the shards' C fast path (`embedding_ps.native.set_enabled`)."""
+
+
+def setup_logging(verbose: bool = False, role: str | None = None) -> None:
+    """The one place logging is configured; every entry point (this CLI, `recsys.train`, a trainer
+    process of the local launcher) calls it. `role` (e.g. "trainer1") replaces the logger name."""
+    name = role if role is not None else "%(name)s"
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s {name}: %(message)s")
+
+
+def apply_environment() -> None:
+    """Environment variables recsys passes to the packages as plain settings (they read none):
+    EMBEDDING_PS_NATIVE and XDG_CACHE_HOME (where the shard's C fast path is cached)."""
+    value, xdg = os.environ.get(NATIVE_ENV_VAR), os.environ.get("XDG_CACHE_HOME")
+    if value is None and not xdg:
+        return
+    from embedding_ps import native
+
+    if value is not None:
+        native.set_enabled(value.strip().lower() not in ("0", "false", "off", "no"))
+    if xdg:
+        native.set_cache_dir(os.path.join(xdg, "recsys-hybrid"))
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -53,15 +79,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_ps(args: argparse.Namespace) -> int:
     from embedding_ps.server import serve
 
-    cfg = load_config(args.config, args.overrides)
-    if not 0 <= args.shard < cfg.ps.num_shards:
-        raise ConfigError(f"--shard {args.shard} is outside 0..{cfg.ps.num_shards - 1} (ps.num_shards)")
+    ps = load_ps_config(args.config, args.overrides)     # a shard reads only the [ps] section
+    if not 0 <= args.shard < ps.num_shards:
+        raise ConfigError(f"--shard {args.shard} is outside 0..{ps.num_shards - 1} (ps.num_shards)")
     factory = None
     if args.restore:
         from recsys.training.reshard import restore_shard
 
         factory = lambda config, shard: restore_shard(config, shard, args.restore)   # noqa: E731
-    serve(cfg.ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory)
+    serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory)
     return 0
 
 
@@ -81,7 +107,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from recsys.serving.offline import evaluate_run
+    from recsys.training.evaluate import evaluate_run
 
     metrics = evaluate_run(args.run, args.data, out=args.out)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
@@ -89,7 +115,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from recsys.serving.offline import predict_run
+    from recsys.training.evaluate import predict_run
 
     predict_run(args.run, args.data, args.out)
     return 0
@@ -212,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.verbose)
+    apply_environment()
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -188,21 +188,33 @@ class JobConfig:
 # Loading
 
 
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    """The parsed TOML file `path` (the one place recsys reads a config file); ConfigError naming it."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> JobConfig:
     """Read `path` (TOML; None: all defaults), apply `section.key=value` overrides, validate."""
     source = str(path) if path is not None else "<defaults>"
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{source}: no such config file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    raw: dict[str, Any] = _read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     return build(JobConfig, raw, source=source, prefix="")
+
+
+def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
+    """PSConfig from the `[ps]` section of TOML file `path` (other sections are not read or checked),
+    with `ps.key=value` overrides: what a shard needs of a job config."""
+    raw = _read_toml(path)
+    for item in overrides:
+        _apply_override(raw, item)
+    return build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -353,4 +365,4 @@ def _toml_key(k: str) -> str:
 
 
 __all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig",
-           "TableConfig", "load_config", "to_dict", "to_toml"]
+           "TableConfig", "load_config", "load_ps_config", "to_dict", "to_toml"]

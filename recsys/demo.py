@@ -2,8 +2,9 @@
 
     recsys demo [--out demo] [--rows 600000]
 
-Writes `OUT/data` (4 Parquet files: 3 train, 1 eval) once, then runs configs/quickstart.toml
-with the local launcher into `OUT/run` and prints the eval AUC next to the oracle AUC (the AUC
+Writes `OUT/data` (4 Parquet files: 3 train, 1 eval) once, then runs the quickstart config (package
+data `recsys/configs/quickstart.toml`, so an installed package has it; `configs/quickstart.toml`
+of a checkout is the same file, a test checks) with the local launcher into `OUT/run` and prints the eval AUC next to the oracle AUC (the AUC
 of the true click probabilities the generator drew the labels from).
 """
 
@@ -12,13 +13,15 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 from recsys.config import load_config
 
 logger = logging.getLogger(__name__)
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
+QUICKSTART = resources.files("recsys") / "configs" / "quickstart.toml"
+"""The quickstart job config, shipped as package data."""
 
 
 def run_demo(out: str, rows: int = 600_000) -> int:
@@ -30,11 +33,12 @@ def run_demo(out: str, rows: int = 600_000) -> int:
     if not any(data_dir.glob("*.parquet")):
         generate(preset="criteo-like", rows=rows, num_files=4, out_dir=str(data_dir), seed=0)
         logger.info("generated %d rows in %s in %.1f s", rows, data_dir, time.perf_counter() - t0)
-    cfg = load_config(QUICKSTART, [
-        f"data.train_paths=['{data_dir}/part-0000[0-2].parquet']",
-        f"data.eval_paths=['{data_dir}/part-00003.parquet']",
-        f"train.run_dir='{Path(out) / 'run'}'",
-    ])
+    with resources.as_file(QUICKSTART) as quickstart:
+        cfg = load_config(quickstart, [
+            f"data.train_paths=['{data_dir}/part-0000[0-2].parquet']",
+            f"data.eval_paths=['{data_dir}/part-00003.parquet']",
+            f"train.run_dir='{Path(out) / 'run'}'",
+        ])
     metrics = launch_train(cfg)
     ratio = metrics["auc"] / metrics["oracle_auc"]
     sys.stdout.write(

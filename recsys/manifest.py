@@ -1,4 +1,8 @@
-"""File manifests of checkpoints and exports: size + sha256 of every file, and their check.
+"""File manifests of checkpoints and exports: reading, size + sha256 of every file, and their check.
+
+    manifest = read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint",
+                             format="recsys-checkpoint", version=("version", 1))
+    check_files(root, manifest["files"], CorruptCheckpointError)
 
 A manifest's `files` maps a path relative to its directory to `{"size": bytes, "sha256": hex}` (the
 PS shards' own manifests use the same form), so a truncated or altered file is named, not loaded.
@@ -33,6 +37,31 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format: str,
+                  version: tuple[str, int], required: tuple[str, ...] = ("files",)) -> dict[str, Any]:
+    """`root/manifest.json` of a checkpoint or export: a JSON object of `format` whose `version[0]`
+    key is `version[1]`, holding the `required` keys and a `files` table. Raises `error` naming the
+    file: missing ("not {kind}"), not JSON, of another format or version, or without a key. The
+    one reader of recsys' manifests (a saved PS shard's is `embedding_ps.snapshot`'s)."""
+    path = Path(root) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: missing (not {kind})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != format:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise error(f"{path}: not a {format} manifest (format {got!r})")
+    key, want = version
+    if manifest.get(key) != want:
+        raise error(f"{path}: {key} {manifest.get(key)!r}, this build reads {want}")
+    missing = [k for k in (*required, "files") if k not in manifest]
+    if missing or not isinstance(manifest["files"], dict):
+        raise error(f"{path}: corrupt manifest, no {missing or ['files']}")
+    return manifest
 
 
 def check_files(root: Path, files: dict[str, dict[str, Any]], error: type[Exception], *, verify: bool = True) -> None:

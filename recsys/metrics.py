@@ -12,6 +12,7 @@ Undefined values are NaN, not errors, so one degenerate eval shard does not cras
 AUC with only one label present, NE when the base rate is 0 or 1, calibration without positives.
 Empty inputs, labels other than 0/1 and length mismatches raise ValueError.
 
+`eval_metrics` is the eval of a job (every rank's part, plus the oracle AUC of synthetic data).
 `CTRMetrics` accumulates the same quantities batch by batch as sums and histograms, which add up
 across ranks with one `all_reduce`. `MetricLogger` writes `metrics.jsonl` (one JSON object per
 `log` call), one log line, and TensorBoard scalars when tensorboard is installed.
@@ -31,6 +32,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from recsys.dist import all_reduce, collective_device, is_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -118,23 +121,9 @@ def calibration(labels: ArrayLike, scores: ArrayLike) -> float:
 # Streaming accumulators
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """NCCL only reduces CUDA tensors; gloo reduces CPU ones."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum of `t` over the ranks of `group` (a new CPU tensor)."""
-    buf = t.to(_collective_device(group), copy=True)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-    return buf.cpu()
-
-
 def all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """1-D tensors of any length from every rank, concatenated in rank order (no pickling)."""
-    device = _collective_device(group)
+    device = collective_device(group)
     world = dist.get_world_size(group)
     n = torch.tensor([t.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(n) for _ in range(world)]
@@ -145,10 +134,6 @@ def all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     parts = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:k] for p, k in zip(parts, sizes_l)]).cpu()
-
-
-def _distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 class StreamingAUC:
@@ -196,8 +181,8 @@ class StreamingAUC:
     def reduced(self, group: dist.ProcessGroup | None = None) -> StreamingAUC:
         """A copy whose counts are summed over the ranks of `group` (a collective: call on every rank)."""
         out = copy.deepcopy(self)
-        if _distributed(group):
-            out.hist = _all_reduce_sum(self.hist, group)
+        if is_distributed(group):
+            out.hist = all_reduce(self.hist, group=group)
         return out
 
     def compute(self) -> float:
@@ -269,10 +254,10 @@ class CTRMetrics:
         scores are all-gathered too.
         """
         out = copy.deepcopy(self)
-        if not _distributed(group):
+        if not is_distributed(group):
             return out
         K = self.streaming_auc.num_buckets
-        total = _all_reduce_sum(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]), group)   # [4 + 2K]
+        total = all_reduce(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]), group=group)   # [4 + 2K]
         out.sums = total[:4].clone()
         out.streaming_auc.hist = total[4:].view(2, K).clone()
         if self.exact_auc:
@@ -305,6 +290,21 @@ class CTRMetrics:
         self.streaming_auc.reset()
         self._labels.clear()
         self._scores.clear()
+
+
+def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
+                 exact_auc: bool = True) -> dict[str, float]:
+    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
+    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals)."""
+    m = CTRMetrics(exact_auc=exact_auc)
+    m.update(labels, scores)
+    out = m.reduced().compute()
+    out["eval_examples"] = out.pop("count")
+    if p_true is not None:
+        oracle = CTRMetrics(exact_auc=exact_auc)
+        oracle.update(labels, p_true)
+        out["oracle_auc"] = oracle.reduced().compute()["auc"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,5 +403,5 @@ class NullMetricLogger:
         pass
 
 
-__all__ = ["auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics",
+__all__ = ["auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics", "eval_metrics",
            "MetricSink", "MetricLogger", "NullMetricLogger", "EPS"]

@@ -6,20 +6,28 @@ Every model is called the same way and has a `needs_linear_terms` attribute::
     logits = model(dense, pooled, pooled_linear)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
     if model.needs_linear_terms: ...               # pull the dim-1 rows of model.linear_feature_tables
 
-One file per architecture: dlrm.py, dcn.py, deepfm.py, wide_deep.py; shared blocks in mlp.py.
+What training and serving both assemble from a job config::
+
+    sparse, dense = build_job_model(cfg)           # SparseArch (jagged ids -> rows -> pooled), dense model
+    sparse = build_sparse_arch(cfg)                # the sparse arch alone (export, predictor)
+
+One file per architecture: dlrm.py, dcn.py, deepfm.py, wide_deep.py; shared blocks in mlp.py; the
+sparse arch (lookups in an `embedding_ps.store.EmbeddingStore` and pooling) in sparse_arch.py.
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
-from recsys.config import ModelConfig
+from recsys.config import JobConfig, ModelConfig
 from recsys.models.dcn import DCN, CrossNet
 from recsys.models.deepfm import DeepFM, FactorizationMachine
 from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
 from recsys.models.mlp import MLP, LinearTerms
+from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan, plan_tables
 from recsys.models.wide_deep import WideDeep
 
 logger = logging.getLogger(__name__)
@@ -56,5 +64,30 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
     return model
 
 
-__all__ = ["ARCHS", "build_model", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
+def build_sparse_arch(cfg: JobConfig) -> SparseArch:
+    """The sparse arch of a job: which features read which table, and how they pool."""
+    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, cfg.model.feature_tables,
+                        cfg.model.linear_feature_tables, cfg.model.table_pooling)
+    return SparseArch(plans)
+
+
+def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
+    """The dense model for the pooled features `sparse` produces (one dim D: JobConfig checks it),
+    initialised from `train.seed`."""
+    plans = [p for p in sparse.plans if not p.linear]
+    if not plans:
+        raise ValueError("data.sparse_columns maps no feature to an embedding table: the model has no input")
+    torch.manual_seed(cfg.train.seed)
+    return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
+                       num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim)
+
+
+def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
+    """The sparse arch and the dense model of a job (what the trainer trains and the export saves)."""
+    sparse = build_sparse_arch(cfg)
+    return sparse, build_dense_model(cfg, sparse)
+
+
+__all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
+           "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
            "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms"]

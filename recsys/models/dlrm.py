@@ -6,7 +6,7 @@
     pooled [B, F, D] ─────────────────────────────────┴─> InteractionArch --> [B, D + F(F+1)/2]
                                                                               --OverArch--> logits [B]
 
-The sparse arch (lookups on the PS and pooling) lives in `recsys.training.sparse_arch`; DLRM gets
+The sparse arch (lookups on the PS and pooling) lives in `recsys.models.sparse_arch`; DLRM gets
 its output `pooled` [B, F, D] and owns only the dense parameters.
 """
 

@@ -1,5 +1,6 @@
-"""Serving: offline eval/predict of a run (offline.py), export for serving (export.py, delta.py,
-dense_export.py) and the `Predictor` over an export (predictor.py)."""
+"""Serving: export for serving (export.py, delta.py, dense_export.py), the `Predictor` over an
+export (predictor.py) and its rows as a read-only EmbeddingStore (export_store.py). Imports
+`recsys.models`, never `recsys.training` (offline eval of a run is `recsys.training.evaluate`)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from torch.export import Dim
 
 from recsys.config import JobConfig
 from recsys.serving.tensorfile import ExportError
-from recsys.training.trainer import build_dense_model, build_sparse_arch
+from recsys.models import build_job_model
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ class Scorer(nn.Module):
 
 def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     """Write `dense.pt2`; returns what a server needs to build its inputs (the manifest's "dense")."""
-    sparse = build_sparse_arch(cfg)
-    model = build_dense_model(cfg, sparse)
+    sparse, model = build_job_model(cfg)
     try:
         state = torch.load(state_dict_path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError) as e:

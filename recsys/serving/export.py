@@ -31,7 +31,6 @@ is not supported: the export reads saved shards.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -48,8 +47,9 @@ from recsys.serving.dense_export import export_dense
 from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
 from recsys.serving.source import SavedShards, Source
 from recsys.manifest import check_files, file_entry, write_json_atomic
+from recsys.manifest import read_manifest as _read_manifest
 from recsys.serving.tensorfile import ExportError, read_header, write_safetensors
-from recsys.training.trainer import build_sparse_arch
+from recsys.models import build_sparse_arch
 
 logger = logging.getLogger(__name__)
 
@@ -143,20 +143,9 @@ def read_manifest(root: str | Path, verify: bool = True) -> dict:
     Raises ExportError naming the file that is missing, truncated, changed or unlisted.
     """
     root = Path(root)
-    path = root / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ExportError(f"{root}: not an export ({path} is missing)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path}: corrupt manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("format_version") != FORMAT_VERSION:
-        got = (manifest.get("format"), manifest.get("format_version")) if isinstance(manifest, dict) else None
-        raise ExportError(f"{path}: format {got}, expected {FORMAT!r} v{FORMAT_VERSION}")
-    missing = [k for k in ("kind", "step", "precision", "tables", "files", "dense") if k not in manifest]
-    if missing:
-        raise ExportError(f"{path}: corrupt manifest, no {missing}")
+    manifest = _read_manifest(root, ExportError, kind="an export", format=FORMAT,
+                              version=("format_version", FORMAT_VERSION),
+                              required=("kind", "step", "precision", "tables", "dense"))
     check_files(root, manifest["files"], ExportError, verify=verify)
     for entry in manifest["tables"]:
         read_header(root / entry["files"]["safetensors"])      # a broken header names the file

@@ -15,7 +15,7 @@ import torch
 
 from data.batch import Batch
 from recsys.serving.quantize import tbe_dim, tbe_rows
-from recsys.training.sparse_arch import TablePlan
+from recsys.models.sparse_arch import TablePlan
 
 from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen

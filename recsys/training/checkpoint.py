@@ -34,15 +34,20 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from data.loader import ParquetLoader
 from embedding_ps.snapshot import saved_file_checksums
+from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, to_toml
 from recsys.manifest import check_files, file_entry, write_json_atomic
+from recsys.manifest import read_manifest as _read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,24 @@ SAVE_TIMEOUT_S = 3600.0
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file is missing, truncated or altered; the message names the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainParts:
+    """What a checkpoint saves of one rank's trainer, besides the step and the data position."""
+
+    model: nn.Module                                        # the dense model (not the DDP wrapper)
+    optimizer: torch.optim.Optimizer                        # the dense optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    store: EmbeddingStore                                   # the shards save their own rows
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What `restore_trainer` read: the step to continue from and the checkpoint's manifest."""
+
+    step: int
+    manifest: dict[str, Any]
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -99,18 +122,8 @@ def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
-    path = Path(root) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-        raise CorruptCheckpointError(f"{path}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CorruptCheckpointError(f"{path}: version {manifest.get('version')}, this build reads {VERSION}")
-    return manifest
+    return _read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint", format=FORMAT,
+                          version=("version", VERSION))
 
 
 def verify_checkpoint(root: str | Path) -> dict[str, Any]:
@@ -179,7 +192,7 @@ def gather_json(obj: Any, world_size: int) -> list[Any]:
 class Checkpointer:
     """Saves checkpoints of a training job every `train.checkpoint_every` steps and/or seconds.
 
-    Every rank calls `due(step)` and `save(trainer)` between steps; rank 0 writes.
+    Every rank calls `due(step)` and `save(parts, step, position)` between steps; rank 0 writes.
     """
 
     def __init__(self, cfg: JobConfig, *, rank: int, world_size: int) -> None:
@@ -193,15 +206,15 @@ class Checkpointer:
         self.last_step = -1
         self._prepared = False
 
-    def maybe_prepare(self, trainer: Any) -> None:
+    def maybe_prepare(self, step: int, store: EmbeddingStore) -> None:
         """Rank 0, half-way to the next checkpoint: the shards fault in the snapshot's memory now."""
         t = self.cfg.train
         if self.rank != 0 or not self.enabled or not t.checkpoint_background or self._prepared:
             return
-        half_steps = t.checkpoint_every and trainer.step % t.checkpoint_every == t.checkpoint_every // 2
+        half_steps = t.checkpoint_every and step % t.checkpoint_every == t.checkpoint_every // 2
         half_time = t.checkpoint_every_s and time.monotonic() - self._last_time >= t.checkpoint_every_s / 2
         if half_steps or half_time:
-            trainer.store.prepare_save()       # not waited for: the reply only says whether it started
+            store.prepare_save()               # not waited for: the reply only says whether it started
             self._prepared = True
 
     def due(self, step: int) -> bool:
@@ -220,14 +233,13 @@ class Checkpointer:
             return late
         return False
 
-    def save(self, trainer: Any, loader_state: dict[str, Any]) -> None:
-        """A checkpoint of `trainer` (and its store) after `trainer.step` steps; collective.
+    def save(self, parts: TrainParts, step: int, loader_state: dict[str, Any]) -> None:
+        """A checkpoint of a trainer's `parts` (and its store's rows) after `step` steps; collective.
 
         `loader_state`: this rank's data position after the last trained batch (in async mode the
         loader has already handed out the next one).
         """
         t0 = time.perf_counter()
-        step = trainer.step
         self._raise_finisher_error()
         loader_states = gather_json(loader_state, self.world_size)
         self._barrier()                   # async: every rank's pushes acknowledged before the snapshot
@@ -240,15 +252,15 @@ class Checkpointer:
             (tmp / "model").mkdir()
             (tmp / "config.toml").write_text(to_toml(self.cfg))
             (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
-            torch.save(trainer.model.state_dict(), tmp / "model" / "dense.pt")
-            torch.save(trainer_state(trainer), tmp / "trainer" / "state.pt")
+            torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
+            torch.save(trainer_state(parts, step), tmp / "trainer" / "state.pt")
             background = self.cfg.train.checkpoint_background
             ps_dir = str((tmp / "model" / "ps").resolve())
-            trainer.store.save(ps_dir, step=step, background=background)
+            parts.store.save(ps_dir, step=step, background=background)
             info = {"step": step, "num_shards": self.cfg.ps.num_shards, "num_trainers": self.world_size,
                     "mode": self.cfg.ps.mode, "time": time.time()}
             self._finisher = threading.Thread(target=self._finish, name="checkpoint-finish", daemon=True,
-                                              args=(trainer.store, ps_dir, tmp, root, info, background))
+                                              args=(parts.store, ps_dir, tmp, root, info, background))
             self._finisher.start()
         self._barrier()                   # no rank pushes step t before the shards snapshot
         self._last_time = time.monotonic()
@@ -260,7 +272,7 @@ class Checkpointer:
             logger.info("checkpoint at step %d: training paused %.3f s (%s write)", step, pause,
                         "background" if self.cfg.train.checkpoint_background else "blocking")
 
-    def _finish(self, store: Any, ps_dir: str, tmp: Path, root: Path, info: dict, background: bool) -> None:
+    def _finish(self, store: EmbeddingStore, ps_dir: str, tmp: Path, root: Path, info: dict, background: bool) -> None:
         try:
             t0 = time.perf_counter()
             if background:
@@ -297,25 +309,26 @@ class Checkpointer:
 # trainer state
 
 
-def trainer_state(trainer: Any) -> dict[str, Any]:
+def trainer_state(parts: TrainParts, step: int) -> dict[str, Any]:
     """The dense optimizer, LR schedule, step and RNG of a trainer (tensors and numbers only)."""
-    return {"step": trainer.step, "optimizer": trainer.optimizer.state_dict(),
-            "scheduler": trainer.scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+    return {"step": step, "optimizer": parts.optimizer.state_dict(),
+            "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
 
 
-def restore_trainer(trainer: Any, root: str | Path) -> dict[str, Any]:
-    """Put checkpoint `root`'s dense model, optimizer, schedule, step, RNG and data position into
-    `trainer` (any trainer count: the data remainder is re-partitioned); returns the manifest."""
+def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, *, world_size: int) -> Restored:
+    """Put checkpoint `root`'s dense model, optimizer, schedule and RNG into `parts` and every rank's
+    data position into `loader` (any trainer count, `world_size` now: the data remainder is
+    re-partitioned); returns the step to continue from and the manifest."""
     root = Path(root)
     manifest = read_manifest(root)
-    trainer.model.load_state_dict(torch.load(root / "model" / "dense.pt", weights_only=True))
+    parts.model.load_state_dict(torch.load(root / "model" / "dense.pt", weights_only=True))
     state = torch.load(root / "trainer" / "state.pt", weights_only=True)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
-    trainer.step = int(state["step"])
+    step = int(state["step"])
     loaders = json.loads((root / "trainer" / "loaders.json").read_text())
-    trainer.loader.resume_from(loaders)
-    logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, trainer.step,
-                manifest["num_trainers"], trainer.world_size)
-    return manifest
+    loader.resume_from(loaders)
+    logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, step,
+                manifest["num_trainers"], world_size)
+    return Restored(step=step, manifest=manifest)

@@ -220,7 +220,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from recsys.training.worker import run_worker
+    from recsys.train import worker_main
 
     (run_dir / "metrics.json").unlink(missing_ok=True)
     shards: list[subprocess.Popen] = []
@@ -240,7 +240,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
         watchdog = ShardWatchdog(shards)
         watchdog.start()
         try:
-            elastic_launch(lc, run_worker)(str(config_path), list(addresses), str(run_dir),
+            elastic_launch(lc, worker_main)(str(config_path), list(addresses), str(run_dir),
                                            None if checkpoint is None else str(checkpoint))
         except BaseException as e:
             if watchdog.dead is not None:

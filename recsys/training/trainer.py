@@ -9,7 +9,14 @@ A step, in both modes::
 next pull waits for that. Row gradients are scaled by 1/W so that, with DDP averaging the dense
 gradients, W trainers compute exactly what one process computes on the concatenated batch.
 `async`: the next batch's rows are pulled while the current batch computes, and each push is
-applied by the PS on arrival.
+applied by the PS on arrival. The mode is chosen once, as a `recsys.training.step` strategy.
+
+The loop (`train`), as in torchtitan's::
+
+    for prepared in self._prepared_steps(run):     # PreparedStep: batch, lookup (pulls in flight), position
+        loss = self.train_step(prepared.batch, prepared.lookup, run.window)
+        self.step += 1
+        self._after_step(run, prepared, loss)      # progress, log window + TTL sweep, checkpoint
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,12 +37,14 @@ from torch import nn
 
 from data.batch import Batch
 from data.loader import ParquetLoader
+from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig
+from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC
-from recsys.models import build_model
-from recsys.training.checkpoint import Checkpointer, restore_trainer
+from recsys.models import SparseLookup, build_job_model
+from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
-from recsys.training.sparse_arch import EmbeddingStore, SparseArch, SparseLookup, plan_tables
+from recsys.training.step import step_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +74,27 @@ class StepTimes:
         }
 
 
-def build_sparse_arch(cfg: JobConfig) -> SparseArch:
-    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, cfg.model.feature_tables,
-                        cfg.model.linear_feature_tables, cfg.model.table_pooling)
-    return SparseArch(plans)
+@dataclass(slots=True)
+class PreparedStep:
+    """A batch ready to train: its rows are being pulled (`lookup`)."""
+
+    batch: Batch
+    lookup: SparseLookup
+    wait_s: float                   # seconds spent waiting for the batch from the reader
+    position: dict                  # the reader's state after this batch (what a checkpoint saves)
 
 
-def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
-    """The dense model for the pooled features `sparse` produces (one dim D: JobConfig checks it)."""
-    plans = [p for p in sparse.plans if not p.linear]
-    if not plans:
-        raise ValueError("data.sparse_columns maps no feature to an embedding table: the model has no input")
-    torch.manual_seed(cfg.train.seed)
-    return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
-                       num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim)
+@dataclass
+class _Run:
+    """What one `Trainer.train` call keeps across steps."""
+
+    window: StepTimes               # the current log window
+    t_start: float
+    t_log: float                    # start of the window
+    position: dict                  # the reader state after the last trained batch
+    bar: Any = None                 # tqdm bar (rank 0 on a terminal) or None
+    samples: int = 0
+    trace: list[np.ndarray] = field(default_factory=list)
 
 
 class Trainer:
@@ -87,14 +104,14 @@ class Trainer:
                  metric_logger: MetricSink | None = None) -> None:
         self.cfg, self.store, self.rank, self.world_size = cfg, store, rank, world_size
         self.device = torch.device(cfg.train.device)
-        self.sparse = build_sparse_arch(cfg)
-        self.model = build_dense_model(cfg, self.sparse).to(self.device)
+        self.sparse, model = build_job_model(cfg)
+        self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.train)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
-        self._in_flight: list = []         # async: the last step's push and barrier futures
+        self.strategy = step_strategy(cfg.ps.mode, store)     # sync or async, chosen here once
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
@@ -102,16 +119,21 @@ class Trainer:
         self.start_step = 0
         self._start_epoch = 0
 
+    @property
+    def parts(self) -> TrainParts:
+        """What a checkpoint saves of this trainer (besides step and data position)."""
+        return TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, store=self.store)
+
     def restore(self, checkpoint: str) -> dict:
         """Continue from a checkpoint (see recsys.training.checkpoint); the shards load their part
         separately. Async mode: tells the shards this worker's progress, for the staleness bound."""
-        manifest = restore_trainer(self, checkpoint)
+        restored = restore_trainer(self.parts, self.loader, checkpoint, world_size=self.world_size)
+        self.step = restored.step
         self.start_step = self.checkpointer.last_step = self.step    # no second checkpoint of this step
         self.store.step = self.step        # the step its pushes carry (a barrier advances it from here)
         self._start_epoch = int(self.loader.state_dict()["epoch"])
-        if self.cfg.ps.mode == "async" and self.step > 0:
-            self.store.barrier(self.step - 1)
-        return manifest
+        self.strategy.resumed(self.step)
+        return restored.manifest
 
     @property
     def loader(self) -> ParquetLoader:
@@ -143,18 +165,7 @@ class Trainer:
             (loss / acc).backward()
         times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
-        futures = lookup.push(scale=1.0 / (self.world_size * acc))
-        if self.cfg.ps.mode == "sync":
-            for fut in futures:
-                fut.result()
-            self.store.barrier(self.step)        # the shards apply the step once all workers are here
-        else:
-            # async: the previous step's pushes must be acknowledged (errors surface, at most one
-            # step of gradients in flight); this step's fly while the next batch computes. The
-            # barrier reports progress so the shards can hold a trainer to ps.max_staleness.
-            for fut in self._in_flight:
-                fut.result()
-            self._in_flight = [*futures, self.store.barrier_async(self.step)]
+        self.strategy.after_backward(lookup.push(scale=1.0 / (self.world_size * acc)), self.step)
         times.push += time.perf_counter() - t0
         times.pull += lookup.pull_s
         if last_micro:
@@ -163,7 +174,24 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    # -- loops ----------------------------------------------------------------------------------
+    # -- the loop -------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, float]:
+        run = self._start_run()
+        for prepared in self._prepared_steps(run):
+            loss = self.train_step(prepared.batch, prepared.lookup, run.window)
+            self.step += 1
+            self._after_step(run, prepared, loss)
+        return self._finish_run(run)
+
+    def _start_run(self) -> _Run:
+        self.model.train()
+        total = self.cfg.train.max_steps or self.cfg.train.epochs * self.loader.num_batches
+        bar = progress_bar(total, enabled=self.rank == 0)
+        if bar is not None:
+            bar.update(self.step)
+        t = time.perf_counter()
+        return _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar)
 
     def _batches(self) -> Iterator[tuple[Batch, float, dict]]:
         """Training batches over all epochs (from a restored position on), with the seconds spent
@@ -172,7 +200,7 @@ class Trainer:
             self.loader.set_epoch(epoch)        # a restored position of this epoch is kept
             # ranks' shares differ by up to one row: every rank takes the smallest batch count, or
             # DDP's allreduce and the PS barrier would wait for a rank that has already finished
-            steps = self._min_over_ranks(self.loader.remaining_batches)
+            steps = int(all_reduce(torch.tensor([self.loader.remaining_batches]), dist.ReduceOp.MIN).item())
             it = iter(self.loader)
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -181,80 +209,79 @@ class Trainer:
                     break
                 yield batch, time.perf_counter() - t0, self.loader.state_dict()
 
-    def train(self) -> dict[str, float]:
-        cfg = self.cfg
-        times = StepTimes()
-        t_start = t_log = time.perf_counter()
-        prefetch = cfg.ps.mode == "async"
-        pending: tuple[Batch, SparseLookup, dict] | None = None
+    def _prepared_steps(self, run: _Run) -> Iterator[PreparedStep]:
+        """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
+        (async) the next batch's pulls are issued, for step t + 1, before step t is handed out."""
         batches = self._batches()
-        samples = 0
-        trace: list[np.ndarray] = []
-        self.model.train()
-        total = cfg.train.max_steps or cfg.train.epochs * self.loader.num_batches
-        bar = progress_bar(total, enabled=self.rank == 0)
-        if bar is not None:
-            bar.update(self.step)
-        position = self.loader.state_dict()
-        while not cfg.train.max_steps or self.step < cfg.train.max_steps:
-            if pending is None:
-                nxt = next(batches, None)
-                if nxt is None:
-                    break
-                times.data += nxt[1]
-                pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step), nxt[2])
-            batch, lookup, position = pending
-            pending = None
-            if prefetch:   # async: the next batch's pulls fly while this one computes
-                nxt = next(batches, None)
-                if nxt is not None:
-                    times.data += nxt[1]
-                    pending = (nxt[0], self.sparse.lookup(nxt[0], self.store, self.step + 1), nxt[2])
-            if cfg.train.trace_column:
-                trace.append(np.asarray(batch.extras[cfg.train.trace_column]))
-            loss = self.train_step(batch, lookup, times)
-            self.step += 1
-            times.steps += 1
-            times.samples += batch.batch_size
-            samples += batch.batch_size
-            times.loss_sum += loss
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            if self.step % cfg.train.log_every == 0:
-                if self._sweeps and self.rank == 0:   # TTL eviction on the shards
-                    self.store.sweep(self.step)
-                times.total = time.perf_counter() - t_log
-                self._log(times.as_metrics())
-                times, t_log = StepTimes(), time.perf_counter()
-            if self.checkpointer.due(self.step):
-                self.checkpoint(position)
-            else:
-                self.checkpointer.maybe_prepare(self)
+
+        def prepare(step: int) -> PreparedStep | None:
+            nxt = next(batches, None)
+            if nxt is None:
+                return None
+            batch, wait_s, position = nxt
+            run.window.data += wait_s
+            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position)
+
+        max_steps = self.cfg.train.max_steps
+        pending: PreparedStep | None = None
+        while not max_steps or self.step < max_steps:
+            current = pending if pending is not None else prepare(self.step)
+            if current is None:
+                return
+            pending = prepare(self.step + 1) if self.strategy.prefetch else None
+            yield current
+
+    def _after_step(self, run: _Run, prepared: PreparedStep, loss: float) -> None:
+        """Bookkeeping after step `self.step`: progress, trace, log window (+ TTL sweep), checkpoint."""
+        batch, w = prepared.batch, run.window
+        run.position = prepared.position
+        if self.cfg.train.trace_column:
+            run.trace.append(np.asarray(batch.extras[self.cfg.train.trace_column]))
+        w.steps += 1
+        w.samples += batch.batch_size
+        w.loss_sum += loss
+        run.samples += batch.batch_size
+        if run.bar is not None:
+            run.bar.update(1)
+            run.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if self.step % self.cfg.train.log_every == 0:
+            self._end_window(run)
+        if self.checkpointer.due(self.step):
+            self.checkpoint(run.position)
+        else:
+            self.checkpointer.maybe_prepare(self.step, self.store)
+
+    def _end_window(self, run: _Run) -> None:
+        """Log the window's metrics (averaged over ranks) and start a new one; rank 0 sweeps TTLs."""
+        if self._sweeps and self.rank == 0:   # TTL eviction on the shards
+            self.store.sweep(self.step)
+        run.window.total = time.perf_counter() - run.t_log
+        self._log(run.window.as_metrics())
+        run.window, run.t_log = StepTimes(), time.perf_counter()
+
+    def _finish_run(self, run: _Run) -> dict[str, float]:
         self.drain()
         if self.checkpointer.enabled and self.checkpointer.last_step != self.step:
-            self.checkpoint(position)           # the end of this run: a later one can continue it
+            self.checkpoint(run.position)       # the end of this run: a later one can continue it
         self.checkpointer.join()
-        if bar is not None:
-            bar.close()
-        if trace:
-            self._write_trace(np.concatenate(trace))
-        elapsed = time.perf_counter() - t_start
-        out = {"steps": float(self.step), "train_s": elapsed, "samples": float(samples)}
+        if run.bar is not None:
+            run.bar.close()
+        if run.trace:
+            self._write_trace(np.concatenate(run.trace))
+        elapsed = time.perf_counter() - run.t_start
+        out = {"steps": float(self.step), "train_s": elapsed, "samples": float(run.samples)}
         if self.checkpointer.pauses:
             out["checkpoint_pause_s"] = float(np.median(self.checkpointer.pauses))
         return out
 
     def drain(self) -> None:
         """Wait until every push this rank sent is acknowledged (async mode keeps one step in flight)."""
-        for fut in self._in_flight:
-            fut.result()
-        self._in_flight = []
+        self.strategy.drain()
 
     def checkpoint(self, position: dict) -> None:
         """A checkpoint after `self.step` steps; `position`: the reader state after the last trained batch."""
         self.drain()
-        self.checkpointer.save(self, position)
+        self.checkpointer.save(self.parts, self.step, position)
 
     def _write_trace(self, values: np.ndarray) -> None:
         out = Path(self.cfg.train.run_dir) / "trace"
@@ -287,17 +314,9 @@ class Trainer:
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
         return cat(labels), cat(scores), {k: np.concatenate(v) for k, v in extras.items()}
 
-    def _min_over_ranks(self, n: int) -> int:
-        if not dist.is_initialized() or self.world_size == 1:
-            return n
-        t = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
     def _log(self, values: dict[str, float]) -> None:
-        if dist.is_initialized() and self.world_size > 1:
-            t = torch.tensor(list(values.values()), dtype=torch.float64)
-            dist.all_reduce(t)
+        if self.world_size > 1 and is_distributed():
+            t = all_reduce(torch.tensor(list(values.values()), dtype=torch.float64))
             values = dict(zip(values, (t / self.world_size).tolist()))
             values["perf/samples_per_s"] *= self.world_size
         if self.rank == 0 and self.metric_logger is not None:

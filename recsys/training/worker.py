@@ -12,31 +12,17 @@ import torch
 import torch.distributed as dist
 
 from embedding_ps.client import PSClient
+from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
-from recsys.metrics import CTRMetrics, MetricLogger, NullMetricLogger
+from recsys.dist import all_reduce
+from recsys.metrics import MetricLogger, NullMetricLogger, eval_metrics
 from recsys.training.checkpoint import read_manifest
 from recsys.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
-                 exact_auc: bool = True) -> dict[str, float]:
-    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
-    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals)."""
-    m = CTRMetrics(exact_auc=exact_auc)
-    m.update(labels, scores)
-    out = m.reduced().compute()
-    out["eval_examples"] = out.pop("count")
-    if p_true is not None:
-        oracle = CTRMetrics(exact_auc=exact_auc)
-        oracle.update(labels, p_true)
-        out["oracle_auc"] = oracle.reduced().compute()["auc"]
-    return out
-
-
 def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s trainer{rank}: %(message)s")
     threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     if world > 1 and not dist.is_initialized():
@@ -45,7 +31,7 @@ def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def save_model(trainer: Trainer, store, model_dir: Path) -> None:
+def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path) -> None:
     """Dense state (rank 0) plus every shard's own dump, written by the shards themselves."""
     model_dir.mkdir(parents=True, exist_ok=True)
     torch.save(trainer.model.state_dict(), model_dir / "dense.tmp")
@@ -55,7 +41,7 @@ def save_model(trainer: Trainer, store, model_dir: Path) -> None:
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
                load_shards: bool = False) -> None:
-    """Entry point of a trainer process (started by torch.distributed.elastic).
+    """One trainer process's job (its entry points, which set up logging, are `recsys.train`).
 
     resume: a checkpoint directory to continue from. load_shards: rank 0 also tells the (already
     running, same-count) shards to load the checkpoint's rows; the local launcher instead starts
@@ -90,7 +76,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         summary = trainer.train()
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
-        final["samples_per_s"] = float(_sum_all(samples_per_s))
+        final["samples_per_s"] = float(all_reduce(torch.tensor([samples_per_s], dtype=torch.float64)).item())
         if "checkpoint_pause_s" in summary:
             final["checkpoint_pause_s"] = summary["checkpoint_pause_s"]
         if cfg.data.eval_paths:
@@ -133,11 +119,3 @@ def trim_metrics(path: Path, step: int) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
-
-
-def _sum_all(x: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())

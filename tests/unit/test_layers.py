@@ -50,3 +50,46 @@ def test_no_pickle_in_packages() -> None:
         for f in (ROOT / package).rglob("*.py"):
             mods = imported_top_modules(f)
             assert not mods & {"pickle", "cloudpickle", "marshal", "dill"}, f"{f} imports a pickler"
+
+
+def imported_modules(path: Path, package: str | None = None) -> set[str]:
+    """Dotted names of every module `path` imports (relative imports resolved against its package,
+    by default the one its place under ROOT names)."""
+    if package is None:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names |= {f"{base}.{alias.name}" for alias in node.names}
+    return names
+
+
+# rooms of recsys/ (ARCHITECTURE.md): serving and models stand beside training, not on it
+ROOM_FORBIDDEN = {
+    "recsys/serving": ("recsys.training",),
+    "recsys/models": ("recsys.training", "recsys.serving"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(ROOM_FORBIDDEN))
+def test_recsys_rooms_do_not_import_training(room: str) -> None:
+    files = sorted((ROOT / room).rglob("*.py"))
+    assert files, f"no python files under {room}/"
+    bad = {str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f)
+                                            if any(m == p or m.startswith(p + ".") for p in ROOM_FORBIDDEN[room]))
+           for f in files}
+    bad = {f: mods for f, mods in bad.items() if mods}
+    assert not bad, f"forbidden imports (see ARCHITECTURE.md): {bad}"
+
+
+def test_room_checker_sees_relative_and_from_imports(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from ..training import trainer\nfrom recsys import training\n")
+    assert {"recsys.training", "recsys.training.trainer"} <= imported_modules(src, "recsys.serving")

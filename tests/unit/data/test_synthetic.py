@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from data.config import DataConfig
+from recsys.metrics import auc
 from data.synthetic import (
     GEN_CHUNK,
     PRESETS,
@@ -20,7 +21,6 @@ from data.synthetic import (
     generate,
     ids_of_ranks,
     preset_schema,
-    roc_auc,
     splitmix64,
     zipf_pmf,
     zipf_ranks,
@@ -50,13 +50,14 @@ def test_ids_are_non_negative_distinct_and_seed_free() -> None:
 
 
 def test_roc_auc_hand_computed() -> None:
+    # the one exact AUC is recsys.metrics.auc(labels, scores) (data/ keeps only the generator's
+    # histogram AUC of its oracle figure)
     # pos {0.35, 0.8} vs neg {0.1, 0.4}: 0.35>0.1, 0.35<0.4, 0.8>both -> 3/4
-    assert roc_auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
+    assert auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.4, 0.35, 0.8])) == 0.75
     # ties: pos {0.5, 0.9} vs neg {0.5, 0.2}: 0.5=0.5 counts 1/2 -> (0.5 + 1 + 1 + 1) / 4
-    assert roc_auc(np.array([0.5, 0.5, 0.2, 0.9]), np.array([1, 0, 0, 1])) == 0.875
-    assert roc_auc(np.array([3.0, 3.0, 3.0]), np.array([1, 0, 1])) == 0.5
-    with pytest.raises(ValueError, match="both classes"):
-        roc_auc(np.array([0.1, 0.2]), np.array([1, 1]))
+    assert auc(np.array([1, 0, 0, 1]), np.array([0.5, 0.5, 0.2, 0.9])) == 0.875
+    assert auc(np.array([1, 0, 1]), np.array([3.0, 3.0, 3.0])) == 0.5
+    assert math.isnan(auc(np.array([1, 1]), np.array([0.1, 0.2])))      # one class: undefined
 
 
 def test_roc_auc_matches_pairwise_count() -> None:
@@ -66,7 +67,7 @@ def test_roc_auc_matches_pairwise_count() -> None:
     pos, neg = s[y], s[~y]
     ref = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (
         len(pos) * len(neg))
-    assert roc_auc(s, y) == pytest.approx(ref, abs=1e-12)
+    assert auc(y, s) == pytest.approx(ref, abs=1e-12)
 
 
 def test_zipf_pmf_is_the_sampler_distribution() -> None:
@@ -107,7 +108,7 @@ def test_schema_and_content(tmp_path: Path) -> None:
     p = t.column("p_true").to_numpy()
     assert ((p > 0) & (p < 1)).all()
     assert abs(label.mean() - p.mean()) < 4 * math.sqrt(p.mean() / n)
-    assert summary["oracle_auc"] == pytest.approx(roc_auc(p, label), abs=1e-3)
+    assert summary["oracle_auc"] == pytest.approx(auc(label, p), abs=1e-3)
     for c in names["sparse"]:
         ids = t.column(c).drop_null().to_numpy()
         assert (ids >= 0).all()
@@ -267,7 +268,7 @@ def _logistic_regression_auc(t: pa.Table, n_train: int, epochs: int = 2, batch: 
             opt_s.step(), opt_d.step()
         with torch.no_grad():
             score = logits(n_train, t.num_rows).numpy()
-        best = max(best, roc_auc(score, label[n_train:].numpy()))
+        best = max(best, auc(label[n_train:].numpy(), score))
     return best
 
 
@@ -281,7 +282,7 @@ def test_task_is_realistic(tmp_path: Path) -> None:
     t = read_dir(tmp_path)
     label, p_true = t.column("label").to_numpy(), t.column("p_true").to_numpy()
     ctr = label.mean()
-    oracle = roc_auc(p_true[n_train:], label[n_train:])
+    oracle = auc(label[n_train:], p_true[n_train:])
     lr_auc = _logistic_regression_auc(t, n_train)
     assert 0.02 <= ctr <= 0.30, ctr
     assert 0.75 <= oracle <= 0.85, oracle

@@ -44,7 +44,7 @@ def _tiny_config(data: Path, run_dir: Path, tables: dict[str, dict] | None = Non
 
 def _save(root: Path, cfg: JobConfig, trainer: Trainer, store: LocalStore, checkpoint: bool) -> Path:
     if checkpoint:               # a real checkpoint of the job (recsys.training.checkpoint)
-        trainer.checkpointer.save(trainer, trainer.loader.state_dict())
+        trainer.checkpoint(trainer.loader.state_dict())
         trainer.checkpointer.join()
         return checkpoint_path(cfg.train.run_dir, trainer.step)
     root.mkdir(parents=True, exist_ok=True)

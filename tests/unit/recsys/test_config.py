@@ -207,3 +207,40 @@ def test_cuda_needs_a_gpu_per_local_trainer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"train\.num_trainers = \d+, but this machine has \d+ GPU"):
         check_devices(cfg)
     check_devices(load_config(None, ["train.num_trainers=4"]))        # cpu: any count
+
+
+def test_load_ps_config_reads_only_the_ps_section(tmp_path: Path) -> None:
+    """What a shard reads (`recsys ps`): the [ps] section, checked like the whole job; other
+    sections are not read (moved here from embedding_ps, which reads no config files)."""
+    from recsys.config import load_ps_config
+
+    good = tmp_path / "job.toml"
+    good.write_text('[data]\nx = 1\n[ps]\nnum_shards = 2\nmode = "async"\ntimeout_s = 5\n'
+                    '[[ps.tables]]\nname = "t"\ndim = 8\noptimizer = "adam"\n')
+    cfg = load_ps_config(good)
+    assert cfg.num_shards == 2 and cfg.timeout_s == 5.0 and cfg.tables[0].optimizer == "adam"
+    assert load_ps_config(good, ["ps.num_shards=3"]).num_shards == 3
+    bad = {"[ps]\nnum_shard = 2\n": r"unknown key 'ps.num_shard'; valid: num_shards, addresses",
+           "[ps]\nmode = \"fast\"\n": r"ps.mode must be one of 'sync', 'async', got 'fast'",
+           "[ps]\nretries = \"2\"\n": r"ps.retries must be an integer, got '2'",
+           "[[ps.tables]]\nname = \"t\"\ndim = 8\ndimm = 3\n": r"unknown key 'ps.tables\[0\].dimm'; valid: name, dim",
+           "[ps]\nnum_shards = 0\n": r"ps.num_shards must be >= 1, got 0"}
+    for text, match in bad.items():
+        good.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            load_ps_config(good)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_ps_config(tmp_path / "missing.toml")
+
+
+def test_quickstart_ships_as_package_data() -> None:
+    """`recsys demo` reads the package copy (works from an installed package); the checkout's
+    configs/quickstart.toml is the same file."""
+    from importlib import resources
+
+    from recsys.demo import QUICKSTART
+
+    assert QUICKSTART == resources.files("recsys") / "configs" / "quickstart.toml"
+    assert QUICKSTART.read_bytes() == (ROOT / "configs" / "quickstart.toml").read_bytes()
+    with resources.as_file(QUICKSTART) as path:
+        load_config(path)

@@ -21,7 +21,7 @@ from recsys.serving.dense_export import check_no_pickle, load_dense
 from recsys.serving.export import export_model, read_manifest
 from recsys.serving.quantize import dequantize
 from recsys.serving.source import resolve_source
-from recsys.serving.offline import open_run
+from recsys.training.evaluate import open_run
 from recsys.serving.tensorfile import ExportError, read_safetensors
 
 # hashed rows, ids not admitted yet that pull zeros, and the default init rows of unseen ids all

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import numpy as np
 import pytest
 import torch
 
 from data.batch import Batch, KeyedJagged
 from embedding_ps.config import TableConfig
-from recsys.serving.predictor import TableView
+from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.quantize import dequantize, quantize
 from recsys.serving.tbe_pool import QuantizedPooling
-from recsys.training.sparse_arch import SparseArch, plan_tables
+from recsys.models.sparse_arch import SparseArch, plan_tables
 
 FEATURES = ("a", "b", "c", "d")
 TABLES = (
@@ -22,18 +20,6 @@ TABLES = (
     TableConfig(name="c", dim=8, unadmitted="zeros"),                          # unknown ids pull zeros
     TableConfig(name="a_lin", dim=1, init="normal", init_scale=0.3),           # linear terms, odd width
 )
-
-
-class RowStore:
-    """pull_async over TableViews, rows dequantized the way the export stores them (fp32 reference)."""
-
-    def __init__(self, views: list[TableView]) -> None:
-        self.views = views
-
-    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> Future:
-        f: Future = Future()
-        f.set_result(self.views[table].rows(ids))
-        return f
 
 
 def make_views(precision: str, seed: int = 0) -> list[TableView]:
@@ -65,7 +51,7 @@ def test_tbe_pooling_equals_sparse_arch(precision: str, atol: float, rtol: float
     batch = make_batch(B=9)
     if not weighted:
         batch = Batch(batch.dense, batch.sparse, batch.labels)
-    want_pooled, want_linear = SparseArch(plans).lookup(batch, RowStore(views)).wait()
+    want_pooled, want_linear = SparseArch(plans).lookup(batch, ExportStore(views)).wait()
     got_pooled, got_linear = QuantizedPooling(plans, views, precision).pool(batch)
     assert got_pooled.shape == want_pooled.shape == (9, 4, 8)
     assert got_linear.shape == want_linear.shape == (9, 2)

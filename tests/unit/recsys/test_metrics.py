@@ -261,7 +261,7 @@ def test_null_metric_logger_does_nothing(tmp_path):
 
 
 def test_eval_metrics_exact_and_streaming() -> None:
-    from recsys.training.worker import eval_metrics
+    from recsys.metrics import eval_metrics
 
     g = torch.Generator().manual_seed(0)
     p = torch.rand(5000, generator=g)

@@ -8,42 +8,30 @@ import torch.nn.functional as F
 
 from data.batch import Batch, KeyedJagged
 from embedding_ps.config import TableConfig
-from recsys.training.sparse_arch import SparseArch, plan_tables
+from recsys.models.sparse_arch import SparseArch, plan_tables
 
 V = 50  # ids are 0..V-1 so a dense [V, D] table is the reference
 
 
 class DictStore:
-    """Rows of every table as dense [V, D] tensors; pushes are recorded, not applied."""
+    """Rows of every table as dense [V, D] tensors; pushes are recorded, not applied (the sparse
+    arch's part of the EmbeddingStore contract: one multi-table pull and push per group)."""
 
     def __init__(self, tables: dict[int, torch.Tensor]) -> None:
         self.tables = tables
         self.pushed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> Future:
-        f: Future = Future()
-        f.set_result(self.tables[table][ids].clone())
-        return f
-
-    def push_async(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> Future:
-        self.pushed[table] = (ids.clone(), grads.clone())
-        f: Future = Future()
-        f.set_result(None)
-        return f
-
-
-class ManyStore(DictStore):
-    """DictStore with the multi-table calls: the sparse arch then pulls and pushes once per group."""
+        self.many_calls = 0
 
     def pull_many_async(self, tables: list[int], ids: list[torch.Tensor], step: int | None = None) -> Future:
-        self.many_calls = getattr(self, "many_calls", 0) + 1
+        self.many_calls += 1
         f: Future = Future()
         f.set_result(torch.cat([self.tables[t][i].clone() for t, i in zip(tables, ids)]))
         return f
 
-    def push_many_async(self, tables: list[int], ids: list[torch.Tensor], grads: torch.Tensor) -> Future:
+    def push_many_async(self, tables: list[int], ids: list[torch.Tensor], grads: torch.Tensor,
+                        step: int | None = None) -> Future:
         for t, i, g in zip(tables, ids, grads.split([x.numel() for x in ids])):
-            self.push_async(t, i, g)
+            self.pushed[t] = (i.clone(), g.clone())
         f: Future = Future()
         f.set_result(None)
         return f
@@ -60,9 +48,8 @@ def make_batch(B: int, keys: tuple[str, ...], seed: int, weights: bool = False) 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("store_cls", [DictStore, ManyStore])
 @pytest.mark.parametrize("shared", [True, False])
-def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool, store_cls, shared) -> None:
+def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: bool, shared) -> None:
     if weighted and pooling == "mean":
         pytest.skip("per-id weights need sum pooling")
     keys = ("a", "b", "c")
@@ -74,7 +61,7 @@ def test_pooled_and_row_grads_match_dense_embedding_bag(pooling: str, weighted: 
                         {"t0": pooling, "t1": pooling, "t2": pooling})
     g = torch.Generator().manual_seed(0)
     dense = {t: torch.randn(V, 4, generator=g) for t in range(3)}
-    store = store_cls(dense)
+    store = DictStore(dense)
     B = 7
     batch = make_batch(B, keys, seed=1, weights=weighted)
     lookup = SparseArch(plans).lookup(batch, store)
@@ -151,7 +138,7 @@ def test_weights_apply_only_to_sum_pooled_tables() -> None:
 @pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [0, 1, 1, 0], [0, 2, 1, 1], [3, 0, 0, 1], [0, 0]])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_sum_pool_backward_matches_embedding_bag(lengths, weighted) -> None:
-    from recsys.training.sparse_arch import _SumPool
+    from recsys.models.sparse_arch import _SumPool
 
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(5, 3, generator=g, requires_grad=True)

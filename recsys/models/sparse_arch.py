@@ -9,7 +9,7 @@ For one step::
 
 The rows of each group of tables sharing (dim, pooling mode) come back as one leaf tensor
 [U_g, D] with requires_grad (the tables' unique rows back to back: one multi-table pull, one
-request per shard, when the store has `pull_many_async`), so autograd gives their gradient
+request per shard), so autograd gives their gradient
 directly; no embedding table lives in the trainer. Pooling is one `F.embedding_bag` per group, so
 the whole batch pools in a handful of kernel calls, not one per feature; sum pooling's backward is
 one index_add_ (`_SumPool`), and the usual single group pools example-major, straight into
@@ -21,37 +21,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
 from data.batch import Batch
 from embedding_ps.config import TableConfig
-
-
-class EmbeddingStore(Protocol):
-    """What the sparse arch needs from the parameter server (PSClient or an in-process store)."""
-
-    def pull_async(self, table: int, ids: torch.Tensor, step: int | None = None) -> "Future[torch.Tensor]":
-        """Rows [N, D] float32 of int64 ids [N] of table index `table`, for training step `step`."""
-        ...
-
-    def push_async(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> "Future[None]":
-        """Send row gradients [N, D] of ids [N]; the PS applies the table's optimizer."""
-        ...
-
-    def barrier(self, step: int) -> None:
-        """This worker is done with `step` (sync mode: the PS applies the step once all are)."""
-        ...
-
-    def barrier_async(self, step: int) -> "Future":
-        """`barrier` without waiting (async mode: progress report for ps.max_staleness)."""
-        ...
-
-    def sweep(self, step: int) -> list:
-        """Drop rows unseen for their table's ttl_steps as of `step`."""
-        ...
+from embedding_ps.store import EmbeddingStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +73,9 @@ def plan_tables(
 class SparseLookup:
     """One step's pulled rows; holds the leaves whose gradients go back to the store.
 
-    Rows travel per group of tables pooled together (`_groups`): with a store that has
-    `pull_many_async` a group is one pull (one request per shard) whose rows [U_g, D] are the
-    tables' unique rows back to back, one leaf, and one push of its gradient; otherwise one pull
-    and one push per table.
+    Rows travel per group of tables pooled together (`_groups`): a group is one
+    `pull_many_async` (one request per shard) whose rows [U_g, D] are the tables' unique rows back
+    to back, one leaf, and one `push_many_async` of its gradient.
     """
 
     store: EmbeddingStore
@@ -113,25 +87,21 @@ class SparseLookup:
     lengths: list[torch.Tensor]           # per plan: [len(features) * B] bag lengths (int64)
     weights: list[torch.Tensor | None]    # per plan: [N_t] per-id weights or None
     batch_size: int
-    futures: list[list[Future]] = field(default_factory=list)   # per group: 1 (pull_many) or 1 per plan
+    futures: list[Future] = field(default_factory=list)         # per group: its pull_many_async
     rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
     pull_s: float = 0.0
 
     def issue(self, step: int | None) -> None:
-        """Start every group's pull(s)."""
-        many = getattr(self.store, "pull_many_async", None)
+        """Start every group's pull (one multi-table request per shard each)."""
         for group in self.groups:
-            if many is not None:
-                self.futures.append([many([self.plans[p].table for p in group], [self.ids[p] for p in group], step)])
-            else:
-                self.futures.append([self.store.pull_async(self.plans[p].table, self.ids[p], step) for p in group])
+            self.futures.append(self.store.pull_many_async([self.plans[p].table for p in group],
+                                                           [self.ids[p] for p in group], step))
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
         t0 = time.perf_counter()
-        for futs in self.futures:
-            parts = [f.result() for f in futs]
-            self.rows.append((torch.cat(parts) if len(parts) > 1 else parts[0]).requires_grad_(True))
+        for fut in self.futures:
+            self.rows.append(fut.result().requires_grad_(True))
         self.pull_s += time.perf_counter() - t0
         B = self.batch_size
         feats_of = [[f for p in group for f in self.plans[p].features] for group in self.groups]
@@ -195,20 +165,14 @@ class SparseLookup:
     def push(self, scale: float = 1.0) -> list[Future]:
         """Send every table's row gradient, multiplied by `scale`, to the store."""
         futures = []
-        many = getattr(self.store, "push_many_async", None)
         for group, rows in zip(self.groups, self.rows):
             grad = rows.grad
             if grad is None:       # the group's output did not reach the loss
                 grad = torch.zeros_like(rows)
             if scale != 1.0:
                 grad = grad * scale
-            grad = grad.detach()
-            if many is not None:
-                futures.append(many([self.plans[p].table for p in group], [self.ids[p] for p in group], grad))
-                continue
-            sizes = [self.ids[p].numel() for p in group]
-            for p, g in zip(group, torch.split(grad, sizes)):
-                futures.append(self.store.push_async(self.plans[p].table, self.ids[p], g))
+            futures.append(self.store.push_many_async([self.plans[p].table for p in group],
+                                                      [self.ids[p] for p in group], grad.detach()))
         return futures
 
 

@@ -1,4 +1,4 @@
-"""`recsys eval` and `recsys predict` on a finished run: the saved model scores Parquet data.
+"""Offline evaluation of a run (`recsys eval`, `recsys predict`): the saved model scores Parquet data.
 
 The saved PS shards are loaded into in-process shard states (same sharding as in training), the
 dense state into the model, and the trainer's own forward path scores the data, so offline
@@ -17,8 +17,8 @@ import torch
 
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
+from recsys.metrics import eval_metrics
 from recsys.training.trainer import Trainer
-from recsys.training.worker import eval_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,89 @@
+"""How a training step meets the PS, chosen once from `ps.mode` (`step_strategy`).
+
+Both strategies have the same small interface, called by the Trainer::
+
+    strategy.prefetch                      # pull the next batch's rows while this one computes?
+    strategy.after_backward(futures, t)    # the row-gradient pushes of step t were sent
+    strategy.drain()                       # every push sent so far is acknowledged
+    strategy.resumed(t)                    # a restored run continues at step t
+
+`SyncStep`: wait for step t's pushes, then `barrier(t)`; the shards apply the step once every
+worker is there, and the next pull waits for that. `AsyncStep`: step t's pushes (and a progress
+report, `barrier_async(t)`, for ps.max_staleness) fly while the next batch computes; the previous
+step's are waited for first, so errors surface and at most one step of gradients is in flight.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Literal, Protocol
+
+from embedding_ps.store import EmbeddingStore
+
+
+class StepStrategy(Protocol):
+    prefetch: bool
+    """Whether the next batch's rows are pulled before this step's pushes are applied."""
+
+    def after_backward(self, futures: list[Future], step: int) -> None:
+        """Step `step`'s pushes (`futures`) were sent."""
+        ...
+
+    def drain(self) -> None:
+        """Wait until every push sent so far is acknowledged."""
+        ...
+
+    def resumed(self, step: int) -> None:
+        """A restored run continues at step `step` (its pushes carry `step`)."""
+        ...
+
+
+class SyncStep:
+    """ps.mode = "sync": every step is applied by the shards before the next pull sees it."""
+
+    prefetch = False
+
+    def __init__(self, store: EmbeddingStore) -> None:
+        self.store = store
+
+    def after_backward(self, futures: list[Future], step: int) -> None:
+        for fut in futures:
+            fut.result()
+        self.store.barrier(step)        # the shards apply the step once all workers are here
+
+    def drain(self) -> None:
+        pass                            # after_backward already waited
+
+    def resumed(self, step: int) -> None:
+        pass
+
+
+class AsyncStep:
+    """ps.mode = "async": one step of pushes in flight; the next batch's pulls overlap this one."""
+
+    prefetch = True
+
+    def __init__(self, store: EmbeddingStore) -> None:
+        self.store = store
+        self._in_flight: list[Future] = []     # the last step's push and barrier futures
+
+    def after_backward(self, futures: list[Future], step: int) -> None:
+        # the previous step's pushes must be acknowledged (errors surface, at most one step of
+        # gradients in flight); this step's fly while the next batch computes. The barrier reports
+        # progress so the shards can hold a trainer to ps.max_staleness.
+        self.drain()
+        self._in_flight = [*futures, self.store.barrier_async(step)]
+
+    def drain(self) -> None:
+        for fut in self._in_flight:
+            fut.result()
+        self._in_flight = []
+
+    def resumed(self, step: int) -> None:
+        if step > 0:                    # tell the shards this worker's progress (staleness bound)
+            self.store.barrier(step - 1)
+
+
+def step_strategy(mode: Literal["sync", "async"], store: EmbeddingStore) -> StepStrategy:
+    """The strategy of `ps.mode`."""
+    return SyncStep(store) if mode == "sync" else AsyncStep(store)
