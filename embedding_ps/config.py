@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
-import tomllib
-import typing
-from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
 
@@ -162,64 +159,3 @@ class PSConfig:
             raise ValueError("ps.token_file must be set when ps.auth = 'token'")
         if self.auth == "curve" and not self.curve_keys_dir:
             raise ValueError("ps.curve_keys_dir must be set when ps.auth = 'curve'")
-
-
-class PSConfigError(ValueError):
-    """The `[ps]` section of a job config is wrong; the message names the file, key and value."""
-
-
-# `[ps]` of a job config file: `python -m embedding_ps.server` reads it (embedding_ps cannot use
-# recsys.config's loader, which checks the whole job the same way)
-
-
-def load_ps_config(path: str | os.PathLike) -> PSConfig:
-    """PSConfig from the `[ps]` section of TOML file `path`; other sections are ignored.
-
-    Raises PSConfigError for an unknown key (naming the valid ones), a wrong type or choice.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise PSConfigError(f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise PSConfigError(f"{path}: not valid TOML: {e}") from None
-    return _build(PSConfig, raw.get("ps", {}), f"{path}", "ps")
-
-
-def _build(cls: type, raw: Any, source: str, key: str) -> Any:
-    if not isinstance(raw, dict):
-        raise PSConfigError(f"{source}: '{key}' must be a table, got {type(raw).__name__}")
-    names = [f.name for f in fields(cls)]
-    unknown = sorted(set(raw) - set(names))
-    if unknown:
-        raise PSConfigError(f"{source}: unknown key '{key}.{unknown[0]}'; valid: {', '.join(names)}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {k: _value(hints[k], v, source, f"{key}.{k}") for k, v in raw.items()}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise PSConfigError(f"{source}: {e}") from None
-
-
-def _value(tp: Any, v: Any, source: str, key: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        if v not in args:
-            raise PSConfigError(f"{source}: {key} must be one of {', '.join(map(repr, args))}, got {v!r}")
-        return v
-    if origin is tuple:
-        if not isinstance(v, list):
-            raise PSConfigError(f"{source}: {key} must be a list, got {v!r}")
-        if is_dataclass(args[0]):
-            return tuple(_build(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v))
-        return tuple(_value(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v))
-    ok = {bool: lambda x: isinstance(x, bool),
-          int: lambda x: isinstance(x, int) and not isinstance(x, bool),
-          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-          str: lambda x: isinstance(x, str)}
-    if tp not in ok:
-        raise PSConfigError(f"{source}: {key}: unsupported config type {tp!r}")
-    if not ok[tp](v):
-        raise PSConfigError(f"{source}: {key} must be {tp.__name__}, got {v!r}")
-    return float(v) if tp is float else v

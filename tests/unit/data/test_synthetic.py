@@ -201,7 +201,7 @@ def test_data_config_kwargs_build_a_config() -> None:
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown synthetic preset 'nope'; valid: criteo-like, tiny"):
+    with pytest.raises(ValueError, match="unknown synthetic preset 'nope'; valid: criteo-like, longtail, tiny"):
         generate(preset="nope", rows=10, num_files=1, out_dir=str(tmp_path), seed=0)
     with pytest.raises(ValueError, match="num_files <= rows"):
         generate(preset="tiny", rows=3, num_files=4, out_dir=str(tmp_path), seed=0)
