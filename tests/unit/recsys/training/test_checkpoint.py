@@ -18,7 +18,7 @@ from recsys.training.checkpoint import (CorruptCheckpointError, list_checkpoints
 from recsys.training.reshard import reshard_checkpoint
 from recsys.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 B = 64
 
 

@@ -21,7 +21,7 @@ from recsys.training.checkpoint import verify_checkpoint
 from recsys.training.reshard import reshard_checkpoint, restore_shard
 from recsys.training.trainer import Trainer
 
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "ckpt_format2"
+FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "ckpt_format2"
 STEPS = 4
 
 
