@@ -10,6 +10,9 @@ phase together. Per client the median time of one request gives its rows/s; a co
 rows/s is the sum over its clients. `pull_push` combines a pull and a push of the same rows
 (1 / (1/pull + 1/push)), and `per_shard` divides that by the shard processes.
 
+--weight-decay WD [--weight-decay-mode l2|decoupled] gives the tables sparse weight decay (its cost
+is the ratio of rows_per_s to a run without it).
+
 --native off runs every process (shards and the in-process parts) without the C fast path of
 embedding_ps/native.py (EMBEDDING_PS_NATIVE=0, inherited by the spawned processes).
 
@@ -51,8 +54,10 @@ DIMS = (16, 64)
 READY_TIMEOUT_S = 120.0
 
 
-def make_config(num_shards: int, num_workers: int, wire: str = "fp32") -> PSConfig:
-    tables = tuple(TableConfig(name=f"d{d}", dim=d, optimizer="rowwise_adagrad") for d in DIMS)
+def make_config(num_shards: int, num_workers: int, wire: str = "fp32", weight_decay: float = 0.0,
+                weight_decay_mode: str = "l2") -> PSConfig:
+    tables = tuple(TableConfig(name=f"d{d}", dim=d, optimizer="rowwise_adagrad", weight_decay=weight_decay,
+                               weight_decay_mode=weight_decay_mode) for d in DIMS)
     return PSConfig(num_shards=num_shards, mode="async", num_workers=num_workers, timeout_s=120.0,
                     retries=0, wire_dtype=wire, tables=tables)
 
@@ -96,7 +101,8 @@ def prefill(config: PSConfig, addresses: list[str], pool: int) -> None:
 
 
 def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str) -> dict[str, float]:
-    config = make_config(num_shards, max(num_clients, 1), args["wire"])
+    config = make_config(num_shards, max(num_clients, 1), args["wire"], args["weight_decay"],
+                         args["weight_decay_mode"])
     shards, clients = [], []
     try:
         ready = [os.path.join(workdir, f"s{num_shards}c{num_clients}-{i}.ready") for i in range(num_shards)]
@@ -177,6 +183,8 @@ def main() -> None:
     p.add_argument("--skip-core", action="store_true", help="skip the map and RSS measurements")
     p.add_argument("--native", choices=("on", "off"), default="on",
                    help="the shard's C fast path (embedding_ps/native.py); off = EMBEDDING_PS_NATIVE=0 everywhere")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="ps.tables[*].weight_decay of the tables")
+    p.add_argument("--weight-decay-mode", choices=("l2", "decoupled"), default="l2")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
     args = p.parse_args()
@@ -187,7 +195,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
-             "dedup": args.dedup}
+             "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
     with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:
