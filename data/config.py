@@ -13,7 +13,9 @@ class DataConfig:
     train_paths: tuple[str, ...] = ()
     """Parquet files, directories or glob patterns for training."""
     eval_paths: tuple[str, ...] = ()
-    """Parquet files, directories or glob patterns for evaluation."""
+    """Parquet files, directories or glob patterns for evaluation (validation, with train.validate_every)."""
+    test_paths: tuple[str, ...] = ()
+    """Held-out Parquet data scored once at the end of training, with the best model (metrics.json "test")."""
     batch_size: int = 4096
     """Examples per batch B, per rank."""
     label_column: str = "label"

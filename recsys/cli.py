@@ -109,7 +109,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.training.evaluate import evaluate_run
 
-    metrics = evaluate_run(args.run, args.data, out=args.out)
+    metrics = evaluate_run(args.run, args.data, out=args.out, last=args.last)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
     return 0
 
@@ -117,7 +117,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from recsys.training.evaluate import predict_run
 
-    predict_run(args.run, args.data, args.out)
+    predict_run(args.run, args.data, args.out, last=args.last)
     return 0
 
 
@@ -125,7 +125,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from recsys.serving.export import export_model
     from recsys.serving.source import resolve_source
 
-    source = resolve_source(run=args.run, checkpoint=args.checkpoint)
+    source = resolve_source(run=args.run, checkpoint=args.checkpoint, last=args.last)
     manifest = export_model(source, args.out, precision=args.precision, since=args.since)
     sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],
                                  "precision": manifest["precision"], "rows": manifest["rows"]}) + "\n")
@@ -201,12 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run directory written by `recsys train`")
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
     p.add_argument("--out", default=None, help="metrics JSON (default RUN/eval_metrics.json)")
+    p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("predict", help="score Parquet data with a trained run")
     p.add_argument("--run", required=True, help="run directory written by `recsys train`")
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
     p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns")
+    p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
     p.set_defaults(func=_cmd_predict)
 
     p = sub.add_parser("export", help="export embeddings + dense model for serving (see recsys/serving/export.py)")
@@ -217,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
     p.add_argument("--since", type=int, default=None, metavar="STEP",
                    help="delta export: rows updated and ids evicted at steps >= STEP (a base export's step)")
+    p.add_argument("--last", action="store_true", help="with --run: its last model, not its best (RUN_DIR/best)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("export-apply", help="apply a delta export to a base export -> a full export")

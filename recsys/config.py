@@ -41,6 +41,9 @@ class ModelConfig:
     """Sparse feature -> PS table name; a feature missing here uses the table of its own name."""
     linear_feature_tables: dict[str, str] = field(default_factory=dict)
     """Sparse feature -> dim-1 PS table of first-order (wide / FM linear) terms (wide_deep, deepfm)."""
+    linear_tables: bool = False
+    """deepfm / wide_deep: give every sparse feature without one a dim-1 linear table `<feature>_linear`,
+    made from `[ps.table_defaults]` (the loader writes them into ps.tables and linear_feature_tables)."""
     table_pooling: dict[str, str] = field(default_factory=dict)
     """PS table name -> `sum` or `mean` (default `sum`)."""
     bottom_mlp: tuple[int, ...] = (64, 16)
@@ -66,6 +69,8 @@ class ModelConfig:
             raise ValueError(f"model.num_cross_layers must be >= 0, got {self.num_cross_layers}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.linear_tables and self.arch not in ("deepfm", "wide_deep"):
+            raise ValueError(f"model.linear_tables is only used by deepfm and wide_deep, not {self.arch!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +124,16 @@ class TrainConfig:
     trace_column: str = ""
     """Debugging: write the values of this passthrough column for every trained example to
     `run_dir/trace/` (one .npy per rank and attempt), to check the data order."""
+    validate_every: int | Literal["epoch"] = 0
+    """Steps between validation passes over data.eval_paths, or "epoch" (after each epoch); 0: none
+    (the eval data is scored once, at the end). Each pass logs `val/*` metrics."""
+    early_stop_metric: Literal["logloss", "auc"] = "logloss"
+    """The validation metric that picks the best model and drives early stopping."""
+    early_stop_patience: int = 0
+    """Stop after this many validation passes in a row without a new best (0: never stop early)."""
+    keep_best: bool = True
+    """With validation: keep the best pass's model as a checkpoint in `run_dir/best/`, which
+    `recsys eval`, `predict` and `export` of the run use by default, and which scores data.test_paths."""
 
     def __post_init__(self) -> None:
         for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):
@@ -133,6 +148,13 @@ class TrainConfig:
             raise ValueError(f"train.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if isinstance(self.validate_every, int) and self.validate_every < 0:
+            raise ValueError(f"train.validate_every must be >= 0 or 'epoch', got {self.validate_every}")
+        if self.early_stop_patience < 0:
+            raise ValueError(f"train.early_stop_patience must be >= 0, got {self.early_stop_patience}")
+        if self.early_stop_patience and self.validate_every == 0:
+            raise ValueError("train.early_stop_patience needs validation passes: set train.validate_every "
+                             "(steps, or 'epoch')")
         if self.lr_decay != "none" and self.max_steps == 0:
             raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
 
@@ -165,12 +187,15 @@ class JobConfig:
                 if (t := self.model.feature_tables.get(f, f)) in tables}
         if len(dims) > 1:
             raise ValueError(f"the tables read by data.sparse_columns must share one dim, got {sorted(dims)}")
-        if self.model.arch == "dlrm" and dims and self.model.bottom_mlp[-1] != next(iter(dims)):
+        if (self.model.arch == "dlrm" and dims and self.data.dense_columns
+                and self.model.bottom_mlp[-1] != next(iter(dims))):
             raise ValueError(f"model.bottom_mlp must end in the tables' dim {next(iter(dims))} for dlrm, "
                              f"got {list(self.model.bottom_mlp)}")
         if self.model.linear_feature_tables and self.model.arch not in ("deepfm", "wide_deep"):
             raise ValueError(f"model.linear_feature_tables is only used by deepfm and wide_deep, "
                              f"not {self.model.arch!r}")
+        if self.train.validate_every != 0 and not self.data.eval_paths:
+            raise ValueError("train.validate_every needs validation data: set data.eval_paths")
         if self.ps.mode == "async" and self.ps.max_staleness < 1:
             raise ValueError("ps.max_staleness must be >= 1 in async mode (a trainer pulls step t+1's rows "
                              f"while step t computes), got {self.ps.max_staleness}")
@@ -205,6 +230,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     raw: dict[str, Any] = _read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
+    expand_tables(raw, source)
     return build(JobConfig, raw, source=source, prefix="")
 
 
@@ -214,7 +240,71 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
     raw = _read_toml(path)
     for item in overrides:
         _apply_override(raw, item)
+    expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
     return build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
+
+
+def expand_tables(raw: dict[str, Any], source: str) -> None:
+    """Apply `[ps.table_defaults]` and `model.linear_tables` to the raw config, in place.
+
+    Every field of `ps.table_defaults` is the default of that field for every table (a table's own
+    value wins); a `data.sparse_columns` column whose table (`model.feature_tables`, else its own
+    name) is not in `ps.tables` gets one, made from the defaults; with `model.linear_tables` every
+    sparse column without a `model.linear_feature_tables` entry gets a dim-1 table `<column>_linear`
+    (same pooling as its embedding table). New tables follow the given ones, in column order, so
+    the expanded config (`print-config`) loads back to the same tables.
+    """
+    ps, model, data = raw.get("ps", {}), raw.get("model", {}), raw.get("data", {})
+    if not all(isinstance(x, dict) for x in (ps, model, data)):
+        return                                   # `build` names the section that is not a table
+    defaults = ps.pop("table_defaults", None)
+    linear = model.get("linear_tables", False) is True
+    if defaults is None and not linear:
+        return
+    defaults = {} if defaults is None else defaults
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{source}: ps.table_defaults must be a table, got {defaults!r}")
+    fields_ = [f.name for f in dataclasses.fields(TableConfig) if f.name != "name"]
+    for key in defaults:
+        if key not in fields_:
+            raise ConfigError(f"{source}: unknown key 'ps.table_defaults.{key}'; valid: {', '.join(fields_)}")
+    tables = ps.setdefault("tables", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        return
+    for t in tables:
+        for key, value in defaults.items():
+            t.setdefault(key, value)
+    names = {t.get("name") for t in tables}
+    columns = data.get("sparse_columns", [])
+    columns = [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
+    feature_tables = model.get("feature_tables", {})
+    feature_tables = feature_tables if isinstance(feature_tables, dict) else {}
+    for column in columns:
+        name = feature_tables.get(column, column)
+        if name in names:
+            continue
+        if "dim" not in defaults:
+            raise ConfigError(f"{source}: data.sparse_columns: column {column!r} reads table {name!r}, which is "
+                              f"not in ps.tables, and ps.table_defaults has no dim to make it (set "
+                              f"ps.table_defaults.dim, or add a table named {name!r})")
+        tables.append({"name": name, **defaults})
+        names.add(name)
+    if linear:
+        linear_map = model.setdefault("linear_feature_tables", {})
+        pooling = model.setdefault("table_pooling", {})
+        if not isinstance(linear_map, dict) or not isinstance(pooling, dict):
+            return
+        for column in columns:
+            if column in linear_map:
+                continue
+            name = f"{column}_linear"
+            if name not in names:
+                tables.append({"name": name, **defaults, "dim": 1})
+                names.add(name)
+            linear_map[column] = name
+            own = feature_tables.get(column, column)
+            if own in pooling and name not in pooling:
+                pooling[name] = pooling[own]
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -365,4 +455,4 @@ def _toml_key(k: str) -> str:
 
 
 __all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig",
-           "TableConfig", "load_config", "load_ps_config", "to_dict", "to_toml"]
+           "TableConfig", "expand_tables", "load_config", "load_ps_config", "to_dict", "to_toml"]

@@ -6,6 +6,10 @@
     pooled [B, F, D] ─────────────────────────────────┴─> InteractionArch --> [B, D + F(F+1)/2]
                                                                               --OverArch--> logits [B]
 
+With no dense columns (Dn = 0) there is no bottom MLP: the interaction runs over the F embeddings
+alone (F(F-1)/2 dot products), and the mean of the embeddings [B, D] takes the bottom output's
+place in front, so the top MLP still sees first-order terms (and F = 1 still has an input).
+
 The sparse arch (lookups on the PS and pooling) lives in `recsys.models.sparse_arch`; DLRM gets
 its output `pooled` [B, F, D] and owns only the dense parameters.
 """
@@ -58,22 +62,26 @@ class InteractionArch(nn.Module):
         out = arch(torch.rand(4, 16), torch.rand(4, 3, 16))   # [4, 16 + 6]
     """
 
-    def __init__(self, num_sparse_features: int) -> None:
+    def __init__(self, num_sparse_features: int, with_dense: bool = True) -> None:
         super().__init__()
         self.F = num_sparse_features
-        rows, cols = torch.triu_indices(self.F + 1, self.F + 1, offset=1)   # [F(F+1)/2] each
+        self.with_dense = with_dense
+        n = self.F + 1 if with_dense else self.F                            # vectors that interact
+        rows, cols = torch.triu_indices(n, n, offset=1)                      # [n(n-1)/2] each
         # Buffers follow .to(device); not persistent, so they never enter the saved state dict.
         self.register_buffer("triu_rows", rows, persistent=False)
         self.register_buffer("triu_cols", cols, persistent=False)
 
     @property
     def out_features_extra(self) -> int:
-        """Number of dot products appended after the D bottom features: F(F+1)/2."""
-        return (self.F + 1) * self.F // 2
+        """Number of dot products appended after the D front features: F(F+1)/2 (F(F-1)/2 without dense)."""
+        n = self.F + 1 if self.with_dense else self.F
+        return n * (n - 1) // 2
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """dense [B, D], pooled [B, F, D] -> [B, D + F(F+1)/2]."""
-        combined = torch.cat([dense.unsqueeze(1), pooled], dim=1)            # [B, F+1, D]
+        """dense [B, D] (the bottom output; without dense columns the embeddings' mean), pooled
+        [B, F, D] -> [B, D + F(F+1)/2] (F(F-1)/2 dot products without dense columns)."""
+        combined = torch.cat([dense.unsqueeze(1), pooled], dim=1) if self.with_dense else pooled
         gram = torch.bmm(combined, combined.transpose(1, 2))                 # [B, F+1, F+1]
         pairs = gram[:, self.triu_rows, self.triu_cols]                       # [B, F(F+1)/2]
         return torch.cat([dense, pairs], dim=1)                              # [B, D + F(F+1)/2]
@@ -109,7 +117,7 @@ class DLRM(nn.Module):
     Args:
         config: `model.bottom_mlp` (its last width must equal `embedding_dim`), `model.top_mlp`,
             `model.dropout`.
-        num_dense: Dn, at least 1 (the bottom MLP's output is one of the interacting vectors).
+        num_dense: Dn; 0: no bottom MLP, the embeddings interact among themselves (module docstring).
         num_sparse: F, the number of pooled embeddings per example.
         embedding_dim: D.
 
@@ -125,15 +133,13 @@ class DLRM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()
-        if num_dense < 1:
-            raise ValueError(f"dlrm needs at least one dense feature for its bottom MLP, got num_dense={num_dense}")
-        if not config.bottom_mlp or config.bottom_mlp[-1] != embedding_dim:
+        if num_dense > 0 and (not config.bottom_mlp or config.bottom_mlp[-1] != embedding_dim):
             raise ValueError(
                 f"model.bottom_mlp must end in the embedding dim {embedding_dim} (the bottom output is dotted "
                 f"with the embeddings), got {list(config.bottom_mlp)}"
             )
-        self.dense_arch = DenseArch(num_dense, config.bottom_mlp, config.dropout)
-        self.inter_arch = InteractionArch(num_sparse)
+        self.dense_arch = DenseArch(num_dense, config.bottom_mlp, config.dropout) if num_dense > 0 else None
+        self.inter_arch = InteractionArch(num_sparse, with_dense=num_dense > 0)
         self.over_arch = OverArch(embedding_dim + self.inter_arch.out_features_extra, config.top_mlp,
                                   config.dropout)
 
@@ -144,6 +150,6 @@ class DLRM(nn.Module):
         `pooled_linear` is accepted so every arch shares one call; `build_model` refuses linear
         tables for DLRM, so it is always None here.
         """
-        x = self.dense_arch(dense)                                           # [B, D]
+        x = self.dense_arch(dense) if self.dense_arch is not None else pooled.mean(dim=1)   # [B, D]
         x = self.inter_arch(x, pooled)                                       # [B, D + F(F+1)/2]
         return self.over_arch(x)                                             # [B]

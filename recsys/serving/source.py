@@ -34,6 +34,7 @@ import torch
 from embedding_ps.config import TableConfig
 from embedding_ps.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
+from recsys.rundir import best_dir, has_best
 from recsys.serving.tensorfile import ExportError
 
 T = TypeVar("T")
@@ -54,10 +55,16 @@ class Source:
     """'run DIR' or 'checkpoint DIR' (for messages and the manifest)"""
 
 
-def resolve_source(run: str | Path | None = None, checkpoint: str | Path | None = None) -> Source:
-    """(run dir | checkpoint dir) -> Source. Raises ConfigError naming what is missing."""
+def resolve_source(run: str | Path | None = None, checkpoint: str | Path | None = None,
+                   last: bool = False) -> Source:
+    """(run dir | checkpoint dir) -> Source. Raises ConfigError naming what is missing.
+
+    A run that kept a best model (`RUN_DIR/best`, train.validate_every with train.keep_best) gives
+    that checkpoint, unless `last` asks for the run's last model (`RUN_DIR/model`)."""
     if (run is None) == (checkpoint is None):
         raise ConfigError("give exactly one of a run directory or a checkpoint")
+    if run is not None and not last and has_best(run):
+        run, checkpoint = None, best_dir(run)
     root = Path(run if run is not None else checkpoint)
     kind = "run" if run is not None else "checkpoint"
     model_dir = root / "model"

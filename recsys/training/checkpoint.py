@@ -77,6 +77,7 @@ class Restored:
 
     step: int
     manifest: dict[str, Any]
+    validation: dict[str, Any]                              # recsys.training.validation state ({} if none)
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -233,11 +234,14 @@ class Checkpointer:
             return late
         return False
 
-    def save(self, parts: TrainParts, step: int, loader_state: dict[str, Any]) -> None:
+    def save(self, parts: TrainParts, step: int, loader_state: dict[str, Any], *,
+             validation: dict[str, Any] | None = None, target: Path | None = None) -> None:
         """A checkpoint of a trainer's `parts` (and its store's rows) after `step` steps; collective.
 
         `loader_state`: this rank's data position after the last trained batch (in async mode the
-        loader has already handed out the next one).
+        loader has already handed out the next one). `validation`: the early-stopping record.
+        `target`: write there (replacing what is there, e.g. run_dir/best) instead of
+        run_dir/checkpoints/step-N; such a save does not count as the periodic checkpoint.
         """
         t0 = time.perf_counter()
         self._raise_finisher_error()
@@ -245,7 +249,7 @@ class Checkpointer:
         self._barrier()                   # async: every rank's pushes acknowledged before the snapshot
         if self.rank == 0:
             self.join()                   # one checkpoint in flight at a time
-            root = checkpoint_path(self.run_dir, step)
+            root = checkpoint_path(self.run_dir, step) if target is None else Path(target)
             tmp = root.with_name(f".tmp-{root.name}")
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "trainer").mkdir(parents=True)
@@ -253,16 +257,19 @@ class Checkpointer:
             (tmp / "config.toml").write_text(to_toml(self.cfg))
             (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
             torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
-            torch.save(trainer_state(parts, step), tmp / "trainer" / "state.pt")
+            torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
             background = self.cfg.train.checkpoint_background
             ps_dir = str((tmp / "model" / "ps").resolve())
             parts.store.save(ps_dir, step=step, background=background)
             info = {"step": step, "num_shards": self.cfg.ps.num_shards, "num_trainers": self.world_size,
                     "mode": self.cfg.ps.mode, "time": time.time()}
             self._finisher = threading.Thread(target=self._finish, name="checkpoint-finish", daemon=True,
-                                              args=(parts.store, ps_dir, tmp, root, info, background))
+                                              args=(parts.store, ps_dir, tmp, root, info, background,
+                                                    target is None))
             self._finisher.start()
         self._barrier()                   # no rank pushes step t before the shards snapshot
+        if target is not None:
+            return
         self._last_time = time.monotonic()
         self.last_step = step
         self._prepared = False
@@ -272,7 +279,8 @@ class Checkpointer:
             logger.info("checkpoint at step %d: training paused %.3f s (%s write)", step, pause,
                         "background" if self.cfg.train.checkpoint_background else "blocking")
 
-    def _finish(self, store: EmbeddingStore, ps_dir: str, tmp: Path, root: Path, info: dict, background: bool) -> None:
+    def _finish(self, store: EmbeddingStore, ps_dir: str, tmp: Path, root: Path, info: dict, background: bool,
+                periodic: bool) -> None:
         try:
             t0 = time.perf_counter()
             if background:
@@ -281,7 +289,8 @@ class Checkpointer:
             if root.exists():
                 shutil.rmtree(root)
             os.replace(tmp, root)
-            prune(self.run_dir, self.cfg.train.keep_checkpoints)
+            if periodic:
+                prune(self.run_dir, self.cfg.train.keep_checkpoints)
             logger.info("checkpoint %s complete (%.2f s after the pause)", root, time.perf_counter() - t0)
         except BaseException as e:     # raised in the training thread at the next save or join
             logger.error("checkpoint %s failed: %s", root.name, e)
@@ -309,10 +318,12 @@ class Checkpointer:
 # trainer state
 
 
-def trainer_state(parts: TrainParts, step: int) -> dict[str, Any]:
-    """The dense optimizer, LR schedule, step and RNG of a trainer (tensors and numbers only)."""
+def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The dense optimizer, LR schedule, step, RNG and early-stopping record of a trainer (tensors
+    and numbers only)."""
     return {"step": step, "optimizer": parts.optimizer.state_dict(),
-            "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+            "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+            "validation": dict(validation or {})}
 
 
 def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, *, world_size: int) -> Restored:
@@ -331,4 +342,4 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
     loader.resume_from(loaders)
     logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, step,
                 manifest["num_trainers"], world_size)
-    return Restored(step=step, manifest=manifest)
+    return Restored(step=step, manifest=manifest, validation=dict(state.get("validation", {})))

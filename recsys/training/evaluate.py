@@ -18,18 +18,21 @@ import torch
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.metrics import eval_metrics
+from recsys.rundir import best_dir, has_best
 from recsys.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-def open_run(run_dir: str | Path) -> tuple[JobConfig, Trainer]:
-    """The run's resolved config and a trainer holding its final model (no processes started)."""
-    run = Path(run_dir)
+def open_run(run_dir: str | Path, last: bool = False) -> tuple[JobConfig, Trainer]:
+    """The run's resolved config and a trainer holding its model (no processes started): the best
+    validation pass's (RUN_DIR/best) when the run kept one and not `last`, else the last model."""
+    run = best_dir(run_dir) if not last and has_best(run_dir) else Path(run_dir)
     model_dir = run / "model"
     for needed in (run / "config.toml", model_dir / "dense.pt", model_dir / "ps"):
         if not needed.exists():
             raise ConfigError(f"{run}: not a finished run, {needed} is missing")
+    logger.info("using the %s model of %s", "best" if run != Path(run_dir) else "last", run_dir)
     cfg = load_config(run / "config.toml")
     store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
     trainer = Trainer(cfg, store)
@@ -37,8 +40,9 @@ def open_run(run_dir: str | Path) -> tuple[JobConfig, Trainer]:
     return cfg, trainer
 
 
-def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None) -> dict[str, float]:
-    cfg, trainer = open_run(run_dir)
+def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
+                 last: bool = False) -> dict[str, float]:
+    cfg, trainer = open_run(run_dir, last)
     try:
         labels, scores, extras = trainer.predict(tuple(data))
     finally:
@@ -53,9 +57,9 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None) -
     return metrics
 
 
-def predict_run(run_dir: str | Path, data: list[str], out: str) -> int:
+def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = False) -> int:
     """Write `score` plus the configured passthrough columns to the Parquet file `out`."""
-    cfg, trainer = open_run(run_dir)
+    cfg, trainer = open_run(run_dir, last)
     try:
         _, scores, extras = trainer.predict(tuple(data))
     finally:

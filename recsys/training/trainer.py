@@ -40,11 +40,12 @@ from data.loader import ParquetLoader
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
-from recsys.metrics import MetricSink, StreamingAUC
+from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.step import step_strategy
+from recsys.training.validation import Validation, best_dir
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class PreparedStep:
     lookup: SparseLookup
     wait_s: float                   # seconds spent waiting for the batch from the reader
     position: dict                  # the reader's state after this batch (what a checkpoint saves)
+    end_of_epoch: bool = False      # the epoch's last step (train.validate_every = "epoch")
 
 
 @dataclass
@@ -95,6 +97,7 @@ class _Run:
     bar: Any = None                 # tqdm bar (rank 0 on a terminal) or None
     samples: int = 0
     trace: list[np.ndarray] = field(default_factory=list)
+    stop: bool = False              # early stopping: end the run after this step
 
 
 class Trainer:
@@ -112,10 +115,13 @@ class Trainer:
         self.metric_logger = metric_logger
         self.step = 0
         self.strategy = step_strategy(cfg.ps.mode, store)     # sync or async, chosen here once
+        # sync mode with W ranks and a last batch that may be short: weight by each rank's share
+        self._uneven_batches = cfg.ps.mode == "sync" and world_size > 1 and not cfg.data.drop_last
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
         self.checkpointer = Checkpointer(cfg, rank=rank, world_size=world_size)
+        self.validation = Validation(cfg)
         self.start_step = 0
         self._start_epoch = 0
 
@@ -132,6 +138,7 @@ class Trainer:
         self.start_step = self.checkpointer.last_step = self.step    # no second checkpoint of this step
         self.store.step = self.step        # the step its pushes carry (a barrier advances it from here)
         self._start_epoch = int(self.loader.state_dict()["epoch"])
+        self.validation.load_state_dict(restored.validation)      # best so far and patience go on
         self.strategy.resumed(self.step)
         return restored.manifest
 
@@ -158,14 +165,15 @@ class Trainer:
         """Forward, backward, push row grads, dense optimizer step. Returns the batch loss."""
         acc = self.cfg.train.grad_accum_steps
         last_micro = (self.step + 1) % acc == 0
+        share = self._batch_share(batch.batch_size)      # W * this rank's share of the global batch
         sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else _null()
         with sync_ctx:
             logits = self.forward(batch, lookup)
             loss = self.loss_fn(logits, batch.labels.to(self.device))
-            (loss / acc).backward()
+            (loss * (share / acc) if share != 1.0 else loss / acc).backward()
         times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
-        self.strategy.after_backward(lookup.push(scale=1.0 / (self.world_size * acc)), self.step)
+        self.strategy.after_backward(lookup.push(scale=share / (self.world_size * acc)), self.step)
         times.push += time.perf_counter() - t0
         times.pull += lookup.pull_s
         if last_micro:
@@ -173,6 +181,21 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
+
+    def _batch_share(self, rows: int) -> float:
+        """W * rows / (rows of every rank's batch this step), 1.0 when the ranks' batches are equal.
+
+        DDP averages the dense gradients over the W ranks and the PS sums the row gradients, so a
+        rank whose loss (a mean over its rows) is weighted by this and whose row gradients by this / W
+        contributes exactly its part of the mean over the concatenated batch, whatever the split
+        (sync mode's equivalence with one process). Batches can only differ with data.drop_last =
+        false (an epoch's last batch), and only sync mode is exact, so only then is the global batch
+        size summed (one small all_reduce a step).
+        """
+        if not self._uneven_batches:
+            return 1.0
+        total = int(all_reduce(torch.tensor([rows], dtype=torch.int64)).item())
+        return self.world_size * rows / total
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -182,6 +205,8 @@ class Trainer:
             loss = self.train_step(prepared.batch, prepared.lookup, run.window)
             self.step += 1
             self._after_step(run, prepared, loss)
+            if run.stop:
+                break
         return self._finish_run(run)
 
     def _start_run(self) -> _Run:
@@ -193,21 +218,21 @@ class Trainer:
         t = time.perf_counter()
         return _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar)
 
-    def _batches(self) -> Iterator[tuple[Batch, float, dict]]:
+    def _batches(self) -> Iterator[tuple[Batch, float, dict, bool]]:
         """Training batches over all epochs (from a restored position on), with the seconds spent
-        waiting for each and the reader position after it."""
+        waiting for each, the reader position after it and whether it is the epoch's last."""
         for epoch in range(self._start_epoch, self.cfg.train.epochs):
             self.loader.set_epoch(epoch)        # a restored position of this epoch is kept
             # ranks' shares differ by up to one row: every rank takes the smallest batch count, or
             # DDP's allreduce and the PS barrier would wait for a rank that has already finished
             steps = int(all_reduce(torch.tensor([self.loader.remaining_batches]), dist.ReduceOp.MIN).item())
             it = iter(self.loader)
-            for _ in range(steps):
+            for i in range(steps):
                 t0 = time.perf_counter()
                 batch = next(it, None)
                 if batch is None:    # rows skipped as bad (data.on_bad_rows = "skip")
                     break
-                yield batch, time.perf_counter() - t0, self.loader.state_dict()
+                yield batch, time.perf_counter() - t0, self.loader.state_dict(), i == steps - 1
 
     def _prepared_steps(self, run: _Run) -> Iterator[PreparedStep]:
         """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
@@ -218,9 +243,9 @@ class Trainer:
             nxt = next(batches, None)
             if nxt is None:
                 return None
-            batch, wait_s, position = nxt
+            batch, wait_s, position, end_of_epoch = nxt
             run.window.data += wait_s
-            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position)
+            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position, end_of_epoch)
 
         max_steps = self.cfg.train.max_steps
         pending: PreparedStep | None = None
@@ -246,6 +271,8 @@ class Trainer:
             run.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if self.step % self.cfg.train.log_every == 0:
             self._end_window(run)
+        if self.validation.due(self.step, prepared.end_of_epoch):
+            self._validate(run)
         if self.checkpointer.due(self.step):
             self.checkpoint(run.position)
         else:
@@ -259,6 +286,30 @@ class Trainer:
         self._log(run.window.as_metrics())
         run.window, run.t_log = StepTimes(), time.perf_counter()
 
+    def _validate(self, run: _Run) -> None:
+        """One pass over data.eval_paths (every rank its part; metrics over all ranks): log `val/*`,
+        keep a new best model in run_dir/best, decide on early stopping (the same on every rank)."""
+        self.drain()
+        t0 = time.perf_counter()
+        labels, scores, extras = self.predict(self.cfg.data.eval_paths)
+        p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
+        metrics = eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact")
+        v = self.validation
+        improved = v.record(metrics, self.step)
+        values = {f"val/{k}": float(x) for k, x in metrics.items()}
+        values[f"val/best_{v.metric}"] = v.state.best_value
+        values["val/seconds"] = time.perf_counter() - t0
+        if self.rank == 0 and self.metric_logger is not None:
+            self.metric_logger.log(values, self.step)
+        if improved and v.keep_best:
+            self.checkpointer.save(self.parts, self.step, run.position, validation=v.state_dict(),
+                                   target=best_dir(self.cfg.train.run_dir))
+        if v.should_stop:
+            run.stop = True
+            if self.rank == 0:
+                logger.info("early stop at step %d: no better val %s in %d passes (best %.6f at step %d)",
+                            self.step, v.metric, v.patience, v.state.best_value, v.state.best_step)
+
     def _finish_run(self, run: _Run) -> dict[str, float]:
         self.drain()
         if self.checkpointer.enabled and self.checkpointer.last_step != self.step:
@@ -270,6 +321,11 @@ class Trainer:
             self._write_trace(np.concatenate(run.trace))
         elapsed = time.perf_counter() - run.t_start
         out = {"steps": float(self.step), "train_s": elapsed, "samples": float(run.samples)}
+        if self.validation.state.passes:
+            out["val_passes"] = float(self.validation.state.passes)
+            out["best_step"] = float(self.validation.state.best_step)
+            out[f"best_val_{self.validation.metric}"] = self.validation.state.best_value
+            out["early_stopped"] = float(run.stop)
         if self.checkpointer.pauses:
             out["checkpoint_pause_s"] = float(np.median(self.checkpointer.pauses))
         return out
@@ -281,7 +337,7 @@ class Trainer:
     def checkpoint(self, position: dict) -> None:
         """A checkpoint after `self.step` steps; `position`: the reader state after the last trained batch."""
         self.drain()
-        self.checkpointer.save(self.parts, self.step, position)
+        self.checkpointer.save(self.parts, self.step, position, validation=self.validation.state_dict())
 
     def _write_trace(self, values: np.ndarray) -> None:
         out = Path(self.cfg.train.run_dir) / "trace"

@@ -18,6 +18,7 @@ from recsys.dist import all_reduce
 from recsys.metrics import MetricLogger, NullMetricLogger, eval_metrics
 from recsys.training.checkpoint import read_manifest
 from recsys.training.trainer import Trainer
+from recsys.training.validation import best_dir
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
         final["samples_per_s"] = float(all_reduce(torch.tensor([samples_per_s], dtype=torch.float64)).item())
-        if "checkpoint_pause_s" in summary:
-            final["checkpoint_pause_s"] = summary["checkpoint_pause_s"]
+        for key in ("checkpoint_pause_s", "val_passes", "best_step", "best_val_logloss", "best_val_auc",
+                    "early_stopped"):
+            if key in summary:
+                final[key] = summary[key]
         if cfg.data.eval_paths:
             labels, scores, extras = trainer.predict(cfg.data.eval_paths)
             p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
@@ -88,9 +91,16 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         if rank == 0:
             save_model(trainer, store, out / "model")
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
+        report: dict = dict(final)
+        if cfg.data.test_paths:
+            report["test"] = score_test(trainer, store, cfg, out, rank)
+        if rank == 0:
             metric_logger.log({f"final/{k}": v for k, v in final.items()}, trainer.step)
-            (out / "metrics.json").write_text(json.dumps(final, indent=1))
-            logger.info("final metrics: %s", final)
+            if "test" in report:
+                metric_logger.log({f"test/{k}": v for k, v in report["test"].items()
+                                   if isinstance(v, (int, float))}, trainer.step)
+            (out / "metrics.json").write_text(json.dumps(report, indent=1))
+            logger.info("final metrics: %s", report)
         if dist.is_initialized():
             dist.barrier()
     finally:
@@ -100,6 +110,33 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         metric_logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Path, rank: int) -> dict:
+    """metrics.json's "test" section: data.test_paths scored with the best model (run_dir/best, when
+    validation kept one; else the last model). Collective: every rank scores its part.
+
+    The best model goes into the running shards with a LOAD (after run_dir/model was written: the
+    run is over) and into this trainer's dense model."""
+    best = best_dir(out)
+    use_best = trainer.validation.keep_best and trainer.validation.state.best_step >= 0 and \
+        (best / "manifest.json").exists()
+    if use_best:
+        if dist.is_initialized():
+            dist.barrier()                 # every rank is done with the last model's rows
+        if rank == 0:
+            store.load(str((best / "model" / "ps").resolve()))
+        if dist.is_initialized():
+            dist.barrier()                 # nobody pulls before the shards hold the best rows
+        trainer.model.load_state_dict(torch.load(best / "model" / "dense.pt", weights_only=True))
+        trainer.strategy.resumed(trainer.step)       # async: progress again after the LOAD
+    labels, scores, extras = trainer.predict(cfg.data.test_paths)
+    p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
+    m = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact")
+    m["examples"] = m.pop("eval_examples")
+    m["model"] = "best" if use_best else "last"
+    m["step"] = float(trainer.validation.state.best_step if use_best else trainer.step)
+    return m
 
 
 def trim_metrics(path: Path, step: int) -> None:

@@ -56,14 +56,14 @@ def _with_optimizer(cfg: JobConfig, optimizer: str) -> JobConfig:
     return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
 
 
-def global_batches(cfg: JobConfig, world: int):
+def global_batches(cfg: JobConfig, world: int, steps: int = STEPS):
     """Per step, every rank's batch (rank order), read exactly as the trainers read them."""
     loaders = [ParquetLoader(cfg.data, cfg.data.train_paths, rank=r, world_size=world) for r in range(world)]
     try:
         for loader in loaders:
             loader.set_epoch(0)
         its = [iter(loader) for loader in loaders]
-        for _ in range(STEPS):
+        for _ in range(steps):
             yield [next(it) for it in its]
     finally:
         for loader in loaders:
@@ -129,10 +129,34 @@ def test_sync_training_equals_one_process_reference(tmp_path: Path, tiny_data: P
                                                     shards: int, optimizer: str) -> None:
     cfg = job(tmp_path, tiny_data, trainers, shards, optimizer)
     launch_train(cfg)
-    run = tmp_path / "run"
-    assert json.loads((run / "metrics.json").read_text())["steps"] == STEPS
+    check_equals_reference(cfg, tmp_path / "run", trainers, STEPS)
 
-    steps = list(global_batches(cfg, trainers))
+
+UNEVEN_ROWS = 645          # 2 ranks: 322 and 323 rows = 10 batches of 32, then 2 and 3 rows
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_sync_is_exact_when_ranks_batches_differ_in_size(tmp_path: Path, tiny_dataset, optimizer: str) -> None:
+    """data.drop_last = false: the epoch's last step has a 2-row and a 3-row batch. Each rank weights
+    its loss and row gradients by its share of the global batch, so the job still equals one
+    process on the concatenation (the loss a mean over all 5 rows)."""
+    data = tiny_dataset(rows=UNEVEN_ROWS, files=1, seed=9, row_group_rows=100)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"data.train_paths=['{data}']", "data.eval_paths=[]", f"data.batch_size={BATCH}",
+        "data.shuffle_buffer_rows=64", "data.drop_last=false", "ps.num_shards=2", "ps.mode='sync'",
+        "train.num_trainers=2", "train.epochs=1", f"train.run_dir='{tmp_path / 'run'}'", "train.log_every=5",
+        "train.num_threads=1"])
+    cfg = _with_optimizer(cfg, optimizer)
+    steps = list(global_batches(cfg, 2, steps=11))
+    assert sorted(b.batch_size for b in steps[-1]) == [2, 3] and all(b.batch_size == BATCH for bs in steps[:-1] for b in bs)
+    launch_train(cfg)
+    check_equals_reference(cfg, tmp_path / "run", 2, 11)
+
+
+def check_equals_reference(cfg: JobConfig, run: Path, trainers: int, num_steps: int) -> None:
+    """The run's dense weights and table rows equal the one-process reference's (1e-5)."""
+    assert json.loads((run / "metrics.json").read_text())["steps"] == num_steps
+    steps = list(global_batches(cfg, trainers, num_steps))
     vocab = {f: torch.unique(torch.cat([b.sparse[f].values for bs in steps for b in bs]))
              for f in cfg.data.sparse_columns}
     ref = Reference(cfg, vocab)

@@ -167,7 +167,7 @@ def test_print_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     [
         ('[data]\nsparse_columns = ["a", "b"]\n[[ps.tables]]\nname = "a"\ndim = 8\n[[ps.tables]]\nname = "b"\ndim = 4\n',
          r"must share one dim, got \[4, 8\]"),
-        ('[data]\nsparse_columns = ["a"]\n[[ps.tables]]\nname = "a"\ndim = 8\n[model]\nbottom_mlp = [16, 4]\n',
+        ('[data]\nsparse_columns = ["a"]\ndense_columns = ["x"]\n[[ps.tables]]\nname = "a"\ndim = 8\n[model]\nbottom_mlp = [16, 4]\n',
          r"model\.bottom_mlp must end in the tables' dim 8 for dlrm, got \[16, 4\]"),
         ('[data]\nsparse_columns = ["a"]\n[[ps.tables]]\nname = "a"\ndim = 16\n[[ps.tables]]\nname = "a1"\ndim = 1\n'
          '[model]\nlinear_feature_tables = {a = "a1"}\n', r"only used by deepfm and wide_deep, not 'dlrm'"),

@@ -197,9 +197,10 @@ def test_dlrm_bottom_mlp_must_end_in_the_embedding_dim():
         make("dlrm", bottom_mlp=(16, 8))
 
 
-def test_dlrm_needs_dense_features():
-    with pytest.raises(ValueError, match="num_dense=0"):
-        make("dlrm", num_dense=0)
+def test_dlrm_without_dense_features_interacts_the_embeddings_alone():
+    """#12: zero dense columns: no bottom MLP (its sizes are then unused), F(F-1)/2 dot products."""
+    model = make("dlrm", num_dense=0, bottom_mlp=(16, 8))
+    assert model.dense_arch is None and model.inter_arch.out_features_extra == F * (F - 1) // 2
 
 
 @pytest.mark.parametrize("arch", ["dlrm", "dcn"])

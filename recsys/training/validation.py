@@ -1,0 +1,81 @@
+"""Periodic validation, early stopping and the best model's bookkeeping.
+
+    train.validate_every = 200 | "epoch"     # a pass over data.eval_paths every 200 steps / each epoch
+    train.early_stop_metric = "logloss"      # or "auc"
+    train.early_stop_patience = 3            # stop after 3 passes without a new best (0: never)
+    train.keep_best = true                   # RUN_DIR/best/: a checkpoint of the best pass's model
+
+`Validation` decides when a pass is due and whether its metrics are a new best; the trainer runs
+the pass (every rank scores its part of the eval files, the metrics are reduced over the ranks, so
+every rank takes the same decisions) and saves `RUN_DIR/best/`. Its state (best value and step,
+passes without improvement) is part of every checkpoint, so a resumed run keeps its best-so-far and
+its patience.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from recsys.config import JobConfig
+from recsys.rundir import BEST_DIR, best_dir
+
+@dataclass
+class ValidationState:
+    """The early-stopping record (JSON-able numbers; saved in checkpoints)."""
+
+    best_value: float = math.nan     # nan: no pass yet
+    best_step: int = -1
+    passes: int = 0
+    passes_since_best: int = 0
+
+
+class Validation:
+    """When to validate, and what a pass's metrics mean for the best model and early stopping."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        t = cfg.train
+        self.every = t.validate_every
+        self.metric = t.early_stop_metric
+        self.patience = t.early_stop_patience
+        self.keep_best = t.keep_best
+        self.enabled = bool(cfg.data.eval_paths) and self.every not in (0, "0")
+        self.state = ValidationState()
+
+    def due(self, step: int, end_of_epoch: bool) -> bool:
+        """Whether a pass runs after `step` steps (`end_of_epoch`: the step ended an epoch)."""
+        if not self.enabled:
+            return False
+        if self.every == "epoch":
+            return end_of_epoch
+        return step % int(self.every) == 0
+
+    def record(self, metrics: dict[str, float], step: int) -> bool:
+        """Note a pass's metrics; True if it is the best so far (lower logloss / higher auc)."""
+        value = float(metrics[self.metric])
+        s = self.state
+        s.passes += 1
+        better = math.isnan(s.best_value) or (value < s.best_value if self.metric == "logloss"
+                                              else value > s.best_value)
+        if better and not math.isnan(value):
+            s.best_value, s.best_step, s.passes_since_best = value, step, 0
+            return True
+        s.passes_since_best += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        """Early stopping: `patience` passes in a row without a new best."""
+        return self.patience > 0 and self.state.passes_since_best >= self.patience
+
+    def state_dict(self) -> dict[str, float | int]:
+        return asdict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = ValidationState(best_value=float(state.get("best_value", math.nan)),
+                                     best_step=int(state.get("best_step", -1)),
+                                     passes=int(state.get("passes", 0)),
+                                     passes_since_best=int(state.get("passes_since_best", 0)))
+
+
+__all__ = ["BEST_DIR", "Validation", "ValidationState", "best_dir"]
