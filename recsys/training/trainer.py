@@ -173,7 +173,8 @@ class Trainer:
             (loss * (share / acc) if share != 1.0 else loss / acc).backward()
         times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
-        self.strategy.after_backward(lookup.push(scale=share / (self.world_size * acc)), self.step)
+        # rows.grad already carries share / acc (the loss was scaled): only DDP's 1/W is left to apply
+        self.strategy.after_backward(lookup.push(scale=1.0 / self.world_size), self.step)
         times.push += time.perf_counter() - t0
         times.pull += lookup.pull_s
         if last_micro:
@@ -186,8 +187,9 @@ class Trainer:
         """W * rows / (rows of every rank's batch this step), 1.0 when the ranks' batches are equal.
 
         DDP averages the dense gradients over the W ranks and the PS sums the row gradients, so a
-        rank whose loss (a mean over its rows) is weighted by this and whose row gradients by this / W
-        contributes exactly its part of the mean over the concatenated batch, whatever the split
+        rank whose loss (a mean over its rows) is weighted by this (and whose row gradients, which
+        carry the weight, are pushed times 1 / W) contributes exactly its part of the mean over the
+        concatenated batch, whatever the split
         (sync mode's equivalence with one process). Batches can only differ with data.drop_last =
         false (an epoch's last batch), and only sync mode is exact, so only then is the global batch
         size summed (one small all_reduce a step).
