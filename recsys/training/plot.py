@@ -1,4 +1,5 @@
-"""`recsys plot RUN_DIR`: PNG curves of a run's metrics.jsonl (loss, AUC, samples/s)."""
+"""`recsys plot RUN_DIR`: PNG curves of a run's metrics.jsonl (loss, AUC, samples/s); training and
+validation (`val/*`, train.validate_every) curves share a plot, one line each."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import json
 from pathlib import Path
 
 CURVES = {
-    "loss": ("loss/train",),
-    "auc": ("auc/train", "final/auc", "auc"),
+    "loss": ("loss/train", "val/logloss"),
+    "auc": ("auc/train", "val/auc", "final/auc", "auc"),
     "samples_per_s": ("perf/samples_per_s",),
 }
 
@@ -38,11 +39,16 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out_dir.mkdir(exist_ok=True)
     written = []
     for name, keys in CURVES.items():
-        points = [(r["step"], r[k]) for r in rows for k in keys if k in r]
-        if not points:
+        series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+        series = {k: pts for k, pts in series.items() if pts}
+        if not series:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        for key, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=key,
+                    marker="." if len(points) < 50 else None)
+        if len(series) > 1:
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel(name)
         ax.set_title(f"{run.name}: {name}")

@@ -14,6 +14,7 @@ def test_plot_writes_pngs(tmp_path: Path) -> None:
     lines = [{"step": s, "time": s, "loss/train": 0.7 - 0.01 * s, "perf/samples_per_s": 1000.0 + s}
              for s in range(10, 110, 10)]
     lines.append({"step": 100, "time": 100, "final/auc": 0.8})
+    lines += [{"step": s, "time": s, "val/logloss": 0.6, "val/auc": 0.7} for s in (50, 100)]   # validation passes
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert main(["plot", str(tmp_path)]) == 0
     for name in ("loss", "auc", "samples_per_s"):
