@@ -75,9 +75,13 @@ def load_token(config: PSConfig) -> bytes:
     """The shared token of ps.token_file (stripped). Raises AuthConfigError if unusable."""
     path = Path(config.token_file)
     try:
+        mode = path.stat().st_mode
         token = path.read_bytes().strip()
     except OSError as e:
         raise AuthConfigError(f"ps.token_file {str(path)!r} cannot be read: {e}") from None
+    if mode & 0o077:
+        raise AuthConfigError(f"ps.token_file {str(path)!r} is readable or writable by group or others "
+                              f"(mode {mode & 0o777:o}); a shared secret must not be: run chmod 600 {path}")
     if len(token) < MIN_TOKEN_BYTES:
         raise AuthConfigError(f"ps.token_file {str(path)!r} holds {len(token)} bytes; a token needs "
                               f">= {MIN_TOKEN_BYTES}")

@@ -133,6 +133,10 @@ class PSConfig:
     """Retries of a timed-out request before the error names the shard."""
     max_frame_bytes: int = 1 << 30
     """Largest request frame a shard accepts."""
+    storage_root: str = ""
+    """A shard SAVEs and LOADs only under this directory ('..' and symlinks resolved; anything else
+    is refused). `recsys train` and `recsys ps` set it to train.run_dir when it is empty; a PSConfig
+    built in code with it empty does not confine (library use, tests)."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
 

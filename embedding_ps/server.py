@@ -105,6 +105,8 @@ class ShardServer:
                           P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
         self.saver = BackgroundSaver(self.name, shard_index)
+        # SAVE / LOAD stay under ps.storage_root (resolved once; "": not confined, see PSConfig)
+        self.storage_root = os.path.realpath(config.storage_root) if config.storage_root else None
 
     @property
     def name(self) -> str:
@@ -188,6 +190,16 @@ class ShardServer:
             raise P.ProtocolError(f"{P.Op(h.op).name}: empty directory", P.Status.BAD_VALUE)
         return path
 
+    def _confined(self, h: P.Header, path: str) -> str:
+        """`path` if it lies under ps.storage_root once '..' and symlinks are resolved; else BAD_VALUE."""
+        if self.storage_root is None:
+            return path
+        real = os.path.realpath(path)
+        if real != self.storage_root and not real.startswith(self.storage_root + os.sep):
+            raise P.ProtocolError(f"{P.Op(h.op).name} of {path!r} refused: it resolves to {real!r}, outside "
+                                  f"ps.storage_root {self.storage_root!r}", P.Status.BAD_VALUE)
+        return path
+
     def _json(self, h: P.Header, obj: Any) -> list:
         body = json.dumps(_jsonable(obj)).encode()
         return [h.reply(dtype=P.DType.BYTES, count=len(body), dim=0).pack(), body]
@@ -250,6 +262,8 @@ class ShardServer:
 
     def _save(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
+        if not h.flags & P.FLAG_PREPARE:      # a prepare names no directory it writes to
+            self._confined(h, path)
         if h.flags & P.FLAG_PREPARE:    # ahead of a background save: its memory, while training goes on
             prepared = self.saver.phase == "idle"
             if prepared:
@@ -279,7 +293,7 @@ class ShardServer:
             logger.error("%s: background save still writing after %s s; abandoning it", self.name, timeout_s)
 
     def _load(self, h: P.Header, payload: list) -> Any:
-        path = shard_dir(self._path(h, payload), self.shard)
+        path = self._confined(h, shard_dir(self._path(h, payload), self.shard))
         if self.saver.busy:
             return DEFERRED
         self.saver.drop_buffers()

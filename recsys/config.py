@@ -231,7 +231,10 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         _apply_override(raw, item)
     expand_tables(raw, source)
-    return build(JobConfig, raw, source=source, prefix="")
+    cfg = build(JobConfig, raw, source=source, prefix="")
+    if not cfg.ps.storage_root:          # the shards save and load only under the run directory
+        cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, storage_root=cfg.train.run_dir))
+    return cfg
 
 
 def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
@@ -241,7 +244,12 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
     for item in overrides:
         _apply_override(raw, item)
     expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
-    return build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
+    ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
+    if not ps.storage_root:              # confined to the job's run directory, as `recsys train` does
+        train = raw.get("train", {})
+        run_dir = train.get("run_dir") if isinstance(train, dict) else None
+        ps = dataclasses.replace(ps, storage_root=run_dir if isinstance(run_dir, str) else TrainConfig().run_dir)
+    return ps
 
 
 def expand_tables(raw: dict[str, Any], source: str) -> None:

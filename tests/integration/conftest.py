@@ -7,6 +7,7 @@ chosen by the shard: `--port 0`, read back from its ready file), restarts a shar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -38,7 +39,9 @@ class ShardProcesses:
     def __init__(self, config: PSConfig, workdir: Path, name: str = "ps") -> None:
         self.config, self.workdir, self.name = config, Path(workdir), name
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path = self.workdir / f"{name}.toml"
+        if not config.storage_root:      # the shards save and load under the test's directory
+            config = dataclasses.replace(config, storage_root=str(self.workdir))
+        self.config, self.config_path = config, self.workdir / f"{name}.toml"
         self.config_path.write_text(ps_toml(config))
         self.procs: list[subprocess.Popen | None] = [None] * config.num_shards
         self.addresses: list[str] = [""] * config.num_shards

@@ -35,6 +35,8 @@ def test_non_loopback_bind_without_auth_refuses_to_start(tmp_path):
 def test_token_auth(shard_processes, tmp_path):
     (tmp_path / "token").write_text("correct-horse-battery-staple\n")
     (tmp_path / "other").write_text("incorrect-horse-battery-staple\n")
+    (tmp_path / "token").chmod(0o600)            # a token readable by others is refused
+    (tmp_path / "other").chmod(0o600)
     cfg = PSConfig(num_shards=2, auth="token", token_file=str(tmp_path / "token"), timeout_s=20.0,
                    retries=0, tables=TABLES)
     shards = shard_processes(cfg)

@@ -326,3 +326,37 @@ def test_gates_are_chosen_once_by_mode():
 
     assert isinstance(make(mode="sync")[0].gate, SyncGate)
     assert isinstance(make(mode="async")[0].gate, AsyncGate)
+
+
+def _save_req(path: str, op=P.Op.SAVE, request: int = 1) -> list:
+    return [P.Header(op=op, dtype=P.DType.BYTES, count=len(path.encode()), request=request).pack(), b"",
+            path.encode()]
+
+
+def test_save_and_load_stay_under_the_storage_root(tmp_path):
+    """ps.storage_root: SAVE / LOAD of a directory outside it ('..' and symlinks resolved) are refused."""
+    root, outside = tmp_path / "run", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    server, state = make(storage_root=str(root))
+    ok = server.handle(_save_req(str(root / "ckpt")))
+    assert status_of(ok)[0] == P.Status.OK and state.saved == f"{root}/ckpt/shard0"
+    for bad in (str(outside / "ckpt"), f"{root}/../elsewhere/ckpt", str(root / "link" / "ckpt"), "/etc"):
+        for op in (P.Op.SAVE, P.Op.LOAD):
+            status, text = status_of(server.handle(_save_req(bad, op, request=7)))
+            assert status == P.Status.BAD_VALUE and "outside ps.storage_root" in text, (bad, op, text)
+    assert state.saved == f"{root}/ckpt/shard0" and not hasattr(state, "loaded")   # nothing happened
+    assert status_of(server.handle(_save_req(str(root / "ckpt"), P.Op.LOAD, request=9)))[0] == P.Status.OK
+
+
+def test_a_token_file_readable_by_others_is_refused(tmp_path):
+    from embedding_ps.auth import load_token
+
+    token = tmp_path / "ps.token"
+    token.write_text("correct-horse-battery-staple\n")
+    token.chmod(0o644)
+    with pytest.raises(AuthConfigError, match=rf"readable or writable by group or others \(mode 644\).*chmod 600 {token}"):
+        load_token(PSConfig(auth="token", token_file=str(token)))
+    token.chmod(0o600)
+    assert load_token(PSConfig(auth="token", token_file=str(token))) == b"correct-horse-battery-staple"

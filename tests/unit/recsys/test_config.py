@@ -244,3 +244,14 @@ def test_quickstart_ships_as_package_data() -> None:
     assert QUICKSTART.read_bytes() == (ROOT / "configs" / "quickstart.toml").read_bytes()
     with resources.as_file(QUICKSTART) as path:
         load_config(path)
+
+
+def test_shards_are_confined_to_the_run_directory(tmp_path: Path) -> None:
+    """ps.storage_root defaults to train.run_dir, for `recsys train` and a standalone `recsys ps`."""
+    from recsys.config import load_ps_config
+
+    job = tmp_path / "job.toml"
+    job.write_text('[train]\nrun_dir = "runs/x"\n[ps]\nnum_shards = 1\n')
+    assert load_config(job).ps.storage_root == "runs/x" and load_ps_config(job).storage_root == "runs/x"
+    job.write_text('[train]\nrun_dir = "runs/x"\n[ps]\nstorage_root = "/data/ps"\n')
+    assert load_config(job).ps.storage_root == "/data/ps" and load_ps_config(job).storage_root == "/data/ps"
