@@ -57,6 +57,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size > 1 << 24:
+            raise ValueError(f"data.batch_size must be in 1..{1 << 24} (rows per rank per step), got {self.batch_size}")
         if self.max_ids_per_row < 1:
             raise ValueError(f"data.max_ids_per_row must be >= 1, got {self.max_ids_per_row}")
         if self.shuffle_buffer_rows < 0:

@@ -8,6 +8,13 @@ from typing import Literal
 
 OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
 
+MAX_SHARDS = 4096
+"""Most PS shards of a job (each is a process)."""
+MAX_WORKERS = 65536
+"""Most trainers pushing to the shards."""
+MAX_DIM = 65536
+"""Widest embedding row."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TableConfig:
@@ -75,6 +82,8 @@ class TableConfig:
             raise ValueError("ps.tables: every table needs a non-empty name")
         if self.dim < 1:
             raise ValueError(f"{p}.dim must be >= 1, got {self.dim}")
+        if self.dim > MAX_DIM:
+            raise ValueError(f"{p}.dim must be <= {MAX_DIM}, got {self.dim}")
         if self.kind == "hashed" and self.num_embeddings < 1:
             raise ValueError(f"{p}.num_embeddings must be >= 1 for kind='hashed', got {self.num_embeddings}")
         if self.lr <= 0:
@@ -133,6 +142,10 @@ class PSConfig:
     """Retries of a timed-out request before the error names the shard."""
     max_frame_bytes: int = 1 << 30
     """Largest request frame a shard accepts."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """A PUSH with a NaN or infinite gradient: `error` refuses the whole request (nothing applied,
+    the trainer gets the error naming table and rows); `skip` applies the finite rows only and
+    counts the dropped ones in the shard's stats (`nonfinite_rows_skipped`)."""
     storage_root: str = ""
     """A shard SAVEs and LOADs only under this directory ('..' and symlinks resolved; anything else
     is refused). `recsys train` and `recsys ps` set it to train.run_dir when it is empty; a PSConfig
@@ -141,6 +154,10 @@ class PSConfig:
     """Embedding tables; every shard holds its part of each."""
 
     def __post_init__(self) -> None:
+        if self.num_shards > MAX_SHARDS:
+            raise ValueError(f"ps.num_shards must be <= {MAX_SHARDS} (each shard is a process), got {self.num_shards}")
+        if self.num_workers > MAX_WORKERS:
+            raise ValueError(f"ps.num_workers must be <= {MAX_WORKERS}, got {self.num_workers}")
         if self.num_shards < 1:
             raise ValueError(f"ps.num_shards must be >= 1, got {self.num_shards}")
         if self.addresses and len(self.addresses) != self.num_shards:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -98,6 +99,7 @@ class ShardServer:
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.counts: dict[str, int] = {op.name.lower(): 0 for op in P.Op}
         self.errors = 0
+        self.nonfinite_skipped = 0        # rows dropped under ps.on_nonfinite = "skip"
         self.stopping = False
         self._handlers = {P.Op.PULL: self._pull, P.Op.PUSH: self._push, P.Op.BARRIER: self._barrier,
                           P.Op.STATS: self._stats, P.Op.HEALTH: self._health, P.Op.SAVE: self._save,
@@ -238,13 +240,41 @@ class ShardServer:
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
         grads = P.frame_tensor(payload[2], dtype, total, h.dim).float()   # [M, D]
+        keep = self._finite_rows(tables, counts, grads)               # None: every row is finite
         parts, start = [], 0
         for t, n in zip(tables, counts):
             if n:
-                parts.append((t, ids[start:start + n], grads[start:start + n]))
+                i, g = ids[start:start + n], grads[start:start + n]
+                if keep is not None:
+                    k = keep[start:start + n]
+                    i, g = i[k], g[k]
+                if i.numel():
+                    parts.append((t, i, g))
             start += n
         self.gate.push(h.worker, h.step, parts)
         return [h.reply().pack()]
+
+    def _finite_rows(self, tables: list[int], counts: list[int], grads: torch.Tensor) -> torch.Tensor | None:
+        """None if every gradient is finite (one sum: NaN and inf propagate through it); else, under
+        ps.on_nonfinite = "skip", a bool [M] of the finite rows; under "error" a BAD_VALUE naming them."""
+        if grads.numel() == 0 or math.isfinite(float(grads.sum())):
+            return None
+        finite = torch.isfinite(grads).all(dim=1)                          # [M]
+        if bool(finite.all()):                                             # the sum overflowed, no row did
+            return None
+        bad = int((~finite).sum())
+        if self.config.on_nonfinite == "skip":
+            self.nonfinite_skipped += bad
+            return finite
+        first = int((~finite).nonzero()[0])
+        start, part = 0, 0
+        while start + counts[part] <= first:
+            start += counts[part]
+            part += 1
+        name = self.config.tables[tables[part]].name
+        raise P.ProtocolError(f"PUSH: {bad} row(s) with NaN or infinite gradients (first: part {part}, table "
+                              f"{name!r}, row {first - start}); nothing applied (ps.on_nonfinite = 'error')",
+                              P.Status.BAD_VALUE)
 
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)
@@ -253,7 +283,8 @@ class ShardServer:
     def _stats(self, h: P.Header, payload: list) -> list:
         info = {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
                 "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
-                "state": self.state.stats(), "save": self.saver.status(), **self.gate.stats()}
+                "state": self.state.stats(), "save": self.saver.status(),
+                "nonfinite_rows_skipped": self.nonfinite_skipped, **self.gate.stats()}
         return self._json(h, info)
 
     def _health(self, h: P.Header, payload: list) -> list:

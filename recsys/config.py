@@ -16,6 +16,7 @@ dataclasses' own `__post_init__` range checks into `ConfigError`s naming the fil
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -25,6 +26,10 @@ from typing import Any, Literal
 
 from data.config import DataConfig
 from embedding_ps.config import PSConfig, TableConfig
+
+
+MAX_LOCAL_TRAINERS = 1024
+"""Most trainer processes the local launcher starts."""
 
 
 class ConfigError(ValueError):
@@ -139,6 +144,9 @@ class TrainConfig:
         for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_trainers > MAX_LOCAL_TRAINERS:
+            raise ValueError(f"train.num_trainers must be <= {MAX_LOCAL_TRAINERS} (processes started on this "
+                             f"machine; more trainers: torchrun on several hosts), got {self.num_trainers}")
         for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
@@ -406,6 +414,8 @@ def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("a number")
+        if not math.isfinite(value):          # TOML has nan and inf; no setting takes them
+            raise bad("a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -360,3 +360,28 @@ def test_a_token_file_readable_by_others_is_refused(tmp_path):
         load_token(PSConfig(auth="token", token_file=str(token)))
     token.chmod(0o600)
     assert load_token(PSConfig(auth="token", token_file=str(token))) == b"correct-horse-battery-staple"
+
+
+def test_nonfinite_gradients_are_refused_and_nothing_is_applied():
+    server, state = make(mode="async")
+    g = torch.ones(3, D)
+    g[1, 2] = float("nan")
+    status, text = status_of(server.handle(push_req([4, 5, 6], g, request=1)))
+    assert status == P.Status.BAD_VALUE and state.pushes == []
+    assert "1 row(s) with NaN or infinite gradients (first: part 0, table 'a', row 1); nothing applied" in text
+    g[1, 2] = float("inf")
+    assert status_of(server.handle(push_req([4, 5, 6], g, request=2)))[0] == P.Status.BAD_VALUE
+    big = torch.full((2, D), 3e38)                    # finite rows whose sum overflows: still applied
+    assert status_of(server.handle(push_req([7, 8], big, request=3)))[0] == P.Status.OK
+    assert len(state.pushes) == 1
+
+
+def test_nonfinite_rows_can_be_skipped():
+    server, state = make(mode="sync", on_nonfinite="skip")
+    g = torch.ones(3, D)
+    g[0, 0] = float("-inf")
+    assert status_of(server.handle(push_req([4, 5, 6], g, request=1)))[0] == P.Status.OK
+    server.handle(barrier_req(0, worker=0, request=2))
+    assert [(t, ids) for t, ids, _, _ in state.pushes] == [(0, [5, 6])]          # the finite rows only
+    stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
+    assert stats["nonfinite_rows_skipped"] == 1

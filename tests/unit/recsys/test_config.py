@@ -255,3 +255,23 @@ def test_shards_are_confined_to_the_run_directory(tmp_path: Path) -> None:
     assert load_config(job).ps.storage_root == "runs/x" and load_ps_config(job).storage_root == "runs/x"
     job.write_text('[train]\nrun_dir = "runs/x"\n[ps]\nstorage_root = "/data/ps"\n')
     assert load_config(job).ps.storage_root == "/data/ps" and load_ps_config(job).storage_root == "/data/ps"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_config_floats_must_be_finite(tmp_path: Path, value: str) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(f'[ps]\ntables = [{{ name = "t", dim = 4, lr = {value} }}]\n')
+    with pytest.raises(ConfigError, match=r"ps.tables\[0\].lr must be a finite number"):
+        load_config(job)
+    with pytest.raises(ConfigError, match="train.dense_lr must be a finite number"):
+        load_config(None, [f"train.dense_lr={value}"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("ps.num_shards=10000", "ps.num_shards must be <= 4096"),
+    ("train.num_trainers=5000", "train.num_trainers must be <= 1024"),
+    ("data.batch_size=100000000", "data.batch_size must be in 1..16777216"),
+])
+def test_counts_that_start_processes_or_allocate_are_bounded(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
