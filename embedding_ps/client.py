@@ -410,11 +410,11 @@ class PSClient:
 
     def _assemble_many(self, plans: list, counts: dict[int, list[int]],
                        replies: dict[int, tuple[P.Header, list]], dim: int) -> torch.Tensor:
-        """Every shard's PULL_MULTI reply -> float32 rows [sum N_t, D] in the caller's order."""
+        """Every shard's PULL reply -> float32 rows [sum N_t, D] in the caller's order."""
         pieces: dict[int, list[torch.Tensor]] = {}          # shard -> rows of each of its parts
         for shard, cs in counts.items():
             header, payload = replies[shard]
-            what = f"PULL_MULTI reply of ps shard {shard}"
+            what = f"PULL reply of ps shard {shard}"
             if len(payload) != 1:
                 raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not 1")
             dtype = P.row_dtype(header.dtype, what)
