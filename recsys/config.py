@@ -239,10 +239,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         _apply_override(raw, item)
     expand_tables(raw, source)
-    cfg = build(JobConfig, raw, source=source, prefix="")
-    if not cfg.ps.storage_root:          # the shards save and load only under the run directory
-        cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, storage_root=cfg.train.run_dir))
-    return cfg
+    return build(JobConfig, raw, source=source, prefix="")
 
 
 def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
@@ -253,7 +250,7 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
         _apply_override(raw, item)
     expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
     ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
-    if not ps.storage_root:              # confined to the job's run directory, as `recsys train` does
+    if not ps.storage_root:              # a shard (`recsys ps`) is confined to the job's run directory
         train = raw.get("train", {})
         run_dir = train.get("run_dir") if isinstance(train, dict) else None
         ps = dataclasses.replace(ps, storage_root=run_dir if isinstance(run_dir, str) else TrainConfig().run_dir)

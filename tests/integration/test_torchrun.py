@@ -51,7 +51,7 @@ def test_ps_hosts_and_torchrun_trainers(tmp_path: Path, tiny_dataset) -> None:
     data = tiny_dataset(rows=6000, files=2, seed=4)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     common = ["--config", "configs/tiny.toml", "--set", "ps.num_shards=2", "--set", "ps.num_workers=2",
-              "--set", "data.batch_size=64"]
+              "--set", "data.batch_size=64", "--set", f"ps.storage_root='{tmp_path}'"]   # where the shards may write
     with recsys_ps_shards(tmp_path, common, env) as addresses:
         port = free_port()
         run = tmp_path / "run"
@@ -83,7 +83,7 @@ def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path, tiny_d
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     job = ["ps.num_shards=2", "ps.num_workers=2", "data.batch_size=64", "train.max_steps=40", "train.epochs=2",
            "train.checkpoint_every=8", "train.num_threads=1", f"data.train_paths=['{data}/part-00000.parquet']",
-           f"data.eval_paths=['{data}/part-00001.parquet']"]
+           f"data.eval_paths=['{data}/part-00001.parquet']", f"ps.storage_root='{tmp_path}'"]
     common = ["--config", "configs/tiny.toml"] + [x for o in job for x in ("--set", o)]
     reference = launch_train(load_config(ROOT / "configs" / "tiny.toml",
                                          job + ["train.num_trainers=2", f"train.run_dir='{tmp_path / 'ref'}'"]))

@@ -247,14 +247,18 @@ def test_quickstart_ships_as_package_data() -> None:
 
 
 def test_shards_are_confined_to_the_run_directory(tmp_path: Path) -> None:
-    """ps.storage_root defaults to train.run_dir, for `recsys train` and a standalone `recsys ps`."""
+    """A shard (`recsys ps`, which the launcher also runs, on the run's resolved config.toml) is
+    confined to ps.storage_root, by default the job's train.run_dir."""
     from recsys.config import load_ps_config
 
     job = tmp_path / "job.toml"
     job.write_text('[train]\nrun_dir = "runs/x"\n[ps]\nnum_shards = 1\n')
-    assert load_config(job).ps.storage_root == "runs/x" and load_ps_config(job).storage_root == "runs/x"
+    assert load_ps_config(job).storage_root == "runs/x"
+    assert load_config(job).ps.storage_root == ""            # resolved where the shard starts
+    job.write_text('[ps]\nnum_shards = 1\n')
+    assert load_ps_config(job).storage_root == "runs/default"
     job.write_text('[train]\nrun_dir = "runs/x"\n[ps]\nstorage_root = "/data/ps"\n')
-    assert load_config(job).ps.storage_root == "/data/ps" and load_ps_config(job).storage_root == "/data/ps"
+    assert load_ps_config(job).storage_root == "/data/ps"
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
