@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from embedding_ps.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
@@ -101,14 +102,28 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from recsys.training.launch import launch_train
 
+    from recsys.preflight import preflight_train
+
     cfg = load_config(args.config, args.overrides)
+    preflight_train(cfg)                  # config and data footers, before any process starts
     launch_train(cfg, resume=args.resume)
     return 0
+
+
+def _preflight_run_data(run: str, data: list[str]) -> None:
+    """The files to score have the run's columns (footers only), before the model is loaded."""
+    from recsys.preflight import preflight_data
+
+    config = Path(run) / "config.toml"
+    if not config.exists():
+        raise ConfigError(f"{run}: not a finished run, {config} is missing (give the run directory of `recsys train`)")
+    preflight_data(load_config(config), data, "--data")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.training.evaluate import evaluate_run
 
+    _preflight_run_data(args.run, args.data)
     metrics = evaluate_run(args.run, args.data, out=args.out, last=args.last)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
     return 0
@@ -117,6 +132,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from recsys.training.evaluate import predict_run
 
+    _preflight_run_data(args.run, args.data)
     predict_run(args.run, args.data, args.out, last=args.last)
     return 0
 
@@ -150,7 +166,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", "--debug", dest="verbose", action="store_true", help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("print-config", help="print the resolved job config as TOML")
@@ -245,8 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_environment()
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        logger.error("config error: %s", e)
+    except ConfigError as e:              # config, data schema, paths: one line, no traceback
+        sys.stderr.write(f"error: {e}\n")
+        if args.verbose:
+            logger.exception("details")
         return 2
     except AuthConfigError as e:     # e.g. a non-loopback bind without ps.auth: fix the config
         logger.error("config error: %s", e)

@@ -86,11 +86,39 @@ def test_train_eval_predict(tmp_path: Path, data_dir: Path) -> None:
 
 
 def test_failing_trainer_tears_down_shards(tmp_path: Path, data_dir: Path) -> None:
+    """A problem only the rows show (a label of 3 at row 5000) stops the trainers; the shards go too."""
+    import pyarrow as pa
+
+    table = pq.read_table(data_dir / "part-00000.parquet")
+    labels = table.column("label").to_numpy().copy()
+    labels[5000] = 3.0
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels)),
+                   bad / "part-00000.parquet")
     run = tmp_path / "run"
-    r = recsys(*train_args(run, data_dir, "--set", "data.dense_columns=['I1', 'nope']"))
+    r = recsys("train", "--config", "configs/tiny.toml", "--set", f"data.train_paths=['{bad}/part-00000.parquet']",
+               "--set", f"data.eval_paths=['{data_dir}/part-00001.parquet']", "--set", f"train.run_dir='{run}'",
+               "--set", "ps.num_shards=2")
     assert r.returncode != 0
-    assert "nope" in r.stderr     # the error names the missing column
+    assert "label" in r.stderr and "part-00000.parquet" in r.stderr      # the error names file and column
     assert_all_dead(run)
+
+
+@pytest.mark.parametrize("override,names", [
+    ("data.dense_columns=['I1', 'nope']", "nope"),                  # a missing column
+    ("data.train_paths=['/no/such/dir']", "/no/such/dir"),           # a missing path
+    ("data.sparse_columns=['C1', 'C2', 'C3', 'C4', 'M1', 'C9']", "C9"),  # a feature without a table
+    ("data.sparse_columns=['C1', 'C2', 'C3', 'C4']", "M1"),          # a table no feature reads
+])
+def test_config_and_schema_problems_fail_before_any_process_starts(tmp_path: Path, data_dir: Path, override: str,
+                                                                   names: str) -> None:
+    run = tmp_path / "run"
+    r = recsys(*train_args(run, data_dir, "--set", override))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and not (run / "processes.json").exists()    # nothing started
 
 
 @contextlib.contextmanager

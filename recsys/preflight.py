@@ -1,0 +1,85 @@
+"""Checks a job can run before any process starts (`recsys train`, `eval`, `predict`).
+
+    preflight_train(cfg)                  # config cross-references, every data file's footer, the run dir
+    preflight_data(cfg, paths, "--data")  # eval / predict: the files to score
+
+Reads only Parquet footers (`data.parquet.scan_files`: columns, types, row counts), never rows, so a
+config or schema problem is reported in about a second instead of after the shards and trainers
+have started. Problems raise `PreflightError` (a `ConfigError`: the CLI prints one line
+`error: <file or key>: <what> (<how to fix>)` and exits 2). Problems that only rows show (a bad
+label at row 5,000,000) are still found by the trainers while reading.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from data.parquet import DataError, resolve_paths, scan_files
+from recsys.config import ConfigError, JobConfig
+
+MIN_FREE_BYTES = 64 << 20
+"""The run directory's filesystem needs at least this much free space for logs and a first checkpoint."""
+
+
+class PreflightError(ConfigError):
+    """A job that cannot run: the message names the file or config key, what is wrong and the fix."""
+
+
+def preflight_train(cfg: JobConfig) -> None:
+    """Everything `recsys train` can know before it starts a process; PreflightError on the first problem."""
+    check_tables(cfg)
+    for key in ("train_paths", "eval_paths", "test_paths"):
+        paths = getattr(cfg.data, key)
+        if key == "train_paths" and not paths:
+            raise PreflightError("data.train_paths: empty (list the training Parquet files, directories or globs)")
+        if paths:
+            preflight_data(cfg, paths, f"data.{key}")
+    check_run_dir(Path(cfg.train.run_dir))
+
+
+def check_tables(cfg: JobConfig) -> None:
+    """Every sparse feature reads a table that exists, and every table is read by some feature."""
+    from recsys.models import build_sparse_arch
+
+    try:
+        plans = build_sparse_arch(cfg).plans
+    except ValueError as e:
+        raise PreflightError(f"ps.tables / model.feature_tables: {e} (add the table, or map the feature "
+                             f"to one with model.feature_tables)") from None
+    used = {p.name for p in plans}
+    for table in cfg.ps.tables:
+        if table.name not in used:
+            raise PreflightError(f"ps.tables[{table.name}]: no feature of data.sparse_columns reads it (remove it, "
+                                 f"or map a feature to it with model.feature_tables / linear_feature_tables)")
+
+
+def preflight_data(cfg: JobConfig, paths: tuple[str, ...] | list[str], key: str) -> None:
+    """The files of `paths` exist and their footers have the configured columns with usable types."""
+    try:
+        files = resolve_paths(tuple(paths))
+        scan_files(cfg.data, files)
+    except DataError as e:
+        raise PreflightError(f"{e} (fix the data, or {key} / the data.*_columns settings)") from None
+    except (FileNotFoundError, ValueError) as e:
+        raise PreflightError(f"{key}: {e} (check the paths)") from None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory can be created and written, and its filesystem has room."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".preflight-{uuid.uuid4().hex}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError(f"train.run_dir = {str(run_dir)!r}: not writable ({e.strerror or e}) "
+                             f"(choose a writable directory)") from None
+    free = shutil.disk_usage(run_dir).free
+    if free < MIN_FREE_BYTES:
+        raise PreflightError(f"train.run_dir = {str(run_dir)!r}: only {free >> 20} MiB free on its filesystem "
+                             f"(free space, or choose another train.run_dir)")
+
+
+__all__ = ["PreflightError", "preflight_train", "preflight_data", "check_tables", "check_run_dir"]
