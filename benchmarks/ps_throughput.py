@@ -63,7 +63,7 @@ def make_config(num_shards: int, num_workers: int, wire: str = "fp32", weight_de
 
 
 def shard_main(config: PSConfig, index: int, ready_file: str) -> None:
-    from recsys.cli import apply_environment
+    from recsys.runtime import apply_environment
 
     torch.set_num_threads(1)
     apply_environment()        # EMBEDDING_PS_NATIVE -> native.set_enabled (embedding_ps reads no env vars)

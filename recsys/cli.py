@@ -5,41 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from embedding_ps.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
+from recsys.runtime import apply_environment, setup_logging
 
 logger = logging.getLogger("recsys")
-
-NATIVE_ENV_VAR = "EMBEDDING_PS_NATIVE"
-"""`EMBEDDING_PS_NATIVE=0` turns off the shards' C fast path (`embedding_ps.native.set_enabled`)."""
-
-
-def setup_logging(verbose: bool = False, role: str | None = None) -> None:
-    """The one place logging is configured; every entry point (this CLI, `recsys.train`, a trainer
-    process of the local launcher) calls it. `role` (e.g. "trainer1") replaces the logger name."""
-    name = role if role is not None else "%(name)s"
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format=f"%(asctime)s %(levelname)s {name}: %(message)s")
-
-
-def apply_environment() -> None:
-    """Environment variables recsys passes to the packages as plain settings (they read none):
-    EMBEDDING_PS_NATIVE and XDG_CACHE_HOME (where the shard's C fast path is cached)."""
-    value, xdg = os.environ.get(NATIVE_ENV_VAR), os.environ.get("XDG_CACHE_HOME")
-    if value is None and not xdg:
-        return
-    from embedding_ps import native
-
-    if value is not None:
-        native.set_enabled(value.strip().lower() not in ("0", "false", "off", "no"))
-    if xdg:
-        native.set_cache_dir(os.path.join(xdg, "recsys-hybrid"))
-
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="job config (TOML)")

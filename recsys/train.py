@@ -14,19 +14,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from recsys.cli import apply_environment, setup_logging
+from recsys.runtime import apply_environment, setup_logging
 from recsys.config import ConfigError, load_config
-
-
-def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
-                load_shards: bool = False) -> None:
-    """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
-    logging and environment settings, then `recsys.training.worker.run_worker`."""
-    from recsys.training.worker import run_worker
-
-    setup_logging(role=f"trainer{os.environ.get('RANK', '0')}")
-    apply_environment()
-    run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -220,7 +220,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from recsys.train import worker_main
+    from recsys.training.worker import worker_main
 
     (run_dir / "metrics.json").unlink(missing_ok=True)
     shards: list[subprocess.Popen] = []

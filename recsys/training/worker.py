@@ -18,6 +18,7 @@ from recsys.dist import all_reduce
 from recsys.metrics import MetricLogger, NullMetricLogger, eval_metrics
 from recsys.training.checkpoint import read_manifest
 from recsys.training.trainer import Trainer
+from recsys.runtime import apply_environment, setup_logging
 from recsys.training.validation import best_dir
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,15 @@ def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path) -> None
     torch.save(trainer.model.state_dict(), model_dir / "dense.tmp")
     os.replace(model_dir / "dense.tmp", model_dir / "dense.pt")
     store.save(str((model_dir / "ps").resolve()))
+
+
+def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
+                load_shards: bool = False) -> None:
+    """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
+    logging and environment settings, then `recsys.training.worker.run_worker`."""
+    setup_logging(role=f"trainer{os.environ.get('RANK', '0')}")
+    apply_environment()
+    run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards)
 
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
