@@ -50,6 +50,7 @@ from embedding_ps.auth import load_token
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import route
 from embedding_ps.snapshot import shard_dir
+from embedding_ps.store import done_future
 from embedding_ps.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class PSClient:
         plans = [self._plan(t, x) for t, x in zip(tables, ids)]
         shards = self._by_shard([(p, p.sent) for p in plans])
         if not shards:
-            return _done(torch.empty(0, dim))
+            return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
             return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
         reqs = []
@@ -156,7 +157,7 @@ class PSClient:
             sent.append(g)
         shards = self._by_shard([(p, p.sent) for p in plans])
         if not shards:
-            return _done(None)
+            return done_future(None)
         if self._too_big("push", tables, shards, dim):     # one request per table instead
             splits = torch.split(grads, [x.numel() for x in ids])
             return _combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
@@ -446,12 +447,6 @@ def _frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> lis
     index = torch.tensor([[tables[i], c.numel()] for i, c in parts], dtype=torch.int64)
     ids = parts[0][1] if len(parts) == 1 else torch.cat([c for _, c in parts])
     return [P.tensor_frame(index), P.tensor_frame(ids)]
-
-
-def _done(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
 
 
 def _combine(futures: list[Future], combine: Callable[[list], Any]) -> Future:

@@ -170,7 +170,7 @@ class AsyncGate:
         return {"max_pull_lead": self.max_pull_lead, "worker_progress": list(self.progress)}
 
 
-def make_gate(config: PSConfig, state: RowSink) -> SyncGate | AsyncGate:
+def make_gate(config: PSConfig, state: RowSink) -> Gate:
     """The gate of ps.mode (a fresh one: no steps, no progress)."""
     return SyncGate(config, state) if config.mode == "sync" else AsyncGate(config, state)
 

@@ -50,10 +50,12 @@ def fbgemm_update(
         # touched rows before the op adds its update. Of the CPU ops only rowwise_adagrad takes
         # weight_decay / weight_decay_mode arguments, and fbgemm-gpu-cpu 1.8.0 ignores them
         # (measured: rows equal to weight_decay = 0 in both modes), so none is passed.
+        from embedding_ps.optim import decay_factor, l2_grads
+
         if cfg.weight_decay_mode == "l2":
-            grads = weights.index_select(0, slots).float().mul_(wd).add_(grads)
+            grads = l2_grads(cfg, weights, slots, grads)
         else:
-            rows = weights.index_select(0, slots).float().mul_(1.0 - cfg.lr * wd)
+            rows = weights.index_select(0, slots).float().mul_(decay_factor(cfg))
             weights.index_copy_(0, slots, rows.to(weights.dtype))
     common = dict(
         grad_output=grads.contiguous(),

@@ -28,12 +28,7 @@ from embedding_ps.config import PSConfig
 from embedding_ps.shard import ShardState
 from embedding_ps.sharding import route
 from embedding_ps.snapshot import shard_dir
-
-
-def _done(value: object) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+from embedding_ps.store import done_future
 
 
 class LocalStore:
@@ -73,7 +68,7 @@ class LocalStore:
         for t, x in zip(tables, ids):
             self._pull_into(t, x, step, out[start:start + x.numel()])
             start += x.numel()
-        return _done(out)
+        return done_future(out)
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
@@ -94,7 +89,7 @@ class LocalStore:
         for t, (xs, gs) in by_table.items():
             x, g = (xs[0], gs[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(gs))   # [N, D]
             self._push(t, x, g, step)
-        return _done(None)
+        return done_future(None)
 
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """float32 rows [N, D] of one table's int64 ids [N]."""
@@ -112,7 +107,7 @@ class LocalStore:
 
     def barrier_async(self, step: int) -> Future[None]:
         self.barrier(step)
-        return _done(None)
+        return done_future(None)
 
     def sweep(self, step: int) -> list[dict]:
         """`ShardState.sweep(step)` of every shard, in shard order."""
@@ -134,7 +129,7 @@ class LocalStore:
 
     def prepare_save(self) -> Future[list]:
         """Nothing to prepare: saves are blocking here."""
-        return _done([{"shard": i, "prepared": False, "phase": "idle"} for i in range(len(self.states))])
+        return done_future([{"shard": i, "prepared": False, "phase": "idle"} for i in range(len(self.states))])
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
         """The statuses of the last save, which `save` finished before returning; RuntimeError if it

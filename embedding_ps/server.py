@@ -44,7 +44,7 @@ import zmq
 from embedding_ps import protocol as P
 from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
 from embedding_ps.config import PSConfig
-from embedding_ps.gates import SyncGate, AsyncGate, make_gate
+from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
@@ -95,7 +95,7 @@ class ShardServer:
 
     def __init__(self, config: PSConfig, shard_index: int, state: ShardStateLike, token: bytes | None = None) -> None:
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
-        self.gate: SyncGate | AsyncGate = make_gate(config, state)
+        self.gate: Gate = make_gate(config, state)
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.counts: dict[str, int] = {op.name.lower(): 0 for op in P.Op}
         self.errors = 0

@@ -93,4 +93,11 @@ class EmbeddingStore(Protocol):
         ...
 
 
-__all__ = ["EmbeddingStore"]
+def done_future(value: object) -> Future:
+    """A Future already holding `value`: what a store whose work is done at once returns."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+__all__ = ["EmbeddingStore", "done_future"]

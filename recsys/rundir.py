@@ -26,4 +26,10 @@ def has_best(run_dir: str | Path) -> bool:
     return (best_dir(run_dir) / "manifest.json").is_file()
 
 
-__all__ = ["BEST_DIR", "best_dir", "has_best"]
+def model_root(run_dir: str | Path, last: bool = False) -> Path:
+    """The directory holding the model a command on the run uses: RUN_DIR/best when the run kept a
+    best model and `last` is not asked for, else RUN_DIR (its last model in RUN_DIR/model)."""
+    return best_dir(run_dir) if not last and has_best(run_dir) else Path(run_dir)
+
+
+__all__ = ["BEST_DIR", "best_dir", "has_best", "model_root"]

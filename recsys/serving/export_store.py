@@ -21,18 +21,13 @@ import torch
 from embedding_ps.config import TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.sharding import keys_of
+from embedding_ps.store import done_future
 from recsys.serving.quantize import dequantize
 from recsys.serving.tensorfile import ExportError
 
 
 class ReadOnlyExportError(ExportError):
     """A push, save, load or sweep on the rows of an export (a read-only store)."""
-
-
-def _done(value: object) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
 
 class TableView:
@@ -105,7 +100,7 @@ class ExportStore:
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> "Future[torch.Tensor]":
         parts = [self.tables[t].rows(x) for t, x in zip(tables, ids)]
-        return _done(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
         raise self._read_only("push")
@@ -121,7 +116,7 @@ class ExportStore:
 
     def barrier_async(self, step: int) -> Future:
         self.barrier(step)
-        return _done(None)
+        return done_future(None)
 
     def sweep(self, step: int) -> list[dict]:
         raise self._read_only("sweep")

@@ -34,7 +34,7 @@ import torch
 from embedding_ps.config import TableConfig
 from embedding_ps.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
-from recsys.rundir import best_dir, has_best
+from recsys.rundir import model_root
 from recsys.serving.tensorfile import ExportError
 
 T = TypeVar("T")
@@ -63,8 +63,8 @@ def resolve_source(run: str | Path | None = None, checkpoint: str | Path | None 
     that checkpoint, unless `last` asks for the run's last model (`RUN_DIR/model`)."""
     if (run is None) == (checkpoint is None):
         raise ConfigError("give exactly one of a run directory or a checkpoint")
-    if run is not None and not last and has_best(run):
-        run, checkpoint = None, best_dir(run)
+    if run is not None and (root := model_root(run, last)) != Path(run):   # its best model: a checkpoint
+        run, checkpoint = None, root
     root = Path(run if run is not None else checkpoint)
     kind = "run" if run is not None else "checkpoint"
     model_dir = root / "model"

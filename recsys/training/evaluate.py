@@ -18,7 +18,7 @@ import torch
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.metrics import eval_metrics
-from recsys.rundir import best_dir, has_best
+from recsys.rundir import model_root
 from recsys.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def open_run(run_dir: str | Path, last: bool = False) -> tuple[JobConfig, Trainer]:
     """The run's resolved config and a trainer holding its model (no processes started): the best
     validation pass's (RUN_DIR/best) when the run kept one and not `last`, else the last model."""
-    run = best_dir(run_dir) if not last and has_best(run_dir) else Path(run_dir)
+    run = model_root(run_dir, last)
     model_dir = run / "model"
     for needed in (run / "config.toml", model_dir / "dense.pt", model_dir / "ps"):
         if not needed.exists():

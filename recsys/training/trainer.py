@@ -45,7 +45,8 @@ from recsys.models import SparseLookup, build_job_model
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.step import step_strategy
-from recsys.training.validation import Validation, best_dir
+from recsys.rundir import best_dir
+from recsys.training.validation import Validation
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class Trainer:
         with sync_ctx:
             logits = self.forward(batch, lookup)
             loss = self.loss_fn(logits, batch.labels.to(self.device))
-            (loss * (share / acc) if share != 1.0 else loss / acc).backward()
+            (loss * share / acc).backward()             # loss * 1.0 is exact: no special case
         times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
         # rows.grad already carries share / acc (the loss was scaled): only DDP's 1/W is left to apply
@@ -189,10 +190,9 @@ class Trainer:
         DDP averages the dense gradients over the W ranks and the PS sums the row gradients, so a
         rank whose loss (a mean over its rows) is weighted by this (and whose row gradients, which
         carry the weight, are pushed times 1 / W) contributes exactly its part of the mean over the
-        concatenated batch, whatever the split
-        (sync mode's equivalence with one process). Batches can only differ with data.drop_last =
-        false (an epoch's last batch), and only sync mode is exact, so only then is the global batch
-        size summed (one small all_reduce a step).
+        concatenated batch, whatever the split (sync mode's equivalence with one process). Batches
+        can only differ with data.drop_last = false (an epoch's last batch), and only sync mode is
+        exact, so only then is the global batch size summed (one small all_reduce a step).
         """
         if not self._uneven_batches:
             return 1.0
@@ -293,9 +293,7 @@ class Trainer:
         keep a new best model in run_dir/best, decide on early stopping (the same on every rank)."""
         self.drain()
         t0 = time.perf_counter()
-        labels, scores, extras = self.predict(self.cfg.data.eval_paths)
-        p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-        metrics = eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact")
+        metrics = self.evaluate(self.cfg.data.eval_paths)
         v = self.validation
         improved = v.record(metrics, self.step)
         values = {f"val/{k}": float(x) for k, x in metrics.items()}
@@ -345,6 +343,13 @@ class Trainer:
         out = Path(self.cfg.train.run_dir) / "trace"
         out.mkdir(parents=True, exist_ok=True)
         np.save(out / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", values, allow_pickle=False)
+
+    def evaluate(self, paths: tuple[str, ...]) -> dict[str, float]:
+        """`eval_metrics` of the model on `paths` over every rank's part (collective): auc, logloss,
+        ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column."""
+        labels, scores, extras = self.predict(paths)
+        p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
+        return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact")
 
     def predict(self, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
         """Labels [N], scores [N] (sigmoid of logits) and passthrough columns [N] of this rank's part of `paths`.

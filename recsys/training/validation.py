@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from recsys.config import JobConfig
-from recsys.rundir import BEST_DIR, best_dir
+
 
 @dataclass
 class ValidationState:
@@ -78,4 +78,4 @@ class Validation:
                                      passes_since_best=int(state.get("passes_since_best", 0)))
 
 
-__all__ = ["BEST_DIR", "Validation", "ValidationState", "best_dir"]
+__all__ = ["Validation", "ValidationState"]

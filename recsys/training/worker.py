@@ -15,11 +15,11 @@ from embedding_ps.client import PSClient
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
 from recsys.dist import all_reduce
-from recsys.metrics import MetricLogger, NullMetricLogger, eval_metrics
+from recsys.metrics import MetricLogger, NullMetricLogger
 from recsys.training.checkpoint import read_manifest
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
-from recsys.training.validation import best_dir
+from recsys.rundir import best_dir, has_best
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             if key in summary:
                 final[key] = summary[key]
         if cfg.data.eval_paths:
-            labels, scores, extras = trainer.predict(cfg.data.eval_paths)
-            p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-            final.update(eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact"))
+            final.update(trainer.evaluate(cfg.data.eval_paths))
         if dist.is_initialized():
             dist.barrier()      # every rank's last pushes are acknowledged before the shards save
         if rank == 0:
@@ -129,8 +127,7 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
     The best model goes into the running shards with a LOAD (after run_dir/model was written: the
     run is over) and into this trainer's dense model."""
     best = best_dir(out)
-    use_best = trainer.validation.keep_best and trainer.validation.state.best_step >= 0 and \
-        (best / "manifest.json").exists()
+    use_best = trainer.validation.keep_best and trainer.validation.state.best_step >= 0 and has_best(out)
     if use_best:
         if dist.is_initialized():
             dist.barrier()                 # every rank is done with the last model's rows
@@ -140,9 +137,7 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
             dist.barrier()                 # nobody pulls before the shards hold the best rows
         trainer.model.load_state_dict(torch.load(best / "model" / "dense.pt", weights_only=True))
         trainer.strategy.resumed(trainer.step)       # async: progress again after the LOAD
-    labels, scores, extras = trainer.predict(cfg.data.test_paths)
-    p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-    m = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact")
+    m = trainer.evaluate(cfg.data.test_paths)
     m["examples"] = m.pop("eval_examples")
     m["model"] = "best" if use_best else "last"
     m["step"] = float(trainer.validation.state.best_step if use_best else trainer.step)
