@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 # The CPU wheels; the GPU path is documented in the README.
 PIP_INSTALL := $(VPY) -m pip install --disable-pip-version-check -q
 
-.PHONY: venv demo test test-unit test-integration bench clean
+.PHONY: venv demo test test-unit test-integration bench bench-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,9 +23,24 @@ test: venv
 test-unit: venv
 	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q tests/unit
 
-bench: venv
+# TorchRec, the benchmarks' baseline: torchrec==1.8.0 without its declared CUDA fbgemm-gpu dependency
+# (the CPU pair torch 2.13.0 + fbgemm-gpu-cpu 1.8.0 stays), plus what it imports ([bench] extra).
+$(VENV)/.bench: $(VENV)/.installed
+	$(PIP_INSTALL) -e '.[bench]'
+	$(PIP_INSTALL) --no-deps torchrec==1.8.0
+	touch $@
+
+bench-deps: $(VENV)/.bench
+
+# Every benchmark of benchmarks/, one after another (figures and ratios go to BENCHMARKS.md by hand).
+bench: bench-deps
 	$(VPY) benchmarks/data_pipeline.py
+	$(VPY) benchmarks/ps_table.py --kernels
 	$(VPY) benchmarks/ps_throughput.py
+	$(VPY) benchmarks/train_throughput.py
+	$(VPY) benchmarks/serving.py
+	$(VPY) benchmarks/checkpoint.py
+	$(VPY) benchmarks/preflight.py
 
 clean:
 	rm -rf $(VENV) demo runs *.egg-info
