@@ -111,7 +111,7 @@ class Trainer:
         self.sparse, model = build_job_model(cfg)
         self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
-        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.train)
+        self.optimizer = build_optimizer(self.model, cfg.train)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
