@@ -359,7 +359,7 @@ class Trainer:
         labels, scores = [], []
         extras: dict[str, list[np.ndarray]] = {}
         self.model.eval()
-        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False)
+        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False, drop_last=False)   # score every row
         with torch.no_grad(), ParquetLoader(data_cfg, paths, rank=self.rank,
                                             world_size=self.world_size) as loader:
             it = iter(loader)

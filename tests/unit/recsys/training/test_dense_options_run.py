@@ -76,3 +76,20 @@ def test_export_of_a_batch_norm_model_scores_like_the_trained_model(tmp_path: Pa
     one = Predictor(tmp_path / "export").predict(pq.read_table(eval_file).slice(7, 1))
     np.testing.assert_allclose(one, offline.numpy()[7:8], atol=1e-5, rtol=0)
 
+
+
+def test_scoring_keeps_the_short_last_batch_when_training_drops_it(tmp_path: Path, data_dir: Path) -> None:
+    # norm = "batch" needs data.drop_last = true for training; validation, eval and test scoring still
+    # score every row (1280 rows in the eval file, batches of 100: 12 full ones and one of 80)
+    from embedding_ps.local import LocalStore
+    from recsys.training.trainer import Trainer
+
+    cfg = job(tmp_path / "run", data_dir, "train.max_steps=3", "model.norm='batch'", "data.batch_size=100", *OPTIONS)
+    trainer = Trainer(cfg, LocalStore.create(cfg.ps))
+    try:
+        trainer.train()
+        assert trainer.loader.num_batches == 2560 // 100          # training (both files): the short batch is dropped
+        labels, scores, _ = trainer.predict((str(data_dir / "part-00001.parquet"),))
+    finally:
+        trainer.close()
+    assert labels.shape == scores.shape == (pq.read_metadata(data_dir / "part-00001.parquet").num_rows,) == (1280,)
