@@ -62,6 +62,11 @@ class ModelConfig:
     """DCN-v2: cross network before the deep part, or beside it."""
     dropout: float = 0.0
     """Dropout in the MLPs."""
+    norm: Literal["none", "batch", "layer"] = "none"
+    """Normalization after each Linear of the MLPs (DLRM bottom and top, DCN deep, DeepFM DNN,
+    Wide&Deep deep), before its ReLU: "batch" (BatchNorm1d; running statistics in eval and export;
+    under DDP each rank normalizes over its own rows, so sync mode is no longer exactly one process
+    on the concatenated batch) or "layer" (LayerNorm per row). "none" keeps the plain MLP."""
 
     def __post_init__(self) -> None:
         for key in ("bottom_mlp", "top_mlp"):
@@ -96,8 +101,9 @@ class TrainConfig:
     """Dense learning rate."""
     warmup_steps: int = 0
     """Linear LR warmup steps."""
-    lr_decay: Literal["none", "linear", "cosine"] = "none"
-    """LR decay after warmup, to zero at max_steps."""
+    lr_decay: Literal["none", "linear", "cosine", "step"] = "none"
+    """LR decay after warmup: "linear" / "cosine" to zero at max_steps; "step": times `lr_gamma`
+    every `lr_step_size` optimizer steps after warmup."""
     grad_accum_steps: int = 1
     """Micro-batches per dense optimizer step."""
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
@@ -132,6 +138,14 @@ class TrainConfig:
     validate_every: int | Literal["epoch"] = 0
     """Steps between validation passes over data.eval_paths, or "epoch" (after each epoch); 0: none
     (the eval data is scored once, at the end). Each pass logs `val/*` metrics."""
+    dense_weight_decay: float = 0.0
+    """Weight decay of the dense optimizer, on weight matrices only (biases and norm gains/shifts, the
+    1-D parameters, are exempt). adam: decoupled (AdamW); sgd: torch's weight_decay (the same as a
+    decoupled shrink by dense_lr * decay); adagrad: torch's L2 term added to the gradient."""
+    lr_step_size: int = 0
+    """lr_decay = "step": optimizer steps between two LR drops (required, >= 1, with "step")."""
+    lr_gamma: float = 0.1
+    """lr_decay = "step": factor applied to the LR at each drop, in (0, 1]."""
     early_stop_metric: Literal["logloss", "auc"] = "logloss"
     """The validation metric that picks the best model and drives early stopping."""
     early_stop_patience: int = 0
@@ -163,7 +177,15 @@ class TrainConfig:
         if self.early_stop_patience and self.validate_every == 0:
             raise ValueError("train.early_stop_patience needs validation passes: set train.validate_every "
                              "(steps, or 'epoch')")
-        if self.lr_decay != "none" and self.max_steps == 0:
+        if self.dense_weight_decay < 0:
+            raise ValueError(f"train.dense_weight_decay must be >= 0, got {self.dense_weight_decay}")
+        if self.lr_step_size < 0:
+            raise ValueError(f"train.lr_step_size must be >= 0, got {self.lr_step_size}")
+        if self.lr_decay == "step" and self.lr_step_size == 0:
+            raise ValueError("train.lr_decay = 'step' needs train.lr_step_size >= 1 (optimizer steps per drop)")
+        if not 0.0 < self.lr_gamma <= 1.0:
+            raise ValueError(f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
+        if self.lr_decay in ("linear", "cosine") and self.max_steps == 0:
             raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
 
 
@@ -202,6 +224,9 @@ class JobConfig:
         if self.model.linear_feature_tables and self.model.arch not in ("deepfm", "wide_deep"):
             raise ValueError(f"model.linear_feature_tables is only used by deepfm and wide_deep, "
                              f"not {self.model.arch!r}")
+        if self.model.norm == "batch" and not self.data.drop_last:
+            raise ValueError("model.norm = 'batch' needs data.drop_last = true (a short last batch, down to one row, "
+                             "would be normalized by its own few rows; one row fails in training)")
         if self.train.validate_every != 0 and not self.data.eval_paths:
             raise ValueError("train.validate_every needs validation data: set data.eval_paths")
         if self.ps.mode == "async" and self.ps.max_staleness < 1:

@@ -51,7 +51,8 @@ class DCN(nn.Module):
 
     Args:
         config: `model.num_cross_layers`, `model.dcn_structure` (`stacked` | `parallel`),
-            `model.top_mlp` (the deep part's widths), `model.dropout`. `model.bottom_mlp` is
+            `model.top_mlp` (the deep part's widths), `model.dropout`, `model.norm`
+            (in the deep MLP; the cross net has none). `model.bottom_mlp` is
             not used: the dense features enter the cross net as they are, as in the paper.
         num_dense: Dn.
         num_sparse: F.
@@ -72,7 +73,7 @@ class DCN(nn.Module):
         in_features = num_dense + num_sparse * embedding_dim                  # d
         self.structure = config.dcn_structure
         self.cross = CrossNet(in_features, config.num_cross_layers)
-        self.deep = MLP(in_features, config.top_mlp, config.dropout)
+        self.deep = MLP(in_features, config.top_mlp, config.dropout, config.norm)
         if self.structure == "stacked":
             head_in = self.deep.out_features                                  # cross feeds deep
         else:

@@ -40,7 +40,7 @@ class DeepFM(nn.Module):
     """DeepFM's dense part: first-order terms + FM + DNN, summed into one logit.
 
     Args:
-        config: `model.top_mlp` (the DNN's hidden widths), `model.dropout`. `model.bottom_mlp`
+        config: `model.top_mlp` (the DNN's hidden widths), `model.dropout`, `model.norm`. `model.bottom_mlp`
             is not used.
         num_dense: Dn (0 is allowed).
         num_sparse: F.
@@ -60,7 +60,8 @@ class DeepFM(nn.Module):
         super().__init__()
         self.linear = LinearTerms(num_dense)
         self.fm = FactorizationMachine()
-        self.dnn = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout)
+        self.dnn = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout,
+                       config.norm)
         self.dnn_out = nn.Linear(self.dnn.out_features, 1)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,

@@ -30,6 +30,7 @@ class DenseArch(nn.Module):
         in_features: number of dense features, Dn.
         layer_sizes: widths of the bottom MLP; the last one is the embedding dim D.
         dropout: dropout probability after each ReLU.
+        norm: `model.norm` after each Linear ("none", "batch", "layer").
 
     Example::
 
@@ -37,9 +38,10 @@ class DenseArch(nn.Module):
         out = arch(torch.rand(4, 13))   # [4, 16]
     """
 
-    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0) -> None:
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0,
+                 norm: str = "none") -> None:
         super().__init__()
-        self.mlp = MLP(in_features, layer_sizes, dropout)
+        self.mlp = MLP(in_features, layer_sizes, dropout, norm)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         """[B, Dn] -> [B, D]."""
@@ -94,6 +96,7 @@ class OverArch(nn.Module):
         in_features: width of the interaction output.
         layer_sizes: hidden widths of the top MLP (the final width-1 layer is added here).
         dropout: dropout probability after each hidden ReLU.
+        norm: `model.norm` after each hidden Linear (the final width-1 layer has none).
 
     Example::
 
@@ -101,9 +104,10 @@ class OverArch(nn.Module):
         logits = arch(torch.rand(4, 22))   # [4]
     """
 
-    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0) -> None:
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0,
+                 norm: str = "none") -> None:
         super().__init__()
-        self.mlp = MLP(in_features, layer_sizes, dropout)
+        self.mlp = MLP(in_features, layer_sizes, dropout, norm)
         self.final = nn.Linear(self.mlp.out_features, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +120,7 @@ class DLRM(nn.Module):
 
     Args:
         config: `model.bottom_mlp` (its last width must equal `embedding_dim`), `model.top_mlp`,
-            `model.dropout`.
+            `model.dropout`, `model.norm` (in both MLPs).
         num_dense: Dn; 0: no bottom MLP, the embeddings interact among themselves (module docstring).
         num_sparse: F, the number of pooled embeddings per example.
         embedding_dim: D.
@@ -138,10 +142,11 @@ class DLRM(nn.Module):
                 f"model.bottom_mlp must end in the embedding dim {embedding_dim} (the bottom output is dotted "
                 f"with the embeddings), got {list(config.bottom_mlp)}"
             )
-        self.dense_arch = DenseArch(num_dense, config.bottom_mlp, config.dropout) if num_dense > 0 else None
+        self.dense_arch = (DenseArch(num_dense, config.bottom_mlp, config.dropout, config.norm)
+                           if num_dense > 0 else None)
         self.inter_arch = InteractionArch(num_sparse, with_dense=num_dense > 0)
         self.over_arch = OverArch(embedding_dim + self.inter_arch.out_features_extra, config.top_mlp,
-                                  config.dropout)
+                                  config.dropout, config.norm)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
                 pooled_linear: torch.Tensor | None = None) -> torch.Tensor:

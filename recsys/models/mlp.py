@@ -15,28 +15,54 @@ import torch
 from torch import nn
 
 
+NORMS = ("none", "batch", "layer")
+"""`model.norm`: what follows each Linear of an MLP, before its ReLU."""
+
+
+def norm_layer(norm: str, width: int) -> nn.Module | None:
+    """The normalization of `model.norm` over `width` features ([B, width] -> [B, width]), or None.
+
+    "batch": BatchNorm1d (batch statistics in training, running ones in eval mode; under DDP each
+    rank normalizes over its own rows). "layer": LayerNorm over the features of each row (no batch
+    statistics, so train and eval compute the same function, whatever the batch split).
+    """
+    if norm == "batch":
+        return nn.BatchNorm1d(width)
+    if norm == "layer":
+        return nn.LayerNorm(width)
+    if norm == "none":
+        return None
+    raise ValueError(f"model.norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
+
+
 class MLP(nn.Module):
-    """Linear -> ReLU (-> Dropout) for each size in `layer_sizes`.
+    """Linear (-> Norm) -> ReLU (-> Dropout) for each size in `layer_sizes`.
 
     Every layer, the last included, ends in a ReLU, as in torchrec's `MLP`: the callers add their
-    own final `nn.Linear(..., 1)` where they need an unbounded logit.
+    own final `nn.Linear(..., 1)` where they need an unbounded logit. With norm "none" the layers
+    (and so the state dict keys and the init draws) are exactly those of the MLP before norms existed.
 
     Args:
         in_features: width of the input, Din.
         layer_sizes: output width of each layer; the last one is the output width H.
         dropout: dropout probability after each ReLU (0 disables it).
+        norm: "none", "batch" (BatchNorm1d) or "layer" (LayerNorm) after each Linear.
 
     Example::
 
-        mlp = MLP(13, (64, 16))
+        mlp = MLP(13, (64, 16), norm="layer")
         out = mlp(torch.rand(4, 13))   # [4, 16]
     """
 
-    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0) -> None:
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0,
+                 norm: str = "none") -> None:
         super().__init__()
         layers: list[nn.Module] = []
         for size in layer_sizes:
-            layers += [nn.Linear(in_features, size), nn.ReLU()]
+            layers.append(nn.Linear(in_features, size))
+            if (n := norm_layer(norm, size)) is not None:
+                layers.append(n)
+            layers.append(nn.ReLU())
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             in_features = size

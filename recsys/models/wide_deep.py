@@ -23,7 +23,7 @@ class WideDeep(nn.Module):
     """Wide & Deep's dense part: the wide linear logit plus the deep MLP's logit.
 
     Args:
-        config: `model.top_mlp` (the deep part's hidden widths), `model.dropout`.
+        config: `model.top_mlp` (the deep part's hidden widths), `model.dropout`, `model.norm`.
             `model.bottom_mlp` is not used.
         num_dense: Dn (0 is allowed).
         num_sparse: F.
@@ -42,7 +42,8 @@ class WideDeep(nn.Module):
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()
         self.wide = LinearTerms(num_dense)
-        self.deep = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout)
+        self.deep = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout,
+                        config.norm)
         self.deep_out = nn.Linear(self.deep.out_features, 1)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,

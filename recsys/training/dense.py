@@ -58,18 +58,42 @@ def wrap_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Mod
     return ddp
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The model's parameters as optimizer groups: weight matrices decayed by `weight_decay`, the 1-D
+    parameters (Linear biases, norm gains and shifts, the linear terms' bias) not decayed.
+
+    Shrinking a bias or a norm's gain towards 0 only shifts or rescales a layer's output, which the
+    next layer undoes; the usual choice (BERT, nanoGPT) is to decay the weights that mix features.
+    """
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The dense optimizer of `model` (`train.dense_optimizer`, `dense_lr`, `dense_weight_decay`).
+
+    Without weight decay: one group of every parameter, as before the option existed (the same
+    numbers, and the same optimizer state layout, so older checkpoints load). With it, two groups
+    (`param_groups`): adam becomes AdamW (decoupled: p -= lr * wd * p beside the Adam step); sgd and
+    adagrad take torch's `weight_decay`, which adds wd * p to the gradient (for sgd that is the same
+    as a decoupled shrink by lr * wd; for adagrad the term goes through the adaptive scaling).
+    """
+    wd = cfg.dense_weight_decay
+    params = param_groups(model, wd) if wd > 0 else list(model.parameters())
     if cfg.dense_optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.dense_lr)
+        return torch.optim.AdamW(params, lr=cfg.dense_lr) if wd > 0 else torch.optim.Adam(params, lr=cfg.dense_lr)
     if cfg.dense_optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=cfg.dense_lr)
     return torch.optim.SGD(params, lr=cfg.dense_lr)
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
-    """Multiplier of dense_lr at optimizer step `step`: linear warmup, then none/linear/cosine decay."""
+    """Multiplier of dense_lr at optimizer step `step`: linear warmup, then none/linear/cosine/step decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
+    if cfg.lr_decay == "step":          # gamma^k during the k-th lr_step_size steps after warmup
+        return cfg.lr_gamma ** ((step - cfg.warmup_steps) // cfg.lr_step_size)
     if cfg.lr_decay == "none" or total_steps <= cfg.warmup_steps:
         return 1.0
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))

@@ -111,7 +111,7 @@ class Trainer:
         self.sparse, model = build_job_model(cfg)
         self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
-        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.train)
+        self.optimizer = build_optimizer(self.model, cfg.train)
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
@@ -359,7 +359,7 @@ class Trainer:
         labels, scores = [], []
         extras: dict[str, list[np.ndarray]] = {}
         self.model.eval()
-        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False)
+        data_cfg = dataclasses.replace(self.cfg.data, shuffle=False, drop_last=False)   # score every row
         with torch.no_grad(), ParquetLoader(data_cfg, paths, rank=self.rank,
                                             world_size=self.world_size) as loader:
             it = iter(loader)

@@ -58,3 +58,14 @@ def test_comm_hooks_accumulation_and_autocast(tmp_path: Path, data: Path) -> Non
     assert max_diff(accum, init) > 1e-4 and max_diff(accum, base) > 1e-6
     # bf16 autocast: close to fp32
     assert max_diff(run(tmp_path, data, "autocast", "train.autocast=true"), base) < 0.5 * moved
+
+
+def test_batch_norm_and_weight_decay_under_ddp(tmp_path: Path, data: Path) -> None:
+    # plain BatchNorm1d per rank (SyncBatchNorm refuses CPU tensors); DDP broadcasts rank 0's running
+    # statistics: the run trains, and the saved model carries trained statistics
+    state = run(tmp_path, data, "bn", "model.norm='batch'", "train.dense_weight_decay=0.01",
+                "train.lr_decay='step'", "train.lr_step_size=4")
+    var = [v for k, v in state.items() if k.endswith("running_var")]
+    assert len(var) == 4                                         # DLRM: 2 bottom + 2 top hidden layers
+    assert all(torch.isfinite(v).all() and not torch.equal(v, torch.ones_like(v)) for v in var)
+    assert all(int(v) == STEPS for k, v in state.items() if k.endswith("num_batches_tracked"))

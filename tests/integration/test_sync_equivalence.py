@@ -181,3 +181,16 @@ def check_equals_reference(cfg: JobConfig, run: Path, trainers: int, num_steps: 
         if p["role"] != "launcher":
             with pytest.raises(ProcessLookupError):
                 os.kill(p["pid"], 0)
+
+
+def test_sync_with_layer_norm_equals_one_process_reference(tmp_path: Path, tiny_data: Path) -> None:
+    """model.norm = "layer" normalizes each row by itself, so 2 trainers still equal one process on the
+    concatenated batch (batch norm would not: each rank normalizes its own rows; README)."""
+    import dataclasses
+
+    cfg = job(tmp_path, tiny_data, 2, 2, "adam")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, norm="layer"))
+    launch_train(cfg)
+    dense = torch.load(tmp_path / "run" / "model" / "dense.pt", weights_only=True)
+    assert any("layers.1.weight" in k for k in dense)       # the LayerNorm after the first Linear
+    check_equals_reference(cfg, tmp_path / "run", 2, STEPS)
