@@ -16,11 +16,12 @@
 --native: with (`on`, the default) or without (`off`, as EMBEDDING_PS_NATIVE=0) the C fast path of
 embedding_ps/native.py; `both` runs sections 1-2 twice and suffixes every key `_native` / `_pure`.
 4. --kernels (alone: sections 1-3 are skipped): push rows/s of each update path a table can run,
-   fbgemm's fused CPU TBE op, the native C update and vectorized torch (C library off), per
-   optimizer fbgemm updates on CPU (sgd, adagrad, rowwise_adagrad), without weight decay and with
-   l2 / decoupled decay, at dim 64 and 16: --batch unique present ids into a --rows fp32 table
-   through ShardState.push, and the ratios fbgemm / native and fbgemm / torch. `kernel = "auto"`
-   reads these figures from embedding_ps/kernels.py::MEASURED: update that table from this run.
+   per optimizer fbgemm updates on CPU (sgd, adagrad, rowwise_adagrad), without weight decay and
+   with l2 / decoupled decay, fp32 and fp16 rows, dim 64 and 16: --batch unique present ids into
+   a --rows table through ShardState.push. Paths: with the C library loaded, fbgemm's fused CPU
+   TBE op (`fbgemm`) and the C update (`native`); without it, fbgemm (`fbgemm_pure`) and vectorized
+   torch (`torch`), both with the numpy id map. Ratios fbgemm / native and fbgemm_pure / torch.
+   `kernel = "auto"` reads these figures from embedding_ps/kernels.py::MEASURED.
 Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
 `pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """
@@ -161,19 +162,23 @@ def _time_baseline(rows: int, batch: int, dim: int, repeats: int, g: torch.Gener
 KERNEL_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # what fbgemm's CPU TBE backward updates
 KERNEL_DECAYS = {"none": {}, "l2": {"weight_decay": 1e-4, "weight_decay_mode": "l2"},
                  "decoupled": {"weight_decay": 1e-4, "weight_decay_mode": "decoupled"}}
-KERNEL_PATHS = ("fbgemm", "native", "torch")  # fbgemm fused op / C ps_update / vectorized torch (native off)
+# path -> (TableConfig.kernel, C library on): fbgemm's fused op and the C ps_update with the C library
+# loaded (its id map too); fbgemm and vectorized torch without it (numpy id map), as on a machine
+# without a C compiler or with EMBEDDING_PS_NATIVE=0
+KERNEL_PATHS = {"fbgemm": ("fbgemm", True), "native": ("native", True),
+                "fbgemm_pure": ("fbgemm", False), "torch": ("native", False)}
 
 
-def bench_kernels(rows: int, batch: int, repeats: int, dims: tuple[int, ...] = (64, 16)) -> dict[str, float]:
-    """Push rows/s of each update path, per optimizer, weight-decay mode and dim, on one filled table.
+def bench_kernels(rows: int, batch: int, repeats: int, dims: tuple[int, ...] = (64, 16),
+                  dtypes: tuple[str, ...] = ("fp32", "fp16")) -> dict[str, float]:
+    """Push rows/s of each update path, per optimizer, weight-decay mode, row dtype and dim.
 
-    One fp32 table of `rows` rows per (optimizer, dim); `batch` unique present ids are pushed
+    One table of `rows` rows per (dtype, dim, optimizer); `batch` unique present ids are pushed
     through `ShardState.push` (id map, duplicate check, update, counters) with the table's config
     switched between the paths (same rows, same state layout). Every push takes a fresh random id
-    set (a repeated one would sit in the last-level cache: 100k rows of d64 are 26 MB). The paths
-    alternate inside every round, in an order rotated each round, so load from other jobs on a
-    shared machine and cache left by the previous push hit all of them alike; one warm-up round,
-    then the median of `repeats`.
+    set (a repeated one would sit in the last-level cache: 100k rows of d64 are 26 MB). Keys:
+    `push_<optimizer>_<decay>_<dtype>_d<dim>_<path>_rows_per_s` and the ratios of fbgemm to
+    native (C library loaded) and of fbgemm_pure to torch (without it).
     """
     from embedding_ps import kernels
 
@@ -181,44 +186,58 @@ def bench_kernels(rows: int, batch: int, repeats: int, dims: tuple[int, ...] = (
         raise RuntimeError(f"--kernels: fbgemm_gpu does not import: {kernels.fbgemm_error()}")
     if not native.available():
         raise RuntimeError("--kernels: the native C library is unavailable (no C compiler?): no baseline to compare")
-    clock = time.process_time if CPU_CLOCK[0] else time.perf_counter
     out: dict[str, float] = {}
     g = torch.Generator().manual_seed(4)
     all_ids = torch.arange(rows, dtype=torch.int64)
-    id_sets = [all_ids[torch.randperm(rows, generator=g)[:batch]] for _ in range(len(KERNEL_PATHS) * 4)]
-    step = 1
-    for dim in dims:
-        grads = torch.randn(batch, dim, generator=g).mul_(1e-2)
-        for optimizer in KERNEL_OPTIMIZERS:
-            state = filled_state(rows, dim, all_ids, optimizer=optimizer, kernel="torch")
-            table = state.tables[0]
-            base = table.cfg
-            for decay, extra in KERNEL_DECAYS.items():
-                cfgs = {p: dataclasses.replace(base, kernel="fbgemm" if p == "fbgemm" else "torch", **extra)
-                        for p in KERNEL_PATHS}
-                times: dict[str, list[float]] = {p: [] for p in KERNEL_PATHS}
-                for r in range(repeats + 1):
-                    for i in range(len(KERNEL_PATHS)):
-                        path = KERNEL_PATHS[(i + r) % len(KERNEL_PATHS)]
-                        table.cfg = cfgs[path]  # a concrete kernel: what TableShard.__init__ resolves "auto" to
-                        native.set_enabled(path != "torch")
-                        ids = id_sets[step % len(id_sets)]
-                        t0 = clock()
-                        state.push(0, ids, grads, step)
-                        if r:
-                            times[path].append(clock() - t0)
-                        step += 1
-                native.set_enabled(True)
-                key = f"{optimizer}_{decay}_d{dim}"
-                for path in KERNEL_PATHS:
-                    out[f"push_{key}_{path}_rows_per_s"] = batch / float(np.median(times[path]))
-                out[f"ratio_fbgemm_vs_native_{key}"] = (out[f"push_{key}_fbgemm_rows_per_s"]
-                                                        / out[f"push_{key}_native_rows_per_s"])
-                out[f"ratio_fbgemm_vs_torch_{key}"] = (out[f"push_{key}_fbgemm_rows_per_s"]
-                                                       / out[f"push_{key}_torch_rows_per_s"])
-            table.cfg = base
-            del table, state  # free this table before the next one is filled
+    id_sets = [all_ids[torch.randperm(rows, generator=g)[:batch]] for _ in range(16)]
+    for dtype in dtypes:
+        for dim in dims:
+            grads = torch.randn(batch, dim, generator=g).mul_(1e-2)
+            for optimizer in KERNEL_OPTIMIZERS:
+                state = filled_state(rows, dim, all_ids, optimizer=optimizer, kernel="native", dtype=dtype)
+                for decay in KERNEL_DECAYS:
+                    key = f"{optimizer}_{decay}_{dtype}_d{dim}"
+                    rates = _time_paths(state, decay, id_sets, grads, repeats)
+                    out.update({f"push_{key}_{path}_rows_per_s": r for path, r in rates.items()})
+                    out[f"ratio_fbgemm_vs_native_{key}"] = rates["fbgemm"] / rates["native"]
+                    out[f"ratio_fbgemm_pure_vs_torch_{key}"] = rates["fbgemm_pure"] / rates["torch"]
+                del state  # free this table before the next one is filled
     return out
+
+
+def _time_paths(state: ShardState, decay: str, id_sets: list[torch.Tensor], grads: torch.Tensor,
+                repeats: int) -> dict[str, float]:
+    """{path: rows/s} of pushes into table 0 of `state`, its config switched to each path in turn.
+
+    The paths alternate inside every round, in an order rotated each round, so load from other
+    jobs on a shared machine and cache left by the previous push hit all of them alike; one
+    warm-up round, then the median of `repeats`.
+    """
+    clock = time.process_time if CPU_CLOCK[0] else time.perf_counter
+    table = state.tables[0]
+    base = table.cfg
+    # a concrete kernel ("torch" is the native path), as TableShard.__init__ resolves "auto"
+    cfgs = {p: dataclasses.replace(base, kernel="fbgemm" if k == "fbgemm" else "torch", **KERNEL_DECAYS[decay])
+            for p, (k, _) in KERNEL_PATHS.items()}
+    paths = list(KERNEL_PATHS)
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    step = 1
+    try:
+        for r in range(repeats + 1):
+            for i in range(len(paths)):
+                path = paths[(i + r) % len(paths)]
+                table.cfg = cfgs[path]
+                native.set_enabled(KERNEL_PATHS[path][1])
+                ids = id_sets[(r * len(paths) + i) % len(id_sets)]
+                t0 = clock()
+                state.push(0, ids, grads, step)
+                if r:
+                    times[path].append(clock() - t0)
+                step += 1
+    finally:
+        native.set_enabled(True)
+        table.cfg = base
+    return {p: grads.shape[0] / float(np.median(t)) for p, t in times.items()}
 
 
 def rss_bytes() -> int:
@@ -267,20 +286,21 @@ def bench_rss(rows: int, dim: int, batch: int) -> dict[str, float]:
 
 
 def print_kernels(res: dict[str, float | str], as_json: bool) -> None:
-    """Section 4 as JSON, or one line per (optimizer, decay, dim): M rows/s of each path and the ratios."""
+    """Section 4 as JSON, or one line per (optimizer, decay, dtype, dim): M rows/s of each path and the ratios."""
     if as_json:
         print(json.dumps(res, indent=1))
         return
-    print(f"push of {res['batch']:.0f} unique rows into a {res['rows']:.0f}-row fp32 table, median, "
-          f"{res['threads']:.0f} thread(s), {res['clock']} clock; M rows/s")
-    print(f"{'optimizer / decay / dim':32s} {'fbgemm':>8s} {'native':>8s} {'torch':>8s} "
-          f"{'fbgemm/native':>14s} {'fbgemm/torch':>13s}")
+    print(f"push of {res['batch']:.0f} unique rows into a {res['rows']:.0f}-row table, median, "
+          f"{res['threads']:.0f} thread(s), {res['clock']} clock; M rows/s. With the C library: fbgemm, native; "
+          "without: fbgemm_pure, torch")
+    print(f"{'optimizer_decay_dtype_dim':34s}" + "".join(f"{p:>12s}" for p in KERNEL_PATHS)
+          + f"{'fbgemm/native':>14s}{'fbgemm_pure/torch':>18s}")
     for k in res:
         if not k.startswith("ratio_fbgemm_vs_native_"):
             continue
         key = k.removeprefix("ratio_fbgemm_vs_native_")
-        rates = " ".join(f"{res[f'push_{key}_{p}_rows_per_s'] / 1e6:8.2f}" for p in KERNEL_PATHS)
-        print(f"{key:32s} {rates} {res[k]:14.2f} {res[f'ratio_fbgemm_vs_torch_{key}']:13.2f}")
+        rates = "".join(f"{res[f'push_{key}_{p}_rows_per_s'] / 1e6:12.2f}" for p in KERNEL_PATHS)
+        print(f"{key:34s}{rates}{res[k]:14.2f}{res[f'ratio_fbgemm_pure_vs_torch_{key}']:18.2f}")
 
 
 def main() -> None:

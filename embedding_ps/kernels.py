@@ -22,22 +22,23 @@ update writes our rows and optimizer state in place. The plain-torch equivalents
 check that every path agrees with them. This is the only module of the package that imports
 fbgemm_gpu, and only when a table uses it.
 
-Measured (2026-11-25, `python benchmarks/ps_table.py --kernels`, three runs; `MEASURED` holds the
-medians of the three): a push of 100k unique rows into a 2M-row fp32 table through
+Measured (2026-11-25, `python benchmarks/ps_table.py --kernels --clock cpu`, three runs;
+`MEASURED` holds the medians of the three): a push of 100k unique rows into a 2M-row table through
 `ShardState.push` (id map, duplicate check, update, counters), fresh random ids each push, the
-three paths alternated, 1 thread, median of 15 per run, on the 2-core machine shared with other
-jobs. The native C path is the fastest in every case: fbgemm reaches 0.24-0.96x of it
-(row-wise Adagrad d64 without weight decay is closest: fbgemm 9.90M rows/s vs native 10.33M,
-run ratios 0.76-0.96; with weight decay fbgemm pays passes around the op: 0.40-0.80x). Against
-the vectorized torch path fbgemm wins for row-wise Adagrad (1.05-1.67x) and SGD at d16 without
-decay or with l2 (1.18x, 1.43x), ties SGD at d64 (1.00-1.02x) and loses for Adagrad (0.55-0.78x)
-and decoupled SGD (0.71-0.87x). So with the C library loaded auto runs native for every table;
-without it (no compiler, EMBEDDING_PS_NATIVE=0) auto runs fbgemm for row-wise Adagrad (except
-decoupled d16: 1.049x, inside the margin) and d16 SGD without decoupled decay. The issue's
-figure (row-wise Adagrad, fbgemm 4.3-4.7M vs 3.1-3.8M rows/s for the default path) is not
-reproduced against the C path; its ratio is near what fbgemm reaches here against the torch
-path. Measure again when the native path changes (e.g. a multi-threaded update): the table, not
-the code, decides.
+paths alternated, 1 thread, median of 15 per run; process CPU time, because the 2-core machine
+was shared with other jobs (load 3-7). With the C library loaded, fbgemm wins for row-wise
+Adagrad on fp32 d64 rows without decay or with l2 (1.26x, 1.24x native; run ratios 1.09-1.34,
+0.99-1.27) and on most fp16 d64 tables (1.09-1.62x: the C path converts halves in software);
+native keeps everything else (fbgemm 0.25-1.03x of it: d16 rows, Adagrad, SGD, and
+decoupled decay, where fbgemm pays passes around the op). Without the C library fbgemm beats
+torch for row-wise Adagrad fp32 without decay or with l2 (1.26-1.42x) and fp16 d64 l2 Adagrad
+(1.07x). Caveat: on the same machine lightly loaded, wall clock (the first version of this
+benchmark, fbgemm vs native only), row-wise Adagrad fp32 d64 measured the other way, fbgemm
+0.76-0.96x native: the native update touches rows in arrival order while fbgemm sorts them
+first, which pays off when other processes compete for cache (the native update alone, 100k
+rows of a 2M x 64 table: ~12 ms in arrival order, ~6 ms sorted, fbgemm ~7 ms). Measure again
+when the native path changes (a multi-threaded or sorted update): the table, not the code,
+decides.
 """
 
 from __future__ import annotations
@@ -52,27 +53,46 @@ from embedding_ps.config import TableConfig
 FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 """The optimizers fbgemm's CPU TBE backward updates (no Adam, LAMB or FTRL on CPU)."""
 
-# (optimizer, weight decay: "none" | "l2" | "decoupled", dim) -> push M rows/s of (fbgemm, native C, torch),
-# medians of three runs of `benchmarks/ps_table.py --kernels` (2026-11-25; see the module docstring).
-MEASURED: dict[tuple[str, str, int], tuple[float, float, float]] = {
-    ("sgd", "none", 64): (6.79, 14.73, 6.82),
-    ("sgd", "l2", 64): (5.10, 12.20, 5.02),
-    ("sgd", "decoupled", 64): (3.71, 12.46, 4.26),
-    ("adagrad", "none", 64): (2.18, 4.15, 2.96),
-    ("adagrad", "l2", 64): (2.01, 4.33, 2.59),
-    ("adagrad", "decoupled", 64): (1.70, 4.31, 2.39),
-    ("rowwise_adagrad", "none", 64): (9.90, 10.33, 5.93),
-    ("rowwise_adagrad", "l2", 64): (6.47, 8.09, 4.44),
-    ("rowwise_adagrad", "decoupled", 64): (4.02, 10.13, 3.69),
-    ("sgd", "none", 16): (10.02, 24.13, 8.48),
-    ("sgd", "l2", 16): (8.56, 22.62, 5.97),
-    ("sgd", "decoupled", 16): (5.87, 22.97, 8.31),
-    ("adagrad", "none", 16): (3.31, 12.18, 5.04),
-    ("adagrad", "l2", 16): (2.45, 9.93, 3.76),
-    ("adagrad", "decoupled", 16): (2.92, 12.15, 5.32),
-    ("rowwise_adagrad", "none", 16): (8.56, 13.22, 5.52),
-    ("rowwise_adagrad", "l2", 16): (8.48, 17.49, 6.01),
-    ("rowwise_adagrad", "decoupled", 16): (8.30, 19.62, 7.91),
+# (optimizer, weight decay: "none" | "l2" | "decoupled", row dtype, dim) -> push M rows/s of
+# (fbgemm, native C, fbgemm without the C library, torch without it): medians of three runs of
+# `python benchmarks/ps_table.py --kernels --clock cpu` (2026-11-25; see the module docstring).
+MEASURED: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
+    ("sgd", "none", "fp32", 64): (6.45, 11.26, 5.51, 6.19),
+    ("sgd", "l2", "fp32", 64): (4.08, 8.53, 3.76, 4.37),
+    ("sgd", "decoupled", "fp32", 64): (2.66, 8.86, 2.52, 3.15),
+    ("adagrad", "none", "fp32", 64): (2.00, 3.10, 1.93, 2.37),
+    ("adagrad", "l2", "fp32", 64): (1.83, 3.27, 1.74, 2.20),
+    ("adagrad", "decoupled", "fp32", 64): (1.44, 3.03, 1.42, 1.74),
+    ("rowwise_adagrad", "none", "fp32", 64): (8.67, 6.88, 7.07, 4.99),
+    ("rowwise_adagrad", "l2", "fp32", 64): (5.64, 4.55, 4.99, 3.87),
+    ("rowwise_adagrad", "decoupled", "fp32", 64): (3.09, 7.74, 2.83, 2.97),
+    ("sgd", "none", "fp32", 16): (9.25, 21.83, 7.68, 8.05),
+    ("sgd", "l2", "fp32", 16): (8.04, 20.62, 6.79, 6.94),
+    ("sgd", "decoupled", "fp32", 16): (6.33, 20.92, 5.56, 7.95),
+    ("adagrad", "none", "fp32", 16): (3.77, 11.67, 3.46, 5.08),
+    ("adagrad", "l2", "fp32", 16): (3.39, 11.51, 3.14, 4.41),
+    ("adagrad", "decoupled", "fp32", 16): (3.02, 12.11, 2.80, 5.14),
+    ("rowwise_adagrad", "none", "fp32", 16): (11.73, 16.74, 9.06, 7.04),
+    ("rowwise_adagrad", "l2", "fp32", 16): (9.37, 14.65, 7.54, 5.97),
+    ("rowwise_adagrad", "decoupled", "fp32", 16): (7.16, 15.22, 6.03, 6.83),
+    ("sgd", "none", "fp16", 64): (2.75, 1.70, 2.56, 3.52),
+    ("sgd", "l2", "fp16", 64): (1.95, 1.59, 2.13, 2.16),
+    ("sgd", "decoupled", "fp16", 64): (1.84, 1.78, 1.76, 3.64),
+    ("adagrad", "none", "fp16", 64): (1.91, 1.46, 1.83, 2.05),
+    ("adagrad", "l2", "fp16", 64): (1.51, 1.38, 1.63, 1.52),
+    ("adagrad", "decoupled", "fp16", 64): (1.48, 1.64, 1.41, 2.02),
+    ("rowwise_adagrad", "none", "fp16", 64): (2.75, 1.75, 2.54, 3.55),
+    ("rowwise_adagrad", "l2", "fp16", 64): (1.99, 1.50, 2.12, 2.07),
+    ("rowwise_adagrad", "decoupled", "fp16", 64): (1.73, 1.59, 1.59, 2.96),
+    ("sgd", "none", "fp16", 16): (4.47, 5.71, 4.09, 7.94),
+    ("sgd", "l2", "fp16", 16): (4.36, 5.39, 4.04, 6.65),
+    ("sgd", "decoupled", "fp16", 16): (3.58, 5.44, 3.25, 7.54),
+    ("adagrad", "none", "fp16", 16): (3.41, 4.89, 3.15, 5.32),
+    ("adagrad", "l2", "fp16", 16): (3.13, 4.74, 2.93, 4.54),
+    ("adagrad", "decoupled", "fp16", 16): (2.84, 5.30, 2.61, 5.14),
+    ("rowwise_adagrad", "none", "fp16", 16): (4.40, 5.76, 3.99, 6.97),
+    ("rowwise_adagrad", "l2", "fp16", 16): (3.88, 4.42, 3.56, 5.56),
+    ("rowwise_adagrad", "decoupled", "fp16", 16): (3.52, 5.08, 3.21, 6.75),
 }
 MEASURED_DIMS = (16, 64)
 AUTO_MARGIN = 1.05
@@ -101,28 +121,30 @@ def fbgemm_available() -> bool:
     return fbgemm_error() is None
 
 
-def measured_rates(cfg: TableConfig) -> tuple[int, tuple[float, float, float]] | None:
-    """(the measured dim nearest cfg.dim, push M rows/s of (fbgemm, native C, torch)) for this
-    table's optimizer and weight decay; None where fbgemm was not measured (its optimizer has no
-    fbgemm CPU update, or the rows are fp16)."""
-    if cfg.optimizer not in FBGEMM_OPTIMIZERS or cfg.dtype != "fp32":
+def measured_rates(cfg: TableConfig) -> tuple[int, tuple[float, float, float, float]] | None:
+    """(the measured dim nearest cfg.dim, push M rows/s of (fbgemm, native C, fbgemm without C,
+    torch)) for this table's optimizer, weight decay and row dtype; None if fbgemm has no CPU
+    update for its optimizer."""
+    if cfg.optimizer not in FBGEMM_OPTIMIZERS:
         return None
     decay = cfg.weight_decay_mode if cfg.weight_decay else "none"
     dim = min(MEASURED_DIMS, key=lambda d: abs(math.log(cfg.dim / d)))  # nearest on a log scale
-    return dim, MEASURED[(cfg.optimizer, decay, dim)]
+    return dim, MEASURED[(cfg.optimizer, decay, cfg.dtype, dim)]
 
 
 def auto_kernel(cfg: TableConfig, native_loaded: bool) -> tuple[str, str]:
     """("fbgemm" or "native", why) for a table with kernel "auto"; `native_loaded`: the C library is."""
     found = measured_rates(cfg)
     if found is None:
-        why = (f"fbgemm has no CPU {cfg.optimizer} update" if cfg.optimizer not in FBGEMM_OPTIMIZERS
-               else f"fbgemm not measured on {cfg.dtype} rows")
-        return "native", why
-    dim, (fbgemm, native_c, plain) = found
-    other, rate = ("native C", native_c) if native_loaded else ("torch", plain)
+        return "native", f"fbgemm has no CPU {cfg.optimizer} update"
+    dim, (fbgemm, native_c, fbgemm_pure, plain) = found
+    if native_loaded:
+        other, rate = "native C", native_c
+    else:  # without the C library both run the numpy id map: the figures measured that way
+        other, rate, fbgemm = "torch", plain, fbgemm_pure
     decay = cfg.weight_decay_mode if cfg.weight_decay else "no"
-    why = f"{cfg.optimizer}, {decay} weight decay, d{dim}: fbgemm {fbgemm:.2f}M vs {other} {rate:.2f}M rows/s"
+    why = (f"{cfg.optimizer}, {decay} weight decay, {cfg.dtype} d{dim}: fbgemm {fbgemm:.2f}M vs {other} "
+           f"{rate:.2f}M rows/s")
     if fbgemm < AUTO_MARGIN * rate:
         return "native", why
     if fbgemm_error() is not None:

@@ -23,8 +23,9 @@ DECAYS = {"none": {}, "l2": dict(weight_decay=0.1, weight_decay_mode="l2"),
 
 @pytest.fixture
 def figures(monkeypatch):
-    """Replace every measured figure by (fbgemm, native, torch) = (2, 4, 1) M rows/s; returns the dict to edit."""
-    table = {key: (2.0, 4.0, 1.0) for key in kernels.MEASURED}
+    """Replace every measured figure by (fbgemm, native, fbgemm without C, torch) = (2, 4, 2, 1) M rows/s;
+    returns the dict to edit."""
+    table = {key: (2.0, 4.0, 2.0, 1.0) for key in kernels.MEASURED}
     monkeypatch.setattr(kernels, "MEASURED", table)
     return table
 
@@ -34,9 +35,10 @@ def resolved(cfg: TableConfig, native_loaded: bool = True) -> str:
 
 
 def test_measured_table_covers_every_fbgemm_case() -> None:
-    want = {(o, d, dim) for o in kernels.FBGEMM_OPTIMIZERS for d in DECAYS for dim in kernels.MEASURED_DIMS}
+    want = {(o, d, dt, dim) for o in kernels.FBGEMM_OPTIMIZERS for d in DECAYS for dt in ("fp32", "fp16")
+            for dim in kernels.MEASURED_DIMS}
     assert set(kernels.MEASURED) == want
-    assert all(len(v) == 3 and min(v) > 0 for v in kernels.MEASURED.values())
+    assert all(len(v) == 4 and min(v) > 0 for v in kernels.MEASURED.values())
 
 
 def test_auto_is_the_default_and_native_an_alias_of_torch() -> None:
@@ -55,44 +57,46 @@ def test_auto_is_the_default_and_native_an_alias_of_torch() -> None:
 @pytest.mark.parametrize("decay", sorted(DECAYS))
 def test_auto_picks_the_faster_measured_path(figures, optimizer: str, decay: str) -> None:
     cfg = TableConfig(name="t", dim=64, optimizer=optimizer, **DECAYS[decay])
-    key = (optimizer, decay, 64)
-    figures[key] = (2.0, 4.0, 1.0)             # native C 2x fbgemm; fbgemm 2x torch
+    key = (optimizer, decay, "fp32", 64)
+    figures[key] = (2.0, 4.0, 2.0, 1.0)        # native C 2x fbgemm; without C, fbgemm 2x torch
     assert resolved(cfg, native_loaded=True) == "native"
     assert resolved(cfg, native_loaded=False) == "fbgemm"  # without the C library the rival is torch
-    figures[key] = (5.0, 4.0, 1.0)
+    figures[key] = (5.0, 4.0, 2.0, 1.0)
     assert resolved(cfg, native_loaded=True) == "fbgemm"
-    figures[key] = (4.1, 4.0, 1.0)             # within AUTO_MARGIN: stays native
+    figures[key] = (4.1, 4.0, 2.0, 1.0)        # within AUTO_MARGIN: stays native
     assert resolved(cfg, native_loaded=True) == "native"
-    figures[key] = (0.5, 4.0, 1.0)
+    figures[key] = (9.0, 4.0, 0.5, 1.0)        # without C, fbgemm's figure without C decides
     assert resolved(cfg, native_loaded=False) == "native"
-    # only this (optimizer, decay) entry decides: the other decay modes of the same optimizer do not
+    # only this entry decides: other decay modes and the fp16 rows of the same optimizer do not
     for other in DECAYS:
+        figures[(optimizer, other, "fp16", 64)] = (1.0, 9.0, 1.0, 9.0)
         if other != decay:
-            figures[(optimizer, other, 64)] = (9.0, 1.0, 1.0)
-    assert resolved(cfg, native_loaded=True) == "native"
+            figures[(optimizer, other, "fp32", 64)] = (1.0, 9.0, 1.0, 9.0)
+    assert resolved(cfg, native_loaded=True) == "fbgemm"
+    assert resolved(dataclasses.replace(cfg, dtype="fp16"), native_loaded=True) == "native"
 
 
 def test_auto_uses_the_nearest_measured_dim(figures) -> None:
-    figures[("sgd", "none", 16)] = (9.0, 1.0, 1.0)   # fbgemm wins at d16 only
+    figures[("sgd", "none", "fp32", 16)] = (9.0, 1.0, 9.0, 1.0)   # fbgemm wins at d16 only
     assert [resolved(TableConfig(name="t", dim=d, optimizer="sgd")) for d in (4, 16, 24, 40, 64, 512)] == [
         "fbgemm", "fbgemm", "fbgemm", "native", "native", "native"]
 
 
 def test_auto_falls_back_where_fbgemm_cannot_or_was_not_measured(figures, monkeypatch) -> None:
     for key in figures:
-        figures[key] = (9.0, 1.0, 1.0)             # fbgemm would win everywhere it was measured
+        figures[key] = (9.0, 1.0, 9.0, 1.0)        # fbgemm would win everywhere it was measured
     assert resolved(TableConfig(name="t", dim=8, optimizer="rowwise_adagrad")) == "fbgemm"
-    for cfg in (TableConfig(name="t", dim=8, optimizer="adam"), TableConfig(name="t", dim=8, optimizer="ftrl"),
-                TableConfig(name="t", dim=8, optimizer="rowwise_adagrad", dtype="fp16")):
+    assert resolved(TableConfig(name="t", dim=8, optimizer="rowwise_adagrad", dtype="fp16")) == "fbgemm"
+    for cfg in (TableConfig(name="t", dim=8, optimizer="adam"), TableConfig(name="t", dim=8, optimizer="ftrl")):
         out, why = kernels.resolve(cfg, True)
-        assert out.kernel == "torch" and why.startswith("native (auto: fbgemm"), why
+        assert out.kernel == "torch" and why.startswith(f"native (auto: fbgemm has no CPU {cfg.optimizer}"), why
     monkeypatch.setitem(kernels._IMPORT, "error", ImportError("no fbgemm_gpu here"))
     out, why = kernels.resolve(TableConfig(name="t", dim=8, optimizer="rowwise_adagrad"), True)
     assert out.kernel == "torch" and "fbgemm_gpu does not import: no fbgemm_gpu here" in why
 
 
 def test_shard_resolves_once_per_table_and_names_the_kernel(figures, monkeypatch, caplog) -> None:
-    figures[("rowwise_adagrad", "none", 16)] = (9.0, 1.0, 1.0)
+    figures[("rowwise_adagrad", "none", "fp32", 16)] = (9.0, 1.0, 9.0, 1.0)
     calls = []
     real = kernels.auto_kernel
     monkeypatch.setattr(kernels, "auto_kernel", lambda cfg, loaded: calls.append(cfg.name) or real(cfg, loaded))
@@ -111,7 +115,7 @@ def test_shard_resolves_once_per_table_and_names_the_kernel(figures, monkeypatch
     assert [stats[f"{t.name}/kernel"] for t in tables] == ["fbgemm", "native", "native"]
     assert [t.cfg.kernel for t in state.tables] == ["fbgemm", "torch", "torch"]  # what the push path sees
     lines = [r.getMessage() for r in caplog.records]
-    assert any("'fast'): update kernel fbgemm (auto: rowwise_adagrad, no weight decay, d16" in m for m in lines)
+    assert any("'fast'): update kernel fbgemm (auto: rowwise_adagrad, no weight decay, fp32 d16" in m for m in lines)
     assert any("'adam'): update kernel native (auto: fbgemm has no CPU adam update" in m for m in lines)
 
 
@@ -120,7 +124,7 @@ def test_auto_table_runs_the_path_it_names(figures, monkeypatch, winner: str) ->
     """A table resolved to a path calls that path, and gives exactly the rows of the table configured with it."""
     if not native.available():
         pytest.skip("native library unavailable (no C compiler?)")
-    figures[("sgd", "l2", 16)] = (9.0, 1.0, 1.0) if winner == "fbgemm" else (1.0, 9.0, 1.0)
+    figures[("sgd", "l2", "fp32", 16)] = (9.0, 1.0, 9.0, 1.0) if winner == "fbgemm" else (1.0, 9.0, 1.0, 9.0)
     fused = []
     real = kernels.fbgemm_update
     monkeypatch.setattr(kernels, "fbgemm_update", lambda cfg, *a: fused.append(cfg.kernel) or real(cfg, *a))
