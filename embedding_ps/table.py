@@ -53,8 +53,10 @@ class TableShard:
     def __init__(self, cfg: TableConfig, where: str = "") -> None:
         self.where = where or f"table {cfg.name!r}"
         # kernel "auto" / "native" resolved once, to "torch" (the native path) or "fbgemm": all the push path sees
+        first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
         self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
-        logger.info("%s: update kernel %s", self.where, why)
+        if first:
+            logger.info("%s: update kernel %s", self.where, why)
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)
         self.map = IdMap()

@@ -139,3 +139,17 @@ def test_auto_table_runs_the_path_it_names(figures, monkeypatch, winner: str) ->
         dumps.append(state.dump_table(0)[1])
     assert len(fused) == (8 if winner == "fbgemm" else 0)              # 4 pushes of each table
     assert torch.equal(dumps[0], dumps[1])
+
+
+def test_a_loaded_table_keeps_its_kernel(figures, tmp_path, caplog) -> None:
+    """load() re-initialises each table from the save: same kernel, no second log line."""
+    figures[("rowwise_adagrad", "none", "fp32", 16)] = (9.0, 1.0, 9.0, 1.0)
+    cfg = PSConfig(tables=(TableConfig(name="t", dim=16, optimizer="rowwise_adagrad"),))
+    with caplog.at_level(logging.INFO, logger="embedding_ps.table"):
+        state = ShardState(cfg, 0)
+        state.push(0, torch.arange(10), torch.ones(10, 16), 0)
+        state.save(str(tmp_path / "s"))
+        state.load(str(tmp_path / "s"))
+        state.push(0, torch.arange(10), torch.ones(10, 16), 1)
+    assert state.stats()["t/kernel"] == "fbgemm" and state.tables[0].cfg.kernel == "fbgemm"
+    assert sum("update kernel" in r.getMessage() for r in caplog.records) == 1
