@@ -1,7 +1,7 @@
 """In-process microbenchmarks of one PS shard's core (no network).
 
     python benchmarks/ps_table.py [--json] [--rows 2000000] [--batch 100000] [--repeats 15] [--threads 1]
-                                  [--native on|off|both]
+                                  [--native on|off|both] [--kernels]
 
 1. id -> slot map: lookups of present ids, lookups of absent ids, inserts of new ids, and the
    push pattern "look up a batch, insert what is missing" (10% new), on a map of --rows ids.
@@ -15,6 +15,13 @@
    against the raw fp32 row (4 * 64 = 256 bytes).
 --native: with (`on`, the default) or without (`off`, as EMBEDDING_PS_NATIVE=0) the C fast path of
 embedding_ps/native.py; `both` runs sections 1-2 twice and suffixes every key `_native` / `_pure`.
+4. --kernels (alone: sections 1-3 are skipped): push rows/s of each update path a table can run,
+   per optimizer fbgemm updates on CPU (sgd, adagrad, rowwise_adagrad), without weight decay and
+   with l2 / decoupled decay, fp32 and fp16 rows, dim 64 and 16: --batch unique present ids into
+   a --rows table through ShardState.push. Paths: with the C library loaded, fbgemm's fused CPU
+   TBE op (`fbgemm`) and the C update (`native`); without it, fbgemm (`fbgemm_pure`) and vectorized
+   torch (`torch`), both with the numpy id map. Ratios fbgemm / native and fbgemm_pure / torch.
+   `kernel = "auto"` reads these figures from embedding_ps/kernels.py::MEASURED.
 Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
 `pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """
@@ -22,6 +29,7 @@ Every timing is the median of --repeats runs after one warm-up; rows/s count uni
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -100,13 +108,25 @@ def combined(pull_rate: float, push_rate: float) -> float:
 
 
 def bench_shard(rows: int, batch: int, dim: int, repeats: int) -> dict[str, float]:
-    cfg = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),))
-    state = ShardState(cfg, 0)
-    all_ids = torch.from_numpy(np.random.default_rng(1).permutation(rows * 7)[:rows].astype(np.int64) - rows)
-    for i in range(0, rows, 1 << 18):  # fill the table
+    g = torch.Generator().manual_seed(2)
+    out = _time_shard(rows, batch, dim, repeats, g)  # the shard's memory is freed when it returns
+    out.update(_time_baseline(rows, batch, dim, repeats, g))
+    return out
+
+
+def filled_state(rows: int, dim: int, all_ids: torch.Tensor, **table: object) -> ShardState:
+    """A one-table shard holding rows `all_ids` int64 [rows] (zero gradients pushed at step 0)."""
+    state = ShardState(PSConfig(tables=(TableConfig(name="t", dim=dim, **table),)), 0)
+    for i in range(0, rows, 1 << 18):
         chunk = all_ids[i : i + (1 << 18)]
         state.push(0, chunk, torch.zeros(chunk.shape[0], dim), step=0)
-    g = torch.Generator().manual_seed(2)
+    return state
+
+
+def _time_shard(rows: int, batch: int, dim: int, repeats: int, g: torch.Generator) -> dict[str, float]:
+    """ShardState pull and push (row-wise Adagrad) of `batch` unique present ids."""
+    all_ids = torch.from_numpy(np.random.default_rng(1).permutation(rows * 7)[:rows].astype(np.int64) - rows)
+    state = filled_state(rows, dim, all_ids, optimizer="rowwise_adagrad")
     ids = all_ids[torch.randperm(rows, generator=g)[:batch]]
     grads = torch.randn(batch, dim, generator=g)
     step = [1]
@@ -120,37 +140,104 @@ def bench_shard(rows: int, batch: int, dim: int, repeats: int) -> dict[str, floa
         f"push_d{dim}_rows_per_s": batch / median_s(push, repeats),
     }
     out[f"pull_push_d{dim}_rows_per_s"] = combined(out[f"pull_d{dim}_rows_per_s"], out[f"push_d{dim}_rows_per_s"])
-    del state
+    return out
+
+
+def _time_baseline(rows: int, batch: int, dim: int, repeats: int, g: torch.Generator) -> dict[str, float]:
+    """Plain index_select / index_add_ of `batch` rows of a preallocated [rows, dim] tensor."""
     weights = torch.empty(rows, dim)
     weights.normal_()
     idx = torch.randperm(rows, generator=g)[:batch]
-    out[f"baseline_index_select_d{dim}_rows_per_s"] = batch / median_s(lambda: weights.index_select(0, idx), repeats)
-    out[f"baseline_index_add_d{dim}_rows_per_s"] = batch / median_s(lambda: weights.index_add_(0, idx, grads), repeats)
+    grads = torch.randn(batch, dim, generator=g)
+    out = {
+        f"baseline_index_select_d{dim}_rows_per_s": batch / median_s(lambda: weights.index_select(0, idx), repeats),
+        f"baseline_index_add_d{dim}_rows_per_s": batch / median_s(lambda: weights.index_add_(0, idx, grads), repeats),
+    }
     out[f"baseline_pull_push_d{dim}_rows_per_s"] = combined(
         out[f"baseline_index_select_d{dim}_rows_per_s"], out[f"baseline_index_add_d{dim}_rows_per_s"]
     )
     return out
 
 
-def bench_kernels(rows: int, batch: int, repeats: int, dim: int = 64) -> dict[str, float]:
-    """Push rows/s of the vectorized torch update vs fbgemm's fused CPU TBE update (same table, same ids)."""
-    out = {}
-    all_ids = torch.arange(rows, dtype=torch.int64)
+KERNEL_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # what fbgemm's CPU TBE backward updates
+KERNEL_DECAYS = {"none": {}, "l2": {"weight_decay": 1e-4, "weight_decay_mode": "l2"},
+                 "decoupled": {"weight_decay": 1e-4, "weight_decay_mode": "decoupled"}}
+# path -> (TableConfig.kernel, C library on): fbgemm's fused op and the C ps_update with the C library
+# loaded (its id map too); fbgemm and vectorized torch without it (numpy id map), as on a machine
+# without a C compiler or with EMBEDDING_PS_NATIVE=0
+KERNEL_PATHS = {"fbgemm": ("fbgemm", True), "native": ("native", True),
+                "fbgemm_pure": ("fbgemm", False), "torch": ("native", False)}
+
+
+def bench_kernels(rows: int, batch: int, repeats: int, dims: tuple[int, ...] = (64, 16),
+                  dtypes: tuple[str, ...] = ("fp32", "fp16")) -> dict[str, float]:
+    """Push rows/s of each update path, per optimizer, weight-decay mode, row dtype and dim.
+
+    One table of `rows` rows per (dtype, dim, optimizer); `batch` unique present ids are pushed
+    through `ShardState.push` (id map, duplicate check, update, counters) with the table's config
+    switched between the paths (same rows, same state layout). Every push takes a fresh random id
+    set (a repeated one would sit in the last-level cache: 100k rows of d64 are 26 MB). Keys:
+    `push_<optimizer>_<decay>_<dtype>_d<dim>_<path>_rows_per_s` and the ratios of fbgemm to
+    native (C library loaded) and of fbgemm_pure to torch (without it).
+    """
+    from embedding_ps import kernels
+
+    if not kernels.fbgemm_available():
+        raise RuntimeError(f"--kernels: fbgemm_gpu does not import: {kernels.fbgemm_error()}")
+    if not native.available():
+        raise RuntimeError("--kernels: the native C library is unavailable (no C compiler?): no baseline to compare")
+    out: dict[str, float] = {}
     g = torch.Generator().manual_seed(4)
-    ids = all_ids[torch.randperm(rows, generator=g)[:batch]]
-    grads = torch.randn(batch, dim, generator=g)
-    for optimizer in ("sgd", "rowwise_adagrad"):
-        for kernel in ("torch", "fbgemm"):
-            cfg = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer=optimizer, kernel=kernel),))
-            state = ShardState(cfg, 0)
-            for i in range(0, rows, 1 << 18):
-                chunk = all_ids[i : i + (1 << 18)]
-                state.push(0, chunk, torch.zeros(chunk.shape[0], dim), step=0)
-            out[f"push_{optimizer}_{kernel}_d{dim}_rows_per_s"] = batch / median_s(
-                lambda: state.push(0, ids, grads, 1), repeats
-            )
-            del state
+    all_ids = torch.arange(rows, dtype=torch.int64)
+    id_sets = [all_ids[torch.randperm(rows, generator=g)[:batch]] for _ in range(16)]
+    for dtype in dtypes:
+        for dim in dims:
+            grads = torch.randn(batch, dim, generator=g).mul_(1e-2)
+            for optimizer in KERNEL_OPTIMIZERS:
+                state = filled_state(rows, dim, all_ids, optimizer=optimizer, kernel="native", dtype=dtype)
+                for decay in KERNEL_DECAYS:
+                    key = f"{optimizer}_{decay}_{dtype}_d{dim}"
+                    rates = _time_paths(state, decay, id_sets, grads, repeats)
+                    out.update({f"push_{key}_{path}_rows_per_s": r for path, r in rates.items()})
+                    out[f"ratio_fbgemm_vs_native_{key}"] = rates["fbgemm"] / rates["native"]
+                    out[f"ratio_fbgemm_pure_vs_torch_{key}"] = rates["fbgemm_pure"] / rates["torch"]
+                del state  # free this table before the next one is filled
     return out
+
+
+def _time_paths(state: ShardState, decay: str, id_sets: list[torch.Tensor], grads: torch.Tensor,
+                repeats: int) -> dict[str, float]:
+    """{path: rows/s} of pushes into table 0 of `state`, its config switched to each path in turn.
+
+    The paths alternate inside every round, in an order rotated each round, so load from other
+    jobs on a shared machine and cache left by the previous push hit all of them alike; one
+    warm-up round, then the median of `repeats`.
+    """
+    clock = time.process_time if CPU_CLOCK[0] else time.perf_counter
+    table = state.tables[0]
+    base = table.cfg
+    # a concrete kernel ("torch" is the native path), as TableShard.__init__ resolves "auto"
+    cfgs = {p: dataclasses.replace(base, kernel="fbgemm" if k == "fbgemm" else "torch", **KERNEL_DECAYS[decay])
+            for p, (k, _) in KERNEL_PATHS.items()}
+    paths = list(KERNEL_PATHS)
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    step = 1
+    try:
+        for r in range(repeats + 1):
+            for i in range(len(paths)):
+                path = paths[(i + r) % len(paths)]
+                table.cfg = cfgs[path]
+                native.set_enabled(KERNEL_PATHS[path][1])
+                ids = id_sets[(r * len(paths) + i) % len(id_sets)]
+                t0 = clock()
+                state.push(0, ids, grads, step)
+                if r:
+                    times[path].append(clock() - t0)
+                step += 1
+    finally:
+        native.set_enabled(True)
+        table.cfg = base
+    return {p: grads.shape[0] / float(np.median(t)) for p, t in times.items()}
 
 
 def rss_bytes() -> int:
@@ -198,6 +285,24 @@ def bench_rss(rows: int, dim: int, batch: int) -> dict[str, float]:
     }
 
 
+def print_kernels(res: dict[str, float | str], as_json: bool) -> None:
+    """Section 4 as JSON, or one line per (optimizer, decay, dtype, dim): M rows/s of each path and the ratios."""
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    print(f"push of {res['batch']:.0f} unique rows into a {res['rows']:.0f}-row table, median, "
+          f"{res['threads']:.0f} thread(s), {res['clock']} clock; M rows/s. With the C library: fbgemm, native; "
+          "without: fbgemm_pure, torch")
+    print(f"{'optimizer_decay_dtype_dim':34s}" + "".join(f"{p:>12s}" for p in KERNEL_PATHS)
+          + f"{'fbgemm/native':>14s}{'fbgemm_pure/torch':>18s}")
+    for k in res:
+        if not k.startswith("ratio_fbgemm_vs_native_"):
+            continue
+        key = k.removeprefix("ratio_fbgemm_vs_native_")
+        rates = "".join(f"{res[f'push_{key}_{p}_rows_per_s'] / 1e6:12.2f}" for p in KERNEL_PATHS)
+        print(f"{key:34s}{rates}{res[k]:14.2f}{res[f'ratio_fbgemm_pure_vs_torch_{key}']:18.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -209,7 +314,8 @@ def main() -> None:
                    help="cpu: process CPU time, for a machine shared with other jobs (1 thread only)")
     p.add_argument("--rss-rows", type=int, default=5_000_000)
     p.add_argument("--skip-rss", action="store_true")
-    p.add_argument("--kernels", action="store_true", help="also time fbgemm's fused update against torch's")
+    p.add_argument("--kernels", action="store_true",
+                   help="only section 4: push rows/s of fbgemm's fused update vs the native C and torch paths")
     p.add_argument("--native", choices=("on", "off", "both"), default="on",
                    help="the C fast path (embedding_ps/native.py) on, off, or both (keys suffixed _native/_pure)")
     p.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
@@ -223,6 +329,10 @@ def main() -> None:
         return
     res: dict[str, float | str] = {"clock": args.clock, "threads": float(args.threads), "batch": float(args.batch),
                                    "rows": float(args.rows)}
+    if args.kernels:
+        res.update(bench_kernels(args.rows, args.batch, args.repeats))
+        print_kernels(res, args.json)
+        return
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.native]
     for use_native in modes:
         native.set_enabled(use_native)
@@ -235,8 +345,6 @@ def main() -> None:
         res.update(part)
     res["native"] = "both" if args.native == "both" else ("on" if native.available() else "off")
     native.set_enabled(args.native != "off")
-    if args.kernels:
-        res.update(bench_kernels(args.rows, args.batch, args.repeats))
     if not args.skip_rss:
         res.update(bench_rss(args.rss_rows, 64, args.batch))
     for dim in (16, 64):

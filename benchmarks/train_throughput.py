@@ -367,7 +367,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer / baseline process")
     p.add_argument("--cap", type=int, default=200_000,
                    help="most rows per baseline table (ids map to id %% min(vocab, cap))")
-    p.add_argument("--ps-kernel", choices=("torch", "fbgemm"), default="torch", help="ps.tables[*].kernel")
+    p.add_argument("--ps-kernel", choices=("auto", "native", "torch", "fbgemm"), default="auto",
+                   help="ps.tables[*].kernel")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     a = p.parse_args()
     if a.steps < a.log_every:

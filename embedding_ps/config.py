@@ -73,8 +73,11 @@ class TableConfig:
     weight_decay_mode: Literal["l2", "decoupled"] = "l2"
     """`l2`: weight_decay * w is added to a touched row's gradient (fbgemm TBE's L2 mode);
     `decoupled`: a touched row is scaled by (1 - lr * weight_decay) before its update (AdamW-style)."""
-    kernel: Literal["torch", "fbgemm"] = "torch"
-    """Optimizer update path: vectorized torch, or fbgemm's fused CPU TBE backward (sgd/adagrad/rowwise_adagrad)."""
+    kernel: Literal["auto", "native", "torch", "fbgemm"] = "auto"
+    """Optimizer update path. `native`: the shard's own update (C when the library is compiled, else
+    vectorized torch); `torch`: the old name of `native`; `fbgemm`: fbgemm's fused CPU TBE backward
+    (sgd/adagrad/rowwise_adagrad); `auto`: per table the faster of the two by the measurement that
+    embedding_ps/kernels.py cites (its optimizer, weight decay, row dtype and dim)."""
 
     def __post_init__(self) -> None:
         p = f"ps.tables[{self.name}]"

@@ -1,48 +1,187 @@
-"""fbgemm's fused CPU embedding update, behind `TableConfig.kernel = "fbgemm"`.
+"""The shard's update kernels: `TableConfig.kernel` resolved per table, and fbgemm's fused CPU update.
 
-The only module of the package that imports fbgemm_gpu. It calls the CPU backward op of
-fbgemm's table-batched embedding (TBE) directly, with one table whose rows are our slot-major
-`weights` [C, D] and one bag per unique slot (SUM pooling, bag size 1), so the op's fused
-EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD update writes our rows and optimizer state in
-place. The plain-torch equivalents are `optim._sgd` / `_adagrad` / `_rowwise_adagrad` (and the
-one-row `optim.reference_update`); tests check the two paths agree.
+Kernels (`TableConfig.kernel`):
 
-Measured (`benchmarks/ps_table.py --kernels`: push of 100k unique rows of d64 into a 2M-row
-table, 1 thread, median): SGD torch 4.5M rows/s vs fbgemm 3.1M; row-wise Adagrad torch 3.2M vs
-fbgemm 1.4M (a standalone call of the op alone: ~55-65 ms vs ~17-20 ms for the torch update).
-The op sorts and transposes indices for general pooled bags, work a shard's unique-row update
-does not need. So torch is the default and this is the option, tested equal.
+    native   the shard's own update: `_native.c`'s ps_update (sgd, adagrad, rowwise_adagrad) when
+             the C library is loaded, else the vectorized torch of `optim.py` (always for adam, ftrl)
+    torch    the old name of `native` (existing configs keep working)
+    fbgemm   fbgemm's fused CPU TBE backward (sgd, adagrad, rowwise_adagrad), `fbgemm_update` below
+    auto     (default) per table, the fastest of those by the measurement in `MEASURED`
+
+`resolve` turns a table's config into a concrete one once, when the table is made
+(`TableShard.__init__`): kernel "torch" (the native path) or "fbgemm", so the push path only
+sees those two. "auto" takes fbgemm only for fp32 rows of sgd / adagrad / rowwise_adagrad, only
+if its measured push rate beats the other path's by `AUTO_MARGIN`, and only if fbgemm_gpu
+imports; the other path is native C when the library is loaded, else torch.
+
+`fbgemm_update` calls the CPU backward op of fbgemm's table-batched embedding (TBE) directly,
+with one table whose rows are our slot-major `weights` [C, D] and one bag per unique slot (SUM
+pooling, bag size 1), so the op's fused EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD
+update writes our rows and optimizer state in place. The plain-torch equivalents are
+`optim._sgd` / `_adagrad` / `_rowwise_adagrad` (and the one-row `optim.reference_update`); tests
+check that every path agrees with them. This is the only module of the package that imports
+fbgemm_gpu, and only when a table uses it.
+
+Measured (2026-11-25, `python benchmarks/ps_table.py --kernels --clock cpu`, three runs;
+`MEASURED` holds the medians of the three): a push of 100k unique rows into a 2M-row table through
+`ShardState.push` (id map, duplicate check, update, counters), fresh random ids each push, the
+paths alternated, 1 thread, median of 15 per run; process CPU time, because the 2-core machine
+was shared with other jobs (load 3-7). With the C library loaded, fbgemm wins for row-wise
+Adagrad on fp32 d64 rows without decay or with l2 (1.26x, 1.24x native; run ratios 1.09-1.34,
+0.99-1.27) and on most fp16 d64 tables (1.09-1.62x: the C path converts halves in software);
+native keeps everything else (fbgemm 0.25-1.03x of it: d16 rows, Adagrad, SGD, and
+decoupled decay, where fbgemm pays passes around the op). Without the C library fbgemm beats
+torch for row-wise Adagrad fp32 without decay or with l2 (1.26-1.42x) and fp16 d64 l2 Adagrad
+(1.07x). Caveat: on the same machine lightly loaded, wall clock (the first version of this
+benchmark, fbgemm vs native only), row-wise Adagrad fp32 d64 measured the other way, fbgemm
+0.76-0.96x native: the native update touches rows in arrival order while fbgemm sorts them
+first, which pays off when other processes compete for cache (the native update alone, 100k
+rows of a 2M x 64 table: ~12 ms in arrival order, ~6 ms sorted, fbgemm ~7 ms). Measure again
+when the native path changes (a multi-threaded or sorted update): the table, not the code,
+decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from embedding_ps.config import TableConfig
 
-try:
-    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+"""The optimizers fbgemm's CPU TBE backward updates (no Adam, LAMB or FTRL on CPU)."""
 
-    _IMPORT_ERROR: Exception | None = None
-except Exception as e:  # pragma: no cover - depends on the install
-    _IMPORT_ERROR = e
+# (optimizer, weight decay: "none" | "l2" | "decoupled", row dtype, dim) -> push M rows/s of
+# (fbgemm, native C, fbgemm without the C library, torch without it): medians of three runs of
+# `python benchmarks/ps_table.py --kernels --clock cpu` (2026-11-25; see the module docstring).
+MEASURED: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
+    ("sgd", "none", "fp32", 64): (6.45, 11.26, 5.51, 6.19),
+    ("sgd", "l2", "fp32", 64): (4.08, 8.53, 3.76, 4.37),
+    ("sgd", "decoupled", "fp32", 64): (2.66, 8.86, 2.52, 3.15),
+    ("adagrad", "none", "fp32", 64): (2.00, 3.10, 1.93, 2.37),
+    ("adagrad", "l2", "fp32", 64): (1.83, 3.27, 1.74, 2.20),
+    ("adagrad", "decoupled", "fp32", 64): (1.44, 3.03, 1.42, 1.74),
+    ("rowwise_adagrad", "none", "fp32", 64): (8.67, 6.88, 7.07, 4.99),
+    ("rowwise_adagrad", "l2", "fp32", 64): (5.64, 4.55, 4.99, 3.87),
+    ("rowwise_adagrad", "decoupled", "fp32", 64): (3.09, 7.74, 2.83, 2.97),
+    ("sgd", "none", "fp32", 16): (9.25, 21.83, 7.68, 8.05),
+    ("sgd", "l2", "fp32", 16): (8.04, 20.62, 6.79, 6.94),
+    ("sgd", "decoupled", "fp32", 16): (6.33, 20.92, 5.56, 7.95),
+    ("adagrad", "none", "fp32", 16): (3.77, 11.67, 3.46, 5.08),
+    ("adagrad", "l2", "fp32", 16): (3.39, 11.51, 3.14, 4.41),
+    ("adagrad", "decoupled", "fp32", 16): (3.02, 12.11, 2.80, 5.14),
+    ("rowwise_adagrad", "none", "fp32", 16): (11.73, 16.74, 9.06, 7.04),
+    ("rowwise_adagrad", "l2", "fp32", 16): (9.37, 14.65, 7.54, 5.97),
+    ("rowwise_adagrad", "decoupled", "fp32", 16): (7.16, 15.22, 6.03, 6.83),
+    ("sgd", "none", "fp16", 64): (2.75, 1.70, 2.56, 3.52),
+    ("sgd", "l2", "fp16", 64): (1.95, 1.59, 2.13, 2.16),
+    ("sgd", "decoupled", "fp16", 64): (1.84, 1.78, 1.76, 3.64),
+    ("adagrad", "none", "fp16", 64): (1.91, 1.46, 1.83, 2.05),
+    ("adagrad", "l2", "fp16", 64): (1.51, 1.38, 1.63, 1.52),
+    ("adagrad", "decoupled", "fp16", 64): (1.48, 1.64, 1.41, 2.02),
+    ("rowwise_adagrad", "none", "fp16", 64): (2.75, 1.75, 2.54, 3.55),
+    ("rowwise_adagrad", "l2", "fp16", 64): (1.99, 1.50, 2.12, 2.07),
+    ("rowwise_adagrad", "decoupled", "fp16", 64): (1.73, 1.59, 1.59, 2.96),
+    ("sgd", "none", "fp16", 16): (4.47, 5.71, 4.09, 7.94),
+    ("sgd", "l2", "fp16", 16): (4.36, 5.39, 4.04, 6.65),
+    ("sgd", "decoupled", "fp16", 16): (3.58, 5.44, 3.25, 7.54),
+    ("adagrad", "none", "fp16", 16): (3.41, 4.89, 3.15, 5.32),
+    ("adagrad", "l2", "fp16", 16): (3.13, 4.74, 2.93, 4.54),
+    ("adagrad", "decoupled", "fp16", 16): (2.84, 5.30, 2.61, 5.14),
+    ("rowwise_adagrad", "none", "fp16", 16): (4.40, 5.76, 3.99, 6.97),
+    ("rowwise_adagrad", "l2", "fp16", 16): (3.88, 4.42, 3.56, 5.56),
+    ("rowwise_adagrad", "decoupled", "fp16", 16): (3.52, 5.08, 3.21, 6.75),
+}
+MEASURED_DIMS = (16, 64)
+AUTO_MARGIN = 1.05
+"""auto takes fbgemm only where it measured at least this many times the other path's rate
+(a tie stays native: no second code path and no fbgemm import for nothing)."""
+
+_IMPORT: dict[str, Exception | None] = {}  # "error": None once fbgemm_gpu imported; absent: not tried yet
 
 _HOST = 3  # fbgemm_gpu.split_table_batched_embeddings_ops_common.EmbeddingLocation.HOST
 _SUM = 0  # PoolingMode.SUM
 
 
+def fbgemm_error() -> Exception | None:
+    """None if fbgemm_gpu imports (imported on first call: ~1 s, only where a table uses it), else the error."""
+    if "error" not in _IMPORT:
+        try:
+            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+            _IMPORT["error"] = None
+        except Exception as e:  # pragma: no cover - depends on the install
+            _IMPORT["error"] = e
+    return _IMPORT["error"]
+
+
 def fbgemm_available() -> bool:
-    return _IMPORT_ERROR is None
+    return fbgemm_error() is None
+
+
+def measured_rates(cfg: TableConfig) -> tuple[int, tuple[float, float, float, float]] | None:
+    """(the measured dim nearest cfg.dim, push M rows/s of (fbgemm, native C, fbgemm without C,
+    torch)) for this table's optimizer, weight decay and row dtype; None if fbgemm has no CPU
+    update for its optimizer."""
+    if cfg.optimizer not in FBGEMM_OPTIMIZERS:
+        return None
+    decay = cfg.weight_decay_mode if cfg.weight_decay else "none"
+    dim = min(MEASURED_DIMS, key=lambda d: abs(math.log(cfg.dim / d)))  # nearest on a log scale
+    return dim, MEASURED[(cfg.optimizer, decay, cfg.dtype, dim)]
+
+
+def auto_kernel(cfg: TableConfig, native_loaded: bool) -> tuple[str, str]:
+    """("fbgemm" or "native", why) for a table with kernel "auto"; `native_loaded`: the C library is."""
+    found = measured_rates(cfg)
+    if found is None:
+        return "native", f"fbgemm has no CPU {cfg.optimizer} update"
+    dim, (fbgemm, native_c, fbgemm_pure, plain) = found
+    if native_loaded:
+        other, rate = "native C", native_c
+    else:  # without the C library both run the numpy id map: the figures measured that way
+        other, rate, fbgemm = "torch", plain, fbgemm_pure
+    decay = cfg.weight_decay_mode if cfg.weight_decay else "no"
+    why = (f"{cfg.optimizer}, {decay} weight decay, {cfg.dtype} d{dim}: fbgemm {fbgemm:.2f}M vs {other} "
+           f"{rate:.2f}M rows/s")
+    if fbgemm < AUTO_MARGIN * rate:
+        return "native", why
+    if fbgemm_error() is not None:
+        return "native", f"{why}, but fbgemm_gpu does not import: {fbgemm_error()}"
+    return "fbgemm", why
+
+
+def resolve(cfg: TableConfig, native_loaded: bool) -> tuple[TableConfig, str]:
+    """(cfg with the concrete kernel "torch" (the native path) or "fbgemm", a line naming the kernel and why).
+
+    Called once per table (`TableShard.__init__`); a resolved config resolves to itself.
+    """
+    if cfg.kernel == "fbgemm":
+        return cfg, "fbgemm (configured)"
+    if cfg.kernel == "auto":
+        name, why = auto_kernel(cfg, native_loaded)
+        why = f"auto: {why}"
+    else:
+        name, why = "native", f"configured {cfg.kernel!r}"
+    if name == "native" and not native_loaded:
+        why += "; C library not loaded: vectorized torch"
+    elif name == "native" and cfg.optimizer not in FBGEMM_OPTIMIZERS:
+        why += f"; vectorized torch (no C {cfg.optimizer} update)"
+    return dataclasses.replace(cfg, kernel="fbgemm" if name == "fbgemm" else "torch"), f"{name} ({why})"
+
+
+def kernel_name(cfg: TableConfig) -> str:
+    """"fbgemm" or "native": which update a table's resolved config runs."""
+    return "fbgemm" if cfg.kernel == "fbgemm" else "native"
 
 
 def fbgemm_update(
     cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor
 ) -> None:
     """The fused update of rows `slots` (int64 [U], unique) of weights [C, D] from grads float32 [U, D]."""
-    if _IMPORT_ERROR is not None:
-        raise RuntimeError(f"table {cfg.name!r}: kernel='fbgemm' but fbgemm_gpu failed to import: {_IMPORT_ERROR}")
+    if fbgemm_error() is not None:
+        raise RuntimeError(f"table {cfg.name!r}: kernel='fbgemm' but fbgemm_gpu failed to import: {fbgemm_error()}")
     c, d = weights.shape
     wd = cfg.weight_decay
     if wd:

@@ -32,7 +32,7 @@ import logging
 import numpy as np
 import torch
 
-from embedding_ps import native
+from embedding_ps import kernels, native
 from embedding_ps.config import TableConfig
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
@@ -51,8 +51,12 @@ class TableShard:
     """The rows of one table that one shard owns. Not thread-safe: `ShardState` serializes calls."""
 
     def __init__(self, cfg: TableConfig, where: str = "") -> None:
-        self.cfg = cfg
         self.where = where or f"table {cfg.name!r}"
+        # kernel "auto" / "native" resolved once, to "torch" (the native path) or "fbgemm": all the push path sees
+        first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
+        self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
+        if first:
+            logger.info("%s: update kernel %s", self.where, why)
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)
         self.map = IdMap()
@@ -296,7 +300,8 @@ class TableShard:
             per += (d if spec.per_coordinate else 1) * torch.empty(0, dtype=spec.dtype).element_size()
         return per
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
+        """Counters and sizes, and `kernel`: the update this table runs ("fbgemm" or "native")."""
         used = self.hwm * self.row_bytes()
         aux = self.map.nbytes + self.pending.nbytes + self.free.nbytes + 8 * self.evlog_len
         return {
@@ -310,6 +315,7 @@ class TableShard:
             "bytes_reserved": self.cap * self.row_bytes() + aux,
             "map_buckets": self.map.num_buckets,
             "eviction_log": self.evlog_len,
+            "kernel": kernels.kernel_name(self.cfg),
             **self.totals,
         }
 

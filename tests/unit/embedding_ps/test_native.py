@@ -176,7 +176,8 @@ NATIVE_OPTS = ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
 @pytest.mark.parametrize("optimizer", NATIVE_OPTS)
 @pytest.mark.parametrize("extra", [{}, {"max_rows": 300, "ttl_steps": 4}, {"min_count": 2, "unadmitted": "zeros"}])
 def test_push_pull_native_vs_torch(optimizer: str, dtype: str, extra: dict) -> None:
-    cfg = TableConfig(name="t", dim=20, optimizer=optimizer, dtype=dtype, lr=0.05, init_scale=0.5, **extra)
+    cfg = TableConfig(name="t", dim=20, optimizer=optimizer, dtype=dtype, lr=0.05, init_scale=0.5, kernel="native",
+                      **extra)  # kernel pinned: without the C library, "auto" may pick fbgemm
     a, b = run_table(cfg, True), run_table(cfg, False)
     # sgd follows torch op by op: bit-exact. adagrad: torch's vectorized addcmul_ may be contracted to
     # an FMA (its AVX2/AVX512 kernels), ours is not (no -march): ~1 ulp. rowwise_adagrad's mean(g*g) is
@@ -199,7 +200,7 @@ def test_push_pull_native_vs_torch(optimizer: str, dtype: str, extra: dict) -> N
 
 @needs_native
 def test_rowwise_adagrad_fp32_close_on_large_dims() -> None:
-    cfg = TableConfig(name="t", dim=129, optimizer="rowwise_adagrad", lr=0.3)
+    cfg = TableConfig(name="t", dim=129, optimizer="rowwise_adagrad", lr=0.3, kernel="native")
     a, b = run_table(cfg, True, steps=6), run_table(cfg, False, steps=6)
     torch.testing.assert_close(a[1][1], b[1][1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a[1][2]["sum_sq"], b[1][2]["sum_sq"], atol=1e-6, rtol=1e-6)
@@ -208,7 +209,7 @@ def test_rowwise_adagrad_fp32_close_on_large_dims() -> None:
 @needs_native
 def test_native_update_is_used_and_counts_saturate() -> None:
     """The native push really runs (no silent fallback), and the count saturates like the numpy path."""
-    cfg = TableConfig(name="t", dim=4, optimizer="sgd", init="zeros")
+    cfg = TableConfig(name="t", dim=4, optimizer="sgd", init="zeros", kernel="native")
     for use_native in (True, False):
         with contextlib.nullcontext() if use_native else pure():
             state = ShardState(PSConfig(tables=(cfg,)), 0)
