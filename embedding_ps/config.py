@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +15,8 @@ MAX_WORKERS = 65536
 """Most trainers pushing to the shards."""
 MAX_DIM = 65536
 """Widest embedding row."""
+MAX_THREADS = 64
+"""Most worker threads per shard (ps.threads)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,6 +153,12 @@ class PSConfig:
     """A shard SAVEs and LOADs only under this directory ('..' and symlinks resolved; anything else
     is refused). `recsys train` and `recsys ps` set it to train.run_dir when it is empty; a PSConfig
     built in code with it empty does not confine (library use, tests)."""
+    threads: int = 0
+    """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
+    of a request are split into contiguous chunks of its (unique) rows, one per
+    thread, so two threads never update one row; inserts stay on one thread. 1: one thread (the
+    behaviour before this setting); 0: min(4, the CPUs this process may run on)
+    (`embedding_ps.shard.shard_threads`). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
 
@@ -166,6 +175,8 @@ class PSConfig:
             )
         if self.num_workers < 1:
             raise ValueError(f"ps.num_workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"ps.threads must be in [0, {MAX_THREADS}] (0: what the machine has), got {self.threads}")
         if self.max_staleness < 0:
             raise ValueError(f"ps.max_staleness must be >= 0, got {self.max_staleness}")
         if self.timeout_s <= 0:
@@ -180,3 +191,19 @@ class PSConfig:
             raise ValueError("ps.token_file must be set when ps.auth = 'token'")
         if self.auth == "curve" and not self.curve_keys_dir:
             raise ValueError("ps.curve_keys_dir must be set when ps.auth = 'curve'")
+
+
+DEFAULT_MAX_THREADS = 4
+"""ps.threads = 0 uses min(this, the CPUs this process may run on): beyond ~4 threads one request's
+rows are too few to share (and a co-located trainer needs cores too)."""
+
+
+def shard_threads(threads: int) -> int:
+    """ps.threads resolved: the value itself, or for 0 min(DEFAULT_MAX_THREADS, usable CPUs)."""
+    if threads > 0:
+        return threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(DEFAULT_MAX_THREADS, cpus))
