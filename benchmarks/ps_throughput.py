@@ -1,7 +1,7 @@
 """PS throughput over the network: shard processes + client processes on 127.0.0.1.
 
     python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9] [--native on|off]
-                                       [--ids uniform|zipf|both] [--threads T]
+                                       [--ids uniform|zipf|both] [--threads T] [--shared-memory on|off]
 
 For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
 OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
@@ -15,6 +15,7 @@ rows/s is the sum over its clients. `pull_push` combines a pull and a push of th
 `zipf`: --batch ids drawn Zipf(1.05) over the pool's ranks (hot ids repeat inside a request, the
 client sends them as they are and the shard merges their gradients; keys `*_zipf_*`); `both`
 (default) runs the two. --threads: ps.threads of the shards (default 0: the config's default).
+--shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.shm).
 
 The in-process bound of the same op mix, in the same run (`inprocess_*`): a ShardState with the
 same config (ps.threads, dtype, dims, row-wise Adagrad) prefilled like the shards, called with the
@@ -72,11 +73,11 @@ NUM_BATCHES = 4
 
 
 def make_config(num_shards: int, num_workers: int, wire: str = "fp32", weight_decay: float = 0.0,
-                weight_decay_mode: str = "l2", threads: int = 0) -> PSConfig:
+                weight_decay_mode: str = "l2", threads: int = 0, shared_memory: bool = False) -> PSConfig:
     tables = tuple(TableConfig(name=f"d{d}", dim=d, optimizer="rowwise_adagrad", weight_decay=weight_decay,
                                weight_decay_mode=weight_decay_mode) for d in DIMS)
     return PSConfig(num_shards=num_shards, mode="async", num_workers=num_workers, timeout_s=120.0,
-                    retries=0, wire_dtype=wire, tables=tables, threads=threads)
+                    retries=0, wire_dtype=wire, tables=tables, threads=threads, shared_memory=shared_memory)
 
 
 def pool_ids(pool: int) -> torch.Tensor:
@@ -179,7 +180,7 @@ def inprocess(args: dict) -> dict[str, float]:
 
 def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str) -> dict[str, float]:
     config = make_config(num_shards, max(num_clients, 1), args["wire"], args["weight_decay"],
-                         args["weight_decay_mode"], args["threads"])
+                         args["weight_decay_mode"], args["threads"], args["shared_memory"])
     shards, clients = [], []
     try:
         ready = [os.path.join(workdir, f"s{num_shards}c{num_clients}-{i}.ready") for i in range(num_shards)]
@@ -267,6 +268,8 @@ def main() -> None:
     p.add_argument("--ids", choices=("uniform", "zipf", "both"), default="both",
                    help="id stream: unique uniform ids, Zipf(1.05) draws with duplicates, or both")
     p.add_argument("--threads", type=int, default=0, help="ps.threads of the shards and the in-process bound")
+    p.add_argument("--shared-memory", choices=("on", "off"), default="off",
+                   help="ps.shared_memory: rows of a co-located shard through /dev/shm instead of the socket")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
     args = p.parse_args()
@@ -278,7 +281,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
-             "threads": args.threads, "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
+             "threads": args.threads, "shared_memory": args.shared_memory == "on", "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
     with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:

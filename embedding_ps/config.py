@@ -153,6 +153,12 @@ class PSConfig:
     """A shard SAVEs and LOADs only under this directory ('..' and symlinks resolved; anything else
     is refused). `recsys train` and `recsys ps` set it to train.run_dir when it is empty; a PSConfig
     built in code with it empty does not confine (library use, tests)."""
+    shared_memory: bool = False
+    """A client whose shard address is on this host (127.x, localhost, ::1) passes PULL / PUSH rows of
+    1 MB or more through shared-memory segments in /dev/shm (`embedding_ps.shm`) instead of the
+    socket: the shard writes pulled rows into the client's segment, which the client returns without
+    a copy, and reads pushed gradients from it. Linux only (elsewhere: the socket); the shard must
+    have it set too (it refuses such requests otherwise)."""
     threads: int = 0
     """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
     of a request are split into contiguous chunks of its (unique) rows, one per
