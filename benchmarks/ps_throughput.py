@@ -1,7 +1,7 @@
 """PS throughput over the network: shard processes + client processes on 127.0.0.1.
 
     python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9] [--native on|off]
-                                       [--ids uniform|zipf|both] [--threads T] [--shared-memory on|off]
+                                       [--ids uniform|zipf|both] [--threads T] [--shared-memory on|off|both]
 
 For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
 OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
@@ -15,14 +15,16 @@ rows/s is the sum over its clients. `pull_push` combines a pull and a push of th
 `zipf`: --batch ids drawn Zipf(1.05) over the pool's ranks (hot ids repeat inside a request, the
 client sends them as they are and the shard merges their gradients; keys `*_zipf_*`); `both`
 (default) runs the two. --threads: ps.threads of the shards (default 0: the config's default).
---shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.shm).
+--shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.shm);
+`both` (default) runs each configuration over the socket and again with it (keys `*_shm*`).
 
 The in-process bound of the same op mix, in the same run (`inprocess_*`): a ShardState with the
 same config (ps.threads, dtype, dims, row-wise Adagrad) prefilled like the shards, called with the
 same id batches and gradients as client 0 (`pull(..., out=)` as the server calls it, then `push`),
 no sockets, timed and combined the same way. `ratio_vs_inprocess` (uniform ids, 1 shard, 1
 client, dim 64) and `ratio_vs_inprocess_zipf` divide the shard's pull+push rows/s by that bound:
-what the process boundary and the server cost.
+what the process boundary and the server cost (over the socket, ps.shared_memory's default; with
+shared memory: `ratio_vs_inprocess_shm`, `ratio_vs_inprocess_zipf_shm`).
 
 --weight-decay WD [--weight-decay-mode l2|decoupled] gives the tables sparse weight decay (its cost
 is the ratio of rows_per_s to a run without it).
@@ -183,14 +185,15 @@ def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str)
                          args["weight_decay_mode"], args["threads"], args["shared_memory"])
     shards, clients = [], []
     try:
-        ready = [os.path.join(workdir, f"s{num_shards}c{num_clients}-{i}.ready") for i in range(num_shards)]
+        run = f"s{num_shards}c{num_clients}" + ("shm" if args["shared_memory"] else "")   # files of this run
+        ready = [os.path.join(workdir, f"{run}-{i}.ready") for i in range(num_shards)]
         for i in range(num_shards):
             shards.append(ctx.Process(target=shard_main, args=(config, i, ready[i]), daemon=True))
             shards[-1].start()
         addresses = [wait_ready(path, proc) for path, proc in zip(ready, shards)]
         prefill(config, addresses, args["pool"])
         barrier = ctx.Barrier(num_clients)
-        outs = [os.path.join(workdir, f"s{num_shards}c{num_clients}-client{w}.json") for w in range(num_clients)]
+        outs = [os.path.join(workdir, f"{run}-client{w}.json") for w in range(num_clients)]
         for w in range(num_clients):
             clients.append(ctx.Process(target=client_main, args=(config, addresses, w, args, barrier, outs[w])))
             clients[-1].start()
@@ -210,7 +213,8 @@ def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str)
                 proc.join(timeout=10)
     res: dict[str, float] = {}
     for kind in args["kinds"]:
-        tag = f"s{num_shards}_c{num_clients}" + ("" if kind == "uniform" else "_zipf")
+        tag = (f"s{num_shards}_c{num_clients}" + ("_shm" if args["shared_memory"] else "")
+               + ("" if kind == "uniform" else "_zipf"))
         for dim in DIMS:
             pull = sum(args["batch"] / r[f"{kind}_pull_d{dim}"] for r in results)
             push = sum(args["batch"] / r[f"{kind}_push_d{dim}"] for r in results)
@@ -268,7 +272,7 @@ def main() -> None:
     p.add_argument("--ids", choices=("uniform", "zipf", "both"), default="both",
                    help="id stream: unique uniform ids, Zipf(1.05) draws with duplicates, or both")
     p.add_argument("--threads", type=int, default=0, help="ps.threads of the shards and the in-process bound")
-    p.add_argument("--shared-memory", choices=("on", "off"), default="off",
+    p.add_argument("--shared-memory", choices=("on", "off", "both"), default="both",
                    help="ps.shared_memory: rows of a co-located shard through /dev/shm instead of the socket")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
@@ -281,19 +285,20 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
-             "threads": args.threads, "shared_memory": args.shared_memory == "on", "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
+             "threads": args.threads, "shared_memory": False, "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
     with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:
         for s in args.shards:
             for c in args.clients:
-                res.update(run_config(ctx, s, c, knobs, workdir))
+                for shm in {"off": (False,), "on": (True,), "both": (False, True)}[args.shared_memory]:
+                    res.update(run_config(ctx, s, c, {**knobs, "shared_memory": shm}, workdir))
     res.update(baseline(args.pool, args.batch, args.repeats))
     res.update(inprocess(knobs))
     if not args.skip_core:
         res.update(bench_map(args.map_rows, args.batch, args.repeats))
         res.update(bench_rss(args.rss_rows, 64, args.batch))
-    first = f"s{args.shards[0]}_c{args.clients[0]}"
+    first = f"s{args.shards[0]}_c{args.clients[0]}" + ("_shm" if args.shared_memory == "on" else "")
     first_kind = "" if "uniform" in knobs["kinds"] else "_zipf"
     summary = {
         "rows_per_s": res[f"{first}{first_kind}_pull_push_d64_per_shard_rows_per_s"],
@@ -301,11 +306,11 @@ def main() -> None:
         "map_ids_per_s": res.get("map_lookup_insert_10pct_new_ids_per_s", float("nan")),
         "bytes_per_row_ratio": res.get("rss_ratio_d64", float("nan")),
     }
-    for kind, key in (("uniform", "ratio_vs_inprocess"), ("zipf", "ratio_vs_inprocess_zipf")):
-        if kind not in knobs["kinds"]:
-            continue
+    for shm, kind in [(m, k) for m in {"off": ("",), "on": ("_shm",), "both": ("", "_shm")}[args.shared_memory]
+                      for k in knobs["kinds"]]:
         sfx = "" if kind == "uniform" else "_zipf"
-        shard_key = f"s1_c1{sfx}_pull_push_d64_rows_per_s"
+        key = f"ratio_vs_inprocess{sfx}{shm}"
+        shard_key = f"s1_c1{shm}{sfx}_pull_push_d64_rows_per_s"
         if shard_key not in res:
             raise SystemExit(f"error: {key} needs the 1 shard / 1 client run (--shards 1 ... --clients 1 ...)")
         summary[key] = res[shard_key] / res[f"inprocess{sfx}_pull_push_d64_rows_per_s"]

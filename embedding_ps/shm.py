@@ -65,6 +65,7 @@ class ShmPool:
         self.max_bytes = max_bytes
         self.segs: list[tuple[bytes, np.ndarray]] = []        # (name, uint8 [size] viewing the mapping)
         self.total = 0
+        self.failed = False                                   # a segment could not be made: socket from now on
 
     def take(self, nbytes: int) -> tuple[bytes, np.ndarray] | None:
         """(name, uint8 [nbytes] view) of an idle segment, or None (too big for the pool: use the socket)."""
@@ -75,7 +76,7 @@ class ShmPool:
                 best = i
         if best is None:
             size = max(MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
-            if size > self.max_bytes:
+            if size > self.max_bytes or self.failed:
                 return None
             while self.total + size > self.max_bytes:         # drop idle segments (smallest first)
                 idle = [i for i in range(len(self.segs)) if self._idle(i)]
@@ -84,8 +85,10 @@ class ShmPool:
                 self.discard(self.segs[min(idle, key=lambda i: self.segs[i][1].nbytes)][1])
             try:
                 self.segs.append(_create(size))
-            except OSError as e:
-                logger.warning("shared memory segment of %d bytes not created (%s): using the socket", size, e)
+            except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
+                logger.warning("shared memory segment of %d bytes not created (%s): rows go through the "
+                               "socket from now on", size, e)
+                self.failed = True
                 return None
             self.total += size
             best = len(self.segs) - 1
@@ -140,7 +143,8 @@ def _create(size: int) -> tuple[bytes, np.ndarray]:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.ftruncate(fd, size)
+        # reserve the pages now: on a full tmpfs a sparse segment would SIGBUS at first touch instead
+        os.posix_fallocate(fd, 0, size)
         m = mmap.mmap(fd, size)
     except BaseException:
         os.unlink(path)

@@ -94,3 +94,17 @@ def test_is_local() -> None:
         assert shm.is_local(a), a
     for a in ("tcp://10.0.0.1:5555", "tcp://ps-0.cluster:9", "tcp://[fe80::1]:7", "inproc://x"):
         assert not shm.is_local(a), a
+
+
+def test_full_shm_falls_back_to_the_socket(monkeypatch) -> None:
+    """A /dev/shm without room (containers: 64 MB) must not SIGBUS later: no segment, the socket instead."""
+    def no_room(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    pool = shm.ShmPool(64 << 20)
+    assert pool.take(2 << 20) is None and pool.failed
+    monkeypatch.undo()
+    assert pool.take(2 << 20) is None                              # not tried again
+    mine = f"recsys-ps-{os.getpid():08x}"
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)]   # the file made for it is gone
