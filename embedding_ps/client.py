@@ -115,8 +115,7 @@ class PSClient:
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
         # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.shm)
-        self._shm = shm.ShmPool(shm.POOL_BYTES) if config.shared_memory and shm.available() else None
-        self._local = {s for s, a in enumerate(self.addresses) if shm.is_local(a)}
+        self._shm = shm.ClientSegments(self.addresses, config.shared_memory)
         self._io = IOThread(config, self.addresses, torch.get_num_threads())
         self._io.start()
         self._closed = False
@@ -135,7 +134,7 @@ class PSClient:
             return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
         reqs, segs, call = [], {}, []
         for shard, parts in shards.items():
-            seg = self._segment(shard, sum(c.numel() for _, c in parts) * dim)    # the shard writes the rows here
+            seg = self._shm.take(shard, sum(c.numel() for _, c in parts) * dim * P.ITEM_SIZE[self.wire])  # rows go here
             h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim,
                              flags=P.FLAG_SHM if seg else 0)
             reqs.append((shard, h, _frames(tables, parts) + ([seg[0]] if seg else [])))
@@ -145,7 +144,7 @@ class PSClient:
         fut = self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim,
                                                                                  segs, call), call)
         if segs:
-            fut.add_done_callback(lambda f: self._shm_done(f, segs, call[0]))
+            fut.add_done_callback(lambda f: self._shm.done(f, segs, call[0].retried))
         return fut
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
@@ -179,7 +178,7 @@ class PSClient:
         for shard, parts in shards.items():
             g = [c for _, c in grad_parts[shard]]
             m = sum(c.shape[0] for c in g)
-            seg = self._segment(shard, m * dim)
+            seg = self._shm.take(shard, m * dim * P.ITEM_SIZE[self.wire])
             if seg:          # the grads go into the segment, cast to the wire type: [M_s, D]
                 segs[shard] = seg[1]
                 dst = P.frame_tensor(memoryview(seg[1]), self.wire, m, dim)
@@ -198,7 +197,7 @@ class PSClient:
 
         fut = self._submit(P.Op.PUSH, reqs, finish, call)
         if segs:
-            fut.add_done_callback(lambda f: self._shm_done(f, segs, call[0]))
+            fut.add_done_callback(lambda f: self._shm.done(f, segs, call[0].retried))
         with self._lock:
             self._pushes.add(fut)
         fut.add_done_callback(self._push_done)
@@ -328,9 +327,7 @@ class PSClient:
             self._io.join(CLOSE_TIMEOUT_S)
             if self._io.is_alive():
                 logger.warning("PSClient I/O thread did not stop within %g s", CLOSE_TIMEOUT_S)
-        if self._shm is not None:
-            with self._lock:
-                self._shm.close()       # unlinks the segments; mappings live on while a tensor views them
+        self._shm.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -405,22 +402,6 @@ class PSClient:
     def _wait(self, fut: Future) -> Any:
         # the I/O thread fails every future by its deadline; this bound only guards against a bug
         return fut.result(timeout=self.config.timeout_s * (self.config.retries + 1) + 30.0)
-
-    def _segment(self, shard: int, values: int) -> tuple[bytes, Any] | None:
-        """(name, uint8 view) of a shared-memory segment for `values` wire values to/from `shard`, or None
-        (the socket: ps.shared_memory off, a shard on another host, or a small request)."""
-        nbytes = values * P.ITEM_SIZE[self.wire]
-        if self._shm is None or shard not in self._local or nbytes < shm.MIN_BYTES:
-            return None
-        with self._lock:
-            return self._shm.take(nbytes)
-
-    def _shm_done(self, fut: Future, segs: dict, call: Call) -> None:
-        """A failed or retried request's segments are never reused (the shard may still write them)."""
-        if fut.exception() is not None or call.retried:
-            with self._lock:
-                for seg in segs.values():
-                    self._shm.discard(seg)
 
     def _push_done(self, fut: Future) -> None:
         with self._lock:

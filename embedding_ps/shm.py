@@ -29,7 +29,10 @@ import re
 import secrets
 import stat
 import sys
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -116,6 +119,35 @@ class ShmPool:
         return sys.getrefcount(self.segs[i][1]) <= 2
 
 
+class ClientSegments:
+    """What a PSClient needs: segments for the shards on this host only, from one pool, thread-safe
+    (taken on the caller's thread, discarded on the I/O thread)."""
+
+    def __init__(self, addresses: Sequence[str], enabled: bool) -> None:
+        self.pool = ShmPool(POOL_BYTES) if enabled and available() else None
+        self.local = {s for s, a in enumerate(addresses) if is_local(a)}
+        self.lock = threading.Lock()
+
+    def take(self, shard: int, nbytes: int) -> tuple[bytes, np.ndarray] | None:
+        """(name, uint8 [nbytes]) for a request to `shard`, or None: the socket (off, another host, small)."""
+        if self.pool is None or shard not in self.local or nbytes < MIN_BYTES:
+            return None
+        with self.lock:
+            return self.pool.take(nbytes)
+
+    def done(self, fut: Future, segs: dict[int, np.ndarray], retried: bool) -> None:
+        """A failed or retried request's segments are never reused (the shard may still write them)."""
+        if fut.exception() is not None or retried:
+            with self.lock:
+                for seg in segs.values():
+                    self.pool.discard(seg)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            with self.lock:
+                self.pool.close()       # unlinks the segments; mappings live on while a tensor views them
+
+
 class ShmAttacher:
     """The shard's mappings of its clients' segments by name (most recently used `max_entries`)."""
 
@@ -182,4 +214,4 @@ def _root(view: np.ndarray) -> np.ndarray:
     return view
 
 
-__all__ = ["MIN_BYTES", "POOL_BYTES", "ShmAttacher", "ShmPool", "available", "is_local"]
+__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "ShmAttacher", "ShmPool", "available", "is_local"]
