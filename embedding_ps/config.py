@@ -163,8 +163,8 @@ class PSConfig:
     """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
     of a request are split into contiguous chunks of its (unique) rows, one per
     thread, so two threads never update one row; inserts stay on one thread. 1: one thread (the
-    behaviour before this setting); 0: min(4, the CPUs this process may run on)
-    (`embedding_ps.shard.shard_threads`). Results do not depend on it."""
+    behaviour before this setting); 0: what the machine has to spare, half the CPUs this process
+    may run on, at most 4 (`shard_threads`; 1 on a 2-core machine). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
 
@@ -200,16 +200,21 @@ class PSConfig:
 
 
 DEFAULT_MAX_THREADS = 4
-"""ps.threads = 0 uses min(this, the CPUs this process may run on): beyond ~4 threads one request's
-rows are too few to share (and a co-located trainer needs cores too)."""
+"""ps.threads = 0 uses at most this many: beyond ~4 threads one request's rows are too few to share."""
 
 
 def shard_threads(threads: int) -> int:
-    """ps.threads resolved: the value itself, or for 0 min(DEFAULT_MAX_THREADS, usable CPUs)."""
+    """ps.threads resolved: the value itself, or for 0 half the usable CPUs, in [1, DEFAULT_MAX_THREADS].
+
+    Half, because the other half runs trainers, the data pipeline and other shards: a thread of a
+    request's fork-join that loses its core makes the whole request wait. Measured on the shared
+    2-core machine (BENCHMARKS.md): 2 threads dropped the in-process op mix from a median of 10.7M
+    to 3.6M rows/s, so 0 means 1 there.
+    """
     if threads > 0:
         return threads
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(DEFAULT_MAX_THREADS, cpus))
+    return max(1, min(DEFAULT_MAX_THREADS, cpus // 2))
