@@ -132,7 +132,7 @@ class PSClient:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
             return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
-        reqs, segs, call = [], {}, []
+        reqs, segs = [], {}
         for shard, parts in shards.items():
             seg = self._shm.take(shard, sum(c.numel() for _, c in parts) * dim * P.ITEM_SIZE[self.wire])  # rows go here
             h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim,
@@ -141,10 +141,11 @@ class PSClient:
             if seg:
                 segs[shard] = seg[1]
         counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
+        call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
         fut = self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim,
                                                                                  segs, call), call)
         if segs:
-            fut.add_done_callback(lambda f: self._shm.done(f, segs, call[0].retried))
+            fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         return fut
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
@@ -174,7 +175,7 @@ class PSClient:
             return _combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
         grad_parts = self._by_shard(list(zip(plans, sent)))
-        reqs, segs, call = [], {}, []
+        reqs, segs = [], {}
         for shard, parts in shards.items():
             g = [c for _, c in grad_parts[shard]]
             m = sum(c.shape[0] for c in g)
@@ -195,9 +196,10 @@ class PSClient:
         def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
             return None
 
+        call = [] if segs else None
         fut = self._submit(P.Op.PUSH, reqs, finish, call)
         if segs:
-            fut.add_done_callback(lambda f: self._shm.done(f, segs, call[0].retried))
+            fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         with self._lock:
             self._pushes.add(fut)
         fut.add_done_callback(self._push_done)

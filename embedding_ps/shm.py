@@ -135,8 +135,13 @@ class ClientSegments:
         with self.lock:
             return self.pool.take(nbytes)
 
-    def done(self, fut: Future, segs: dict[int, np.ndarray], retried: bool) -> None:
-        """A failed or retried request's segments are never reused (the shard may still write them)."""
+    def done(self, fut: Future, segs: dict[int, np.ndarray], call: list) -> None:
+        """A failed or retried request's segments are never reused (the shard may still write them).
+
+        `call` holds the request's transport Call; it is emptied here, since the Call refers back
+        to the future (a reference cycle would keep the segments busy until a garbage collection)."""
+        retried = bool(call) and call[0].retried
+        call.clear()
         if fut.exception() is not None or retried:
             with self.lock:
                 for seg in segs.values():

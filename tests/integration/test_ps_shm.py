@@ -87,3 +87,24 @@ def test_retried_pull_returns_a_copy_and_drops_its_segment() -> None:
     finally:
         router.close()
         ctx.term()
+
+
+def test_segments_are_reused_not_piled_up(shard_processes) -> None:
+    """Segments come back to the pool once the rows viewing them are dropped (no reference cycle
+    holding them until a garbage collection): 30 pull + push rounds use a couple of files."""
+    config = PSConfig(num_shards=1, mode="async", timeout_s=30.0, shared_memory=True, tables=TABLES)
+    shards = shard_processes(config)
+    mine = f"recsys-ps-{os.getpid():08x}"
+    ids, grads = torch.arange(ROWS), torch.ones(ROWS, D)
+    with PSClient(config, shards.addresses, dedup=False) as c:
+        kept = c.pull(0, ids)                        # a caller's rows keep their segment busy
+        before = kept.clone()
+        for _ in range(30):
+            assert c.pull(0, ids).shape == (ROWS, D)
+            c.push(0, ids, grads)
+        files = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)]
+        assert 2 <= len(files) <= 4, files
+        assert c.stats()[0]["shm_requests"] == 61            # 31 pulls + 30 pushes
+        now = c.pull(0, ids)
+        assert not torch.equal(now, before)          # the rows moved ...
+        torch.testing.assert_close(kept, before, atol=0, rtol=0)   # ... but not under the caller's tensor
