@@ -285,7 +285,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
-             "threads": args.threads, "shared_memory": False, "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
+             "threads": args.threads, "shared_memory": False,
+             "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
     with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:

@@ -171,7 +171,8 @@ class ShmAttacher:
         else:
             self.maps.move_to_end(name)
         if a.nbytes < nbytes:
-            raise ValueError(f"shared memory segment {name.decode()!r} has {a.nbytes} bytes, the request needs {nbytes}")
+            raise ValueError(f"shared memory segment {name.decode()!r} has {a.nbytes} bytes, "
+                             f"the request needs {nbytes}")
         return a[:nbytes]
 
 
