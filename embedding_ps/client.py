@@ -16,7 +16,9 @@ is refused: split the ids).
 The caller's thread deduplicates (`torch.unique`, when `dedup`), routes (`sharding.route`, argsort +
 bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.transport`) sends, matches
 replies by request id, retries and assembles the result. Rows and gradients travel as
-ps.wire_dtype (fp32, fp16 or bf16).
+ps.wire_dtype (fp32, fp16 or bf16); with ps.shared_memory, those of a shard on this host (1 MB or
+more) go through shared-memory segments instead (`embedding_ps.shm`), and a pull from one shard
+returns a tensor viewing its segment (reused for another request only once that tensor is gone).
 
 Timeouts and retries: a request unanswered for ps.timeout_s is sent again, up to ps.retries
 times, then its future fails with ShardUnavailableError naming the shard index and address. A
