@@ -1,6 +1,7 @@
 """PS throughput over the network: shard processes + client processes on 127.0.0.1.
 
     python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9] [--native on|off]
+                                       [--ids uniform|zipf|both] [--threads T] [--shared-memory on|off|both]
 
 For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
 OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
@@ -9,6 +10,21 @@ client-side dedup off unless --dedup (the ids are unique, as the sparse arch sen
 phase together. Per client the median time of one request gives its rows/s; a configuration's
 rows/s is the sum over its clients. `pull_push` combines a pull and a push of the same rows
 (1 / (1/pull + 1/push)), and `per_shard` divides that by the shard processes.
+
+--ids: the id stream. `uniform`: unique ids drawn uniformly from the pool (the keys above);
+`zipf`: --batch ids drawn Zipf(1.05) over the pool's ranks (hot ids repeat inside a request, the
+client sends them as they are and the shard merges their gradients; keys `*_zipf_*`); `both`
+(default) runs the two. --threads: ps.threads of the shards (default 0: the config's default).
+--shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.shm);
+`both` (default) runs each configuration over the socket and again with it (keys `*_shm*`).
+
+The in-process bound of the same op mix, in the same run (`inprocess_*`): a ShardState with the
+same config (ps.threads, dtype, dims, row-wise Adagrad) prefilled like the shards, called with the
+same id batches and gradients as client 0 (`pull(..., out=)` as the server calls it, then `push`),
+no sockets, timed and combined the same way. `ratio_vs_inprocess` (uniform ids, 1 shard, 1
+client, dim 64) and `ratio_vs_inprocess_zipf` divide the shard's pull+push rows/s by that bound:
+what the process boundary and the server cost (over the socket, ps.shared_memory's default; with
+shared memory: `ratio_vs_inprocess_shm`, `ratio_vs_inprocess_zipf_shm`).
 
 --weight-decay WD [--weight-decay-mode l2|decoupled] gives the tables sparse weight decay (its cost
 is the ratio of rows_per_s to a run without it).
@@ -22,7 +38,8 @@ against the raw fp32 row (the last three from benchmarks/ps_table.py).
 
 --json prints one line with `rows_per_s` (pull+push per shard process, dim 64, 1 shard and 1
 client), `baseline_rows_per_s` (index_select + index_add_, dim 64), `map_ids_per_s`,
-`bytes_per_row_ratio`, and every measurement under `detail`.
+`bytes_per_row_ratio`, `ratio_vs_inprocess`, `ratio_vs_inprocess_zipf` (the ids measured; a
+ratio whose measurements were not run is an error), and every measurement under `detail`.
 Note: this machine may have 2 cores for all processes; with 2 shards and 2 clients, 4 processes
 share them, so the larger configurations measure contention as much as scaling.
 """
@@ -49,17 +66,41 @@ from embedding_ps import native  # noqa: E402
 from embedding_ps.client import PSClient  # noqa: E402
 from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
 from embedding_ps.server import serve  # noqa: E402
+from embedding_ps.shard import ShardState  # noqa: E402
 
 DIMS = (16, 64)
 READY_TIMEOUT_S = 120.0
+ZIPF_S = 1.05
+NUM_BATCHES = 4
 
 
 def make_config(num_shards: int, num_workers: int, wire: str = "fp32", weight_decay: float = 0.0,
-                weight_decay_mode: str = "l2") -> PSConfig:
+                weight_decay_mode: str = "l2", threads: int = 0, shared_memory: bool = False) -> PSConfig:
     tables = tuple(TableConfig(name=f"d{d}", dim=d, optimizer="rowwise_adagrad", weight_decay=weight_decay,
                                weight_decay_mode=weight_decay_mode) for d in DIMS)
     return PSConfig(num_shards=num_shards, mode="async", num_workers=num_workers, timeout_s=120.0,
-                    retries=0, wire_dtype=wire, tables=tables)
+                    retries=0, wire_dtype=wire, tables=tables, threads=threads, shared_memory=shared_memory)
+
+
+def pool_ids(pool: int) -> torch.Tensor:
+    """int64 [pool]: the ids present in the table (prefilled)."""
+    return torch.arange(pool, dtype=torch.int64) * 7919 + 13
+
+
+def id_batches(kind: str, pool: int, batch: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """NUM_BATCHES int64 [batch] id batches of the pool: `uniform` unique ids, or `zipf` draws (dups)."""
+    ids = pool_ids(pool)
+    if kind == "uniform":
+        return [ids[torch.randperm(pool, generator=gen)[:batch]] for _ in range(NUM_BATCHES)]
+    # Zipf(ZIPF_S) over ranks 1..pool by the inverse CDF; a fixed permutation spreads the hot ranks
+    cdf = torch.cumsum(torch.arange(1, pool + 1, dtype=torch.float64).pow(-ZIPF_S), 0)
+    cdf /= cdf[-1].clone()
+    rank_to_id = ids[torch.randperm(pool, generator=torch.Generator().manual_seed(1234))]
+    out = []
+    for _ in range(NUM_BATCHES):
+        u = torch.rand(batch, dtype=torch.float64, generator=gen)
+        out.append(rank_to_id[torch.searchsorted(cdf, u).clamp_(max=pool - 1)])
+    return out
 
 
 def shard_main(config: PSConfig, index: int, ready_file: str) -> None:
@@ -70,49 +111,89 @@ def shard_main(config: PSConfig, index: int, ready_file: str) -> None:
     serve(config, index, ready_file=ready_file)
 
 
+def workload(kind: str, worker: int, args: dict) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Per dim: (id batches, grads float32 [batch, D]) of client `worker` (the in-process bound uses worker 0's)."""
+    gen = torch.Generator().manual_seed(worker + (1000 if kind == "zipf" else 0))
+    out = []
+    for dim in DIMS:
+        batches = id_batches(kind, args["pool"], args["batch"], gen)
+        out.append((batches, torch.randn(args["batch"], dim, generator=gen) * 1e-3))
+    return out
+
+
+def time_phases(pull, push, batches: list[torch.Tensor], repeats: int) -> dict[str, float]:
+    """Median seconds of pull(ids) then push(ids) over `repeats` requests after one warm-up each."""
+    out = {}
+    for phase, fn in (("pull", pull), ("push", push)):
+        times = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            fn(batches[r % len(batches)])
+            times.append(time.perf_counter() - t0)
+        out[phase] = float(np.median(times[1:]))      # the first is a warm-up
+    return out
+
+
 def client_main(config: PSConfig, addresses: list[str], worker: int, args: dict, barrier, out_file: str) -> None:
-    """One client process: per dim, a pull phase then a push phase; writes median seconds as JSON."""
+    """One client process: per id stream and dim, a pull phase then a push phase; writes median seconds as JSON."""
     torch.set_num_threads(1)
-    pool = torch.arange(args["pool"], dtype=torch.int64) * 7919 + 13        # the ids present in the table
-    gen = torch.Generator().manual_seed(worker)
     out = {}
     with PSClient(config, addresses, worker_id=worker, dedup=args["dedup"]) as client:
-        for t, dim in enumerate(DIMS):
-            batches = [pool[torch.randperm(pool.numel(), generator=gen)[:args["batch"]]] for _ in range(4)]
-            grads = torch.randn(args["batch"], dim, generator=gen) * 1e-3
-            for phase, fn in (("pull", lambda ids: client.pull(t, ids)),
-                              ("push", lambda ids: client.push(t, ids, grads))):
-                barrier.wait(timeout=READY_TIMEOUT_S)
-                times = []
-                for r in range(args["repeats"] + 1):
-                    t0 = time.perf_counter()
-                    fn(batches[r % len(batches)])
-                    times.append(time.perf_counter() - t0)
-                out[f"{phase}_d{dim}"] = float(np.median(times[1:]))      # the first is a warm-up
+        for kind in args["kinds"]:
+            for t, (dim, (batches, grads)) in enumerate(zip(DIMS, workload(kind, worker, args))):
+                barrier.wait(timeout=READY_TIMEOUT_S)       # all clients start each stream and dim together
+                got = time_phases(lambda ids: client.pull(t, ids), lambda ids: client.push(t, ids, grads),
+                                  batches, args["repeats"])
+                for phase, s in got.items():
+                    out[f"{kind}_{phase}_d{dim}"] = s
     Path(out_file).write_text(json.dumps(out))
 
 
 def prefill(config: PSConfig, addresses: list[str], pool: int) -> None:
-    ids = torch.arange(pool, dtype=torch.int64) * 7919 + 13
+    ids = pool_ids(pool)
     with PSClient(config, addresses) as client:
         for t, dim in enumerate(DIMS):
             for chunk in torch.split(ids, 200_000):
                 client.push(t, chunk, torch.zeros(chunk.numel(), dim))
 
 
+def inprocess(args: dict) -> dict[str, float]:
+    """The in-process bound: the shards' op mix on a ShardState (same config) in this process, no sockets."""
+    config = make_config(1, 1, args["wire"], args["weight_decay"], args["weight_decay_mode"], args["threads"])
+    res: dict[str, float] = {}
+    for kind in args["kinds"]:
+        state = ShardState(config, 0)
+        for t, dim in enumerate(DIMS):                       # prefilled as `prefill` does
+            for chunk in torch.split(pool_ids(args["pool"]), 200_000):
+                state.push(t, chunk, torch.zeros(chunk.numel(), dim), step=0)
+        res["inprocess_threads"] = float(state.threads)
+        for t, (dim, (batches, grads)) in enumerate(zip(DIMS, workload(kind, 0, args))):
+            out = torch.empty(args["batch"], dim)            # the server's reply buffer
+            got = time_phases(lambda ids: state.pull(t, ids, 1, out=out),
+                              lambda ids: state.push(t, ids, grads, step=1), batches, args["repeats"])
+            sfx = "" if kind == "uniform" else "_zipf"
+            pull, push = args["batch"] / got["pull"], args["batch"] / got["push"]
+            res[f"inprocess{sfx}_pull_d{dim}_rows_per_s"] = pull
+            res[f"inprocess{sfx}_push_d{dim}_rows_per_s"] = push
+            res[f"inprocess{sfx}_pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / pull + 1.0 / push)
+        del state
+    return res
+
+
 def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str) -> dict[str, float]:
     config = make_config(num_shards, max(num_clients, 1), args["wire"], args["weight_decay"],
-                         args["weight_decay_mode"])
+                         args["weight_decay_mode"], args["threads"], args["shared_memory"])
     shards, clients = [], []
     try:
-        ready = [os.path.join(workdir, f"s{num_shards}c{num_clients}-{i}.ready") for i in range(num_shards)]
+        run = f"s{num_shards}c{num_clients}" + ("shm" if args["shared_memory"] else "")   # files of this run
+        ready = [os.path.join(workdir, f"{run}-{i}.ready") for i in range(num_shards)]
         for i in range(num_shards):
             shards.append(ctx.Process(target=shard_main, args=(config, i, ready[i]), daemon=True))
             shards[-1].start()
         addresses = [wait_ready(path, proc) for path, proc in zip(ready, shards)]
         prefill(config, addresses, args["pool"])
         barrier = ctx.Barrier(num_clients)
-        outs = [os.path.join(workdir, f"s{num_shards}c{num_clients}-client{w}.json") for w in range(num_clients)]
+        outs = [os.path.join(workdir, f"{run}-client{w}.json") for w in range(num_clients)]
         for w in range(num_clients):
             clients.append(ctx.Process(target=client_main, args=(config, addresses, w, args, barrier, outs[w])))
             clients[-1].start()
@@ -131,14 +212,17 @@ def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str)
                 proc.kill()
                 proc.join(timeout=10)
     res: dict[str, float] = {}
-    tag = f"s{num_shards}_c{num_clients}"
-    for dim in DIMS:
-        pull = sum(args["batch"] / r[f"pull_d{dim}"] for r in results)
-        push = sum(args["batch"] / r[f"push_d{dim}"] for r in results)
-        res[f"{tag}_pull_d{dim}_rows_per_s"] = pull
-        res[f"{tag}_push_d{dim}_rows_per_s"] = push
-        res[f"{tag}_pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / pull + 1.0 / push)
-        res[f"{tag}_pull_push_d{dim}_per_shard_rows_per_s"] = res[f"{tag}_pull_push_d{dim}_rows_per_s"] / num_shards
+    for kind in args["kinds"]:
+        tag = (f"s{num_shards}_c{num_clients}" + ("_shm" if args["shared_memory"] else "")
+               + ("" if kind == "uniform" else "_zipf"))
+        for dim in DIMS:
+            pull = sum(args["batch"] / r[f"{kind}_pull_d{dim}"] for r in results)
+            push = sum(args["batch"] / r[f"{kind}_push_d{dim}"] for r in results)
+            res[f"{tag}_pull_d{dim}_rows_per_s"] = pull
+            res[f"{tag}_push_d{dim}_rows_per_s"] = push
+            res[f"{tag}_pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / pull + 1.0 / push)
+            res[f"{tag}_pull_push_d{dim}_per_shard_rows_per_s"] = (res[f"{tag}_pull_push_d{dim}_rows_per_s"]
+                                                                   / num_shards)
     return res
 
 
@@ -185,6 +269,11 @@ def main() -> None:
                    help="the shard's C fast path (embedding_ps/native.py); off = EMBEDDING_PS_NATIVE=0 everywhere")
     p.add_argument("--weight-decay", type=float, default=0.0, help="ps.tables[*].weight_decay of the tables")
     p.add_argument("--weight-decay-mode", choices=("l2", "decoupled"), default="l2")
+    p.add_argument("--ids", choices=("uniform", "zipf", "both"), default="both",
+                   help="id stream: unique uniform ids, Zipf(1.05) draws with duplicates, or both")
+    p.add_argument("--threads", type=int, default=0, help="ps.threads of the shards and the in-process bound")
+    p.add_argument("--shared-memory", choices=("on", "off", "both"), default="both",
+                   help="ps.shared_memory: rows of a co-located shard through /dev/shm instead of the socket")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
     args = p.parse_args()
@@ -195,24 +284,37 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
-             "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode}
+             "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
+             "threads": args.threads, "shared_memory": False,
+             "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
     with tempfile.TemporaryDirectory(prefix="ps-throughput-") as workdir:
         for s in args.shards:
             for c in args.clients:
-                res.update(run_config(ctx, s, c, knobs, workdir))
+                for shm in {"off": (False,), "on": (True,), "both": (False, True)}[args.shared_memory]:
+                    res.update(run_config(ctx, s, c, {**knobs, "shared_memory": shm}, workdir))
     res.update(baseline(args.pool, args.batch, args.repeats))
+    res.update(inprocess(knobs))
     if not args.skip_core:
         res.update(bench_map(args.map_rows, args.batch, args.repeats))
         res.update(bench_rss(args.rss_rows, 64, args.batch))
-    first = f"s{args.shards[0]}_c{args.clients[0]}"
+    first = f"s{args.shards[0]}_c{args.clients[0]}" + ("_shm" if args.shared_memory == "on" else "")
+    first_kind = "" if "uniform" in knobs["kinds"] else "_zipf"
     summary = {
-        "rows_per_s": res[f"{first}_pull_push_d64_per_shard_rows_per_s"],
+        "rows_per_s": res[f"{first}{first_kind}_pull_push_d64_per_shard_rows_per_s"],
         "baseline_rows_per_s": res["baseline_pull_push_d64_rows_per_s"],
         "map_ids_per_s": res.get("map_lookup_insert_10pct_new_ids_per_s", float("nan")),
         "bytes_per_row_ratio": res.get("rss_ratio_d64", float("nan")),
     }
+    for shm, kind in [(m, k) for m in {"off": ("",), "on": ("_shm",), "both": ("", "_shm")}[args.shared_memory]
+                      for k in knobs["kinds"]]:
+        sfx = "" if kind == "uniform" else "_zipf"
+        key = f"ratio_vs_inprocess{sfx}{shm}"
+        shard_key = f"s1_c1{shm}{sfx}_pull_push_d64_rows_per_s"
+        if shard_key not in res:
+            raise SystemExit(f"error: {key} needs the 1 shard / 1 client run (--shards 1 ... --clients 1 ...)")
+        summary[key] = res[shard_key] / res[f"inprocess{sfx}_pull_push_d64_rows_per_s"]
     if args.json:
         print(json.dumps({**summary, "detail": res}))
         return

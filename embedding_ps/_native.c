@@ -13,8 +13,16 @@
  * Float math follows the torch ops of optim.py step by step in fp32 (scalars rounded to fp32
  * as torch does for a float32 tensor op with a Python scalar), so sgd and adagrad are bit-exact;
  * rowwise_adagrad's mean of g*g is a reduction whose order differs from torch's (~1 ulp).
+ *
+ * Threads (ps.threads): lookups, gathers and updates take `nthreads` and split
+ * their n items into contiguous chunks, one per thread (`ps_parallel`: threads 1..T-1 are
+ * started per call, chunk 0 runs on the caller; a thread that cannot be started runs inline).
+ * Updates get unique slots (the caller merged duplicates), so two threads never touch one row;
+ * every row's math is the same whatever the chunking, so results do not depend on nthreads.
+ * Inserts (ps_map_place) stay on one thread.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +40,58 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 2; }
+int ps_abi_version(void) { return 3; }
+
+/* ------------------------------------------------------------------ parallel for */
+#define PS_MAX_THREADS 64
+#define PS_MIN_CHUNK 4096 /* items per thread below which starting a thread costs more than it saves */
+
+typedef void (*ps_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
+
+struct ps_job {
+    ps_chunk_fn fn;
+    void *ctx;
+    int64_t lo, hi;
+};
+
+static void *ps_job_run(void *p) {
+    struct ps_job *j = (struct ps_job *)p;
+    j->fn(j->ctx, j->lo, j->hi);
+    return NULL;
+}
+
+/* fn(ctx, lo, hi) over [0, n) in min(nthreads, n / PS_MIN_CHUNK) contiguous chunks, in parallel. */
+static void ps_parallel(ps_chunk_fn fn, void *ctx, int64_t n, int nthreads) {
+    int64_t t = nthreads < PS_MAX_THREADS ? nthreads : PS_MAX_THREADS;
+    if (t > n / PS_MIN_CHUNK) t = n / PS_MIN_CHUNK;
+    if (t <= 1) {
+        fn(ctx, 0, n);
+        return;
+    }
+    struct ps_job jobs[PS_MAX_THREADS];
+    pthread_t tid[PS_MAX_THREADS];
+    int started[PS_MAX_THREADS];
+    for (int64_t i = 0; i < t; i++) {
+        jobs[i].fn = fn;
+        jobs[i].ctx = ctx;
+        jobs[i].lo = n * i / t;
+        jobs[i].hi = n * (i + 1) / t;
+    }
+    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, ps_job_run, &jobs[i]) == 0;
+    fn(ctx, jobs[0].lo, jobs[0].hi);
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i])
+            pthread_join(tid[i], NULL);
+        else
+            fn(ctx, jobs[i].lo, jobs[i].hi); /* no thread: run its chunk here */
+    }
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PS_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
+#else
+#define PS_ADD(p, v) (*(p) += (v)) /* single-threaded builds only */
+#endif
 
 static inline uint64_t ps_home(int64_t key, int bits) {
     uint64_t z = (uint64_t)key + 0x9E3779B97F4A7C15ULL;
@@ -46,8 +105,8 @@ static inline uint64_t ps_home(int64_t key, int bits) {
 
 /* For each key: its value (out_val, -1 if absent) and/or bucket (out_pos, -1 if absent).
  * Either output may be NULL. Returns 0, or -1 if a probe chain had no EMPTY end (corrupt map). */
-int ps_map_find(const int64_t *kv, const int32_t *vv, int bits, const int64_t *keys, int64_t n,
-                int32_t *out_val, int64_t *out_pos) {
+static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int bits, const int64_t *keys, int64_t n,
+                             int32_t *out_val, int64_t *out_pos) {
     const uint64_t mask = ((uint64_t)1 << bits) - 1;
     uint64_t ring[PF];
     int64_t i;
@@ -83,6 +142,31 @@ int ps_map_find(const int64_t *kv, const int32_t *vv, int bits, const int64_t *k
         if (out_pos) out_pos[i] = pos;
     }
     return 0;
+}
+
+struct ps_find_ctx {
+    const int64_t *kv;
+    const int32_t *vv;
+    int bits;
+    const int64_t *keys;
+    int32_t *out_val;
+    int64_t *out_pos;
+    int64_t failed;
+};
+
+static void ps_find_chunk(void *p, int64_t lo, int64_t hi) {
+    struct ps_find_ctx *c = (struct ps_find_ctx *)p;
+    if (ps_map_find_range(c->kv, c->vv, c->bits, c->keys + lo, hi - lo, c->out_val ? c->out_val + lo : NULL,
+                          c->out_pos ? c->out_pos + lo : NULL) != 0)
+        PS_ADD(&c->failed, 1);
+}
+
+/* ps_map_find_range over nthreads threads (the map is only read). */
+int ps_map_find(const int64_t *kv, const int32_t *vv, int bits, const int64_t *keys, int64_t n, int32_t *out_val,
+                int64_t *out_pos, int nthreads) {
+    struct ps_find_ctx c = {kv, vv, bits, keys, out_val, out_pos, 0};
+    ps_parallel(ps_find_chunk, &c, n, nthreads);
+    return c.failed ? -1 : 0;
 }
 
 /* Insert distinct keys absent from the map into the first free bucket (EMPTY or TOMBSTONE) of
@@ -197,7 +281,7 @@ void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
 /* ------------------------------------------------------------------ gather (pull) */
 /* out [n, d] float32 = rows slots of w [C, d] (fp32 or fp16 when half != 0); rows of out whose
  * slot is < 0 are left as they are. Returns the number of such rows. */
-int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out) {
+static int64_t ps_gather_range(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out) {
     const int64_t es = half ? 2 : 4;
     const char *base = (const char *)w;
     int64_t missing = 0;
@@ -220,6 +304,28 @@ int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int6
         }
     }
     return missing;
+}
+
+struct ps_gather_ctx {
+    const void *w;
+    int half;
+    int64_t d;
+    const int32_t *slots;
+    float *out;
+    int64_t missing;
+};
+
+static void ps_gather_chunk(void *p, int64_t lo, int64_t hi) {
+    struct ps_gather_ctx *c = (struct ps_gather_ctx *)p;
+    int64_t m = ps_gather_range(c->w, c->half, c->d, c->slots + lo, hi - lo, c->out + lo * c->d);
+    if (m) PS_ADD(&c->missing, m);
+}
+
+/* ps_gather_range over nthreads threads (rows are only read; each thread writes its rows of out). */
+int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out, int nthreads) {
+    struct ps_gather_ctx c = {w, half, d, slots, out, 0};
+    ps_parallel(ps_gather_chunk, &c, n, nthreads);
+    return c.missing;
 }
 
 /* ------------------------------------------------------------------ fused updates (push) */
@@ -260,9 +366,9 @@ static inline void ps_adagrad_f32(float *restrict w, float *restrict h, const fl
  * Weight decay (optim.py): wd_mode 1 ("l2") adds wd * w to the row's gradient before the update
  * (accumulators included, as fbgemm's TBE); wd_mode 2 ("decoupled") scales the row by `decay`
  * ((float)(1 - lr * wd)) before adding the update, AdamW-style; 0: none. */
-void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
-               const float *g, float neg_lr, float eps, int64_t *meta, int64_t step, int wd_mode, float wd,
-               float decay) {
+static void ps_update_range(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
+                            const float *g, float neg_lr, float eps, int64_t *meta, int64_t step, int wd_mode,
+                            float wd, float decay) {
     const int64_t es = half ? 2 : 4;
     char *base = (char *)w;
     float tmp[256];
@@ -333,4 +439,33 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
         }
     }
     free(gbuf);
+}
+
+struct ps_update_ctx {
+    int opt;
+    void *w;
+    int half;
+    float *state;
+    int64_t d;
+    const int32_t *slots;
+    const float *g;
+    float neg_lr, eps;
+    int64_t *meta;
+    int64_t step;
+    int wd_mode;
+    float wd, decay;
+};
+
+static void ps_update_chunk(void *p, int64_t lo, int64_t hi) {
+    struct ps_update_ctx *c = (struct ps_update_ctx *)p;
+    ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots + lo, hi - lo, c->g + lo * c->d, c->neg_lr,
+                    c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay);
+}
+
+/* ps_update_range over nthreads threads: slots must be unique, so each row has one owner thread. */
+void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
+               const float *g, float neg_lr, float eps, int64_t *meta, int64_t step, int wd_mode, float wd,
+               float decay, int nthreads) {
+    struct ps_update_ctx c = {opt, w, half, state, d, slots, g, neg_lr, eps, meta, step, wd_mode, wd, decay};
+    ps_parallel(ps_update_chunk, &c, n, nthreads);
 }

@@ -16,7 +16,9 @@ is refused: split the ids).
 The caller's thread deduplicates (`torch.unique`, when `dedup`), routes (`sharding.route`, argsort +
 bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.transport`) sends, matches
 replies by request id, retries and assembles the result. Rows and gradients travel as
-ps.wire_dtype (fp32, fp16 or bf16).
+ps.wire_dtype (fp32, fp16 or bf16); with ps.shared_memory, those of a shard on this host (1 MB or
+more) go through shared-memory segments instead (`embedding_ps.shm`), and a pull from one shard
+returns a tensor viewing its segment (reused for another request only once that tensor is gone).
 
 Timeouts and retries: a request unanswered for ps.timeout_s is sent again, up to ps.retries
 times, then its future fails with ShardUnavailableError naming the shard index and address. A
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from embedding_ps import protocol as P
+from embedding_ps import shm
 from embedding_ps.auth import load_token
 from embedding_ps.config import PSConfig
 from embedding_ps.sharding import route
@@ -113,6 +116,8 @@ class PSClient:
         self._ids = itertools.count(1)
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
+        # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.shm)
+        self._shm = shm.ClientSegments(self.addresses, config.shared_memory)
         self._io = IOThread(config, self.addresses, torch.get_num_threads())
         self._io.start()
         self._closed = False
@@ -129,12 +134,21 @@ class PSClient:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
             return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
-        reqs = []
+        reqs, segs = [], {}
         for shard, parts in shards.items():
-            h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim)
-            reqs.append((shard, h, _frames(tables, parts)))
+            seg = self._shm.take(shard, sum(c.numel() for _, c in parts) * dim * P.ITEM_SIZE[self.wire])  # rows go here
+            h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim,
+                             flags=P.FLAG_SHM if seg else 0)
+            reqs.append((shard, h, _frames(tables, parts) + ([seg[0]] if seg else [])))
+            if seg:
+                segs[shard] = seg[1]
         counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
-        return self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim))
+        call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
+        fut = self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim,
+                                                                                 segs, call), call)
+        if segs:
+            fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
+        return fut
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> "Future[None]":
@@ -163,13 +177,31 @@ class PSClient:
             return _combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
         grad_parts = self._by_shard(list(zip(plans, sent)))
-        reqs = []
+        reqs, segs = [], {}
         for shard, parts in shards.items():
             g = [c for _, c in grad_parts[shard]]
-            wire = P.to_wire(g[0] if len(g) == 1 else torch.cat(g), self.wire)     # [M_s, D]
-            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim)
-            reqs.append((shard, h, [*_frames(tables, parts), P.tensor_frame(wire)]))
-        fut = self._submit(P.Op.PUSH, reqs, lambda replies: None)
+            m = sum(c.shape[0] for c in g)
+            seg = self._shm.take(shard, m * dim * P.ITEM_SIZE[self.wire])
+            if seg:          # the grads go into the segment, cast to the wire type: [M_s, D]
+                segs[shard] = seg[1]
+                dst = P.frame_tensor(memoryview(seg[1]), self.wire, m, dim)
+                if len(g) > 1 and self.wire == P.DType.FP32:
+                    torch.cat(g, out=dst)
+                else:
+                    dst.copy_(g[0] if len(g) == 1 else torch.cat(g))
+                payload = seg[0]
+            else:
+                payload = P.tensor_frame(P.to_wire(g[0] if len(g) == 1 else torch.cat(g), self.wire))  # [M_s, D]
+            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim,
+                             flags=P.FLAG_SHM if seg else 0)
+            reqs.append((shard, h, [*_frames(tables, parts), payload]))
+        def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
+            return None
+
+        call = [] if segs else None
+        fut = self._submit(P.Op.PUSH, reqs, finish, call)
+        if segs:
+            fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         with self._lock:
             self._pushes.add(fut)
         fut.add_done_callback(self._push_done)
@@ -299,6 +331,7 @@ class PSClient:
             self._io.join(CLOSE_TIMEOUT_S)
             if self._io.is_alive():
                 logger.warning("PSClient I/O thread did not stop within %g s", CLOSE_TIMEOUT_S)
+        self._shm.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -345,10 +378,12 @@ class PSClient:
                         client=self._client, request=next(self._ids), **fields)
 
     def _submit(self, op: P.Op, reqs: list[tuple[int, P.Header, list]],
-                finish: Callable[[dict], Any]) -> Future:
+                finish: Callable[[dict], Any], call_out: list | None = None) -> Future:
         if self._closed:
             raise RuntimeError("PSClient is closed")
         call = Call(op, Future(), finish, waiting=len(reqs))
+        if call_out is not None:
+            call_out.append(call)
         items = [Request(call, shard, h.request, [h.pack(), self._token, *payload]) for shard, h, payload in reqs]
         self._io.submit(items)
         return call.future
@@ -409,18 +444,23 @@ class PSClient:
                              f"split the ids")
         return False
 
-    def _assemble_many(self, plans: list, counts: dict[int, list[int]],
-                       replies: dict[int, tuple[P.Header, list]], dim: int) -> torch.Tensor:
-        """Every shard's PULL reply -> float32 rows [sum N_t, D] in the caller's order."""
+    def _assemble_many(self, plans: list, counts: dict[int, list[int]], replies: dict[int, tuple[P.Header, list]],
+                       dim: int, segs: dict | None = None, call: list | None = None) -> torch.Tensor:
+        """Every shard's PULL reply (or its rows in shared-memory segment segs[shard]) -> float32 rows
+        [sum N_t, D] in the caller's order."""
         pieces: dict[int, list[torch.Tensor]] = {}          # shard -> rows of each of its parts
         for shard, cs in counts.items():
             header, payload = replies[shard]
             what = f"PULL reply of ps shard {shard}"
-            if len(payload) != 1:
-                raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not 1")
+            seg = segs.get(shard) if segs else None
+            if len(payload) != (seg is None):
+                raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not {int(seg is None)}")
             dtype = P.row_dtype(header.dtype, what)
-            P.expect_bytes(what, len(payload[0]), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
-            rows = P.frame_tensor(payload[0], dtype, sum(cs), dim)
+            buf = memoryview(seg) if seg is not None else payload[0]
+            P.expect_bytes(what, len(buf), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
+            rows = P.frame_tensor(buf, dtype, sum(cs), dim)
+            if seg is not None and call and call[0].retried:
+                rows = rows.clone()          # an earlier attempt may still write the segment: not the caller's
             if len(counts) == 1 and all(p.gather is None and p.place is None for p in plans):
                 return rows.float()           # one shard, no reordering: the frame itself (fp32)
             pieces[shard] = list(torch.split(rows, cs))

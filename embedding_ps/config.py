@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +15,8 @@ MAX_WORKERS = 65536
 """Most trainers pushing to the shards."""
 MAX_DIM = 65536
 """Widest embedding row."""
+MAX_THREADS = 64
+"""Most worker threads per shard (ps.threads)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,6 +156,18 @@ class PSConfig:
     """A shard SAVEs and LOADs only under this directory ('..' and symlinks resolved; anything else
     is refused). `recsys train` and `recsys ps` set it to train.run_dir when it is empty; a PSConfig
     built in code with it empty does not confine (library use, tests)."""
+    shared_memory: bool = False
+    """A client whose shard address is on this host (127.x, localhost, ::1) passes PULL / PUSH rows of
+    1 MB or more through shared-memory segments in /dev/shm (`embedding_ps.shm`) instead of the
+    socket: the shard writes pulled rows into the client's segment, which the client returns without
+    a copy, and reads pushed gradients from it. Linux only (elsewhere: the socket); the shard must
+    have it set too (it refuses such requests otherwise)."""
+    threads: int = 0
+    """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
+    of a request are split into contiguous chunks of its (unique) rows, one per
+    thread, so two threads never update one row; inserts stay on one thread. 1: one thread (the
+    behaviour before this setting); 0: what the machine has to spare, half the CPUs this process
+    may run on, at most 4 (`shard_threads`; 1 on a 2-core machine). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
 
@@ -169,6 +184,8 @@ class PSConfig:
             )
         if self.num_workers < 1:
             raise ValueError(f"ps.num_workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"ps.threads must be in [0, {MAX_THREADS}] (0: what the machine has), got {self.threads}")
         if self.max_staleness < 0:
             raise ValueError(f"ps.max_staleness must be >= 0, got {self.max_staleness}")
         if self.timeout_s <= 0:
@@ -183,3 +200,24 @@ class PSConfig:
             raise ValueError("ps.token_file must be set when ps.auth = 'token'")
         if self.auth == "curve" and not self.curve_keys_dir:
             raise ValueError("ps.curve_keys_dir must be set when ps.auth = 'curve'")
+
+
+DEFAULT_MAX_THREADS = 4
+"""ps.threads = 0 uses at most this many: beyond ~4 threads one request's rows are too few to share."""
+
+
+def shard_threads(threads: int) -> int:
+    """ps.threads resolved: the value itself, or for 0 half the usable CPUs, in [1, DEFAULT_MAX_THREADS].
+
+    Half, because the other half runs trainers, the data pipeline and other shards: a thread of a
+    request's fork-join that loses its core makes the whole request wait. Measured on the shared
+    2-core machine (BENCHMARKS.md): 2 threads dropped the in-process op mix from a median of 10.7M
+    to 3.6M rows/s, so 0 means 1 there.
+    """
+    if threads > 0:
+        return threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(DEFAULT_MAX_THREADS, cpus // 2))

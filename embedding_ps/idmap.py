@@ -51,10 +51,11 @@ class IdMap:
         m.lookup(np.array([-1, 5]))   # -> array([1, -1], dtype=int32)
     """
 
-    def __init__(self, capacity: int = 0, max_load: float = 0.7) -> None:
+    def __init__(self, capacity: int = 0, max_load: float = 0.7, threads: int = 1) -> None:
         if not 0.1 <= max_load <= 0.9:
             raise ValueError(f"IdMap.max_load must be in [0.1, 0.9], got {max_load}")
         self.max_load = max_load
+        self.threads = threads  # C threads of a native lookup (reads only); inserts run on one thread
         self._size = 0
         self._tombs = 0
         self._alloc(self._buckets_for(capacity))
@@ -75,7 +76,8 @@ class IdMap:
         """int64 [N] -> int32 [N]: the value of each key, -1 where absent. Duplicates are fine."""
         lib = native.lib()
         if lib is not None:
-            return native.map_find(lib, self._keys, self._vals, self._bits, np.ascontiguousarray(keys, dtype=np.int64), "val")
+            return native.map_find(lib, self._keys, self._vals, self._bits, np.ascontiguousarray(keys, dtype=np.int64),
+                                   "val", self.threads)
         return self._find(np.ascontiguousarray(keys, dtype=np.int64), want="val").astype(np.int32, copy=False)
 
     def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
@@ -150,7 +152,7 @@ class IdMap:
         """int64 [N] -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1 where absent."""
         lib = native.lib()
         if lib is not None:
-            return native.map_find(lib, self._keys, self._vals, self._bits, keys, want)
+            return native.map_find(lib, self._keys, self._vals, self._bits, keys, want, self.threads)
         mask = self.num_buckets - 1
         kv, vv = self._keys, self._vals
         pos = _home(keys, self._bits)

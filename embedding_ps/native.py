@@ -13,6 +13,10 @@ which stays the reference (tests compare the two).
 environment variables; the `recsys` entry points turn `EMBEDDING_PS_NATIVE=0` into this call).
 
 Wrappers here check dtypes, contiguity and sizes before passing raw pointers.
+
+Threads: `map_find`, `gather` and `update` take `threads` (ps.threads of the
+shard): the C side splits the items into contiguous chunks, one per thread, and ctypes releases
+the GIL for the call. Results are the same for every thread count (tests compare them).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("_native.c")
-_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 2
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
+_ABI = 3
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -44,12 +48,12 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _SIGS = {
     "ps_abi_version": ([], ctypes.c_int),
-    "ps_map_find": ([_P, _P, ctypes.c_int, _P, _I64, _P, _P], ctypes.c_int),
+    "ps_map_find": ([_P, _P, ctypes.c_int, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int),
     "ps_map_place": ([_P, _P, ctypes.c_int, _P, _P, _I64], _I64),
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
-    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P], _I64),
+    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, ctypes.c_int], _I64),
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
-                   ctypes.c_int, ctypes.c_float, ctypes.c_float], None),
+                   ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
     "ps_h2f_array": ([_P, _P, _I64], None),
 }
@@ -170,17 +174,20 @@ def _check(a, dtype, name: str) -> None:
         raise TypeError(f"native: {name} must be a contiguous {dtype} array, got {a.dtype}")
 
 
-def map_find(native, kv: np.ndarray, vv: np.ndarray, bits: int, keys: np.ndarray, want: str) -> np.ndarray:
+def map_find(native, kv: np.ndarray, vv: np.ndarray, bits: int, keys: np.ndarray, want: str,
+             threads: int = 1) -> np.ndarray:
     """IdMap._find in C: int64 [N] keys -> int32 values (want="val") or int64 buckets (want="pos"), -1 absent."""
     _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals"), _check(keys, np.int64, "keys")
     assert kv.shape[0] == vv.shape[0] == 1 << bits
     n = keys.shape[0]
     if want == "val":
         out = np.empty(n, dtype=np.int32)
-        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, out.ctypes.data, None)
+        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, out.ctypes.data, None,
+                                threads)
     else:
         out = np.empty(n, dtype=np.int64)
-        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, None, out.ctypes.data)
+        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, None, out.ctypes.data,
+                                threads)
     if rc != 0:
         raise RuntimeError("IdMap: probe chain without an empty bucket (corrupt map)")
     return out
@@ -203,7 +210,7 @@ def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:
     return bool(native.ps_has_duplicates(slots.ctypes.data, slots.shape[0], bitmap.ctypes.data))
 
 
-def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor) -> int:
+def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads: int = 1) -> int:
     """out float32 [N, D] = weights[slots] (fp32 or fp16 weights), slots int32 [N] < len(weights);
     rows with slot < 0 are left untouched. Returns how many there were."""
     _check(slots, np.int32, "slots"), _check(out, torch.float32, "out")
@@ -211,7 +218,8 @@ def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor) 
     _check(weights, torch.float16 if half else torch.float32, "weights")
     n, d = out.shape
     assert slots.shape[0] == n and weights.shape[1] == d
-    return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr())
+    return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
+
 
 
 WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2}
@@ -219,8 +227,11 @@ WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2}
 
 def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, slots: np.ndarray,
            grads: torch.Tensor, lr: float, eps: float, meta: torch.Tensor | None, step: int,
-           weight_decay: float = 0.0, weight_decay_mode: str = "l2") -> None:
+           weight_decay: float = 0.0, weight_decay_mode: str = "l2", threads: int = 1) -> None:
     """The fused update of unique rows slots int32 [U] from grads float32 [U, D] (see ps_update in _native.c).
+
+    `threads` > 1 splits the rows between threads: the slots must be unique (`TableShard` merges
+    duplicates first), or two threads would update one row.
 
     weight_decay > 0: "l2" adds weight_decay * w to each row's gradient, "decoupled" scales the row
     by (1 - lr * weight_decay) before the update (the math of `optim.apply_update`)."""
@@ -242,4 +253,4 @@ def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | 
     native.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
                      float(np.float32(-lr)), float(np.float32(eps)), mp, int(step),
                      WEIGHT_DECAY_MODES[weight_decay_mode if weight_decay else "none"],
-                     float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)))
+                     float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), threads)

@@ -119,11 +119,13 @@ def native_update(
     grads: torch.Tensor,
     meta: torch.Tensor | None = None,
     step: int = 0,
+    threads: int = 1,
 ) -> bool:
     """`apply_update` in C (`_native.c` ps_update), one pass per row, if it applies; returns whether it ran.
 
     slots int32 [U] (unique), grads float32 [U, D]; with `meta` (int64 [C], count << 32 |
-    last_seen) also the row counters as `TableShard.push` updates them. Runs for the torch
+    last_seen) also the row counters as `TableShard.push` updates them; `threads` C threads split
+    the rows (unique, so each row has one owner). Runs for the torch
     kernel's sgd / adagrad / rowwise_adagrad on fp32 or fp16 rows when the native library is
     loaded; False otherwise (adam, ftrl, kernel="fbgemm", EMBEDDING_PS_NATIVE=0, no compiler).
     """
@@ -134,7 +136,7 @@ def native_update(
         return False
     st = state.get("sum_sq")
     native.update(lib, cfg.optimizer, weights, st, slots, grads, cfg.lr, cfg.eps, meta, step,
-                  cfg.weight_decay, cfg.weight_decay_mode)
+                  cfg.weight_decay, cfg.weight_decay_mode, threads)
     return True
 
 

@@ -10,6 +10,11 @@ A message is a list of ZeroMQ frames. A request is::
         SAVE/LOAD directory, UTF-8                   (dtype BYTES, count = byte length)
         others    nothing
 
+PULL / PUSH with ``flags & FLAG_SHM`` (a client and shard on one host, `embedding_ps.shm`): the rows
+do not travel in a frame. PUSH's third payload frame is then the name (ASCII) of a shared-memory
+segment holding the grads dtype [M, D] from its first byte; PULL has a third payload frame, the
+name of the segment the shard writes the reply rows dtype [M, D] into, and the reply has no payload.
+
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (a copy in memory), replies at
 once and writes the copy on a thread; SAVE_STATUS reports how that write went (`embedding_ps.saver`).
 Without the flag, SAVE replies once the files are written. SAVE with ``flags & FLAG_PREPARE``
@@ -75,6 +80,8 @@ FLAG_BACKGROUND = 1
 """SAVE request flag: snapshot now, reply at once, write the files on a background thread."""
 FLAG_PREPARE = 2
 """SAVE request flag: fault in the memory of the next background snapshot, reply at once."""
+FLAG_SHM = 4
+"""PULL / PUSH request flag: the rows are in the client's shared-memory segment named by the last frame."""
 
 
 class Status(enum.IntEnum):
@@ -177,10 +184,11 @@ def check_request(h: Header, num_frames: int) -> Op:
         op = Op(h.op)
     except ValueError:
         raise ProtocolError(f"unknown op {h.op}") from None
-    want = 2 + REQUEST_PAYLOADS[op]
+    payload = REQUEST_PAYLOADS[op] + (op == Op.PULL and bool(h.flags & FLAG_SHM))   # + the segment's name
+    want = 2 + payload
     if num_frames != want:
         raise ProtocolError(f"{op.name} request must have {want} frames (header, auth, "
-                            f"{REQUEST_PAYLOADS[op]} payload), got {num_frames}")
+                            f"{payload} payload), got {num_frames}")
     return op
 
 
@@ -252,7 +260,7 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
         raise ProtocolError(f"{what}: payload is not UTF-8 ({e})", Status.BAD_VALUE) from None
 
 
-__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
+__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "FLAG_SHM", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
            "ProtocolError", "WIRE_DTYPES", "ITEM_SIZE", "unpack_header", "peek_ids", "check_request",
            "expect_bytes", "row_dtype", "tensor_frame", "frame_tensor", "to_wire", "text_frame",
            "frame_text"]

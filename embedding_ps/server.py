@@ -20,6 +20,10 @@ is parked meanwhile), then the shard copies its state into it, replies, and a th
 copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
 save is prepared or written, new SAVE and LOAD requests are parked and retried when that ends.
 
+With ps.shared_memory a client on the same host passes PULL / PUSH rows in its shared-memory
+segments (`embedding_ps.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
+gradients from, the segment the request names (sync mode copies them: the gate keeps them).
+
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.
 """
@@ -47,6 +51,8 @@ from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
+from embedding_ps.shm import ShmAttacher
+from embedding_ps.shm import available as shm_available
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
@@ -106,6 +112,9 @@ class ShardServer:
                           P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep,
                           P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
+        # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM is refused)
+        self.shm = ShmAttacher() if config.shared_memory and shm_available() else None
+        self.shm_requests = 0             # PULL / PUSH served through shared memory
         self.saver = BackgroundSaver(self.name, shard_index)
         # SAVE / LOAD stay under ps.storage_root (resolved once; "": not confined, see PSConfig)
         self.storage_root = os.path.realpath(config.storage_root) if config.storage_root else None
@@ -185,6 +194,21 @@ class ShardServer:
         P.expect_bytes(f"{name} ids", len(ids_buf), total, 8, limit)
         return tables, counts, P.frame_tensor(ids_buf, P.DType.INT64, total)
 
+    def _segment(self, h: P.Header, name: memoryview, nbytes: int) -> np.ndarray:
+        """uint8 [nbytes] view of the client's shared-memory segment `name`; BAD_VALUE if refused."""
+        what = f"{P.Op(h.op).name} with shared memory"
+        if self.shm is None:
+            raise P.ProtocolError(f"{what} refused: this shard does not take shared memory (ps.shared_memory "
+                                  f"is off, or this host has no /dev/shm)", P.Status.BAD_VALUE)
+        if len(name) > 128:
+            raise P.ProtocolError(f"{what}: segment name of {len(name)} bytes", P.Status.BAD_VALUE)
+        try:
+            seg = self.shm.attach(bytes(name), nbytes)
+        except (OSError, ValueError) as e:
+            raise P.ProtocolError(f"{what}: {e}", P.Status.BAD_VALUE) from None
+        self.shm_requests += 1
+        return seg
+
     def _path(self, h: P.Header, payload: list) -> str:
         P.expect_bytes(f"{P.Op(h.op).name} path", len(payload[0]), h.count, 1, 1 << 16)
         path = P.frame_text(payload[0], f"{P.Op(h.op).name} path")
@@ -219,15 +243,23 @@ class ShardServer:
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
+        seg = self._segment(h, payload[2], reply_bytes) if h.flags & P.FLAG_SHM else None   # uint8 [bytes]
         self.gate.pulled(h.step)
-        out = self.buffers.tensor(torch.float32, (total, h.dim))        # [M, D], a reused reply buffer
+        if seg is not None and dtype == P.DType.FP32:
+            out = P.frame_tensor(memoryview(seg), dtype, total, h.dim)   # [M, D], the client's memory
+        else:
+            out = self.buffers.tensor(torch.float32, (total, h.dim))    # [M, D], a reused reply buffer
         start = 0
         for t, n in zip(tables, counts):
             if n:          # each part straight into its contiguous rows of `out`
                 self.state.pull(t, ids[start:start + n], h.step, out=out[start:start + n])
             start += n
         if dtype != P.DType.FP32:
-            out = self.buffers.tensor(P.TORCH_DTYPES[dtype], (total, h.dim)).copy_(out)
+            wire = (P.frame_tensor(memoryview(seg), dtype, total, h.dim) if seg is not None
+                    else self.buffers.tensor(P.TORCH_DTYPES[dtype], (total, h.dim)))
+            out = wire.copy_(out)
+        if seg is not None:
+            return [h.reply().pack()]       # the rows are in the client's segment
         return [h.reply().pack(), P.tensor_frame(out)]
 
     def _push(self, h: P.Header, payload: list) -> list:
@@ -235,11 +267,16 @@ class ShardServer:
         dtype = P.row_dtype(h.dtype, "PUSH grads")
         tables, counts, ids = self._parts(h, payload[0], payload[1])
         total = ids.shape[0]
-        P.expect_bytes("PUSH grads", len(payload[2]), total * h.dim, P.ITEM_SIZE[dtype],
+        nbytes = total * h.dim * P.ITEM_SIZE[dtype]
+        shm = bool(h.flags & P.FLAG_SHM)
+        P.expect_bytes("PUSH grads", nbytes if shm else len(payload[2]), total * h.dim, P.ITEM_SIZE[dtype],
                        self.config.max_frame_bytes)
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
-        grads = P.frame_tensor(payload[2], dtype, total, h.dim).float()   # [M, D]
+        raw = memoryview(self._segment(h, payload[2], nbytes)) if shm else payload[2]
+        grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        if shm and self.config.mode == "sync" and dtype == P.DType.FP32:
+            grads = grads.clone()          # the sync gate keeps them past the reply: not the client's memory
         keep = self._finite_rows(tables, counts, grads)               # None: every row is finite
         parts, start = [], 0
         for t, n in zip(tables, counts):
@@ -284,7 +321,8 @@ class ShardServer:
         info = {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
                 "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
                 "state": self.state.stats(), "save": self.saver.status(),
-                "nonfinite_rows_skipped": self.nonfinite_skipped, **self.gate.stats()}
+                "nonfinite_rows_skipped": self.nonfinite_skipped, "shm_requests": self.shm_requests,
+                **self.gate.stats()}
         return self._json(h, info)
 
     def _health(self, h: P.Header, payload: list) -> list:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from embedding_ps import native
-from embedding_ps.config import PSConfig
+from embedding_ps.config import PSConfig, shard_threads
 from embedding_ps.sharding import keys_of, shard_of
 from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, SavedShard, ShardSnapshot, TableSnapshot,
                                    prefaulted, table_layout, verify_shard)
@@ -51,8 +51,10 @@ class ShardState:
             raise ValueError(f"shard_index must be in [0, {config.num_shards}), got {shard_index}")
         self.config = config
         self.shard_index = shard_index
+        self.threads = shard_threads(config.threads)
         self.tables = [
-            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})") for i, t in enumerate(config.tables)
+            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})", threads=self.threads)
+            for i, t in enumerate(config.tables)
         ]
         self._lock = threading.Lock()
 
@@ -81,7 +83,7 @@ class ShardState:
                 return out.copy_(t.pull(keys))
             # TableShard.pull's native path, writing into `out`
             snp = t.map.lookup(keys.numpy())
-            if native.gather(lib, t.weights, snp, out) != 0:
+            if native.gather(lib, t.weights, snp, out, self.threads) != 0:
                 t._fill_missing(keys, torch.from_numpy(snp < 0), out)
             return out
 
@@ -292,4 +294,5 @@ def release_free_heap() -> None:
         _LIBC[0].malloc_trim(0)
 
 
-__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "ShardState", "release_free_heap", "verify_shard"]
+__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "ShardState", "release_free_heap", "shard_threads",
+           "verify_shard"]

@@ -50,16 +50,17 @@ _MAX_SCRATCH = 1 << 24  # floats (64 MB): the largest update buffer a table keep
 class TableShard:
     """The rows of one table that one shard owns. Not thread-safe: `ShardState` serializes calls."""
 
-    def __init__(self, cfg: TableConfig, where: str = "") -> None:
+    def __init__(self, cfg: TableConfig, where: str = "", threads: int = 1) -> None:
         self.where = where or f"table {cfg.name!r}"
         # kernel "auto" / "native" resolved once, to "torch" (the native path) or "fbgemm": all the push path sees
         first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
         self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
         if first:
             logger.info("%s: update kernel %s", self.where, why)
+        self.threads = threads  # ps.threads: C threads of native lookups, gathers and updates
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)
-        self.map = IdMap()
+        self.map = IdMap(threads=threads)
         self.pending = BoundedCounter(cfg.max_pending)
         self.cap = 0
         self.hwm = 0  # slots [0, hwm) have been used at least once
@@ -86,7 +87,7 @@ class TableShard:
         lib = native.lib()
         if lib is not None:  # one C pass copies (and widens fp16) the rows that exist
             out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
-            if native.gather(lib, self.weights, snp, out) == 0:
+            if native.gather(lib, self.weights, snp, out, self.threads) == 0:
                 return out
             miss = torch.from_numpy(snp < 0)
             self._fill_missing(keys, miss, out)
@@ -144,7 +145,7 @@ class TableShard:
             self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
         if native.has_duplicates(lib, slots, self._dupbits):
             slots, grads = _merge_duplicates(slots, grads)
-        return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step)
+        return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step, self.threads)
 
     def _push_torch(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> None:
         u, g = _sum_duplicates(slots, grads)
@@ -391,7 +392,7 @@ class TableShard:
 
     def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
         """Replace all state with what `to_arrays` returned (arrays are copied)."""
-        self.__init__(self.cfg, self.where)
+        self.__init__(self.cfg, self.where, self.threads)
         h = int(meta["hwm"])
         self._grow(max(h, int(meta["capacity"]), 64))
         self.hwm = h
@@ -402,7 +403,7 @@ class TableShard:
             getattr(self, name)[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[name])))
         self.free = np.array(arrays["free"], dtype=np.int32)
         self.nfree = self.free.shape[0]
-        self.map = IdMap(capacity=arrays["map_keys"].shape[0])
+        self.map = IdMap(capacity=arrays["map_keys"].shape[0], threads=self.threads)
         self.map.insert(arrays["map_keys"], arrays["map_slots"])
         self.pending.set_state(arrays["pending.keys"], arrays["pending.count"], arrays["pending.last_seen"])
         self.pending.dropped = int(meta["pending_dropped"])

@@ -58,6 +58,7 @@ class Call:
     finish: Callable[[dict[int, tuple[P.Header, list]]], Any]
     waiting: int = 0
     parts: dict[int, tuple[P.Header, list]] = field(default_factory=dict)
+    retried: bool = False  # a request was sent again: the shard may answer an attempt late
 
 
 @dataclass(eq=False)
@@ -198,6 +199,7 @@ class IOThread(threading.Thread):
                 logger.warning("ps shard %d at %s: no reply to %s in %g s; retry %d of %d", req.shard,
                                self.addresses[req.shard], req.call.op.name, self.config.timeout_s,
                                req.attempts, self.config.retries)
+                req.call.retried = True
                 self._send(req)
             else:
                 err = ShardUnavailableError(

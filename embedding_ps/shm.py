@@ -1,0 +1,223 @@
+"""Shared-memory row frames between a client and a shard on the same host (ps.shared_memory).
+
+On loopback TCP a 100k-row d64 PULL reply or PUSH (25.6 MB) costs two kernel copies each way
+(~7-8 ms measured here; `ipc://` was slower still: ~11 ms). With shared memory the rows are not
+sent at all: the client owns segments in /dev/shm, names one in the request (a small frame), and
+the shard reads the gradients from it (PUSH) or gathers the rows into it (PULL) in place. The
+client's PULL result is a tensor viewing the segment (no copy); a segment is reused only once
+nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
+
+    client (ShmPool)                                  shard (ShmAttacher)
+    take(nbytes) -> segment "recsys-ps-<hex>"  ──name──>  attach(name, nbytes) -> uint8 view
+    PUSH: grads copied into the segment               reads grads from it (sync mode: copies them)
+    PULL: reply has no rows frame                     gathers rows into it
+
+Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
+a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
+its own user, at least as large as the request says, and only when it is bound to a loopback
+address (`serve`). A segment whose request failed or was retried is never reused (a late write
+of the shard cannot reach a tensor the caller holds). Only Linux has /dev/shm; elsewhere
+`available()` is False and clients use the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+NAME_RE = re.compile(r"recsys-ps-[0-9a-f]{16,64}")
+MIN_BYTES = 1 << 20
+"""Requests below this many row bytes use the socket: the copy is cheap and a segment costs a file."""
+POOL_BYTES = 1 << 30
+"""Most bytes of segments one client keeps (a request that finds no room uses the socket)."""
+_LOCAL_HOSTS = ("localhost", "::1", "[::1]")
+
+
+def is_local(address: str) -> bool:
+    """Whether a shard address (`tcp://host:port`, `ipc://path`) is on this host by its name."""
+    if address.startswith("ipc://"):
+        return True
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://"):].rsplit(":", 1)[0]
+    return host in _LOCAL_HOSTS or host.startswith("127.")
+
+
+def available() -> bool:
+    return sys.platform.startswith("linux") and os.path.isdir(SHM_DIR)
+
+
+class ShmPool:
+    """The client's segments: power-of-two sizes, reused once idle, at most `max_bytes` in all."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.segs: list[tuple[bytes, np.ndarray]] = []        # (name, uint8 [size] viewing the mapping)
+        self.total = 0
+        self.failed = False                                   # a segment could not be made: socket from now on
+
+    def take(self, nbytes: int) -> tuple[bytes, np.ndarray] | None:
+        """(name, uint8 [nbytes] view) of an idle segment, or None (too big for the pool: use the socket)."""
+        best = None
+        for i in range(len(self.segs)):    # no loop variable bound to a segment: it would count as a user
+            size = self.segs[i][1].nbytes
+            if size >= nbytes and self._idle(i) and (best is None or size < self.segs[best][1].nbytes):
+                best = i
+        if best is None:
+            size = max(MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
+            if size > self.max_bytes or self.failed:
+                return None
+            while self.total + size > self.max_bytes:         # drop idle segments (smallest first)
+                idle = [i for i in range(len(self.segs)) if self._idle(i)]
+                if not idle:
+                    return None
+                self.discard(self.segs[min(idle, key=lambda i: self.segs[i][1].nbytes)][1])
+            try:
+                self.segs.append(_create(size))
+            except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
+                logger.warning("shared memory segment of %d bytes not created (%s): rows go through the "
+                               "socket from now on", size, e)
+                self.failed = True
+                return None
+            self.total += size
+            best = len(self.segs) - 1
+        name, a = self.segs[best]
+        return name, a[:nbytes]
+
+    def discard(self, view: np.ndarray) -> None:
+        """Never reuse the segment under `view` (a request on it failed or was retried); unlink it."""
+        base = _root(view)
+        for i, (name, a) in enumerate(self.segs):
+            if a is base:
+                del self.segs[i]
+                self.total -= a.nbytes
+                _unlink(name)
+                return
+
+    def close(self) -> None:
+        for name, _ in self.segs:
+            _unlink(name)
+        self.segs.clear()
+        self.total = 0
+
+    def _idle(self, i: int) -> bool:
+        # references: the list's tuple and getrefcount's argument; more while a view (a tensor) lives
+        return sys.getrefcount(self.segs[i][1]) <= 2
+
+
+class ClientSegments:
+    """What a PSClient needs: segments for the shards on this host only, from one pool, thread-safe
+    (taken on the caller's thread, discarded on the I/O thread)."""
+
+    def __init__(self, addresses: Sequence[str], enabled: bool) -> None:
+        self.pool = ShmPool(POOL_BYTES) if enabled and available() else None
+        self.local = {s for s, a in enumerate(addresses) if is_local(a)}
+        self.lock = threading.Lock()
+
+    def take(self, shard: int, nbytes: int) -> tuple[bytes, np.ndarray] | None:
+        """(name, uint8 [nbytes]) for a request to `shard`, or None: the socket (off, another host, small)."""
+        if self.pool is None or shard not in self.local or nbytes < MIN_BYTES:
+            return None
+        with self.lock:
+            return self.pool.take(nbytes)
+
+    def done(self, fut: Future, segs: dict[int, np.ndarray], call: list) -> None:
+        """A failed or retried request's segments are never reused (the shard may still write them).
+
+        `call` holds the request's transport Call; it is emptied here, since the Call refers back
+        to the future (a reference cycle would keep the segments busy until a garbage collection)."""
+        retried = bool(call) and call[0].retried
+        call.clear()
+        if fut.exception() is not None or retried:
+            with self.lock:
+                for seg in segs.values():
+                    self.pool.discard(seg)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            with self.lock:
+                self.pool.close()       # unlinks the segments; mappings live on while a tensor views them
+
+
+class ShmAttacher:
+    """The shard's mappings of its clients' segments by name (most recently used `max_entries`)."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self.maps: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    def attach(self, name: bytes, nbytes: int) -> np.ndarray:
+        """uint8 [nbytes] view of segment `name`; ValueError naming what is wrong."""
+        a = self.maps.get(name)
+        if a is None:
+            a = _open(name)
+            self.maps[name] = a
+            if len(self.maps) > self.max_entries:     # dropped mappings unmap once no view is left
+                self.maps.popitem(last=False)
+        else:
+            self.maps.move_to_end(name)
+        if a.nbytes < nbytes:
+            raise ValueError(f"shared memory segment {name.decode()!r} has {a.nbytes} bytes, "
+                             f"the request needs {nbytes}")
+        return a[:nbytes]
+
+
+def _create(size: int) -> tuple[bytes, np.ndarray]:
+    name = f"recsys-ps-{os.getpid():08x}{secrets.token_hex(8)}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        # reserve the pages now: on a full tmpfs a sparse segment would SIGBUS at first touch instead
+        os.posix_fallocate(fd, 0, size)
+        m = mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return name.encode(), np.frombuffer(m, dtype=np.uint8)
+
+
+def _open(name: bytes) -> np.ndarray:
+    text = name.decode("ascii", "replace")
+    if not NAME_RE.fullmatch(text):
+        raise ValueError(f"shared memory segment name {text[:80]!r} is not recsys-ps-<hex>")
+    fd = os.open(os.path.join(SHM_DIR, text), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError(f"shared memory segment {text!r} is not a regular file of this user")
+        m = mmap.mmap(fd, st.st_size)
+    finally:
+        os.close(fd)
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def _unlink(name: bytes) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name.decode()))
+    except OSError:
+        pass
+
+
+def _root(view: np.ndarray) -> np.ndarray:
+    while isinstance(view.base, np.ndarray):
+        view = view.base
+    return view
+
+
+__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "ShmAttacher", "ShmPool", "available", "is_local"]

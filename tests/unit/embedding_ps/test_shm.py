@@ -1,0 +1,110 @@
+"""embedding_ps.shm: the client's segment pool (reuse only when idle, discard, cleanup) and the
+shard's checks before it maps a segment a request names."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_ps import shm
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+
+
+def test_pool_reuses_idle_segments_only() -> None:
+    pool = shm.ShmPool(64 << 20)
+    try:
+        name, a = pool.take(3 << 20)
+        assert a.nbytes == 3 << 20 and os.path.exists(os.path.join(shm.SHM_DIR, name.decode()))
+        rows = torch.from_numpy(a).view(torch.float32)            # a caller's tensor viewing the segment
+        del a
+        name2, b = pool.take(3 << 20)
+        assert name2 != name                                       # still viewed: a second segment
+        del b
+        name3, _ = pool.take(2 << 20)
+        assert name3 == name2                                      # idle again: reused (smallest that fits)
+        del rows
+        pool.discard(pool.take(1 << 20)[1])                        # discarded: unlinked, never handed out again
+        names = {n for n, _ in pool.segs}
+        assert len(names) == 1 and pool.total == 4 << 20
+    finally:
+        pool.close()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name.decode()))
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name2.decode()))
+
+
+def test_pool_bound_returns_none_when_full() -> None:
+    pool = shm.ShmPool(8 << 20)
+    try:
+        keep = pool.take(6 << 20)                                  # an 8 MB segment: the whole pool
+        assert keep is not None and pool.total == 8 << 20
+        assert pool.take(1 << 20) is None                          # no idle segment to drop: use the socket
+        name = keep[0]
+        del keep
+        assert pool.take(9 << 20) is None                          # larger than the pool
+        again = pool.take(1 << 20)
+        assert again is not None and again[0] == name              # idle now: reused, nothing new
+        del again
+        assert pool.take(9 << 20) is None and pool.take(4 << 20)[0] == name
+    finally:
+        pool.close()
+
+
+def test_attacher_sees_the_clients_bytes_and_checks_size() -> None:
+    pool = shm.ShmPool(16 << 20)
+    try:
+        name, a = pool.take(2 << 20)
+        a[:8] = np.arange(8, dtype=np.uint8)
+        att = shm.ShmAttacher(max_entries=1)
+        view = att.attach(name, 1 << 20)
+        assert view.nbytes == 1 << 20 and view[:8].tolist() == list(range(8))
+        view[8] = 99                                               # the shard writes: the client sees it
+        assert a[8] == 99
+        with pytest.raises(ValueError, match="the request needs"):
+            att.attach(name, 4 << 20)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("name", [b"../etc/passwd", b"recsys-ps-XYZ0000000000000000", b"recsys-ps-12",
+                                  b"recsys-ps-0123456789abcdef/x"])
+def test_attacher_refuses_names_that_are_not_segments(name: bytes) -> None:
+    with pytest.raises(ValueError, match="is not recsys-ps-<hex>"):
+        shm.ShmAttacher().attach(name, 8)
+
+
+def test_attacher_refuses_links_and_missing_segments(tmp_path) -> None:
+    name = "recsys-ps-" + "ab" * 12
+    link = os.path.join(shm.SHM_DIR, name)
+    target = tmp_path / "secret"
+    target.write_bytes(bytes(64))
+    os.symlink(target, link)
+    try:
+        with pytest.raises(OSError):                               # O_NOFOLLOW
+            shm.ShmAttacher().attach(name.encode(), 8)
+    finally:
+        os.unlink(link)
+    with pytest.raises(FileNotFoundError):
+        shm.ShmAttacher().attach(name.encode(), 8)
+
+
+def test_is_local() -> None:
+    for a in ("tcp://127.0.0.1:5555", "tcp://127.3.0.1:1", "tcp://localhost:9", "tcp://[::1]:7", "ipc:///tmp/x"):
+        assert shm.is_local(a), a
+    for a in ("tcp://10.0.0.1:5555", "tcp://ps-0.cluster:9", "tcp://[fe80::1]:7", "inproc://x"):
+        assert not shm.is_local(a), a
+
+
+def test_full_shm_falls_back_to_the_socket(monkeypatch) -> None:
+    """A /dev/shm without room (containers: 64 MB) must not SIGBUS later: no segment, the socket instead."""
+    def no_room(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    pool = shm.ShmPool(64 << 20)
+    assert pool.take(2 << 20) is None and pool.failed
+    monkeypatch.undo()
+    assert pool.take(2 << 20) is None                              # not tried again
+    mine = f"recsys-ps-{os.getpid():08x}"
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)]   # the file made for it is gone
