@@ -8,8 +8,8 @@
 The handler only sets a flag (a signal may arrive in the middle of a collective or a PS call; the
 step that is running finishes normally). Ranks see a signal at different moments, so the flag is
 combined over the process group at each step boundary (MAX): every rank stops after the same step,
-which is what a consistent checkpoint needs. A second signal restores the default action and
-re-sends itself: the process dies by it at once (no checkpoint).
+which is what a consistent checkpoint needs. A second signal (more than DUPLICATE_WINDOW_S after the
+first) restores the default action and re-sends itself: the process dies by it at once (no checkpoint).
 
 Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
 launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a
@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,13 +32,21 @@ from recsys.dist import all_reduce
 logger = logging.getLogger(__name__)
 
 _requested = threading.Event()
+_first_at = [0.0]
+
+DUPLICATE_WINDOW_S = 1.0
+"""A signal this soon after the first is the same request delivered twice (under torchrun a Ctrl-C
+reaches each worker from the terminal and again from the agent), not a second one."""
 
 
 def _handler(signum: int, frame: object) -> None:
     if _requested.is_set():                    # the second signal: stop at once, by the signal itself
+        if time.monotonic() - _first_at[0] < DUPLICATE_WINDOW_S:
+            return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
+    _first_at[0] = time.monotonic()
     _requested.set()
     logger.warning("%s: stopping after the current step with a checkpoint (signal again to stop at once)",
                    signal.Signals(signum).name)

@@ -87,8 +87,10 @@ import os, signal, sys, time
 from recsys.training import stopping
 stopping.install(signal.SIGTERM)
 os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(0.2)
+time.sleep(0.1)
 assert stopping.requested()
+os.kill(os.getpid(), signal.SIGTERM)      # the same request delivered twice (terminal + torchrun's agent)
+time.sleep(stopping.DUPLICATE_WINDOW_S + 0.1)
 print("alive after the first", flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(5)
