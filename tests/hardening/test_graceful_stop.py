@@ -4,8 +4,9 @@
   each run exits 0 with a checkpoint and a line saying how to resume, leaves no process behind, and
   `--resume latest` then ends with the same weights (<= 1e-6) as an uninterrupted run (sync mode,
   2 trainers x 2 shards: the stop is a consistent cut at a step every rank agreed on).
-- A bad label at row 5000 (only the rows show it) stops the job with the trainer's one line last,
-  exit 2, and the traceback only in the trainer's log.
+- A bad label at row 500 (only the rows show it) and a non-finite loss stop the job with the
+  trainer's one line last (file, column, row / step, batch rows), exit 2, the traceback only in the
+  trainer's log, and no process left.
 - A standalone `recsys ps` exits 0 on SIGTERM and on SIGINT.
 """
 
@@ -92,6 +93,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def assert_no_process_left(run: Path) -> None:
+    """Every shard, trainer and launcher of the run is gone (within 10 s of the launcher's exit)."""
+    procs = json.loads((run / "processes.json").read_text())
+    procs += [json.loads(f.read_text()) for f in (run / "pids").glob("trainer-*.json")]
+    deadline = time.monotonic() + 10
+    while any(alive(p["pid"]) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in procs if alive(p["pid"])], "processes of the run still alive"
+
+
 def stop_gracefully(proc: subprocess.Popen, run: Path) -> dict:
     """SIGTERM the launcher; it must exit 0 with the resume line last, leaving a checkpoint and no process."""
     try:
@@ -104,12 +115,7 @@ def stop_gracefully(proc: subprocess.Popen, run: Path) -> dict:
     assert proc.returncode == 0, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "stopped at step" in last and "--resume latest" in last, last
-    procs = json.loads((run / "processes.json").read_text())
-    procs += [json.loads(f.read_text()) for f in (run / "pids").glob("trainer-*.json")]
-    deadline = time.monotonic() + 10
-    while any(alive(p["pid"]) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in procs if alive(p["pid"])], "processes of the run still alive"
+    assert_no_process_left(run)
     info = json.loads((run / "stopped.json").read_text()) if (run / "stopped.json").exists() else {}
     return info
 
@@ -178,18 +184,28 @@ def test_sigterm_during_a_background_save_resumes_exactly(tmp_path: Path, data_d
     assert_same_model(uninterrupted, run)
 
 
-def test_a_bad_row_stops_the_job_with_one_line_and_exit_2(tmp_path: Path, data_dir: Path) -> None:
+def bad_label_data(data_dir: Path, out: Path) -> Path:
+    """The job's data with a label of 3 at row 500 of the first file (only the rows show it)."""
     table = pq.read_table(sorted(data_dir.glob("part-*.parquet"))[0])
     labels = table.column("label").to_numpy().copy()
     labels[500] = 3.0
-    bad = tmp_path / "bad"
-    bad.mkdir()
+    out.mkdir()
     pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels)),
-                   bad / "part-00000.parquet")
+                   out / "part-00000.parquet")
     for part in sorted(data_dir.glob("part-*.parquet"))[1:]:
-        (bad / part.name).symlink_to(part.resolve())
+        (out / part.name).symlink_to(part.resolve())
+    return out
+
+
+@pytest.mark.parametrize("problem", ["bad label at row 500", "non-finite loss"])
+def test_a_trainer_error_stops_the_job_with_one_line_and_exit_2(tmp_path: Path, data_dir: Path, problem: str) -> None:
     run = tmp_path / "run"
-    proc = start_cli(run, bad)
+    if problem == "non-finite loss":
+        proc, expect = start_cli(run, data_dir, "train.dense_lr=1e30"), ("the training loss is nan", "on the batch of",
+                                                                         "part-0000", "rows ")
+    else:
+        proc, expect = start_cli(run, bad_label_data(data_dir, tmp_path / "bad")), ("part-00000.parquet", "'label'",
+                                                                                   "row 500")
     try:
         _, err = proc.communicate(timeout=TIMEOUT)
     finally:
@@ -198,10 +214,11 @@ def test_a_bad_row_stops_the_job_with_one_line_and_exit_2(tmp_path: Path, data_d
             proc.wait(timeout=10)
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "part-00000.parquet" in last and "'label'" in last and "row 500" in last, last
+    assert last.startswith("error: ") and all(x in last for x in expect), last
     assert "Traceback" not in err
     rank = int(last.split("[trainer rank ")[1].split(";")[0])
     assert "Traceback" in (run / "logs" / f"trainer-{rank}.log").read_text()
+    assert_no_process_left(run)
 
 
 def test_standalone_shard_exits_0_on_sigterm_and_sigint(tmp_path: Path) -> None:
