@@ -290,9 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:
         if _user_error(e):           # config, data, paths, checkpoints, exports, a trainer's error: one line
-            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
             if args.verbose:
                 logger.exception("details")
+            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")     # last, also with --debug
             return 2
         # bad data, a dead process, a missing file: the message names it; -v adds the traceback
         logger.error("%s: %s", type(e).__name__, e, exc_info=args.verbose)
