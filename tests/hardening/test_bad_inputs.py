@@ -240,11 +240,15 @@ def test_bad_input_fails_in_one_line_and_changes_nothing(world: World, capsys: p
                                                         names: str) -> None:
     before = tree_hash(world.root)
     capsys.readouterr()
-    logging.getLogger().handlers.clear()      # main() configures logging on this test's stderr
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers.clear()                     # main() configures logging on this test's stderr
     try:
         code = cli.main(make(world))
     except SystemExit as e:                   # argparse exits (our parser: one line, code 2)
         code = e.code
+    finally:
+        root.handlers[:], root.level = saved  # not left writing to this test's (closed) stderr
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.strip()]
     assert code == 2, f"{name}: exit {code}\n{err[-2000:]}"
