@@ -309,6 +309,23 @@ class ParquetLoader:
         return check_state(state, where, {"seed": self.config.seed, "shuffle": int(self.config.shuffle),
                                           "window_rows": r.window_rows, "dataset": r.fingerprint}, self.total_rows)
 
+    def describe_rows(self, before: dict[str, Any], after: dict[str, Any]) -> str:
+        """Where the rows of the batch between positions `before` and `after` (state_dicts) come
+        from: files and row ranges, e.g. "part-0.parquet rows 800..1600 (row group 1)". With row
+        shuffling the batch holds some of those rows, in the window's shuffled order."""
+        if before.get("elastic") or after.get("epoch") != before.get("epoch"):
+            return f"rows {before.get('done', 0)}..{after.get('done', 0)} of this rank's elastic share"
+        windows = self._reader.windows(int(before["epoch"]))
+        last = int(after["window"]) - (1 if int(after["offset"]) == 0 else 0)
+        parts = []
+        for w in range(int(before["window"]), min(last, windows.num_windows - 1) + 1):
+            for p in windows.pieces_of(w):
+                src = self._reader.sources[p.source]
+                first = sum(src.row_group_rows[: p.row_group])      # the row group's first row in the file
+                parts.append(f"{src.path} rows {first + p.start}..{first + p.stop} (row group {p.row_group})")
+        shuffled = " (shuffled: the batch holds some of these rows)" if self._reader.row_shuffle else ""
+        return "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more" if len(parts) > 4 else "") + shuffled
+
     # -- resources ----------------------------------------------------------------------------
 
     def close(self) -> None:

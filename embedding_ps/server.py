@@ -485,7 +485,8 @@ def _prime_malloc() -> None:
 def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: int = 0,
           ready_file: str | None = None, state_factory: StateFactory | None = None,
           stop: threading.Event | None = None) -> None:
-    """Serve shard `shard_index` of every table until SHUTDOWN, SIGTERM or `stop` is set.
+    """Serve shard `shard_index` of every table until SHUTDOWN, SIGTERM or `stop` is set (SIGTERM
+    only without a `stop` of the caller's, who then handles signals).
 
     bind: host to bind (default ps.bind); a non-loopback host needs ps.auth (AuthConfigError,
     raised before anything is bound). port 0: an ephemeral port. The address clients should use is
@@ -500,6 +501,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
     state = (state_factory or _default_state)(config, shard_index)
     _prime_malloc()
     server = ShardServer(config, shard_index, state, token)
+    own_stop = stop is None              # a caller's `stop` comes with the caller's signal handling
     stop = stop or threading.Event()
     ctx = zmq.Context()
     authenticator = None
@@ -513,7 +515,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
             authenticator = setup_server_curve(ctx, sock, config)
         sock.bind(_endpoint(host, port))
         address = _advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), host)
-        if threading.current_thread() is threading.main_thread():
+        if own_stop and threading.current_thread() is threading.main_thread():
             old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
         logger.info("ps shard %d/%d serving at %s (%s mode, %d tables, auth %s, pid %d)", shard_index,
                     config.num_shards, address, config.mode, len(config.tables), config.auth, os.getpid())

@@ -5,15 +5,45 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from embedding_ps.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
+from recsys.training.launch import StopNow
 
 logger = logging.getLogger("recsys")
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line too: `error: <what> (see recsys ... --help)`, exit 2."""
+
+    def error(self, message: str) -> None:     # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.launch", "WorkerError"),
+               ("recsys.training.checkpoint", "CorruptCheckpointError"), ("embedding_ps.snapshot", "CorruptShardError"),
+               ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
+               ("data.criteo", "CriteoFormatError"))
+"""(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,
+a trainer's error): one `error:` line and exit code 2. Looked up in sys.modules: an error of a
+module that was never imported cannot have been raised, and the CLI starts without torch."""
+
+
+def _user_error(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return True               # a path given on the command line or in the config
+    for module, name in USER_ERRORS:
+        m = sys.modules.get(module)
+        if m is not None and isinstance(e, getattr(m, name)):
+            return True
+    return False
+
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="job config (TOML)")
@@ -51,6 +81,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, rows=args.rows)
 
 
+def _stop_on_signals(stop: threading.Event) -> None:
+    """First SIGTERM / SIGINT: set `stop` (a clean exit, 0); a second one: die by it at once."""
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        logger.warning("%s: stopping (signal again to stop at once)", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+
+
 def _cmd_ps(args: argparse.Namespace) -> int:
     from embedding_ps.server import serve
 
@@ -62,7 +106,10 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         from recsys.training.reshard import restore_shard
 
         factory = lambda config, shard: restore_shard(config, shard, args.restore)   # noqa: E731
-    serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory)
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory,
+          stop=stop)
     return 0
 
 
@@ -79,8 +126,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from recsys.preflight import preflight_train
 
     cfg = load_config(args.config, args.overrides)
-    preflight_train(cfg)                  # config and data footers, before any process starts
-    launch_train(cfg, resume=args.resume)
+    preflight_train(cfg, resume=args.resume)   # config, data footers, the checkpoint, before any process
+    launch_train(cfg, resume=args.resume, verbose=args.verbose)   # a graceful stop also exits 0
     return 0
 
 
@@ -115,7 +162,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from recsys.serving.export import export_model
     from recsys.serving.source import resolve_source
 
+    from recsys.preflight import preflight_export
+
     source = resolve_source(run=args.run, checkpoint=args.checkpoint, last=args.last)
+    preflight_export(source.model_dir.parent, source.origin.startswith("checkpoint"), Path(args.out))
     manifest = export_model(source, args.out, precision=args.precision, since=args.since)
     sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],
                                  "precision": manifest["precision"], "rows": manifest["rows"]}) + "\n")
@@ -139,9 +189,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
+    parser = _Parser(prog="recsys", description=__doc__)
     parser.add_argument("-v", "--verbose", "--debug", dest="verbose", action="store_true", help="debug logging and tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("print-config", help="print the resolved job config as TOML")
     _add_config_args(p, required=False)
@@ -235,18 +285,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_environment()
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:              # config, data schema, paths: one line, no traceback
-        sys.stderr.write(f"error: {e}\n")
-        if args.verbose:
-            logger.exception("details")
-        return 2
     except AuthConfigError as e:     # e.g. a non-loopback bind without ps.auth: fix the config
         logger.error("config error: %s", e)
         return 2
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:
+        if _user_error(e):           # config, data, paths, checkpoints, exports, a trainer's error: one line
+            if args.verbose:
+                logger.exception("details")
+            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")     # last, also with --debug
+            return 2
         # bad data, a dead process, a missing file: the message names it; -v adds the traceback
         logger.error("%s: %s", type(e).__name__, e, exc_info=args.verbose)
         return 1
+    except StopNow as e:                 # a second SIGTERM / SIGINT during `recsys train`
+        logger.error("%s", e)
+        return 128 + e.signum
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130

@@ -1,7 +1,8 @@
-"""Checks a job can run before any process starts (`recsys train`, `eval`, `predict`).
+"""Checks a job can run before any process starts (`recsys train`, `eval`, `predict`, `export`).
 
     preflight_train(cfg)                  # config cross-references, every data file's footer, the run dir
     preflight_data(cfg, paths, "--data")  # eval / predict: the files to score
+    preflight_export(source, is_ckpt, out) # export: the checkpoint's checksums, the output directory
 
 Reads only Parquet footers (`data.parquet.scan_files`: columns, types, row counts), never rows, so a
 config or schema problem is reported in about a second instead of after the shards and trainers
@@ -12,6 +13,7 @@ label at row 5,000,000) are still found by the trainers while reading.
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -27,9 +29,11 @@ class PreflightError(ConfigError):
     """A job that cannot run: the message names the file or config key, what is wrong and the fix."""
 
 
-def preflight_train(cfg: JobConfig) -> None:
+def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
     """Everything `recsys train` can know before it starts a process; PreflightError on the first problem."""
     check_tables(cfg)
+    if resume is not None and resume != "latest":
+        check_checkpoint(resume, "--resume")
     for key in ("train_paths", "eval_paths", "test_paths"):
         paths = getattr(cfg.data, key)
         if key == "train_paths" and not paths:
@@ -66,6 +70,34 @@ def preflight_data(cfg: JobConfig, paths: tuple[str, ...] | list[str], key: str)
         raise PreflightError(f"{key}: {e} (check the paths)") from None
 
 
+def check_checkpoint(path: str, key: str) -> None:
+    """An explicit checkpoint directory exists and every file matches its manifest (sizes and sha256)."""
+    from recsys.training.checkpoint import CorruptCheckpointError, verify_checkpoint
+
+    if not Path(path).is_dir():
+        raise PreflightError(f"{key} {path}: no such checkpoint directory (give run_dir/checkpoints/step-N, "
+                             f"or --resume latest)")
+    try:
+        verify_checkpoint(path)
+    except CorruptCheckpointError as e:
+        raise PreflightError(f"{key} {path}: {e} (resume from another checkpoint, e.g. --resume latest)") from None
+
+
+def preflight_export(source_dir: Path, is_checkpoint: bool, out: Path) -> None:
+    """`recsys export`, before any table is read: a checkpoint source verifies against its manifest,
+    and `out` is new, empty or an older export (never another directory) in a writable place."""
+    if is_checkpoint:
+        check_checkpoint(str(source_dir), "--checkpoint")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").exists())):
+        raise PreflightError(f"--out {out}: exists and is not an export; refusing to replace it "
+                             f"(choose a new directory)")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise PreflightError(f"--out {out}: {parent} is not writable (choose a writable directory)")
+
+
 def check_run_dir(run_dir: Path) -> None:
     """The run directory can be created and written, and its filesystem has room."""
     try:
@@ -82,4 +114,4 @@ def check_run_dir(run_dir: Path) -> None:
                              f"(free space, or choose another train.run_dir)")
 
 
-__all__ = ["PreflightError", "preflight_train", "preflight_data", "check_tables", "check_run_dir"]
+__all__ = ["PreflightError", "preflight_train", "preflight_data", "check_tables", "check_checkpoint", "check_run_dir", "preflight_export"]

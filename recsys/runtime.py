@@ -11,12 +11,28 @@ NATIVE_ENV_VAR = "EMBEDDING_PS_NATIVE"
 """`EMBEDDING_PS_NATIVE=0` turns off the shards' C fast path (`embedding_ps.native.set_enabled`)."""
 
 
-def setup_logging(verbose: bool = False, role: str | None = None) -> None:
+def setup_logging(verbose: bool = False, role: str | None = None, log_file: str | None = None) -> None:
     """The one place logging is configured; every entry point (this CLI, `recsys.train`, a trainer
-    process of the local launcher) calls it. `role` (e.g. "trainer1") replaces the logger name."""
+    process of the local launcher) calls it. `role` (e.g. "trainer1") replaces the logger name;
+    `log_file`: every record also goes there (appended; a trainer's log in the run directory)."""
     name = role if role is not None else "%(name)s"
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format=f"%(asctime)s %(levelname)s {name}: %(message)s")
+    fmt = f"%(asctime)s %(levelname)s {name}: %(message)s"
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt)
+    if not verbose:       # fbgemm_gpu logs one INFO line per library it loads, on the root logger
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_quiet_fbgemm)
+    if not verbose:       # torch elastic logs each failed worker with a traceback; recsys says it in one line
+        for noisy in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    if log_file is not None:
+        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter(fmt))
+        logging.getLogger().addHandler(handler)
+
+
+def _quiet_fbgemm(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or "fbgemm_gpu" not in record.pathname
 
 
 def apply_environment() -> None:

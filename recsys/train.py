@@ -4,13 +4,15 @@ The PS shards run elsewhere (`recsys ps` on the PS hosts); ps.addresses lists th
 `--resume latest|PATH` continues from a checkpoint: rank 0 tells the running shards to load its
 rows (same shard count), every rank restores its dense state and data position. When torchrun
 restarts the workers (`--max-restarts`, after a trainer died), they resume from the latest
-checkpoint by themselves. The run directory must be on a filesystem every trainer and shard sees.
+checkpoint by themselves. SIGTERM / SIGINT (torchrun forwards them to every worker): the trainers
+finish the current step, write a checkpoint and exit 0; a second signal stops at once. The run directory must be on a filesystem every trainer and shard sees.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -22,14 +24,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pathlib import Path
 
     from recsys.training.launch import write_run_dir
-    from recsys.training.worker import run_worker
+    from recsys.training import stopping
+    from recsys.training.worker import report_failure, run_worker
 
     p = argparse.ArgumentParser(prog="python -m recsys.train", description=__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--resume", default=None, metavar="latest|PATH")
+    p.add_argument("--debug", action="store_true", help="tracebacks on stderr too")
     args = p.parse_args(argv)
-    setup_logging(role=f"trainer{os.environ.get('RANK', '0')}")
+    setup_logging(args.debug, role=f"trainer{os.environ.get('RANK', '0')}")
     apply_environment()
     cfg = load_config(args.config, args.overrides)
     if not cfg.ps.addresses:
@@ -42,8 +46,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "latest"          # torchrun restarted the workers: continue where the job was
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
-    run_worker(str(resolved), list(cfg.ps.addresses), str(cfg.train.run_dir),
-               None if checkpoint is None else str(checkpoint), load_shards=True)
+    # torchrun's agent forwards the SIGTERM / SIGINT it gets: stop after the step, with a checkpoint
+    stopping.install(signal.SIGTERM, signal.SIGINT)
+    try:
+        run_worker(str(resolved), list(cfg.ps.addresses), str(cfg.train.run_dir),
+                   None if checkpoint is None else str(checkpoint), load_shards=True)
+    except Exception as e:         # one line on stderr, the traceback in run_dir/logs/trainer-R.log
+        line = report_failure(e, cfg.train.run_dir, int(os.environ.get("RANK", "0")), args.debug)
+        sys.stderr.write(f"error: {line}\n")
+        return 2
     return 0
 
 

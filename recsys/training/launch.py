@@ -10,7 +10,16 @@ Recovery: when a shard or a trainer is killed (it exits by a signal: kill -9, th
 every process of the attempt is stopped and the job starts again from the latest good checkpoint
 (fresh shards load their part of it, any shard count), up to `train.max_restarts` times; each
 restart is logged and appended to `run_dir/restarts.jsonl`. An error the job raises itself (bad
-data, bad config) is not retried: it would fail the same way.
+data, bad config) is not retried: it would fail the same way; the first failing trainer's one-line
+error (`run_dir/errors/`) is raised as `WorkerError`, its traceback stays in `run_dir/logs/`.
+
+Graceful stop: the launcher keeps SIGTERM / SIGINT for itself (torch elastic is told to handle only
+SIGHUP / SIGQUIT). The first one is forwarded to the trainers as SIGUSR1: they finish the current
+step, agree on it, write a checkpoint and exit 0; the shards are stopped after them and
+`launch_train` returns `{"stopped": 1, "step": N, "checkpoint": DIR}`. A second signal raises
+`StopNow`: torch elastic terminates the trainers at once (SIGTERM), the shards are stopped, nothing
+is saved. Shards and trainers leave the terminal's process group, so a Ctrl-C reaches the launcher
+alone; both die with it (PR_SET_PDEATHSIG) if it is killed.
 """
 
 from __future__ import annotations
@@ -42,6 +51,89 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class WorkerError(RuntimeError):
+    """A trainer raised an error (bad rows, a non-finite loss, ...): its one-line message, naming the
+    file / row group / column, the rank and the log with the traceback."""
+
+
+class StopNow(BaseException):
+    """A second SIGTERM / SIGINT: stop everything at once, without a checkpoint."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}; nothing was saved")
+        self.signum = signum
+
+
+class StopRequests:
+    """The launcher's SIGTERM / SIGINT handling while `launch_train` runs (main thread only).
+
+    First signal: `requested` is set and every trainer that has written its pid file (run_dir/pids)
+    gets SIGUSR1, also those that start later (a thread watches until `close`). Second: StopNow.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.requested = threading.Event()
+        self._done = threading.Event()
+        self._signalled: set[int] = set()
+        self._old: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested.is_set():
+            raise StopNow(signum)
+        self.requested.set()
+        logger.warning("%s: the trainers finish the current step and write a checkpoint, then every "
+                       "process exits (signal again to stop at once)", signal.Signals(signum).name)
+        self._thread = threading.Thread(target=self._forward, name="stop-forward", daemon=True)
+        self._thread.start()
+
+    def _forward(self) -> None:
+        while True:
+            for f in sorted((self.run_dir / "pids").glob("trainer-*.json")):
+                try:
+                    pid = json.loads(f.read_text())["pid"]
+                except (OSError, ValueError, KeyError):
+                    continue          # being written
+                if pid not in self._signalled:
+                    self._signalled.add(pid)
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+            if self._done.wait(0.1):
+                return
+
+
+def read_worker_error(run_dir: Path) -> str | None:
+    """The first (earliest) trainer error of the attempt: the other ranks usually fail because of it."""
+    errors = []
+    for f in (run_dir / "errors").glob("trainer-*.json"):
+        try:
+            errors.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not errors:
+        return None
+    e = min(errors, key=lambda x: x["time"])
+    return f"{e['error']} [trainer rank {e['rank']}; traceback in {e['log']}]"
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the child when the launcher dies (even by SIGKILL)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -63,6 +155,10 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
     (run_dir / "pids").mkdir(exist_ok=True)
     for old in (run_dir / "pids").glob("trainer-*.json") if fresh else ():
         old.unlink()
+    for old in (run_dir / "errors").glob("trainer-*.json") if fresh else ():
+        old.unlink()
+    if fresh:
+        (run_dir / "stopped.json").unlink(missing_ok=True)
     path = run_dir / "config.toml"
     tmp = run_dir / f"config.toml.{os.getpid()}.tmp"
     tmp.write_text(to_toml(cfg))
@@ -88,7 +184,7 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
         if restore is not None:
             cmd += ["--restore", str(restore)]
         procs.append(subprocess.Popen(cmd, env=child_env(1), stdout=log, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent))
+                                      preexec_fn=_die_with_parent, start_new_session=True))
         log.close()
     addresses = []
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -133,8 +229,9 @@ def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
 class ShardWatchdog(threading.Thread):
     """Ends the job at once when a PS shard process dies, instead of trainers timing out on it.
 
-    It signals this process with SIGTERM; torch elastic's agent (in the main thread) then tears the
-    trainers down, and `launch_train` raises an error naming the shard and its log.
+    It signals this process with SIGHUP (SIGTERM is a graceful stop request); torch elastic's agent
+    (in the main thread) then tears the trainers down, and `launch_train` raises an error naming
+    the shard and its log.
     """
 
     def __init__(self, shards: list[subprocess.Popen], poll_s: float = 0.2) -> None:
@@ -150,7 +247,7 @@ class ShardWatchdog(threading.Thread):
                     self.dead = (i, p.returncode)
                     logger.error("ps shard %d exited with code %s during training; stopping the job",
                                  i, p.returncode)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.SIGHUP)
                     return
 
     def stop(self) -> None:
@@ -179,11 +276,14 @@ class JobFailure(RuntimeError):
         self.killed = killed
 
 
-def launch_train(cfg: JobConfig, resume: str | None = None) -> dict:
-    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json).
+def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
+    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json),
+    or {"stopped": 1, "step", "checkpoint"} after a graceful stop (SIGTERM / SIGINT).
 
     resume: `latest` (the run directory's newest good checkpoint; none yet: start afresh) or a
     checkpoint path. The trainer and shard counts may differ from the checkpoint's.
+    verbose: trainers also print their tracebacks (else only their logs have them).
+    Raises WorkerError (a trainer's one-line error), StopNow (a second signal).
     """
     from recsys.training.checkpoint import resolve_resume
 
@@ -195,12 +295,36 @@ def launch_train(cfg: JobConfig, resume: str | None = None) -> dict:
     checkpoint = resolve_resume(run_dir, resume) if resume else None
     if resume == "latest" and checkpoint is None:
         logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", run_dir)
+    with StopRequests(run_dir) as stops:
+        return _run(cfg, config_path, run_dir, checkpoint, stops, verbose)
+
+
+def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
+    """The result of a graceful stop, with the line saying how to continue."""
+    from recsys.training.checkpoint import read_manifest
+
+    info = json.loads((run_dir / "stopped.json").read_text()) if (run_dir / "stopped.json").exists() else None
+    if info is None:         # stopped before the trainers ran: the job is where it began
+        info = {"step": read_manifest(checkpoint)["step"] if checkpoint else 0,
+                "checkpoint": str(checkpoint) if checkpoint else None}
+    logger.warning("stopped at step %d (checkpoint %s); continue with: recsys train --config %s --resume latest",
+                   info["step"], info["checkpoint"] or "none: nothing trained yet", config_path)
+    return {"stopped": 1, "step": info["step"], "checkpoint": info["checkpoint"]}
+
+
+def _run(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None, stops: StopRequests,
+         verbose: bool) -> dict:
+    from recsys.training.checkpoint import resolve_resume
+
     earlier: list[dict] = []
     restarts = 0
     while True:
         try:
-            return _attempt(cfg, config_path, run_dir, checkpoint, earlier)
+            metrics = _attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose)
+            return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
         except JobFailure as e:
+            if stops.requested.is_set():
+                raise RuntimeError(f"{e} while stopping") from e
             if not e.killed or restarts >= cfg.train.max_restarts:
                 raise RuntimeError(str(e) + ("" if not e.killed else
                                    f" (after {restarts} restarts; train.max_restarts = {cfg.train.max_restarts})")) from e
@@ -215,8 +339,9 @@ def launch_train(cfg: JobConfig, resume: str | None = None) -> dict:
 
 
 def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
-             earlier: list[dict]) -> dict:
-    """One start of the shards and trainers; raises JobFailure when a process of it fails."""
+             earlier: list[dict], stops: StopRequests, verbose: bool) -> dict | None:
+    """One start of the shards and trainers; the final metrics, or None after a graceful stop.
+    Raises JobFailure when a process of it is killed, WorkerError when a trainer fails."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -229,6 +354,8 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
                                          None if checkpoint is None else checkpoint / "model" / "ps")
         write_processes(run_dir, shards, earlier)
         logger.info("ps shards ready at %s", ", ".join(addresses))
+        if stops.requested.is_set():
+            return None              # asked to stop while the shards started: no trainer yet
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         lc = LaunchConfig(
@@ -236,12 +363,13 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
             run_id=f"recsys-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
             rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
             start_method="spawn", local_addr="127.0.0.1",
+            signals_to_handle="SIGHUP,SIGQUIT",    # SIGTERM / SIGINT are StopRequests'
         )
         watchdog = ShardWatchdog(shards)
         watchdog.start()
         try:
             elastic_launch(lc, worker_main)(str(config_path), list(addresses), str(run_dir),
-                                           None if checkpoint is None else str(checkpoint))
+                                           None if checkpoint is None else str(checkpoint), False, verbose)
         except BaseException as e:
             if watchdog.dead is not None:
                 shard, code = watchdog.dead
@@ -249,14 +377,19 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
                                  f"{run_dir / f'ps-{shard}.log'}", killed=code < 0) from e
             if isinstance(e, ChildFailedError):
                 killed = [f for f in e.failures.values() if f.exitcode < 0]
-                if killed:
+                if killed:            # the cause (others then fail on the dead peer): worth a restart
                     f = killed[0]
                     raise JobFailure(f"trainer rank {f.local_rank} (pid {f.pid}) was killed by signal "
                                      f"{-f.exitcode} ({f.signal_name()})", killed=True) from e
+                line = read_worker_error(run_dir)    # the first trainer's own error
+                if line is not None:
+                    raise WorkerError(line) from None
             raise
         finally:
             watchdog.stop()
         write_processes(run_dir, shards, earlier)
+        if (run_dir / "stopped.json").exists():
+            return None
         metrics = json.loads((run_dir / "metrics.json").read_text())
         logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                                          if isinstance(v, (int, float))))

@@ -44,11 +44,16 @@ from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
+from recsys.training import stopping
 from recsys.training.step import step_strategy
 from recsys.rundir import best_dir
 from recsys.training.validation import Validation
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(ValueError):
+    """A batch's loss is NaN or infinite; the message names the step and (from `train`) the batch's rows."""
 
 
 @dataclass
@@ -125,6 +130,7 @@ class Trainer:
         self.validation = Validation(cfg)
         self.start_step = 0
         self._start_epoch = 0
+        self.stopped = False            # a stop request ended `train` early (see recsys.training.stopping)
 
     @property
     def parts(self) -> TrainParts:
@@ -171,6 +177,8 @@ class Trainer:
         with sync_ctx:
             logits = self.forward(batch, lookup)
             loss = self.loss_fn(logits, batch.labels.to(self.device))
+            if not torch.isfinite(loss.detach()):      # before any gradient reaches DDP or the shards
+                raise NonFiniteLossError(f"step {self.step + 1}: the training loss is {float(loss.detach())}")
             (loss * share / acc).backward()             # loss * 1.0 is exact: no special case
         times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
@@ -204,10 +212,18 @@ class Trainer:
     def train(self) -> dict[str, float]:
         run = self._start_run()
         for prepared in self._prepared_steps(run):
-            loss = self.train_step(prepared.batch, prepared.lookup, run.window)
+            try:
+                loss = self.train_step(prepared.batch, prepared.lookup, run.window)
+            except NonFiniteLossError as e:
+                rows = self.loader.describe_rows(run.position, prepared.position)
+                raise NonFiniteLossError(f"{e} on the batch of {rows} (check those rows' values, or lower "
+                                         f"train.dense_lr / the tables' lr)") from None
             self.step += 1
             self._after_step(run, prepared, loss)
             if run.stop:
+                break
+            if stopping.stop_agreed(self.world_size):     # SIGTERM / SIGINT: every rank stops here
+                self.stopped = True
                 break
         return self._finish_run(run)
 
@@ -312,7 +328,7 @@ class Trainer:
 
     def _finish_run(self, run: _Run) -> dict[str, float]:
         self.drain()
-        if self.checkpointer.enabled and self.checkpointer.last_step != self.step:
+        if (self.checkpointer.enabled or self.stopped) and self.checkpointer.last_step != self.step:
             self.checkpoint(run.position)       # the end of this run: a later one can continue it
         self.checkpointer.join()
         if run.bar is not None:

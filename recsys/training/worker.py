@@ -1,22 +1,34 @@
-"""One trainer process: joins the process group, trains, evaluates, saves (rank 0), reports."""
+"""One trainer process: joins the process group, trains, evaluates, saves (rank 0), reports.
+
+A trainer that fails writes its error as one line to `run_dir/errors/trainer-R.json` and the full
+traceback to its log, `run_dir/logs/trainer-R.log` (also to stderr with `--debug`), and exits with
+code 2; the launcher prints the first rank's line last. A trainer asked to stop (see
+`recsys.training.stopping`) ends after the current step with a checkpoint, writes
+`run_dir/stopped.json` (rank 0) and exits 0.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import time
+import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from data.parquet import DataError
 from embedding_ps.client import PSClient
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
 from recsys.dist import all_reduce
 from recsys.metrics import MetricLogger, NullMetricLogger
-from recsys.training.checkpoint import read_manifest
+from recsys.training import stopping
+from recsys.training.checkpoint import checkpoint_path, read_manifest
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
 from recsys.rundir import best_dir, has_best
@@ -41,13 +53,76 @@ def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path) -> None
     store.save(str((model_dir / "ps").resolve()))
 
 
+STOPPED_FILE = "stopped.json"
+"""Rank 0 writes it when a stop request ended the run: {"step", "checkpoint"}."""
+
+
+def log_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"trainer-{rank}.log"
+
+
+def error_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / "errors" / f"trainer-{rank}.json"
+
+
+def one_line(e: BaseException) -> str:
+    """The error as one line: our errors (ValueError and its kin: data, config, checkpoints, non-finite
+    numbers) by their message, which names the file / key / column; anything else with its type."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, DataError):
+        return f"{msg} (fix those rows, or set data.on_bad_rows = 'skip' to drop them)"
+    return msg if isinstance(e, ValueError) else f"{type(e).__name__}: {msg}"
+
+
+def report_failure(e: BaseException, run_dir: str | Path, rank: int, verbose: bool = False) -> str:
+    """Write the traceback to the rank's log only (and stderr when `verbose`), the one-line error to
+    errors/trainer-R.json (the launcher prints the first rank's); returns the line."""
+    line = one_line(e)
+    text = "".join(traceback.format_exception(e))
+    log = log_path(run_dir, rank)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"trainer {rank} failed: {text}")
+    if verbose:
+        logger.error("failed:\n%s", text)
+    path = error_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line, "log": str(log)}))
+    os.replace(tmp, path)
+    return line
+
+
+def _leave_terminal_group() -> None:
+    """Ctrl-C in a terminal signals the whole foreground process group: the launcher alone decides,
+    so the trainer leaves the group; it dies with the launcher (PR_SET_PDEATHSIG, SIGKILL) instead."""
+    os.setpgid(0, 0)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+    if os.getppid() == 1:             # the launcher died before the prctl
+        os._exit(1)
+
+
 def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
-                load_shards: bool = False) -> None:
+                load_shards: bool = False, verbose: bool = False) -> None:
     """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
-    logging and environment settings, then `recsys.training.worker.run_worker`."""
-    setup_logging(role=f"trainer{os.environ.get('RANK', '0')}")
+    logging and environment settings, then `recsys.training.worker.run_worker`.
+
+    SIGUSR1 (the launcher's stop request) ends training after the current step with a checkpoint;
+    SIGTERM (torch elastic stopping the workers after a failure) ends the process at once. An error
+    exits with code 2 after `report_failure` (no traceback on the terminal without `verbose`).
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    _leave_terminal_group()
+    stopping.install(signal.SIGUSR1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # only the launcher's requests count
+    setup_logging(verbose, role=f"trainer{rank}", log_file=str(log_path(run_dir, rank)))
     apply_environment()
-    run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards)
+    try:
+        run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards)
+    except Exception as e:
+        report_failure(e, run_dir, rank, verbose)
+        raise SystemExit(2) from None
 
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
@@ -85,6 +160,14 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             trainer.restore(resume)
         t0 = time.perf_counter()
         summary = trainer.train()
+        if trainer.stopped:                # a stop request: the checkpoint is written, nothing else
+            if rank == 0:
+                where = checkpoint_path(out, trainer.step)
+                (out / STOPPED_FILE).write_text(json.dumps({"step": trainer.step, "checkpoint": str(where)}))
+                logger.info("stopped at step %d; checkpoint %s", trainer.step, where)
+            if dist.is_initialized():
+                dist.barrier()
+            return
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
         final["samples_per_s"] = float(all_reduce(torch.tensor([samples_per_s], dtype=torch.float64)).item())

@@ -149,10 +149,13 @@ def running_job(run: Path, data: Path, *extra: str):
 
 
 def test_ctrl_c_tears_everything_down(tmp_path: Path, data_dir: Path) -> None:
+    """Ctrl-C is a graceful stop (tests/hardening has the resume): a checkpoint, exit 0, no process left."""
     with running_job(tmp_path / "run", data_dir) as proc:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-        assert proc.returncode != 0
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        assert "--resume latest" in err.strip().splitlines()[-1]
+    assert (tmp_path / "run" / "stopped.json").exists()
 
 
 def test_killed_shard_stops_the_job_naming_it(tmp_path: Path, data_dir: Path) -> None:

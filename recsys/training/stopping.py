@@ -1,0 +1,85 @@
+"""Graceful stop of a training process: the first signal asks, a second one stops at once.
+
+    requests = install(signal.SIGTERM, signal.SIGINT)   # in the main thread, before training
+    ...
+    if stop_agreed(world_size):        # at every step boundary, on every rank (one small all_reduce)
+        checkpoint; exit 0
+
+The handler only sets a flag (a signal may arrive in the middle of a collective or a PS call; the
+step that is running finishes normally). Ranks see a signal at different moments, so the flag is
+combined over the process group at each step boundary (MAX): every rank stops after the same step,
+which is what a consistent checkpoint needs. A second signal (more than DUPLICATE_WINDOW_S after the
+first) restores the default action and re-sends itself: the process dies by it at once (no checkpoint).
+
+Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
+launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a
+SIGTERM from torch elastic there means an abort: another rank failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from recsys.dist import all_reduce
+
+logger = logging.getLogger(__name__)
+
+_requested = threading.Event()
+_first_at = [0.0]
+
+DUPLICATE_WINDOW_S = 1.0
+"""A signal this soon after the first is the same request delivered twice (under torchrun a Ctrl-C
+reaches each worker from the terminal and again from the agent), not a second one."""
+
+
+def _handler(signum: int, frame: object) -> None:
+    if _requested.is_set():                    # the second signal: stop at once, by the signal itself
+        if time.monotonic() - _first_at[0] < DUPLICATE_WINDOW_S:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _first_at[0] = time.monotonic()
+    _requested.set()
+    logger.warning("%s: stopping after the current step with a checkpoint (signal again to stop at once)",
+                   signal.Signals(signum).name)
+
+
+def install(*signals: signal.Signals) -> None:
+    """Handle `signals` as stop requests in this process (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in signals:
+        signal.signal(sig, _handler)
+
+
+def requested() -> bool:
+    """Whether this process was asked to stop."""
+    return _requested.is_set()
+
+
+def request() -> None:
+    """Ask this process to stop at the next step boundary (what the first signal does)."""
+    _requested.set()
+
+
+def reset() -> None:
+    """Forget a request (tests run several trainings in one process)."""
+    _requested.clear()
+
+
+def stop_agreed(world_size: int) -> bool:
+    """Whether any rank was asked to stop; the same answer on every rank (collective when W > 1)."""
+    if world_size == 1:
+        return requested()
+    return bool(all_reduce(torch.tensor([int(requested())]), dist.ReduceOp.MAX).item())
+
+
+__all__ = ["install", "requested", "request", "reset", "stop_agreed"]
