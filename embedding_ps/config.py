@@ -75,6 +75,10 @@ class TableConfig:
     `decoupled`: a touched row is scaled by (1 - lr * weight_decay) before its update (AdamW-style)."""
     kernel: Literal["torch", "fbgemm"] = "torch"
     """Optimizer update path: vectorized torch, or fbgemm's fused CPU TBE backward (sgd/adagrad/rowwise_adagrad)."""
+    cache_rows: int = 0
+    """Trainer-side hot-row cache: each trainer keeps up to this many of the table's rows in memory
+    (on its GPU with train.device = "cuda") and pulls only the misses (`embedding_ps.cache`); async
+    mode only, a cached row is at most ps.max_staleness steps old. 0: off. The shards ignore it."""
 
     def __post_init__(self) -> None:
         p = f"ps.tables[{self.name}]"
@@ -110,6 +114,8 @@ class TableConfig:
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.cache_rows < 0:
+            raise ValueError(f"{p}.cache_rows must be >= 0, got {self.cache_rows}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
