@@ -70,7 +70,7 @@ class RowCache:
         self.pulled = np.full(capacity, NEVER, dtype=np.int64)      # [C] step its row was pulled for
         self.count = np.zeros(capacity, dtype=np.int64)             # [C] lookups while cached (lfu)
         self.last = np.zeros(capacity, dtype=np.int64)              # [C] last step looked up
-        self.rows = torch.zeros(capacity, dim, device=device)       # [C, D]
+        self.rows = torch.zeros(min(capacity, 1024), dim, device=device)   # [<= C, D], grows as slots fill
         self.used = 0                                               # slots [0, used) were handed out
         self.hits = 0
         self.misses = 0
@@ -131,6 +131,10 @@ class RowCache:
         free = min(n, self.capacity - self.used)
         out = np.arange(self.used, self.used + free, dtype=np.int64)
         self.used += free
+        if self.used > self.rows.shape[0]:         # grow by doubling: memory follows the rows held
+            grown = self.rows.new_zeros(min(self.capacity, max(self.used, 2 * self.rows.shape[0])), self.rows.shape[1])
+            grown[:self.rows.shape[0]] = self.rows
+            self.rows = grown
         more = min(n - free, self.capacity - protect.size - free)
         if more <= 0:
             return out
@@ -195,13 +199,13 @@ class CachingStore:
                     miss_tables.append(t)
                     miss_ids.append(x)
                     continue
-                uniq, inverse = torch.unique(x.to("cpu", torch.int64), return_inverse=True)   # [U], [N]
+                uniq, inverse = _distinct(x.to("cpu", torch.int64))                        # [U], [N] | None
                 u = uniq.numpy()
                 hit, slots = cache.lookup(u, step, self.max_age)
                 rows = torch.empty(u.shape[0], dim, device=self.device)                      # [U, D]
                 h = torch.from_numpy(np.flatnonzero(hit)).to(self.device)
                 rows[h] = cache.rows.index_select(0, torch.from_numpy(slots[hit].astype(np.int64)).to(self.device))
-                parts.append((cache, u, inverse.to(self.device), hit, slots, rows))
+                parts.append((cache, u, None if inverse is None else inverse.to(self.device), hit, slots, rows))
                 if not hit.all():
                     miss_tables.append(t)
                     miss_ids.append(uniq[torch.from_numpy(~hit)])
@@ -236,7 +240,7 @@ class CachingStore:
                 k += 1
                 rows[torch.from_numpy(miss).to(self.device)] = got
                 cache.fill(u[miss], slots[miss], got, step)
-            out.append(rows.index_select(0, inverse))                                      # [N, D]
+            out.append(rows if inverse is None else rows.index_select(0, inverse))          # [N, D]
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
@@ -296,6 +300,14 @@ class CachingStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(distinct ids [U], inverse [N] into them), inverse None when `ids` [N] already are distinct
+    and increasing (what the sparse arch sends: `torch.unique`'s output), which skips a sort."""
+    if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, None
+    return torch.unique(ids, return_inverse=True)
 
 
 def cache_metrics(stats: dict[str, tuple[int, int]]) -> dict[str, float]:

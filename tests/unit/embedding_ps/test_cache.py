@@ -183,3 +183,17 @@ def test_a_failed_pull_reaches_the_caller() -> None:
 def test_cache_rows_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match=r"ps.tables\[a\].cache_rows must be >= 0, got -1"):
         TableConfig(name="a", dim=4, cache_rows=-1)
+
+
+def test_cached_rows_survive_the_cache_growing() -> None:
+    """Rows are allocated as slots fill (1024 at first): rows cached before a growth are served right after."""
+    cfg = config(cache_rows=5000)
+    plain = LocalStore.create(cfg)
+    store = CachingStore(LocalStore.create(cfg), cfg, max_age=10)
+    chunks = [torch.arange(i * 1000, (i + 1) * 1000) * 7919 for i in range(4)]   # 4000 distinct ids
+    for step, x in enumerate(chunks):
+        store.pull(0, x, step=step)
+    everything = torch.cat(chunks)
+    assert torch.equal(store.pull(0, everything, step=4), plain.pull(0, everything))
+    assert store.cache_stats()["a"] == (4000, 4000)
+    assert 4000 <= store.caches[0].rows.shape[0] <= 5000
