@@ -197,3 +197,19 @@ def test_cached_rows_survive_the_cache_growing() -> None:
     assert torch.equal(store.pull(0, everything, step=4), plain.pull(0, everything))
     assert store.cache_stats()["a"] == (4000, 4000)
     assert 4000 <= store.caches[0].rows.shape[0] <= 5000
+
+
+def test_an_eviction_frees_a_64th_of_the_slots_lowest_first() -> None:
+    """LRU over 128 slots: the first new id after they fill evicts the 2 (128 / 64) least recently
+    used rows, the second new id takes the spare slot, so the third-oldest row is still cached."""
+    cfg = config(cache_rows=128)
+    plain = LocalStore.create(cfg)
+    store = CachingStore(LocalStore.create(cfg), cfg, max_age=1000, policy="lru")
+    for step in range(128):
+        store.pull(0, ids(step * 11), step=step)
+    store.pull(0, ids(100_000), step=128)           # evicts ids 0 and 11
+    store.pull(0, ids(100_001), step=129)           # the spare slot: nothing else evicted
+    assert store.cache_stats()["a"] == (0, 130)
+    x = ids(11, 22, 100_000, 100_001)
+    assert torch.equal(store.pull(0, x, step=130), plain.pull(0, x))
+    assert store.cache_stats()["a"] == (3, 1)
