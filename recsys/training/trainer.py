@@ -121,7 +121,7 @@ class Trainer:
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
-        self.strategy = step_strategy(cfg.ps.mode, store)     # sync or async, chosen here once
+        self.strategy = step_strategy(cfg.ps.mode, self.store)     # sync or async, chosen here once
         # sync mode with W ranks and a last batch that may be short: weight by each rank's share
         self._uneven_batches = cfg.ps.mode == "sync" and world_size > 1 and not cfg.data.drop_last
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
