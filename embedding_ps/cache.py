@@ -202,64 +202,80 @@ class CachingStore:
 
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> Future[torch.Tensor]:
-        """A Future of rows [sum N_t, D] on `device`: cached hits, the rest pulled from the store."""
+        """A Future of rows [sum N_t, D] on `device`: cached hits, the rest pulled from the store.
+
+        Every part's distinct rows go into one buffer [sum U_t, D] (hits now, misses when they
+        arrive), which is the result itself when the parts' ids are distinct and increasing (what
+        the sparse arch sends), else expanded to the caller's order."""
         if len(tables) != len(ids) or not tables:
             raise ValueError(f"CachingStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
         step = self.inner.step if step is None else step
-        dim = self.config.tables[tables[0]].dim
-        parts = []            # per part: (cache | None, uniq ids np [U], inverse [N], hit [U], slots [U], rows [U, D])
+        dim, dev = self.config.tables[tables[0]].dim, self.device
+        parts = []            # per part: (cache | None, distinct ids np [U], inverse [N] | None, hit [U], slots [U], rows [U, D])
         miss_tables, miss_ids = [], []
         with self._lock:
+            looked = []
             for t, x in zip(tables, ids):
                 cache = self.caches[t]
                 if cache is None or x.numel() == 0:
-                    parts.append((None, None, None, None, None, None))
-                    miss_tables.append(t)
-                    miss_ids.append(x)
+                    looked.append((None, x, None, None, None))
                     continue
                 uniq, inverse = _distinct(x.to("cpu", torch.int64))                        # [U], [N] | None
+                hit, slots = cache.lookup(uniq.numpy(), step, self.max_age)
+                looked.append((cache, uniq, inverse, hit, slots))
+            buf = torch.empty(sum(x.numel() for _, x, _, _, _ in looked), dim, device=dev)  # [sum U_t, D]
+            start = 0
+            for t, (cache, uniq, inverse, hit, slots) in zip(tables, looked):
+                rows = buf[start:start + uniq.numel()]                                     # [U, D] view
+                start += uniq.numel()
+                if cache is None:
+                    miss_tables.append(t)
+                    miss_ids.append(uniq)
+                    parts.append((None, None, None, None, None, rows))
+                    continue
                 u = uniq.numpy()
-                hit, slots = cache.lookup(u, step, self.max_age)
-                rows = torch.empty(u.shape[0], dim, device=self.device)                      # [U, D]
-                h = torch.from_numpy(np.flatnonzero(hit)).to(self.device)
-                rows[h] = cache.rows.index_select(0, torch.from_numpy(slots[hit].astype(np.int64)).to(self.device))
-                parts.append((cache, u, None if inverse is None else inverse.to(self.device), hit, slots, rows))
+                if hit.any():
+                    h = np.flatnonzero(hit)
+                    rows.index_copy_(0, torch.from_numpy(h).to(dev),
+                                     cache.rows.index_select(0, torch.from_numpy(slots[h].astype(np.int64)).to(dev)))
                 if not hit.all():
                     miss_tables.append(t)
-                    miss_ids.append(uniq[torch.from_numpy(~hit)])
+                    miss_ids.append(torch.from_numpy(u[~hit]))
+                parts.append((cache, u, None if inverse is None else inverse.to(dev), hit, slots, rows))
         if not miss_tables:
-            return done_future(self._assemble(parts, [], step, dim))
+            return done_future(self._assemble(parts, [], step, buf))
         inner = self.inner.pull_many_async(miss_tables, miss_ids, step)
         out: Future = Future()
 
         def arrived(fut: Future) -> None:
             try:
-                pulled = fut.result().to(self.device)
+                pulled = fut.result().to(dev)
                 pieces = list(torch.split(pulled, [x.numel() for x in miss_ids]))
                 with self._lock:
-                    out.set_result(self._assemble(parts, pieces, step, dim))
+                    out.set_result(self._assemble(parts, pieces, step, buf))
             except BaseException as e:   # the caller's .result() raises it
                 out.set_exception(e)
 
         inner.add_done_callback(arrived)
         return out
 
-    def _assemble(self, parts: list, pieces: list[torch.Tensor], step: int, dim: int) -> torch.Tensor:
-        """Every part's rows in the caller's order [sum N_t, D]; the misses' rows go into the cache."""
-        out, k = [], 0
-        for cache, u, inverse, hit, slots, rows in parts:
+    def _assemble(self, parts: list, pieces: list[torch.Tensor], step: int, buf: torch.Tensor) -> torch.Tensor:
+        """The misses' rows (`pieces`, in part order) into `buf` and the cache; the rows [sum N_t, D]."""
+        k = 0
+        for cache, u, _, hit, slots, rows in parts:
             if cache is None:                      # not cached: the store's rows as they are
-                out.append(pieces[k].to(self.device) if pieces else torch.empty(0, dim, device=self.device))
+                rows.copy_(pieces[k])
                 k += 1
-                continue
-            if not hit.all():
+            elif not hit.all():
                 miss = np.flatnonzero(~hit)
                 got = pieces[k]                                                            # [M, D]
                 k += 1
-                rows[torch.from_numpy(miss).to(self.device)] = got
+                rows.index_copy_(0, torch.from_numpy(miss).to(rows.device), got)
                 cache.fill(u[miss], slots[miss], got, step)
-            out.append(rows if inverse is None else rows.index_select(0, inverse))          # [N, D]
-        return out[0] if len(out) == 1 else torch.cat(out)
+        if all(p[2] is None for p in parts):
+            return buf
+        out = [rows if inverse is None else rows.index_select(0, inverse) for _, _, inverse, _, _, rows in parts]
+        return out[0] if len(out) == 1 else torch.cat(out)                                 # [sum N_t, D]
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
