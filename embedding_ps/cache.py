@@ -75,6 +75,7 @@ class RowCache:
         self.rows = torch.zeros(min(capacity, 1024), dim, device=device)   # [<= C, D], grows as slots fill
         self.used = 0                                               # slots [0, used) were handed out
         self.spare = np.zeros(0, dtype=np.int64)                    # evicted slots not handed out yet
+        self.generation = 0                                         # + 1 at every clear()
         self.hits = 0
         self.misses = 0
 
@@ -108,9 +109,12 @@ class RowCache:
         self.misses += ids.shape[0] - nh
         return hit, slot
 
-    def fill(self, ids: np.ndarray, slots: np.ndarray, rows: torch.Tensor, step: int) -> None:
+    def fill(self, ids: np.ndarray, slots: np.ndarray, rows: torch.Tensor, step: int, generation: int) -> None:
         """Rows [M, D] pulled for `step` of ids [M] into their slots [M] (-1: not cached); a slot
-        handed to another id meanwhile, or holding a newer pull, is left alone."""
+        handed to another id meanwhile, or holding a newer pull, is left alone, and so is every
+        row of a pull looked up before the last clear() (`generation`)."""
+        if generation != self.generation:
+            return
         ok = slots >= 0
         s = slots[ok].astype(np.int64)
         ok[ok] = (self.keys[s] == ids[ok]) & (self.pulled[s] <= step)
@@ -129,6 +133,7 @@ class RowCache:
         self.count[:] = 0
         self.used = 0
         self.spare = np.zeros(0, dtype=np.int64)
+        self.generation += 1
 
     def _allocate(self, n: int, protect: np.ndarray) -> np.ndarray:
         """Up to n slots int64 [<= n]: never used ones, then spare ones, then evicted ones (never one
@@ -211,7 +216,7 @@ class CachingStore:
             raise ValueError(f"CachingStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
         step = self.inner.step if step is None else step
         dim, dev = self.config.tables[tables[0]].dim, self.device
-        parts = []            # per part: (cache | None, distinct ids np [U], inverse [N] | None, hit [U], slots [U], rows [U, D])
+        parts = []   # per part: (cache | None, distinct ids np [U], inverse [N] | None, hit [U], (slots [U], generation), rows [U, D])
         miss_tables, miss_ids = [], []
         with self._lock:
             looked = []
@@ -231,7 +236,7 @@ class CachingStore:
                 if cache is None:
                     miss_tables.append(t)
                     miss_ids.append(uniq)
-                    parts.append((None, None, None, None, None, rows))
+                    parts.append((None, None, None, None, (None, 0), rows))
                     continue
                 u = uniq.numpy()
                 if hit.any():
@@ -241,7 +246,7 @@ class CachingStore:
                 if not hit.all():
                     miss_tables.append(t)
                     miss_ids.append(torch.from_numpy(u[~hit]))
-                parts.append((cache, u, None if inverse is None else inverse.to(dev), hit, slots, rows))
+                parts.append((cache, u, None if inverse is None else inverse.to(dev), hit, (slots, cache.generation), rows))
         if not miss_tables:
             return done_future(self._assemble(parts, [], step, buf))
         inner = self.inner.pull_many_async(miss_tables, miss_ids, step)
@@ -262,7 +267,7 @@ class CachingStore:
     def _assemble(self, parts: list, pieces: list[torch.Tensor], step: int, buf: torch.Tensor) -> torch.Tensor:
         """The misses' rows (`pieces`, in part order) into `buf` and the cache; the rows [sum N_t, D]."""
         k = 0
-        for cache, u, _, hit, slots, rows in parts:
+        for cache, u, _, hit, (slots, generation), rows in parts:
             if cache is None:                      # not cached: the store's rows as they are
                 rows.copy_(pieces[k])
                 k += 1
@@ -271,7 +276,7 @@ class CachingStore:
                 got = pieces[k]                                                            # [M, D]
                 k += 1
                 rows.index_copy_(0, torch.from_numpy(miss).to(rows.device), got)
-                cache.fill(u[miss], slots[miss], got, step)
+                cache.fill(u[miss], slots[miss], got, step, generation)
         if all(p[2] is None for p in parts):
             return buf
         out = [rows if inverse is None else rows.index_select(0, inverse) for _, _, inverse, _, _, rows in parts]

@@ -213,3 +213,25 @@ def test_an_eviction_frees_a_64th_of_the_slots_lowest_first() -> None:
     x = ids(11, 22, 100_000, 100_001)
     assert torch.equal(store.pull(0, x, step=130), plain.pull(0, x))
     assert store.cache_stats()["a"] == (3, 1)
+
+
+def test_a_pull_in_flight_across_a_load_does_not_refill_the_cache(tmp_path) -> None:
+    """Step 0's pull flies across a LOAD; step 1 misses (pulled again, still in flight) when step 0's
+    pre-load row arrives: step 2 must not be served that row from the cache."""
+    cfg = config(cache_rows=10)
+    inner = _Deferred(cfg)
+    inner.save = inner.local.save                  # type: ignore[attr-defined]
+    inner.load = inner.local.load                  # type: ignore[attr-defined]
+    store = CachingStore(inner, cfg, max_age=5)    # type: ignore[arg-type]
+    x = ids(7)
+    old = store.pull_many_async([0], [x], step=0)
+    store.save(str(tmp_path / "s"))
+    store.load(str(tmp_path / "s"))                # the cache is dropped while step 0's pull flies
+    new = store.pull_many_async([0], [x], step=1)
+    inner.resolve(0, torch.full((1, 4), 9.0))      # a row from before the load
+    assert torch.equal(old.result(), torch.full((1, 4), 9.0))
+    third = store.pull_many_async([0], [x], step=2)
+    assert len(inner.waiting) == 3                 # a miss: pulled again
+    inner.resolve(1)
+    inner.resolve(2)
+    assert torch.equal(third.result(), inner.local.pull(0, x)) and torch.equal(new.result(), third.result())
