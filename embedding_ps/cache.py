@@ -122,8 +122,7 @@ class RowCache:
             return
         pos = np.flatnonzero(ok)
         s = slots[pos].astype(np.int64)
-        self.rows.index_copy_(0, torch.from_numpy(s).to(self.rows.device),
-                              rows.index_select(0, torch.from_numpy(pos).to(rows.device)))
+        _move(self.rows, s, rows, pos)
         self.pulled[s] = step
 
     def clear(self) -> None:
@@ -241,8 +240,7 @@ class CachingStore:
                 u = uniq.numpy()
                 if hit.any():
                     h = np.flatnonzero(hit)
-                    rows.index_copy_(0, torch.from_numpy(h).to(dev),
-                                     cache.rows.index_select(0, torch.from_numpy(slots[h].astype(np.int64)).to(dev)))
+                    _move(rows, h, cache.rows, slots[h].astype(np.int64))
                 if not hit.all():
                     miss_tables.append(t)
                     miss_ids.append(torch.from_numpy(u[~hit]))
@@ -275,7 +273,7 @@ class CachingStore:
                 miss = np.flatnonzero(~hit)
                 got = pieces[k]                                                            # [M, D]
                 k += 1
-                rows.index_copy_(0, torch.from_numpy(miss).to(rows.device), got)
+                _move(rows, miss, got, None)
                 cache.fill(u[miss], slots[miss], got, step, generation)
         if all(p[2] is None for p in parts):
             return buf
@@ -339,6 +337,21 @@ class CachingStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _move(dst: torch.Tensor, at: np.ndarray, src: torch.Tensor, rows: np.ndarray | None) -> None:
+    """dst[at] = src[rows] (src itself when rows is None) for float [*, D] tensors on one device.
+
+    On the CPU through numpy: single-threaded copies of a few thousand rows, where torch's
+    index_select / index_copy_ open parallel regions whose threads, on busy cores, cost more than the
+    copy. The cache's work for 26 criteo-like tables (steps interleaved, medians, load average ~9 on
+    2 cores): 35-39 ms per step this way, 42-53 ms with the torch ops."""
+    if dst.device.type == "cpu":
+        s = src.numpy()
+        dst.numpy()[at] = s if rows is None else s[rows]
+        return
+    at_t = torch.from_numpy(at).to(dst.device)
+    dst.index_copy_(0, at_t, src if rows is None else src.index_select(0, torch.from_numpy(rows).to(src.device)))
 
 
 def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
