@@ -81,6 +81,10 @@ class TableConfig:
     vectorized torch); `torch`: the old name of `native`; `fbgemm`: fbgemm's fused CPU TBE backward
     (sgd/adagrad/rowwise_adagrad); `auto`: per table the faster of the two by the measurement that
     embedding_ps/kernels.py cites (its optimizer, weight decay, row dtype and dim)."""
+    cache_rows: int = 0
+    """Trainer-side hot-row cache: each trainer keeps up to this many of the table's rows in memory
+    (on its GPU with train.device = "cuda") and pulls only the misses (`embedding_ps.cache`); async
+    mode only, a cached row is at most ps.max_staleness steps old. 0: off. The shards ignore it."""
 
     def __post_init__(self) -> None:
         p = f"ps.tables[{self.name}]"
@@ -116,6 +120,8 @@ class TableConfig:
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.cache_rows < 0:
+            raise ValueError(f"{p}.cache_rows must be >= 0, got {self.cache_rows}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -153,6 +153,10 @@ class TrainConfig:
     keep_best: bool = True
     """With validation: keep the best pass's model as a checkpoint in `run_dir/best/`, which
     `recsys eval`, `predict` and `export` of the run use by default, and which scores data.test_paths."""
+    prefetch_batches: int = 1
+    """Async mode: the rows of this many next batches are pulled while the current batch computes
+    (at most ps.max_staleness: a row pulled K batches ahead misses K steps of updates). Sync mode
+    pulls nothing ahead (a step's rows exist only after the previous step's barrier): 0 or 1 there."""
 
     def __post_init__(self) -> None:
         for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):
@@ -187,6 +191,8 @@ class TrainConfig:
             raise ValueError(f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
         if self.lr_decay in ("linear", "cosine") and self.max_steps == 0:
             raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"train.prefetch_batches must be >= 0, got {self.prefetch_batches}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -240,6 +246,23 @@ class JobConfig:
             if self.model.table_pooling.get(table, "sum") != "sum":
                 raise ValueError(f"data.weight_columns.{column}: per-id weights need sum pooling, but "
                                  f"model.table_pooling.{table} = {self.model.table_pooling[table]!r}")
+        self._check_cache_and_prefetch()
+
+    def _check_cache_and_prefetch(self) -> None:
+        """The trainer-side row cache and prefetch depth against ps.mode and ps.max_staleness."""
+        ps, k = self.ps, self.train.prefetch_batches
+        if ps.mode == "sync":
+            for t in ps.tables:
+                if t.cache_rows > 0:
+                    raise ValueError(f"ps.tables[{t.name}].cache_rows = {t.cache_rows} needs ps.mode = 'async': "
+                                     f"sync mode applies every step before the next pull, which cached rows "
+                                     f"would not see (set cache_rows = 0, or ps.mode = 'async')")
+            if k > 1:
+                raise ValueError(f"train.prefetch_batches = {k} needs ps.mode = 'async' (sync mode cannot pull "
+                                 f"a step's rows before the previous step's barrier)")
+        elif k > ps.max_staleness:
+            raise ValueError(f"train.prefetch_batches = {k} must be <= ps.max_staleness ({ps.max_staleness}): "
+                             f"rows pulled {k} batches ahead miss {k} steps of updates")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ class SparseLookup:
     futures: list[Future] = field(default_factory=list)         # per group: its pull_many_async
     rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
     pull_s: float = 0.0
+    wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
 
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
@@ -102,7 +103,8 @@ class SparseLookup:
         t0 = time.perf_counter()
         for fut in self.futures:
             self.rows.append(fut.result().requires_grad_(True))
-        self.pull_s += time.perf_counter() - t0
+        self.wait_s = time.perf_counter() - t0
+        self.pull_s += self.wait_s
         B = self.batch_size
         feats_of = [[f for p in group for f in self.plans[p].features] for group in self.groups]
         dense_groups = [g for g, group in enumerate(self.groups) if not self.plans[group[0]].linear]
@@ -158,6 +160,10 @@ class SparseLookup:
         lens = cat([self.lengths[p] for p in group])
         if example_major:
             idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w)
+        dev = self.rows[g].device
+        if dev.type != "cpu":         # a row cache on the GPU (embedding_ps.cache): pool there
+            idx, offs, lens = idx.to(dev), offs.to(dev), lens.to(dev)
+            w = None if w is None else w.to(dev)
         if mode == "sum":
             return _SumPool.apply(self.rows[g], idx, offs, lens, w)
         return F.embedding_bag(idx, self.rows[g], offs, mode=mode, per_sample_weights=w)
@@ -214,11 +220,12 @@ class _SumPool(torch.autograd.Function):
         if indices.numel() == lengths.numel() and bool((lengths == 1).all()):   # bag i holds id i
             src = grad_out
         else:
-            bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=indices.numel())
+            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                          output_size=indices.numel())
             src = grad_out.index_select(0, bag)                                   # [N, D]
         if weights is not None:
             src = src * weights.unsqueeze(1)
-        grad = torch.zeros(ctx.num_rows, grad_out.shape[1], dtype=grad_out.dtype)
+        grad = torch.zeros(ctx.num_rows, grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
         return grad.index_add_(0, indices, src), None, None, None, None
 
 

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from torch import nn
 
 from data.batch import Batch
 from data.loader import ParquetLoader
+from embedding_ps.cache import CachingStore, cache_metrics
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
@@ -63,6 +65,7 @@ class StepTimes:
     data: float = 0.0
     pull: float = 0.0
     push: float = 0.0
+    ps_wait: float = 0.0            # blocked on pull replies (the rest of `pull` is issuing them)
     total: float = 0.0
     samples: int = 0
     loss_sum: float = 0.0
@@ -78,6 +81,8 @@ class StepTimes:
             "data/wait_frac": self.data / max(self.total, 1e-9),
             "ps/pull_ms": 1e3 * self.pull / n,
             "ps/push_ms": 1e3 * self.push / n,
+            "time/data_wait_ms": 1e3 * self.data / n,
+            "time/ps_wait_ms": 1e3 * self.ps_wait / n,
         }
 
 
@@ -111,8 +116,9 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, store: EmbeddingStore, *, rank: int = 0, world_size: int = 1,
                  metric_logger: MetricSink | None = None) -> None:
-        self.cfg, self.store, self.rank, self.world_size = cfg, store, rank, world_size
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = torch.device(cfg.train.device)
+        self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
         self.sparse, model = build_job_model(cfg)
         self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
@@ -120,7 +126,7 @@ class Trainer:
         self.loss_fn = nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
-        self.strategy = step_strategy(cfg.ps.mode, store)     # sync or async, chosen here once
+        self.strategy = step_strategy(cfg.ps.mode, self.store)     # sync or async, chosen here once
         # sync mode with W ranks and a last batch that may be short: weight by each rank's share
         self._uneven_batches = cfg.ps.mode == "sync" and world_size > 1 and not cfg.data.drop_last
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
@@ -186,6 +192,7 @@ class Trainer:
         self.strategy.after_backward(lookup.push(scale=1.0 / self.world_size), self.step)
         times.push += time.perf_counter() - t0
         times.pull += lookup.pull_s
+        times.ps_wait += lookup.wait_s
         if last_micro:
             self.optimizer.step()
             self.scheduler.step()
@@ -254,7 +261,8 @@ class Trainer:
 
     def _prepared_steps(self, run: _Run) -> Iterator[PreparedStep]:
         """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
-        (async) the next batch's pulls are issued, for step t + 1, before step t is handed out."""
+        (async) the pulls of the next train.prefetch_batches batches (steps t + 1 .. t + K, not past
+        max_steps) are issued before step t is handed out; sync mode pulls nothing ahead."""
         batches = self._batches()
 
         def prepare(step: int) -> PreparedStep | None:
@@ -266,12 +274,17 @@ class Trainer:
             return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position, end_of_epoch)
 
         max_steps = self.cfg.train.max_steps
-        pending: PreparedStep | None = None
+        depth = self.cfg.train.prefetch_batches if self.strategy.prefetch else 0
+        ahead: deque[PreparedStep] = deque()      # steps self.step + 1, ... with their pulls in flight
         while not max_steps or self.step < max_steps:
-            current = pending if pending is not None else prepare(self.step)
+            current = ahead.popleft() if ahead else prepare(self.step)
             if current is None:
                 return
-            pending = prepare(self.step + 1) if self.strategy.prefetch else None
+            while len(ahead) < depth and (not max_steps or self.step + 1 + len(ahead) < max_steps):
+                nxt = prepare(self.step + 1 + len(ahead))
+                if nxt is None:
+                    break
+                ahead.append(nxt)
             yield current
 
     def _after_step(self, run: _Run, prepared: PreparedStep, loss: float) -> None:
@@ -301,7 +314,10 @@ class Trainer:
         if self._sweeps and self.rank == 0:   # TTL eviction on the shards
             self.store.sweep(self.step)
         run.window.total = time.perf_counter() - run.t_log
-        self._log(run.window.as_metrics())
+        values = run.window.as_metrics()
+        if isinstance(self.store, CachingStore):
+            values.update(cache_metrics(self.store.cache_stats()))
+        self._log(values)
         run.window, run.t_log = StepTimes(), time.perf_counter()
 
     def _validate(self, run: _Run) -> None:
@@ -404,6 +420,15 @@ class Trainer:
     def close(self) -> None:
         if self._loader is not None:
             self._loader.close()
+
+
+def cached_store(store: EmbeddingStore, cfg: JobConfig, device: torch.device) -> EmbeddingStore:
+    """`store` behind a `CachingStore` when some table has cache_rows > 0 (async mode: JobConfig
+    refuses it in sync mode), else `store` itself. Rows pulled K = train.prefetch_batches batches
+    ahead already miss K steps of updates, so cached rows may be ps.max_staleness - K steps older."""
+    if not any(t.cache_rows > 0 for t in cfg.ps.tables):
+        return store
+    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.prefetch_batches, device=device)
 
 
 def progress_bar(total: int, enabled: bool):

@@ -152,6 +152,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     trainer = None
     try:
         trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger)
+        store = trainer.store          # the row cache's wrapper when a table caches (a LOAD clears it)
         if resume is not None:
             if load_shards and rank == 0:
                 store.load(str((Path(resume) / "model" / "ps").resolve()))
