@@ -26,6 +26,8 @@ are buffers of the model, so checkpoints and the saved model keep them.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,7 +99,9 @@ def gather_items(v: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
     import torch.distributed as dist
     import torch.distributed.nn as dist_nn
 
-    vs = dist_nn.all_gather(v)                                           # W x [B, d], differentiable
+    with warnings.catch_warnings():     # deprecated for _functional_collectives (private) in 2.13
+        warnings.simplefilter("ignore", FutureWarning)
+        vs = dist_nn.all_gather(v)                                       # W x [B, d], differentiable
     id_parts = [torch.empty_like(ids) for _ in vs]
     dist.all_gather(id_parts, ids)
     return torch.cat(vs), torch.cat(id_parts), dist.get_rank() * v.shape[0]
