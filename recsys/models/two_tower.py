@@ -26,16 +26,22 @@ are buffers of the model, so checkpoints and the saved model keep them.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from data.batch import Batch
+from data.config import DataConfig
+from data.loader import ParquetLoader
+from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, ModelConfig
 from recsys.dist import is_distributed
 from recsys.models.mlp import MLP
+from recsys.models.sparse_arch import SparseArch, plan_tables
 
 
 class FrequencyEstimator(nn.Module):
@@ -211,5 +217,44 @@ class TwoTower(nn.Module):
         return in_batch_logits(u, v_all, log_q, self.temperature, first)  # [B, B_g]
 
 
+
+# ---------------------------------------------------------------------------------------------
+# one tower over Parquet data (retrieval eval and export)
+
+
+def tower_data(cfg: JobConfig, columns: tuple[str, ...]) -> DataConfig:
+    """The DataConfig reading only `columns` (in the data's own column order), in file order."""
+    d = cfg.data
+    return dataclasses.replace(
+        d, dense_columns=tuple(c for c in d.dense_columns if c in columns),
+        sparse_columns=tuple(c for c in d.sparse_columns if c in columns),
+        weight_columns={k: v for k, v in d.weight_columns.items() if k in columns},
+        passthrough_columns=(), shuffle=False, drop_last=False)
+
+
+def tower_sparse_arch(cfg: JobConfig, columns: tuple[str, ...]) -> SparseArch:
+    """The sparse arch of one tower's sparse columns (same tables and pooling as in training)."""
+    m = cfg.model
+    features = tower_data(cfg, columns).sparse_columns
+    return SparseArch(plan_tables(features, cfg.ps.tables, m.feature_tables, {}, m.table_pooling))
+
+
+@torch.no_grad()
+def item_vectors(cfg: JobConfig, store: EmbeddingStore, model: TwoTower) -> tuple[np.ndarray, torch.Tensor]:
+    """Item ids int64 [I] and vectors float32 [I, d] of every row of data.item_paths."""
+    if not cfg.data.item_paths:
+        raise ValueError("two_tower: set data.item_paths (the item corpus, one row per item)")
+    data_cfg = tower_data(cfg, cfg.model.item_features)
+    arch = tower_sparse_arch(cfg, cfg.model.item_features)
+    ids, vecs = [], []
+    model.eval()
+    with ParquetLoader(data_cfg, cfg.data.item_paths, rank=0, world_size=1) as loader:
+        for batch in loader:
+            pooled, _ = arch.lookup(batch, store).wait()                     # [B, F_i, D]
+            vecs.append(model.item_tower(batch.dense, pooled))               # [B, d]
+            ids.append(batch.sparse[cfg.model.item_id_feature].values.numpy())
+    return np.concatenate(ids), torch.cat(vecs)
+
+
 __all__ = ["FrequencyEstimator", "Tower", "TwoTower", "gather_items", "in_batch_logits", "in_batch_loss",
-           "item_ids_of"]
+           "item_ids_of", "item_vectors", "tower_data", "tower_sparse_arch"]
