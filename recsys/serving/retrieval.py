@@ -49,25 +49,42 @@ class ItemIndex(Protocol):
 
 
 class ExactIndex:
-    """Exact top-k: one matmul [b, d] x [d, I] and `torch.topk` per block of `block` queries."""
+    """Exact top-k by inner product, in blocks: for each block of `item_block` items one matmul
+    [B, d] x [d, c] and a `torch.topk` of k, then a topk over the B x (k * blocks) candidates.
+    Memory: one [B, c] score block (B = 256, c = 65536: 64 MB), never the full [B, I] matrix.
+    """
 
-    def __init__(self, ids: np.ndarray, vectors: torch.Tensor, block: int = 256) -> None:
+    def __init__(self, ids: np.ndarray, vectors: torch.Tensor, item_block: int = 1 << 16,
+                 query_block: int = 1024) -> None:
         self.ids = ids                                   # int64 [I]
-        self.vectors_t = vectors.t().contiguous()        # float32 [d, I]
-        self.block = block
+        self.vectors = vectors.contiguous()              # float32 [I, d]
+        self.item_block, self.query_block = item_block, query_block
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, self.ids.size)
         ids, scores = [], []
         with torch.no_grad():
-            for start in range(0, queries.shape[0], self.block):
-                s = queries[start:start + self.block] @ self.vectors_t          # [b, I]
-                top = torch.topk(s, k, dim=1)                                    # [b, k]
-                ids.append(self.ids[top.indices.numpy()])
-                scores.append(top.values.numpy())
+            for q0 in range(0, queries.shape[0], self.query_block):
+                top_s, top_i = self._search_block(queries[q0:q0 + self.query_block], k)
+                ids.append(self.ids[top_i.numpy()])
+                scores.append(top_s.numpy())
         if not ids:
             return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
         return np.concatenate(ids), np.concatenate(scores)
+
+    def _search_block(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [b, d] -> (scores [b, k], item rows [b, k]), best first."""
+        vals, rows = [], []
+        for start in range(0, self.vectors.shape[0], self.item_block):
+            s = q @ self.vectors[start:start + self.item_block].t()           # [b, c]
+            top = torch.topk(s, min(k, s.shape[1]), dim=1)                     # [b, <= k]
+            vals.append(top.values)
+            rows.append(top.indices + start)
+        if len(vals) == 1:
+            return vals[0], rows[0]
+        vals_c, rows_c = torch.cat(vals, dim=1), torch.cat(rows, dim=1)       # [b, k * blocks]
+        best = torch.topk(vals_c, k, dim=1)                                    # [b, k]
+        return best.values, rows_c.gather(1, best.indices)
 
 
 class _UserTower(nn.Module):

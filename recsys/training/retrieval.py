@@ -1,7 +1,7 @@
 """Retrieval evaluation of a two-tower model: top-K over the whole item corpus for every eval user.
 
     metrics = retrieval_metrics_of(cfg, sparse, store, model, cfg.data.eval_paths)
-    # {"recall@10": .., "ndcg@10": .., ..., "popular_recall@10": .., ..., "eval_users": .., "items": ..}
+    # {"recall@10": .., "ndcg@10": .., ..., "popular_recall@10": .., ..., "eval_users", "items", "eval_examples"}
 
 Items: every row of data.item_paths (one per item, the item tower's columns) -> item vectors [I, d].
 Users: the eval rows grouped by model.user_id_feature; a user's query is the user tower of its
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def eval_users(cfg: JobConfig, sparse: SparseArch, store: EmbeddingStore, model: TwoTower,
-               paths: tuple[str, ...]) -> tuple[torch.Tensor, list[np.ndarray]]:
-    """User vectors [U, d] (first row of each user) and each user's relevant item ids."""
+               paths: tuple[str, ...]) -> tuple[torch.Tensor, list[np.ndarray], int]:
+    """User vectors [U, d] (first row of each user), each user's relevant item ids, and the row count."""
     data_cfg = dataclasses.replace(cfg.data, shuffle=False, drop_last=False)
     users, items, vecs = [], [], []
     model.eval()
@@ -48,7 +48,7 @@ def eval_users(cfg: JobConfig, sparse: SparseArch, store: EmbeddingStore, model:
     order = np.argsort(inverse, kind="stable")                             # rows grouped by user
     bounds = np.cumsum(np.bincount(inverse, minlength=uniq.size))[:-1]
     relevant = [np.unique(g) for g in np.split(item[order], bounds)]
-    return torch.cat(vecs)[torch.from_numpy(first)], relevant
+    return torch.cat(vecs)[torch.from_numpy(first)], relevant, int(user.size)
 
 
 def _one_id(batch: Batch, feature: str) -> np.ndarray:
@@ -88,7 +88,7 @@ def retrieval_metrics_of(cfg: JobConfig, sparse: SparseArch, store: EmbeddingSto
     was_training = model.training
     try:
         item_ids, items = item_vectors(cfg, store, model)
-        users, relevant = eval_users(cfg, sparse, store, model, paths)
+        users, relevant, sum_rows = eval_users(cfg, sparse, store, model, paths)
     finally:
         model.train(was_training)
     ks = cfg.eval.recall_k
@@ -97,6 +97,7 @@ def retrieval_metrics_of(cfg: JobConfig, sparse: SparseArch, store: EmbeddingSto
     popular = np.broadcast_to(best, (len(relevant), best.size))             # the same list for every user
     out = retrieval_metrics(top, relevant, ks)
     out.update({f"popular_{k}": v for k, v in retrieval_metrics(popular, relevant, ks).items()})
-    out.update(eval_users=float(len(relevant)), items=float(item_ids.size))
+    out.update(eval_users=float(len(relevant)), items=float(item_ids.size),
+               eval_examples=float(sum_rows))
     logger.info("retrieval eval: %s", {k: round(v, 4) for k, v in out.items()})
     return out

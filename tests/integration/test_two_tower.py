@@ -47,13 +47,15 @@ def job(run: Path, data: Path, *extra: str) -> JobConfig:
 
 
 def test_recall_at_50_beats_twice_the_most_popular_baseline(tmp_path: Path, retrieval_data: Path) -> None:
-    cfg = job(tmp_path / "run", retrieval_data)
+    cfg = job(tmp_path / "run", retrieval_data, f"data.test_paths=['{retrieval_data}/part-00002.parquet']")
     launch_train(cfg)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     logger.info("two-tower recall@50 %.4f, most popular %.4f", metrics["recall@50"], metrics["popular_recall@50"])
     assert metrics["eval_users"] > 1000 and metrics["items"] == 4000
     assert metrics["recall@50"] >= 2.0 * metrics["popular_recall@50"], metrics
     assert metrics["ndcg@50"] > metrics["popular_ndcg@50"]
+    assert metrics["test"]["recall@50"] == pytest.approx(metrics["recall@50"], abs=1e-9)   # test scoring
+    assert metrics["test"]["examples"] == 20000
     again = evaluate_run(tmp_path / "run", [f"{retrieval_data}/part-00002.parquet"])
     for k in ("recall@10", "recall@50", "recall@100", "ndcg@50", "popular_recall@50"):
         assert again[k] == pytest.approx(metrics[k], abs=1e-6), k

@@ -81,3 +81,19 @@ def test_a_ctr_export_has_no_topk(tmp_path: Path) -> None:
 
     with pytest.raises(ExportError, match="not a two_tower export"):
         _P().topk(None, 5)
+
+
+@pytest.mark.parametrize("item_block, query_block", [(1 << 16, 1024), (64, 7), (1000, 50)])
+def test_exact_index_blocks_equal_numpy(item_block: int, query_block: int) -> None:
+    """Several item blocks (per-block topk, then a topk of the candidates) and query blocks."""
+    from recsys.serving.retrieval import ExactIndex
+
+    rng = np.random.default_rng(4)
+    items, queries = rng.normal(size=(1000, 16)).astype(np.float32), rng.normal(size=(30, 16)).astype(np.float32)
+    ids = rng.permutation(1 << 20)[:1000].astype(np.int64)
+    got_ids, got_scores = ExactIndex(ids, torch.from_numpy(items), item_block, query_block).search(
+        torch.from_numpy(queries), 25)
+    full = queries @ items.T
+    order = np.argsort(-full, axis=1, kind="stable")[:, :25]
+    np.testing.assert_array_equal(got_ids, ids[order])
+    np.testing.assert_allclose(got_scores, np.take_along_axis(full, order, axis=1), atol=1e-5, rtol=0)
