@@ -90,6 +90,8 @@ class Predictor:
         self.step = int(delta["step"])
         self._store = ExportStore(self.tables)
         self._pooling = None
+        if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
+            self._open_retrieval(delta["retrieval"], delta_dir)
         logger.info("applied delta %s: now at step %d", delta_dir, self.step)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -119,10 +121,11 @@ class Predictor:
 
     # -- retrieval (two_tower exports) ---------------------------------------------------------------
 
-    def _open_retrieval(self, info: dict) -> None:
-        ids, vectors = read_items(self.root, info)
+    def _open_retrieval(self, info: dict, root: Path | None = None) -> None:
+        root = self.root if root is None else root
+        ids, vectors = read_items(root, info)
         self.index = ExactIndex(ids, vectors)
-        self.user_tower = load_user_tower(self.root, info)
+        self.user_tower = load_user_tower(root, info)
         self._user_data = tower_data(self.config, self.config.model.user_features)
         self._user_sparse = tower_sparse_arch(self.config, self.config.model.user_features)
 

@@ -46,12 +46,24 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
     torch.save(trainer.model.state_dict(), run / "model" / "dense.pt")
     store.save(str(run / "model" / "ps"))
     (run / "metrics.json").write_text(json.dumps({"steps": 6}))
+    # 3 more steps, saved as a second run (a delta export of it since step 6 updates the first)
+    with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
+        for step, batch in zip(range(6, 9), loader):
+            trainer.train_step(batch, trainer.sparse.lookup(batch, store, step), StepTimes())
+            trainer.step += 1
+    later = tmp / "later"
+    (later / "model").mkdir(parents=True)
+    (later / "config.toml").write_text(to_toml(cfg))
+    torch.save(trainer.model.state_dict(), later / "model" / "dense.pt")
+    store.save(str(later / "model" / "ps"))
+    (later / "metrics.json").write_text(json.dumps({"steps": 9}))
     trainer.close()
     return cfg, run, store, trainer.model, tmp
 
 
 def test_topk_equals_numpy_brute_force(trained) -> None:
     cfg, run, store, model, tmp = trained
+    run = tmp / "later"                     # the model of `store` and `model` (step 9)
     export_model(resolve_source(run=run), tmp / "export")
     items = pq.read_table(tmp / "export" / "items.parquet")
     assert items.num_rows == 4000 and items.schema.field("vector").type.list_size == cfg.model.tower_dim
@@ -72,6 +84,22 @@ def test_topk_equals_numpy_brute_force(trained) -> None:
     order = np.argsort(-full, axis=1, kind="stable")[:, :50]
     np.testing.assert_array_equal(ids, item_ids[order])
     np.testing.assert_allclose(scores, np.take_along_axis(full, order, axis=1), rtol=0, atol=1e-5)
+
+
+def test_a_delta_export_brings_its_item_vectors_and_user_tower(trained) -> None:
+    cfg, run, store, model, tmp = trained
+    export_model(resolve_source(run=run), tmp / "base")                            # step 6
+    export_model(resolve_source(run=tmp / "later"), tmp / "delta", since=6)        # steps 6..8
+    export_model(resolve_source(run=tmp / "later"), tmp / "full9")
+    queries = pq.read_table(f"{tmp}/data/part-00001.parquet").slice(0, 64)
+    base = Predictor(tmp / "base")
+    before, _ = base.topk(queries, k=20)
+    base.apply_delta(tmp / "delta")
+    after, scores = base.topk(queries, k=20)
+    want, want_scores = Predictor(tmp / "full9").topk(queries, k=20)
+    np.testing.assert_array_equal(after, want)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-6, rtol=0)
+    assert (before != after).any()                                                 # the model moved
 
 
 def test_a_ctr_export_has_no_topk(tmp_path: Path) -> None:
