@@ -15,6 +15,8 @@ Negatives: under DDP the item vectors of every rank's batch are all-gathered
 (`torch.distributed.nn.all_gather`, which keeps gradients, on gloo too), so each row's softmax runs
 over the global batch (B_g = W * B; every rank must have the same B, hence data.drop_last). The
 columns are rolled so that the rank's own block comes first: row i's positive is column i.
+Another row holding the same item stays a negative of row i (no masking of "accidental hits", as
+in Yi et al.); log-Q, which lowers exactly the frequent items' logits, offsets most of it.
 
 log q(item): sampling probability of an item as a negative, i.e. its frequency in the stream,
 estimated by `FrequencyEstimator`: hashed counts (bucket = id mod num_freq_buckets, the
