@@ -53,6 +53,9 @@ class DataConfig:
     """Run `validate_batch()` on every batch the loader yields (the data-boundary check)."""
     pin_memory: bool = False
     """Put batches in page-locked memory in the prefetch thread (only when CUDA is available)."""
+    item_paths: tuple[str, ...] = ()
+    """Retrieval (two-tower) runs: the item corpus, one row per item with the item tower's columns;
+    `recsys eval` ranks all of them for every user, `recsys export` writes their vectors."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

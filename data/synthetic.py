@@ -383,6 +383,11 @@ def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
     Parquet codec name or "none". Returns a summary: rows, files, CTR, mean p_true, oracle AUC
     (AUC of p_true against the labels, from a 2^20-bin histogram), seconds.
     """
+    if preset == "retrieval":            # its own generator and files (data/retrieval.py)
+        from data.retrieval import generate_retrieval
+
+        return generate_retrieval(rows=rows, num_files=num_files, out_dir=out_dir, seed=seed,
+                                  row_group_rows=row_group_rows, compression=compression, model_seed=model_seed)
     p = get_preset(preset)
     if rows < 1 or num_files < 1 or num_files > rows:
         raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")

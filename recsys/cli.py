@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_print_config)
 
     p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet")
-    p.add_argument("--preset", default="criteo-like", choices=["criteo-like", "longtail", "tiny"])
+    p.add_argument("--preset", default="criteo-like", choices=["criteo-like", "longtail", "tiny", "retrieval"])
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--files", type=int, default=1)
     p.add_argument("--out", required=True)

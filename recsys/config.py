@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from data.config import DataConfig
 from embedding_ps.config import PSConfig, TableConfig
+from recsys.config_retrieval import EvalConfig, check_two_tower
 
 
 MAX_LOCAL_TRAINERS = 1024
@@ -40,7 +41,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """The CTR model: architecture, feature -> table map and dense tower sizes."""
 
-    arch: Literal["dlrm", "dcn", "deepfm", "wide_deep"] = "dlrm"
+    arch: Literal["dlrm", "dcn", "deepfm", "wide_deep", "two_tower"] = "dlrm"
     """Model architecture."""
     feature_tables: dict[str, str] = field(default_factory=dict)
     """Sparse feature -> PS table name; a feature missing here uses the table of its own name."""
@@ -67,6 +68,24 @@ class ModelConfig:
     Wide&Deep deep), before its ReLU: "batch" (BatchNorm1d; running statistics in eval and export;
     under DDP each rank normalizes over its own rows, so sync mode is no longer exactly one process
     on the concatenated batch) or "layer" (LayerNorm per row). "none" keeps the plain MLP."""
+    user_features: tuple[str, ...] = ()
+    """two_tower: the sparse and dense columns the user tower reads (each column in one tower)."""
+    item_features: tuple[str, ...] = ()
+    """two_tower: the sparse and dense columns the item tower reads (also the columns of data.item_paths)."""
+    user_id_feature: str = "user_id"
+    """two_tower: the sparse column identifying a user; retrieval eval groups the eval rows by it
+    (a user's relevant items: the items of its rows; its query: the user features of its first row)."""
+    item_id_feature: str = "item_id"
+    """two_tower: the sparse column holding the item id (log-Q frequencies, eval, the export's item ids)."""
+    tower_dim: int = 32
+    """two_tower: width of the L2-normalized user and item vectors (each tower: model.top_mlp hidden
+    layers, then a Linear to tower_dim)."""
+    temperature: float = 0.05
+    """two_tower: the sampled softmax's logits are cosine / temperature."""
+    logq_correction: bool = True
+    """two_tower: subtract log(estimated sampling probability) of each in-batch negative (Yi et al. 2019)."""
+    num_freq_buckets: int = 1 << 18
+    """two_tower: hashed buckets of the streamed item-frequency estimate (for log-Q)."""
 
     def __post_init__(self) -> None:
         for key in ("bottom_mlp", "top_mlp"):
@@ -81,6 +100,12 @@ class ModelConfig:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.linear_tables and self.arch not in ("deepfm", "wide_deep"):
             raise ValueError(f"model.linear_tables is only used by deepfm and wide_deep, not {self.arch!r}")
+        if self.tower_dim < 1:
+            raise ValueError(f"model.tower_dim must be >= 1, got {self.tower_dim}")
+        if self.temperature <= 0:
+            raise ValueError(f"model.temperature must be > 0, got {self.temperature}")
+        if self.num_freq_buckets < 1:
+            raise ValueError(f"model.num_freq_buckets must be >= 1, got {self.num_freq_buckets}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,6 +232,8 @@ class JobConfig:
     """CTR model."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop and launcher."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Offline evaluation (retrieval metrics)."""
 
     def __post_init__(self) -> None:
         tables = {t.name: t for t in self.ps.tables}
@@ -246,6 +273,13 @@ class JobConfig:
             if self.model.table_pooling.get(table, "sum") != "sum":
                 raise ValueError(f"data.weight_columns.{column}: per-id weights need sum pooling, but "
                                  f"model.table_pooling.{table} = {self.model.table_pooling[table]!r}")
+        check_two_tower(self.model, self.data)
+        if self.model.arch == "two_tower" and self.train.num_trainers > 1 and not self.data.drop_last:
+            raise ValueError("model.arch = 'two_tower' with train.num_trainers > 1 needs data.drop_last = true "
+                             "(the ranks' item vectors are all-gathered as negatives: equal batch sizes)")
+        if self.model.arch == "two_tower" and self.train.validate_every != 0:
+            raise ValueError("train.validate_every is not supported with model.arch = 'two_tower' "
+                             "(retrieval metrics come from `recsys eval` and the end of training)")
         self._check_cache_and_prefetch()
 
     def _check_cache_and_prefetch(self) -> None:
@@ -517,5 +551,5 @@ def _toml_key(k: str) -> str:
     return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
 
 
-__all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig",
+__all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig", "EvalConfig",
            "TableConfig", "expand_tables", "load_config", "load_ps_config", "to_dict", "to_toml"]

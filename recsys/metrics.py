@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -311,6 +311,31 @@ def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tenso
 # Metric logging
 
 
+def retrieval_metrics(top: np.ndarray, relevant: Sequence[np.ndarray], ks: Sequence[int]) -> dict[str, float]:
+    """recall@K and ndcg@K, averaged over users, of ranked lists `top` [U, L] (best first; L may be
+    below K: a shorter list) against each user's relevant item ids (distinct, non-empty).
+
+    recall@K = |top_K & R| / |R|;  ndcg@K = sum_{i < K, top_i in R} 1 / log2(i + 2) over the same
+    sum for an ideal list (min(|R|, K) hits first). Binary relevance.
+    """
+    if len(relevant) != top.shape[0] or not len(relevant):
+        raise ValueError(f"retrieval_metrics: {top.shape[0]} ranked lists for {len(relevant)} users")
+    K = max(ks)
+    hits = np.zeros((top.shape[0], K), dtype=bool)                         # [U, K]
+    for u, rel in enumerate(relevant):
+        hits[u, :min(K, top.shape[1])] = np.isin(top[u, :K], rel)
+    sizes = np.array([len(r) for r in relevant], dtype=np.float64)         # [U]
+    gain = 1.0 / np.log2(np.arange(K) + 2.0)                                # [K]
+    ideal = np.cumsum(gain)                                                 # [K]: ideal DCG at each cut
+    out: dict[str, float] = {}
+    for k in ks:
+        found = hits[:, :k]
+        out[f"recall@{k}"] = float((found.sum(1) / sizes).mean())
+        idcg = ideal[np.minimum(sizes, k).astype(np.int64) - 1]
+        out[f"ndcg@{k}"] = float(((found * gain[:k]).sum(1) / idcg).mean())
+    return out
+
+
 class MetricSink(Protocol):
     """Where training metrics go: `MetricLogger`, or `NullMetricLogger` when metrics are off."""
 
@@ -403,5 +428,5 @@ class NullMetricLogger:
         pass
 
 
-__all__ = ["auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics", "eval_metrics",
+__all__ = ["retrieval_metrics", "auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics", "eval_metrics",
            "MetricSink", "MetricLogger", "NullMetricLogger", "EPS"]

@@ -28,6 +28,7 @@ from recsys.models.deepfm import DeepFM, FactorizationMachine
 from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
 from recsys.models.mlp import MLP, LinearTerms
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan, plan_tables
+from recsys.models.two_tower import TwoTower
 from recsys.models.wide_deep import WideDeep
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
         raise ValueError(f"model.arch = {model_cfg.arch!r} needs at least one sparse feature, got num_sparse={num_sparse}")
     if embedding_dim < 1:
         raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+    if model_cfg.arch == "two_tower":
+        raise ValueError("model.arch = 'two_tower' splits the columns into towers: build it with build_dense_model(cfg)")
     cls = ARCHS[model_cfg.arch]   # the config loader already checked the Literal
     if model_cfg.linear_feature_tables and not cls.needs_linear_terms:
         # Otherwise the trainer would pull and push dim-1 rows that never reach the loss.
@@ -78,6 +81,8 @@ def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
     if not plans:
         raise ValueError("data.sparse_columns maps no feature to an embedding table: the model has no input")
     torch.manual_seed(cfg.train.seed)
+    if cfg.model.arch == "two_tower":
+        return TwoTower.from_job(cfg, embedding_dim=plans[0].dim)
     return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
                        num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim)
 
@@ -90,4 +95,4 @@ def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
 
 __all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
            "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
-           "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms"]
+           "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms", "TwoTower"]

@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 
 from recsys.config import JobConfig, to_toml
 from recsys.serving.dense_export import export_dense
+from recsys.serving.retrieval import export_retrieval
 from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
 from recsys.serving.source import SavedShards, Source
 from recsys.manifest import check_files, file_entry, write_json_atomic
@@ -200,8 +201,10 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
                         "" if since is None else f", {part.tombstones.shape[0]} tombstones")
             del part, matrix                         # one table in memory at a time
         dense = export_dense(cfg, source.model_dir / "dense.pt", tmp / "dense.pt2")
+        # two_tower: item vectors (items.parquet) and the user tower (user_tower.pt2), see retrieval.py
+        retrieval = export_retrieval(cfg, source.model_dir, tmp) if cfg.model.arch == "two_tower" else None
         manifest = new_manifest(cfg, tmp, "full" if since is None else "delta", source.step, since,
-                                precision, entries, dense, source.origin)
+                                precision, entries, dense, source.origin, retrieval)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,7 +215,7 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
 
 
 def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | None, precision: str,
-                 tables: list[dict], dense: dict, origin: str) -> dict:
+                 tables: list[dict], dense: dict, origin: str, retrieval: dict | None = None) -> dict:
     """Write config.toml and manifest.json into `root`."""
     (root / "config.toml").write_text(to_toml(cfg))
     data = cfg.data
@@ -223,4 +226,6 @@ def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | 
         "tables": tables, "features": features_section(cfg), "dense": dense,
         "rows": {e["name"]: e["rows"] for e in tables},
     }
+    if retrieval is not None:
+        manifest["retrieval"] = retrieval
     return finish_manifest(root, manifest)

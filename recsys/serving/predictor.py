@@ -31,11 +31,13 @@ from data.batch import Batch
 from data.decode import decode_table
 from recsys.config import load_config
 from recsys.models import build_sparse_arch
+from recsys.models.two_tower import tower_data, tower_sparse_arch
 from recsys.serving.delta import check_applicable, merge_table, read_table
 from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.quantize import QUANTIZED
+from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
 from recsys.serving.tensorfile import ExportError
 
@@ -67,6 +69,9 @@ class Predictor:
         self.num_inputs = len(self.manifest["dense"]["inputs"])
         self._store = ExportStore(self.tables)
         self._pooling: QuantizedPooling | None = None
+        self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
+        if "retrieval" in self.manifest:
+            self._open_retrieval(self.manifest["retrieval"])
         for d in deltas:
             self.apply_delta(d)
 
@@ -85,6 +90,8 @@ class Predictor:
         self.step = int(delta["step"])
         self._store = ExportStore(self.tables)
         self._pooling = None
+        if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
+            self._open_retrieval(delta["retrieval"], delta_dir)
         logger.info("applied delta %s: now at step %d", delta_dir, self.step)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -111,6 +118,35 @@ class Predictor:
         pooled, linear = self.pooled(batch)
         args = (batch.dense, pooled.detach()) + ((linear.detach(),) if self.num_inputs == 3 else ())
         return self.scorer(*args)
+
+    # -- retrieval (two_tower exports) ---------------------------------------------------------------
+
+    def _open_retrieval(self, info: dict, root: Path | None = None) -> None:
+        root = self.root if root is None else root
+        ids, vectors = read_items(root, info)
+        self.index = ExactIndex(ids, vectors)
+        self.user_tower = load_user_tower(root, info)
+        self._user_data = tower_data(self.config, self.config.model.user_features)
+        self._user_sparse = tower_sparse_arch(self.config, self.config.model.user_features)
+
+    @torch.no_grad()
+    def user_vectors(self, user_features: Batch | pa.Table) -> torch.Tensor:
+        """float32 [B, d] user vectors of rows holding the user columns (model.user_features); a
+        Batch must hold exactly those columns (dense, then sparse, in the data's column order)."""
+        if self.index is None:
+            raise ExportError(f"{self.root}: not a two_tower export (no item vectors): topk needs one")
+        if isinstance(user_features, pa.Table):
+            user_features = decode_table(self._user_data, user_features, "<user features>")
+        pooled, _ = self._user_sparse.lookup(user_features, self._store).wait()        # [B, F_u, D]
+        return self.user_tower(user_features.dense, pooled.detach())                  # [B, d]
+
+    def topk(self, user_features: Batch | pa.Table, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k items of largest <user, item> for every row: (item ids int64 [B, k], scores
+        float32 [B, k]), best first. Exact (batched matmul over the exported item matrix);
+        `self.index` is an `ItemIndex`, where an approximate index can take its place."""
+        queries = self.user_vectors(user_features)          # raises for an export without item vectors
+        assert self.index is not None
+        return self.index.search(queries, k)
 
     def predict(self, data: Batch | pa.Table) -> np.ndarray:
         """float32 [B] click probabilities of a Batch or of a pyarrow Table (decoded like training data)."""

@@ -44,13 +44,17 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
                  last: bool = False) -> dict[str, float]:
     cfg, trainer = open_run(run_dir, last)
     try:
-        labels, scores, extras = trainer.predict(tuple(data))
+        if cfg.model.arch == "two_tower":      # recall@K / ndcg@K over data.item_paths (training/retrieval.py)
+            metrics = trainer.evaluate(tuple(data))
+        else:
+            labels, scores, extras = trainer.predict(tuple(data))
     finally:
         trainer.close()
-    if labels.numel() == 0:
-        raise ValueError(f"no rows in {data}")
-    p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-    metrics = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact")
+    if cfg.model.arch != "two_tower":
+        if labels.numel() == 0:
+            raise ValueError(f"no rows in {data}")
+        p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
+        metrics = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact")
     path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
     path.write_text(json.dumps(metrics, indent=1))
     logger.info("eval on %s: %s (written to %s)", data, metrics, path)

@@ -44,9 +44,12 @@ from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model
+from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training import stopping
+
+from recsys.training.retrieval import retrieval_metrics_of
 from recsys.training.step import step_strategy
 from recsys.rundir import best_dir
 from recsys.training.validation import Validation
@@ -123,7 +126,9 @@ class Trainer:
         self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train)
-        self.loss_fn = nn.BCEWithLogitsLoss()
+        # two_tower: in-batch softmax over the (global) batch's items, on logits [B, B_g]
+        self._in_batch = bool(getattr(model, "in_batch_softmax", False))
+        self.loss_fn = model.loss_fn if self._in_batch else nn.BCEWithLogitsLoss()
         self.metric_logger = metric_logger
         self.step = 0
         self.strategy = step_strategy(cfg.ps.mode, self.store)     # sync or async, chosen here once
@@ -169,9 +174,11 @@ class Trainer:
         """Logits [B] of a batch whose rows are (being) pulled in `lookup`."""
         pooled, linear = lookup.wait()                          # [B, F, D], [B, F_lin] | None
         model = self.ddp if train else self.model
+        extra = {"item_ids": item_ids_of(batch, self.cfg.model.item_id_feature).to(self.device)} \
+            if train and self._in_batch else {}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.autocast):
             logits = model(batch.dense.to(self.device), pooled.to(self.device),
-                           None if linear is None else linear.to(self.device))
+                           None if linear is None else linear.to(self.device), **extra)
         return logits.float()
 
     def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes) -> float:
@@ -186,7 +193,8 @@ class Trainer:
             if not torch.isfinite(loss.detach()):      # before any gradient reaches DDP or the shards
                 raise NonFiniteLossError(f"step {self.step + 1}: the training loss is {float(loss.detach())}")
             (loss * share / acc).backward()             # loss * 1.0 is exact: no special case
-        times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
+        if logits.dim() == 1:                           # a CTR logit per row (not in-batch softmax)
+            times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
         # rows.grad already carries share / acc (the loss was scaled): only DDP's 1/W is left to apply
         self.strategy.after_backward(lookup.push(scale=1.0 / self.world_size), self.step)
@@ -379,6 +387,8 @@ class Trainer:
     def evaluate(self, paths: tuple[str, ...]) -> dict[str, float]:
         """`eval_metrics` of the model on `paths` over every rank's part (collective): auc, logloss,
         ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column."""
+        if self._in_batch:                              # two_tower: recall@K / ndcg@K over data.item_paths
+            return retrieval_metrics_of(self.cfg, self.sparse, self.store, self.model, paths)
         labels, scores, extras = self.predict(paths)
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
         return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact")

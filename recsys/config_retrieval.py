@@ -1,0 +1,78 @@
+"""Config of retrieval (two-tower) jobs: the `[eval]` section and the cross-section checks of
+`model.arch = "two_tower"` (kept out of config.py, which holds the other sections).
+
+    [model]
+    arch = "two_tower"
+    user_features = ["user_id", "user_region", "user_age"]    # sparse or dense columns of the user tower
+    item_features = ["item_id", "item_cat", "item_price"]     # ... of the item tower
+    item_id_feature = "item_id"                               # the item's identity (log-Q, eval, export)
+
+    [eval]
+    recall_k = [10, 50, 100]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Offline evaluation options (retrieval metrics of two-tower runs)."""
+
+    recall_k: tuple[int, ...] = (10, 50, 100)
+    """Cut-offs K of `recall@K` and `ndcg@K` (two-tower runs: top-K items over data.item_paths)."""
+    batch_users: int = 1024
+    """Users scored against the whole item corpus per matmul (bounds the [users, items] score block)."""
+
+    def __post_init__(self) -> None:
+        if not self.recall_k or any(k < 1 for k in self.recall_k):
+            raise ValueError(f"eval.recall_k must be a non-empty list of K >= 1, got {list(self.recall_k)}")
+        if self.batch_users < 1:
+            raise ValueError(f"eval.batch_users must be >= 1, got {self.batch_users}")
+
+
+def check_two_tower(model: Any, data: Any) -> None:
+    """Cross-section rules of model.arch = "two_tower" (ValueError naming the dotted key).
+
+    Every feature of model.user_features / model.item_features is a column of data.sparse_columns
+    or data.dense_columns, no column is in both towers, every sparse column is in one tower,
+    model.item_id_feature is a sparse column of the item tower, and there are no linear tables.
+    """
+    if model.arch != "two_tower":
+        for key in ("user_features", "item_features"):
+            if getattr(model, key):
+                raise ValueError(f"model.{key} is only used by model.arch = 'two_tower', not {model.arch!r}")
+        return
+    columns = set(data.sparse_columns) | set(data.dense_columns)
+    for key in ("user_features", "item_features"):
+        feats = getattr(model, key)
+        if not feats:
+            raise ValueError(f"model.{key} must name the tower's columns for model.arch = 'two_tower', got []")
+        for f in feats:
+            if f not in columns:
+                raise ValueError(f"model.{key}: {f!r} is not in data.sparse_columns or data.dense_columns")
+        if not any(f in data.sparse_columns for f in feats):
+            raise ValueError(f"model.{key} needs at least one sparse column (an id), got {list(feats)}")
+    both = sorted(set(model.user_features) & set(model.item_features))
+    if both:
+        raise ValueError(f"model.user_features and model.item_features share {both}: a column is in one tower")
+    missing = [c for c in data.sparse_columns if c not in model.user_features and c not in model.item_features]
+    if missing:
+        raise ValueError(f"data.sparse_columns {missing} are in neither model.user_features nor model.item_features")
+    if model.item_id_feature not in model.item_features or model.item_id_feature not in data.sparse_columns:
+        raise ValueError(f"model.item_id_feature = {model.item_id_feature!r} must be a sparse column of "
+                         f"model.item_features {list(model.item_features)}")
+    if model.user_id_feature not in model.user_features or model.user_id_feature not in data.sparse_columns:
+        raise ValueError(f"model.user_id_feature = {model.user_id_feature!r} must be a sparse column of "
+                         f"model.user_features {list(model.user_features)}")
+    if (data.eval_paths or data.test_paths) and not data.item_paths:
+        raise ValueError("two_tower: data.eval_paths / data.test_paths are ranked against the item corpus: "
+                         "set data.item_paths (one row per item)")
+    if model.linear_feature_tables:
+        raise ValueError("model.linear_feature_tables is not used by model.arch = 'two_tower'")
+
+
+
+__all__ = ["EvalConfig", "check_two_tower"]
