@@ -41,7 +41,7 @@ from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
-from recsys.models import SparseLookup, build_job_model
+from recsys.models import SparseLookup, build_job_model, sequence_inputs
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.step import step_strategy
@@ -156,10 +156,11 @@ class Trainer:
     def forward(self, batch: Batch, lookup: SparseLookup, train: bool = True) -> torch.Tensor:
         """Logits [B] of a batch whose rows are (being) pulled in `lookup`."""
         pooled, linear = lookup.wait()                          # [B, F, D], [B, F_lin] | None
+        extra = [t.to(self.device) for t in sequence_inputs(self.sparse, lookup)]   # din: [B, S, L, D], [B, S, L]
         model = self.ddp if train else self.model
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.autocast):
             logits = model(batch.dense.to(self.device), pooled.to(self.device),
-                           None if linear is None else linear.to(self.device))
+                           None if linear is None else linear.to(self.device), *extra)
         return logits.float()
 
     def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes) -> float:
