@@ -223,3 +223,10 @@ def test_din_config_loads_and_lists_read_their_candidates_table() -> None:
     # with [ps.table_defaults], no table of its own is made for the list
     cfg2 = load_config("configs/din.toml", ["ps.table_defaults={dim = 16}"])
     assert [t.name for t in cfg2.ps.tables] == ["ctx", "item"]
+
+
+def test_gen_data_offers_the_sequence_preset() -> None:
+    from recsys.cli import build_parser
+
+    args = build_parser().parse_args(["gen-data", "--preset", "sequence", "--rows", "10", "--out", "x"])
+    assert args.preset == "sequence"
