@@ -4,7 +4,7 @@ least 0.98x the planted oracle's, and beats DeepFM without the behavior list by 
 
 Measured while writing this (shared 2-core machine; same data, seed 0; eval AUC / oracle 0.8275):
 DIN 0.8146 (0.984x oracle), 3 epochs; DeepFM on (ctx, item, I1) 0.6199: DIN ahead by 0.19.
-The runs also go through `recsys export` and `Predictor`: the served scores equal the run's own.
+(Export and Predictor of DIN: tests/unit/recsys/serving/test_export_din.py.)
 """
 
 from __future__ import annotations
