@@ -264,7 +264,8 @@ class JobConfig:
                 if col not in self.data.sparse_columns:
                     raise ValueError(f"model.sequence_features.{key}: {col!r} is not in data.sparse_columns "
                                      f"{list(self.data.sparse_columns)}")
-            if seq in self.model.feature_tables and self.model.feature_tables[seq] != self.model.feature_tables.get(cand, cand):
+            own = self.model.feature_tables.get(seq)
+            if own is not None and own != self.model.feature_tables.get(cand, cand):
                 raise ValueError(f"model.feature_tables.{seq} = {self.model.feature_tables[seq]!r}: a sequence "
                                  f"feature reads the table of its candidate {cand!r} (model.sequence_features); "
                                  f"leave it out of model.feature_tables")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from data.batch import Batch, KeyedJagged
+from embedding_ps.store import EmbeddingStore
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan
 
 
@@ -43,7 +44,8 @@ def plan_sequences(features: tuple[str, ...], sequence_features: dict[str, str])
     for seq, cand in sequence_features.items():
         for col in (seq, cand):
             if col not in features:
-                raise ValueError(f"model.sequence_features.{seq}: {col!r} is not in data.sparse_columns {list(features)}")
+                raise ValueError(f"model.sequence_features.{seq}: {col!r} is not in data.sparse_columns "
+                                 f"{list(features)}")
         out.append(SequencePlan(seq, features.index(seq), features.index(cand)))
     return sorted(out, key=lambda s: s.feature)
 
@@ -130,7 +132,7 @@ class SequenceSparseArch(SparseArch):
         self.sequences = sequences
         self.max_len = max_len
 
-    def lookup(self, batch: Batch, store, step: int | None = None) -> SparseLookup:
+    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
         """SparseArch.lookup of the batch with its behavior lists cut to their last `max_len` ids."""
         cut = truncate_batch(batch, [s.feature for s in self.sequences], self.max_len)
         return super().lookup(cut, store, step)

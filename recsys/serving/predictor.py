@@ -114,7 +114,8 @@ class Predictor:
         if self.sequences:          # din: (dense, pooled, behaviors, mask), from one lookup
             lookup = self.sparse.lookup(batch, self._store)
             pooled, _ = lookup.wait()
-            return self.scorer(batch.dense, pooled.detach(), *(t.detach() for t in sequence_inputs(self.sparse, lookup)))
+            behaviors, mask = sequence_inputs(self.sparse, lookup)                # [B, S, L, D], [B, S, L]
+            return self.scorer(batch.dense, pooled.detach(), behaviors.detach(), mask)
         pooled, linear = self.pooled(batch)
         args = (batch.dense, pooled.detach()) + ((linear.detach(),) if self.num_inputs == 3 else ())
         return self.scorer(*args)

@@ -4,6 +4,7 @@ plain-torch reference, and DIN's forward against a reference written out by hand
 from __future__ import annotations
 
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ from torch import nn
 from data.batch import Batch, KeyedJagged
 from embedding_ps.config import TableConfig
 from recsys.config import ConfigError, ModelConfig, load_config
-from recsys.models import DIN, AttentionUnit, SequenceSparseArch, build_model, plan_sequences, plan_tables, sequence_inputs
+from recsys.models import (DIN, AttentionUnit, SequenceSparseArch, build_model, plan_sequences, plan_tables,
+                           sequence_inputs)
 from recsys.models.sequence import truncate_batch, truncate_lists
 
 V, D = 30, 4
+CONFIG = Path(__file__).resolve().parents[4] / "configs" / "din.toml"
 
 
 def din(softmax: bool = False, num_dense: int = 2, seed: int = 0, **kw) -> DIN:
@@ -207,21 +210,22 @@ def test_sequence_lookup_and_row_grads_match_a_dense_reference() -> None:
     (["model.sequence_features={hist = 'hist'}"], "must name a candidate feature"),
     (["model.sequence_features={hist = 'nope'}"], r"model.sequence_features.hist: 'nope' is not in data.sparse_columns"),
     (["model.feature_tables={hist = 'ctx'}"], "model.feature_tables.hist"),
+    (["data.weight_columns={hist = 'w'}"], "data.weight_columns.hist: a sequence feature"),
 ])
 def test_config_errors_name_the_key(override: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        load_config("configs/din.toml", override)
+        load_config(CONFIG, override)
 
 
 def test_din_config_loads_and_lists_read_their_candidates_table() -> None:
-    cfg = load_config("configs/din.toml")
+    cfg = load_config(CONFIG)
     from recsys.models import build_sparse_arch
     arch = build_sparse_arch(cfg)
     assert isinstance(arch, SequenceSparseArch) and arch.max_len == cfg.model.max_seq_len
     item_plan = next(p for p in arch.plans if p.name == "item")
     assert [cfg.data.sparse_columns[f] for f in item_plan.features] == ["item", "hist"]
     # with [ps.table_defaults], no table of its own is made for the list
-    cfg2 = load_config("configs/din.toml", ["ps.table_defaults={dim = 16}"])
+    cfg2 = load_config(CONFIG, ["ps.table_defaults={dim = 16}"])
     assert [t.name for t in cfg2.ps.tables] == ["ctx", "item"]
 
 
