@@ -60,6 +60,13 @@ def _cmd_print_config(args: argparse.Namespace) -> int:
 def _cmd_gen_data(args: argparse.Namespace) -> int:
     from data.synthetic import generate
 
+    if args.preset == "sequence":      # behavior lists for DIN: its own generator (data/sequence.py)
+        from data.sequence import generate_sequence
+
+        summary = generate_sequence(rows=args.rows, num_files=args.files, out_dir=args.out, seed=args.seed,
+                                    row_group_rows=args.row_group_rows, compression=args.compression)
+        logger.info("wrote %s", summary)
+        return 0
     summary = generate(preset=args.preset, rows=args.rows, num_files=args.files, out_dir=args.out,
                        seed=args.seed, row_group_rows=args.row_group_rows, compression=args.compression)
     logger.info("wrote %s", summary)
@@ -198,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_print_config)
 
     p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet")
-    p.add_argument("--preset", default="criteo-like", choices=["criteo-like", "longtail", "tiny", "retrieval"])
+    p.add_argument("--preset", default="criteo-like", choices=["criteo-like", "longtail", "tiny", "retrieval", "sequence"])
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--files", type=int, default=1)
     p.add_argument("--out", required=True)

@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """The CTR model: architecture, feature -> table map and dense tower sizes."""
 
-    arch: Literal["dlrm", "dcn", "deepfm", "wide_deep", "two_tower"] = "dlrm"
+    arch: Literal["dlrm", "dcn", "deepfm", "wide_deep", "two_tower", "din"] = "dlrm"
     """Model architecture."""
     feature_tables: dict[str, str] = field(default_factory=dict)
     """Sparse feature -> PS table name; a feature missing here uses the table of its own name."""
@@ -86,6 +86,17 @@ class ModelConfig:
     """two_tower: subtract log(estimated sampling probability) of each in-batch negative (Yi et al. 2019)."""
     num_freq_buckets: int = 1 << 18
     """two_tower: hashed buckets of the streamed item-frequency estimate (for log-Q)."""
+    sequence_features: dict[str, str] = field(default_factory=dict)
+    """din: behavior list column -> the candidate feature whose table it shares (e.g. `{hist = "item"}`):
+    the list's ids are looked up in that feature's table, one row per position, and attended by the
+    candidate's embedding. Both must be in data.sparse_columns."""
+    max_seq_len: int = 50
+    """din: positions L kept of each behavior list, the most recent (the list's last ids) first kept."""
+    attention_mlp: tuple[int, ...] = (36,)
+    """din: hidden widths of the activation unit, an MLP over [q, k, q - k, q * k] -> one weight."""
+    attention_softmax: bool = False
+    """din: normalize the attention weights with a softmax over the real positions (False, as in Zhou
+    et al. 2018: raw weights, so the pooled interest keeps the intensity of the matching behaviors)."""
 
     def __post_init__(self) -> None:
         for key in ("bottom_mlp", "top_mlp"):
@@ -106,6 +117,19 @@ class ModelConfig:
             raise ValueError(f"model.temperature must be > 0, got {self.temperature}")
         if self.num_freq_buckets < 1:
             raise ValueError(f"model.num_freq_buckets must be >= 1, got {self.num_freq_buckets}")
+        if self.max_seq_len < 1:
+            raise ValueError(f"model.max_seq_len must be >= 1, got {self.max_seq_len}")
+        if any(h < 1 for h in self.attention_mlp):
+            raise ValueError(f"model.attention_mlp sizes must be >= 1, got {list(self.attention_mlp)}")
+        if self.arch == "din" and not self.sequence_features:
+            raise ValueError("model.arch = 'din' needs model.sequence_features (behavior list column -> "
+                             "candidate feature), e.g. {hist = \"item\"}")
+        if self.sequence_features and self.arch != "din":
+            raise ValueError(f"model.sequence_features is only used by din, not {self.arch!r}")
+        for seq, cand in self.sequence_features.items():
+            if cand == seq or cand in self.sequence_features:
+                raise ValueError(f"model.sequence_features.{seq} = {cand!r} must name a candidate feature, "
+                                 f"not a sequence feature")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,6 +292,19 @@ class JobConfig:
         if self.train.trace_column and self.train.trace_column not in self.data.passthrough_columns:
             raise ValueError(f"train.trace_column = {self.train.trace_column!r} must be one of "
                              f"data.passthrough_columns {list(self.data.passthrough_columns)}")
+        for seq, cand in self.model.sequence_features.items():
+            for key, col in ((seq, seq), (seq, cand)):
+                if col not in self.data.sparse_columns:
+                    raise ValueError(f"model.sequence_features.{key}: {col!r} is not in data.sparse_columns "
+                                     f"{list(self.data.sparse_columns)}")
+            own = self.model.feature_tables.get(seq)
+            if own is not None and own != self.model.feature_tables.get(cand, cand):
+                raise ValueError(f"model.feature_tables.{seq} = {self.model.feature_tables[seq]!r}: a sequence "
+                                 f"feature reads the table of its candidate {cand!r} (model.sequence_features); "
+                                 f"leave it out of model.feature_tables")
+            if seq in self.data.weight_columns:
+                raise ValueError(f"data.weight_columns.{seq}: a sequence feature (model.sequence_features) "
+                                 f"takes no per-id weights")
         for column in self.data.weight_columns:
             table = self.model.feature_tables.get(column, column)
             if self.model.table_pooling.get(table, "sum") != "sum":
@@ -374,6 +411,10 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
     columns = [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
     feature_tables = model.get("feature_tables", {})
     feature_tables = feature_tables if isinstance(feature_tables, dict) else {}
+    sequences = model.get("sequence_features", {})       # din: a behavior list reads its candidate's table
+    if isinstance(sequences, dict):
+        feature_tables = {**{s: feature_tables.get(c, c) for s, c in sequences.items() if isinstance(c, str)},
+                          **feature_tables}
     for column in columns:
         name = feature_tables.get(column, column)
         if name in names:

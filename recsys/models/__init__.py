@@ -11,8 +11,9 @@ What training and serving both assemble from a job config::
     sparse, dense = build_job_model(cfg)           # SparseArch (jagged ids -> rows -> pooled), dense model
     sparse = build_sparse_arch(cfg)                # the sparse arch alone (export, predictor)
 
-One file per architecture: dlrm.py, dcn.py, deepfm.py, wide_deep.py; shared blocks in mlp.py; the
-sparse arch (lookups in an `embedding_ps.store.EmbeddingStore` and pooling) in sparse_arch.py.
+One file per architecture: dlrm.py, dcn.py, deepfm.py, wide_deep.py, din.py; shared blocks in mlp.py; the
+sparse arch (lookups in an `embedding_ps.store.EmbeddingStore` and pooling) in sparse_arch.py, and its
+unpooled per-position lookups of behavior lists (din) in sequence.py.
 """
 
 from __future__ import annotations
@@ -25,23 +26,28 @@ from torch import nn
 from recsys.config import JobConfig, ModelConfig
 from recsys.models.dcn import DCN, CrossNet
 from recsys.models.deepfm import DeepFM, FactorizationMachine
+from recsys.models.din import DIN, AttentionUnit
 from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
 from recsys.models.mlp import MLP, LinearTerms
+from recsys.models.sequence import (SequencePlan, SequenceSparseArch, plan_sequences, sequence_feature_tables,
+                                    sequence_inputs)
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan, plan_tables
 from recsys.models.two_tower import TwoTower
 from recsys.models.wide_deep import WideDeep
 
 logger = logging.getLogger(__name__)
 
-ARCHS: dict[str, type[nn.Module]] = {"dlrm": DLRM, "dcn": DCN, "deepfm": DeepFM, "wide_deep": WideDeep}
+ARCHS: dict[str, type[nn.Module]] = {"dlrm": DLRM, "dcn": DCN, "deepfm": DeepFM, "wide_deep": WideDeep, "din": DIN}
 """`model.arch` -> model class."""
 
 
-def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> nn.Module:
+def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int,
+                sequences: tuple[tuple[int, int], ...] = ()) -> nn.Module:
     """The dense model of `model_cfg.arch` for Dn dense features and F pooled embeddings of dim D.
 
     Parameters are drawn from torch's global RNG: call `torch.manual_seed` first for a
     reproducible init. Raises ValueError when the sizes do not fit the arch, naming the field.
+    `sequences` (din only): (behavior list, candidate) feature index pairs into the F features.
     """
     if num_dense < 0:
         raise ValueError(f"num_dense must be >= 0, got {num_dense}")
@@ -57,7 +63,8 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
         users = sorted(name for name, c in ARCHS.items() if c.needs_linear_terms)
         raise ValueError(f"model.linear_feature_tables is set, but model.arch = {model_cfg.arch!r} has no "
                          f"first-order terms (only {', '.join(users)} use them)")
-    model = cls(model_cfg, num_dense=num_dense, num_sparse=num_sparse, embedding_dim=embedding_dim)
+    extra = {"sequences": sequences} if model_cfg.arch == "din" else {}
+    model = cls(model_cfg, num_dense=num_dense, num_sparse=num_sparse, embedding_dim=embedding_dim, **extra)
     if cls.needs_linear_terms and not model_cfg.linear_feature_tables:
         logger.info("%s: model.linear_feature_tables is empty, so the sparse first-order terms are left out",
                     model_cfg.arch)
@@ -69,8 +76,12 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
 
 def build_sparse_arch(cfg: JobConfig) -> SparseArch:
     """The sparse arch of a job: which features read which table, and how they pool."""
-    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, cfg.model.feature_tables,
-                        cfg.model.linear_feature_tables, cfg.model.table_pooling)
+    m = cfg.model
+    feature_tables = sequence_feature_tables(m.feature_tables, m.sequence_features)  # a list reads its candidate's table
+    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, feature_tables,
+                        m.linear_feature_tables, m.table_pooling)
+    if m.sequence_features:    # din: the behavior lists also come back per position (sequence.py)
+        return SequenceSparseArch(plans, plan_sequences(cfg.data.sparse_columns, m.sequence_features), m.max_seq_len)
     return SparseArch(plans)
 
 
@@ -83,8 +94,10 @@ def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
     torch.manual_seed(cfg.train.seed)
     if cfg.model.arch == "two_tower":
         return TwoTower.from_job(cfg, embedding_dim=plans[0].dim)
+    sequences = tuple((s.feature, s.candidate) for s in getattr(sparse, "sequences", ()))
     return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
-                       num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim)
+                       num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim,
+                       sequences=sequences)
 
 
 def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
@@ -95,4 +108,6 @@ def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
 
 __all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
            "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
-           "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms", "TwoTower"]
+           "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms", "TwoTower",
+           "DIN", "AttentionUnit",
+           "SequencePlan", "SequenceSparseArch", "plan_sequences", "sequence_feature_tables", "sequence_inputs"]

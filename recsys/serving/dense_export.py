@@ -4,6 +4,7 @@
     scorer = load_dense(out / "dense.pt2")                                # callable
     logits = scorer(dense, pooled)             # [B, Dn], [B, F, D] -> [B]
     logits = scorer(dense, pooled, linear)     # + [B, F_lin] when the model has linear tables
+    logits = scorer(dense, pooled, behaviors, mask)   # din: + rows [B, S, L, D] f32, mask [B, S, L] bool
 
 The batch dimension is dynamic (1 .. 2**20). The program wraps the model exactly as
 `Trainer.forward` calls it in eval mode (bf16 autocast when `train.autocast`), and returns float32.
@@ -49,6 +50,16 @@ class Scorer(nn.Module):
         return logits.float()
 
 
+class SequenceScorer(Scorer):
+    """din as served: (dense [B, Dn], pooled [B, F, D], behaviors [B, S, L, D], mask bool [B, S, L]) -> logits [B] f32."""
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor, behaviors: torch.Tensor,   # type: ignore[override]
+                mask: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(dense, pooled, None, behaviors, mask)                # [B]
+        return logits.float()
+
+
 def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     """Write `dense.pt2`; returns what a server needs to build its inputs (the manifest's "dense")."""
     sparse, model = build_job_model(cfg)
@@ -67,7 +78,10 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     args: tuple[torch.Tensor, ...] = (torch.zeros(2, Dn), torch.zeros(2, F, D))
     if F_lin:
         args += (torch.zeros(2, F_lin),)
-    scorer = Scorer(model, cfg.train.autocast).eval()
+    S, L = len(getattr(sparse, "sequences", ())), cfg.model.max_seq_len
+    if S:              # din: the behavior lists' rows per position and their mask (recsys.models.sequence)
+        args += (torch.zeros(2, S, L, D), torch.ones(2, S, L, dtype=torch.bool))
+    scorer = (SequenceScorer if S else Scorer)(model, cfg.train.autocast).eval()
     with torch.no_grad():
         program = torch.export.export(scorer, args, dynamic_shapes=tuple({0: B} for _ in args))
     program._example_inputs = None              # saved with torch.save (pickle) otherwise
@@ -77,6 +91,8 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     inputs = [{"name": "dense", "shape": ["B", Dn]}, {"name": "pooled", "shape": ["B", F, D]}]
     if F_lin:
         inputs.append({"name": "linear", "shape": ["B", F_lin]})
+    if S:
+        inputs += [{"name": "behaviors", "shape": ["B", S, L, D]}, {"name": "mask", "shape": ["B", S, L], "dtype": "bool"}]
     return {"file": out_path.name, "arch": cfg.model.arch, "inputs": inputs, "output": "logits [B] float32",
             "max_batch": MAX_BATCH, "autocast_bf16": cfg.train.autocast}
 

@@ -106,12 +106,17 @@ def features_section(cfg: JobConfig) -> dict:
     """Sparse features in the order the dense program takes them, with their tables and pooling."""
     names = cfg.data.sparse_columns
     out: dict[str, list] = {"pooled": [], "linear": []}
-    for plan in build_sparse_arch(cfg).plans:
+    arch = build_sparse_arch(cfg)
+    for plan in arch.plans:
         for f in plan.features:
             out["linear" if plan.linear else "pooled"].append(
                 (f, {"feature": names[f], "table": plan.name, "pooling": plan.pooling, "dim": plan.dim,
                      "weight_column": cfg.data.weight_columns.get(names[f])}))
-    return {k: [e for _, e in sorted(v, key=lambda x: x[0])] for k, v in out.items()}
+    section = {k: [e for _, e in sorted(v, key=lambda x: x[0])] for k, v in out.items()}
+    if cfg.model.sequence_features:      # din: these pooled features also come per position (dense "behaviors")
+        section["sequences"] = [{"feature": s.name, "candidate": names[s.candidate], "max_len": cfg.model.max_seq_len}
+                                for s in arch.sequences]
+    return section
 
 
 def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: int | None, files: dict, precision: str) -> dict:
@@ -185,6 +190,9 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
     if since is not None and not 0 <= since <= source.step:
         raise ExportError(f"--since {since} must be in [0, {source.step}] (the {source.origin} is at step {source.step})")
     cfg, out = source.config, Path(out)
+    if cfg.model.sequence_features and precision in QUANTIZED:
+        raise ExportError(f"precision {precision!r}: a din model exports as fp32 or fp16 only (the quantized "
+                          f"pooling kernel gives no per-position rows of the behavior lists)")
     t0 = time.perf_counter()
     tmp = staging_dir(out)
     try:

@@ -30,7 +30,7 @@ import torch
 from data.batch import Batch
 from data.decode import decode_table
 from recsys.config import load_config
-from recsys.models import build_sparse_arch
+from recsys.models import build_sparse_arch, sequence_inputs
 from recsys.models.two_tower import tower_data, tower_sparse_arch
 from recsys.serving.delta import check_applicable, merge_table, read_table
 from recsys.serving.dense_export import load_dense
@@ -60,6 +60,9 @@ class Predictor:
         self.precision = self.manifest["precision"]
         self.step = int(self.manifest["step"])
         self.sparse = build_sparse_arch(self.config)
+        self.sequences = bool(self.config.model.sequence_features)     # din: behavior rows per position too
+        if self.sequences and self.precision in QUANTIZED:
+            raise ExportError(f"{self.root}: a {self.precision} export of a din model; din serves fp32 / fp16 only")
         self.tables: list[TableView] = []
         for entry, cfg in zip(self.manifest["tables"], self.config.ps.tables):
             t = read_table(self.root, entry)
@@ -115,6 +118,11 @@ class Predictor:
     @torch.no_grad()
     def logits(self, batch: Batch) -> torch.Tensor:
         """float32 [B] logits of a Batch."""
+        if self.sequences:          # din: (dense, pooled, behaviors, mask), from one lookup
+            lookup = self.sparse.lookup(batch, self._store)
+            pooled, _ = lookup.wait()
+            behaviors, mask = sequence_inputs(self.sparse, lookup)                # [B, S, L, D], [B, S, L]
+            return self.scorer(batch.dense, pooled.detach(), behaviors.detach(), mask)
         pooled, linear = self.pooled(batch)
         args = (batch.dense, pooled.detach()) + ((linear.detach(),) if self.num_inputs == 3 else ())
         return self.scorer(*args)

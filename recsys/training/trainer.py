@@ -43,7 +43,7 @@ from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
-from recsys.models import SparseLookup, build_job_model
+from recsys.models import SparseLookup, build_job_model, sequence_inputs
 from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
@@ -173,12 +173,13 @@ class Trainer:
     def forward(self, batch: Batch, lookup: SparseLookup, train: bool = True) -> torch.Tensor:
         """Logits [B] of a batch whose rows are (being) pulled in `lookup`."""
         pooled, linear = lookup.wait()                          # [B, F, D], [B, F_lin] | None
+        seq = [t.to(self.device) for t in sequence_inputs(self.sparse, lookup)]   # din: [B, S, L, D], [B, S, L]
         model = self.ddp if train else self.model
         extra = {"item_ids": item_ids_of(batch, self.cfg.model.item_id_feature).to(self.device)} \
             if train and self._in_batch else {}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.autocast):
             logits = model(batch.dense.to(self.device), pooled.to(self.device),
-                           None if linear is None else linear.to(self.device), **extra)
+                           None if linear is None else linear.to(self.device), *seq, **extra)
         return logits.float()
 
     def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes) -> float:

@@ -1,0 +1,174 @@
+"""Synthetic behavior-sequence CTR data (`recsys gen-data --preset sequence`), for DIN.
+
+Items fall into latent categories (the data does not say which). Each row is a user with a
+behavior list `hist` (list<int64> of item ids, oldest first, most recent last) and a candidate
+`item`; the click probability rises with how many of the user's recent behaviors share the
+candidate's category::
+
+    favorites: `num_favorites` categories of the user now; `old`: as many others, of the user before
+    hist:      n ~ U{0..max_hist} items; the last min(n, window) from a favorite w.p. favorite_rate
+               (else any category), the older ones from an old category w.p. favorite_rate
+    item:      from a favorite category w.p. candidate_favorite_rate, else any category
+    m = #{recent behaviors (the last `window`) in the candidate's category}
+    logit = bias + affinity * tanh(m / 3) + item_w * w(item) + ctx_w * w(ctx) + dense_beta * log1p(I1)
+    label ~ Bernoulli(sigmoid(logit)), p_true = sigmoid(logit)
+
+Within a category an item's rank is Zipf(item_zipf); item index = perm[category * per_category + rank]
+with a permutation of `model_seed`, and the id is `data.synthetic.ids_of_ranks("item", index)`, the
+same for the candidate and the list. Only the last `window` behaviors count, so a model reading
+older ones (no `model.max_seq_len` cut) is misled by the old categories. A model without `hist`
+knows only the candidate's average appeal.
+
+Columns: label f32, I1 int64, ctx int64, item int64, hist list<int64>, row_id int64, p_true f32.
+Determinism as in `data.synthetic`: chunks of GEN_CHUNK rows, chunk c from RNGs seeded by
+(seed, c, column); the hidden model depends on `model_seed` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from data.synthetic import (_AUC_BINS, GEN_CHUNK, _binned_auc, _hash_normals, _mix_scalar, _name_salt, _rng,
+                            ids_of_ranks, zipf_ranks)
+from data.writer import PartWriter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SequencePreset:
+    """The planted model of the `sequence` preset (see the module docstring)."""
+
+    num_items: int = 200
+    num_categories: int = 10
+    item_zipf: float = 0.6
+    num_favorites: int = 2
+    max_hist: int = 40
+    window: int = 20
+    favorite_rate: float = 0.8
+    candidate_favorite_rate: float = 0.5
+    bias: float = -2.0
+    affinity: float = 3.0
+    item_w: float = 0.4
+    ctx_vocab: int = 10
+    ctx_w: float = 0.5
+    dense_beta: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.num_items % self.num_categories:
+            raise ValueError(f"num_items {self.num_items} must be a multiple of num_categories {self.num_categories}")
+        if not 1 <= 2 * self.num_favorites <= self.num_categories:
+            raise ValueError(f"need 1 <= 2 * num_favorites <= num_categories, got {self.num_favorites}")
+
+
+SEQUENCE = SequencePreset()
+
+
+class SequenceTruth:
+    """The hidden model's tables: item -> category, item and ctx effects (functions of model_seed)."""
+
+    def __init__(self, p: SequencePreset, model_seed: int = 0) -> None:
+        self.p = p
+        rng = np.random.default_rng(np.random.SeedSequence([model_seed, _name_salt("sequence")]))
+        self.perm = rng.permutation(p.num_items)                          # [I]: slot -> item index
+        self.category = np.empty(p.num_items, np.int64)                   # [I]: item index -> category
+        self.category[self.perm] = np.arange(p.num_items) // (p.num_items // p.num_categories)
+        self.w_item = _hash_normals(np.arange(p.num_items), _mix_scalar(model_seed, _name_salt("item")))
+        self.w_ctx = _hash_normals(np.arange(p.ctx_vocab), _mix_scalar(model_seed, _name_salt("ctx")))
+
+    def items(self, categories: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Item indices [N] in categories [N], by a Zipf rank of uniforms u [N]."""
+        per = self.p.num_items // self.p.num_categories
+        return self.perm[categories * per + zipf_ranks(u, per, self.p.item_zipf)]
+
+
+def _chunk(t: SequenceTruth, seed: int, chunk: int) -> pa.Table:
+    """Rows [chunk * GEN_CHUNK, (chunk + 1) * GEN_CHUNK)."""
+    p, n = t.p, GEN_CHUNK
+    r = [_rng(seed, chunk, c) for c in range(8)]
+    order = r[0].random((n, p.num_categories)).argsort(axis=1)            # [n, C] a shuffle per user
+    fav, old = order[:, :p.num_favorites], order[:, p.num_favorites:2 * p.num_favorites]   # [n, k] each
+    lengths = r[1].integers(0, p.max_hist + 1, n)                         # [n]
+    N = int(lengths.sum())
+    row = np.repeat(np.arange(n), lengths)                                # [N]
+    pos = np.arange(N) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # [N] 0 = oldest
+    recent = pos >= lengths[row] - p.window                               # [N]
+    pick = r[2].integers(0, p.num_favorites, N)                           # [N]
+    cat = np.where(recent, fav[row, pick], old[row, pick])
+    cat = np.where(r[3].random(N) < p.favorite_rate, cat, r[4].integers(0, p.num_categories, N))
+    hist = t.items(cat, r[5].random(N))                                   # [N] item indices
+    u = r[6].random((4, n))
+    cand_cat = np.where(u[0] < p.candidate_favorite_rate, fav[np.arange(n), (u[1] * p.num_favorites).astype(np.int64)],
+                        (u[2] * p.num_categories).astype(np.int64))
+    item = t.items(cand_cat, u[3])                                        # [n]
+    m = np.bincount(row, recent & (cat == cand_cat[row]), minlength=n)    # [n] recent matches
+    extra = r[7]
+    ctx = extra.integers(0, p.ctx_vocab, n)
+    dense = np.floor(np.exp(1.0 + 1.2 * extra.standard_normal(n))).astype(np.int64)
+    logit = (p.bias + p.affinity * np.tanh(m / 3.0) + p.item_w * t.w_item[item] + p.ctx_w * t.w_ctx[ctx]
+             + p.dense_beta * np.log1p(dense))
+    p_true = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+    label = (extra.random(n) < p_true.astype(np.float64)).astype(np.float32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cols = {"label": pa.array(label), "I1": pa.array(dense), "ctx": pa.array(ids_of_ranks("ctx", ctx)),
+            "item": pa.array(ids_of_ranks("item", item)),
+            "hist": pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks("item", hist))),
+            "row_id": pa.array(np.arange(chunk * n, (chunk + 1) * n, dtype=np.int64)), "p_true": pa.array(p_true)}
+    return pa.table(cols, schema=sequence_schema())
+
+
+def sequence_schema() -> pa.Schema:
+    return pa.schema([pa.field("label", pa.float32(), nullable=False), pa.field("I1", pa.int64()),
+                      pa.field("ctx", pa.int64()), pa.field("item", pa.int64()),
+                      pa.field("hist", pa.list_(pa.int64()), nullable=False),
+                      pa.field("row_id", pa.int64(), nullable=False), pa.field("p_true", pa.float32(), nullable=False)])
+
+
+def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0,
+                       preset: SequencePreset = SEQUENCE) -> Iterator[pa.Table]:
+    """Tables of at most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
+    truth = SequenceTruth(preset, model_seed)
+    for c in range(-(-rows // GEN_CHUNK)):
+        yield _chunk(truth, seed, c).slice(0, min(GEN_CHUNK, rows - c * GEN_CHUNK))
+
+
+def generate_sequence(*, rows: int, num_files: int, out_dir: str, seed: int, row_group_rows: int = 65536,
+                      compression: str = "zstd", model_seed: int = 0) -> dict:
+    """Writes `rows` rows of the sequence preset into `out_dir/part-%05d.parquet` (as
+    `data.synthetic.generate` does); returns rows, files, CTR, mean p_true, oracle AUC, seconds."""
+    if rows < 1 or num_files < 1 or num_files > rows:
+        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
+    bounds = [i * rows // num_files for i in range(num_files + 1)]
+    t0 = time.perf_counter()
+    schema = sequence_schema().with_metadata({"recsys.synthetic.preset": "sequence", "recsys.synthetic.seed": str(seed),
+                                              "recsys.synthetic.model_seed": str(model_seed)})
+    writer = PartWriter(out_dir, schema, lambda i: bounds[i + 1] - bounds[i], row_group_rows=row_group_rows,
+                        compression=compression)
+    pos_hist = np.zeros(_AUC_BINS, np.int64)
+    neg_hist = np.zeros(_AUC_BINS, np.int64)
+    p_sum = 0.0
+    try:
+        for t in iter_sequence_rows(rows, seed, model_seed):
+            label = t.column("label").to_numpy() > 0.5
+            p_true = t.column("p_true").to_numpy()
+            p_sum += float(p_true.sum(dtype=np.float64))
+            b = np.minimum((p_true * _AUC_BINS).astype(np.int64), _AUC_BINS - 1)
+            pos_hist += np.bincount(b[label], minlength=_AUC_BINS)
+            neg_hist += np.bincount(b[~label], minlength=_AUC_BINS)
+            writer.write(t)
+    finally:
+        files = writer.close()
+    secs = time.perf_counter() - t0
+    summary = {"preset": "sequence", "rows": rows, "seed": seed, "model_seed": model_seed,
+               "files": [f for f, _ in files], "rows_per_file": [r for _, r in files],
+               "ctr": float(pos_hist.sum() / rows), "mean_p_true": p_sum / rows,
+               "oracle_auc": _binned_auc(pos_hist, neg_hist), "seconds": round(secs, 3)}
+    logger.info("gen-data sequence: %d rows in %d files, ctr %.4f, oracle AUC %.4f", rows, num_files,
+                summary["ctr"], summary["oracle_auc"])
+    return summary

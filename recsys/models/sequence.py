@@ -1,0 +1,151 @@
+"""Unpooled sequence lookups (DIN's behavior lists): per-position rows [B, L, D] and a mask [B, L].
+
+A behavior list column (`model.sequence_features = {hist = "item"}`) reads the table of its
+candidate feature, so it sits in the same `TablePlan` as the candidate: its ids are in the same
+unique set, pulled once, in the same leaf [U_g, D]. The sparse arch pools it like any feature (the
+DIN model leaves that pooled bag out); `sequence_inputs` gathers the same leaf again, one row per
+position, so the rows' gradient is the sum of both uses and goes back in the usual push::
+
+    arch = SequenceSparseArch(plans, plan_sequences(features, {"hist": "item"}), max_len=50)
+    lookup = arch.lookup(batch, store)                   # the lists cut to their last 50 ids first
+    pooled, linear = lookup.wait()                       # [B, F, D], as for every arch
+    behaviors, mask = sequence_inputs(arch, lookup)      # [B, S, L, D] f32, [B, S, L] bool
+    logits = din(dense, pooled, linear, behaviors, mask)
+
+A list keeps the column's order (most recent last). Truncation keeps the last `max_len` ids;
+position l < length holds the list's l-th kept id, positions from the length on are padding (row 0
+of nothing: zeros, mask False). For any other arch `sequence_inputs` returns ().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from data.batch import Batch, KeyedJagged
+from embedding_ps.store import EmbeddingStore
+from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan
+
+
+@dataclass(frozen=True, slots=True)
+class SequencePlan:
+    """One behavior list: its feature index and its candidate's (both index the batch's keys and pooled [B, F, D])."""
+
+    name: str
+    feature: int
+    candidate: int
+
+
+def plan_sequences(features: tuple[str, ...], sequence_features: dict[str, str]) -> list[SequencePlan]:
+    """The SequencePlans of `model.sequence_features` over the batch's features (in feature order)."""
+    out = []
+    for seq, cand in sequence_features.items():
+        for col in (seq, cand):
+            if col not in features:
+                raise ValueError(f"model.sequence_features.{seq}: {col!r} is not in data.sparse_columns "
+                                 f"{list(features)}")
+        out.append(SequencePlan(seq, features.index(seq), features.index(cand)))
+    return sorted(out, key=lambda s: s.feature)
+
+
+def sequence_feature_tables(feature_tables: dict[str, str], sequence_features: dict[str, str]) -> dict[str, str]:
+    """`model.feature_tables` with every behavior list mapped to its candidate's table."""
+    return {**{s: feature_tables.get(c, c) for s, c in sequence_features.items()}, **feature_tables}
+
+
+def truncate_lists(kj: KeyedJagged, features: list[int], max_len: int) -> KeyedJagged:
+    """`kj` with the bags of `features` cut to their last `max_len` ids (ids [N] -> [N'], lengths [F * B])."""
+    B = kj.stride
+    lengths = kj.lengths.view(len(kj.keys), B).to(torch.int64)            # [F, B]
+    if not features or B == 0 or int(lengths[features].max()) <= max_len:
+        return kj
+    N = kj.values.numel()
+    flat = lengths.reshape(-1)                                             # [F * B]
+    starts = torch.cumsum(flat, 0) - flat                                  # [F * B]
+    bag = torch.repeat_interleave(torch.arange(flat.numel()), flat, output_size=N)   # [N]
+    pos = torch.arange(N) - starts[bag]                                    # [N] position within its bag
+    cut = torch.zeros(len(kj.keys), dtype=torch.bool)
+    cut[features] = True
+    cut_bag = cut.repeat_interleave(B)                                     # [F * B]
+    keep = ~cut_bag[bag] | (pos >= flat[bag] - max_len)                    # [N]: the last max_len of a cut bag
+    new_len = torch.where(cut_bag, flat.clamp(max=max_len), flat)          # [F * B]
+    return KeyedJagged(kj.keys, kj.values[keep], new_len.to(kj.lengths.dtype))
+
+
+def truncate_batch(batch: Batch, features: list[int], max_len: int) -> Batch:
+    """`batch` with its behavior lists cut to their most recent `max_len` ids (per-id weights alike)."""
+    kj = truncate_lists(batch.sparse, features, max_len)
+    if kj is batch.sparse:
+        return batch
+    weights = batch.weights
+    if weights is not None:             # the same cut, on the weights aligned with the ids
+        weights = truncate_lists(KeyedJagged(kj.keys, torch.arange(batch.sparse.values.numel()),
+                                             batch.sparse.lengths), features, max_len).values
+        weights = batch.weights[weights]
+    return dataclasses.replace(batch, sparse=kj, weights=weights)
+
+
+def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [B, L, D] (L = max_len, zeros at padding) and mask bool [B, L] of feature `feature`'s
+    bags, gathered from the leaf its table's group pulled (call after `lookup.wait()`).
+
+    The bags must already be at most `max_len` long (`SequenceSparseArch.lookup` cuts them).
+    """
+    p = next(i for i, plan in enumerate(lookup.plans) if not plan.linear and feature in plan.features)
+    plan: TablePlan = lookup.plans[p]
+    g = next(i for i, group in enumerate(lookup.groups) if p in group)
+    base = sum(lookup.ids[q].numel() for q in lookup.groups[g][:lookup.groups[g].index(p)])  # plan p's rows in the leaf
+    B = lookup.batch_size
+    k = plan.features.index(feature)
+    lens_all = lookup.lengths[p].view(len(plan.features), B)                 # [F_t, B]
+    counts = lens_all.sum(dim=1).tolist()                                    # ids per feature of the plan
+    start = sum(counts[:k])
+    inv = lookup.inverse[p][start:start + counts[k]]                         # [N_f] into the plan's unique ids
+    lens = lens_all[k]                                                       # [B]
+    mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)            # [B, L]
+    rows = lookup.rows[g]                                                    # [U_g, D] leaf
+    if rows.shape[0] == 0:
+        return rows.new_zeros(B, max_len, rows.shape[1]), mask
+    idx = torch.zeros(B, max_len, dtype=torch.int64)
+    idx[mask] = inv + base                                                   # row-major: bag b's ids in order
+    seq = rows.index_select(0, idx.view(-1)).view(B, max_len, -1)            # [B, L, D]
+    return seq * mask.unsqueeze(2).to(seq.dtype), mask                       # padding: zeros, no gradient
+
+
+class SequenceSparseArch(SparseArch):
+    """A SparseArch that also serves per-position rows of its behavior lists (DIN).
+
+    Example::
+
+        arch = SequenceSparseArch(plans, [SequencePlan("hist", 3, 2)], max_len=20)
+        lookup = arch.lookup(batch, store)
+        pooled, _ = lookup.wait()                          # [B, F, D]
+        behaviors, mask = sequence_inputs(arch, lookup)    # [B, 1, 20, D], [B, 1, 20]
+    """
+
+    def __init__(self, plans: list[TablePlan], sequences: list[SequencePlan], max_len: int) -> None:
+        super().__init__(plans)
+        if not sequences:
+            raise ValueError("SequenceSparseArch needs at least one sequence feature")
+        self.sequences = sequences
+        self.max_len = max_len
+
+    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
+        """SparseArch.lookup of the batch with its behavior lists cut to their last `max_len` ids."""
+        cut = truncate_batch(batch, [s.feature for s in self.sequences], self.max_len)
+        return super().lookup(cut, store, step)
+
+    def behaviors(self, lookup: SparseLookup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [B, S, L, D] and mask [B, S, L] of the S behavior lists (after `lookup.wait()`)."""
+        parts = [sequence_rows(lookup, s.feature, self.max_len) for s in self.sequences]
+        return torch.stack([r for r, _ in parts], dim=1), torch.stack([m for _, m in parts], dim=1)
+
+
+def sequence_inputs(sparse: SparseArch, lookup: SparseLookup) -> tuple[torch.Tensor, ...]:
+    """The model's extra inputs after (dense, pooled, linear): (behaviors [B, S, L, D], mask [B, S, L])
+    for a SequenceSparseArch, () for any other (call after `lookup.wait()`)."""
+    if isinstance(sparse, SequenceSparseArch):
+        return sparse.behaviors(lookup)
+    return ()
