@@ -35,6 +35,7 @@ from recsys.serving.delta import check_applicable, merge_table, read_table
 from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
+from recsys.serving.fused import FusedPooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.tbe_pool import QuantizedPooling
 from recsys.serving.tensorfile import ExportError
@@ -67,8 +68,11 @@ class Predictor:
         self.num_inputs = len(self.manifest["dense"]["inputs"])
         self._store = ExportStore(self.tables)
         self._pooling: QuantizedPooling | None = None
+        self.fused = True               # pooled() through FusedPooling (False: the per-table path)
+        self._fused: FusedPooling | None = None
         for d in deltas:
             self.apply_delta(d)
+        self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""
@@ -85,6 +89,7 @@ class Predictor:
         self.step = int(delta["step"])
         self._store = ExportStore(self.tables)
         self._pooling = None
+        self._fused = None
         logger.info("applied delta %s: now at step %d", delta_dir, self.step)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -97,6 +102,10 @@ class Predictor:
 
     def pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and linear terms [B, F_lin] (None without linear tables)."""
+        if self.fused:
+            if self._fused is None:
+                self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
+            return self._fused.pool(batch)
         if self.precision in QUANTIZED:
             if self._pooling is None:
                 self._pooling = QuantizedPooling(self.sparse.plans, self.tables, self.precision)
