@@ -84,6 +84,7 @@ class FusedPooling:
         for (dim, pooling, linear), members in groups.items():
             self.group_ranges.append((s0, s0 + len(members), pooling, linear, dim))
             s0 += len(members)
+        self.group_bags = torch.tensor([g[0] for g in self.group_ranges] + [S])      # group bounds at B = 1
         cfgs = [tables[p.table].cfg for p, _ in slots]
         # -- values in slot order: identity when the slots are the batch's features in order -----
         self._feature_order = None                        # set at the first batch (number of keys known then)
@@ -101,6 +102,7 @@ class FusedPooling:
         self.classes = list(classes)                      # class index -> (dim, seed, init, scale)
         self.slot_class = torch.tensor(cls, dtype=torch.int64)                              # [S]
         self.any_default = bool(classes)
+        self.one_class = len(classes) == 1 and bool((self.slot_class == 0).all())
         # -- rows -----------------------------------------------------------------------------------
         if self.quantized:
             self._build_tbe(slots, tables)
@@ -224,63 +226,72 @@ class FusedPooling:
         return keys
 
     def _rows(self, values: torch.Tensor, lengths: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                    torch.Tensor | None]:
-        """(keys [N], rows [N] (-1: unknown), slot of each id [N] | None when not needed)."""
-        N = values.shape[0]
-        slot = None
-        if self.any_hashed or self.any_minus_one:
-            slot = torch.repeat_interleave(torch.arange(self.num_slots).repeat_interleave(B), lengths, output_size=N)
-        keys = self._keys(values, slot) if self.any_hashed else values
+                                                                                    torch.Tensor]:
+        """(keys [N], rows [N] (-1: unknown), bag offsets int64 [S * B + 1])."""
         offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
+        slot = None
+        if self.any_hashed or self.any_minus_one:
+            slot = torch.repeat_interleave(torch.arange(self.num_slots).repeat_interleave(B), lengths,
+                                           output_size=values.shape[0])                # [N]
+        keys = self._keys(values, slot) if self.any_hashed else values
         rows = torch.ops.fbgemm.pruned_hashmap_lookup(keys, offsets, self.hash_table, self.hash_offsets)   # [N]
         if self.any_minus_one:
             m = (keys == -1) & (self.minus_one[slot] >= 0)
             rows[m] = self.minus_one[slot[m]]
-        return keys, rows, slot
+        return keys, rows, offsets
 
-    def _default_rows(self, keys: torch.Tensor, miss: torch.Tensor, slot: torch.Tensor):
-        """Yield (class, index of ids int64 [M_c], default rows float32 [M_c, D_c]) per class of default."""
-        cls = self.slot_class[slot[miss]]                                              # [M]
-        where = miss.nonzero().squeeze(1)                                              # [M]
+    def _missing(self, rows: torch.Tensor, offsets: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions [M] of the ids without a row, their slots [M]), or None when every id has a row."""
+        where = (rows < 0).nonzero().squeeze(1)                                        # [M]
+        if where.numel() == 0:
+            return None
+        bag = torch.searchsorted(offsets[1:], where, right=True)                       # [M] bag of each
+        return where, (bag if B == 1 else bag.div(B, rounding_mode="floor"))
+
+    def _default_rows(self, keys: torch.Tensor, where: torch.Tensor, slot: torch.Tensor):
+        """Yield (class, positions [M_c], default rows float32 [M_c, D_c]) per class of init default."""
+        if self.one_class:                                # every slot in class 0: no selection
+            yield 0, where, init_rows(keys[where], *self.classes[0])
+            return
+        cls = self.slot_class[slot]                                                    # [M]
         for c, (dim, seed, init, scale) in enumerate(self.classes):
-            sel = where[cls == c] if len(self.classes) > 1 else where[cls >= 0]
+            sel = where[cls == c]
             if sel.numel():
                 yield c, sel, init_rows(keys[sel], dim, seed, init, scale)
 
     def pool(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         B = batch.batch_size
         values, lengths, weights = self._slot_values(batch)
-        keys, rows, slot = self._rows(values, lengths, B)
-        miss = rows < 0
+        keys, rows, offsets = self._rows(values, lengths, B)
+        missing = self._missing(rows, offsets, B)
         if self.quantized:
-            return self._pool_tbe(batch, keys, rows, miss, slot, lengths, weights)
-        return self._pool_fp(B, keys, rows, miss, slot, lengths, weights)
+            return self._pool_tbe(B, keys, rows, missing, offsets, lengths, weights)
+        return self._pool_fp(B, keys, rows, missing, offsets, weights)
 
-    def _pool_fp(self, B: int, keys, rows, miss, slot, lengths, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if bool(miss.any()):
-            if slot is None:
-                slot = torch.repeat_interleave(torch.arange(self.num_slots).repeat_interleave(B), lengths,
-                                               output_size=rows.shape[0])
-            rows[miss] = self.slot_zero[slot[miss]]
+    def _pool_fp(self, B: int, keys, rows, missing, offsets, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if missing is not None:
+            where, slot = missing
+            if not self.one_class:
+                rows[where] = self.slot_zero[slot]
             if self.any_default:
-                self._place_defaults(keys, rows, miss, slot)
-        offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        bounds = offsets[[g[0] * B for g in self.group_ranges] + [self.num_slots * B]].tolist()
+                self._place_defaults(keys, rows, where, slot)
+        bounds = offsets[self.group_bags * B].tolist() if B > 1 else offsets[self.group_bags].tolist()
         pooled, linear = [], []
         for (s0, s1, pooling, is_linear, dim), i0, i1 in zip(self.group_ranges, bounds[:-1], bounds[1:]):
-            offs = offsets[s0 * B:s1 * B] - i0 if i0 else offsets[s0 * B:s1 * B]          # [F_g * B]
+            offs = offsets[s0 * B:s1 * B]                                              # [F_g * B]
+            if i0:
+                offs = offs - i0
             w = weights[i0:i1] if (weights is not None and pooling == "sum") else None
             out = F.embedding_bag(rows[i0:i1], self.weights[self.dim_index[dim]], offs, mode=pooling,
                                   per_sample_weights=w)                                # [F_g * B, D]
             (linear if is_linear else pooled).append(out.view(s1 - s0, B, dim))
         return self._arrange(pooled, linear, B)
 
-    def _place_defaults(self, keys, rows, miss, slot) -> None:
+    def _place_defaults(self, keys, rows, where, slot) -> None:
         """Point unknown ids of init-default tables at scratch rows holding their default rows."""
         used = [0] * len(self.weights)
-        for _, sel, vals in self._default_rows(keys, miss, slot):
+        for _, sel, vals in self._default_rows(keys, where, slot):
             m = self.dim_index[vals.shape[1]]
             start = self.zero_row[m] + 1 + used[m]
             end = start + sel.numel()
@@ -300,30 +311,28 @@ class FusedPooling:
         stacked = torch.cat(pooled) if len(pooled) > 1 else pooled[0]                  # [F, B, D]
         if not self.pooled_in_order:
             stacked = stacked.index_select(0, self.pooled_order)
+        if B == 1:
+            return stacked.view(1, -1, stacked.shape[2]), lin
         return stacked.transpose(0, 1).contiguous(), lin
 
-    def _pool_tbe(self, batch: Batch, keys, rows, miss, slot, lengths, weights) -> tuple[torch.Tensor,
-                                                                                        torch.Tensor | None]:
-        B, N = batch.batch_size, rows.shape[0]
-        any_miss = bool(miss.any())
-        if any_miss and slot is None:
-            slot = torch.repeat_interleave(torch.arange(self.num_slots).repeat_interleave(B), lengths, output_size=N)
-        if any_miss:
-            rows[miss] = self.slot_zero[slot[miss]]
+    def _pool_tbe(self, B: int, keys, rows, missing, offsets, lengths, weights) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor | None]:
+        N = rows.shape[0]
+        if missing is not None:
+            rows[missing[0]] = self.slot_zero[missing[1]]                                  # the zero rows
         w = weights if weights is not None else torch.ones(N)
         if self.any_mean:
             mean_bag = self.slot_mean.repeat_interleave(B)                                 # [S * B]
             inv = torch.repeat_interleave(1.0 / lengths.clamp(min=1).float(), lengths, output_size=N)
             w = torch.where(torch.repeat_interleave(mean_bag, lengths, output_size=N), inv, w)
-        offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        out = self.tbe(rows.to(torch.int32), offsets, w.float())                          # [B, sum W_s]
-        if any_miss and self.any_default:
-            bag = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths, output_size=N)   # [N]
-            for c, sel, vals in self._default_rows(keys, miss, slot):
+        out = self.tbe(rows.to(torch.int32), offsets.to(torch.int32), w.float())          # [B, sum W_s]
+        if missing is not None and self.any_default:
+            where, slot = missing
+            for c, sel, vals in self._default_rows(keys, where, slot):
                 d = vals.shape[1]
+                b = torch.searchsorted(offsets[1:], sel, right=True)                       # [M_c] bag of each
                 extra = torch.zeros(self.num_slots, B, d)                                 # [S, B, D_c]
-                extra.view(-1, d).index_add_(0, bag[sel], vals * w[sel].unsqueeze(1))
+                extra.view(-1, d).index_add_(0, b, vals * w[sel].unsqueeze(1))
                 src = extra.index_select(0, self.class_slots[c]).transpose(0, 1).reshape(B, -1)   # [B, S_c * D_c]
                 out.index_add_(1, self.class_columns[c], src)
         pooled = out if self.pooled_contiguous else out.index_select(1, self.pooled_columns)
