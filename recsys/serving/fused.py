@@ -165,10 +165,32 @@ class FusedPooling:
             if n:
                 w[:n].copy_(torch.from_numpy(tbe_rows(np.asarray(tables[t].matrix), self.precision)))
             w[n:].zero_()                                                 # scale 0, bias 0: pools to 0
+        self._lookup_args = self._tbe_args()
         self.slot_base = torch.zeros(len(slots), dtype=torch.int64)      # rows are table-local
         self.slot_zero = torch.tensor([tables[p.table].num_rows for p, _ in slots], dtype=torch.int64)
         self.slot_mean = torch.tensor([p.pooling == "mean" for p, _ in slots])
         self.any_mean = bool(self.slot_mean.any())
+
+    def _tbe_args(self) -> dict | None:
+        """The TBE's fixed arguments of its lookup op, to call the op without `forward`'s Python
+        (~25 us at B = 1: input checks, cache bookkeeping); what `_forward_impl` passes with no
+        cache, no bounds check and no pruning (fbgemm-gpu 1.8.0). None (use `forward`) otherwise."""
+        t = self.tbe
+        try:
+            if t.lxu_cache_weights.numel() or t.index_remapping_hash_table.numel() or t.index_remappings_array.numel():
+                return None
+            return dict(dev_weights=t.weights_host if t.host_size > 0 else t.weights_dev, uvm_weights=t.weights_uvm,
+                        weights_placements=t.weights_placements, weights_offsets=t.weights_offsets,
+                        weights_tys=t.weights_tys, D_offsets=t.D_offsets, total_D=t.total_D,
+                        max_int2_D=t.max_int2_D, max_int4_D=t.max_int4_D, max_int8_D=t.max_int8_D,
+                        max_float16_D=t.max_float16_D, max_float32_D=t.max_float32_D,
+                        pooling_mode=int(t.pooling_mode), output_dtype=t.output_dtype,
+                        lxu_cache_weights=t.lxu_cache_weights,
+                        lxu_cache_locations=torch.empty(0, dtype=torch.int32).fill_(-1),
+                        row_alignment=t.row_alignment, max_float8_D=t.max_float8_D,
+                        fp8_exponent_bits=t.fp8_exponent_bits, fp8_exponent_bias=t.fp8_exponent_bias)
+        except AttributeError:
+            return None
 
     def _finish_columns(self, slots: list[tuple[TablePlan, int]]) -> None:
         """Where each slot's pooled columns go in the output (in feature order)."""
@@ -320,12 +342,22 @@ class FusedPooling:
         N = rows.shape[0]
         if missing is not None:
             rows[missing[0]] = self.slot_zero[missing[1]]                                  # the zero rows
-        w = weights if weights is not None else torch.ones(N)
-        if self.any_mean:
-            mean_bag = self.slot_mean.repeat_interleave(B)                                 # [S * B]
-            inv = torch.repeat_interleave(1.0 / lengths.clamp(min=1).float(), lengths, output_size=N)
-            w = torch.where(torch.repeat_interleave(mean_bag, lengths, output_size=N), inv, w)
-        out = self.tbe(rows.to(torch.int32), offsets.to(torch.int32), w.float())          # [B, sum W_s]
+        if not self.any_mean:
+            w = weights if weights is not None else torch.ones(N)
+        else:                                             # mean bags: weights 1 / length (as tbe_pool.py)
+            mean_bag = self.slot_mean if B == 1 else self.slot_mean.repeat_interleave(B)   # [S * B]
+            if weights is None:                           # 1 / 1 = 1 exactly in the sum bags
+                inv = 1.0 / lengths.masked_fill(~mean_bag, 1).clamp_(min=1).float()          # [S * B]
+                w = torch.repeat_interleave(inv, lengths, output_size=N)
+            else:
+                inv = torch.repeat_interleave(1.0 / lengths.clamp(min=1).float(), lengths, output_size=N)
+                w = torch.where(torch.repeat_interleave(mean_bag, lengths, output_size=N), inv, weights)
+        if self._lookup_args is None:
+            out = self.tbe(rows.to(torch.int32), offsets.to(torch.int32), w.float())      # [B, sum W_s]
+        else:
+            out = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+                indices=rows.to(torch.int32), offsets=offsets.to(torch.int32), indice_weights=w.float(),
+                **self._lookup_args)
         if missing is not None and self.any_default:
             where, slot = missing
             for c, sel, vals in self._default_rows(keys, where, slot):
