@@ -211,9 +211,7 @@ class FusedPooling:
                                    else torch.zeros(0, dtype=torch.int64))
             self.linear_columns = torch.tensor([int(start[s]) for _, s in linear], dtype=torch.int64)
             self.pooled_contiguous = bool(torch.equal(self.pooled_columns, torch.arange(int(start[-1]))))
-            # per class of default: its slots and their output columns
-            self.class_slots = [(self.slot_class == c).nonzero().squeeze(1) for c in range(len(self.classes))]
-            self.class_columns = [torch.cat([self.slot_columns[s] for s in cs.tolist()]) for cs in self.class_slots]
+            self.slot_start = torch.from_numpy(start[:-1].astype(np.int64))          # [S] first output column
 
     # -- per request --------------------------------------------------------------------------------
 
@@ -263,13 +261,14 @@ class FusedPooling:
             rows[m] = self.minus_one[slot[m]]
         return keys, rows, offsets
 
-    def _missing(self, rows: torch.Tensor, offsets: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions [M] of the ids without a row, their slots [M]), or None when every id has a row."""
+    def _missing(self, rows: torch.Tensor, offsets: torch.Tensor, B: int) -> tuple[torch.Tensor, ...] | None:
+        """(positions [M] of the ids without a row, their slots [M], their bags [M]), or None when
+        every id has a row. Bag k is example k % B of slot k // B."""
         where = (rows < 0).nonzero().squeeze(1)                                        # [M]
         if where.numel() == 0:
             return None
         bag = torch.searchsorted(offsets[1:], where, right=True)                       # [M] bag of each
-        return where, (bag if B == 1 else bag.div(B, rounding_mode="floor"))
+        return where, (bag if B == 1 else bag.div(B, rounding_mode="floor")), bag
 
     def _default_rows(self, keys: torch.Tensor, where: torch.Tensor, slot: torch.Tensor):
         """Yield (class, positions [M_c], default rows float32 [M_c, D_c]) per class of init default."""
@@ -293,7 +292,7 @@ class FusedPooling:
 
     def _pool_fp(self, B: int, keys, rows, missing, offsets, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
         if missing is not None:
-            where, slot = missing
+            where, slot, _ = missing
             if not self.one_class:
                 rows[where] = self.slot_zero[slot]
             if self.any_default:
@@ -359,14 +358,16 @@ class FusedPooling:
                 indices=rows.to(torch.int32), offsets=offsets.to(torch.int32), indice_weights=w.float(),
                 **self._lookup_args)
         if missing is not None and self.any_default:
-            where, slot = missing
-            for c, sel, vals in self._default_rows(keys, where, slot):
+            where, slot, bag_of = missing
+            for _, sel, vals in self._default_rows(keys, where, slot):
                 d = vals.shape[1]
-                b = torch.searchsorted(offsets[1:], sel, right=True)                       # [M_c] bag of each
-                extra = torch.zeros(self.num_slots, B, d)                                 # [S, B, D_c]
-                extra.view(-1, d).index_add_(0, b, vals * w[sel].unsqueeze(1))
-                src = extra.index_select(0, self.class_slots[c]).transpose(0, 1).reshape(B, -1)   # [B, S_c * D_c]
-                out.index_add_(1, self.class_columns[c], src)
+                bag = bag_of if sel is where else torch.searchsorted(offsets[1:], sel, right=True)   # [M_c]
+                # per bag with defaults, their weighted sum (in id order, as tbe_pool.py), then one add
+                bags, inv = torch.unique(bag, return_inverse=True)                         # [K], [M_c]
+                acc = torch.zeros(bags.shape[0], d).index_add_(0, inv, vals * w[sel].unsqueeze(1))   # [K, D_c]
+                s, b = bags.div(B, rounding_mode="floor"), bags.remainder(B)              # slot, example
+                at = (b * out.shape[1] + self.slot_start[s]).unsqueeze(1) + torch.arange(d)          # [K, D_c]
+                out.view(-1).index_add_(0, at.view(-1), acc.view(-1))
         pooled = out if self.pooled_contiguous else out.index_select(1, self.pooled_columns)
         lin = out.index_select(1, self.linear_columns) if self.linear_columns.numel() else None
         return pooled.reshape(B, -1, self.dim), lin

@@ -9,7 +9,12 @@
 Lookup (`export_store.TableView`): raw ids -> keys -> `np.searchsorted` on the sorted ids; an id
 the table lacks gets the table's default, exactly what a PS pull returns in training and eval.
 
-Pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
+Pooling (the hot path): `fused.FusedPooling`, built when the Predictor opens, looks a request up
+across all tables at once (one fbgemm hash-map lookup of every (table, id), one `embedding_bag`
+per pooling group or one TBE call) with the same results as the per-table path below, which
+`Predictor.fused = False` selects. Latency and throughput: BENCHMARKS.md ("Serving").
+
+Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
 `embedding_ps.store.EmbeddingStore` over the export's tables), to the `recsys.models.SparseArch`
 that training uses (unique ids -> rows -> `embedding_bag` per group of tables), so fp32 scores
 equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's
