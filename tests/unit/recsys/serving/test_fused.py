@@ -14,7 +14,7 @@ import torch
 
 from data.batch import Batch, KeyedJagged
 from embedding_ps.config import TableConfig
-from recsys.models.sparse_arch import SparseArch, plan_tables
+from recsys.models.sparse_arch import SparseArch, TablePlan, plan_tables
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.fused import FusedPooling
 from recsys.serving.quantize import quantize
@@ -128,3 +128,26 @@ def test_scratch_rows_grow_with_many_unseen_ids() -> None:
                   sparse=KeyedJagged(features, values, torch.full((2500,), 2, dtype=torch.int32)))
     want, _ = reference("fp32", plans, views, batch)
     assert torch.equal(fused.pool(batch)[0], want)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_empty_table_and_unused_feature(precision: str) -> None:
+    """A table with no rows yet (every id gets its default) and a batch feature no table reads."""
+    features = ("a", "skip", "e")
+    tables = (TableConfig(name="a", dim=4), TableConfig(name="e", dim=4, seed=9))
+    plans = [TablePlan(0, "a", 4, "sum", (0,), False), TablePlan(1, "e", 4, "sum", (2,), False)]   # "skip": no table
+    g = torch.Generator().manual_seed(3)
+    views = [TableView(tables[0], np.arange(0, 30, 3, dtype=np.int64),
+                       quantize(torch.randn(10, 4, generator=g), precision), precision),
+             TableView(tables[1], np.zeros(0, np.int64), quantize(torch.zeros(0, 4), precision), precision)]
+    fused = FusedPooling(plans, views, precision)
+    rng = np.random.default_rng(4)
+    for B in (1, 6):
+        lengths = rng.integers(1, 3, size=(3, B)).astype(np.int32)
+        values = rng.integers(0, 40, int(lengths.sum())).astype(np.int64)
+        batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B),
+                      sparse=KeyedJagged(features, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))))
+        want, _ = reference(precision, plans, views, batch)
+        got, _ = fused.pool(batch)
+        assert got.shape == (B, 2, 4)
+        assert torch.equal(got, want)
