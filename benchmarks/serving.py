@@ -24,8 +24,8 @@ Per precision, in the same run, on the same exported tables:
   ids: the ids are mapped to rows before timing (unknown ids -> an all-zero row), so the baseline
   does less work than ours (no id lookup, no default rows); `baseline_with_id_map_per_s_b4096`
   times it with that mapping (per-table `np.searchsorted`, as the per-table Predictor did) for a
-  like-for-like figure. Without torchrec the run stops
-  (exit 2) unless `--allow-missing-baseline`: then the baseline is one plain `nn.EmbeddingBag` per
+  like-for-like figure. Without torchrec the run stops (exit status 1, saying how to install
+  it) unless `--allow-missing-baseline`: then the baseline is one plain `nn.EmbeddingBag` per
   table over the dequantized rows, labelled as such.
 
 `--json` prints one line: `p50_ms_b1` / `p99_ms_b1` (the worse of fp32 and int8, the target
@@ -325,6 +325,9 @@ def main() -> int:
     ap.add_argument("--allow-missing-baseline", action="store_true",
                     help="without torchrec, measure plain nn.EmbeddingBag as the baseline instead of failing")
     a = ap.parse_args()
+    if a.rows // 2 < max(BIG, a.requests):
+        ap.error(f"--rows {a.rows}: the eval half must hold a {BIG}-example batch and --requests rows; "
+                 f"use --rows >= {2 * max(BIG, a.requests)}")
     r = run(a)
     if a.json:
         print(json.dumps(r))
