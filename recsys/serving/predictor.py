@@ -9,7 +9,12 @@
 Lookup (`export_store.TableView`): raw ids -> keys -> `np.searchsorted` on the sorted ids; an id
 the table lacks gets the table's default, exactly what a PS pull returns in training and eval.
 
-Pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
+Pooling (the hot path): `fused.FusedPooling`, built when the Predictor opens, looks a request up
+across all tables at once (one fbgemm hash-map lookup of every (table, id), one `embedding_bag`
+per pooling group or one TBE call) with the same results as the per-table path below, which
+`Predictor.fused = False` selects. Latency and throughput: BENCHMARKS.md ("Serving").
+
+Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
 `embedding_ps.store.EmbeddingStore` over the export's tables), to the `recsys.models.SparseArch`
 that training uses (unique ids -> rows -> `embedding_bag` per group of tables), so fp32 scores
 equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's
@@ -36,6 +41,7 @@ from recsys.serving.delta import check_applicable, merge_table, read_table
 from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
+from recsys.serving.fused import FusedPooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
@@ -75,8 +81,11 @@ class Predictor:
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
         if "retrieval" in self.manifest:
             self._open_retrieval(self.manifest["retrieval"])
+        self.fused = True               # pooled() through FusedPooling (False: the per-table path)
+        self._fused: FusedPooling | None = None
         for d in deltas:
             self.apply_delta(d)
+        self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""
@@ -95,6 +104,7 @@ class Predictor:
         self._pooling = None
         if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
             self._open_retrieval(delta["retrieval"], delta_dir)
+        self._fused = None
         logger.info("applied delta %s: now at step %d", delta_dir, self.step)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -107,6 +117,10 @@ class Predictor:
 
     def pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and linear terms [B, F_lin] (None without linear tables)."""
+        if self.fused:
+            if self._fused is None:
+                self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
+            return self._fused.pool(batch)
         if self.precision in QUANTIZED:
             if self._pooling is None:
                 self._pooling = QuantizedPooling(self.sparse.plans, self.tables, self.precision)

@@ -230,3 +230,55 @@ def test_deepfm_with_linear_tables(tmp_path, export_data, tiny_config, train_run
             np.testing.assert_allclose(got, scores.numpy(), atol=1e-5, rtol=0)
         else:
             assert abs(auc(labels, got) - auc(labels, scores.numpy())) <= 0.005
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+def test_fused_lookup_scores_equal_per_table_path(exports, export_data, precision: str) -> None:
+    """Predictor's fused lookup (recsys/serving/fused.py) against its per-table path, bit for bit."""
+    predictor = Predictor(exports[precision])
+    table = pq.read_table(export_data / "part-00001.parquet").slice(0, 3000)
+    fused = predictor.predict(table)
+    predictor.fused = False
+    per_table = predictor.predict(table)
+    assert fused.shape == (3000,)
+    np.testing.assert_array_equal(fused, per_table)
+    for B in (1, 2, 17):                       # small requests too
+        predictor.fused = True
+        one = predictor.predict(table.slice(5, B))
+        predictor.fused = False
+        np.testing.assert_array_equal(one, predictor.predict(table.slice(5, B)))
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2 + 5 * 8, 1)
+
+    def forward(self, dense, pooled, linear=None):
+        return self.lin(torch.cat([dense, pooled.flatten(1)], dim=1)).squeeze(1)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fast_scorer_equals_exported_module(exports, tmp_path, autocast: bool) -> None:
+    """load_dense's FastScorer (the lifted graph, called directly) against ExportedProgram.module()."""
+    from recsys.serving.dense_export import MAX_BATCH, FastScorer, Scorer
+    if autocast:                                   # a program with an enabled bf16 autocast region
+        path = tmp_path / "tiny.pt2"
+        B = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+        program = torch.export.export(Scorer(_Tiny().eval(), True).eval(), (torch.zeros(2, 2), torch.zeros(2, 5, 8)),
+                                      dynamic_shapes=({0: B}, {0: B}))
+        program._example_inputs = None
+        torch.export.save(program, path)
+    else:
+        path = exports["fp32"] / "dense.pt2"
+    fast, module = load_dense(path), load_dense(path, fast=False)
+    assert isinstance(fast, FastScorer)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for B in (1, 3, 64):
+            args = (torch.rand(B, 2, generator=g), torch.rand(B, 5, 8, generator=g))
+            assert torch.equal(fast(*args), module(*args))
+    with pytest.raises(ValueError, match="dense program inputs"):
+        fast(torch.rand(2, 3), torch.rand(2, 5, 8))
+    with pytest.raises(ValueError, match="dense program inputs"):
+        fast(torch.rand(2, 2), torch.rand(3, 5, 8))

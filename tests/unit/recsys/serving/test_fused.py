@@ -1,0 +1,153 @@
+"""FusedPooling (one lookup + one pooling call over all tables) against the per-table serving paths.
+
+fp32 / fp16 must be bit-equal to the training path (SparseArch over the ExportStore), int8 / int4
+bit-equal to tbe_pool.QuantizedPooling, on random batches with unseen ids, multi-hot bags, empty
+bags, per-id weights, mean pooling, hashed tables, tables of zeros defaults, a table shared by two
+features, linear (dim 1) tables, and the id -1 (fbgemm's empty-slot key).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data.batch import Batch, KeyedJagged
+from embedding_ps.config import TableConfig
+from recsys.models.sparse_arch import SparseArch, TablePlan, plan_tables
+from recsys.serving.export_store import ExportStore, TableView
+from recsys.serving.fused import FusedPooling
+from recsys.serving.quantize import quantize
+from recsys.serving.tbe_pool import QuantizedPooling
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# "m" (mean) sits between sum-pooled features, so slot order (by pooling group) != feature order
+FEATURES = ("a", "m", "h", "z", "d", "n")
+TABLES = (
+    TableConfig(name="a", dim=8, init_scale=0.5, seed=3),                      # sum, weighted; "d" reads it too
+    TableConfig(name="m", dim=8, init_scale=0.2),                              # mean
+    TableConfig(name="h", dim=8, kind="hashed", num_embeddings=13),            # hashed ids
+    TableConfig(name="z", dim=8, unadmitted="zeros"),                          # unknown ids pull zeros
+    TableConfig(name="n", dim=8, init="normal", init_scale=0.3, seed=5),       # another class of default
+    TableConfig(name="lin", dim=1, init="normal", init_scale=0.3),             # linear terms, odd width
+)
+FEATURE_TABLES = {"d": "a"}
+LINEAR = {"a": "lin", "h": "lin", "n": "lin"}
+POOLING = {"m": "mean"}
+
+
+def make_views(precision: str, seed: int = 0) -> list[TableView]:
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    views = []
+    for cfg in TABLES:
+        if cfg.kind == "hashed":
+            ids = np.arange(0, 13, 2, dtype=np.int64)                             # some hashed rows missing
+        else:
+            ids = np.unique(np.concatenate([np.arange(-3, 60, 3), rng.integers(-2**62, 2**62, 20)]))  # holds -1? no
+            if cfg.name == "a":
+                ids = np.unique(np.concatenate([ids, [-1]]))                      # a table storing the id -1
+        rows = torch.randn(ids.shape[0], cfg.dim, generator=g)
+        views.append(TableView(cfg, ids.astype(np.int64), quantize(rows, precision), precision))
+    return views
+
+
+def make_batch(views: list[TableView], B: int, seed: int, weighted: bool) -> Batch:
+    """Ids: half stored ids of the feature's table, half unseen (small, -1, huge); 0..3 per bag."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 4, size=(len(FEATURES), B))
+    table_of = {f: FEATURE_TABLES.get(f, f) for f in FEATURES}
+    names = [v.cfg.name for v in views]
+    values = []
+    for f, n in zip(FEATURES, lengths.sum(axis=1)):
+        stored = views[names.index(table_of[f])].ids
+        pick = stored[rng.integers(0, stored.shape[0], n)]
+        unseen = rng.choice(np.array([-1, 1, 2, 100, 2**62 + 7, -(2**62) - 1], dtype=np.int64), n)
+        values.append(np.where(rng.random(n) < 0.5, pick, unseen))
+    values = np.concatenate(values).astype(np.int64)
+    weights = torch.from_numpy(rng.uniform(0.1, 2.0, size=values.size).astype(np.float32)) if weighted else None
+    kj = KeyedJagged(FEATURES, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1).astype(np.int32)))
+    return Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B), sparse=kj, weights=weights)
+
+
+def reference(precision: str, plans, views, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if precision in ("int8", "int4"):
+        return QuantizedPooling(plans, views, precision).pool(batch)
+    pooled, linear = SparseArch(plans).lookup(batch, ExportStore(views)).wait()
+    return pooled.detach(), None if linear is None else linear.detach()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fused_equals_per_table_path(precision: str, weighted: bool) -> None:
+    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision)
+    fused = FusedPooling(plans, views, precision)
+    for seed, B in enumerate((1, 1, 2, 7, 64, 300)):
+        batch = make_batch(views, B, seed, weighted)
+        want_pooled, want_linear = reference(precision, plans, views, batch)
+        got_pooled, got_linear = fused.pool(batch)
+        assert got_pooled.shape == want_pooled.shape == (B, len(FEATURES), 8)
+        assert got_linear.shape == want_linear.shape == (B, 3)
+        assert torch.equal(got_pooled, want_pooled), f"B={B} seed={seed}"
+        assert torch.equal(got_linear, want_linear), f"B={B} seed={seed}"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_one_id_per_feature_in_feature_order(precision: str) -> None:
+    """The quickstart's shape: every feature its own table, sum tables first, mean ones last, no linear."""
+    features = ("c1", "c2", "c3", "m1")
+    tables = tuple(TableConfig(name=f, dim=4, seed=i) for i, f in enumerate(features))
+    plans = plan_tables(features, tables, {}, {}, {"m1": "mean"})
+    g = torch.Generator().manual_seed(1)
+    views = [TableView(c, np.arange(0, 50, 5, dtype=np.int64), quantize(torch.randn(10, 4, generator=g), precision),
+                       precision) for c in tables]
+    fused = FusedPooling(plans, views, precision)
+    rng = np.random.default_rng(2)
+    for B in (1, 5, 33):
+        lengths = np.ones((4, B), np.int32)
+        lengths[3] = rng.integers(0, 5, B)                                         # multi-hot mean feature
+        values = rng.integers(0, 60, int(lengths.sum())).astype(np.int64)         # about 80% unseen
+        batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B),
+                      sparse=KeyedJagged(features, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))))
+        want, want_lin = reference(precision, plans, views, batch)
+        got, got_lin = fused.pool(batch)
+        assert want_lin is None and got_lin is None
+        assert torch.equal(got, want)
+
+
+def test_scratch_rows_grow_with_many_unseen_ids() -> None:
+    """More unknown ids than the preallocated scratch rows: still equal (fp32)."""
+    features = ("a",)
+    tables = (TableConfig(name="a", dim=4),)
+    plans = plan_tables(features, tables, {}, {}, {})
+    views = [TableView(tables[0], np.arange(10, dtype=np.int64), torch.randn(10, 4).numpy(), "fp32")]
+    fused = FusedPooling(plans, views, "fp32")
+    values = torch.arange(5000, dtype=torch.int64)                                 # 4990 unseen
+    batch = Batch(dense=torch.zeros(2500, 0), labels=torch.zeros(2500),
+                  sparse=KeyedJagged(features, values, torch.full((2500,), 2, dtype=torch.int32)))
+    want, _ = reference("fp32", plans, views, batch)
+    assert torch.equal(fused.pool(batch)[0], want)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_empty_table_and_unused_feature(precision: str) -> None:
+    """A table with no rows yet (every id gets its default) and a batch feature no table reads."""
+    features = ("a", "skip", "e")
+    tables = (TableConfig(name="a", dim=4), TableConfig(name="e", dim=4, seed=9))
+    plans = [TablePlan(0, "a", 4, "sum", (0,), False), TablePlan(1, "e", 4, "sum", (2,), False)]   # "skip": no table
+    g = torch.Generator().manual_seed(3)
+    views = [TableView(tables[0], np.arange(0, 30, 3, dtype=np.int64),
+                       quantize(torch.randn(10, 4, generator=g), precision), precision),
+             TableView(tables[1], np.zeros(0, np.int64), quantize(torch.zeros(0, 4), precision), precision)]
+    fused = FusedPooling(plans, views, precision)
+    rng = np.random.default_rng(4)
+    for B in (1, 6):
+        lengths = rng.integers(1, 3, size=(3, B)).astype(np.int32)
+        values = rng.integers(0, 40, int(lengths.sum())).astype(np.int64)
+        batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B),
+                      sparse=KeyedJagged(features, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))))
+        want, _ = reference(precision, plans, views, batch)
+        got, _ = fused.pool(batch)
+        assert got.shape == (B, 2, 4)
+        assert torch.equal(got, want)
