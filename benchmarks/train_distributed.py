@@ -19,8 +19,11 @@ I1..I13 (log1p), embedding dim D = 64, DLRM with bottom_mlp [128, 64] and top_ml
   EXACT_ROWWISE_ADAGRAD applied in backward (`apply_optimizer_in_backward(RowWiseAdagrad)`), the
   dense part wrapped in DDP by DMP itself, dense Adam through DMP's KeyedOptimizerWrapper.
 - `torchrec_dmp_planner`: the same, with the planner free to choose (its choice is reported).
-  On CPU (topology compute_device "cpu") the planner picks among table_wise, row_wise,
-  column_wise, table_row_wise and data_parallel with the `fused` / `dense` kernels.
+  On CPU, torchrec 1.8.0's EmbeddingBagCollectionSharder offers only data_parallel (`dense`
+  kernel), table_wise, column_wise and table_column_wise (`fused` kernel: fbgemm's CPU TBE);
+  row_wise, table_row_wise and grid_shard are CUDA-only there (`sharding_types("cpu")`). Both DMP
+  variants ran here with gloo + fbgemm-gpu-cpu 1.8.0; the planner chose table_wise/fused for all
+  26 tables (see BENCHMARKS.md).
 
 The baselines map each 64-bit id to `id % min(vocab, --cap)` inside the timed step; our PS keeps a
 collisionless id -> row map that grows instead. DMP sums the two ranks' row gradients of a table
