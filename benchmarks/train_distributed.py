@@ -39,7 +39,8 @@ process (ours and DMP's ranks) gets --threads torch threads, our shard processes
 The headline `ratio_vs_torchrec_dmp` = ours_sync_2t2s / torchrec_dmp_tw: like for like, DMP is
 synchronous (every step's embedding updates land before the next step's lookup), as is our sync
 mode. `ratio_async_vs_torchrec_dmp` (ours async: rows prefetched one step ahead) and the ratios
-against the planner's choice are reported too. Target: ratio_vs_torchrec_dmp >= 1.0.
+against the planner's choice are reported too, and `ratios_per_repeat` (the two ratios within each
+repeat, whose spread shows the noise). Target: ratio_vs_torchrec_dmp >= 1.0.
 
 --json prints one line with every rate (samples/s; null when not run), every ratio, the planner's
 choice, per-configuration detail and notes. When TorchRec cannot run (not importable, or DMP fails)
@@ -361,6 +362,11 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
            "scaling_async_2t2s_vs_1t2s": ratio("ours_async_2t2s", "ours_async_1t2s"),
            "scaling_async_2t2s_vs_2t1s": ratio("ours_async_2t2s", "ours_async_2t1s"),
            "headline": "ours_sync_2t2s / torchrec_dmp_tw (both synchronous)", "target": TARGET}
+    pairs = {"ratio_vs_torchrec_dmp": ("ours_sync_2t2s", "torchrec_dmp_tw"),
+             "ratio_async_vs_torchrec_dmp": ("ours_async_2t2s", "torchrec_dmp_tw")}
+    out["ratios_per_repeat"] = {   # the same repeat's runs paired (they ran minutes apart, not months)
+        k: [round(x["samples_per_s"] / y["samples_per_s"], 3) for x, y in zip(results.get(a, []), results.get(b, []))]
+        for k, (a, b) in pairs.items()}
     r = out["ratio_vs_torchrec_dmp"]
     out["meets_target"] = None if r is None else r >= TARGET
     out["torchrec_dmp_planner_choice"] = detail.get("torchrec_dmp_planner", {}).get("plan")
@@ -384,6 +390,8 @@ def print_table(r: dict) -> None:
     for k, v in r.items():
         if k.startswith(("ratio_", "scaling_")):
             print(f"  {k:36s} {'null' if v is None else f'{v:.3f}'}")
+    for k, v in r["ratios_per_repeat"].items():
+        print(f"  {k} per repeat: {v}")
     verdict = {True: "met", False: "NOT met", None: "not measured"}[r["meets_target"]]
     print(f"  target {r['headline']} >= {r['target']}: {verdict}")
     for n in r["notes"]:
