@@ -84,7 +84,9 @@ def plot_train_distributed(r: dict, out: Path) -> Path:
     ratio = r.get("ratio_vs_torchrec_dmp")
     ax.set_title(f"DLRM D={r.get('dim')}, global batch {r.get('global_batch')}, {r.get('cpus')} CPUs "
                  f"({r.get('date', '')[:10]})\nsync 2t2s / DMP table-wise = {ratio}", fontsize=8)
-    ax.legend(fontsize=6, loc="lower right")
+    top = max([v for k, v in r.items() if k.startswith(("ours_", "torchrec_dmp_")) and isinstance(v, (int, float))])
+    ax.set_ylim(0, 1.45 * top)                        # room for the legend above the bars
+    ax.legend(fontsize=6, loc="upper left", ncol=2)
     fig.tight_layout()
     path = out / "train_distributed.png"
     fig.savefig(path, dpi=DPI)
