@@ -38,6 +38,7 @@ bench: bench-deps
 	$(VPY) benchmarks/ps_table.py --kernels
 	$(VPY) benchmarks/ps_throughput.py
 	$(VPY) benchmarks/train_throughput.py
+	$(VPY) benchmarks/train_distributed.py
 	$(VPY) benchmarks/serving.py
 	$(VPY) benchmarks/checkpoint.py
 	$(VPY) benchmarks/preflight.py

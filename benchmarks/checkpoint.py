@@ -33,6 +33,10 @@ during the load the files' bytes plus the new table; 1e7 x 64 peaked at 6.1 GB r
 4.8-5.9 s for 2.8 GB the first time, 0.26 s on later saves of the same process (pages the kernel
 had just taken back). On a shared machine the numbers are noisy: compare sizes and fractions
 from one run.
+
+The blocking save is the baseline of every fraction: when it fails, the script exits 1 unless
+--allow-missing-baseline (then `blocking_save_s` / `client_blocking_save_s` and every fraction are
+null and `notes` says why). --json prints one line with every figure and fraction.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -79,12 +84,25 @@ def files_of(directory: str) -> dict:
         return json.load(f)["files"]
 
 
-def bench_size(rows: int, dim: int, repeats: int, tmp: str) -> dict[str, float | int | bool]:
+def baseline(notes: list[str], what: str, fn, *args) -> float | None:
+    """Seconds of the baseline call `fn(*args)`, or None (and a note) when it raises."""
+    try:
+        return timed(fn, *args)[0]
+    except Exception as e:
+        notes.append(f"baseline {what} failed ({type(e).__name__}: {e}); reported as null")
+        return None
+
+
+def fraction(part: float, whole: float | None) -> float | None:
+    return None if whole is None else part / whole
+
+
+def bench_size(rows: int, dim: int, repeats: int, tmp: str, notes: list[str]) -> dict[str, float | int | bool]:
     fill_s, state = timed(fill, rows, dim)
     blocking, background = os.path.join(tmp, f"blocking-{rows}"), os.path.join(tmp, f"background-{rows}")
     save_s, prepare_s, pause_s, write_s = [], [], [], []
     for _ in range(repeats):
-        save_s.append(timed(state.save, blocking)[0])
+        save_s.append(baseline(notes, f"blocking save ({rows:.0e} rows)", state.save, blocking))
         t, buffers = timed(state.snapshot_buffers)
         prepare_s.append(t)
         snap = state.snapshot(buffers)
@@ -94,23 +112,25 @@ def bench_size(rows: int, dim: int, repeats: int, tmp: str) -> dict[str, float |
         nbytes = snap.nbytes
         del snap
         release_free_heap()
-    identical = files_of(blocking) == files_of(background)
+    missing = None in save_s
+    identical = None if missing else files_of(blocking) == files_of(background)
     del state
     release_free_heap()
     verify_s = timed(verify_shard, background)[0]
     load_s = []
-    for _ in range(repeats):
+    for _ in range(repeats):      # from the background save's files when the blocking one is missing
         fresh = ShardState(PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),)), 0)
-        load_s.append(timed(fresh.load, blocking)[0])
+        load_s.append(timed(fresh.load, background if missing else blocking)[0])
         del fresh
         release_free_heap()
-    shutil.rmtree(blocking)
+    shutil.rmtree(blocking, ignore_errors=True)
     shutil.rmtree(background)
-    save, pause = statistics.median(save_s), statistics.median(pause_s)
+    save = None if missing else statistics.median(save_s)
+    pause = statistics.median(pause_s)
     return {"rows": rows, "dim": dim, "bytes": nbytes, "fill_s": fill_s, "blocking_save_s": save,
             "load_s": statistics.median(load_s), "prepare_s": statistics.median(prepare_s), "snapshot_s": pause,
             "background_write_s": statistics.median(write_s),
-            "verify_s": verify_s, "pause_fraction": pause / save, "identical": identical}
+            "verify_s": verify_s, "pause_fraction": fraction(pause, save), "identical": identical}
 
 
 def _shard_main(config: PSConfig, ready_file: str) -> None:
@@ -128,7 +148,7 @@ def _wait_ready(path: str, proc) -> str:
         return f.read().strip()
 
 
-def bench_server(rows: int, dim: int, tmp: str) -> dict[str, float | int]:
+def bench_server(rows: int, dim: int, tmp: str, notes: list[str]) -> dict[str, float | int | None]:
     """What a trainer waits for: a blocking save and two background saves through a shard process."""
     config = PSConfig(tables=(TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad"),), mode="async",
                       timeout_s=600.0)
@@ -141,8 +161,9 @@ def bench_server(rows: int, dim: int, tmp: str) -> dict[str, float | int]:
             for lo in range(0, rows, CHUNK):
                 ids = torch.arange(lo, min(lo + CHUNK, rows))
                 client.push(0, ids, grads[: ids.numel()])
-            out: dict[str, float | int] = {"rows": rows, "dim": dim}
-            out["client_blocking_save_s"] = timed(client.save, os.path.join(tmp, f"srv-block-{rows}"))[0]
+            out: dict[str, float | int | None] = {"rows": rows, "dim": dim}
+            out["client_blocking_save_s"] = baseline(notes, f"client blocking save ({rows:.0e} rows)", client.save,
+                                                     os.path.join(tmp, f"srv-block-{rows}"))
             for name in ("first", "second", "prepared"):
                 directory = os.path.join(tmp, f"srv-{name}-{rows}")
                 if name == "prepared":
@@ -160,11 +181,11 @@ def bench_server(rows: int, dim: int, tmp: str) -> dict[str, float | int]:
             proc.kill()
     for name, key in (("prepared", "trainer_pause_fraction"), ("first", "trainer_pause_first_fraction"),
                       ("second", "trainer_pause_second_fraction")):
-        out[key] = out[f"trainer_pause_{name}_s"] / out["client_blocking_save_s"]
+        out[key] = fraction(out[f"trainer_pause_{name}_s"], out["client_blocking_save_s"])
     return out
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     p.add_argument("--rows", default="1e5,1e6,1e7", help="comma-separated table sizes (rows)")
@@ -174,18 +195,20 @@ def main() -> None:
     p.add_argument("--tmpdir", default=None, help="where the temp dir goes (default: the system's)")
     p.add_argument("--no-server", dest="server", action="store_false",
                    help="skip the trainer's view through a shard process")
+    p.add_argument("--allow-missing-baseline", action="store_true",
+                   help="report null for the blocking-save baseline (and exit 0) when it fails")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(float(r)) for r in args.rows.split(",")]
     tmp = tempfile.mkdtemp(prefix="ps-checkpoint-bench-", dir=args.tmpdir)
-    results, served = [], []
+    results, served, notes = [], [], []
     try:
         for rows in sizes:
-            results.append(bench_size(rows, args.dim, args.repeats, tmp))
+            results.append(bench_size(rows, args.dim, args.repeats, tmp, notes))
             if not args.json:
                 print_row(results[-1], header=len(results) == 1)
         for rows in sizes if args.server else ():
-            served.append(bench_server(rows, args.dim, tmp))
+            served.append(bench_server(rows, args.dim, tmp, notes))
             if not args.json:
                 print_server_row(served[-1], header=len(served) == 1)
     finally:
@@ -196,33 +219,45 @@ def main() -> None:
         summary["trainer_pause_fraction"] = served[-1]["trainer_pause_fraction"]
         summary["trainer_pause_first_fraction"] = served[-1]["trainer_pause_first_fraction"]
         summary["trainer_pause_second_fraction"] = served[-1]["trainer_pause_second_fraction"]
+    summary["prepare_s"] = largest["prepare_s"]
+    missing = bool(notes)
     if args.json:
         print(json.dumps({"threads": args.threads, "repeats": args.repeats, "sizes": results, "server": served,
-                          **summary}))
+                          **summary, "notes": notes}))
     else:
-        print(f"at {largest['rows']:.0e} rows: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items())
-              + " (target <= 0.25)")
+        print(f"at {largest['rows']:.0e} rows: "
+              + ", ".join(f"{k} {'null' if v is None else f'{v:.3f}'}" for k, v in summary.items())
+              + " (fractions: target <= 0.25)")
+        for n in notes:
+            print(f"note: {n}")
+    if missing and not args.allow_missing_baseline:
+        print("error: the blocking-save baseline failed (see notes); --allow-missing-baseline to report it as null",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def print_row(r: dict, header: bool) -> None:
     if header:
         print(f"{'rows':>10} {'MB':>8} {'save s':>8} {'load s':>8} {'prep s':>8} {'pause s':>8} {'write s':>8} "
               f"{'pause/save':>10} {'save GB/s':>9} {'copy GB/s':>9} identical")
-    gb = r["bytes"] / 1e9
-    print(f"{r['rows']:>10.0e} {r['bytes'] / 1e6:>8.1f} {r['blocking_save_s']:>8.3f} {r['load_s']:>8.3f} "
+    gb, save = r["bytes"] / 1e9, r["blocking_save_s"]
+    num = lambda v, w: "null".rjust(w) if v is None else f"{v:>{w}.3f}"   # noqa: E731
+    print(f"{r['rows']:>10.0e} {r['bytes'] / 1e6:>8.1f} {num(save, 8)} {r['load_s']:>8.3f} "
           f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} "
-          f"{r['pause_fraction']:>10.3f} "
-          f"{gb / r['blocking_save_s']:>9.2f} {gb / r['snapshot_s']:>9.2f} {r['identical']}", flush=True)
+          f"{num(r['pause_fraction'], 10)} "
+          f"{num(None if save is None else gb / save, 9)} {gb / r['snapshot_s']:>9.2f} {r['identical']}", flush=True)
 
 
 def print_server_row(r: dict, header: bool) -> None:
     if header:
         print(f"\ntrainer's view (a shard process, PSClient):\n{'rows':>10} {'blocking s':>10} {'pause 1st':>9} "
               f"{'pause 2nd':>9} {'prepared':>9} {'write s':>9} {'prepared/blocking':>17}")
-    print(f"{r['rows']:>10.0e} {r['client_blocking_save_s']:>10.3f} {r['trainer_pause_first_s']:>9.3f} "
+    num = lambda v, w: "null".rjust(w) if v is None else f"{v:>{w}.3f}"   # noqa: E731
+    print(f"{r['rows']:>10.0e} {num(r['client_blocking_save_s'], 10)} {r['trainer_pause_first_s']:>9.3f} "
           f"{r['trainer_pause_second_s']:>9.3f} {r['trainer_pause_prepared_s']:>9.3f} "
-          f"{r['background_done_prepared_s']:>9.3f} {r['trainer_pause_fraction']:>17.3f}", flush=True)
+          f"{r['background_done_prepared_s']:>9.3f} {num(r['trainer_pause_fraction'], 17)}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,6 +13,10 @@ temporary directory with `data.synthetic.generate`, then times, interleaved, R r
 
 and reports medians. `rows_per_s` is the training setting; `ratio` = rows_per_s / pyarrow_rows_per_s.
 Rows per CPU-second are printed too: on a shared machine they are steadier than wall-clock rates.
+
+The pyarrow pass is the baseline: when it fails (its warm-up pass raises, or reads a wrong row
+count) the script exits 1, unless --allow-missing-baseline (then `pyarrow_rows_per_s`, `ratio` and
+`cpu_ratio` are null and `notes` says why). --json prints one line with every figure and ratio.
 """
 
 from __future__ import annotations
@@ -84,8 +88,17 @@ def run(rows: int, reps: int, files: int, batch_size: int, row_group_rows: int) 
         gen_s = time.perf_counter() - t0
         paths = sorted(str(p) for p in Path(tmp).glob("*.parquet"))
         size_mb = sum(os.path.getsize(p) for p in paths) / 2 ** 20
-        for fn in variants.values():          # warm-up: page cache, imports, allocator
-            fn(paths)
+        notes = []
+        for name, fn in list(variants.items()):          # warm-up: page cache, imports, allocator
+            try:
+                n = fn(paths)[0]
+                if n != rows:
+                    raise RuntimeError(f"read {n} rows, expected {rows}")
+            except Exception as e:
+                if name != "pyarrow":
+                    raise
+                notes.append(f"baseline pyarrow failed ({type(e).__name__}: {e}); reported as null")
+                del variants[name]
         wall: dict[str, list[float]] = {k: [] for k in variants}
         cpu: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(reps):
@@ -97,16 +110,17 @@ def run(rows: int, reps: int, files: int, batch_size: int, row_group_rows: int) 
                 cpu[name].append(rows / max(c, 1e-9))
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    base, base_cpu = med.get("pyarrow"), med_cpu.get("pyarrow")
     return {
         "rows": rows, "files": files, "row_group_rows": row_group_rows, "batch_size": batch_size, "reps": reps,
         "dataset_mb": round(size_mb, 1), "gen_s": round(gen_s, 2),
-        "rows_per_s": round(med["loader"]), "pyarrow_rows_per_s": round(med["pyarrow"]),
-        "ratio": round(med["loader"] / med["pyarrow"], 3),
+        "rows_per_s": round(med["loader"]), "pyarrow_rows_per_s": None if base is None else round(base),
+        "ratio": None if base is None else round(med["loader"] / base, 3),
         "rows_per_s_inline": round(med["loader_inline"]), "rows_per_s_no_shuffle": round(med["loader_no_shuffle"]),
         "rows_per_cpu_s": {k: round(v) for k, v in med_cpu.items()},
-        "cpu_ratio": round(med_cpu["loader"] / med_cpu["pyarrow"], 3),
+        "cpu_ratio": None if base_cpu is None else round(med_cpu["loader"] / base_cpu, 3),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "cpus": os.cpu_count(),
+        "cpus": os.cpu_count(), "notes": notes,
     }
 
 
@@ -118,11 +132,17 @@ def main() -> int:
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--row-group-rows", type=int, default=65536)
+    p.add_argument("--allow-missing-baseline", action="store_true",
+                   help="report null for the pyarrow baseline (and exit 0) when it cannot run")
     a = p.parse_args()
     r = run(a.rows, a.reps, a.files, a.batch_size, a.row_group_rows)
+    missing = r["ratio"] is None
+    if missing and not a.allow_missing_baseline:
+        print(f"error: the pyarrow baseline did not run: {'; '.join(r['notes'])} "
+              "(--allow-missing-baseline to report it as null)", file=sys.stderr)
     if a.json:
         print(json.dumps(r))
-        return 0
+        return 1 if missing and not a.allow_missing_baseline else 0
     print(f"{r['rows']:,} criteo-like rows in {r['files']} files ({r['dataset_mb']} MB zstd, row groups of "
           f"{r['row_group_rows']}), batch {r['batch_size']}, median of {r['reps']}:")
     rows = [("loader (shuffle, prefetch)", "loader", r["rows_per_s"]),
@@ -130,7 +150,13 @@ def main() -> int:
             ("loader (no shuffle, prefetch)", "loader_no_shuffle", r["rows_per_s_no_shuffle"]),
             ("pyarrow iter_batches + to_numpy", "pyarrow", r["pyarrow_rows_per_s"])]
     for label, key, v in rows:
+        if v is None:
+            print(f"  {label:34s}   null")
+            continue
         print(f"  {label:34s} {v / 1e6:6.2f} M rows/s   {r['rows_per_cpu_s'][key] / 1e6:6.2f} M rows/cpu-s")
+    if missing:
+        print(f"  ratio loader / pyarrow: null; peak RSS {r['peak_rss_mb']:.0f} MB")
+        return 0 if a.allow_missing_baseline else 1
     print(f"  ratio loader / pyarrow: {r['ratio']:.2f} (per cpu-s {r['cpu_ratio']:.2f}); "
           f"peak RSS {r['peak_rss_mb']:.0f} MB")
     return 0

@@ -1,0 +1,111 @@
+"""The benchmark scripts' reporting: train_distributed's ratios and missing baseline, plots.py's inputs.
+
+The timed parts need processes and minutes (they are run by hand, see BENCHMARKS.md); what is
+tested here is the arithmetic and the refusal paths, on hand-made results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def td():
+    return _load("train_distributed")
+
+
+@pytest.fixture(scope="module")
+def plots():
+    return _load("plots")
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(rows=1000, steps=10, log_every=5, repeats=3, global_batch=4096, dim=64, threads=1,
+                              cap=100, ps_kernel="auto")
+
+
+def _runs(*rates: float) -> list[dict]:
+    return [{"samples_per_s": r, "windows": [r]} for r in rates]
+
+
+def test_ratio_is_of_medians_and_pairs_per_repeat(td):
+    results = {"ours_sync_2t2s": _runs(100, 300, 200), "ours_async_2t2s": _runs(90, 150, 120),
+               "torchrec_dmp_tw": _runs(200, 100, 400)}
+    r = td.summarize(_args(), results, [], 0.0)
+    assert r["ours_sync_2t2s"] == 200 and r["torchrec_dmp_tw"] == 200
+    assert r["ratio_vs_torchrec_dmp"] == 1.0
+    assert r["ratio_async_vs_torchrec_dmp"] == 0.6
+    assert r["ratios_per_repeat"]["ratio_vs_torchrec_dmp"] == [0.5, 3.0, 0.5]
+    assert r["meets_target"] is True
+    assert r["torchrec_dmp_planner"] is None and r["ratio_vs_torchrec_dmp_planner"] is None
+
+
+def test_missing_baseline_gives_null_ratios(td):
+    r = td.summarize(_args(), {"ours_sync_2t2s": _runs(100)}, ["torchrec not importable"], 0.0)
+    assert r["torchrec_dmp_tw"] is None
+    assert r["ratio_vs_torchrec_dmp"] is None and r["meets_target"] is None
+    assert r["notes"] == ["torchrec not importable"]
+
+
+def test_scaling_ratios(td):
+    results = {"ours_sync_2t2s": _runs(300), "ours_sync_1t2s": _runs(200), "ours_sync_2t1s": _runs(150)}
+    r = td.summarize(_args(), results, [], 0.0)
+    assert r["scaling_sync_2t2s_vs_1t2s"] == 1.5 and r["scaling_sync_2t2s_vs_2t1s"] == 2.0
+
+
+def test_job_config_splits_the_global_batch(td, tmp_path):
+    args = _args()
+    two = td.job_config(args, str(tmp_path), str(tmp_path / "run"), "sync", 2, 2)
+    one = td.job_config(args, str(tmp_path), str(tmp_path / "run"), "async", 1, 1)
+    assert two.data.batch_size == 2048 and two.train.num_trainers == 2 and two.ps.num_shards == 2
+    assert one.data.batch_size == 4096 and one.ps.mode == "async"
+    assert {t.optimizer for t in two.ps.tables} == {"rowwise_adagrad"} and len(two.ps.tables) == 26
+
+
+def test_read_json_takes_the_last_json_line_of_a_log(plots, tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text('INFO starting\n{"a": 1}\nINFO more\n{"a": 2}\n')
+    assert plots.read_json(str(log)) == {"a": 2}
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({"b": [1, 2]}, indent=1))
+    assert plots.read_json(str(whole)) == {"b": [1, 2]}
+    bad = tmp_path / "bad.txt"
+    bad.write_text("no json here\n")
+    with pytest.raises(ValueError, match="no JSON object"):
+        plots.read_json(str(bad))
+
+
+def test_latency_lists_found_nested(plots):
+    found = plots._latency_lists({"p50_ms_b1": 0.2, "detail": {"fp32": {"latency_ms_b1": [0.1, 0.3]},
+                                                                 "int8": {"latency_ms_b1": "n/a"}}})
+    assert found == {"detail.fp32.latency_ms_b1": [0.1, 0.3]}
+
+
+def test_plots_refuse_inputs_without_figures(plots, tmp_path):
+    with pytest.raises(ValueError, match="no ours_"):
+        plots.plot_train_distributed({"torchrec_dmp_tw": 5}, tmp_path)
+    with pytest.raises(ValueError, match="mix embedding dims"):
+        plots.plot_memory([{"rss_rows": 10, "rss_bytes_per_row_d16": 90.0}],
+                          {"sizes": [{"rows": 10, "bytes": 2800, "dim": 64}]}, tmp_path)
+    assert plots.plot_serving({"p50_ms_b1": 0.2}, tmp_path) is None
+
+
+def test_train_distributed_plot_written(plots, tmp_path):
+    r = {"ours_sync_2t2s": 100, "ours_async_1t2s": 80, "torchrec_dmp_tw": 90, "ratio_vs_torchrec_dmp": 1.11,
+         "dim": 64, "global_batch": 4096, "cpus": 2, "date": "2026-11-25T10:00:00Z"}
+    path = plots.plot_train_distributed(r, tmp_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
