@@ -27,16 +27,14 @@ Determinism as in `data.synthetic`: chunks of GEN_CHUNK rows, chunk c from RNGs 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from data.synthetic import (_AUC_BINS, GEN_CHUNK, _binned_auc, _hash_normals, _mix_scalar, _name_salt, _rng,
-                            ids_of_ranks, zipf_ranks)
-from data.writer import PartWriter
+from data.synthetic import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, write_parts,
+                            zipf_ranks)
 
 logger = logging.getLogger(__name__)
 
@@ -142,33 +140,6 @@ def generate_sequence(*, rows: int, num_files: int, out_dir: str, seed: int, row
                       compression: str = "zstd", model_seed: int = 0) -> dict:
     """Writes `rows` rows of the sequence preset into `out_dir/part-%05d.parquet` (as
     `data.synthetic.generate` does); returns rows, files, CTR, mean p_true, oracle AUC, seconds."""
-    if rows < 1 or num_files < 1 or num_files > rows:
-        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
-    bounds = [i * rows // num_files for i in range(num_files + 1)]
-    t0 = time.perf_counter()
-    schema = sequence_schema().with_metadata({"recsys.synthetic.preset": "sequence", "recsys.synthetic.seed": str(seed),
-                                              "recsys.synthetic.model_seed": str(model_seed)})
-    writer = PartWriter(out_dir, schema, lambda i: bounds[i + 1] - bounds[i], row_group_rows=row_group_rows,
-                        compression=compression)
-    pos_hist = np.zeros(_AUC_BINS, np.int64)
-    neg_hist = np.zeros(_AUC_BINS, np.int64)
-    p_sum = 0.0
-    try:
-        for t in iter_sequence_rows(rows, seed, model_seed):
-            label = t.column("label").to_numpy() > 0.5
-            p_true = t.column("p_true").to_numpy()
-            p_sum += float(p_true.sum(dtype=np.float64))
-            b = np.minimum((p_true * _AUC_BINS).astype(np.int64), _AUC_BINS - 1)
-            pos_hist += np.bincount(b[label], minlength=_AUC_BINS)
-            neg_hist += np.bincount(b[~label], minlength=_AUC_BINS)
-            writer.write(t)
-    finally:
-        files = writer.close()
-    secs = time.perf_counter() - t0
-    summary = {"preset": "sequence", "rows": rows, "seed": seed, "model_seed": model_seed,
-               "files": [f for f, _ in files], "rows_per_file": [r for _, r in files],
-               "ctr": float(pos_hist.sum() / rows), "mean_p_true": p_sum / rows,
-               "oracle_auc": _binned_auc(pos_hist, neg_hist), "seconds": round(secs, 3)}
-    logger.info("gen-data sequence: %d rows in %d files, ctr %.4f, oracle AUC %.4f", rows, num_files,
-                summary["ctr"], summary["oracle_auc"])
-    return summary
+    return write_parts("sequence", sequence_schema(), lambda: iter_sequence_rows(rows, seed, model_seed),
+                       rows=rows, num_files=num_files, out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
+                       compression=compression, model_seed=model_seed)

@@ -29,7 +29,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -389,11 +389,21 @@ def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
         return generate_retrieval(rows=rows, num_files=num_files, out_dir=out_dir, seed=seed,
                                   row_group_rows=row_group_rows, compression=compression, model_seed=model_seed)
     p = get_preset(preset)
+    return write_parts(preset, preset_arrow_schema(p), lambda: iter_rows(p, rows, seed, model_seed), rows=rows,
+                       num_files=num_files, out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
+                       compression=compression, model_seed=model_seed)
+
+
+def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa.Table]], *, rows: int,
+                num_files: int, out_dir: str, seed: int, row_group_rows: int, compression: str,
+                model_seed: int) -> dict:
+    """Writes the generator's tables (rows 0..rows-1, each with `label` and `p_true`) into `num_files`
+    files of `out_dir` and returns generate()'s summary; shared by every preset with an oracle column."""
     if rows < 1 or num_files < 1 or num_files > rows:
         raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
     bounds = [i * rows // num_files for i in range(num_files + 1)]
     t0 = time.perf_counter()
-    schema = preset_arrow_schema(p).with_metadata(
+    schema = schema.with_metadata(
         {"recsys.synthetic.preset": preset, "recsys.synthetic.seed": str(seed),
          "recsys.synthetic.model_seed": str(model_seed)})
     writer = PartWriter(out_dir, schema, lambda i: bounds[i + 1] - bounds[i],
@@ -402,7 +412,7 @@ def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
     neg_hist = np.zeros(_AUC_BINS, np.int64)
     p_sum = 0.0
     try:
-        for t in iter_rows(p, rows, seed, model_seed):
+        for t in tables():
             label = t.column("label").to_numpy() > 0.5
             p_true = t.column("p_true").to_numpy()
             p_sum += float(p_true.sum(dtype=np.float64))
