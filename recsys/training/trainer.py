@@ -46,9 +46,8 @@ from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model, sequence_inputs
 from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
-from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training import stopping
-
+from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.retrieval import retrieval_metrics_of
 from recsys.training.step import step_strategy
 from recsys.rundir import best_dir
