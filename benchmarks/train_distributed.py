@@ -71,14 +71,15 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data.synthetic import PRESETS, generate  # noqa: E402
-from recsys.config import JobConfig, load_config  # noqa: E402
+import train_throughput  # noqa: E402  (the single-process benchmark's job config)
+from train_throughput import SPARSE, SPARSE_LR, table_rows  # noqa: E402  (ours and DMP: the same tables and lr)
+
+from data.synthetic import generate  # noqa: E402
+from recsys.config import JobConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart.toml"
-SPARSE = tuple(f"C{i}" for i in range(1, 27))
-SPARSE_LR = 0.05
 TARGET = 1.0
 LAYOUTS = ((2, 2), (1, 2), (2, 1))     # (trainers, shards) of ours
 OURS = tuple(f"ours_{m}_{t}t{s}s" for t, s in LAYOUTS for m in ("sync", "async"))
@@ -90,28 +91,10 @@ JOIN_TIMEOUT_S = 900.0
 
 def job_config(args: argparse.Namespace, data_dir: str, run_dir: str, mode: str,
                trainers: int, shards: int) -> JobConfig:
-    """configs/quickstart.toml with the benchmark's job: 26 one-id features, D = --dim, G / T rows per trainer."""
-    tables = ", ".join(f'{{name = "{c}", dim = {args.dim}, optimizer = "rowwise_adagrad", lr = {SPARSE_LR}, '
-                       f'kernel = "{args.ps_kernel}"}}' for c in SPARSE)
-    total_steps = args.log_every + args.steps
-    epochs = math.ceil(total_steps * args.global_batch / args.rows) + 1
-    overrides = [
-        f"data.train_paths = [{json.dumps(data_dir)}]", "data.eval_paths = []",
-        f"data.sparse_columns = {json.dumps(list(SPARSE))}", "data.passthrough_columns = []",
-        f"data.batch_size = {args.global_batch // trainers}",
-        f"ps.tables = [{tables}]", f'ps.mode = "{mode}"', f"ps.num_shards = {shards}",
-        "model.table_pooling = {}", f"model.bottom_mlp = [128, {args.dim}]",
-        f"train.num_trainers = {trainers}", f"train.max_steps = {total_steps}", f"train.epochs = {epochs}",
-        f"train.log_every = {args.log_every}", f"train.num_threads = {args.threads}",
-        f"train.run_dir = {json.dumps(run_dir)}",
-    ]
-    return load_config(QUICKSTART, overrides)
-
-
-def table_rows(cap: int) -> list[int]:
-    """Rows of each baseline table: min(vocab, cap) per feature C1..C26 of the criteo-like preset."""
-    vocab = {s.name: s.vocab for s in PRESETS["criteo-like"].sparse}
-    return [min(vocab[c], cap) for c in SPARSE]
+    """train_throughput's job (26 one-id features, D = --dim) with --global-batch rows split over
+    `trainers`, on `shards` PS shards."""
+    return train_throughput.job_config(args, data_dir, run_dir, mode, trainers=trainers, shards=shards,
+                                       global_batch=args.global_batch)
 
 
 def windows_summary(rates: list[float], where: str) -> dict:

@@ -96,22 +96,25 @@ ZIPF = 1.05
 
 
 def job_config(args: argparse.Namespace, data_dir: str, run_dir: str, mode: str,
-               cache_rows: dict[str, int] | None = None, max_staleness: int = 1) -> JobConfig:
-    """configs/quickstart.toml with the benchmark's overrides (26 one-id features, D = 64, B = --batch-size);
-    `cache_rows` per table (a trainer-side row cache), `max_staleness` (async)."""
+               cache_rows: dict[str, int] | None = None, max_staleness: int = 1, *,
+               trainers: int = 1, shards: int = 1, global_batch: int | None = None) -> JobConfig:
+    """configs/quickstart.toml with the benchmark's overrides (26 one-id features, D = --dim, a global
+    batch of `global_batch` rows (default --batch-size) split evenly over `trainers`, `shards` PS
+    shards); `cache_rows` per table (a trainer-side row cache), `max_staleness` (async)."""
     cache_rows = cache_rows or {}
+    batch = args.batch_size if global_batch is None else global_batch
     tables = ", ".join(f'{{name = "{c}", dim = {args.dim}, optimizer = "rowwise_adagrad", lr = {SPARSE_LR}, '
                        f'cache_rows = {cache_rows.get(c, 0)}, '
                        f'kernel = "{args.ps_kernel}"}}' for c in SPARSE)
     total_steps = args.log_every + args.steps
-    epochs = math.ceil(total_steps * args.batch_size / args.rows) + 1
+    epochs = math.ceil(total_steps * batch / args.rows) + 1
     overrides = [
         f"data.train_paths = [{json.dumps(data_dir)}]", "data.eval_paths = []",
         f"data.sparse_columns = {json.dumps(list(SPARSE))}", "data.passthrough_columns = []",
-        f"data.batch_size = {args.batch_size}",
-        f"ps.tables = [{tables}]", f'ps.mode = "{mode}"', "ps.num_shards = 1", f"ps.max_staleness = {max_staleness}",
+        f"data.batch_size = {batch // trainers}",
+        f"ps.tables = [{tables}]", f'ps.mode = "{mode}"', f"ps.num_shards = {shards}", f"ps.max_staleness = {max_staleness}",
         "model.table_pooling = {}", f"model.bottom_mlp = [128, {args.dim}]",
-        "train.num_trainers = 1", f"train.max_steps = {total_steps}", f"train.epochs = {epochs}",
+        f"train.num_trainers = {trainers}", f"train.max_steps = {total_steps}", f"train.epochs = {epochs}",
         f"train.log_every = {args.log_every}", f"train.num_threads = {args.threads}",
         f"train.run_dir = {json.dumps(run_dir)}",
     ]
