@@ -79,7 +79,6 @@ from train_throughput import SPARSE, SPARSE_LR, table_rows  # noqa: E402  (ours 
 from data.synthetic import generate  # noqa: E402
 from recsys.config import JobConfig  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET = 1.0
 LAYOUTS = ((2, 2), (1, 2), (2, 1))     # (trainers, shards) of ours
 OURS = tuple(f"ours_{m}_{t}t{s}s" for t, s in LAYOUTS for m in ("sync", "async"))

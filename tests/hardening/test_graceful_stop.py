@@ -23,13 +23,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.local import LocalStore
 from recsys.config import load_config
 from recsys.training.checkpoint import list_checkpoints
 from recsys.training.launch import launch_train
+
+from ..integration.conftest import alive, assert_same_model
 
 pytestmark = pytest.mark.integration
 
@@ -82,17 +82,6 @@ def logged_step(run: Path) -> int:
     return max(steps, default=0)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-
-
 def assert_no_process_left(run: Path) -> None:
     """Every shard, trainer and launcher of the run is gone (within 10 s of the launcher's exit)."""
     procs = json.loads((run / "processes.json").read_text())
@@ -118,28 +107,6 @@ def stop_gracefully(proc: subprocess.Popen, run: Path) -> dict:
     assert_no_process_left(run)
     info = json.loads((run / "stopped.json").read_text()) if (run / "stopped.json").exists() else {}
     return info
-
-
-def final_model(run: Path) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
-    cfg = load_config(run / "config.toml")
-    dense = torch.load(run / "model" / "dense.pt", weights_only=True)
-    store = LocalStore.from_dir(cfg.ps, run / "model" / "ps")
-    rows = {}
-    for t in range(len(cfg.ps.tables)):
-        for state in store.states:
-            keys, values, _ = state.dump_table(t)
-            rows.update({(t, k): v for k, v in zip(keys.tolist(), values)})
-    return dense, rows
-
-
-def assert_same_model(a: Path, b: Path, atol: float = 1e-6) -> None:
-    (da, ra), (db, rb) = final_model(a), final_model(b)
-    for name in da:
-        torch.testing.assert_close(da[name], db[name], atol=atol, rtol=0, msg=name)
-    assert ra.keys() == rb.keys() and ra
-    keys = sorted(ra)
-    torch.testing.assert_close(torch.stack([ra[k] for k in keys]), torch.stack([rb[k] for k in keys]),
-                               atol=atol, rtol=0)
 
 
 def resume_to_the_end(run: Path, data: Path) -> None:

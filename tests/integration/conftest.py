@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from embedding_ps.config import PSConfig
-from recsys.config import JobConfig, to_toml
+from embedding_ps.local import LocalStore
+from recsys.config import JobConfig, load_config, to_toml
 
 READY_TIMEOUT_S = 60.0
 
@@ -136,3 +138,27 @@ def alive(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
+
+
+def final_model(run: Path) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
+    """A finished run's dense weights and every row by (table, id), read from run/model."""
+    cfg = load_config(run / "config.toml")
+    dense = torch.load(run / "model" / "dense.pt", weights_only=True)
+    store = LocalStore.from_dir(cfg.ps, run / "model" / "ps")
+    rows = {}
+    for t in range(len(cfg.ps.tables)):
+        for state in store.states:
+            keys, values, _ = state.dump_table(t)
+            rows.update({(t, k): v for k, v in zip(keys.tolist(), values)})
+    return dense, rows
+
+
+def assert_same_model(a: Path, b: Path, atol: float = 1e-6) -> None:
+    """Runs a and b ended with the same dense weights and the same (non-empty) rows, to `atol`."""
+    (da, ra), (db, rb) = final_model(a), final_model(b)
+    for name in da:
+        torch.testing.assert_close(da[name], db[name], atol=atol, rtol=0, msg=name)
+    assert ra.keys() == rb.keys() and ra
+    keys = sorted(ra)
+    torch.testing.assert_close(torch.stack([ra[k] for k in keys]), torch.stack([rb[k] for k in keys]),
+                               atol=atol, rtol=0)

@@ -17,14 +17,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 
-from embedding_ps.local import LocalStore
 from recsys.config import load_config
 from recsys.training.checkpoint import list_checkpoints
 from recsys.training.launch import launch_train
 
-from .conftest import alive
+from .conftest import alive, assert_same_model
 
 pytestmark = pytest.mark.integration
 
@@ -54,28 +52,6 @@ def overrides(run: Path, data: Path, *extra: str) -> list[str]:
 
 def run_job(run: Path, data: Path, *extra: str, resume: str | None = None) -> dict:
     return launch_train(load_config(ROOT / "configs" / "tiny.toml", overrides(run, data, *extra)), resume=resume)
-
-
-def final_model(run: Path) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
-    cfg = load_config(run / "config.toml")
-    dense = torch.load(run / "model" / "dense.pt", weights_only=True)
-    store = LocalStore.from_dir(cfg.ps, run / "model" / "ps")
-    rows = {}
-    for t in range(len(cfg.ps.tables)):
-        for state in store.states:
-            keys, values, _ = state.dump_table(t)
-            rows.update({(t, k): v for k, v in zip(keys.tolist(), values)})
-    return dense, rows
-
-
-def assert_same_model(a: Path, b: Path, atol: float = 1e-6) -> None:
-    (da, ra), (db, rb) = final_model(a), final_model(b)
-    for name in da:
-        torch.testing.assert_close(da[name], db[name], atol=atol, rtol=0, msg=name)
-    assert ra.keys() == rb.keys()
-    keys = sorted(ra)
-    torch.testing.assert_close(torch.stack([ra[k] for k in keys]), torch.stack([rb[k] for k in keys]),
-                               atol=atol, rtol=0)
 
 
 def train_losses(run: Path) -> dict[int, float]:
