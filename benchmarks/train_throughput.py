@@ -75,6 +75,7 @@ from data.batch import Batch, KeyedJagged  # noqa: E402
 from data.loader import ParquetLoader  # noqa: E402
 from data.synthetic import PRESETS, Preset, generate, iter_rows  # noqa: E402
 from recsys.config import JobConfig, load_config  # noqa: E402
+from recsys.metrics import MemoryMetricLogger  # noqa: E402
 from recsys.models import build_dense_model, build_sparse_arch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,26 +180,13 @@ def run_ours(cfg: JobConfig) -> dict:
     return summarize_lines(lines, cfg, str(run_dir / "metrics.jsonl"))
 
 
-class _Lines:
-    """A MetricSink that keeps the trainer's metric lines."""
-
-    def __init__(self) -> None:
-        self.lines: list[dict] = []
-
-    def log(self, metrics: dict, step: int) -> None:
-        self.lines.append({"step": step, **metrics})
-
-    def close(self) -> None:
-        pass
-
-
 def run_local(cfg: JobConfig, args: argparse.Namespace) -> dict:
     """Our Trainer in this process on a LocalStore (in-process PS shard, no network, no PS process)."""
     from embedding_ps.local import LocalStore
     from recsys.training.trainer import Trainer
 
     torch.set_num_threads(args.threads)
-    sink = _Lines()
+    sink = MemoryMetricLogger()
     trainer = Trainer(cfg, LocalStore.create(cfg.ps), metric_logger=sink)
     try:
         trainer.train()

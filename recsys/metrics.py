@@ -428,5 +428,19 @@ class NullMetricLogger:
         pass
 
 
+class MemoryMetricLogger:
+    """A MetricSink that keeps every line in memory, `{"step": step, **metrics}` in call order
+    (in-process runs of benchmarks and tests read them back)."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict] = []
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.lines.append({"step": step, **metrics})
+
+    def close(self) -> None:
+        pass
+
+
 __all__ = ["retrieval_metrics", "auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics", "eval_metrics",
-           "MetricSink", "MetricLogger", "NullMetricLogger", "EPS"]
+           "MetricSink", "MetricLogger", "NullMetricLogger", "MemoryMetricLogger", "EPS"]

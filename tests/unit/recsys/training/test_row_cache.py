@@ -12,6 +12,7 @@ import torch
 from embedding_ps.cache import CachingStore
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
+from recsys.metrics import MemoryMetricLogger
 from recsys.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -32,21 +33,10 @@ def job(run: Path, data: Path, cache_rows: int, *extra: str) -> JobConfig:
     return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
 
 
-class Lines:
-    def __init__(self) -> None:
-        self.lines: list[dict] = []
-
-    def log(self, metrics: dict, step: int) -> None:
-        self.lines.append({"step": step, **metrics})
-
-    def close(self) -> None:
-        pass
-
-
 def train(cfg: JobConfig, store=None) -> tuple[Trainer, LocalStore, list[dict]]:
     torch.manual_seed(0)
     inner = LocalStore.create(cfg.ps)
-    sink = Lines()
+    sink = MemoryMetricLogger()
     trainer = Trainer(cfg, inner if store is None else store(inner), metric_logger=sink)
     try:
         trainer.train()
