@@ -19,8 +19,8 @@ Copying everything then holds a second full copy of the rows; this module copies
   (the lock released) until the writer has passed enough rows; the bound always holds.
 
 Accounted extra memory (`extra_bytes`, peak `extra_bytes_peak`): the small copies, one byte per
-frozen row (the "saved" flags), the chunk buffer, 8 bytes per side buffer entry (its slot and
-free-stack place) and the rows of the side buffer's entries in use. The side buffers' capacity is what `bound_bytes` leaves after the rest (split over the tables
+frozen row (the "saved" flags), the chunk buffer plus one `PIECE_ROWS` temporary, 8 bytes per side
+buffer entry (its slot and free-stack place) and the rows of the side buffer's entries in use. The side buffers' capacity is what `bound_bytes` leaves after the rest (split over the tables
 by their rows' bytes). When the rest alone passes the bound, the side buffers get no room (every
 update of an unwritten row waits for the writer) and a warning says by how much the bound is
 passed. The side buffers are allocated lazily (untouched pages are not resident) and reused
@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
 """Largest chunk the writer copies under the lock (all slot-major arrays of a table together)."""
+PIECE_ROWS = 4096
+"""Rows gathered per temporary when pre-images move into or out of the side buffer (at most the
+chunk's rows: that temporary is accounted with the chunk buffer)."""
 WAIT_LOG_S = 10.0
 """An update waiting for the writer logs every this many seconds."""
 STALL_S = 120.0
@@ -76,6 +79,7 @@ class RowStream:
         self._nfree = capacity
         self._ehwm = 0                                  # entries [0, _ehwm) have been used
         self.chunk_rows = 0                             # set by CowSave (its share of the bound)
+        self.piece = 1                                  # rows per temporary: min(chunk_rows, PIECE_ROWS)
 
     @property
     def used(self) -> int:
@@ -103,7 +107,8 @@ class RowStream:
         self._ehwm = max(self._ehwm, int(entries.max()) + 1)
         e, r = torch.from_numpy(entries).long(), torch.from_numpy(rows).long()
         for name, t in self.tensors().items():
-            self._side[name].index_copy_(0, e, t.index_select(0, r))
+            for lo in range(0, k, self.piece):
+                self._side[name].index_copy_(0, e[lo : lo + self.piece], t.index_select(0, r[lo : lo + self.piece]))
         self._slot[entries] = rows
         self.saved[rows] = True
         self.save.preserved += k
@@ -116,7 +121,7 @@ class RowStream:
         n = max(1, min(self.chunk_rows, self.rows))
         with self.save.cond:
             buf = {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for name, t in self.tensors().items()}
-            self.save.account_chunk(n * self.row_bytes)
+            self.save.account_chunk((n + self.piece) * self.row_bytes)
         for lo in range(0, self.rows, n):
             hi = min(lo + n, self.rows)
             with self.save.cond:
@@ -142,7 +147,8 @@ class RowStream:
                 e = torch.from_numpy(entries).long()
                 at = torch.from_numpy(slot[entries] - lo).long()
                 for name, b in buf.items():
-                    b.index_copy_(0, at, self._side[name].index_select(0, e))
+                    for i in range(0, e.shape[0], self.piece):
+                        b.index_copy_(0, at[i : i + self.piece], self._side[name].index_select(0, e[i : i + self.piece]))
                 slot[entries] = -1
                 self._free[self._nfree : self._nfree + entries.shape[0]] = entries
                 self._nfree += entries.shape[0]
@@ -169,16 +175,16 @@ class CowSave:
         self.closed = False
         self.progress = 0                   # chunks the writer has taken, over all tables
         self.preserved = 0                  # pre-images saved, over all tables
-        self.waits, self.wait_s, self.hold_max_s, self.hold_total_s = 0, 0.0, 0.0, 0.0
+        self.waits, self.wait_s, self.wait_max_s, self.hold_max_s, self.hold_total_s = 0, 0.0, 0.0, 0.0, 0.0
         self._chunk_bytes = 0
         probes = [RowStream(self, i, fn, rows, 0) for i, (fn, rows) in enumerate(tables)]
         rows_bytes = [p.rows * p.row_bytes for p in probes]
         self.rows_bytes = sum(rows_bytes)
         self.fixed_bytes = int(fixed_bytes) + sum(p.rows for p in probes)      # + the "saved" flags
-        # the chunk buffer: at most CHUNK_BYTES, and at most a quarter of the bound
-        chunk = max(1, min(CHUNK_BYTES, self.bound_bytes // 4))
+        # the chunk buffer (and its temporary): at most CHUNK_BYTES, and at most an eighth of the bound
+        chunk = max(1, min(CHUNK_BYTES, self.bound_bytes // 8))
         chunk_rows = [max(1, chunk // max(p.row_bytes, 1)) for p in probes]
-        chunk_max = max((r * p.row_bytes for r, p in zip(chunk_rows, probes)), default=0)
+        chunk_max = max(((r + min(r, PIECE_ROWS)) * p.row_bytes for r, p in zip(chunk_rows, probes)), default=0)
         side = self.bound_bytes - self.fixed_bytes - chunk_max
         if side < 0:
             logger.warning("%s: a background save needs %d bytes besides its side buffer, more than the bound of "
@@ -189,7 +195,7 @@ class CowSave:
         for i, ((fn, rows), p, rb) in enumerate(zip(tables, probes, rows_bytes)):
             share = side * rb // self.rows_bytes if self.rows_bytes else 0
             s = RowStream(self, i, fn, rows, int(share // p.entry_bytes))
-            s.chunk_rows = chunk_rows[i]
+            s.chunk_rows, s.piece = chunk_rows[i], min(chunk_rows[i], PIECE_ROWS)
             self.streams.append(s)
         self.extra_bytes_peak = self.extra_bytes
 
@@ -223,6 +229,7 @@ class CowSave:
     def stats(self) -> dict[str, float | int]:
         return {"extra_bytes_peak": self.extra_bytes_peak, "extra_bytes_bound": self.bound_bytes,
                 "rows_bytes": self.rows_bytes, "preserved_rows": self.preserved, "push_waits": self.waits, "push_wait_s": self.wait_s,
+                "push_wait_max_s": self.wait_max_s,
                 "chunk_hold_max_s": self.hold_max_s, "chunk_hold_total_s": self.hold_total_s}
 
     # -- the update side ---------------------------------------------------------------------------
@@ -253,7 +260,9 @@ class CowSave:
                                 "room, %d free)", self.where, table, waited, rows.shape[0], stream._nfree)
         finally:
             if t0 is not None:
-                self.wait_s += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.wait_s += waited
+                self.wait_max_s = max(self.wait_max_s, waited)
 
     def _wait_for_writer(self, table: int, need: int, stream: RowStream) -> None:
         """Wait (lock released) until the writer moves on; RuntimeError when it stalls STALL_S."""
