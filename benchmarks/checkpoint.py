@@ -1,7 +1,7 @@
 """What a PS shard checkpoint costs: blocking save, load, and a background save's pause, extra memory and write.
 
     python benchmarks/checkpoint.py [--json] [--rows 1e5,1e6,1e7] [--dim 64] [--repeats 1] [--threads 2]
-                                    [--push-rows 8192] [--tmpdir DIR] [--no-server]
+                                    [--push-rows 8192] [--push-zipf A] [--tmpdir DIR] [--no-server]
 
 For each size, one in-process ShardState holds one table of `rows` rows x `dim` fp32 with row-wise
 Adagrad (`ps.checkpoint_extra_memory` at its default, 0.1), filled by pushing every id once (chunks
@@ -10,7 +10,8 @@ of 2**18). Timed, on the same state:
 - blocking save: `ShardState.save(dir)`: checksummed files written under the lock (the shard
   serves nothing meanwhile), fsynced, renamed into place. The baseline of every ratio.
 - background save, as the server does it, with training-like pushes running DURING it: a thread
-  pushes `--push-rows` random existing ids (unique, uniform over the table) per step, back to back,
+  pushes `--push-rows` random existing ids (unique; uniform over the table, the worst case for the
+  side buffer, or Zipf with `--push-zipf A`: hot rows need one pre-image each) per step, back to back,
   from the snapshot until the write ended, so that copy-on-write is exercised. `snapshot()` is the
   pause (the shard's lock held, serving nothing; copies the id map and small arrays and freezes the
   rows copy-on-write), then `ShardSnapshot.write(dir)` (the writer, here on the main thread) walks
@@ -61,6 +62,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import torch
 
 from embedding_ps.client import PSClient
@@ -130,11 +132,13 @@ def reset_peak_rss() -> bool:
 
 
 class Pusher:
-    """A thread pushing `n` random existing ids (unique) per step to `state`, as a trainer would: it
-    makes `warmup` pushes at once, then waits for `go`, then pushes back to back until `stop`."""
+    """A thread pushing `n` random existing ids per step (unique; uniform, or Zipf(`zipf`) ranks
+    scattered over the table by a multiplicative hash) to `state`, as a trainer would: it makes
+    `warmup` pushes at once, then waits for `go`, then pushes back to back until `stop`."""
 
-    def __init__(self, state: ShardState, rows: int, dim: int, n: int, warmup: int = 8) -> None:
-        self.state, self.rows, self.n = state, rows, min(n, rows)
+    def __init__(self, state: ShardState, rows: int, dim: int, n: int, zipf: float = 0.0, warmup: int = 8) -> None:
+        self.state, self.rows, self.n, self.zipf = state, rows, min(n, rows), zipf
+        self.rng = np.random.default_rng(0)
         self.grads = torch.full((self.n, dim), 1e-3)
         self.go, self.stop, self.warm = threading.Event(), threading.Event(), threading.Event()
         self.pushes, self.step, self.error, self.alone_rate = 0, 1, None, 0.0
@@ -145,7 +149,11 @@ class Pusher:
             raise RuntimeError("pusher never warmed up")
 
     def _push(self) -> None:
-        ids = torch.unique(torch.randint(0, self.rows, (self.n,), generator=self.gen))
+        if self.zipf:
+            ranks = self.rng.zipf(self.zipf, self.n) % self.rows
+            ids = torch.unique(torch.from_numpy((ranks * 0x9E3779B1) % self.rows))
+        else:
+            ids = torch.unique(torch.randint(0, self.rows, (self.n,), generator=self.gen))
         self.state.push(0, ids, self.grads[: ids.numel()], self.step)
         self.step += 1
 
@@ -194,13 +202,13 @@ def background_save(state: ShardState, directory: str, pusher: Pusher) -> dict:
             "push_rate_alone": pusher.alone_rate, **stats}
 
 
-def bench_size(rows: int, dim: int, repeats: int, push_rows: int, tmp: str,
+def bench_size(rows: int, dim: int, repeats: int, push_rows: int, zipf: float, tmp: str,
                notes: list[str]) -> dict[str, float | int | bool | None]:
     fill_s, state = timed(fill, rows, dim)
     blocking, background = os.path.join(tmp, f"blocking-{rows}"), os.path.join(tmp, f"background-{rows}")
     save_s, runs = [], []
     for _ in range(repeats):
-        pusher = Pusher(state, rows, dim, push_rows)      # warmed up before the blocking save, then idle
+        pusher = Pusher(state, rows, dim, push_rows, zipf)      # warmed up before the blocking save, then idle
         save_s.append(baseline(notes, f"blocking save ({rows:.0e} rows)", state.save, blocking))
         runs.append(background_save(state, background, pusher))
         release_free_heap()
@@ -234,7 +242,7 @@ def bench_size(rows: int, dim: int, repeats: int, push_rows: int, tmp: str,
             "extra_bytes_bound": runs[-1]["extra_bytes_bound"],
             "extra_memory_ratio": (accounted if rss is None else rss) / rows_bytes,
             "extra_memory_accounted_ratio": accounted / rows_bytes,
-            "push_rows": push_rows, "pushes_during_save": med("pushes"), "push_rows_per_s_during_save": med("push_rate"),
+            "push_rows": push_rows, "push_zipf": zipf, "pushes_during_save": med("pushes"), "push_rows_per_s_during_save": med("push_rate"),
             "push_rows_per_s_alone": med("push_rate_alone"),
             "push_rate_ratio_during_save": med("push_rate") / med("push_rate_alone"),
             "preserved_rows": med("preserved_rows"), "push_waits": med("push_waits"), "push_wait_s": med("push_wait_s"),
@@ -298,6 +306,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (the snapshot copy)")
     p.add_argument("--push-rows", type=int, default=8192,
                    help="ids per push of the thread pushing during the background save")
+    p.add_argument("--push-zipf", type=float, default=0.0,
+                   help="> 1: the pushed ids follow Zipf(this) instead of uniform (hot rows need one pre-image)")
     p.add_argument("--tmpdir", default=None, help="where the temp dir goes (default: the system's)")
     p.add_argument("--no-server", dest="server", action="store_false",
                    help="skip the trainer's view through a shard process")
@@ -310,7 +320,7 @@ def main() -> int:
     results, served, notes = [], [], []
     try:
         for rows in sizes:
-            results.append(bench_size(rows, args.dim, args.repeats, args.push_rows, tmp, notes))
+            results.append(bench_size(rows, args.dim, args.repeats, args.push_rows, args.push_zipf, tmp, notes))
             if not args.json:
                 print_row(results[-1], header=len(results) == 1)
         for rows in sizes if args.server else ():
