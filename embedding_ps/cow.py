@@ -116,7 +116,8 @@ class RowStream:
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """The frozen rows, chunk by chunk (each copied under the shard's lock; see the module doc)."""
         if self.rows == 0:
-            self.save.table_done(self.index)
+            with self.save.cond:
+                self.save.table_done(self.index)
             return
         n = max(1, min(self.chunk_rows, self.rows))
         with self.save.cond:

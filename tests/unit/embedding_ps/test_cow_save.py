@@ -110,7 +110,7 @@ def test_accounted_extra_memory_stays_within_the_bound(tmp_path):
 
 
 def test_one_background_save_at_a_time_and_no_load_meanwhile(tmp_path):
-    cfg = PSConfig(tables=(TableConfig(name="t", dim=4),))
+    cfg = PSConfig(tables=(TableConfig(name="t", dim=4), TableConfig(name="never_pushed", dim=4)))
     state = ShardState(cfg, 0)
     state.push(0, torch.arange(10), torch.ones(10, 4), step=0)
     state.save(str(tmp_path / "a"))
