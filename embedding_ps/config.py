@@ -182,7 +182,9 @@ class PSConfig:
     (`embedding_ps.cow`): it copies the id map and the other small arrays (about 12 bytes a row) and
     keeps pre-images of rows updated before the writer reached them in a side buffer sized from
     what is left; when that is full, updates wait for the writer. Larger: fewer waits under heavy
-    pushing during a save; smaller: less memory. The files do not depend on it."""
+    pushing during a save; smaller: less memory. Rows of fewer than ~130 bytes (e.g. row-wise Adagrad
+    below d30 at 0.1) cannot keep the bound (the map copy alone passes it): the side buffer then gets
+    2% of the rows' bytes and a warning says so. The files do not depend on it."""
 
     def __post_init__(self) -> None:
         if self.num_shards > MAX_SHARDS:

@@ -16,14 +16,16 @@ Copying everything then holds a second full copy of the rows; this module copies
   every slot-major array into a side buffer entry. An entry is freed when the writer passes its
   chunk, so the side buffer holds only rows of chunks not yet written.
 - Back-pressure: when a table's side buffer has no room for what an update needs, the update waits
-  (the lock released) until the writer has passed enough rows; the bound always holds.
+  (the lock released) until the writer has passed enough rows, so the bound holds (but see below).
 
 Accounted extra memory (`extra_bytes`, peak `extra_bytes_peak`): the small copies, one byte per
 frozen row (the "saved" flags), the chunk buffer plus one `PIECE_ROWS` temporary, 8 bytes per side
-buffer entry (its slot and free-stack place) and the rows of the side buffer's entries in use. The side buffers' capacity is what `bound_bytes` leaves after the rest (split over the tables
-by their rows' bytes). When the rest alone passes the bound, the side buffers get no room (every
-update of an unwritten row waits for the writer) and a warning says by how much the bound is
-passed. The side buffers are allocated lazily (untouched pages are not resident) and reused
+buffer entry (its slot and free-stack place) and the rows of the side buffer's entries in use.
+The side buffers' capacity is what `bound_bytes` leaves after the rest (split over the tables by
+their rows' bytes). When the rest alone passes the bound (rows of fewer than ~130 bytes: the id map
+copy is 12 bytes a row), the side buffers get `SIDE_FLOOR` of the rows' bytes instead (none would
+make every update of an unwritten row wait for the writer) and a warning says how much the save
+holds. The side buffers are allocated lazily (untouched pages are not resident) and reused
 last-in first-out, so resident memory follows the accounted bytes.
 
 Not thread-safe on its own: every method runs under the shard's lock (`cond`), except
@@ -50,6 +52,10 @@ PIECE_ROWS = 4096
 chunk's rows: that temporary is accounted with the chunk buffer)."""
 WAIT_LOG_S = 10.0
 """An update waiting for the writer logs every this many seconds."""
+SIDE_FLOOR = 0.02
+"""The side buffer's size, as a fraction of the rows' bytes, when the copies alone pass the bound
+(small rows: the id map copy is 12 bytes a row): the bound is passed anyway, and a side buffer of
+no size would make every update of an unwritten row wait for the writer."""
 STALL_S = 120.0
 """An update that waited this long for room while the writer did not move on raises RuntimeError
 (e.g. `snapshot()` then updates on the thread that was to call `write`: nobody would write)."""
@@ -187,11 +193,12 @@ class CowSave:
         chunk_rows = [max(1, chunk // max(p.row_bytes, 1)) for p in probes]
         chunk_max = max(((r + min(r, PIECE_ROWS)) * p.row_bytes for r, p in zip(chunk_rows, probes)), default=0)
         side = self.bound_bytes - self.fixed_bytes - chunk_max
-        if side < 0:
+        if side < 0:                        # the bound cannot hold: pass it by the least that keeps pushes going
+            side = int(SIDE_FLOOR * self.rows_bytes)
             logger.warning("%s: a background save needs %d bytes besides its side buffer, more than the bound of "
-                           "%d (ps.checkpoint_extra_memory): updates of unwritten rows wait for the writer",
-                           where, self.fixed_bytes + chunk_max, self.bound_bytes)
-            side = 0
+                           "%d (ps.checkpoint_extra_memory): the side buffer gets %d bytes (%.0f%% of the rows') "
+                           "and the save holds up to %d", where, self.fixed_bytes + chunk_max, self.bound_bytes,
+                           side, 100 * SIDE_FLOOR, self.fixed_bytes + chunk_max + side)
         self.streams = []
         for i, ((fn, rows), p, rb) in enumerate(zip(tables, probes, rows_bytes)):
             share = side * rb // self.rows_bytes if self.rows_bytes else 0

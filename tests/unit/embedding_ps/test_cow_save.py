@@ -3,6 +3,7 @@ the files (they equal a blocking save at the snapshot, byte for byte) but do rea
 a full side buffer makes updates wait for the writer; the accounted extra memory stays within
 `ps.checkpoint_extra_memory` of the rows' bytes."""
 
+import dataclasses
 import os
 import threading
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.cow import SIDE_FLOOR
 from embedding_ps.shard import ShardState
 
 JOIN_S = 60.0
@@ -44,23 +46,27 @@ def dumps_equal(a: ShardState, b: ShardState) -> None:
         assert a.tables[t].pending.state()["keys"].tolist() == b.tables[t].pending.state()["keys"].tolist()
 
 
-def save_while_pushing(tmp_path, fraction: float, seed: int = 0) -> tuple[dict, ShardState, ShardState]:
-    """Blocking save, then a background save written on a thread while this thread pushes and sweeps.
+def save_while_pushing(tmp_path, fraction: float, seed: int = 0, tables: tuple[TableConfig, ...] = TABLES,
+                       before: int = 10) -> tuple[dict, ShardState, ShardState]:
+    """Blocking save, then a background save: `before` ids per table pushed before the writer starts
+    (there must be room for them), then pushes and sweeps from this thread while a thread writes.
     Returns (the save's stats, the live state, a replica that got the same updates without a save)."""
-    cfg = PSConfig(tables=TABLES, checkpoint_extra_memory=fraction)
+    cfg = PSConfig(tables=tables, checkpoint_extra_memory=fraction)
     state, replica = ShardState(cfg, 0), ShardState(cfg, 0)
     fill(state, seed, range(0, 6))
     fill(replica, seed, range(0, 6))
     state.save(str(tmp_path / "blocking"))
     snap = state.snapshot()
+    fill(state, seed + 1, range(6, 7), n=before)  # before the writer starts: pre-images for sure
     writer = threading.Thread(target=snap.write, args=(str(tmp_path / "background"),))
     writer.start()
     try:
-        fill(state, seed + 1, range(6, 14))       # before and after the writer reaches each row
+        fill(state, seed + 2, range(7, 15))       # before and after the writer reaches each row
     finally:
         writer.join(JOIN_S)
     assert not writer.is_alive()
-    fill(replica, seed + 1, range(6, 14))
+    fill(replica, seed + 1, range(6, 7), n=before)
+    fill(replica, seed + 2, range(7, 15))
     assert files_of(str(tmp_path / "background")) == files_of(str(tmp_path / "blocking"))
     dumps_equal(state, replica)                   # the live state has every update
     return snap.stats(), state, replica
@@ -75,10 +81,31 @@ def test_updates_during_the_write_reach_the_state_not_the_files(tmp_path):
 
 
 def test_a_full_side_buffer_makes_updates_wait_for_the_writer(tmp_path):
-    """A bound so small that the side buffer has no room: every update of a row the writer has not
-    passed waits for it (back-pressure); the files and the live state are still exact."""
-    stats, _, _ = save_while_pushing(tmp_path, fraction=0.001, seed=3)
-    assert stats["push_waits"] > 0 and stats["push_wait_s"] > 0
+    """d64 rows and a 6% bound: room for a few pre-images per table (pushes bring 400 ids), so
+    updates of rows the writer has not passed wait for it (back-pressure); the files and the live
+    state are still exact, and the accounted memory stays within the bound."""
+    wide = tuple(dataclasses.replace(t, dim=64) for t in TABLES)
+    stats, _, _ = save_while_pushing(tmp_path, fraction=0.06, seed=3, tables=wide, before=0)
+    assert stats["push_waits"] > 0 and stats["push_wait_s"] > 0 and stats["preserved_rows"] > 0
+    assert stats["extra_bytes_peak"] <= stats["extra_bytes_bound"]
+
+
+def test_rows_too_small_for_the_bound_get_a_floor_side_buffer(tmp_path, caplog):
+    """d4 rows: the id map copy alone is more than the bound. The save says so, keeps a side buffer
+    of SIDE_FLOOR of the rows' bytes, and is still exact."""
+    cfg = PSConfig(tables=(TableConfig(name="t", dim=4),), checkpoint_extra_memory=0.1)
+    state = ShardState(cfg, 0)
+    state.push(0, torch.arange(5000), torch.ones(5000, 4), step=0)
+    state.save(str(tmp_path / "blocking"))
+    with caplog.at_level("WARNING", logger="embedding_ps.cow"):
+        snap = state.snapshot()
+    assert "more than the bound" in caplog.text
+    stream = state._cow.streams[0]
+    assert stream.capacity == int(SIDE_FLOOR * 5000 * stream.row_bytes) // stream.entry_bytes > 0
+    state.push(0, torch.arange(0, 5000, 100), torch.ones(50, 4), step=1)     # room: no writer needed yet
+    snap.write(str(tmp_path / "background"))
+    assert snap.stats()["preserved_rows"] == 50 and snap.stats()["push_waits"] == 0
+    assert files_of(str(tmp_path / "background")) == files_of(str(tmp_path / "blocking"))
 
 
 def test_accounted_extra_memory_stays_within_the_bound(tmp_path):
