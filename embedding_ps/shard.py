@@ -97,7 +97,8 @@ class ShardState:
         Sums the gradients of duplicate ids, counts a sighting of every missing id (admission),
         gives admitted ids their init row, runs the table's optimizer on the rows that exist,
         updates count / last-seen / last-update and evicts past `max_rows`. Gradients of ids
-        that are not admitted are dropped.
+        that are not admitted are dropped. While a background save is written, the rows it has not
+        reached keep their pre-images first, or the push waits for the writer (`embedding_ps.cow`).
         """
         t = self._table(table)
         ids = self._ids(table, ids)
