@@ -154,8 +154,9 @@ class RowStream:
                 e = torch.from_numpy(entries).long()
                 at = torch.from_numpy(slot[entries] - lo).long()
                 for name, b in buf.items():
+                    side = self._side[name]
                     for i in range(0, e.shape[0], self.piece):
-                        b.index_copy_(0, at[i : i + self.piece], self._side[name].index_select(0, e[i : i + self.piece]))
+                        b.index_copy_(0, at[i : i + self.piece], side.index_select(0, e[i : i + self.piece]))
                 slot[entries] = -1
                 self._free[self._nfree : self._nfree + entries.shape[0]] = entries
                 self._nfree += entries.shape[0]
@@ -236,8 +237,8 @@ class CowSave:
 
     def stats(self) -> dict[str, float | int]:
         return {"extra_bytes_peak": self.extra_bytes_peak, "extra_bytes_bound": self.bound_bytes,
-                "rows_bytes": self.rows_bytes, "preserved_rows": self.preserved, "push_waits": self.waits, "push_wait_s": self.wait_s,
-                "push_wait_max_s": self.wait_max_s,
+                "rows_bytes": self.rows_bytes, "preserved_rows": self.preserved, "push_waits": self.waits,
+                "push_wait_s": self.wait_s, "push_wait_max_s": self.wait_max_s,
                 "chunk_hold_max_s": self.hold_max_s, "chunk_hold_total_s": self.hold_total_s}
 
     # -- the update side ---------------------------------------------------------------------------

@@ -218,8 +218,9 @@ class ShardState:
                 fixed += sum(a.nbytes for a in arrays.values())
                 tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays))
             rows_bytes = sum(t.hwm * t.row_bytes() for t in self.tables)
-            cow = CowSave(self._cond, [(t.slot_tensors, t.hwm) for t in self.tables], fixed,
-                          bound_bytes(self.config.checkpoint_extra_memory, rows_bytes), where=f"shard {self.shard_index}")
+            bound = bound_bytes(self.config.checkpoint_extra_memory, rows_bytes)
+            cow = CowSave(self._cond, [(t.slot_tensors, t.hwm) for t in self.tables], fixed, bound,
+                          where=f"shard {self.shard_index}")
             for snap_table, stream in zip(tables, cow.streams):
                 snap_table.rows = stream
             self._cow = cow
