@@ -1,42 +1,52 @@
-"""What a PS shard checkpoint costs: blocking save, load, and a background save's pause and write.
+"""What a PS shard checkpoint costs: blocking save, load, and a background save's pause, extra memory and write.
 
     python benchmarks/checkpoint.py [--json] [--rows 1e5,1e6,1e7] [--dim 64] [--repeats 1] [--threads 2]
-                                    [--tmpdir DIR]
+                                    [--push-rows 8192] [--push-zipf A] [--tmpdir DIR] [--no-server]
 
 For each size, one in-process ShardState holds one table of `rows` rows x `dim` fp32 with row-wise
-Adagrad, filled by pushing every id once (chunks of 2**18). Timed, on the same state:
+Adagrad (`ps.checkpoint_extra_memory` at its default, 0.1), filled by pushing every id once (chunks
+of 2**18). Timed, on the same state:
 
 - blocking save: `ShardState.save(dir)`: checksummed files written under the lock (the shard
-  serves nothing meanwhile), fsynced, renamed into place;
-- background save, as the server does it: `snapshot_buffers()` (fresh memory for the copy, faulted
-  in without the lock; the server does this on a thread while it serves: "prepare"), `snapshot(buffers)`
-  (the copy under the lock: the only pause the shard sees) and `ShardSnapshot.write(dir)` (what the
-  writer thread does, timed here on the main thread);
+  serves nothing meanwhile), fsynced, renamed into place. The baseline of every ratio.
+- background save, as the server does it, with training-like pushes running DURING it: a thread
+  pushes `--push-rows` random existing ids (unique; uniform over the table, the worst case for the
+  side buffer, or Zipf with `--push-zipf A`: hot rows need one pre-image each) per step, back to back,
+  from the snapshot until the write ended, so that copy-on-write is exercised. `snapshot()` is the
+  pause (the shard's lock held, serving nothing; copies the id map and small arrays and freezes the
+  rows copy-on-write), then `ShardSnapshot.write(dir)` (the writer, here on the main thread) walks
+  the rows in chunks, each copied under the lock (`chunk_hold_max_s`: the longest such hold).
+  The pushes of rows the writer has not passed first save their pre-image in the side buffer, and
+  wait for the writer when it is full (`push_wait_s` in all, `pushes_during_save` steps made).
 - load: `ShardState.load(dir)` into a fresh shard (read + sha256 check of every file).
 
-pause_fraction = snapshot_s / blocking_save_s in the same run; the target is <= 0.25 at 1e7 rows.
+Ratios (same run): pause_ratio = snapshot_s / blocking_save_s (target <= 0.1);
+extra_memory_ratio = the peak resident memory the background save added / the rows' bytes (target
+<= 0.1), measured: VmHWM reset through /proc/self/clear_refs right before the snapshot (the pusher
+thread has run and is idle, so its own buffers are resident already), minus VmRSS then;
+extra_memory_accounted_ratio = the save's own accounting (`CowSave.extra_bytes_peak`: copies of the
+id map and small arrays, flags, chunk buffer, side buffer) / the rows' bytes. prepare_s: time
+spent before the pause preparing it (0: the copy-on-write snapshot prepares nothing). The rows'
+bytes are `hwm * (4 * dim + 4 + 8)` (weights, the row-wise accumulator, the counters), the files a
+little more (the id map, 12 bytes a row).
+
+The two saves are compared file by file (sha256 in the manifests): they must be identical (the
+pushes start only after the snapshot, and none of them may reach its files).
 
 The trainer's view (`--server`, on by default): a shard process (spawned, as `recsys train` starts
 one) is filled through a PSClient, then the client times `save(background=False)` (training stands
 still for the whole write) and two `save(background=True)` calls (training stands still until the
-shard has copied its state: prepare + copy), each followed by `wait_saved`, then a third one after
-`prepare_save()` made the memory ready ahead (what the trainer does half-way between checkpoints):
-its pause is the copy alone. `trainer_pause_fraction` = that prepared call's time / the blocking
-call's; the unprepared first and second calls are reported too (a fresh process's first touch of
-that much memory is slow on a VM).
+shard has taken its snapshot), each followed by `wait_saved`. trainer_pause_fraction = the slower
+background call / the blocking call.
 
-The two saves are compared file by file (sha256 in the manifests): they must be identical. With
---repeats N each timing is the median of N. Files go under a temp dir (in --tmpdir) that is deleted.
-Memory: the table (rows * (4 * dim + 12) bytes plus the id map), once more for the snapshot, and
-during the load the files' bytes plus the new table; 1e7 x 64 peaked at 6.1 GB resident.
-"prepare" is a process's first touch of that much fresh memory: on the VM this was written on,
-4.8-5.9 s for 2.8 GB the first time, 0.26 s on later saves of the same process (pages the kernel
-had just taken back). On a shared machine the numbers are noisy: compare sizes and fractions
-from one run.
+With --repeats N each timing is the median of N. Files go under a temp dir (in --tmpdir) that is
+deleted. Memory: the table (rows * (4 * dim + 12) bytes plus the id map) and, during the load, the
+files' bytes plus the new table. On a shared machine the numbers are noisy: compare sizes and
+ratios from one run.
 
-The blocking save is the baseline of every fraction: when it fails, the script exits 1 unless
---allow-missing-baseline (then `blocking_save_s` / `client_blocking_save_s` and every fraction are
-null and `notes` says why). --json prints one line with every figure and fraction.
+The blocking save is the baseline of every ratio: when it fails, the script exits 1 unless
+--allow-missing-baseline (then `blocking_save_s` / `client_blocking_save_s` and every ratio are
+null and `notes` says why). --json prints one line with every figure and ratio.
 """
 
 from __future__ import annotations
@@ -49,8 +59,10 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
+import numpy as np
 import torch
 
 from embedding_ps.client import PSClient
@@ -97,20 +109,108 @@ def fraction(part: float, whole: float | None) -> float | None:
     return None if whole is None else part / whole
 
 
-def bench_size(rows: int, dim: int, repeats: int, tmp: str, notes: list[str]) -> dict[str, float | int | bool]:
+def proc_status_kb(key: str) -> int | None:
+    """A field of /proc/self/status in kB (VmRSS, VmHWM), None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """VmHWM := VmRSS now (writing 5 to /proc/self/clear_refs); False where that is refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Pusher:
+    """A thread pushing `n` random existing ids per step (unique; uniform, or Zipf(`zipf`) ranks
+    scattered over the table by a multiplicative hash) to `state`, as a trainer would: it makes
+    `warmup` pushes at once, then waits for `go`, then pushes back to back until `stop`."""
+
+    def __init__(self, state: ShardState, rows: int, dim: int, n: int, zipf: float = 0.0, warmup: int = 8) -> None:
+        self.state, self.rows, self.n, self.zipf = state, rows, min(n, rows), zipf
+        self.rng = np.random.default_rng(0)
+        self.grads = torch.full((self.n, dim), 1e-3)
+        self.go, self.stop, self.warm = threading.Event(), threading.Event(), threading.Event()
+        self.pushes, self.step, self.error, self.alone_rate = 0, 1, None, 0.0
+        self.gen = torch.Generator().manual_seed(0)
+        self.thread = threading.Thread(target=self._run, args=(warmup,), daemon=True)
+        self.thread.start()
+        if not self.warm.wait(600):
+            raise RuntimeError("pusher never warmed up")
+
+    def _push(self) -> None:
+        if self.zipf:
+            ranks = self.rng.zipf(self.zipf, self.n) % self.rows
+            ids = torch.unique(torch.from_numpy((ranks * 0x9E3779B1) % self.rows))
+        else:
+            ids = torch.unique(torch.randint(0, self.rows, (self.n,), generator=self.gen))
+        self.state.push(0, ids, self.grads[: ids.numel()], self.step)
+        self.step += 1
+
+    def _run(self, warmup: int) -> None:
+        try:
+            self._push()
+            t0 = time.perf_counter()
+            for _ in range(warmup):
+                self._push()
+            self.alone_rate = warmup * self.n / (time.perf_counter() - t0)     # rows/s without a save
+            self.warm.set()
+            self.go.wait()
+            while not self.stop.is_set():
+                self._push()
+                self.pushes += 1
+        except BaseException as e:       # reported by join()
+            self.error = e
+            self.warm.set()
+
+    def join(self) -> int:
+        self.stop.set()
+        self.go.set()
+        self.thread.join(600)
+        if self.error is not None:
+            raise RuntimeError(f"pusher failed: {self.error!r}") from self.error
+        return self.pushes
+
+
+def background_save(state: ShardState, directory: str, pusher: Pusher) -> dict:
+    """One background save with `pusher` (warmed up, waiting) pushing from the snapshot to the end of the write."""
+    try:
+        measured = reset_peak_rss()
+        rss0 = proc_status_kb("VmRSS")
+        snap = state.snapshot()
+        pusher.go.set()
+        t0 = time.perf_counter()
+        write_s = snap.write(directory)["write_s"]
+        done_s = time.perf_counter() - t0
+    finally:
+        pushes = pusher.join()
+    hwm = proc_status_kb("VmHWM")
+    stats = snap.stats()
+    rss_extra = (hwm - rss0) * 1024 if measured and hwm is not None and rss0 is not None else None
+    return {"snapshot_s": snap.snapshot_s, "prepare_s": snap.prepare_s, "write_s": write_s, "nbytes": snap.nbytes,
+            "rss_extra": rss_extra, "pushes": pushes, "push_rate": pushes * pusher.n / done_s,
+            "push_rate_alone": pusher.alone_rate, **stats}
+
+
+def bench_size(rows: int, dim: int, repeats: int, push_rows: int, zipf: float, tmp: str,
+               notes: list[str]) -> dict[str, float | int | bool | None]:
     fill_s, state = timed(fill, rows, dim)
     blocking, background = os.path.join(tmp, f"blocking-{rows}"), os.path.join(tmp, f"background-{rows}")
-    save_s, prepare_s, pause_s, write_s = [], [], [], []
+    save_s, runs = [], []
     for _ in range(repeats):
+        pusher = Pusher(state, rows, dim, push_rows, zipf)      # warmed up before the blocking save, then idle
         save_s.append(baseline(notes, f"blocking save ({rows:.0e} rows)", state.save, blocking))
-        t, buffers = timed(state.snapshot_buffers)
-        prepare_s.append(t)
-        snap = state.snapshot(buffers)
-        del buffers
-        pause_s.append(snap.snapshot_s)
-        write_s.append(snap.write(background)["write_s"])
-        nbytes = snap.nbytes
-        del snap
+        runs.append(background_save(state, background, pusher))
         release_free_heap()
     missing = None in save_s
     identical = None if missing else files_of(blocking) == files_of(background)
@@ -126,11 +226,29 @@ def bench_size(rows: int, dim: int, repeats: int, tmp: str, notes: list[str]) ->
     shutil.rmtree(blocking, ignore_errors=True)
     shutil.rmtree(background)
     save = None if missing else statistics.median(save_s)
-    pause = statistics.median(pause_s)
-    return {"rows": rows, "dim": dim, "bytes": nbytes, "fill_s": fill_s, "blocking_save_s": save,
-            "load_s": statistics.median(load_s), "prepare_s": statistics.median(prepare_s), "snapshot_s": pause,
-            "background_write_s": statistics.median(write_s),
-            "verify_s": verify_s, "pause_fraction": fraction(pause, save), "identical": identical}
+    med = lambda key: statistics.median(r[key] for r in runs)   # noqa: E731
+    rows_bytes = runs[-1]["rows_bytes"]
+    rss = None if any(r["rss_extra"] is None for r in runs) else med("rss_extra")
+    if rss is None:
+        notes.append("peak RSS not measurable here (/proc/self/clear_refs refused): extra_memory_ratio is the "
+                      "accounted one")
+    accounted = med("extra_bytes_peak")
+    return {"rows": rows, "dim": dim, "bytes": runs[-1]["nbytes"], "rows_bytes": rows_bytes, "fill_s": fill_s,
+            "blocking_save_s": save, "load_s": statistics.median(load_s), "prepare_s": med("prepare_s"),
+            "snapshot_s": med("snapshot_s"), "background_write_s": med("write_s"), "verify_s": verify_s,
+            "pause_fraction": fraction(med("snapshot_s"), save),
+            "chunk_hold_max_s": med("chunk_hold_max_s"), "chunk_hold_total_s": med("chunk_hold_total_s"),
+            "extra_bytes_peak_rss": rss, "extra_bytes_peak_accounted": accounted,
+            "extra_bytes_bound": runs[-1]["extra_bytes_bound"],
+            "extra_memory_ratio": (accounted if rss is None else rss) / rows_bytes,
+            "extra_memory_accounted_ratio": accounted / rows_bytes,
+            "push_rows": push_rows, "push_zipf": zipf, "pushes_during_save": med("pushes"),
+            "push_rows_per_s_during_save": med("push_rate"),
+            "push_rows_per_s_alone": med("push_rate_alone"),
+            "push_rate_ratio_during_save": med("push_rate") / med("push_rate_alone"),
+            "preserved_rows": med("preserved_rows"), "push_waits": med("push_waits"), "push_wait_s": med("push_wait_s"),
+            "push_wait_max_s": med("push_wait_max_s"),
+            "identical": identical}
 
 
 def _shard_main(config: PSConfig, ready_file: str) -> None:
@@ -164,14 +282,8 @@ def bench_server(rows: int, dim: int, tmp: str, notes: list[str]) -> dict[str, f
             out: dict[str, float | int | None] = {"rows": rows, "dim": dim}
             out["client_blocking_save_s"] = baseline(notes, f"client blocking save ({rows:.0e} rows)", client.save,
                                                      os.path.join(tmp, f"srv-block-{rows}"))
-            for name in ("first", "second", "prepared"):
+            for name in ("first", "second"):
                 directory = os.path.join(tmp, f"srv-{name}-{rows}")
-                if name == "prepared":
-                    client.prepare_save().result(timeout=60)
-                    deadline = time.monotonic() + 600
-                    while any(r["phase"] != "ready" for r in client.prepare_save().result(timeout=60)):
-                        assert time.monotonic() < deadline, "snapshot memory never got ready"
-                        time.sleep(0.01)
                 out[f"trainer_pause_{name}_s"] = timed(lambda: client.save(directory, background=True))[0]
                 out[f"background_done_{name}_s"] = timed(client.wait_saved, directory, 600.0)[0]
             client.shutdown()
@@ -179,9 +291,10 @@ def bench_server(rows: int, dim: int, tmp: str, notes: list[str]) -> dict[str, f
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
-    for name, key in (("prepared", "trainer_pause_fraction"), ("first", "trainer_pause_first_fraction"),
-                      ("second", "trainer_pause_second_fraction")):
-        out[key] = fraction(out[f"trainer_pause_{name}_s"], out["client_blocking_save_s"])
+    for name in ("first", "second"):
+        out[f"trainer_pause_{name}_fraction"] = fraction(out[f"trainer_pause_{name}_s"], out["client_blocking_save_s"])
+    out["trainer_pause_fraction"] = fraction(max(out["trainer_pause_first_s"], out["trainer_pause_second_s"]),
+                                             out["client_blocking_save_s"])
     return out
 
 
@@ -192,6 +305,10 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="median of this many saves / loads per size")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (the snapshot copy)")
+    p.add_argument("--push-rows", type=int, default=8192,
+                   help="ids per push of the thread pushing during the background save")
+    p.add_argument("--push-zipf", type=float, default=0.0,
+                   help="> 1: the pushed ids follow Zipf(this) instead of uniform (hot rows need one pre-image)")
     p.add_argument("--tmpdir", default=None, help="where the temp dir goes (default: the system's)")
     p.add_argument("--no-server", dest="server", action="store_false",
                    help="skip the trainer's view through a shard process")
@@ -204,7 +321,7 @@ def main() -> int:
     results, served, notes = [], [], []
     try:
         for rows in sizes:
-            results.append(bench_size(rows, args.dim, args.repeats, tmp, notes))
+            results.append(bench_size(rows, args.dim, args.repeats, args.push_rows, args.push_zipf, tmp, notes))
             if not args.json:
                 print_row(results[-1], header=len(results) == 1)
         for rows in sizes if args.server else ():
@@ -214,20 +331,25 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     largest = max(results, key=lambda r: r["rows"])
-    summary = {"pause_fraction": largest["pause_fraction"]}
+    summary = {"pause_ratio": largest["pause_fraction"], "extra_memory_ratio": largest["extra_memory_ratio"],
+               "prepare_s": largest["prepare_s"], "blocking_save_s": largest["blocking_save_s"],
+               "pause_fraction": largest["pause_fraction"],
+               "extra_memory_accounted_ratio": largest["extra_memory_accounted_ratio"],
+               "chunk_hold_max_s": largest["chunk_hold_max_s"], "push_wait_s": largest["push_wait_s"],
+               "push_wait_max_s": largest["push_wait_max_s"],
+               "push_rate_ratio_during_save": largest["push_rate_ratio_during_save"]}
     if served:
         summary["trainer_pause_fraction"] = served[-1]["trainer_pause_fraction"]
         summary["trainer_pause_first_fraction"] = served[-1]["trainer_pause_first_fraction"]
         summary["trainer_pause_second_fraction"] = served[-1]["trainer_pause_second_fraction"]
-    summary["prepare_s"] = largest["prepare_s"]
-    missing = bool(notes)
+    missing = any(n.startswith("baseline") for n in notes)
     if args.json:
         print(json.dumps({"threads": args.threads, "repeats": args.repeats, "sizes": results, "server": served,
                           **summary, "notes": notes}))
     else:
         print(f"at {largest['rows']:.0e} rows: "
               + ", ".join(f"{k} {'null' if v is None else f'{v:.3f}'}" for k, v in summary.items())
-              + " (fractions: target <= 0.25)")
+              + " (pause_ratio, extra_memory_ratio: targets <= 0.1)")
         for n in notes:
             print(f"note: {n}")
     if missing and not args.allow_missing_baseline:
@@ -240,23 +362,25 @@ def main() -> int:
 def print_row(r: dict, header: bool) -> None:
     if header:
         print(f"{'rows':>10} {'MB':>8} {'save s':>8} {'load s':>8} {'prep s':>8} {'pause s':>8} {'write s':>8} "
-              f"{'pause/save':>10} {'save GB/s':>9} {'copy GB/s':>9} identical")
+              f"{'pause/save':>10} {'hold max s':>10} {'extra mem':>9} {'accounted':>9} {'push wait s':>11} "
+              f"{'pushes':>6} identical")
     gb, save = r["bytes"] / 1e9, r["blocking_save_s"]
     num = lambda v, w: "null".rjust(w) if v is None else f"{v:>{w}.3f}"   # noqa: E731
     print(f"{r['rows']:>10.0e} {r['bytes'] / 1e6:>8.1f} {num(save, 8)} {r['load_s']:>8.3f} "
           f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} "
-          f"{num(r['pause_fraction'], 10)} "
-          f"{num(None if save is None else gb / save, 9)} {gb / r['snapshot_s']:>9.2f} {r['identical']}", flush=True)
+          f"{num(r['pause_fraction'], 10)} {r['chunk_hold_max_s']:>10.4f} {r['extra_memory_ratio']:>9.3f} "
+          f"{r['extra_memory_accounted_ratio']:>9.3f} {r['push_wait_s']:>11.3f} {r['pushes_during_save']:>6} "
+          f"{r['identical']}", flush=True)
 
 
 def print_server_row(r: dict, header: bool) -> None:
     if header:
         print(f"\ntrainer's view (a shard process, PSClient):\n{'rows':>10} {'blocking s':>10} {'pause 1st':>9} "
-              f"{'pause 2nd':>9} {'prepared':>9} {'write s':>9} {'prepared/blocking':>17}")
+              f"{'pause 2nd':>9} {'write s':>9} {'slower/blocking':>15}")
     num = lambda v, w: "null".rjust(w) if v is None else f"{v:>{w}.3f}"   # noqa: E731
     print(f"{r['rows']:>10.0e} {num(r['client_blocking_save_s'], 10)} {r['trainer_pause_first_s']:>9.3f} "
-          f"{r['trainer_pause_second_s']:>9.3f} {r['trainer_pause_prepared_s']:>9.3f} "
-          f"{r['background_done_prepared_s']:>9.3f} {num(r['trainer_pause_fraction'], 17)}", flush=True)
+          f"{r['trainer_pause_second_s']:>9.3f} {r['background_done_second_s']:>9.3f} "
+          f"{num(r['trainer_pause_fraction'], 15)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -271,13 +271,14 @@ class PSClient:
         return self._broadcast(P.Op.SAVE, step=step, text=directory, flags=flags)
 
     def prepare_save(self) -> "Future[list]":
-        """Ask every shard to fault in the memory of its next background snapshot now, on a thread
-        (replies at once: [{"shard", "prepared", "phase"}, ...]), so that the save itself only copies."""
+        """Replies at once, [{"shard", "prepared": False, "phase"}, ...]: a shard's background snapshot is
+        copy-on-write and needs no memory made ready ahead (kept for callers of the old protocol)."""
         return self._broadcast_async(P.Op.SAVE, text="prepare", flags=P.FLAG_PREPARE)
 
     def save_status(self) -> list[dict]:
         """Per shard, the last save: {"shard", "directory", "state": "none" | "writing" | "done" |
-        "failed", "error", "write_s", "bytes", "snapshot_s", "background", "step"}."""
+        "failed", "error", "write_s", "bytes", "snapshot_s", "prepare_s", "background", "step",
+        "extra_bytes_peak", "extra_bytes_bound", "push_wait_s"} (`embedding_ps.saver`)."""
         return self._broadcast(P.Op.SAVE_STATUS)
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:

@@ -176,6 +176,15 @@ class PSConfig:
     may run on, at most 4 (`shard_threads`; 1 on a 2-core machine). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
+    checkpoint_extra_memory: float = 0.1
+    """Most extra memory a shard's background save holds, as a fraction of its rows' bytes (weights,
+    optimizer state and counters of every table), in (0, 1]. The save is copy-on-write
+    (`embedding_ps.cow`): it copies the id map and the other small arrays (about 12 bytes a row) and
+    keeps pre-images of rows updated before the writer reached them in a side buffer sized from
+    what is left; when that is full, updates wait for the writer. Larger: fewer waits under heavy
+    pushing during a save; smaller: less memory. Rows of fewer than ~130 bytes (e.g. row-wise Adagrad
+    below d30 at 0.1) cannot keep the bound (the map copy alone passes it): the side buffer then gets
+    2% of the rows' bytes and a warning says so. The files do not depend on it."""
 
     def __post_init__(self) -> None:
         if self.num_shards > MAX_SHARDS:
@@ -198,6 +207,9 @@ class PSConfig:
             raise ValueError(f"ps.timeout_s must be > 0, got {self.timeout_s}")
         if self.retries < 0:
             raise ValueError(f"ps.retries must be >= 0, got {self.retries}")
+        if not 0.0 < self.checkpoint_extra_memory <= 1.0:
+            raise ValueError(f"ps.checkpoint_extra_memory must be in (0, 1] (a fraction of the rows' bytes), "
+                             f"got {self.checkpoint_extra_memory}")
         names = [t.name for t in self.tables]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

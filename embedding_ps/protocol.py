@@ -15,11 +15,11 @@ do not travel in a frame. PUSH's third payload frame is then the name (ASCII) of
 segment holding the grads dtype [M, D] from its first byte; PULL has a third payload frame, the
 name of the segment the shard writes the reply rows dtype [M, D] into, and the reply has no payload.
 
-SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (a copy in memory), replies at
-once and writes the copy on a thread; SAVE_STATUS reports how that write went (`embedding_ps.saver`).
-Without the flag, SAVE replies once the files are written. SAVE with ``flags & FLAG_PREPARE``
-only makes the next background save's memory ready (faulted in on a thread) and replies at once,
-so that the snapshot itself is just a copy.
+SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (copy-on-write, bounded extra
+memory), replies at once and writes it on a thread; SAVE_STATUS reports how that write went
+(`embedding_ps.saver`). Without the flag, SAVE replies once the files are written. SAVE with
+``flags & FLAG_PREPARE`` replies at once and does nothing (nothing to prepare ahead any more; kept
+so that older clients keep working).
 
 There is one row path: a PULL or PUSH carries T parts (tables) in one message, so a trainer's
 step costs one request per shard, not one per table; a single table is a request with one part.

@@ -1,21 +1,22 @@
 """A PS shard's saves: blocking, or snapshot now + write on a background thread; the last one's status.
 
 The server's loop calls `start` (background) or `save` (blocking) while handling a SAVE request and
-`status` for SAVE_STATUS. Before a background save, `prepare` faults in the snapshot's buffers on a
-thread (`ShardState.snapshot_buffers`: the slow part of a fresh copy) while the loop keeps serving;
-the SAVE is parked meanwhile, then `start` copies the state into them (the shard's only pause) and
-a thread writes the copy. Phases: idle -> preparing -> ready -> writing -> idle. While `busy`
-(preparing or writing) the server parks SAVE and LOAD requests and retries them once
-`take_finished` says the phase ended.
+`status` for SAVE_STATUS. `start` takes the snapshot (`ShardState.snapshot`: copy-on-write, the
+shard's only pause) and a thread writes it while the loop keeps serving. Phases: idle -> writing ->
+idle. While `busy` the server parks SAVE and LOAD requests and retries them once `take_finished`
+says the write ended. Nothing is prepared ahead any more: the copy-on-write snapshot allocates
+no copy of the rows (`prepare` is kept for the protocol and does nothing).
 
 Status of the last save (what SAVE_STATUS returns)::
 
     {"shard": i, "directory": "<dir>/shard<i>" | None, "state": "none" | "writing" | "done" | "failed",
      "error": "<type>: <message>" | None, "write_s": s | None, "bytes": n | None,
-     "snapshot_s": s | None, "prepare_s": s | None, "background": bool | None, "step": t | None}
+     "snapshot_s": s | None, "prepare_s": s | None, "background": bool | None, "step": t | None,
+     "extra_bytes_peak": n | None, "extra_bytes_bound": n | None, "push_wait_s": s | None}
 
-snapshot_s is the pause (the copy under the shard's lock); prepare_s the time the buffers took to
-fault in beforehand, on a thread, while the shard served.
+snapshot_s is the pause (the snapshot under the shard's lock); prepare_s is 0 (kept for readers of
+the old status); extra_bytes_peak / _bound the background save's accounted extra memory and its
+bound (`ps.checkpoint_extra_memory`), push_wait_s how long updates waited for the writer.
 
 A failed write leaves no half directory behind (`ShardSnapshot.write` removes its tmp dir), is
 logged, and is reported here; the server keeps serving.
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 JOIN_LOG_S = 10.0
 """`wait()` logs that it is still waiting every this many seconds."""
+_COW_KEYS = ("extra_bytes_peak", "extra_bytes_bound", "push_wait_s")
+"""Figures of a copy-on-write save (`CowSave.stats`) the status reports once the write ended."""
 
 
 class BackgroundSaver:
@@ -42,58 +45,46 @@ class BackgroundSaver:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._snap: Any = None
-        self._buffers: Any = None
-        self._prepare_s = 0.0
         self.phase = "idle"
-        """"idle" | "preparing" (buffers being faulted in) | "ready" (buffers made) | "writing"."""
+        """"idle" | "writing"."""
         self._finished = threading.Event()
         self._status = self._fresh(None, "none")
 
     @property
     def busy(self) -> bool:
-        """True while buffers are being prepared or a write runs (its status is not final yet)."""
-        return self.phase in ("preparing", "writing")
+        """True while a write runs (its status is not final yet)."""
+        return self.phase == "writing"
 
-    def prepare(self, state: Any) -> None:
-        """Fault in buffers for the next snapshot (`state.snapshot_buffers()`) on a thread."""
-        if self.busy:
-            raise RuntimeError(f"{self.name}: cannot prepare a snapshot while {self.phase}")
-        self.phase = "preparing"
-        self._finished.clear()
-        self._thread = threading.Thread(target=self._prepare, args=(state,), name=f"{self.name} prepare", daemon=True)
-        self._thread.start()
+    def prepare(self, state: Any) -> bool:
+        """Nothing to prepare (the snapshot is copy-on-write); False: nothing was started."""
+        return False
 
     def start(self, state: Any, directory: str, step: int) -> dict:
-        """Snapshot `state` now (into the prepared buffers, if any), write it to `directory` on a
-        thread; returns the SAVE reply body.
+        """Snapshot `state` now, write it to `directory` on a thread; returns the SAVE reply body.
 
         Raises RuntimeError if busy (the caller parks the request), and whatever
         `state.snapshot()` raises (nothing is started then).
         """
         if self.busy:
             raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
-        buffers, self._buffers = self._buffers, None
-        snap = state.snapshot() if buffers is None else state.snapshot(buffers)
-        prepare_s = getattr(snap, "prepare_s", None) if buffers is None else self._prepare_s
-        del buffers
+        snap = state.snapshot()
         with self._lock:
-            self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s, prepare_s=prepare_s,
-                                       background=True, step=step)
+            self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s,
+                                       prepare_s=getattr(snap, "prepare_s", 0.0), background=True, step=step)
         self.phase = "writing"
         self._finished.clear()
         self._snap = snap          # handed over through an attribute, so the thread's args keep no reference
         self._thread = threading.Thread(target=self._write, args=(directory,), name=f"{self.name} save",
                                         daemon=True)
         self._thread.start()
-        logger.info("%s: snapshot for %s in %.3f s (%.1f MB, buffers faulted in %.3f s before); writing in the "
-                    "background", self.name, directory, snap.snapshot_s, snap.nbytes / 1e6, prepare_s or 0.0)
+        logger.info("%s: snapshot for %s in %.3f s (%.1f MB); writing in the background", self.name, directory,
+                    snap.snapshot_s, snap.nbytes / 1e6)
         return {"shard": self.shard, "directory": directory, "snapshot_s": snap.snapshot_s, "background": True}
 
     def save(self, state: Any, directory: str, step: int) -> dict:
         """`state.save(directory)` now (blocking); recorded in the status, errors re-raised."""
         if self.busy:
             raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
-        self.drop_buffers()
         t0 = time.perf_counter()
         with self._lock:
             self._status = self._fresh(directory, "writing", background=False, step=step)
@@ -106,17 +97,12 @@ class BackgroundSaver:
         return {"shard": self.shard, "directory": directory, "background": False, "write_s": self._status["write_s"],
                 "bytes": self._status["bytes"]}
 
-    def drop_buffers(self) -> None:
-        """Forget prepared buffers (a LOAD changes every size): a parked SAVE prepares afresh."""
-        if self.phase == "ready":
-            self._buffers, self.phase = None, "idle"
-
     def status(self) -> dict:
         with self._lock:
             return dict(self._status)
 
     def take_finished(self) -> bool:
-        """True once after a preparation or a write ended (the server then retries parked requests)."""
+        """True once after a write ended (the server then retries parked requests)."""
         if self._finished.is_set():
             self._finished.clear()
             return True
@@ -139,30 +125,21 @@ class BackgroundSaver:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _prepare(self, state: Any) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._buffers = state.snapshot_buffers()
-            self._prepare_s = time.perf_counter() - t0
-        except Exception:     # e.g. MemoryError: the SAVE then copies into fresh memory under the lock
-            logger.exception("%s: preparing snapshot buffers failed", self.name)
-            self._buffers = None
-        finally:
-            self.phase = "ready"
-            self._finished.set()
-
     def _write(self, directory: str) -> None:
         t0 = time.perf_counter()
         snap, self._snap = self._snap, None
         try:
-            info = snap.write(directory)
-        except Exception as e:     # reported through the status; the shard keeps serving
-            logger.exception("%s: background save to %s failed", self.name, directory)
-            self._end("failed", error=f"{type(e).__name__}: {e}", write_s=time.perf_counter() - t0)
-        else:
-            self._end("done", write_s=info["write_s"], bytes=info["bytes"])
+            try:
+                info = snap.write(directory)
+            except Exception as e:     # reported through the status; the shard keeps serving
+                logger.exception("%s: background save to %s failed", self.name, directory)
+                end = {"state": "failed", "error": f"{type(e).__name__}: {e}", "write_s": time.perf_counter() - t0}
+            else:
+                end = {"state": "done", "write_s": info["write_s"], "bytes": info["bytes"]}
+            stats = getattr(snap, "stats", dict)()
+            self._end(**end, **{k: stats.get(k) for k in _COW_KEYS})
         finally:
-            snap = None            # the copy's memory goes back now, not when the next save starts
+            snap = None            # the snapshot's memory goes back now, not when the next save starts
             self.phase = "idle"
             self._finished.set()
 
@@ -172,7 +149,8 @@ class BackgroundSaver:
 
     def _fresh(self, directory: str | None, state: str, **fields: Any) -> dict:
         status = {"shard": self.shard, "directory": directory, "state": state, "error": None, "write_s": None,
-                  "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None}
+                  "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None,
+                  **dict.fromkeys(_COW_KEYS)}
         status.update(fields)
         return status
 

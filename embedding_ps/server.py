@@ -15,10 +15,10 @@ for this shard); every part is validated before any is applied (a bad request ch
 A LOAD forgets every step (trainers restarted from a checkpoint count again from its step).
 
 Saves: SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files
-before replying; with protocol.FLAG_BACKGROUND a thread first faults in memory for a copy (the SAVE
-is parked meanwhile), then the shard copies its state into it, replies, and a thread writes the
-copy while the loop keeps serving (`embedding_ps.saver`; SAVE_STATUS reports the write). While a
-save is prepared or written, new SAVE and LOAD requests are parked and retried when that ends.
+before replying; with protocol.FLAG_BACKGROUND the shard takes a copy-on-write snapshot (its only
+pause; `ShardState.snapshot`), replies, and a thread writes it while the loop keeps serving
+(`embedding_ps.saver`; SAVE_STATUS reports the write). While a save is written, new SAVE and LOAD
+requests are parked and retried when that ends.
 
 With ps.shared_memory a client on the same host passes PULL / PUSH rows in its shared-memory
 segments (`embedding_ps.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
@@ -88,9 +88,7 @@ class ShardStateLike(Protocol):
 
     def load(self, directory: str) -> None: ...
 
-    def snapshot_buffers(self) -> list[dict[str, np.ndarray]]: ...
-
-    def snapshot(self, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot: ...
+    def snapshot(self) -> ShardSnapshot: ...
 
 
 StateFactory = Callable[[PSConfig, int], ShardStateLike]
@@ -333,17 +331,12 @@ class ShardServer:
         path = shard_dir(self._path(h, payload), self.shard)
         if not h.flags & P.FLAG_PREPARE:      # a prepare names no directory it writes to
             self._confined(h, path)
-        if h.flags & P.FLAG_PREPARE:    # ahead of a background save: its memory, while training goes on
-            prepared = self.saver.phase == "idle"
-            if prepared:
-                self.saver.prepare(self.state)
+        if h.flags & P.FLAG_PREPARE:    # nothing to prepare: the snapshot is copy-on-write (kept for old clients)
+            prepared = self.saver.prepare(self.state)
             return self._json(h, {"shard": self.shard, "prepared": prepared, "phase": self.saver.phase})
-        if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the saver's phase ends
+        if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the write ends
             return DEFERRED
         if h.flags & P.FLAG_BACKGROUND:
-            if self.saver.phase == "idle":
-                self.saver.prepare(self.state)            # fault in the copy's memory on a thread first
-                return DEFERRED
             return self._json(h, self.saver.start(self.state, path, h.step))
         reply = self.saver.save(self.state, path, h.step)
         logger.info("%s: saved to %s", self.name, path)
@@ -365,7 +358,6 @@ class ShardServer:
         path = self._confined(h, shard_dir(self._path(h, payload), self.shard))
         if self.saver.busy:
             return DEFERRED
-        self.saver.drop_buffers()
         self.state.load(path)
         # the trainers restart from the loaded state: forget the steps and progress of the old run
         self.gate = make_gate(self.config, self.state)

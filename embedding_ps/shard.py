@@ -13,9 +13,12 @@ Example::
 Every public method takes one lock, so a threaded server may call them from several threads.
 Steps are int32 counters on the rows: 0 <= step < 2**31.
 
-Checkpoints: `save(dir)` / `load(dir)`, or `snapshot()` (a copy taken under the lock: the only
-pause) then `ShardSnapshot.write(dir)` from any thread. Files are checksummed; the format,
-`verify_shard` and `CorruptShardError` live in `embedding_ps.snapshot` and are exported here.
+Checkpoints: `save(dir)` / `load(dir)`, or `snapshot()` (under the lock: the only pause) then
+`ShardSnapshot.write(dir)` from any thread while the shard serves. The snapshot copies the small
+arrays and keeps the rows copy-on-write (`embedding_ps.cow`): its extra memory stays within
+`ps.checkpoint_extra_memory` of the rows' bytes, and updates wait for the writer when that is
+used up. Files are checksummed; the format, `verify_shard` and `CorruptShardError` live in
+`embedding_ps.snapshot` and are exported here.
 """
 
 from __future__ import annotations
@@ -31,16 +34,15 @@ import torch
 
 from embedding_ps import native
 from embedding_ps.config import PSConfig, shard_threads
+from embedding_ps.cow import CowSave, bound_bytes
 from embedding_ps.sharding import keys_of, shard_of
 from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, SavedShard, ShardSnapshot, TableSnapshot,
-                                   prefaulted, table_layout, verify_shard)
+                                   table_layout, verify_shard)
 from embedding_ps.table import TableShard
 
 logger = logging.getLogger(__name__)
 
 _MAX_STEP = 2**31 - 1
-SNAPSHOT_SLACK = 0.05
-"""`snapshot_buffers` adds this fraction of spare rows, for rows pushed before the copy starts."""
 
 
 class ShardState:
@@ -57,6 +59,8 @@ class ShardState:
             for i, t in enumerate(config.tables)
         ]
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)     # a background save's writer and waiting updates
+        self._cow: CowSave | None = None                 # the running copy-on-write save, if any
 
     # ------------------------------------------------------------------ hot path
     def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,7 +97,8 @@ class ShardState:
         Sums the gradients of duplicate ids, counts a sighting of every missing id (admission),
         gives admitted ids their init row, runs the table's optimizer on the rows that exist,
         updates count / last-seen / last-update and evicts past `max_rows`. Gradients of ids
-        that are not admitted are dropped.
+        that are not admitted are dropped. While a background save is written, the rows it has not
+        reached keep their pre-images first, or the push waits for the writer (`embedding_ps.cow`).
         """
         t = self._table(table)
         ids = self._ids(table, ids)
@@ -107,7 +112,10 @@ class ShardState:
             return
         grads = grads.detach().to(torch.float32).contiguous()
         with self._lock:
-            t.push(keys_of(ids, t.cfg), grads, step)
+            keys = keys_of(ids, t.cfg)
+            if self._cow is not None:       # may wait (lock released) for room in the save's side buffer
+                self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
+            t.push(keys, grads, step)
 
     def sweep(self, step: int) -> dict[str, int]:
         """TTL eviction in every table; returns {"evicted_ttl": n, "pending_dropped": n, "<name>/evicted_ttl": ...}."""
@@ -165,8 +173,11 @@ class ShardState:
         """
         t = self._table(table)
         mine = shard_of(keys, self.config.num_shards) == self.shard_index
+        keys = keys[mine].contiguous()
         with self._lock:
-            t.load_rows(keys[mine].contiguous(), rows[mine], {k: v[mine] for k, v in state.items()}, step)
+            if self._cow is not None:
+                self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
+            t.load_rows(keys, rows[mine], {k: v[mine] for k, v in state.items()}, step)
         return int(mine.sum())
 
     def load_resharded(self, directories: list[str], step: int = 0) -> int:
@@ -187,34 +198,42 @@ class ShardState:
         return taken
 
     # ------------------------------------------------------------------ save / load
-    def snapshot_buffers(self, slack: float = SNAPSHOT_SLACK) -> list[dict[str, np.ndarray]]:
-        """Buffers for `snapshot(buffers)`, one dict per table, with every page already faulted in.
+    def snapshot(self) -> ShardSnapshot:
+        """The state now, to be written later by `ShardSnapshot.write(directory)` from any thread.
 
-        Takes the lock only to read the sizes (plus `slack` spare rows); allocating and touching
-        the memory, the slow part of a fresh copy, happens outside it, so a server can do this on a
-        thread while it serves.
-        """
-        with self._lock:
-            plans = [t.snapshot_plan(slack) for t in self.tables]
-        return [{name: prefaulted(shape, dtype) for name, (shape, dtype) in plan.items()} for plan in plans]
-
-    def snapshot(self, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot:
-        """A copy of all state (every table's `to_arrays`, copied), taken under the lock.
-
-        The copy under the lock is the only time the shard pauses (`snapshot_s`): it goes into
-        `buffers` from `snapshot_buffers()` (made here, before taking the lock, if not given; an
-        array that outgrew its buffer is allocated under the lock). `ShardSnapshot.write(directory)`
-        then writes it exactly as `save` would, without the lock (e.g. on a background thread).
+        Under the lock (`snapshot_s`, the only pause) it copies the small arrays (id map items, free
+        stack, admission counters, eviction log) and freezes every table's slot-major arrays at
+        their `hwm` rows copy-on-write: until the writer has passed a row, an update of it first
+        saves its pre-image, within `ps.checkpoint_extra_memory` of the rows' bytes (updates wait
+        for the writer beyond that). The files equal a blocking `save` taken at the snapshot. One
+        such save at a time; `write` (or `close`) ends it.
         """
         t0 = time.perf_counter()
-        made = buffers is None
-        if made:
-            buffers = self.snapshot_buffers()
-        t1 = time.perf_counter()
         with self._lock:
-            snap = self._snapshot(copy=True, buffers=buffers)
-        snap.snapshot_s, snap.prepare_s = time.perf_counter() - t1, (t1 - t0) if made else 0.0
+            if self._cow is not None:
+                raise RuntimeError(f"shard {self.shard_index}: a background save is still being written")
+            tables, fixed = [], 0
+            for t in self.tables:
+                arrays, meta = t.to_arrays(copy=True, rows=False)
+                fixed += sum(a.nbytes for a in arrays.values())
+                tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays))
+            rows_bytes = sum(t.hwm * t.row_bytes() for t in self.tables)
+            bound = bound_bytes(self.config.checkpoint_extra_memory, rows_bytes)
+            cow = CowSave(self._cond, [(t.slot_tensors, t.hwm) for t in self.tables], fixed, bound,
+                          where=f"shard {self.shard_index}")
+            for snap_table, stream in zip(tables, cow.streams):
+                snap_table.rows = stream
+            self._cow = cow
+        snap = ShardSnapshot(self.shard_index, self.config.num_shards, tables, on_close=lambda: self._end_save(cow),
+                             stats=cow.stats)
+        snap.snapshot_s = time.perf_counter() - t0
         return snap
+
+    def _end_save(self, cow: CowSave) -> None:
+        with self._lock:
+            cow.close()
+            if self._cow is cow:
+                self._cow = None
 
     def save(self, directory: str) -> dict:
         """Write every table's state as checksummed .npy files plus manifest.json; atomic by rename.
@@ -224,7 +243,7 @@ class ShardState:
         Returns {"directory", "bytes", "write_s"}.
         """
         with self._lock:
-            return self._snapshot(copy=False).write(directory)
+            return self._snapshot().write(directory)
 
     def load(self, directory: str) -> None:
         """Replace all state with a `save`d shard; the saved layout must match this config.
@@ -236,6 +255,9 @@ class ShardState:
         saved.check(self.config.tables, shard_index=self.shard_index, num_shards=self.config.num_shards)
         tables = [saved.table_arrays(i) for i in range(saved.num_tables)]
         with self._lock:
+            if self._cow is not None:
+                raise RuntimeError(f"shard {self.shard_index}: cannot load {directory} while a background save "
+                                   "is being written")
             for i, (t, arrays) in enumerate(zip(self.tables, tables)):
                 t.from_arrays(arrays, saved.meta(i))
             del tables, arrays
@@ -243,10 +265,11 @@ class ShardState:
         logger.info("shard %d loaded from %s", self.shard_index, directory)
 
     # ------------------------------------------------------------------ helpers
-    def _snapshot(self, copy: bool, buffers: list[dict[str, np.ndarray]] | None = None) -> ShardSnapshot:
+    def _snapshot(self) -> ShardSnapshot:
+        """Views of the live state (valid while the lock is held)."""
         tables = []
-        for i, t in enumerate(self.tables):
-            arrays, meta = t.to_arrays(copy=copy, into=buffers[i] if buffers else None)
+        for t in self.tables:
+            arrays, meta = t.to_arrays()
             tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays))
         return ShardSnapshot(self.shard_index, self.config.num_shards, tables)
 

@@ -15,8 +15,10 @@ naming the file. Format 1 saves (no "files") still load, unchecked.
 
 Writing: a save is atomic: everything is written (and fsynced) into `<dir>.tmp-<pid>`, which is
 renamed into place; an older save at `<dir>` is replaced only then. A failed write removes its tmp dir.
-`ShardSnapshot` holds copies of all arrays (`ShardState.snapshot()` takes them under the shard's
-lock), so `write` runs without the lock, e.g. on a background thread while the shard serves.
+`ShardSnapshot` (from `ShardState.snapshot()`) holds copies of the small arrays and, per table, a
+`RowStream` (`embedding_ps.cow`) that hands the slot-major arrays over chunk by chunk as they were
+at the snapshot (copy-on-write: bounded extra memory), so `write` runs without the lock, e.g. on a
+background thread while the shard serves. The files are the same bytes either way.
 
 Reading: `SavedShard(dir)` reads and checks the manifest once; its `array` / `table_arrays` /
 `dump_table` return verified arrays (read into memory, or memory-mapped), `layout(t)` / `meta(t)`
@@ -33,8 +35,9 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,41 +134,67 @@ def unpack_meta(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class TableSnapshot:
-    """One table: its layout fields (checked on load), scalar meta and arrays, as `to_arrays` gives them."""
+    """One table: its layout fields (checked on load), scalar meta and arrays, as `to_arrays` gives them.
+
+    `rows`: where the slot-major arrays come from instead, when they are not in `arrays`: an object
+    with `specs` {name: (shape, dtype)} and `chunks()` yielding {name: ndarray [n, ...]} for
+    consecutive row ranges (`embedding_ps.cow.RowStream`).
+    """
 
     layout: dict
     meta: dict
     arrays: dict[str, np.ndarray]
+    rows: Any = None
 
 
 @dataclass
 class ShardSnapshot:
-    """Every table of one shard, frozen. Owns its arrays when made by `ShardState.snapshot()`."""
+    """Every table of one shard, frozen: written by `write` once (it then calls `close`)."""
 
     shard_index: int
     num_shards: int
     tables: list[TableSnapshot]
     snapshot_s: float = 0.0
-    """Seconds the copy took under the shard's lock (the shard's pause)."""
+    """Seconds the snapshot took under the shard's lock (the shard's pause)."""
     prepare_s: float = 0.0
-    """Seconds spent faulting in the buffers before that, without the lock (0 if given buffers)."""
+    """Seconds of preparation before that pause (0: a copy-on-write snapshot prepares nothing)."""
+    on_close: Callable[[], None] | None = None
+    """Ends the copy-on-write save (called once, by `close`)."""
+    stats: Callable[[], dict] = field(default=dict)
+    """The copy-on-write save's figures (`CowSave.stats`: extra_bytes_peak, push_wait_s, ...)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for t in self.tables for a in t.arrays.values())
+        """Bytes of the arrays the files hold (the streamed slot-major ones included)."""
+        streamed = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                       for t in self.tables if t.rows is not None for shape, dtype in t.rows.specs.values())
+        return streamed + sum(a.nbytes for t in self.tables for a in t.arrays.values())
+
+    def close(self) -> None:
+        """End the snapshot: the shard stops keeping pre-images for it. Idempotent."""
+        fn, self.on_close = self.on_close, None
+        if fn is not None:
+            fn()
 
     def write(self, directory: str) -> dict:
         """Write to `directory` atomically (see the module docstring).
 
         Returns {"directory", "bytes" (data files), "write_s"}. On any error the tmp dir is
-        removed, an older save at `directory` is left as it was, and the error is raised.
+        removed, an older save at `directory` is left as it was, and the error is raised. Either
+        way the snapshot is closed.
         """
+        try:
+            return self._write(directory)
+        finally:
+            self.close()
+
+    def _write(self, directory: str) -> dict:
         t0 = time.perf_counter()
         parent = os.path.dirname(os.path.abspath(directory))
-        os.makedirs(parent, exist_ok=True)
         tmp = f"{directory}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             manifest = self._write_files(tmp)
             with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -193,29 +222,14 @@ class ShardSnapshot:
                           "num_shards": self.num_shards, "tables": [], "files": {}}
         for i, t in enumerate(self.tables):
             os.makedirs(os.path.join(tmp, f"table{i}"))
+            files = _write_streamed(os.path.join(tmp, f"table{i}"), t.rows) if t.rows is not None else {}
             for name in sorted(t.arrays):
-                rel = f"table{i}/{name}.npy"
-                manifest["files"][rel] = write_array(os.path.join(tmp, rel), t.arrays[name])
+                files[name] = write_array(os.path.join(tmp, f"table{i}", f"{name}.npy"), t.arrays[name])
+            names = sorted(files)
+            manifest["files"].update({f"table{i}/{name}.npy": files[name] for name in names})
             _fsync_dir(os.path.join(tmp, f"table{i}"))
-            manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": sorted(t.arrays)})
+            manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": names})
         return manifest
-
-
-def prefaulted(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """np.empty(shape, dtype) with every page touched once.
-
-    Faulting in a fresh multi-GB array (the kernel finds and zeroes its pages) costs more than
-    copying into it: measured 0.26 s against 0.09 s for 2.56 GB here, and up to 5 s on this VM when
-    the memory was not used recently. A snapshot copies into buffers faulted in beforehand, outside
-    the shard's lock, so that cost is not part of the pause.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    # torch's allocation, viewed by numpy: numpy madvises a large array for huge pages, and faulting
-    # those in for the first time took 5.6 s for 2.8 GB on this VM against 1.35 s for 4 KB pages
-    raw = torch.empty(max(nbytes, 1), dtype=torch.uint8).numpy()
-    raw[::4096] = 0
-    return raw[:nbytes].view(dtype).reshape(shape)
 
 
 def write_array(path: str, a: np.ndarray) -> dict:
@@ -223,19 +237,70 @@ def write_array(path: str, a: np.ndarray) -> dict:
     if a.dtype.hasobject:
         raise ValueError(f"{path}: array of dtype {a.dtype} holds Python objects; only plain arrays are saved")
     a = np.ascontiguousarray(a)
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(a))
-    h = hashlib.sha256(header.getvalue())
-    raw = a.reshape(-1).view(np.uint8)
-    with open(path, "wb") as f:
-        f.write(header.getvalue())
+    with _NpyWriter(path, a.shape, a.dtype) as w:
+        w.write(a)
+    return w.result
+
+
+class _NpyWriter:
+    """A .npy file of C-order `shape` and `dtype` written in pieces (each the next rows), hashed as
+    written; on a clean exit checks the size, fsyncs and sets `result` {"size", "sha256"}."""
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.path, self.dtype = path, np.dtype(dtype)
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": tuple(shape)})
+        self.expect = len(header.getvalue()) + int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+        self.h = hashlib.sha256(header.getvalue())
+        self.f = open(path, "wb")
+        self.f.write(header.getvalue())
+        self.size = len(header.getvalue())
+        self.result: dict = {}
+
+    def write(self, a: np.ndarray) -> None:
+        raw = np.ascontiguousarray(a, dtype=self.dtype).reshape(-1).view(np.uint8)
         for lo in range(0, raw.shape[0], _CHUNK):
             chunk = raw[lo : lo + _CHUNK]
-            f.write(chunk)
-            h.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"size": len(header.getvalue()) + raw.shape[0], "sha256": h.hexdigest()}
+            self.f.write(chunk)
+            self.h.update(chunk)
+        self.size += raw.shape[0]
+
+    def __enter__(self) -> "_NpyWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                if self.size != self.expect:
+                    raise ValueError(f"{self.path}: wrote {self.size} bytes, the header promises {self.expect}")
+                self.f.flush()
+                os.fsync(self.f.fileno())
+                self.result = {"size": self.size, "sha256": self.h.hexdigest()}
+        finally:
+            self.f.close()
+
+
+def _write_streamed(directory: str, rows: Any) -> dict[str, dict]:
+    """Write a `RowStream`'s arrays, one .npy file each, all in one pass over its chunks."""
+    writers = {}
+    try:
+        for name, (shape, dtype) in rows.specs.items():
+            writers[name] = _NpyWriter(os.path.join(directory, f"{name}.npy"), shape, dtype)
+        chunks = rows.chunks()
+        try:
+            for part in chunks:
+                for name, a in part.items():
+                    writers[name].write(a)
+        finally:
+            chunks.close()
+    except BaseException as e:
+        for w in writers.values():
+            w.__exit__(type(e), e, None)
+        raise
+    for w in writers.values():
+        w.__exit__(None, None, None)
+    return {name: w.result for name, w in writers.items()}
 
 
 def _fsync_dir(path: str) -> None:
@@ -481,5 +546,5 @@ def verify_shard(directory: str) -> None:
 
 
 __all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "CorruptShardError", "SavedShard", "ShardSnapshot", "TableSnapshot",
-           "prefaulted", "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
+           "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
            "table_layout", "unpack_meta", "verify_shard", "write_array"]

@@ -18,10 +18,10 @@ The cut (`Checkpointer.save` at step t, called by every rank between steps):
   steps < t and none of step t. Each shard's rows are as the PS applied them, so a resumed async run
   continues from that state; it does not replay the same staleness pattern (no async run does).
 
-With `train.checkpoint_background` the shards copy their state in memory (the only pause) and
-write it while training goes on. Half-way between two checkpoints rank 0 asks the shards to fault in
-the copy's memory ahead (`prepare_save`; on a VM the first touch of GBs takes seconds), so that
-the pause is just the copy; a thread of rank 0 waits for the writes, writes the manifest and
+With `train.checkpoint_background` the shards take a copy-on-write snapshot (the only pause; extra
+memory within `ps.checkpoint_extra_memory`, `embedding_ps.cow`) and write it while training goes
+on. Half-way between two checkpoints rank 0 still sends `prepare_save`, which the shards now answer
+without doing anything (nothing to prepare); a thread of rank 0 waits for the writes, writes the manifest and
 renames the temporary directory into place, so a directory named `step-*` is always complete.
 `resolve_resume` verifies checksums and, for `latest`, falls back to the newest good checkpoint.
 """

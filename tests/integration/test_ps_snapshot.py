@@ -119,10 +119,7 @@ class _GatedState:
         rows = torch.full((ids.numel(), self.dim), 7.0)
         return rows if out is None else out.copy_(rows)
 
-    def snapshot_buffers(self):
-        return None          # nothing to fault in ahead
-
-    def snapshot(self, buffers=None):
+    def snapshot(self):
         return _GatedSnapshot(self)
 
     def stats(self):

@@ -1,7 +1,7 @@
 """Background SAVE through `ShardServer.handle` (no sockets): reply at once after the snapshot, status
 writing -> done / failed, the shard serves while the write runs, a second SAVE or a LOAD waits for it,
-and in sync mode the snapshot (taken once its buffers are faulted in on a thread) is exactly the
-state after the steps before the SAVE's step."""
+and in sync mode the (copy-on-write) snapshot is exactly the state after the steps before the SAVE's
+step, with the steps after it applied while it is written."""
 
 import json
 import threading
@@ -48,10 +48,7 @@ class GatedState:
     def push(self, table, ids, grads, step):
         self.pushes += 1
 
-    def snapshot_buffers(self):
-        return None          # nothing to fault in ahead: the snapshot allocates its own
-
-    def snapshot(self, buffers=None):
+    def snapshot(self):
         return GatedSnapshot(self)
 
     def load(self, directory):
@@ -79,14 +76,9 @@ def save_bg(server, path, **kw):
 
 
 def save_bg_ready(server, path, **kw):
-    """A background SAVE of an idle shard: parked while its buffers are prepared on a thread, then retried."""
+    """A background SAVE of an idle shard: replies at once (nothing is prepared ahead)."""
     reply = save_bg(server, path, **kw)
-    if reply is DEFERRED and server.saver.phase in ("preparing", "ready"):
-        deadline = time.monotonic() + TIMEOUT_S
-        while not server.wakeup():
-            assert time.monotonic() < deadline, "snapshot buffers never got ready"
-            time.sleep(0.001)
-        reply = save_bg(server, path, **kw)
+    assert reply is not DEFERRED
     return reply
 
 
@@ -176,16 +168,8 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         assert save_bg(server, path, step=1, request=21) is DEFERRED   # step 0 still waits for worker 1
         server.handle(request(P.Op.BARRIER, step=0, worker=1, request=22))
         replica.push(0, torch.tensor([1, 2, 3, 1, 2, 3]), torch.ones(6, D), step=0)
-        assert save_bg(server, path, step=1, request=21) is DEFERRED    # buffers fault in on a thread first
-        assert server.saver.phase in ("preparing", "ready")
-        assert P.unpack_header(server.handle(pull([1, 2]))[0]).status == P.Status.OK     # serving meanwhile
-        deadline = time.monotonic() + TIMEOUT_S
-        while not server.wakeup():
-            assert time.monotonic() < deadline, "snapshot buffers never got ready"
-            time.sleep(0.001)
-        assert server.saver.phase == "ready"
-        reply = body(save_bg(server, path, step=1, request=21))
-        assert reply["background"] is True and status(server)["prepare_s"] > 0
+        reply = body(save_bg(server, path, step=1, request=21))       # the parked SAVE, retried
+        assert reply["background"] is True and status(server)["prepare_s"] == 0.0
         for worker in (0, 1):                                           # step 1, after the snapshot
             server.handle(push([3, 4], step=1, worker=worker, request=30 + worker, grad=-2.0))
             server.handle(request(P.Op.BARRIER, step=1, worker=worker, request=40 + worker))
@@ -207,28 +191,26 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         server.close(TIMEOUT_S)
 
 
-def test_prepare_ahead_makes_the_next_background_save_reply_at_once(tmp_path):
-    """SAVE with FLAG_PREPARE faults the memory in on a thread and replies at once; a later background
-    SAVE then copies straight into those buffers (no parking), and its files hold the state at the SAVE,
-    not at the prepare."""
-    cfg = PSConfig(mode="async", tables=(TableConfig(name="t", dim=D, optimizer="rowwise_adagrad"),))
+def test_prepare_does_nothing_and_the_status_reports_the_bounded_memory(tmp_path):
+    """SAVE with FLAG_PREPARE (old clients) replies at once and starts nothing; a background SAVE then
+    replies at once, and its status reports the save's accounted extra memory and its bound."""
+    cfg = PSConfig(mode="async", tables=(TableConfig(name="t", dim=64, optimizer="rowwise_adagrad"),))
     state, replica = ShardState(cfg, 0), ShardState(cfg, 0)
     server = ShardServer(cfg, 0, state)
     path = str(tmp_path / "ckpt")
     try:
-        assert body(server.handle(request(P.Op.SAVE, "prepare", flags=P.FLAG_PREPARE, request=1)))["prepared"]
-        deadline = time.monotonic() + TIMEOUT_S
-        while server.saver.phase != "ready":
-            assert time.monotonic() < deadline, "snapshot buffers never got ready"
-            time.sleep(0.001)
-        again = body(server.handle(request(P.Op.SAVE, "prepare", flags=P.FLAG_PREPARE, request=2)))
-        assert again == {"shard": 0, "prepared": False, "phase": "ready"}       # nothing to do twice
-        server.handle(push([1, 2, 3], step=0, request=3))                       # after the prepare
-        replica.push(0, torch.tensor([1, 2, 3]), torch.ones(3, D), step=0)
+        state.push(0, torch.arange(4000), torch.ones(4000, 64), step=0)
+        replica.push(0, torch.arange(4000), torch.ones(4000, 64), step=0)
+        reply = body(server.handle(request(P.Op.SAVE, "prepare", flags=P.FLAG_PREPARE, request=1)))
+        assert reply == {"shard": 0, "prepared": False, "phase": "idle"}
         reply = save_bg(server, path, step=1, request=4)
         assert reply is not DEFERRED and body(reply)["background"] is True
         server.close(TIMEOUT_S)
-        assert status(server)["state"] == "done" and status(server)["prepare_s"] > 0
+        st = status(server)
+        assert st["state"] == "done" and st["prepare_s"] == 0.0
+        rows_bytes = 4000 * (64 * 4 + 4 + 8)
+        assert st["extra_bytes_bound"] == int(0.1 * rows_bytes)
+        assert 0 < st["extra_bytes_peak"] <= st["extra_bytes_bound"] and st["push_wait_s"] == 0.0
         restored = ShardState(cfg, 0)
         restored.load(shard_dir(path, 0))
         assert torch.equal(restored.dump_table(0)[1], replica.dump_table(0)[1])
