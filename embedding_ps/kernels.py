@@ -97,7 +97,7 @@ _SUM = 0  # PoolingMode.SUM
 
 
 def fbgemm_error() -> Exception | None:
-    """None if fbgemm_gpu imports (imported on first call: ~1 s, only where a table uses it), else the error."""
+    """None if fbgemm_gpu imports (imported on first call, only where a table uses it), else the error."""
     if "error" not in _IMPORT:
         try:
             import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
