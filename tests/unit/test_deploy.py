@@ -222,3 +222,64 @@ def test_sbatch_is_valid_bash_and_runs_the_job_on_ray() -> None:
     assert re.search(r'^recsys train --config "\$CONFIG"$', text, re.M)
     assert "CONFIG=${CONFIG:-deploy/cluster.toml}" in text
     assert "trap cleanup EXIT" in text                                   # Ray is stopped whatever happens
+
+
+STUBS = {
+    # scontrol show hostnames LIST -> one node a line
+    "scontrol": 'for n in $FAKE_NODES; do echo "$n"; done\n',
+    # srun [options] CMD...: log the node and the command, then run CMD (as a process of its own)
+    "srun": ('node=""\nwhile [[ $1 == -* ]]; do\n  case $1 in -w) node=$2; shift 2;; *) shift;; esac\ndone\n'
+             'echo "srun $node $*" >> "$FAKE_LOG"\nexec "$@"\n'),
+    "hostname": 'echo "10.0.0.1 fd00::1"\n',
+    # ray start --block: stays up until killed, and says it was stopped
+    "ray": 'trap \'echo "ray stopped $*" >> "$FAKE_LOG"; exit 0\' TERM\necho "ray $*" >> "$FAKE_LOG"\n'
+           'while true; do sleep 0.1; done\n',
+    # the wait for the nodes: returns once every `ray start` is up (as the real one waits for ray.nodes())
+    "python": ('cat > /dev/null\nuntil (( $(grep -c "^ray start" "$FAKE_LOG") >= $2 )); do sleep 0.1; done\n'
+               'echo "python wait $* RAY_ADDRESS=$RAY_ADDRESS" >> "$FAKE_LOG"\n'),
+    "recsys": 'echo "recsys $* RAY_ADDRESS=$RAY_ADDRESS" >> "$FAKE_LOG"\nexit "${FAKE_RC:-0}"\n',
+}
+
+
+@pytest.mark.parametrize("rc", [0, 3])
+def test_sbatch_starts_ray_runs_the_job_and_stops_ray(rc: int, tmp_path: Path) -> None:
+    """The script under stub srun / scontrol / ray / python / recsys: roles, address, exit code, cleanup."""
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash here")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "FAKE_NODES": "n0 n1 n2 n3",
+           "FAKE_RC": str(rc), "SLURM_JOB_NODELIST": "n[0-3]", "HEAD_START_S": "0", "PS_NODES": "2",
+           "SHARDS_PER_NODE": "2", "GPUS_PER_NODE": "8", "CONFIG": "/shared/job.toml"}
+    r = subprocess.run([bash, str(SBATCH)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == rc, r.stderr                       # the batch job's exit code is the job's
+    lines = log.read_text().splitlines()
+    heads = [x for x in lines if x.startswith("srun n0 ray start --head")]
+    assert len(heads) == 1 and "--node-ip-address=10.0.0.1" in heads[0] and "--num-cpus=0" in heads[0]
+    workers = {x.split()[1]: x for x in lines if x.startswith("srun n") and "ray start --block --address" in x}
+    assert set(workers) == {"n1", "n2", "n3"}
+    assert all("--address=10.0.0.1:6379" in w for w in workers.values())
+    assert '{"ps": 2}' in workers["n1"] and '{"ps": 2}' in workers["n2"] and '{"trainer": 8}' in workers["n3"]
+    assert "python wait - 4 300 RAY_ADDRESS=10.0.0.1:6379" in lines
+    job = lines.index("recsys train --config /shared/job.toml RAY_ADDRESS=10.0.0.1:6379")
+    assert job > lines.index("python wait - 4 300 RAY_ADDRESS=10.0.0.1:6379")    # after every node joined
+    stopped = [x for x in lines[job:] if x.startswith("ray stopped start")]
+    assert len(stopped) == 4                                  # the head and the 3 workers, after the job
+
+
+def test_sbatch_refuses_too_few_nodes(tmp_path: Path) -> None:
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash here")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n" + STUBS["scontrol"])
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_NODES": "n0 n1", "SLURM_JOB_NODELIST": "n[0-1]"}
+    r = subprocess.run([bash, str(SBATCH)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2 and "need at least 3 nodes" in r.stderr
