@@ -21,7 +21,8 @@ embedding_ps/native.py; `both` runs sections 1-2 twice and suffixes every key `_
    a --rows table through ShardState.push. Paths: with the C library loaded, fbgemm's fused CPU
    TBE op (`fbgemm`) and the C update (`native`); without it, fbgemm (`fbgemm_pure`) and vectorized
    torch (`torch`), both with the numpy id map. Ratios fbgemm / native and fbgemm_pure / torch.
-   `kernel = "auto"` reads these figures from embedding_ps/kernels.py::MEASURED.
+   `kernel = "auto"` reads these figures from embedding_ps/kernels.py::MEASURED (the table of
+   BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch").
 Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
 `pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """

@@ -13,12 +13,9 @@ Random unit item vectors and queries (seed 0). All three must return the same id
 run fails otherwise). Prints queries/s and ms per batch (median over --repeats after one warm-up)
 and the ratio of each to exact_index ("speedup_of_exact_index": the method's ms / exact_index's ms).
 
-Measured (2-core VM shared with 4 other jobs, load ~9, 2 threads, 3 repeats; I = 1M, d = 64, B = 256,
-k = 100), two runs: exact_index 4457 / 4756 ms per batch (57 / 54 queries/s), torch_full 1.03x /
-0.81x of it, numpy_argpartition 1.69x / 0.75x: the same speed within this machine's noise (the
-matmul dominates: ~220-290 ms per 65,536-item block, ~5 GFLOP/s here; topk ~80 ms per block). What
-exact_index buys is memory: a 64 MB score block where the baselines hold the 1 GB [B, I] matrix.
-Ids agree on >= 99.98% of the positions (near-ties rounded differently by the two matmul shapes).
+Measured figures, and how often the methods' ids agree (near-ties round differently in the two
+matmul shapes): BENCHMARKS.md, "Figures moved here from the code". What exact_index buys is memory:
+a 64 MB score block where the baselines hold the 1 GB [B, I] matrix.
 """
 
 from __future__ import annotations

@@ -132,12 +132,10 @@ _CRITEO_SPARSE = tuple(Sparse(f"C{i + 1}", *a) for i, a in enumerate([
     (18, 1.0, 0.5, 0.46, 0), (15, 1.0, 0.0, 0.58, 0), (286_181, 1.3, 0.0, 0.015, 3),
     (105, 1.1, 0.2, 0.08, 3), (142_572, 1.3, 0.2, 0.015, 3)]))
 
-# criteo-like tuning (measured, 300k train / 100k eval rows): CTR 0.222, oracle AUC 0.828 (0.787
-# without the interactions); logistic regression on ids + dense 0.777; a DLRM (dim 16, elementwise
-# Adagrad 0.3, Adam 3e-3, batch 1024, 1 epoch) 0.817-0.820 (0.987-0.991x oracle over 3 seeds).
-# The signal sits on the seven 10-27-id features, their pairs and the dense columns; the bigger
-# vocabularies carry little (signal spread over 300-1500-id or 10^5+-id columns could not be
-# learned from 300k rows, the DLRM then stayed near 0.95x oracle).
+# criteo-like tuning: the signal sits on the seven 10-27-id features, their pairs and the dense
+# columns; the bigger vocabularies carry little (signal spread over 300-1500-id or 10^5+-id columns
+# could not be learned from 300k rows). The CTR, oracle AUC and the AUC a DLRM and a logistic
+# regression reach on it: BENCHMARKS.md, "Figures moved here from the code".
 PRESETS: dict[str, Preset] = {
     "criteo-like": Preset(
         name="criteo-like", bias=-2.0, dim=2, dense=_CRITEO_DENSE, sparse=_CRITEO_SPARSE,

@@ -344,8 +344,8 @@ def _move(dst: torch.Tensor, at: np.ndarray, src: torch.Tensor, rows: np.ndarray
 
     On the CPU through numpy: single-threaded copies of a few thousand rows, where torch's
     index_select / index_copy_ open parallel regions whose threads, on busy cores, cost more than the
-    copy. The cache's work for 26 criteo-like tables (steps interleaved, medians, load average ~9 on
-    2 cores): 35-39 ms per step this way, 42-53 ms with the torch ops."""
+    copy. The cache's work per step for 26 criteo-like tables, this way and with the torch ops:
+    BENCHMARKS.md, "Figures moved here from the code"."""
     if dst.device.type == "cpu":
         s = src.numpy()
         dst.numpy()[at] = s if rows is None else s[rows]

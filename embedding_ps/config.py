@@ -228,9 +228,9 @@ def shard_threads(threads: int) -> int:
     """ps.threads resolved: the value itself, or for 0 half the usable CPUs, in [1, DEFAULT_MAX_THREADS].
 
     Half, because the other half runs trainers, the data pipeline and other shards: a thread of a
-    request's fork-join that loses its core makes the whole request wait. Measured on the shared
-    2-core machine (BENCHMARKS.md): 2 threads dropped the in-process op mix from a median of 10.7M
-    to 3.6M rows/s, so 0 means 1 there.
+    request's fork-join that loses its core makes the whole request wait. On the shared 2-core
+    machine 2 threads made the in-process op mix slower (BENCHMARKS.md, "A shard's pull+push against
+    the in-process bound"), so 0 means 1 there.
     """
     if threads > 0:
         return threads

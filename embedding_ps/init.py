@@ -5,8 +5,8 @@
     v(key, c)    = (2 * (bits(key, c) >> 8) + 1 - 2**24) / 2**24          in (-1, 1), exact in fp32
 
 where fmix32 is MurmurHash3's 32-bit finalizer (a bijection). The per-column hash is 32-bit
-because it runs on N x D elements: numpy uint32 does 100k x 64 in ~37 ms, the 64-bit
-splitmix64 per element ~90 ms (torch.randn itself takes ~22 ms). So a row's first value does
+because it runs on N x D elements: numpy uint32 is several times faster than a 64-bit
+splitmix64 per element (BENCHMARKS.md, "Figures moved here from the code"). A row's first value does
 not depend on the number of shards, the order ids arrive in, or restarts.
 `uniform`: v * init_scale; `normal`: sqrt(2) * erfinv(v) * init_scale; `zeros`: 0.
 For a `hashed` table the key is the hashed row index, so every id sharing a row shares its init.

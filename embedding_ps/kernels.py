@@ -22,23 +22,14 @@ update writes our rows and optimizer state in place. The plain-torch equivalents
 check that every path agrees with them. This is the only module of the package that imports
 fbgemm_gpu, and only when a table uses it.
 
-Measured (2026-11-25, `python benchmarks/ps_table.py --kernels --clock cpu`, three runs;
-`MEASURED` holds the medians of the three): a push of 100k unique rows into a 2M-row table through
-`ShardState.push` (id map, duplicate check, update, counters), fresh random ids each push, the
-paths alternated, 1 thread, median of 15 per run; process CPU time, because the 2-core machine
-was shared with other jobs (load 3-7). With the C library loaded, fbgemm wins for row-wise
-Adagrad on fp32 d64 rows without decay or with l2 (1.26x, 1.24x native; run ratios 1.09-1.34,
-0.99-1.27) and on most fp16 d64 tables (1.09-1.62x: the C path converts halves in software);
-native keeps everything else (fbgemm 0.25-1.03x of it: d16 rows, Adagrad, SGD, and
-decoupled decay, where fbgemm pays passes around the op). Without the C library fbgemm beats
-torch for row-wise Adagrad fp32 without decay or with l2 (1.26-1.42x) and fp16 d64 l2 Adagrad
-(1.07x). Caveat: on the same machine lightly loaded, wall clock (the first version of this
-benchmark, fbgemm vs native only), row-wise Adagrad fp32 d64 measured the other way, fbgemm
-0.76-0.96x native: the native update touches rows in arrival order while fbgemm sorts them
-first, which pays off when other processes compete for cache (the native update alone, 100k
-rows of a 2M x 64 table: ~12 ms in arrival order, ~6 ms sorted, fbgemm ~7 ms). Measure again
-when the native path changes (a multi-threaded or sorted update): the table, not the code,
-decides.
+`MEASURED` is the table of BENCHMARKS.md, section "Update kernels: fbgemm vs native C vs torch"
+(`python benchmarks/ps_table.py --kernels --clock cpu`, the medians of three runs): the setup, the
+figures, what auto picks from them and the caveats (load changes the verdict for row-wise Adagrad on
+fp32 d64 rows: the native update touches rows in arrival order, fbgemm sorts them first) are there.
+In short, with the C library loaded fbgemm wins for row-wise Adagrad on fp32 d64 rows without decay
+or with l2 and on most fp16 d64 tables; native keeps everything else (d16 rows, Adagrad, SGD,
+decoupled decay, where fbgemm pays passes around the op). Measure again when the native path
+changes (a multi-threaded or sorted update): the table, not the code, decides.
 """
 
 from __future__ import annotations
@@ -55,7 +46,7 @@ FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 # (optimizer, weight decay: "none" | "l2" | "decoupled", row dtype, dim) -> push M rows/s of
 # (fbgemm, native C, fbgemm without the C library, torch without it): medians of three runs of
-# `python benchmarks/ps_table.py --kernels --clock cpu` (2026-11-25; see the module docstring).
+# `python benchmarks/ps_table.py --kernels --clock cpu`: BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch".
 MEASURED: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
     ("sgd", "none", "fp32", 64): (6.45, 11.26, 5.51, 6.19),
     ("sgd", "l2", "fp32", 64): (4.08, 8.53, 3.76, 4.37),
@@ -106,7 +97,7 @@ _SUM = 0  # PoolingMode.SUM
 
 
 def fbgemm_error() -> Exception | None:
-    """None if fbgemm_gpu imports (imported on first call: ~1 s, only where a table uses it), else the error."""
+    """None if fbgemm_gpu imports (imported on first call, only where a table uses it), else the error."""
     if "error" not in _IMPORT:
         try:
             import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)

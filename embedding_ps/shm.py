@@ -1,7 +1,8 @@
 """Shared-memory row frames between a client and a shard on the same host (ps.shared_memory).
 
 On loopback TCP a 100k-row d64 PULL reply or PUSH (25.6 MB) costs two kernel copies each way
-(~7-8 ms measured here; `ipc://` was slower still: ~11 ms). With shared memory the rows are not
+(measured: BENCHMARKS.md, "A shard's pull+push against the in-process bound"; `ipc://` was slower
+still). With shared memory the rows are not
 sent at all: the client owns segments in /dev/shm, names one in the request (a small frame), and
 the shard reads the gradients from it (PUSH) or gathers the rows into it (PULL) in place. The
 client's PULL result is a tensor viewing the segment (no copy); a segment is reused only once

@@ -352,7 +352,7 @@ def read_array(directory: str, manifest: dict, table: int, name: str, mmap: bool
 
     mmap=False: the file is read once into memory; the checksum is taken over those bytes and the
     array is a view of them. mmap=True: the file is memory-mapped read-only and hashed through the
-    mapping once (one sequential read of the file, at SHA-256 speed, ~1-2 GB/s a core); its pages
+    mapping once (one sequential read of the file, at SHA-256 speed); its pages
     then sit in the OS page cache, not in this process's own memory, and the array is a view of the
     mapping, so gathering a few rows of it later reads no more. Format 1 (no checksums): np.load,
     unchecked.

@@ -120,6 +120,13 @@ def _cmd_ps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ray_submit(args: argparse.Namespace) -> int:
+    from recsys.training.ray_submit import ray_submit
+
+    return ray_submit(args.config, args.overrides, address=args.address, wait=args.wait, check=args.check,
+                      submission_id=args.submission_id, out=sys.stdout)
+
+
 def _cmd_reshard(args: argparse.Namespace) -> int:
     from recsys.training.reshard import reshard_checkpoint
 
@@ -237,6 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the run's newest good checkpoint, or from a checkpoint directory")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("ray-submit", help="submit `recsys train --config X` to a Ray cluster as a Ray job")
+    _add_config_args(p)
+    p.add_argument("--address", required=True, metavar="http://HOST:8265",
+                   help="the Ray dashboard's address (the Job Submission API)")
+    wait = p.add_mutually_exclusive_group()
+    wait.add_argument("--wait", dest="wait", action="store_true", default=True,
+                      help="stream the job's log and exit with its exit code (default)")
+    wait.add_argument("--no-wait", dest="wait", action="store_false", help="print the job id and return")
+    p.add_argument("--check", action="store_true",
+                   help="submit `recsys print-config` of the config instead of train (checks the cluster's install)")
+    p.add_argument("--submission-id", default=None, help="the job's id (default: Ray makes one)")
+    p.set_defaults(func=_cmd_ray_submit)
 
     p = sub.add_parser("reshard", help="write a checkpoint re-sharded into a different number of PS shards")
     p.add_argument("checkpoint", help="checkpoint directory (run_dir/checkpoints/step-*)")

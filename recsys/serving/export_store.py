@@ -34,7 +34,8 @@ class TableView:
     """One table of an export: sorted ids [R] and their stored rows [R, W] (memory-mapped or merged)."""
 
     def __init__(self, cfg: TableConfig, ids: np.ndarray, matrix: np.ndarray, precision: str) -> None:
-        # plain ndarray views of the memory maps: np.memmap's per-index bookkeeping costs ~8 us a call
+        # plain ndarray views of the memory maps: np.memmap's per-index bookkeeping costs time on every
+        # call (BENCHMARKS.md, "Figures moved here from the code")
         self.cfg, self.ids, self.matrix, self.precision = cfg, np.asarray(ids), np.asarray(matrix), precision
 
     @property

@@ -173,7 +173,8 @@ class FusedPooling:
 
     def _tbe_args(self) -> dict | None:
         """The TBE's fixed arguments of its lookup op, to call the op without `forward`'s Python
-        (~25 us at B = 1: input checks, cache bookkeeping); what `_forward_impl` passes with no
+        (input checks, cache bookkeeping: BENCHMARKS.md, "Figures moved here from the code"); what
+        `_forward_impl` passes with no
         cache, no bounds check and no pruning (fbgemm-gpu 1.8.0). None (use `forward`) otherwise."""
         t = self.tbe
         try:
