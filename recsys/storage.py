@@ -113,6 +113,8 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         return
     fs, p = resolve(path)
     with _errors(path, "write"):
+        if isinstance(fs, pafs.LocalFileSystem):          # file://: no implicit parents (object stores have none)
+            fs.create_dir(p.rsplit("/", 1)[0], recursive=True)
         with fs.open_output_stream(p) as f:
             f.write(data)
 
