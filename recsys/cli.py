@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -194,6 +195,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         checkpoint = None if args.checkpoint is None else stack.enter_context(storage.local_copy(args.checkpoint))
         out = stack.enter_context(storage.local_output(args.out))
         source = resolve_source(run=run, checkpoint=checkpoint, last=args.last)
+        if storage.is_uri(args.run or args.checkpoint):     # the manifest names the URI, not the local copy
+            kind = source.origin.split(" ", 1)[0]
+            source = dataclasses.replace(source, origin=f"{kind} {args.run or args.checkpoint}")
         preflight_export(source.model_dir.parent, source.origin.startswith("checkpoint"), Path(out))
         manifest = export_model(source, out, precision=args.precision, since=args.since)
     sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],

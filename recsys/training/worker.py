@@ -186,6 +186,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
                 where = checkpoint_path(cfg.train.run_dir, trainer.step)
                 (out / STOPPED_FILE).write_text(json.dumps({"step": trainer.step, "checkpoint": str(where)}))
                 logger.info("stopped at step %d; checkpoint %s", trainer.step, where)
+                if storage.is_uri(cfg.train.run_dir):      # the log so far, for a resume on another machine
+                    publish_run_files(out, cfg.train.run_dir, ("metrics.jsonl",))
             if dist.is_initialized():
                 dist.barrier()
             return

@@ -60,6 +60,7 @@ def test_export_and_reshard_to_uris(run, tmp_path: Path) -> None:
     b = json.loads((tmp_path / "exp2" / "manifest.json").read_text())
     assert {k: v["sha256"] for k, v in a["files"].items() if k.startswith("tables/")} == \
         {k: v["sha256"] for k, v in b["files"].items() if k.startswith("tables/")} and a["rows"] == b["rows"] and sum(a["rows"].values()) > 0
+    assert a["origin"].endswith(uri) and a["origin"].split(" ", 1)[0] == b["origin"].split(" ", 1)[0]
     ckpt = list_checkpoints(uri)[-1]
     assert cli.main(["reshard", ckpt, "--shards", "3", "--out", f"file://{tmp_path}/r3"]) == 0
     assert verify_checkpoint(tmp_path / "r3")["num_shards"] == 3
