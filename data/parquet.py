@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from data.config import DataConfig
 from data.hashing import hash_strings
+from data.remote import is_uri, list_files, parquet_file
 from data.rows import ListColumn, Rows, ScalarColumn
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,18 @@ def _dir_files(root: str) -> list[str]:
 
 def resolve_paths(paths: tuple[str, ...] | list[str]) -> list[str]:
     """Files named by `paths` (files, directories - recursively, skipping names that start with
-    `.` or `_` - and glob patterns), in a deterministic order, each file once."""
+    `.` or `_` - and glob patterns; local paths or URIs, see `data.remote`), in a deterministic
+    order, each file once."""
     if isinstance(paths, str):
         paths = [paths]
     files: list[str] = []
     for p in paths:
-        if os.path.isdir(p):
+        if is_uri(p):
+            try:
+                found = list_files(p)
+            except OSError as e:
+                raise DataError(str(e)) from e
+        elif os.path.isdir(p):
             found = _dir_files(p)
         elif os.path.isfile(p):
             found = [p]
@@ -62,7 +69,7 @@ def resolve_paths(paths: tuple[str, ...] | list[str]) -> list[str]:
         if not found:
             raise DataError(f"data path '{p}' matched no files")
         files += found
-    unique = list(dict.fromkeys(os.path.normpath(f) for f in files))
+    unique = list(dict.fromkeys(f if is_uri(f) else os.path.normpath(f) for f in files))
     if len(unique) < len(files):
         logger.warning("data paths name %d files more than once; each is read once", len(files) - len(unique))
     return unique
@@ -150,7 +157,7 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
     first = ""
     for path in files:
         try:
-            with pq.ParquetFile(path) as pf:
+            with parquet_file(path) as pf:
                 md, schema = pf.metadata, pf.schema_arrow
         except Exception as e:                       # pyarrow raises ArrowInvalid, OSError, ...
             msg = f"{path}: unreadable Parquet file ({type(e).__name__}: {e})"

@@ -27,6 +27,7 @@ from data.batch import Batch, validate_batch
 from data.config import DataConfig
 from data.elastic import Part, Segment, plan_parts, plan_row_groups, plan_rows
 from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
+from data.remote import parquet_file
 from data.rows import BatchLayout, Index, Rows, gather
 from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
 
@@ -94,7 +95,7 @@ class _Files:
         pf = self.open.pop(src, None)
         if pf is None:
             try:
-                pf = pq.ParquetFile(source.path, metadata=source.metadata)
+                pf = parquet_file(source.path, metadata=source.metadata)
             except Exception as e:
                 raise DataError(f"{source.path}: row group {rg}: cannot open ({type(e).__name__}: {e})") from e
         self.open[src] = pf
@@ -144,7 +145,7 @@ class Reader:
         self.pin = cfg.pin_memory and torch.cuda.is_available()
         h = hashlib.sha1()
         for s in self.sources:
-            h.update(f"{os.path.basename(s.path)}:{','.join(map(str, s.row_group_rows))};".encode())
+            h.update(f"{os.path.basename(s.path.partition('?')[0])}:{','.join(map(str, s.row_group_rows))};".encode())
         self.fingerprint = h.hexdigest()
 
     def windows(self, epoch: int, world: int | None = None, rank: int | None = None) -> Windows:

@@ -46,6 +46,7 @@ import torch
 import zmq
 
 from embedding_ps import protocol as P
+from embedding_ps import remote
 from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
 from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
@@ -115,7 +116,8 @@ class ShardServer:
         self.shm_requests = 0             # PULL / PUSH served through shared memory
         self.saver = BackgroundSaver(self.name, shard_index)
         # SAVE / LOAD stay under ps.storage_root (resolved once; "": not confined, see PSConfig)
-        self.storage_root = os.path.realpath(config.storage_root) if config.storage_root else None
+        root = config.storage_root
+        self.storage_root = (root if remote.is_uri(root) else os.path.realpath(root)) if root else None
 
     @property
     def name(self) -> str:
@@ -217,6 +219,11 @@ class ShardServer:
     def _confined(self, h: P.Header, path: str) -> str:
         """`path` if it lies under ps.storage_root once '..' and symlinks are resolved; else BAD_VALUE."""
         if self.storage_root is None:
+            return path
+        if remote.is_uri(self.storage_root) or remote.is_uri(path):     # a URI root admits URIs under it
+            if not remote.within(self.storage_root, path):
+                raise P.ProtocolError(f"{P.Op(h.op).name} of {path!r} refused: outside ps.storage_root "
+                                      f"{self.storage_root!r}", P.Status.BAD_VALUE)
             return path
         real = os.path.realpath(path)
         if real != self.storage_root and not real.startswith(self.storage_root + os.sep):

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embedding_ps import remote
 from embedding_ps.config import TableConfig
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ _LOW32 = 0xFFFFFFFF
 
 
 def shard_dir(root: str | os.PathLike, shard_index: int) -> str:
-    """Where shard `shard_index` keeps its part of a save under `root` (`root/shard{i}`)."""
-    return os.path.join(os.fspath(root), f"{_SHARD}{shard_index}")
+    """Where shard `shard_index` keeps its part of a save under `root` (`root/shard{i}`; `root`
+    may be a URI, see `embedding_ps.remote`)."""
+    return remote.join(root, f"{_SHARD}{shard_index}")
 
 
 def _shard_indices(root: str) -> list[int]:
@@ -181,9 +183,12 @@ class ShardSnapshot:
 
         Returns {"directory", "bytes" (data files), "write_s"}. On any error the tmp dir is
         removed, an older save at `directory` is left as it was, and the error is raised. Either
-        way the snapshot is closed.
+        way the snapshot is closed. A URI `directory`: written locally, then uploaded with the
+        manifest last (`embedding_ps.remote`).
         """
         try:
+            if remote.is_uri(directory):
+                return remote.write_via_local(directory, self._write)
             return self._write(directory)
         finally:
             self.close()
@@ -384,7 +389,9 @@ class SavedShard:
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.directory = os.fspath(directory)
+        # a URI: read from a local copy, removed with this object (embedding_ps.remote)
+        self._fetched = remote.fetch(directory) if remote.is_uri(directory) else None
+        self.directory = self._fetched.name if self._fetched else os.fspath(directory)
         self.manifest = read_manifest(self.directory)
 
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -128,9 +130,13 @@ def _cmd_ray_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
+    from recsys import storage
     from recsys.training.reshard import reshard_checkpoint
 
-    reshard_checkpoint(args.checkpoint, args.shards, args.out)
+    if storage.is_uri(args.out) and storage.exists(args.out):
+        raise FileExistsError(f"{args.out} exists; choose a new directory")
+    with storage.local_copy(args.checkpoint) as src, storage.local_output(args.out) as out:   # URIs: staged
+        reshard_checkpoint(src, args.shards, out)
     return 0
 
 
@@ -158,8 +164,14 @@ def _preflight_run_data(run: str, data: list[str]) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.training.evaluate import evaluate_run
 
-    _preflight_run_data(args.run, args.data)
-    metrics = evaluate_run(args.run, args.data, out=args.out, last=args.last)
+    from recsys import storage
+    from recsys.rundir import local_run, run_path
+
+    out = args.out or (run_path(args.run, "eval_metrics.json") if storage.is_uri(args.run) else None)
+    with local_run(args.run, args.last) as run, contextlib.ExitStack() as stack:   # a URI run / out: staged
+        local_out = None if out is None else stack.enter_context(storage.local_output(out, directory=False))
+        _preflight_run_data(str(run), args.data)
+        metrics = evaluate_run(run, args.data, out=local_out, last=args.last)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
     return 0
 
@@ -167,8 +179,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from recsys.training.evaluate import predict_run
 
-    _preflight_run_data(args.run, args.data)
-    predict_run(args.run, args.data, args.out, last=args.last)
+    from recsys import storage
+    from recsys.rundir import local_run
+
+    with local_run(args.run, args.last) as run, storage.local_output(args.out, directory=False) as out:
+        _preflight_run_data(str(run), args.data)
+        predict_run(run, args.data, out, last=args.last)
     return 0
 
 
@@ -178,9 +194,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     from recsys.preflight import preflight_export
 
-    source = resolve_source(run=args.run, checkpoint=args.checkpoint, last=args.last)
-    preflight_export(source.model_dir.parent, source.origin.startswith("checkpoint"), Path(args.out))
-    manifest = export_model(source, args.out, precision=args.precision, since=args.since)
+    from recsys import storage
+    from recsys.rundir import local_run
+
+    with contextlib.ExitStack() as stack:      # URIs (run, checkpoint, out): staged in local temporary copies
+        run = None if args.run is None else stack.enter_context(local_run(args.run, args.last))
+        checkpoint = None if args.checkpoint is None else stack.enter_context(storage.local_copy(args.checkpoint))
+        out = stack.enter_context(storage.local_output(args.out))
+        source = resolve_source(run=run, checkpoint=checkpoint, last=args.last)
+        if storage.is_uri(args.run or args.checkpoint):     # the manifest names the URI, not the local copy
+            kind = source.origin.split(" ", 1)[0]
+            source = dataclasses.replace(source, origin=f"{kind} {args.run or args.checkpoint}")
+        preflight_export(source.model_dir.parent, source.origin.startswith("checkpoint"), Path(out))
+        manifest = export_model(source, out, precision=args.precision, since=args.since)
     sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],
                                  "precision": manifest["precision"], "rows": manifest["rows"]}) + "\n")
     return 0

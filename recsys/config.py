@@ -71,6 +71,10 @@ class TrainConfig:
     """Steps between metric lines."""
     run_dir: str = "runs/default"
     """Where the resolved config, processes.json, metrics and the final model go."""
+    scratch_dir: str = ""
+    """When `run_dir` is a URI (`s3://...`, see README "Remote storage"): the local directory for what
+    only this machine's processes need (pid and ready files, logs, errors, processes.json, checkpoint
+    staging); "": <system temp>/recsys-scratch/<name>-<hash of run_dir>. Unused for a local run_dir."""
     num_threads: int = 0
     """torch intra-op threads per process (0: cores / processes)."""
     eval_auc: Literal["exact", "streaming"] = "exact"

@@ -47,9 +47,19 @@ def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format
     one reader of recsys' manifests (a saved PS shard's is `embedding_ps.snapshot`'s)."""
     path = Path(root) / "manifest.json"
     try:
-        manifest = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise error(f"{path}: missing (not {kind})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    return parse_manifest(text, str(path), error, format=format, version=version, required=required)
+
+
+def parse_manifest(text: str, path: str, error: type[Exception], *, format: str, version: tuple[str, int],
+                   required: tuple[str, ...] = ("files",)) -> dict[str, Any]:
+    """The checks of `read_manifest` on manifest text read from `path` (a file or a URI)."""
+    try:
+        manifest = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != format:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from data.parquet import DataError, resolve_paths, scan_files
+from recsys import storage
 from recsys.config import ConfigError, JobConfig
 
 MIN_FREE_BYTES = 64 << 20
@@ -40,7 +41,10 @@ def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
             raise PreflightError("data.train_paths: empty (list the training Parquet files, directories or globs)")
         if paths:
             preflight_data(cfg, paths, f"data.{key}")
-    check_run_dir(Path(cfg.train.run_dir))
+    if storage.is_uri(cfg.train.run_dir):
+        check_remote_run_dir(cfg.train.run_dir)
+    else:
+        check_run_dir(Path(cfg.train.run_dir))
 
 
 def check_tables(cfg: JobConfig) -> None:
@@ -74,13 +78,15 @@ def check_checkpoint(path: str, key: str) -> None:
     """An explicit checkpoint directory exists and every file matches its manifest (sizes and sha256)."""
     from recsys.training.checkpoint import CorruptCheckpointError, verify_checkpoint
 
-    if not Path(path).is_dir():
+    if not storage.is_uri(path) and not Path(path).is_dir():
         raise PreflightError(f"{key} {path}: no such checkpoint directory (give run_dir/checkpoints/step-N, "
                              f"or --resume latest)")
     try:
         verify_checkpoint(path)
     except CorruptCheckpointError as e:
         raise PreflightError(f"{key} {path}: {e} (resume from another checkpoint, e.g. --resume latest)") from None
+    except OSError as e:                       # a URI: storage.StorageError / FileNotFoundError name it
+        raise PreflightError(f"{key}: {e}") from None
 
 
 def preflight_export(source_dir: Path, is_checkpoint: bool, out: Path) -> None:
@@ -96,6 +102,17 @@ def preflight_export(source_dir: Path, is_checkpoint: bool, out: Path) -> None:
         parent = parent.parent
     if not os.access(parent, os.W_OK):
         raise PreflightError(f"--out {out}: {parent} is not writable (choose a writable directory)")
+
+
+def check_remote_run_dir(run_dir: str) -> None:
+    """A URI run directory can be written (a probe object is written and deleted)."""
+    probe = storage.join(run_dir, f".preflight-{uuid.uuid4().hex}")
+    try:
+        storage.write_bytes(probe, b"x")
+        storage.delete_tree(probe)
+    except OSError as e:
+        raise PreflightError(f"train.run_dir = {run_dir!r}: not writable: {e} (check the bucket, credentials "
+                             f"and endpoint; README 'Remote storage')") from None
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -114,4 +131,5 @@ def check_run_dir(run_dir: Path) -> None:
                              f"(free space, or choose another train.run_dir)")
 
 
-__all__ = ["PreflightError", "preflight_train", "preflight_data", "check_tables", "check_checkpoint", "check_run_dir", "preflight_export"]
+__all__ = ["PreflightError", "preflight_train", "preflight_data", "check_tables", "check_checkpoint", "check_run_dir",
+           "check_remote_run_dir", "preflight_export"]

@@ -5,31 +5,79 @@
     RUN_DIR/best/                                        with validation: a checkpoint of the best pass
     RUN_DIR/checkpoints/step-N/                          periodic checkpoints (recsys.training.checkpoint)
 
+RUN_DIR may be a URI (`s3://bucket/run`, see `recsys.storage`): then what only local processes use
+(pids, ready files, logs, errors, processes.json) lives in a local scratch directory
+(`local_run_dir`), and the files above on the URI.
+
 `recsys eval`, `predict` and `export --run` use the best model when the run kept one, else the last
 (`--last` asks for the last).
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+from recsys import storage
 
 BEST_DIR = "best"
 
 
-def best_dir(run_dir: str | Path) -> Path:
+def run_path(run_dir: str | Path, *parts: str) -> Path | str:
+    """RUN_DIR/parts...: a Path for a local run directory, a URI string (query kept last) for a URI."""
+    if storage.is_uri(str(run_dir)):
+        return storage.join(str(run_dir), *parts)
+    return Path(run_dir).joinpath(*parts)
+
+
+def local_run_dir(run_dir: str | Path, scratch_dir: str = "") -> Path:
+    """Where this machine's processes keep pids, ready files, logs and errors: RUN_DIR itself when
+    local, else the scratch directory (`train.scratch_dir`, or one under the system temp dir)."""
+    if storage.is_uri(str(run_dir)):
+        return storage.scratch_dir(str(run_dir), scratch_dir)
+    return Path(run_dir)
+
+
+def best_dir(run_dir: str | Path) -> Path | str:
     """RUN_DIR/best: the best validation pass's model, as a checkpoint (config.toml, model/, manifest.json)."""
-    return Path(run_dir) / BEST_DIR
+    return run_path(run_dir, BEST_DIR)
 
 
 def has_best(run_dir: str | Path) -> bool:
     """Whether the run kept a complete best model (its manifest is written last)."""
-    return (best_dir(run_dir) / "manifest.json").is_file()
+    return storage.is_file(run_path(best_dir(run_dir), "manifest.json"))
 
 
-def model_root(run_dir: str | Path, last: bool = False) -> Path:
+def model_root(run_dir: str | Path, last: bool = False) -> Path | str:
     """The directory holding the model a command on the run uses: RUN_DIR/best when the run kept a
     best model and `last` is not asked for, else RUN_DIR (its last model in RUN_DIR/model)."""
-    return best_dir(run_dir) if not last and has_best(run_dir) else Path(run_dir)
+    return best_dir(run_dir) if not last and has_best(run_dir) else run_path(run_dir)
 
 
-__all__ = ["BEST_DIR", "best_dir", "has_best", "model_root"]
+@contextlib.contextmanager
+def local_run(run_dir: str | Path, last: bool = False) -> Iterator[Path]:
+    """A local directory holding run `run_dir`'s model: the run directory itself when local; for a
+    URI a temporary copy of config.toml, metrics.json and the model the commands use (RUN_DIR/best,
+    unless `last`, else RUN_DIR/model; never the checkpoints), removed on exit."""
+    if not storage.is_uri(str(run_dir)):
+        yield Path(run_dir)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="recsys-run-"))
+    try:
+        local = tmp / "run"
+        local.mkdir()
+        for name in ("config.toml", "metrics.json"):
+            if storage.is_file(run_path(run_dir, name)):
+                (local / name).write_bytes(storage.read_bytes(run_path(run_dir, name)))
+        use_best = not last and has_best(run_dir)
+        storage.download_dir(run_path(run_dir, BEST_DIR if use_best else "model"),
+                             local / (BEST_DIR if use_best else "model"))
+        yield local
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["BEST_DIR", "best_dir", "has_best", "local_run", "local_run_dir", "model_root", "run_path"]

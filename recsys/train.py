@@ -41,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"(the local launcher `recsys train` starts its own)")
     from recsys.training.checkpoint import resolve_resume
 
-    resolved = write_run_dir(cfg, Path(cfg.train.run_dir), fresh=False)   # every rank: same file, atomic
+    from recsys.rundir import local_run_dir
+
+    local = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)      # the run_dir itself unless a URI
+    resolved = write_run_dir(cfg, local, fresh=False)   # every rank: same file, atomic
     resume = args.resume
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "latest"          # torchrun restarted the workers: continue where the job was
@@ -49,10 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torchrun's agent forwards the SIGTERM / SIGINT it gets: stop after the step, with a checkpoint
     stopping.install(signal.SIGTERM, signal.SIGINT)
     try:
-        run_worker(str(resolved), list(cfg.ps.addresses), str(cfg.train.run_dir),
+        run_worker(str(resolved), list(cfg.ps.addresses), str(local),
                    None if checkpoint is None else str(checkpoint), load_shards=True)
     except Exception as e:         # one line on stderr, the traceback in run_dir/logs/trainer-R.log
-        line = report_failure(e, cfg.train.run_dir, int(os.environ.get("RANK", "0")), args.debug)
+        line = report_failure(e, local, int(os.environ.get("RANK", "0")), args.debug)
         sys.stderr.write(f"error: {line}\n")
         return 2
     return 0

@@ -24,10 +24,19 @@ on. Half-way between two checkpoints rank 0 still sends `prepare_save`, which th
 without doing anything (nothing to prepare); a thread of rank 0 waits for the writes, writes the manifest and
 renames the temporary directory into place, so a directory named `step-*` is always complete.
 `resolve_resume` verifies checksums and, for `latest`, falls back to the newest good checkpoint.
+
+A run directory on a URI (`s3://...`, `recsys.storage`): object stores cannot rename a directory,
+so a checkpoint is written in place and is complete once its manifest.json exists (written last).
+The shards upload their own parts (`embedding_ps.remote`); rank 0 stages its files in the local
+scratch directory (`recsys.rundir.local_run_dir`), uploads them and then the manifest. There
+`verify_checkpoint` checks that every file exists with its size (the sha256 of each file is
+checked when it is read: by the shards on restore and by `restore_trainer`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -45,9 +54,11 @@ from torch import nn
 from data.loader import ParquetLoader
 from embedding_ps.snapshot import saved_file_checksums
 from embedding_ps.store import EmbeddingStore
+from recsys import storage
 from recsys.config import JobConfig, to_toml
-from recsys.manifest import check_files, file_entry, write_json_atomic
+from recsys.manifest import check_files, file_entry, parse_manifest, write_json_atomic
 from recsys.manifest import read_manifest as _read_manifest
+from recsys.rundir import local_run_dir, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +91,32 @@ class Restored:
     validation: dict[str, Any]                              # recsys.training.validation state ({} if none)
 
 
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+def checkpoints_dir(run_dir: str | Path) -> Path | str:
+    return run_path(run_dir, "checkpoints")
 
 
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"{PREFIX}{step:010d}"
+def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
+    """RUN_DIR/checkpoints/step-N: a Path, or a URI string when the run directory is one."""
+    return run_path(run_dir, "checkpoints", f"{PREFIX}{step:010d}")
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint directories (renamed into place), oldest first."""
+def _is_remote(path: str | Path) -> bool:
+    return storage.is_uri(str(path))
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
+    """Complete checkpoint directories (renamed into place; on a URI: with their manifest), oldest first."""
     root = checkpoints_dir(run_dir)
+    if _is_remote(root):
+        names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
+        return [run_path(root, n) for n in names if storage.is_file(run_path(root, n, "manifest.json"))]
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def _name(path: str | Path) -> str:
+    return str(path).partition("?")[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +145,35 @@ def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
+def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str, Any]:
+    """Upload rank 0's staged files under `local` to URI `root`, whose model/ps the shards already
+    wrote, then its manifest.json (last: the checkpoint is complete from then on)."""
+    files = {}
+    ps = run_path(root, "model", "ps")
+    for i in range(int(info["num_shards"])):         # the shards' files, as their manifests list them
+        shard = storage.join(ps, f"shard{i}")
+        raw = storage.read_bytes(storage.join(shard, "manifest.json"))
+        files[f"model/ps/shard{i}/manifest.json"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        for rel, entry in json.loads(raw).get("files", {}).items():
+            files[f"model/ps/shard{i}/{rel}"] = entry
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            rel = path.relative_to(local).as_posix()
+            files[rel] = file_entry(path)
+            storage.write_bytes(run_path(root, rel), path.read_bytes())
+    manifest = {"format": FORMAT, "version": VERSION, **info, "files": dict(sorted(files.items()))}
+    storage.write_text(run_path(root, "manifest.json"), json.dumps(manifest, indent=1))
+    return manifest
+
+
+def read_manifest(root: Path | str) -> dict[str, Any]:
+    if _is_remote(root):
+        path = run_path(root, "manifest.json")
+        try:
+            text = storage.read_text(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
+        return parse_manifest(text, str(path), CorruptCheckpointError, format=FORMAT, version=("version", VERSION))
     return _read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint", format=FORMAT,
                           version=("version", VERSION))
 
@@ -130,29 +181,40 @@ def read_manifest(root: Path) -> dict[str, Any]:
 def verify_checkpoint(root: str | Path) -> dict[str, Any]:
     """Check every file of checkpoint `root` against its manifest; returns the manifest.
 
-    Raises CorruptCheckpointError naming the first missing, truncated or altered file.
+    Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI only
+    presence and sizes are checked here (see the module docstring).
     """
+    if _is_remote(root):
+        manifest = read_manifest(root)
+        stored = storage.list_files(root)
+        for rel, want in manifest["files"].items():
+            if rel not in stored:
+                raise CorruptCheckpointError(f"{run_path(root, rel)}: missing (listed in its manifest.json)")
+            if stored[rel] != want["size"]:
+                raise CorruptCheckpointError(f"{run_path(root, rel)}: {stored[rel]} bytes, the manifest says "
+                                             f"{want['size']} (truncated or changed)")
+        return manifest
     root = Path(root)
     manifest = read_manifest(root)
     check_files(root, manifest["files"], CorruptCheckpointError)
     return manifest
 
 
-def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
+def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
     """The checkpoint to resume from: `latest` (newest that verifies, None if the run has none) or a path.
 
     A corrupt checkpoint is skipped for `latest` with a warning naming the bad file; an explicit
     path must verify.
     """
     if resume != "latest":
-        path = Path(resume)
+        path = resume if _is_remote(resume) else Path(resume)
         verify_checkpoint(path)
         return path
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
         except CorruptCheckpointError as e:
-            logger.warning("skipping checkpoint %s: %s", path.name, e)
+            logger.warning("skipping checkpoint %s: %s", _name(path), e)
             continue
         return path
     return None
@@ -161,6 +223,14 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
 def prune(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and temporary leftovers of older saves."""
     done = list_checkpoints(run_dir)
+    if _is_remote(checkpoints_dir(run_dir)):
+        newest = _name(done[-1]) if done else ""
+        root = checkpoints_dir(run_dir)
+        for name in storage.list_dir(root):       # older ones, and unfinished ones before the newest
+            if name.startswith(PREFIX) and name < newest and run_path(root, name) not in done[-keep:]:
+                storage.delete_tree(run_path(root, name))
+                logger.info("removed old checkpoint %s", name)
+        return
     for path in done[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
         logger.info("removed old checkpoint %s", path.name)
@@ -198,7 +268,8 @@ class Checkpointer:
 
     def __init__(self, cfg: JobConfig, *, rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.run_dir = Path(cfg.train.run_dir)
+        self.run_dir = cfg.train.run_dir if _is_remote(cfg.train.run_dir) else Path(cfg.train.run_dir)
+        self.local_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)   # staging for a URI run_dir
         self.enabled = cfg.train.checkpoint_every > 0 or cfg.train.checkpoint_every_s > 0
         self._last_time = time.monotonic()
         self._finisher: threading.Thread | None = None
@@ -249,8 +320,14 @@ class Checkpointer:
         self._barrier()                   # async: every rank's pushes acknowledged before the snapshot
         if self.rank == 0:
             self.join()                   # one checkpoint in flight at a time
-            root = checkpoint_path(self.run_dir, step) if target is None else Path(target)
-            tmp = root.with_name(f".tmp-{root.name}")
+            root = checkpoint_path(self.run_dir, step) if target is None else target
+            remote = _is_remote(root)
+            if remote:         # written in place, complete once its manifest is (module docstring)
+                tmp = self.local_dir / "staging" / _name(root)
+                storage.delete_tree(root)
+            else:
+                root = Path(root)
+                tmp = root.with_name(f".tmp-{root.name}")
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "trainer").mkdir(parents=True)
             (tmp / "model").mkdir()
@@ -259,7 +336,7 @@ class Checkpointer:
             torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
             torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
             background = self.cfg.train.checkpoint_background
-            ps_dir = str((tmp / "model" / "ps").resolve())
+            ps_dir = run_path(root, "model", "ps") if remote else str((tmp / "model" / "ps").resolve())
             parts.store.save(ps_dir, step=step, background=background)
             info = {"step": step, "num_shards": self.cfg.ps.num_shards, "num_trainers": self.world_size,
                     "mode": self.cfg.ps.mode, "time": time.time()}
@@ -279,21 +356,25 @@ class Checkpointer:
             logger.info("checkpoint at step %d: training paused %.3f s (%s write)", step, pause,
                         "background" if self.cfg.train.checkpoint_background else "blocking")
 
-    def _finish(self, store: EmbeddingStore, ps_dir: str, tmp: Path, root: Path, info: dict, background: bool,
-                periodic: bool) -> None:
+    def _finish(self, store: EmbeddingStore, ps_dir: str, tmp: Path, root: Path | str, info: dict,
+                background: bool, periodic: bool) -> None:
         try:
             t0 = time.perf_counter()
             if background:
                 store.wait_saved(ps_dir, timeout_s=SAVE_TIMEOUT_S)
-            write_manifest(tmp, info)
-            if root.exists():
-                shutil.rmtree(root)
-            os.replace(tmp, root)
+            if _is_remote(root):
+                publish_checkpoint(tmp, str(root), info)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                write_manifest(tmp, info)
+                if root.exists():
+                    shutil.rmtree(root)
+                os.replace(tmp, root)
             if periodic:
                 prune(self.run_dir, self.cfg.train.keep_checkpoints)
             logger.info("checkpoint %s complete (%.2f s after the pause)", root, time.perf_counter() - t0)
         except BaseException as e:     # raised in the training thread at the next save or join
-            logger.error("checkpoint %s failed: %s", root.name, e)
+            logger.error("checkpoint %s failed: %s", _name(root), e)
             shutil.rmtree(tmp, ignore_errors=True)
             self._error = e
 
@@ -326,19 +407,32 @@ def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any] | Non
             "validation": dict(validation or {})}
 
 
+def read_checked(root: Path | str, rel: str, manifest: dict[str, Any]) -> bytes:
+    """File `rel` of checkpoint `root` (a path or a URI), checked against its manifest entry."""
+    path = run_path(root, *rel.split("/"))
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing (listed in its manifest.json)") from None
+    want = manifest["files"].get(rel)
+    if want is not None and (len(data) != want["size"] or hashlib.sha256(data).hexdigest() != want["sha256"]):
+        raise CorruptCheckpointError(f"{path}: {len(data)} bytes, sha256 differs from the manifest's (altered)")
+    return data
+
+
 def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, *, world_size: int) -> Restored:
     """Put checkpoint `root`'s dense model, optimizer, schedule and RNG into `parts` and every rank's
     data position into `loader` (any trainer count, `world_size` now: the data remainder is
     re-partitioned); returns the step to continue from and the manifest."""
-    root = Path(root)
     manifest = read_manifest(root)
-    parts.model.load_state_dict(torch.load(root / "model" / "dense.pt", weights_only=True))
-    state = torch.load(root / "trainer" / "state.pt", weights_only=True)
+    parts.model.load_state_dict(torch.load(io.BytesIO(read_checked(root, "model/dense.pt", manifest)),
+                                           weights_only=True))
+    state = torch.load(io.BytesIO(read_checked(root, "trainer/state.pt", manifest)), weights_only=True)
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     step = int(state["step"])
-    loaders = json.loads((root / "trainer" / "loaders.json").read_text())
+    loaders = json.loads(read_checked(root, "trainer/loaders.json", manifest))
     loader.resume_from(loaders)
     logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, step,
                 manifest["num_trainers"], world_size)

@@ -38,7 +38,9 @@ import time
 import uuid
 from pathlib import Path
 
+from recsys import storage
 from recsys.config import JobConfig, to_toml
+from recsys.rundir import local_run_dir, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +169,7 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
 
 
 def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
-                 restore: Path | None = None) -> tuple[list[subprocess.Popen], list[str]]:
+                 restore: Path | str | None = None) -> tuple[list[subprocess.Popen], list[str]]:
     """Start ps.num_shards shard processes on ephemeral ports; return them and their addresses.
 
     restore: a saved PS directory (a checkpoint's model/ps) each shard loads its part of first.
@@ -290,11 +292,18 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
-    run_dir = Path(cfg.train.run_dir)
+    run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     config_path = write_run_dir(cfg, run_dir)
-    checkpoint = resolve_resume(run_dir, resume) if resume else None
+    if storage.is_uri(cfg.train.run_dir):
+        logger.info("train.run_dir is %s; this machine's pids, ready files and logs are in %s (train.scratch_dir)",
+                    cfg.train.run_dir, run_dir)
+        storage.write_text(run_path(cfg.train.run_dir, "config.toml"), to_toml(cfg))
+        if resume and not (run_dir / "metrics.jsonl").exists() and storage.is_file(
+                run_path(cfg.train.run_dir, "metrics.jsonl")):        # resumed on another machine
+            (run_dir / "metrics.jsonl").write_bytes(storage.read_bytes(run_path(cfg.train.run_dir, "metrics.jsonl")))
+    checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
     if resume == "latest" and checkpoint is None:
-        logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", run_dir)
+        logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
     with StopRequests(run_dir) as stops:
         return _run(cfg, config_path, run_dir, checkpoint, stops, verbose)
 
@@ -329,7 +338,7 @@ def _run(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | No
                 raise RuntimeError(str(e) + ("" if not e.killed else
                                    f" (after {restarts} restarts; train.max_restarts = {cfg.train.max_restarts})")) from e
             restarts += 1
-            checkpoint = resolve_resume(run_dir, "latest") or checkpoint    # none written yet: where it began
+            checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
             where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
             logger.warning("%s; restart %d/%d from %s", e, restarts, cfg.train.max_restarts, where)
             with open(run_dir / "restarts.jsonl", "a") as f:
@@ -351,7 +360,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     shards: list[subprocess.Popen] = []
     try:
         shards, addresses = start_shards(cfg, config_path, run_dir,
-                                         None if checkpoint is None else checkpoint / "model" / "ps")
+                                         None if checkpoint is None else run_path(checkpoint, "model", "ps"))
         write_processes(run_dir, shards, earlier)
         logger.info("ps shards ready at %s", ", ".join(addresses))
         if stops.requested.is_set():

@@ -12,6 +12,7 @@ Admission counts of ids still waiting and eviction logs stay behind (they are pe
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from embedding_ps.config import PSConfig
 from embedding_ps.shard import ShardState
 from embedding_ps.snapshot import saved_shard_dirs, shard_dir
+from recsys import storage
 from recsys.config import load_config, to_toml
 from recsys.training.checkpoint import verify_checkpoint, write_manifest
 
@@ -26,7 +28,20 @@ logger = logging.getLogger(__name__)
 
 
 def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardState:
-    """Shard `shard_index` of `config` holding its part of the PS saved under `ps_dir` (any shard count)."""
+    """Shard `shard_index` of `config` holding its part of the PS saved under `ps_dir` (any shard
+    count; a URI too: with the same count the shard downloads only its own part)."""
+    if storage.is_uri(str(ps_dir)):
+        own = shard_dir(str(ps_dir), shard_index)
+        try:
+            same = json.loads(storage.read_text(storage.join(own, "manifest.json")))["num_shards"] == config.num_shards
+        except FileNotFoundError:
+            same = False
+        if same:
+            state = ShardState(config, shard_index)
+            state.load(own)                      # embedding_ps.remote fetches shard_index's files
+            return state
+        with storage.local_copy(str(ps_dir)) as local:
+            return restore_shard(config, shard_index, local)
     old = saved_shard_dirs(ps_dir)
     state = ShardState(config, shard_index)
     if len(old) == config.num_shards:

@@ -50,7 +50,7 @@ from recsys.training import stopping
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.retrieval import retrieval_metrics_of
 from recsys.training.step import step_strategy
-from recsys.rundir import best_dir
+from recsys.rundir import best_dir, local_run_dir
 from recsys.training.validation import Validation
 
 logger = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ class Trainer:
         self.checkpointer.save(self.parts, self.step, position, validation=self.validation.state_dict())
 
     def _write_trace(self, values: np.ndarray) -> None:
-        out = Path(self.cfg.train.run_dir) / "trace"
+        out = local_run_dir(self.cfg.train.run_dir, self.cfg.train.scratch_dir) / "trace"
         out.mkdir(parents=True, exist_ok=True)
         np.save(out / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", values, allow_pickle=False)
 

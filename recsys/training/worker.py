@@ -10,6 +10,7 @@ code 2; the launcher prints the first rank's line last. A trainer asked to stop 
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import logging
 import os
@@ -31,7 +32,8 @@ from recsys.training import stopping
 from recsys.training.checkpoint import checkpoint_path, read_manifest
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
-from recsys.rundir import best_dir, has_best
+from recsys import storage
+from recsys.rundir import best_dir, has_best, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +47,30 @@ def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path) -> None:
-    """Dense state (rank 0) plus every shard's own dump, written by the shards themselves."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(trainer.model.state_dict(), model_dir / "dense.tmp")
-    os.replace(model_dir / "dense.tmp", model_dir / "dense.pt")
-    store.save(str((model_dir / "ps").resolve()))
+RUN_FILES = ("metrics.json", "metrics.jsonl", "ps_stats.json")
+"""What rank 0 writes locally and copies to a URI run directory at the end (`publish_run_files`)."""
+
+
+def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -> None:
+    """Dense state (rank 0) plus every shard's own dump, written by the shards themselves
+    (`model_dir` may be a URI: then the shards upload their parts, see embedding_ps.remote)."""
+    buf = io.BytesIO()
+    torch.save(trainer.model.state_dict(), buf)
+    storage.write_bytes(run_path(model_dir, "dense.pt"), buf.getvalue())      # atomic (tmp + rename locally)
+    store.save(ps_dir(model_dir))
+
+
+def ps_dir(model_dir: Path | str) -> str:
+    """MODEL_DIR/ps as the shards are told it: absolute when local, the URI itself when remote."""
+    path = run_path(model_dir, "ps")
+    return path if isinstance(path, str) else str(path.resolve())
+
+
+def publish_run_files(local: Path, run_dir: str, names: tuple[str, ...] = RUN_FILES) -> None:
+    """A URI run directory: copy rank 0's local run files (metrics, shard stats) to it."""
+    for name in names:
+        if (local / name).is_file():
+            storage.write_bytes(run_path(run_dir, name), (local / name).read_bytes())
 
 
 STOPPED_FILE = "stopped.json"
@@ -145,7 +165,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     (out / "pids" / f"trainer-{rank}.json").write_text(
         json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid()}))
     if resume is not None and rank == 0:
-        trim_metrics(out / "metrics.jsonl", read_manifest(Path(resume))["step"])
+        trim_metrics(out / "metrics.jsonl", read_manifest(resume)["step"])
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
     store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
@@ -155,7 +175,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         store = trainer.store          # the row cache's wrapper when a table caches (a LOAD clears it)
         if resume is not None:
             if load_shards and rank == 0:
-                store.load(str((Path(resume) / "model" / "ps").resolve()))
+                store.load(ps_dir(run_path(resume, "model")))
             if load_shards and dist.is_initialized():
                 dist.barrier()            # nobody pulls before the shards hold the checkpoint's rows
             trainer.restore(resume)
@@ -163,9 +183,11 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         summary = trainer.train()
         if trainer.stopped:                # a stop request: the checkpoint is written, nothing else
             if rank == 0:
-                where = checkpoint_path(out, trainer.step)
+                where = checkpoint_path(cfg.train.run_dir, trainer.step)
                 (out / STOPPED_FILE).write_text(json.dumps({"step": trainer.step, "checkpoint": str(where)}))
                 logger.info("stopped at step %d; checkpoint %s", trainer.step, where)
+                if storage.is_uri(cfg.train.run_dir):      # the log so far, for a resume on another machine
+                    publish_run_files(out, cfg.train.run_dir, ("metrics.jsonl",))
             if dist.is_initialized():
                 dist.barrier()
             return
@@ -181,11 +203,11 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         if dist.is_initialized():
             dist.barrier()      # every rank's last pushes are acknowledged before the shards save
         if rank == 0:
-            save_model(trainer, store, out / "model")
+            save_model(trainer, store, run_path(cfg.train.run_dir, "model"))
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
         report: dict = dict(final)
         if cfg.data.test_paths:
-            report["test"] = score_test(trainer, store, cfg, out, rank)
+            report["test"] = score_test(trainer, store, cfg, cfg.train.run_dir, rank)
         if rank == 0:
             metric_logger.log({f"final/{k}": v for k, v in final.items()}, trainer.step)
             if "test" in report:
@@ -193,6 +215,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
                                    if isinstance(v, (int, float))}, trainer.step)
             (out / "metrics.json").write_text(json.dumps(report, indent=1))
             logger.info("final metrics: %s", report)
+            if storage.is_uri(cfg.train.run_dir):
+                publish_run_files(out, cfg.train.run_dir)
         if dist.is_initialized():
             dist.barrier()
     finally:
@@ -204,7 +228,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             dist.destroy_process_group()
 
 
-def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Path, rank: int) -> dict:
+def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Path | str, rank: int) -> dict:
     """metrics.json's "test" section: data.test_paths scored with the best model (run_dir/best, when
     validation kept one; else the last model). Collective: every rank scores its part.
 
@@ -216,10 +240,11 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
         if dist.is_initialized():
             dist.barrier()                 # every rank is done with the last model's rows
         if rank == 0:
-            store.load(str((best / "model" / "ps").resolve()))
+            store.load(ps_dir(run_path(best, "model")))
         if dist.is_initialized():
             dist.barrier()                 # nobody pulls before the shards hold the best rows
-        trainer.model.load_state_dict(torch.load(best / "model" / "dense.pt", weights_only=True))
+        dense = storage.read_bytes(run_path(best, "model", "dense.pt"))
+        trainer.model.load_state_dict(torch.load(io.BytesIO(dense), weights_only=True))
         trainer.strategy.resumed(trainer.step)       # async: progress again after the LOAD
     m = trainer.evaluate(cfg.data.test_paths)
     m["examples"] = m.pop("eval_examples")

@@ -1,0 +1,95 @@
+"""Data files on a pyarrow filesystem URI (`s3://bucket/data/`, `gs://...`, `hdfs://...`, `file:///...`).
+
+`data.paths` entries that are URIs are listed here (a file, a directory - recursively, skipping
+names that start with `.` or `_`, as for local paths - or a glob in the path part), and each file
+is opened through its filesystem. A file's URI keeps the query of the path it came from
+(`?endpoint_override=...&scheme=http`), so it can be opened again on its own. Endpoint and
+credentials are what pyarrow takes (environment variables such as AWS_ACCESS_KEY_ID, or the
+URI's query parameters).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from urllib.parse import unquote, urlsplit
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
+_MAGIC = re.compile(r"[*?[]")
+_FILESYSTEMS: dict[tuple[str, str, str], tuple[pafs.FileSystem, str]] = {}
+
+
+def is_uri(path: str) -> bool:
+    """Whether `path` is a filesystem URI (`scheme://...`) rather than a local path."""
+    return isinstance(path, str) and _URI.match(path) is not None
+
+
+def _resolve(uri: str) -> tuple[pafs.FileSystem, str, str, str]:
+    """(filesystem, path inside it, URI prefix that path is appended to, query suffix)."""
+    s = urlsplit(uri)
+    key = (s.scheme.lower(), s.netloc, s.query)
+    if key not in _FILESYSTEMS:
+        fs, _ = pafs.FileSystem.from_uri(uri)
+        object_store = key[0] not in ("file", "hdfs", "viewfs", "mock")
+        _FILESYSTEMS[key] = fs, (f"{s.scheme}://" if object_store else f"{s.scheme}://{s.netloc}")
+    fs, prefix = _FILESYSTEMS[key]
+    path = unquote(s.path) if not prefix.endswith("://") else s.netloc + unquote(s.path)
+    return fs, path, prefix, f"?{s.query}" if s.query else ""
+
+
+def _visible(rel: str) -> bool:
+    return not any(part.startswith((".", "_")) for part in rel.split("/") if part)
+
+
+def list_files(uri: str) -> list[str]:
+    """File URIs named by `uri` (a file, a directory or a glob), sorted; FileNotFoundError if it
+    does not exist, OSError naming `uri` when listing fails (missing bucket, permission)."""
+    try:
+        fs, path, prefix, query = _resolve(uri)
+        magic = _MAGIC.search(path)
+        if magic is None:
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.File:
+                return [uri]
+            if info.type == pafs.FileType.NotFound:
+                raise FileNotFoundError(f"data path '{uri}' does not exist")
+            base, pattern = path.rstrip("/"), None
+        else:
+            base, pattern = path[: magic.start()].rsplit("/", 1)[0], path
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise OSError(f"data path '{uri}': listing failed ({e})") from e
+    found = []
+    for i in infos:
+        rel = i.path[len(base):].lstrip("/")
+        if i.type != pafs.FileType.File:
+            continue
+        if pattern is None and not _visible(rel):
+            continue
+        if pattern is not None and not (fnmatch.fnmatchcase(i.path, pattern)
+                                        or any(fnmatch.fnmatchcase(d, pattern) for d in _parents(i.path, base))):
+            continue
+        found.append(f"{prefix}{i.path}{query}")
+    return sorted(found)
+
+
+def _parents(path: str, base: str) -> list[str]:
+    """Directories between `base` and file `path` (a glob may name a directory whose files it means)."""
+    parts = path[len(base):].strip("/").split("/")[:-1]
+    return [f"{base}/{'/'.join(parts[: k + 1])}" for k in range(len(parts))]
+
+
+def parquet_file(path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    """A ParquetFile of a local path or a file URI (opened through its pyarrow filesystem)."""
+    if not is_uri(path):
+        return pq.ParquetFile(path, metadata=metadata)
+    fs, p, _, _ = _resolve(path)
+    return pq.ParquetFile(p, metadata=metadata, filesystem=fs)
+
+
+__all__ = ["is_uri", "list_files", "parquet_file"]

@@ -1,0 +1,170 @@
+"""A shard's seam to remote storage: saves to and loads from a pyarrow filesystem URI.
+
+A save directory may be a local path or a URI (`s3://bucket/run/.../ps`, `gs://...`, `hdfs://...`,
+`file:///...`): on a multi-host job each shard writes its own part of a checkpoint to the shared
+URI itself. Object stores have no atomic rename of directories, so a remote save is
+"write-then-marker": the shard writes its files into a local temporary directory exactly as a
+local save does (checksums computed while writing), then uploads them, `manifest.json` last. A
+reader treats a shard directory without its manifest as unfinished (`snapshot.read_manifest`).
+Loading downloads a shard directory into a local temporary directory and reads it from there.
+
+Endpoint and credentials are what pyarrow takes: environment variables (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...) and URI query parameters, e.g.
+`s3://bucket/run?endpoint_override=127.0.0.1:9000&scheme=http`. The query stays at the end of every
+path made with `join`.
+
+This module is the only place in `embedding_ps` that knows about URIs; `recsys.storage` uses its
+`is_uri` / `join` so both sides name a shard's directory the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from urllib.parse import unquote, urlsplit
+
+import pyarrow.fs as pafs
+
+logger = logging.getLogger(__name__)
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
+_FILESYSTEMS: dict[tuple[str, str, str], pafs.FileSystem] = {}
+
+
+def is_uri(path: str | os.PathLike) -> bool:
+    """Whether `path` is a filesystem URI (`scheme://...`) rather than a local path."""
+    return isinstance(path, str) and _URI.match(path) is not None
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """`base`/`parts...`; for a URI the query (`?endpoint_override=...`) stays at the end."""
+    if not is_uri(base):
+        return os.path.join(os.fspath(base), *parts)
+    head, sep, query = base.partition("?")
+    for p in parts:
+        head = head.rstrip("/") + "/" + p.strip("/")
+    return head + sep + query
+
+
+def within(root: str, path: str) -> bool:
+    """Whether URI `path` lies under URI `root` (same scheme, host and query; no `..` part)."""
+    if not (is_uri(root) and is_uri(path)):
+        return False
+    r, p = urlsplit(root), urlsplit(path)
+    if (r.scheme.lower(), r.netloc, r.query) != (p.scheme.lower(), p.netloc, p.query):
+        return False
+    parts = [x for x in p.path.split("/") if x]
+    if any(x in (".", "..") for x in parts):
+        return False
+    base = [x for x in r.path.split("/") if x]
+    return parts[: len(base)] == base
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) of a URI; the filesystem of a scheme, host and query is made once."""
+    s = urlsplit(uri)
+    key = (s.scheme.lower(), s.netloc, s.query)
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        _FILESYSTEMS[key] = fs
+        return fs, path
+    if key[0] in ("file", "hdfs", "viewfs", "mock"):
+        path = unquote(s.path)
+    else:                                    # object stores: the bucket is the first part of the path
+        path = s.netloc + unquote(s.path)
+    return fs, path.rstrip("/") or "/"
+
+
+def upload_dir(local: str, uri: str, last: str) -> None:
+    """Copy every file under local directory `local` to `uri`, file `last` (relative name) last.
+
+    Whatever was under `uri` before is deleted first, marker first, so a reader never sees an old
+    marker over new files.
+    """
+    fs, root = resolve(uri)
+    delete_tree(uri)
+    rels = []
+    for dirpath, _, names in os.walk(local):
+        rels += [os.path.relpath(os.path.join(dirpath, n), local) for n in names]
+    for rel in sorted(rels, key=lambda r: (r == last, r)):
+        _copy(pafs.LocalFileSystem(), os.path.join(local, rel), fs, f"{root}/{rel}")
+
+
+def download_dir(uri: str, local: str) -> None:
+    """Copy every file under `uri` into local directory `local`; FileNotFoundError if there is none."""
+    fs, root = resolve(uri)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    except OSError as e:
+        raise OSError(f"{uri}: listing failed ({e})") from e
+    files = [i for i in infos if i.type == pafs.FileType.File]
+    if not files:
+        raise FileNotFoundError(f"no saved shard at {uri} (nothing stored under it)")
+    for info in files:
+        rel = info.path[len(root):].lstrip("/")
+        os.makedirs(os.path.dirname(os.path.join(local, rel)) or local, exist_ok=True)
+        _copy(fs, info.path, pafs.LocalFileSystem(), os.path.join(local, rel))
+
+
+def delete_tree(uri: str) -> None:
+    """Delete the file `uri`, or everything under it (a `manifest.json` first); nothing there: nothing to do."""
+    fs, root = resolve(uri)
+    kind = fs.get_file_info(root).type
+    if kind == pafs.FileType.NotFound:
+        return
+    if kind == pafs.FileType.File:
+        fs.delete_file(root)
+        return
+    marker = f"{root}/manifest.json"
+    if fs.get_file_info(marker).type == pafs.FileType.File:
+        fs.delete_file(marker)
+    if "/" in root.strip("/"):
+        fs.delete_dir(root)
+    else:                                    # a bucket itself: empty it, never delete it
+        fs.delete_dir_contents(root)
+
+
+def write_via_local(directory: str, write: Callable[[str], dict]) -> dict:
+    """A save to URI `directory`: `write(local_tmp_dir)` (the local writer), then upload, manifest last.
+
+    Returns what `write` returned, with "directory" = `directory`. The local copy is removed.
+    """
+    tmp = tempfile.mkdtemp(prefix="ps-save-")
+    try:
+        local = os.path.join(tmp, "shard")
+        info = dict(write(local))
+        try:
+            upload_dir(local, directory, last="manifest.json")
+        except OSError as e:
+            raise OSError(f"saving to {directory} failed: {e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    info["directory"] = directory
+    return info
+
+
+def fetch(directory: str) -> tempfile.TemporaryDirectory:
+    """A local copy of the shard directory at URI `directory`, removed when the object is collected
+    (arrays memory-mapped from it stay readable after that on POSIX)."""
+    tmp = tempfile.TemporaryDirectory(prefix="ps-load-")
+    try:
+        download_dir(directory, tmp.name)
+    except BaseException:
+        tmp.cleanup()
+        raise
+    return tmp
+
+
+def _copy(src_fs: pafs.FileSystem, src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
+    if isinstance(dst_fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+    pafs.copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
+
+
+__all__ = ["delete_tree", "download_dir", "fetch", "is_uri", "join", "resolve", "upload_dir", "within",
+           "write_via_local"]

@@ -1,0 +1,222 @@
+"""Where run directories, checkpoints and exports live: a local path or any pyarrow filesystem URI.
+
+Every path a command takes for its outputs or models (`train.run_dir`, `--resume`, `recsys eval /
+predict / export / reshard`) may be a local path or a URI: `s3://bucket/prefix`, `gs://...`,
+`hdfs://host:port/...`, `file:///abs/path`. This module resolves it to (pyarrow filesystem, path)
+and has the few operations the project needs; data paths are read by `data/` (pyarrow.fs too), a
+shard's own save by `embedding_ps.remote`, whose `is_uri` / `join` are used here so both name
+directories the same way.
+
+Endpoint and credentials: what pyarrow supports, i.e. the usual environment variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL;
+GOOGLE_APPLICATION_CREDENTIALS; HADOOP_HOME / CLASSPATH for HDFS) and URI query parameters, e.g.
+`s3://bucket/run?endpoint_override=127.0.0.1:9000&scheme=http`. `join` keeps the query at the end.
+
+Object stores cannot rename a directory atomically, so a remote directory is complete once its
+marker (`manifest.json`) is written, last. `write_bytes` of one object is atomic (a PUT appears
+whole or not at all); locally it writes a temporary file and renames it.
+
+Errors: `StorageError` (an OSError) naming the URI, the operation and the cause (a missing bucket,
+access denied, ...); a missing file raises FileNotFoundError naming the URI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from embedding_ps import remote
+from embedding_ps.remote import is_uri, join
+
+SCRATCH_ROOT = "recsys-scratch"
+
+
+class StorageError(OSError):
+    """A storage operation failed; the message names the URI, the operation and why."""
+
+
+def _explain(detail: str) -> str:
+    text = detail.upper()
+    if "NO_SUCH_BUCKET" in text or "NOSUCHBUCKET" in text or "BUCKET DOES NOT EXIST" in text:
+        return "the bucket does not exist"
+    if "ACCESS_DENIED" in text or "ACCESSDENIED" in text or "FORBIDDEN" in text or "PERMISSION" in text:
+        return "permission denied (check the credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ...)"
+    if "CONNECT" in text or "RESOLVE" in text or "TIMEOUT" in text or "NETWORK" in text:
+        return "cannot reach the storage endpoint (check endpoint_override / AWS_ENDPOINT_URL)"
+    return "error"
+
+
+@contextlib.contextmanager
+def _errors(path: str | os.PathLike, op: str) -> Iterator[None]:
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path}: not found ({op})") from e
+    except StorageError:
+        raise
+    except OSError as e:
+        raise StorageError(f"{path}: {op} failed: {_explain(str(e))} ({e})") from e
+    except Exception as e:             # pyarrow's ArrowInvalid for a bad URI, unknown scheme, ...
+        if type(e).__module__.startswith("pyarrow"):
+            raise StorageError(f"{path}: {op} failed: {e}") from e
+        raise
+
+
+def resolve(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) of a local path or a URI."""
+    if is_uri(path):
+        with _errors(path, "resolving the filesystem"):
+            return remote.resolve(str(path))
+    return pafs.LocalFileSystem(), os.path.abspath(os.fspath(path))
+
+
+def _info(path: str | os.PathLike) -> pafs.FileInfo:
+    fs, p = resolve(path)
+    with _errors(path, "stat"):
+        return fs.get_file_info(p)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    return _info(path).type != pafs.FileType.NotFound
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    return _info(path).type == pafs.FileType.File
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    fs, p = resolve(path)
+    with _errors(path, "read"):
+        with fs.open_input_stream(p) as f:
+            return f.read()
+
+
+def read_text(path: str | os.PathLike) -> str:
+    return read_bytes(path).decode()
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write a whole file atomically: locally a temporary file renamed into place, remotely one object."""
+    if not is_uri(path):
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+        return
+    fs, p = resolve(path)
+    with _errors(path, "write"):
+        if isinstance(fs, pafs.LocalFileSystem):          # file://: no implicit parents (object stores have none)
+            fs.create_dir(p.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(p) as f:
+            f.write(data)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def list_dir(path: str | os.PathLike) -> list[str]:
+    """Names of the entries directly under `path`, sorted; [] if it does not exist."""
+    fs, p = resolve(path)
+    with _errors(path, "list"):
+        infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+    return sorted(i.base_name for i in infos)
+
+
+def list_files(path: str | os.PathLike) -> dict[str, int]:
+    """{relative path: size} of every file under `path` (recursively); {} if it does not exist."""
+    fs, p = resolve(path)
+    with _errors(path, "list"):
+        infos = fs.get_file_info(pafs.FileSelector(p, recursive=True, allow_not_found=True))
+    root = p.rstrip("/") + "/"
+    return {i.path[len(root):]: i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def delete_tree(path: str | os.PathLike) -> None:
+    """Delete `path` and everything under it (its manifest.json first); missing: nothing to do."""
+    if not is_uri(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with _errors(path, "delete"):
+        remote.delete_tree(str(path))
+
+
+def upload_dir(local: str | os.PathLike, path: str | os.PathLike, last: str = "manifest.json") -> None:
+    """Put local directory `local` at `path` (replacing what is there), file `last` written last."""
+    if not is_uri(path):
+        dst = Path(path)
+        tmp = dst.with_name(f".tmp-{dst.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(local, tmp)
+        shutil.rmtree(dst, ignore_errors=True)
+        os.replace(tmp, dst)
+        return
+    with _errors(path, "upload"):
+        remote.upload_dir(os.fspath(local), str(path), last=last)
+
+
+def download_dir(path: str | os.PathLike, local: str | os.PathLike) -> None:
+    """Copy everything under `path` into local directory `local`."""
+    if not is_uri(path):
+        shutil.copytree(path, local, dirs_exist_ok=True)
+        return
+    with _errors(path, "download"):
+        remote.download_dir(str(path), os.fspath(local))
+
+
+@contextlib.contextmanager
+def local_copy(path: str | os.PathLike) -> Iterator[Path]:
+    """A local directory holding `path`'s files: `path` itself when local, else a downloaded
+    temporary copy removed on exit."""
+    if not is_uri(path):
+        yield Path(path)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="recsys-fetch-"))
+    try:
+        download_dir(path, tmp / "d")
+        yield tmp / "d"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_output(path: str | os.PathLike, directory: bool = True) -> Iterator[str]:
+    """Where a command writes output `path`: `path` itself when local; for a URI a local temporary
+    path, uploaded to `path` when the block ends without an error (a directory: its manifest.json
+    last; a file: one object)."""
+    if not is_uri(path):
+        yield os.fspath(path)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="recsys-out-"))
+    try:
+        local = tmp / (str(path).partition("?")[0].rstrip("/").rsplit("/", 1)[-1] or "out")
+        yield str(local)
+        if directory:
+            upload_dir(local, path, last="manifest.json")
+        else:
+            write_bytes(path, local.read_bytes())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def scratch_dir(run_dir: str, scratch: str = "") -> Path:
+    """The local directory for what only local processes need (pid and ready files, logs) when
+    `run_dir` is a URI: `scratch` if set, else <system temp>/recsys-scratch/<name>-<hash of the URI>."""
+    if scratch:
+        return Path(scratch)
+    name = run_dir.partition("?")[0].rstrip("/").rsplit("/", 1)[-1] or "run"
+    digest = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / SCRATCH_ROOT / f"{name}-{digest}"
+
+
+__all__ = ["StorageError", "delete_tree", "download_dir", "exists", "is_file", "is_uri", "join", "list_dir",
+           "list_files", "local_copy", "local_output", "read_bytes", "read_text", "resolve", "scratch_dir", "upload_dir",
+           "write_bytes", "write_text"]
