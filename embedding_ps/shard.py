@@ -53,7 +53,8 @@ class ShardState:
         self.shard_index = shard_index
         self.threads = shard_threads(config.threads)
         self.tables = [
-            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})", threads=self.threads)
+            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})", threads=self.threads,
+                       num_shards=config.num_shards)
             for i, t in enumerate(config.tables)
         ]
         self._lock = threading.Lock()
