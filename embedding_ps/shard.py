@@ -235,7 +235,9 @@ class ShardState:
         """
         saved = self._open(directory)
         saved.check(self.config.tables, shard_index=self.shard_index, num_shards=self.config.num_shards)
-        tables = [saved.table_arrays(i) for i in range(saved.num_tables)]
+        # memory-mapped (hashed through the mapping before any state changes): the files' bytes stay
+        # page cache, not a second resident copy of the shard beside the table being filled
+        tables = [saved.table_arrays(i, mmap=True) for i in range(saved.num_tables)]
         with self._lock:
             for i, (t, arrays) in enumerate(zip(self.tables, tables)):
                 t.from_arrays(arrays, saved.meta(i))

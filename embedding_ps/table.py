@@ -432,13 +432,14 @@ class TableShard:
         if max(h, int(meta["capacity"]), 64) > self.cap:
             self._grow(max(h, int(meta["capacity"]), 64))
         self.hwm = h
-        self.weights[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays["weights"])))
+        # np.copyto: the arrays may be read-only memory maps of a saved shard (torch.from_numpy warns on those)
+        np.copyto(self.weights[:h].numpy(), arrays["weights"], casting="no")
         for name, t in self.state.items():
-            t[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[f"state.{name}"])))
+            np.copyto(t[:h].numpy(), arrays[f"state.{name}"], casting="no")
         for name in _COUNTERS:
             t = getattr(self, name)
             if t is not None and name in arrays:
-                t[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[name])))
+                np.copyto(t[:h].numpy(), arrays[name], casting="no")
             elif t is not None:  # saved without row counters: count 0, last seen at step 0
                 t[:h] = 0
         self.free = np.array(arrays["free"], dtype=np.int32)
