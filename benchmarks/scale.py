@@ -5,8 +5,9 @@
                                [--zipf 1.05] [--fill-batch 65536] [--no-hint] [--row-counters]
                                [--save background|blocking] [--workdir DIR] [--out FILE]
 
-Not in CI or `make bench` (1e8 rows need ~9 GB of RAM and ~9 GB of disk, and take ~15-20 minutes on
-2 cores); `--rows 1e6 --points ''` is a quick check. One table `ids` of `--rows` rows, row-wise Adagrad
+Not in CI or `make bench` (1e8 rows need ~9 GB of RAM, up to ~19 GB during the background save,
+and 8 GB of disk; ~6 minutes on the shared 2-core machine, BENCHMARKS.md "Scale run");
+`--rows 1e6 --points ''` is a quick check. One table `ids` of `--rows` rows, row-wise Adagrad
 (the sparse optimizer state is 4 bytes a row), `capacity = --rows` (the per-table hint: each shard
 reserves its share up front; `--no-hint` grows as without it) and `row_counters = false` (no TTL, LFU
 or delta export reads them here; `--row-counters` keeps them). Phases, each timed on the same shards:
@@ -15,7 +16,8 @@ or delta export reads them here; `--row-counters` keeps them). Phases, each time
    memory (RSS) is what a shard holds before any row (interpreter, torch, zmq, buffers).
 2. fill: `--shards` shard processes started as `recsys train` starts them (`recsys ps --config
    ... --shard i`, `recsys.training.launch.start_shards`), filled through a PSClient by pushing ids
-   0..rows-1 once (zero gradients, `--fill-batch` ids a request: every row is admitted with its init
+   0..rows-1 once (zero gradients, `--fill-batch` ids a push, one push + barrier a step, as a sync
+   trainer does: every row is admitted with its init
    row and an untouched Adagrad accumulator), then a SWEEP (no TTL: it only returns freed heap to the
    OS, as a shard does after every sweep). `bytes_per_row` = (summed RSS of the shard processes -
    shards x the empty shard's RSS) / rows, against raw fp32 (4 x dim bytes): `bytes_per_row_ratio`.
@@ -35,7 +37,9 @@ or delta export reads them here; `--row-counters` keeps them). Phases, each time
    save: each reads every old shard and keeps its ids (`recsys.training.reshard.restore_shard`, the
    path a resume with another ps.num_shards takes): `reshard_s`, and its peak summed RSS.
 A sample of 200k ids pulled before the save must come back identical after restore and reshard
-(the script exits 1 otherwise).
+(the script exits 1 otherwise). The machine is shared: a background save without MemAvailable for a
+copy of the shards becomes a blocking one, and restore / reshard without room for their new tables
+are skipped (null figures); `notes` in the JSON says which.
 
 `--points 1e6,1e7`: phases 1-2 alone at each of these sizes first (fresh shards each), so memory per
 row can be plotted against rows (`points` in the JSON; `benchmarks/plots.py --scale FILE`).
@@ -315,7 +319,8 @@ def run(a: argparse.Namespace, work: Path) -> dict:
         log(f"save: {out['save_s']:.1f} s")
     finally:
         sh.stop()
-    # peaks measured at 1e7 (BENCHMARKS.md): restore ~1.2x the table, re-sharding ~1.6x, plus the empty shards
+    # room asked for: the new shards' tables plus what they read at once (anonymous memory; the saved
+    # files are mapped read-only, page cache that MemAvailable counts as free)
     for key, shards, factor in (("restore", a.shards, 1.3), ("reshard", a.reshard_to, 1.8)):
         out.update({f"{key}_s": None, f"{key}_shards": shards})
         if room_for(int(factor * table_bytes) + shards * empty, key, notes):

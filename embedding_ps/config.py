@@ -90,8 +90,8 @@ class TableConfig:
     """Rows of this table expected across all shards (a hint; 0: none). Each of the ps.num_shards
     shards reserves its share up front, `capacity / num_shards` plus 1% and 1024: the slot arrays
     (rows, optimizer state, counters; virtual memory, resident only as slots are used) and its id
-    map, sized to hold that share at load 0.85 (14.1 bytes a row, against 17-34 for a map that grows
-    by doubling). Up to it nothing doubles or regrows; past it the table grows as without a hint."""
+    map, sized to hold that share at load 0.85 (14.1 bytes a row, against 23-46 for a map that grows
+    by doubling, at load 0.26-0.53). Up to it nothing doubles or regrows; past it the table grows as without a hint."""
     row_counters: bool = True
     """Keep each row's push count and last-push step (8 bytes a row). TTL (`ttl_steps`), LFU
     eviction (`max_rows`) and delta exports (`recsys export --since`) read them; re-sharding and
