@@ -2,7 +2,7 @@
 
     python benchmarks/plots.py --train-distributed td.json [--serving serving.json]
                                [--ps-table pt_1e6.json pt_5e6.json ...] [--checkpoint ckpt.json]
-                               [--out benchmarks/figures]
+                               [--scale scale.json] [--out benchmarks/figures]
 
 Each input is a file holding what a benchmark printed with --json (a whole file of JSON, or a
 log whose last line starting with "{" is the JSON). Plots made, each only from the inputs given:
@@ -16,7 +16,8 @@ log whose last line starting with "{" is the JSON). Plots made, each only from t
 - `memory_per_row.png`: bytes per row against rows, from benchmarks/ps_table.py --json
   (`rss_rows` and `rss_bytes_per_row_d{D}`: a shard's resident memory, one point per file) and
   benchmarks/checkpoint.py --json (`sizes[*].rows` / `.bytes`: the saved shard's bytes), with raw
-  fp32 (4 * D bytes) as the reference line.
+  fp32 (4 * D bytes) as the reference line; and/or from benchmarks/scale.py --json (`points[*]`:
+  `rows` / `bytes_per_row`, the summed resident memory of its shard processes per row).
 
 The figures are small (5 x 3.2 in at 80 dpi). A plot whose input lacks the figures it needs is an
 error (exit 1), not an empty picture.
@@ -129,7 +130,7 @@ def plot_serving(r: dict, out: Path) -> Path | None:
     return path
 
 
-def plot_memory(ps_tables: list[dict], checkpoint: dict | None, out: Path) -> Path:
+def plot_memory(ps_tables: list[dict], checkpoint: dict | None, out: Path, scale: dict | None = None) -> Path:
     """Bytes per row against rows (log x): a shard's resident memory and its saved bytes, raw fp32 line."""
     resident, dims = [], set()
     for r in ps_tables:
@@ -143,21 +144,29 @@ def plot_memory(ps_tables: list[dict], checkpoint: dict | None, out: Path) -> Pa
     for s in (checkpoint or {}).get("sizes", []):
         saved.append((s["rows"], s["bytes"] / s["rows"]))
         dims.add(s["dim"])
-    if not resident and not saved:
-        raise ValueError("no memory figures: give --ps-table and/or --checkpoint JSON")
+    shards = []
+    if scale is not None:
+        if not scale.get("points"):
+            raise ValueError("scale JSON lacks points (rows / bytes_per_row per size)")
+        for pt in scale["points"]:
+            shards.append((pt["rows"], pt["bytes_per_row"]))
+            dims.add(pt["dim"])
+    if not resident and not saved and not shards:
+        raise ValueError("no memory figures: give --ps-table, --checkpoint and/or --scale JSON")
     if len(dims) != 1:
         raise ValueError(f"the inputs mix embedding dims {sorted(dims)}; plot one dim at a time")
     dim = dims.pop()
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
     for pts, marker, label in ((resident, "o-", "shard resident memory (ps_table.py)"),
-                               (saved, "s-", "saved shard bytes (checkpoint.py)")):
+                               (saved, "s-", "saved shard bytes (checkpoint.py)"),
+                               (shards, "^-", "shard processes' resident memory (scale.py)")):
         if pts:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, label=label)
     ax.axhline(4 * dim, color="black", linestyle="--", linewidth=1, label=f"raw fp32 ({4 * dim} B)")
     ax.set_xscale("log")
-    ax.set_ylim(0, 1.2 * max([4 * dim] + [p[1] for p in resident + saved]))
+    ax.set_ylim(0, 1.2 * max([4 * dim] + [p[1] for p in resident + saved + shards]))
     ax.set_xlabel("rows", fontsize=8)
     ax.set_ylabel("bytes per row", fontsize=8)
     ax.set_title(f"memory per row, D={dim}", fontsize=8)
@@ -175,9 +184,10 @@ def main() -> int:
     p.add_argument("--serving", help="benchmarks/serving.py --json output")
     p.add_argument("--ps-table", nargs="*", default=[], help="benchmarks/ps_table.py --json outputs")
     p.add_argument("--checkpoint", help="benchmarks/checkpoint.py --json output")
+    p.add_argument("--scale", help="benchmarks/scale.py --json output")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "figures"))
     a = p.parse_args()
-    if not (a.train_distributed or a.serving or a.ps_table or a.checkpoint):
+    if not (a.train_distributed or a.serving or a.ps_table or a.checkpoint or a.scale):
         p.error("give at least one benchmark's JSON")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -187,9 +197,10 @@ def main() -> int:
         if a.serving:
             made = plot_serving(read_json(a.serving), out)
             print(made if made else f"{a.serving}: no list of batch-1 latencies; serving_latency.png not made")
-        if a.ps_table or a.checkpoint:
+        if a.ps_table or a.checkpoint or a.scale:
             print(plot_memory([read_json(x) for x in a.ps_table],
-                              read_json(a.checkpoint) if a.checkpoint else None, out))
+                              read_json(a.checkpoint) if a.checkpoint else None, out,
+                              read_json(a.scale) if a.scale else None))
     except (ValueError, KeyError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,9 +6,10 @@
  * contiguity and bounds). Every function has a numpy/torch twin (idmap.py, optim.py,
  * table.py) that stays the reference; tests compare the two.
  *
- * Map layout (idmap.py): keys int64 [C], vals int32 [C], C = 2**bits; vals >= 0 occupied,
+ * Map layout (idmap.py): keys int64 [C], vals int32 [C], any C in [1, 2**32); vals >= 0 occupied,
  * -1 EMPTY (ends a probe chain), -2 TOMBSTONE (probed past, reusable by inserts). Linear
- * probing from home = splitmix64(key + GOLDEN) >> (64 - bits).
+ * probing (bucket C - 1 wraps to 0) from home = ((splitmix64(key + GOLDEN) >> 32) * C) >> 32,
+ * which is splitmix64(key + GOLDEN) >> (64 - b) when C = 2**b.
  *
  * Float math follows the torch ops of optim.py step by step in fp32 (scalars rounded to fp32
  * as torch does for a float32 tensor op with a Python scalar), so sgd and adagrad are bit-exact;
@@ -40,7 +41,7 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 3; }
+int ps_abi_version(void) { return 4; }
 
 /* ------------------------------------------------------------------ parallel for */
 #define PS_MAX_THREADS 64
@@ -93,32 +94,32 @@ static void ps_parallel(ps_chunk_fn fn, void *ctx, int64_t n, int nthreads) {
 #define PS_ADD(p, v) (*(p) += (v)) /* single-threaded builds only */
 #endif
 
-static inline uint64_t ps_home(int64_t key, int bits) {
+static inline uint64_t ps_home(int64_t key, uint64_t nb) {
     uint64_t z = (uint64_t)key + 0x9E3779B97F4A7C15ULL;
     z ^= z >> 30;
     z *= 0xBF58476D1CE4E5B9ULL;
     z ^= z >> 27;
     z *= 0x94D049BB133111EBULL;
     z ^= z >> 31;
-    return z >> (64 - bits);
+    return ((z >> 32) * nb) >> 32;
 }
 
 /* For each key: its value (out_val, -1 if absent) and/or bucket (out_pos, -1 if absent).
  * Either output may be NULL. Returns 0, or -1 if a probe chain had no EMPTY end (corrupt map). */
-static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int bits, const int64_t *keys, int64_t n,
+static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int64_t nbuckets, const int64_t *keys, int64_t n,
                              int32_t *out_val, int64_t *out_pos) {
-    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    const uint64_t nb = (uint64_t)nbuckets;
     uint64_t ring[PF];
     int64_t i;
     for (i = 0; i < n && i < PF; i++) {
-        ring[i] = ps_home(keys[i], bits);
+        ring[i] = ps_home(keys[i], nb);
         PREFETCH(vv + ring[i]);
         PREFETCH(kv + ring[i]);
     }
     for (i = 0; i < n; i++) {
         uint64_t p = ring[i % PF];
         if (i + PF < n) {
-            uint64_t h = ps_home(keys[i + PF], bits);
+            uint64_t h = ps_home(keys[i + PF], nb);
             ring[i % PF] = h;
             PREFETCH(vv + h);
             PREFETCH(kv + h);
@@ -126,7 +127,7 @@ static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int bits, con
         const int64_t k = keys[i];
         int32_t val = -1;
         int64_t pos = -1;
-        uint64_t left = mask + 1;
+        uint64_t left = nb;
         for (;;) {
             int32_t v = vv[p];
             if (v == PS_EMPTY) break;
@@ -135,7 +136,7 @@ static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int bits, con
                 pos = (int64_t)p;
                 break;
             }
-            p = (p + 1) & mask;
+            if (++p == nb) p = 0;
             if (--left == 0) return -1;
         }
         if (out_val) out_val[i] = val;
@@ -147,7 +148,7 @@ static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int bits, con
 struct ps_find_ctx {
     const int64_t *kv;
     const int32_t *vv;
-    int bits;
+    int64_t nbuckets;
     const int64_t *keys;
     int32_t *out_val;
     int64_t *out_pos;
@@ -156,15 +157,15 @@ struct ps_find_ctx {
 
 static void ps_find_chunk(void *p, int64_t lo, int64_t hi) {
     struct ps_find_ctx *c = (struct ps_find_ctx *)p;
-    if (ps_map_find_range(c->kv, c->vv, c->bits, c->keys + lo, hi - lo, c->out_val ? c->out_val + lo : NULL,
+    if (ps_map_find_range(c->kv, c->vv, c->nbuckets, c->keys + lo, hi - lo, c->out_val ? c->out_val + lo : NULL,
                           c->out_pos ? c->out_pos + lo : NULL) != 0)
         PS_ADD(&c->failed, 1);
 }
 
 /* ps_map_find_range over nthreads threads (the map is only read). */
-int ps_map_find(const int64_t *kv, const int32_t *vv, int bits, const int64_t *keys, int64_t n, int32_t *out_val,
-                int64_t *out_pos, int nthreads) {
-    struct ps_find_ctx c = {kv, vv, bits, keys, out_val, out_pos, 0};
+int ps_map_find(const int64_t *kv, const int32_t *vv, int64_t nbuckets, const int64_t *keys, int64_t n,
+                int32_t *out_val, int64_t *out_pos, int nthreads) {
+    struct ps_find_ctx c = {kv, vv, nbuckets, keys, out_val, out_pos, 0};
     ps_parallel(ps_find_chunk, &c, n, nthreads);
     return c.failed ? -1 : 0;
 }
@@ -172,27 +173,27 @@ int ps_map_find(const int64_t *kv, const int32_t *vv, int bits, const int64_t *k
 /* Insert distinct keys absent from the map into the first free bucket (EMPTY or TOMBSTONE) of
  * their chain, in order. The caller grew the map first. Returns the number of tombstones
  * reused, or -1 if a chain had no free bucket. */
-int64_t ps_map_place(int64_t *kv, int32_t *vv, int bits, const int64_t *keys, const int32_t *vals,
+int64_t ps_map_place(int64_t *kv, int32_t *vv, int64_t nbuckets, const int64_t *keys, const int32_t *vals,
                      int64_t n) {
-    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    const uint64_t nb = (uint64_t)nbuckets;
     uint64_t ring[PF];
     int64_t i, tombs = 0;
     for (i = 0; i < n && i < PF; i++) {
-        ring[i] = ps_home(keys[i], bits);
+        ring[i] = ps_home(keys[i], nb);
         PREFETCH_W(vv + ring[i]);
         PREFETCH_W(kv + ring[i]);
     }
     for (i = 0; i < n; i++) {
         uint64_t p = ring[i % PF];
         if (i + PF < n) {
-            uint64_t h = ps_home(keys[i + PF], bits);
+            uint64_t h = ps_home(keys[i + PF], nb);
             ring[i % PF] = h;
             PREFETCH_W(vv + h);
             PREFETCH_W(kv + h);
         }
-        uint64_t left = mask + 1;
+        uint64_t left = nb;
         while (vv[p] >= 0) {
-            p = (p + 1) & mask;
+            if (++p == nb) p = 0;
             if (--left == 0) return -1;
         }
         if (vv[p] == PS_TOMB) tombs++;

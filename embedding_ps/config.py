@@ -86,6 +86,18 @@ class TableConfig:
     (on its GPU with train.device = "cuda") and pulls only the misses (`embedding_ps.cache`); async
     mode only, a cached row is at most ps.max_staleness steps old. 0: off. The shards ignore it."""
 
+    capacity: int = 0
+    """Rows of this table expected across all shards (a hint; 0: none). Each of the ps.num_shards
+    shards reserves its share up front, `capacity / num_shards` plus 1% and 1024: the slot arrays
+    (rows, optimizer state, counters; virtual memory, resident only as slots are used) and its id
+    map, sized to hold that share at load 0.85 (14.1 bytes a row, against 23-46 for a map that grows
+    by doubling, at load 0.26-0.53). Up to it nothing doubles or regrows; past it the table grows as without a hint."""
+    row_counters: bool = True
+    """Keep each row's push count and last-push step (8 bytes a row). TTL (`ttl_steps`), LFU
+    eviction (`max_rows`) and delta exports (`recsys export --since`) read them; re-sharding and
+    `dump` carry them. false (allowed only with ttl_steps = 0 and max_rows = 0) saves the 8 bytes:
+    a delta export of such a table is refused (a full export works)."""
+
     def __post_init__(self) -> None:
         p = f"ps.tables[{self.name}]"
         if not self.name:
@@ -122,6 +134,11 @@ class TableConfig:
                 raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.cache_rows < 0:
             raise ValueError(f"{p}.cache_rows must be >= 0, got {self.cache_rows}")
+        if self.capacity < 0:
+            raise ValueError(f"{p}.capacity must be >= 0, got {self.capacity}")
+        if not self.row_counters and (self.ttl_steps or self.max_rows):
+            raise ValueError(f"{p}.row_counters = false, but ttl_steps = {self.ttl_steps} and max_rows = "
+                             f"{self.max_rows} read them: set both to 0 or row_counters = true")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,9 +5,12 @@ Layout: `keys` int64 [C] and `vals` int32 [C], C a power of two. A bucket is occ
 probe walks past and an insert may reuse. Occupancy lives in `vals`, never in a sentinel key,
 so every 64-bit key (0, negatives, int64 min/max) is storable. 12 bytes per bucket.
 
-Probing is linear from `home = splitmix64(key + GOLDEN) >> (64 - log2 C)`: the top bits of a
-mix different from the shard hash (`shard_of` uses `splitmix64(key)`), so the ids that one shard
-holds still spread over all buckets.
+Probing is linear (bucket C - 1 wraps to 0) from `home = ((splitmix64(key + GOLDEN) >> 32) * C) >> 32`,
+the top bits of a mix different from the shard hash (`shard_of` uses `splitmix64(key)`), so the
+ids that one shard holds still spread over all buckets; for C = 2**b it is the mix's top b bits.
+C is a power of two as the map grows by itself, or any multiple of 64 after `reserve(n)`, which
+sizes the map for n entries at exactly `max_load` (a table with a capacity hint: 12 / max_load
+bytes per entry, with no power-of-two rounding and no rehash until n).
 
 Every operation works on whole batches with numpy: one probe round handles every key still
 searching, and the next round only those that moved on. An insert claims a free bucket by
@@ -32,13 +35,18 @@ from embedding_ps.sharding import GOLDEN, splitmix64_np
 
 EMPTY = -1
 TOMBSTONE = -2
+MAX_LOAD = 0.95
+"""Highest `max_load` an IdMap accepts (linear probing's chains grow like 1 / (1 - load)**2 past it)."""
 _GOLDEN = np.uint64(GOLDEN)
 
 
-def _home(keys: np.ndarray, bits: int) -> np.ndarray:
-    """int64 [N] -> int64 [N] in [0, 2**bits): the first bucket probed for each key."""
+def _home(keys: np.ndarray, buckets: int) -> np.ndarray:
+    """int64 [N] -> int64 [N] in [0, buckets): the first bucket probed for each key (buckets < 2**32)."""
     z = splitmix64_np(keys.view(np.uint64) + _GOLDEN, copy=False)     # the sum is a new array
-    return (z >> np.uint64(64 - bits)).view(np.int64)
+    z >>= np.uint64(32)
+    z *= np.uint64(buckets)                                           # < 2**64: no overflow
+    z >>= np.uint64(32)
+    return z.view(np.int64)
 
 
 class IdMap:
@@ -52,12 +60,13 @@ class IdMap:
     """
 
     def __init__(self, capacity: int = 0, max_load: float = 0.7, threads: int = 1) -> None:
-        if not 0.1 <= max_load <= 0.9:
-            raise ValueError(f"IdMap.max_load must be in [0.1, 0.9], got {max_load}")
+        if not 0.1 <= max_load <= MAX_LOAD:
+            raise ValueError(f"IdMap.max_load must be in [0.1, {MAX_LOAD}], got {max_load}")
         self.max_load = max_load
         self.threads = threads  # C threads of a native lookup (reads only); inserts run on one thread
         self._size = 0
         self._tombs = 0
+        self._reserved = 0  # buckets that `reserve` asked for: rehashes of up to max_load of them keep them
         self._alloc(self._buckets_for(capacity))
 
     # ------------------------------------------------------------------ public API
@@ -76,8 +85,8 @@ class IdMap:
         """int64 [N] -> int32 [N]: the value of each key, -1 where absent. Duplicates are fine."""
         lib = native.lib()
         if lib is not None:
-            return native.map_find(lib, self._keys, self._vals, self._bits, np.ascontiguousarray(keys, dtype=np.int64),
-                                   "val", self.threads)
+            return native.map_find(lib, self._keys, self._vals, np.ascontiguousarray(keys, dtype=np.int64), "val",
+                                   self.threads)
         return self._find(np.ascontiguousarray(keys, dtype=np.int64), want="val").astype(np.int32, copy=False)
 
     def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
@@ -123,10 +132,18 @@ class IdMap:
         n = int(np.count_nonzero(live))
         return np.compress(live, self._keys, out=keys_out[:n]), np.compress(live, self._vals, out=vals_out[:n])
 
+    def reserve(self, n: int) -> None:
+        """Room for `n` entries in all (live + tombstones) without a rehash, in the fewest buckets:
+        ceil(n / max_load) rounded up to a multiple of 64 (not a power of two). Never shrinks."""
+        buckets = -(-max(int(np.ceil(n / self.max_load)), 64) // 64) * 64
+        self._reserved = max(self._reserved, buckets)
+        if buckets > self.num_buckets:
+            self._rehash(self._size)
+
     def clear(self) -> None:
         self._size = 0
         self._tombs = 0
-        self._alloc(self._buckets_for(0))
+        self._alloc(max(self._buckets_for(0), self._reserved))
 
     # ------------------------------------------------------------------ internals
     def _buckets_for(self, n: int) -> int:
@@ -141,11 +158,12 @@ class IdMap:
         # load >= 3/8 touches every page anyway.
         self._keys = np.full(buckets, 0, dtype=np.int64)
         self._vals = np.full(buckets, EMPTY, dtype=np.int32)
-        self._bits = buckets.bit_length() - 1
 
     def _rehash(self, n: int) -> None:
+        """Rebuild without tombstones in buckets for n entries (the reserved ones while n fits them)."""
         keys, vals = self.items()
-        self._alloc(max(self._buckets_for(n), 64))
+        fits = self._reserved > 0 and n <= self.max_load * self._reserved
+        self._alloc(self._reserved if fits else max(self._buckets_for(n), 64))
         self._tombs = 0
         self._place(keys, vals)
 
@@ -153,10 +171,10 @@ class IdMap:
         """int64 [N] -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1 where absent."""
         lib = native.lib()
         if lib is not None:
-            return native.map_find(lib, self._keys, self._vals, self._bits, keys, want, self.threads)
-        mask = self.num_buckets - 1
+            return native.map_find(lib, self._keys, self._vals, keys, want, self.threads)
+        nb = self.num_buckets
         kv, vv = self._keys, self._vals
-        pos = _home(keys, self._bits)
+        pos = _home(keys, nb)
         v = vv[pos]
         hit = kv[pos] == keys
         hit &= v >= 0
@@ -166,7 +184,7 @@ class IdMap:
         k = keys[idx]
         while idx.shape[0]:  # later rounds carry (idx, bucket, key) compressed, sequential reads only
             p += 1
-            p &= mask
+            p[p == nb] = 0
             v = vv[p]
             hit = kv[p] == k
             hit &= v >= 0
@@ -179,11 +197,11 @@ class IdMap:
         """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE), scatter-then-verify."""
         lib = native.lib()
         if lib is not None:
-            self._tombs -= native.map_place(lib, self._keys, self._vals, self._bits, keys, vals)
+            self._tombs -= native.map_place(lib, self._keys, self._vals, keys, vals)
             return
-        mask = self.num_buckets - 1
+        nb = self.num_buckets
         kv, vv = self._keys, self._vals
-        pos = _home(keys, self._bits)
+        pos = _home(keys, nb)
         idx = None  # None: all keys (round one, without an arange)
         while idx is None or idx.shape[0]:
             p = pos if idx is None else pos[idx]
@@ -201,7 +219,9 @@ class IdMap:
             left = np.ones(p.shape[0], dtype=bool)
             left[wi] = False
             idx = np.flatnonzero(left) if idx is None else idx[left]
-            pos[idx] = (pos[idx] + 1) & mask
+            nxt = pos[idx] + 1
+            nxt[nxt == nb] = 0
+            pos[idx] = nxt
 
 
 class BoundedCounter:

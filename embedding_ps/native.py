@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 3
+_ABI = 4
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -48,8 +48,8 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _SIGS = {
     "ps_abi_version": ([], ctypes.c_int),
-    "ps_map_find": ([_P, _P, ctypes.c_int, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int),
-    "ps_map_place": ([_P, _P, ctypes.c_int, _P, _P, _I64], _I64),
+    "ps_map_find": ([_P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int),
+    "ps_map_place": ([_P, _P, _I64, _P, _P, _I64], _I64),
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
     "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, ctypes.c_int], _I64),
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
@@ -174,31 +174,31 @@ def _check(a, dtype, name: str) -> None:
         raise TypeError(f"native: {name} must be a contiguous {dtype} array, got {a.dtype}")
 
 
-def map_find(native, kv: np.ndarray, vv: np.ndarray, bits: int, keys: np.ndarray, want: str,
+def map_find(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, want: str,
              threads: int = 1) -> np.ndarray:
     """IdMap._find in C: int64 [N] keys -> int32 values (want="val") or int64 buckets (want="pos"), -1 absent."""
     _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals"), _check(keys, np.int64, "keys")
-    assert kv.shape[0] == vv.shape[0] == 1 << bits
-    n = keys.shape[0]
+    assert kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32
+    n, nb = keys.shape[0], kv.shape[0]
     if want == "val":
         out = np.empty(n, dtype=np.int32)
-        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, out.ctypes.data, None,
+        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, nb, keys.ctypes.data, n, out.ctypes.data, None,
                                 threads)
     else:
         out = np.empty(n, dtype=np.int64)
-        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, n, None, out.ctypes.data,
+        rc = native.ps_map_find(kv.ctypes.data, vv.ctypes.data, nb, keys.ctypes.data, n, None, out.ctypes.data,
                                 threads)
     if rc != 0:
         raise RuntimeError("IdMap: probe chain without an empty bucket (corrupt map)")
     return out
 
 
-def map_place(native, kv: np.ndarray, vv: np.ndarray, bits: int, keys: np.ndarray, vals: np.ndarray) -> int:
+def map_place(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, vals: np.ndarray) -> int:
     """IdMap._place in C (sequential inserts); returns the number of tombstones reused."""
     _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals")
     _check(keys, np.int64, "keys"), _check(vals, np.int32, "vals")
-    assert kv.shape[0] == vv.shape[0] == 1 << bits and keys.shape == vals.shape
-    r = native.ps_map_place(kv.ctypes.data, vv.ctypes.data, bits, keys.ctypes.data, vals.ctypes.data, keys.shape[0])
+    assert kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32 and keys.shape == vals.shape
+    r = native.ps_map_place(kv.ctypes.data, vv.ctypes.data, kv.shape[0], keys.ctypes.data, vals.ctypes.data, keys.shape[0])
     if r < 0:
         raise RuntimeError("IdMap: no free bucket (map full)")
     return int(r)

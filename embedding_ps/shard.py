@@ -55,7 +55,8 @@ class ShardState:
         self.shard_index = shard_index
         self.threads = shard_threads(config.threads)
         self.tables = [
-            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})", threads=self.threads)
+            TableShard(t, where=f"shard {shard_index} table {i} ({t.name!r})", threads=self.threads,
+                       num_shards=config.num_shards)
             for i, t in enumerate(config.tables)
         ]
         self._lock = threading.Lock()
@@ -253,7 +254,9 @@ class ShardState:
         """
         saved = self._open(directory)
         saved.check(self.config.tables, shard_index=self.shard_index, num_shards=self.config.num_shards)
-        tables = [saved.table_arrays(i) for i in range(saved.num_tables)]
+        # memory-mapped (hashed through the mapping before any state changes): the files' bytes stay
+        # page cache, not a second resident copy of the shard beside the table being filled
+        tables = [saved.table_arrays(i, mmap=True) for i in range(saved.num_tables)]
         with self._lock:
             if self._cow is not None:
                 raise RuntimeError(f"shard {self.shard_index}: cannot load {directory} while a background save "

@@ -452,14 +452,17 @@ class SavedShard:
 
     def dump_table(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """What `TableShard.dump` returns, from the files: (keys int64 [R], rows float32 [R, D],
-        {optimizer state name: [R] or [R, D], "count": int32 [R], "last_seen": int32 [R]})."""
+        {optimizer state name: [R] or [R, D], "count": int32 [R], "last_seen": int32 [R]}); no count /
+        last_seen for a table saved without row counters."""
         keys, slots = self.live_slots(table)
-        rows = torch.from_numpy(self.array(table, "weights")[slots]).float()
-        state = {n[len("state."):]: torch.from_numpy(self.array(table, n)[slots])
+        # memory-mapped: only the gathered live rows become resident (re-sharding reads every old shard)
+        rows = torch.from_numpy(self.array(table, "weights", mmap=True)[slots]).float()
+        state = {n[len("state."):]: torch.from_numpy(self.array(table, n, mmap=True)[slots])
                  for n in self.array_names(table) if n.startswith("state.")}
-        count, last_seen = unpack_meta(self.array(table, "meta")[slots])
-        state["count"] = torch.from_numpy(count).to(torch.int32)
-        state["last_seen"] = torch.from_numpy(last_seen).to(torch.int32)
+        if "meta" in self.array_names(table):   # absent: a table saved with row_counters = false
+            count, last_seen = unpack_meta(self.array(table, "meta", mmap=True)[slots])
+            state["count"] = torch.from_numpy(count).to(torch.int32)
+            state["last_seen"] = torch.from_numpy(last_seen).to(torch.int32)
         return torch.from_numpy(keys), rows, state
 
 

@@ -4,8 +4,12 @@ Storage is slot-major: row `s` of `weights` [C, D], of every optimizer state ten
 [C, D], and of `meta` [C] belong to the key that the map sends to slot `s` (the map's items
 give slot -> key, so no per-slot key array is kept). `meta` packs two int32 counters into one
 int64, `count << 32 | last_seen`: one random access per pushed row instead of two, and the
-LFU eviction order (count, then last_seen) is simply the order of `meta`. Capacity C doubles when slots run out; the spare part is allocated
-with `torch.empty` and never written until used, so untouched pages cost no resident memory.
+LFU eviction order (count, then last_seen) is simply the order of `meta`. A table with
+`row_counters = false` has no `meta` (8 bytes a row less; nothing that reads it is configured).
+Capacity C doubles when slots run out; the spare part is allocated with `torch.empty` and never
+written until used, so untouched pages cost no resident memory. With a `capacity` hint the slot
+arrays and the id map are sized for this shard's share up front (`reserve_rows`): no doubling
+of the map and no regrow (which holds old and new arrays at once) on the way there.
 Evicted slots go on a free stack and are reused first.
 
 Keys are what `sharding.keys_of` returns: the raw id for `dynamic` tables, the hashed row index
@@ -45,13 +49,25 @@ _ADMIT_SALT = 0x5851F42D4C957F2D
 _COUNTERS = ("meta",)
 _LOW32 = 0xFFFFFFFF
 _MAX_SCRATCH = 1 << 24  # floats (64 MB): the largest update buffer a table keeps between pushes
+RESERVED_MAP_LOAD = 0.85
+"""Load factor of the id map of a table with a `capacity` hint, at the hint (12 / 0.85 = 14.1 bytes a row)."""
+_RESERVE_SLACK = 0.01  # a shard's share of `capacity` varies with the id hash: reserve 1% + 1024 more
+
+
+def reserve_rows(cfg: TableConfig, num_shards: int) -> int:
+    """Slots one of `num_shards` shards reserves for table `cfg` (0 without a `capacity` hint)."""
+    if not cfg.capacity:
+        return 0
+    share = -(-cfg.capacity // num_shards)
+    return share + int(share * _RESERVE_SLACK) + 1024
 
 
 class TableShard:
     """The rows of one table that one shard owns. Not thread-safe: `ShardState` serializes calls."""
 
-    def __init__(self, cfg: TableConfig, where: str = "", threads: int = 1) -> None:
+    def __init__(self, cfg: TableConfig, where: str = "", threads: int = 1, num_shards: int = 1) -> None:
         self.where = where or f"table {cfg.name!r}"
+        self.num_shards = num_shards  # the capacity hint is split over this many shards
         # kernel "auto" / "native" resolved once, to "torch" (the native path) or "fbgemm": all the push path sees
         first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
         self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
@@ -60,7 +76,8 @@ class TableShard:
         self.threads = threads  # ps.threads: C threads of native lookups, gathers and updates
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)
-        self.map = IdMap(threads=threads)
+        self.reserved = reserve_rows(cfg, num_shards)
+        self.map = self._new_map(0)
         self.pending = BoundedCounter(cfg.max_pending)
         self.cap = 0
         self.hwm = 0  # slots [0, hwm) have been used at least once
@@ -68,7 +85,8 @@ class TableShard:
         self.nfree = 0
         self.weights = torch.empty(0, cfg.dim, dtype=self.wdtype)
         self.state = {s.name: torch.empty((0, cfg.dim) if s.per_coordinate else (0,), dtype=s.dtype) for s in self.specs}
-        self.meta = torch.empty(0, dtype=torch.int64)  # count << 32 | last_seen
+        # count << 32 | last_seen, or None (row_counters = false)
+        self.meta = torch.empty(0, dtype=torch.int64) if cfg.row_counters else None
         self._scratch = torch.empty(0)  # reused [U, D] buffer of the update: no fresh large allocation per push
         self._dupbits = np.zeros(0, dtype=np.uint8)  # native duplicate check: one bit per slot, kept all zero
         self.evlog: list[tuple[np.ndarray, int]] = []
@@ -76,6 +94,16 @@ class TableShard:
         self.evlog_lost_through = -1  # entries with step <= this were dropped unread (log over its bound)
         self.totals = {"admitted": 0, "evicted_ttl": 0, "evicted_lfu": 0, "dropped_grads": 0}
         self._admit_key = int(splitmix64_np(np.array([(cfg.seed ^ _ADMIT_SALT) & (2**64 - 1)], np.uint64))[0])
+        if self.reserved:
+            self._grow(self.reserved)
+
+    def _new_map(self, n: int) -> IdMap:
+        """An empty id map with room for n keys (and this shard's reserved share, at RESERVED_MAP_LOAD)."""
+        if not self.reserved:
+            return IdMap(capacity=n, threads=self.threads)
+        m = IdMap(max_load=RESERVED_MAP_LOAD, threads=self.threads)
+        m.reserve(max(n, self.reserved))
+        return m
 
     def __len__(self) -> int:
         return len(self.map)
@@ -156,6 +184,8 @@ class TableShard:
         else:
             scratch = self._scratch
         apply_update(self.cfg, self.weights, self.state, u, g, scratch[: g.numel()].view(g.shape))
+        if self.meta is None:
+            return
         meta, un = self.meta.numpy(), u.numpy()
         m = meta[un]
         m >>= 32
@@ -219,8 +249,9 @@ class TableShard:
             fill = fill_value(cfg, spec)
             self.state[spec.name].index_fill_(0, r, fill)
             self.state[spec.name][lo:hi] = fill
-        self.meta.index_fill_(0, r, step)  # count 0, last_seen = step
-        self.meta[lo:hi] = step
+        if self.meta is not None:
+            self.meta.index_fill_(0, r, step)  # count 0, last_seen = step
+            self.meta[lo:hi] = step
         self.map.insert(keys, slots)
         self.totals["admitted"] += k
         return slots
@@ -228,7 +259,8 @@ class TableShard:
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * self.cap, 64)
         for name in ("weights", *_COUNTERS):
-            setattr(self, name, _regrow(getattr(self, name), cap, self.hwm))
+            if getattr(self, name) is not None:
+                setattr(self, name, _regrow(getattr(self, name), cap, self.hwm))
         for name, t in self.state.items():
             self.state[name] = _regrow(t, cap, self.hwm)
         self.cap = cap
@@ -297,7 +329,7 @@ class TableShard:
     def row_bytes(self) -> int:
         """Bytes of one slot across weights, optimizer state and counters."""
         d = self.cfg.dim
-        per = d * self.weights.element_size() + 8  # + meta
+        per = d * self.weights.element_size() + (8 if self.meta is not None else 0)  # + meta
         for spec in self.specs:
             per += (d if spec.per_coordinate else 1) * torch.empty(0, dtype=spec.dtype).element_size()
         return per
@@ -327,10 +359,11 @@ class TableShard:
         order = np.argsort(keys, kind="stable")
         keys, s = keys[order], torch.from_numpy(slots[order]).long()
         extra = {name: t.index_select(0, s) for name, t in self.state.items()}
-        meta = self.meta.index_select(0, s)
-        extra["count"] = (meta >> 32).to(torch.int32)
-        extra["last_seen"] = (meta & _LOW32).to(torch.int32)
-        extra["last_update"] = extra["last_seen"].clone()
+        if self.meta is not None:
+            meta = self.meta.index_select(0, s)
+            extra["count"] = (meta >> 32).to(torch.int32)
+            extra["last_seen"] = (meta & _LOW32).to(torch.int32)
+            extra["last_update"] = extra["last_seen"].clone()
         return torch.from_numpy(keys), self.weights.index_select(0, s).float(), extra
 
     def load_rows(self, keys: torch.Tensor, rows: torch.Tensor, extra: dict[str, torch.Tensor], step: int) -> None:
@@ -346,6 +379,8 @@ class TableShard:
         for name, t in self.state.items():
             if name in extra:
                 t.index_copy_(0, s, extra[name].to(t.dtype))
+        if self.meta is None:
+            return
         meta = self.meta.index_select(0, s)
         count = extra["count"].long() if "count" in extra else meta >> 32
         last = extra.get("last_seen", extra.get("last_update"))
@@ -386,23 +421,29 @@ class TableShard:
         """The slot-major tensors [C, ...]: weights, each optimizer state, the counters."""
         out = {"weights": self.weights}
         out.update({f"state.{name}": t for name, t in self.state.items()})
-        out.update({name: getattr(self, name) for name in _COUNTERS})
+        out.update({name: getattr(self, name) for name in _COUNTERS if getattr(self, name) is not None})
         return out
 
     def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
         """Replace all state with what `to_arrays` returned (arrays are copied)."""
-        self.__init__(self.cfg, self.where, self.threads)
+        self.__init__(self.cfg, self.where, self.threads, self.num_shards)
         h = int(meta["hwm"])
-        self._grow(max(h, int(meta["capacity"]), 64))
+        if max(h, int(meta["capacity"]), 64) > self.cap:
+            self._grow(max(h, int(meta["capacity"]), 64))
         self.hwm = h
-        self.weights[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays["weights"])))
+        # np.copyto: the arrays may be read-only memory maps of a saved shard (torch.from_numpy warns on those)
+        np.copyto(self.weights[:h].numpy(), arrays["weights"], casting="no")
         for name, t in self.state.items():
-            t[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[f"state.{name}"])))
+            np.copyto(t[:h].numpy(), arrays[f"state.{name}"], casting="no")
         for name in _COUNTERS:
-            getattr(self, name)[:h].copy_(torch.from_numpy(np.ascontiguousarray(arrays[name])))
+            t = getattr(self, name)
+            if t is not None and name in arrays:
+                np.copyto(t[:h].numpy(), arrays[name], casting="no")
+            elif t is not None:  # saved without row counters: count 0, last seen at step 0
+                t[:h] = 0
         self.free = np.array(arrays["free"], dtype=np.int32)
         self.nfree = self.free.shape[0]
-        self.map = IdMap(capacity=arrays["map_keys"].shape[0], threads=self.threads)
+        self.map = self._new_map(arrays["map_keys"].shape[0])
         self.map.insert(arrays["map_keys"], arrays["map_slots"])
         self.pending.set_state(arrays["pending.keys"], arrays["pending.count"], arrays["pending.last_seen"])
         self.pending.dropped = int(meta["pending_dropped"])

@@ -134,6 +134,10 @@ class SavedShards:
         if since is not None:
             tomb = self._evictions(saved, t, since, cfg)
             tomb = tomb[~np.isin(tomb, keys)]                                # evicted, then admitted again
+            if "meta" not in saved.array_names(t):
+                raise ExportError(f"{saved.directory}/table{t}: table {cfg.name!r} was saved without row counters "
+                                  f"(ps.tables[{cfg.name}].row_counters = false): a delta since {since} cannot tell "
+                                  f"which rows changed: make a full export")
             _, last_seen = unpack_meta(saved.array(t, "meta", mmap=True)[slots])   # [R_i] int64
             changed = last_seen >= since
             keys, slots = keys[changed], slots[changed]

@@ -109,3 +109,24 @@ def test_train_distributed_plot_written(plots, tmp_path):
          "dim": 64, "global_batch": 4096, "cpus": 2, "date": "2026-11-25T10:00:00Z"}
     path = plots.plot_train_distributed(r, tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_plot_reads_scale_points(plots, tmp_path):
+    scale = {"rows": 100, "bytes_per_row_ratio": 1.3,
+             "points": [{"rows": 10, "dim": 16, "bytes_per_row": 170.0}, {"rows": 100, "dim": 16, "bytes_per_row": 83.0}]}
+    path = plots.plot_memory([], None, tmp_path, scale)
+    assert path.name == "memory_per_row.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="lacks points"):
+        plots.plot_memory([], None, tmp_path, {"rows": 100})
+    with pytest.raises(ValueError, match="mix embedding dims"):          # scale.py is D=16, ps_table here D=64
+        plots.plot_memory([{"rss_rows": 10, "rss_bytes_per_row_d64": 290.0}], None, tmp_path, scale)
+
+
+def test_scale_zipf_batches_are_unique_ids_in_range():
+    scale = _load("scale")
+    a = argparse.Namespace(batch=64, features=4, zipf=1.05)
+    batches = scale.zipf_batches(a, rows=1000, n=3)
+    for b in batches:
+        assert b.dtype.is_floating_point is False and b.min() >= 0 and b.max() < 1000
+        assert b.unique().shape[0] == b.shape[0] <= 256
+    assert (batches[0] < 10).sum() >= 3            # Zipf: the first ids are the hot ones

@@ -43,14 +43,14 @@ def test_both_python_copies_agree_everywhere() -> None:
 @pytest.mark.skipif(not native.available(), reason="native library off or unavailable (no C compiler?)")
 @pytest.mark.parametrize("key", [0, 1, -3, 2**63 - 1, -(2**63), 0x0123456789ABCDEF])   # -1, -2: EMPTY, TOMBSTONE
 def test_the_c_copy_agrees(key: int) -> None:
-    """`_native.c` ps_home(key) = splitmix64(key + GOLDEN) >> (64 - bits): one key placed into an
-    empty map lands in its home bucket."""
+    """`_native.c` ps_home(key) = splitmix64(key + GOLDEN) >> (64 - bits) for 2**bits buckets: one
+    key placed into an empty map lands in its home bucket."""
     bits = 16
     kv = np.full(1 << bits, EMPTY, dtype=np.int64)
     vv = np.full(1 << bits, -1, dtype=np.int32)
     keys = np.array([key], dtype=np.int64)
-    native.map_place(native.lib(), kv, vv, bits, keys, np.array([0], dtype=np.int32))
+    native.map_place(native.lib(), kv, vv, keys, np.array([0], dtype=np.int32))
     (pos,) = np.flatnonzero(kv == key)
     with np.errstate(over="ignore"):
         want = int(splitmix64_np(np.array([key], dtype=np.int64).view(np.uint64) + np.uint64(GOLDEN))[0] >> (64 - bits))
-    assert pos == want == int(_home(keys, bits)[0])
+    assert pos == want == int(_home(keys, 1 << bits)[0])

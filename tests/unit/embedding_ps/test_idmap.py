@@ -11,7 +11,7 @@ EXTREMES = np.array([0, -1, 1, -(2**63), 2**63 - 1, -(2**63) + 1, 2**63 - 2], dt
 def colliding_keys(n: int, bits: int = 12) -> np.ndarray:
     """n keys whose home bucket is the last one of every map with <= 2**bits buckets (probes wrap)."""
     cand = np.random.default_rng(1).integers(-(2**63), 2**63 - 1, 1 << 22, dtype=np.int64)
-    keys = cand[_home(cand, bits) == (1 << bits) - 1]
+    keys = cand[_home(cand, 1 << bits) == (1 << bits) - 1]
     assert keys.shape[0] >= n
     return keys[:n]
 
@@ -110,3 +110,65 @@ def test_bounded_counter_drops_lowest_counts_first() -> None:
     c.add(np.arange(100, 110), step=5)  # 10 new keys: more than fit beside the hot ones
     assert len(c) <= 8
     assert c.add(hot, step=6).tolist() == [4, 4, 4]  # the hot keys survived with their counts
+
+
+def test_reserve_sizes_exactly_and_never_rehashes_up_to_n() -> None:
+    """reserve(n) at max_load 0.9: ceil(n / 0.9) buckets rounded to 64 (not a power of two); n inserts keep them."""
+    n = 10_000
+    m = IdMap(max_load=0.9)
+    m.reserve(n)
+    assert m.num_buckets == 11_136 and m.num_buckets & (m.num_buckets - 1)   # ceil(10000 / 0.9) = 11112 -> x64
+    keys = np.random.default_rng(3).permutation(np.arange(-n // 2, n // 2, dtype=np.int64) * 7919)
+    before = m._keys
+    for i in range(0, n, 999):
+        m.insert(keys[i : i + 999], np.arange(i, min(i + 999, n), dtype=np.int32))
+    assert m._keys is before and len(m) == n        # the same arrays: no rehash on the way to n
+    assert (m.lookup(keys) == np.arange(n)).all()
+    extra = np.arange(2**62, 2**62 + 100, dtype=np.int64)        # past 0.9 * 11136 = 10022: grows as usual
+    m.insert(extra, np.full(100, 5, dtype=np.int32))
+    assert m.num_buckets > 11_136 and (m.lookup(extra) == 5).all() and (m.lookup(keys) == np.arange(n)).all()
+
+
+@pytest.mark.parametrize("load", [0.85, 0.95])
+def test_high_load_non_power_of_two_against_dict(load: float) -> None:
+    """A reserved map at a high load factor, filled to it, with deletes, tombstones, re-inserts and the
+    tombstone rehash (which keeps the reserved buckets), against a dict; probes wrap at the last bucket."""
+    rng = np.random.default_rng(4)
+    buckets = 1000                                               # not a multiple of 64: reserve rounds it to 1024
+    m = IdMap(max_load=load)
+    m.reserve(int(load * buckets))
+    nb = m.num_buckets
+    last = colliding_last(nb, 25)
+    pool = np.unique(np.concatenate([EXTREMES, last, rng.integers(-(2**63), 2**63 - 1, 3 * nb)]))
+    ref: dict[int, int] = {}
+    for it in range(60):
+        room = int(load * nb) - len(ref) - m._tombs
+        cand = rng.choice(pool, 80)
+        absent = np.unique(cand[m.lookup(cand) < 0])[: max(room, 0)]
+        vals = rng.integers(0, 2**31 - 1, absent.shape[0]).astype(np.int32)
+        m.insert(absent, vals)
+        ref.update(zip(absent.tolist(), vals.tolist()))
+        assert m.num_buckets == nb                               # filled up to the load factor, never grown
+        dels = rng.choice(pool, 40)
+        removed = m.delete(dels)
+        for k, r in zip(dels.tolist(), removed.tolist()):
+            assert r == ref.pop(k, -1) or (r >= 0 and k not in ref)
+        check_against(m, ref, np.concatenate([pool[:500], last]))
+    assert len(ref) > 0.5 * load * nb
+
+
+def colliding_last(buckets: int, n: int) -> np.ndarray:
+    """n keys whose home is the last of `buckets` buckets."""
+    cand = np.random.default_rng(9).integers(-(2**63), 2**63 - 1, 1 << 21, dtype=np.int64)
+    keys = cand[_home(cand, buckets) == buckets - 1]
+    assert keys.shape[0] >= n
+    return keys[:n]
+
+
+def test_home_of_any_bucket_count_is_uniform_and_in_range() -> None:
+    keys = np.random.default_rng(6).integers(-(2**63), 2**63 - 1, 200_000, dtype=np.int64)
+    for nb in (64, 960, 1 << 20, 3_000_000_000):
+        h = _home(keys, nb)
+        assert h.min() >= 0 and h.max() < nb
+    counts = np.bincount(_home(keys, 1000), minlength=1000)      # 200 a bucket expected
+    assert counts.min() > 130 and counts.max() < 280

@@ -31,7 +31,7 @@ def pure():
 
 def colliding_keys(n: int, bits: int = 12) -> np.ndarray:
     cand = np.random.default_rng(1).integers(-(2**63), 2**63 - 1, 1 << 22, dtype=np.int64)
-    keys = cand[_home(cand, bits) == (1 << bits) - 1]
+    keys = cand[_home(cand, 1 << bits) == (1 << bits) - 1]
     return keys[:n]
 
 
@@ -63,6 +63,30 @@ def test_map_ops_native_vs_numpy() -> None:
         for m in (a, b):  # layouts may differ (which free bucket an insert takes); bookkeeping must not
             assert m._tombs == int(np.count_nonzero(m._vals == -2)) and len(m) == int(np.count_nonzero(m._vals >= 0))
         assert dict(zip(*[x.tolist() for x in a.items()])) == dict(zip(*[x.tolist() for x in b.items()]))
+
+
+@needs_native
+def test_reserved_high_load_map_native_vs_numpy() -> None:
+    """A map reserved to a non-power-of-two size at load 0.9: the C probes (wrap at the last bucket,
+    tombstones) agree with numpy's, both ways."""
+    rng = np.random.default_rng(8)
+    keys = np.unique(rng.integers(-(2**63), 2**63 - 1, 9000))[:9000]
+    maps = {True: IdMap(max_load=0.9), False: IdMap(max_load=0.9)}
+    for nat, m in maps.items():
+        m.reserve(9000)
+        assert m.num_buckets == 10_048
+        with contextlib.nullcontext() if nat else pure():
+            m.insert(keys[:8000], np.arange(8000, dtype=np.int32))
+            m.delete(keys[:3000:3])
+            m.insert(keys[8000:], np.arange(8000, 9000, dtype=np.int32))
+    probe = np.concatenate([keys, rng.integers(-(2**63), 2**63 - 1, 500)])
+    expect = np.concatenate([np.arange(9000), np.full(500, -1)]).astype(np.int32)
+    expect[:3000:3] = -1
+    for m in maps.values():
+        assert m.num_buckets == 10_048
+        np.testing.assert_array_equal(m.lookup(probe), expect)
+        with pure():
+            np.testing.assert_array_equal(m.lookup(probe), expect)
 
 
 @needs_native

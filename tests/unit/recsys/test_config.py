@@ -104,6 +104,9 @@ def test_bad_choice_names_key_value_and_choices(tmp_path: Path) -> None:
         ('[[ps.tables]]\nname = "t"\ndim = 4\nkind = "hashed"\n', r"num_embeddings must be >= 1"),
         ("[train]\nnum_trainers = 0\n", r"train\.num_trainers must be >= 1, got 0"),
         ("[model]\ndropout = 1.5\n", r"model\.dropout must be in \[0, 1\), got 1\.5"),
+        ('[[ps.tables]]\nname = "t"\ndim = 4\ncapacity = -1\n', r"ps\.tables\[t\]\.capacity must be >= 0, got -1"),
+        ('[[ps.tables]]\nname = "t"\ndim = 4\nrow_counters = false\nttl_steps = 3\n',
+         r"ps\.tables\[t\]\.row_counters = false, but ttl_steps = 3"),
     ],
 )
 def test_range_errors(tmp_path: Path, text: str, match: str) -> None:

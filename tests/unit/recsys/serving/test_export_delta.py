@@ -106,3 +106,12 @@ def test_delta_needs_the_eviction_log(tmp_path, export_data, tiny_config, train_
     with pytest.raises(ExportError, match="C4.*eviction log no longer covers step 4.*full export"):
         export_model(resolve_source(run=run), tmp_path / "delta", "fp32", since=4)
     export_model(resolve_source(run=run), tmp_path / "full", "fp32")     # a full export needs no log
+
+
+def test_delta_of_a_table_without_row_counters_is_refused(tmp_path, export_data, tiny_config, train_run) -> None:
+    """row_counters = false: no last-seen step a row to select by; a full export still works."""
+    cfg = tiny_config(export_data, tmp_path / "run", {"C4": {"row_counters": False}}, max_steps=6)
+    run = train_run(tmp_path, cfg, steps=(6,))[0]
+    with pytest.raises(ExportError, match="C4.*saved without row counters.*row_counters = false.*full export"):
+        export_model(resolve_source(run=run), tmp_path / "delta", "fp32", since=2)
+    export_model(resolve_source(run=run), tmp_path / "full", "fp32")
