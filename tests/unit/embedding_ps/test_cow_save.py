@@ -82,10 +82,11 @@ def test_updates_during_the_write_reach_the_state_not_the_files(tmp_path):
 
 def test_a_full_side_buffer_makes_updates_wait_for_the_writer(tmp_path):
     """d64 rows and a 6% bound: room for a few pre-images per table (pushes bring 400 ids), so
-    updates of rows the writer has not passed wait for it (back-pressure); the files and the live
+    updates of rows the writer has not passed wait for it (back-pressure; 3 ids per table pushed
+    before the writer starts make pre-images certain); the files and the live
     state are still exact, and the accounted memory stays within the bound."""
     wide = tuple(dataclasses.replace(t, dim=64) for t in TABLES)
-    stats, _, _ = save_while_pushing(tmp_path, fraction=0.06, seed=3, tables=wide, before=0)
+    stats, _, _ = save_while_pushing(tmp_path, fraction=0.06, seed=3, tables=wide, before=3)
     assert stats["push_waits"] > 0 and stats["push_wait_s"] > 0 and stats["preserved_rows"] > 0
     assert stats["extra_bytes_peak"] <= stats["extra_bytes_bound"]
 
@@ -120,12 +121,16 @@ def test_accounted_extra_memory_stays_within_the_bound(tmp_path):
     cow = state._cow
     bound = cfg.checkpoint_extra_memory * rows * (64 * 4 + 4 + 8)
     assert cow.bound_bytes == int(bound) and cow.extra_bytes <= bound
+    # before the writer starts (room for 1,000 pre-images beside the map copy): pre-images for sure,
+    # however fast the writer then is
+    state.push(0, torch.arange(0, rows, rows // 1000), torch.full((1000, 64), 0.25), step=1)
     seen = [cow.extra_bytes]
+    assert 0 < seen[0] <= bound
     writer = threading.Thread(target=snap.write, args=(str(tmp_path / "background"),))
     writer.start()
     try:
         g = torch.Generator().manual_seed(1)
-        for step in range(1, 30):
+        for step in range(2, 30):
             state.push(0, torch.randperm(rows, generator=g)[:8000], torch.full((8000, 64), 0.5), step)
             seen.append(cow.extra_bytes)
     finally:
@@ -175,3 +180,14 @@ def test_new_ids_taking_freed_slots_keep_the_old_rows_in_the_save(tmp_path):
     snap.write(str(tmp_path / "background"))
     assert snap.stats()["preserved_rows"] == 400 and snap.stats()["push_waits"] == 0
     assert files_of(str(tmp_path / "background")) == files_of(str(tmp_path / "blocking"))
+
+
+def test_capacity_hint_and_no_row_counters(tmp_path):
+    """The scale layout (a reserved capacity, no count/last-seen per row) under a copy-on-write save:
+    the same bytes as a blocking save, every update in the live state."""
+    tables = (TableConfig(name="big", dim=16, optimizer="rowwise_adagrad", capacity=4000, row_counters=False),
+              TableConfig(name="adam", dim=8, optimizer="adam", capacity=2000, row_counters=False))
+    stats, state, _ = save_while_pushing(tmp_path, fraction=1.0, tables=tables)
+    assert stats["preserved_rows"] > 0
+    assert state.tables[0].meta is None and state.tables[0].cap >= 4000
+    assert not os.path.exists(tmp_path / "background" / "big" / "meta.npy")
