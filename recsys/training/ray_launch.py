@@ -296,10 +296,13 @@ def _write_processes(run_dir: Path, infos: list[dict], earlier: list[dict]) -> l
 def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
     """What a failed fit() means: a trainer process died (JobFailure, worth a restart), or a trainer's
     own error (WorkerError, its one line)."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     failures = getattr(e, "worker_failures", {}) if isinstance(e, WorkerGroupError) else {}
-    died = sorted(r for r, err in failures.items() if isinstance(err, ray.exceptions.RayActorError))
+    # a dead worker process: its actor's error, or the health check that found the actor gone
+    died = sorted(r for r, err in failures.items()
+                  if isinstance(err, (ray.exceptions.RayActorError, WorkerHealthCheckFailedError)))
     if died or not failures:
         what = f"trainer rank {died[0]} died" if died else "the trainers failed"
         detail = " ".join(str(failures.get(died[0], e) if died else e).split())[:300]
