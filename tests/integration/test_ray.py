@@ -47,6 +47,7 @@ def cluster():
         trainer_node = c.add_node(num_cpus=1, resources={"trainer": 2}, node_ip_address="127.0.0.1")
         c.wait_for_nodes(timeout=60)
         ray.init(address=c.address, log_to_driver=False)
+        c.trainer_node = trainer_node        # the last test removes it
         yield c, c.head_node.node_id, trainer_node.node_id
     finally:
         ray.shutdown()
@@ -163,3 +164,25 @@ def test_resources_the_cluster_lacks_end_the_job_in_one_line(cluster, data_dir: 
     line = str(e.value)
     assert "\n" not in line
     assert "ps shard" in line and "cluster.ps_resources" in line and "ps 6 needed, 2 free of 2" in line
+
+
+def test_a_lost_node_without_spare_resources_ends_the_job_in_one_line(
+        cluster, data_dir: Path, tmp_path: Path) -> None:
+    """Runs last: the trainer node goes away mid-run; the restart finds no node offering `trainer`."""
+    c, _, trainer_node = cluster
+    run = tmp_path / "run"
+    t, out = start_job(config(run, data_dir, "cluster.start_timeout_s=5", address=c.address))
+    deadline = time.monotonic() + TIMEOUT
+    while not list_checkpoints(run):
+        assert t.is_alive() and time.monotonic() < deadline, f"no checkpoint before the job ended: {out}"
+        time.sleep(0.02)
+    c.remove_node(c.trainer_node, allow_graceful=False)
+    t.join(timeout=TIMEOUT)
+    assert not t.is_alive()
+    from recsys.training.ray_launch import ClusterResourceError
+
+    assert isinstance(out.get("error"), ClusterResourceError), out
+    line = str(out["error"])
+    assert "\n" not in line
+    assert "trainer" in line and "cluster.trainer_resources" in line and "trainer 2 needed, 0 free of 0" in line
+    assert f"lost nodes: {trainer_node[:12]} (127.0.0.1)" in line
