@@ -20,8 +20,9 @@ retried: `WorkerError` with its one line. Resources that the cluster cannot gran
 `cluster.start_timeout_s` end the job with `ClusterResourceError`, one line naming the role, the
 resources missing and the dead nodes.
 
-The token never touches shared storage: each actor and trainer writes it to a file of its own
-(mode 600, in a private temporary directory) for `ps.token_file`, and deletes it on exit.
+The token never touches a disk: Ray hands it to each actor and trainer (actor arguments, the train
+loop's config), which keeps it for `ps.token_file` in an in-memory file of its own (memfd, mode
+600, opened as /proc/self/fd/N) that vanishes with the process, even after kill -9.
 """
 
 from __future__ import annotations
@@ -57,16 +58,23 @@ class ClusterResourceError(RuntimeError):
 # In the actors and trainers
 
 
-def _private_config(config_toml: str, token: str, prefix: str) -> tuple[Path, list[str]]:
-    """A private directory (0700) holding the job config and the token (0600); the overrides that
-    point ps.auth at the token. The caller deletes the directory."""
-    private = Path(tempfile.mkdtemp(prefix=prefix))
-    token_file = private / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    (private / "config.toml").write_text(config_toml)
-    return private, ["ps.auth='token'", f"ps.token_file='{token_file}'"]
+def _memory_file(name: str, text: str) -> tuple[int, Path]:
+    """`text` in an anonymous in-memory file (memfd, mode 600, not inherited by children) and the path
+    this process opens it by: nothing on disk, and it vanishes with the process, even after kill -9."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.fchmod(fd, 0o600)
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data):]
+    return fd, Path(f"/proc/self/fd/{fd}")
+
+
+def _private_config(config_toml: str, token: str) -> tuple[list[int], Path, list[str]]:
+    """The job config and the token as in-memory files of this process: their fds (close them when
+    done), the config's path and the overrides that point ps.auth at the token."""
+    token_fd, token_path = _memory_file("recsys-ps-token", token)
+    config_fd, config_path = _memory_file("recsys-config.toml", config_toml)
+    return [token_fd, config_fd], config_path, ["ps.auth='token'", f"ps.token_file='{token_path}'"]
 
 
 def this_node() -> dict[str, str]:
@@ -89,17 +97,19 @@ class ShardActor:
 
         setup_logging(role=f"ps{shard}", log_file=str(Path(run_dir) / f"ps-{shard}.log"))
         apply_environment()
-        self._private, overrides = _private_config(config_toml, token, f"recsys-ps{shard}-")
-        ps = load_ps_config(self._private / "config.toml", overrides)
+        self._fds, path, overrides = _private_config(config_toml, token)
+        ps = load_ps_config(path, overrides)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"recsys-ps{shard}-"))   # the ready file (no secret)
         factory = None
         if restore is not None:
             from recsys.training.reshard import restore_shard
 
             factory = lambda config, index: restore_shard(config, index, restore)   # noqa: E731
-        self._ready = self._private / "ready"
+        self._ready = self._dir / "ready"
         self._node = this_node()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._address: str | None = None
 
         def run() -> None:
             try:
@@ -114,13 +124,16 @@ class ShardActor:
     def ready(self, timeout_s: float) -> dict:
         """Once the shard serves: its address, pid and node."""
         deadline = time.monotonic() + timeout_s
-        while not self._ready.exists():
+        while self._address is None and not self._ready.exists():
             if not self._thread.is_alive():
                 raise RuntimeError(f"ps shard stopped before it served: {self._error!r}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ps shard not serving after {timeout_s:.0f} s")
             time.sleep(0.02)
-        return {"address": self._ready.read_text().strip(), "pid": os.getpid(), **self._node}
+        if self._address is None:
+            self._address = self._ready.read_text().strip()
+            shutil.rmtree(self._dir, ignore_errors=True)       # nothing left behind, even after kill -9
+        return {"address": self._address, "pid": os.getpid(), **self._node}
 
     def wait(self) -> None:
         """Returns when the shard stops (its ObjectRef fails when the actor dies: kill -9, a lost node)."""
@@ -131,7 +144,9 @@ class ShardActor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        shutil.rmtree(self._private, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        for fd in self._fds:
+            os.close(fd)
 
 
 def _watch_shards(shards: list, done: threading.Event, rank: int) -> None:
@@ -155,19 +170,20 @@ def train_loop(config: dict) -> None:
     rank, run_dir, verbose = int(os.environ.get("RANK", "0")), config["run_dir"], config["verbose"]
     setup_logging(verbose, role=f"trainer{rank}", log_file=str(log_path(run_dir, rank)))
     apply_environment()
-    private, overrides = _private_config(config["config"], config["token"], f"recsys-trainer{rank}-")
+    fds, path, overrides = _private_config(config["config"], config["token"])
     done = threading.Event()
     watchdog = threading.Thread(target=_watch_shards, args=(config["shards"], done, rank), daemon=True)
     watchdog.start()
     try:
-        path = private / "config.toml"
-        path.write_text(to_toml(load_config(path, overrides)))     # ps.token_file -> this trainer's file
-        run_worker(str(path), config["addresses"], run_dir, config["resume"], node=this_node())
+        resolved_fd, resolved = _memory_file("recsys-config.toml", to_toml(load_config(path, overrides)))
+        fds.append(resolved_fd)                 # ps.token_file -> this trainer's in-memory token
+        run_worker(str(resolved), config["addresses"], run_dir, config["resume"], node=this_node())
     except Exception as e:
         raise RuntimeError(report_failure(e, run_dir, rank, verbose)) from None
     finally:
         done.set()
-        shutil.rmtree(private, ignore_errors=True)
+        for fd in fds:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
