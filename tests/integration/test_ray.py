@@ -121,6 +121,9 @@ def test_ray_job_places_roles_on_their_nodes_and_equals_the_local_launcher(
     assert [p.name for p in list_checkpoints(run)] == [p.name for p in list_checkpoints(local_run)]
     token_files = [p for p in run.rglob("*") if p.is_file() and "token" in p.name]
     assert not token_files
+    for shard in (0, 1):          # each shard served on its node's address with the job's token
+        assert "serving at tcp://127.0.0.1:" in (run / f"ps-{shard}.log").read_text()
+        assert "auth token" in (run / f"ps-{shard}.log").read_text()
 
 
 def pid_of(run: Path, role: str, rank: int) -> int | None:
