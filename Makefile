@@ -42,6 +42,7 @@ bench: bench-deps
 	$(VPY) benchmarks/serving.py
 	$(VPY) benchmarks/checkpoint.py
 	$(VPY) benchmarks/preflight.py
+	$(VPY) benchmarks/ray_overhead.py
 
 clean:
 	rm -rf $(VENV) demo runs *.egg-info

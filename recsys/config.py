@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from data.config import DataConfig
 from embedding_ps.config import PSConfig, TableConfig
+from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig
 from recsys.config_retrieval import EvalConfig, check_two_tower
 
@@ -168,6 +169,8 @@ class JobConfig:
     """Training loop and launcher."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Offline evaluation (retrieval metrics)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Which engine places the processes: the local launcher or a Ray cluster."""
 
     def __post_init__(self) -> None:
         tables = {t.name: t for t in self.ps.tables}
@@ -228,6 +231,9 @@ class JobConfig:
             raise ValueError("train.validate_every is not supported with model.arch = 'two_tower' "
                              "(retrieval metrics come from `recsys eval` and the end of training)")
         self._check_cache_and_prefetch()
+        if self.cluster.use_gpu != (self.train.device == "cuda") and self.cluster.engine == "ray":
+            raise ValueError(f"cluster.use_gpu = {str(self.cluster.use_gpu).lower()} needs train.device = "
+                             f"{'cuda' if self.cluster.use_gpu else 'cpu'}, got {self.train.device!r}")
 
     def _check_cache_and_prefetch(self) -> None:
         """The trainer-side row cache and prefetch depth against ps.mode and ps.max_staleness."""

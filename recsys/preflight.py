@@ -33,6 +33,7 @@ class PreflightError(ConfigError):
 def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
     """Everything `recsys train` can know before it starts a process; PreflightError on the first problem."""
     check_tables(cfg)
+    check_cluster(cfg)
     if resume is not None and resume != "latest":
         check_checkpoint(resume, "--resume")
     for key in ("train_paths", "eval_paths", "test_paths"):
@@ -45,6 +46,27 @@ def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
         check_remote_run_dir(cfg.train.run_dir)
     else:
         check_run_dir(Path(cfg.train.run_dir))
+
+
+RAY_PIN = "2.60.0"
+"""The Ray release of the `[ray]` extra (pyproject.toml)."""
+
+
+def check_cluster(cfg: JobConfig) -> None:
+    """cluster.engine = "ray": Ray is installed (found without importing it), at the pinned release."""
+    if cfg.cluster.engine != "ray":
+        return
+    import importlib.metadata
+    import importlib.util
+
+    install = f"pip install -e '.[ray]' (ray[default,train]=={RAY_PIN})"
+    if importlib.util.find_spec("ray") is None:         # (a submodule's spec would import ray)
+        raise PreflightError(f"cluster.engine = 'ray': Ray is not installed (install it with: {install}, or set "
+                             f"cluster.engine = 'local')")
+    version = importlib.metadata.version("ray")
+    if version != RAY_PIN:
+        raise PreflightError(f"cluster.engine = 'ray': ray {version} is installed, this project is tested with "
+                             f"{RAY_PIN} (install it with: {install})")
 
 
 def check_tables(cfg: JobConfig) -> None:
@@ -131,5 +153,5 @@ def check_run_dir(run_dir: Path) -> None:
                              f"(free space, or choose another train.run_dir)")
 
 
-__all__ = ["PreflightError", "preflight_train", "preflight_data", "check_tables", "check_checkpoint", "check_run_dir",
-           "check_remote_run_dir", "preflight_export"]
+__all__ = ["PreflightError", "preflight_train", "check_cluster", "preflight_data", "check_tables", "check_checkpoint",
+           "check_run_dir", "check_remote_run_dir", "preflight_export"]

@@ -286,9 +286,15 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     checkpoint path. The trainer and shard counts may differ from the checkpoint's.
     verbose: trainers also print their tracebacks (else only their logs have them).
     Raises WorkerError (a trainer's one-line error), StopNow (a second signal).
+    With cluster.engine = "ray" the job runs on Ray instead (recsys.training.ray_launch; Ray is
+    imported only then).
     """
     from recsys.training.checkpoint import resolve_resume
 
+    if cfg.cluster.engine == "ray":
+        from recsys.training.ray_launch import launch_train_ray
+
+        return launch_train_ray(cfg, resume=resume, verbose=verbose)
     check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
@@ -322,14 +328,18 @@ def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
 
 
 def _run(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None, stops: StopRequests,
-         verbose: bool) -> dict:
+         verbose: bool, attempt=None) -> dict:
+    """The attempt loop (restarts after a kill); `attempt`: one start of the job, `_attempt` (local)
+    or the Ray engine's (recsys.training.ray_launch), with _attempt's arguments."""
     from recsys.training.checkpoint import resolve_resume
+
+    attempt = attempt or _attempt
 
     earlier: list[dict] = []
     restarts = 0
     while True:
         try:
-            metrics = _attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose)
+            metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose)
             return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
         except JobFailure as e:
             if stops.requested.is_set():

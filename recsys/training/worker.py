@@ -146,12 +146,13 @@ def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: st
 
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
-               load_shards: bool = False) -> None:
+               load_shards: bool = False, node: dict | None = None) -> None:
     """One trainer process's job (its entry points, which set up logging, are `recsys.train`).
 
     resume: a checkpoint directory to continue from. load_shards: rank 0 also tells the (already
     running, same-count) shards to load the checkpoint's rows; the local launcher instead starts
-    fresh shards that load their part themselves (any shard count).
+    fresh shards that load their part themselves (any shard count). node: where this trainer runs
+    (the Ray engine's node_id / node_ip), added to its pid file.
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -163,7 +164,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     out = Path(run_dir)
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "pids" / f"trainer-{rank}.json").write_text(
-        json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid()}))
+        json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid(), **(node or {})}))
     if resume is not None and rank == 0:
         trim_metrics(out / "metrics.jsonl", read_manifest(resume)["step"])
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0

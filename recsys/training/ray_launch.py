@@ -1,0 +1,398 @@
+"""Ray engine: `recsys train` with `[cluster] engine = "ray"` places the same job on a Ray cluster.
+
+    driver (this process) ──placement group (ps bundles, SPREAD | PACK)──> ShardActor 0..N-1
+                             each runs `embedding_ps.server.serve` (the code behind `recsys ps`) on its
+                             node's address, ps.auth = "token" with a per-job token handed over by Ray
+                          ──ray.train.torch.TorchTrainer(ScalingConfig)──> trainer rank 0..W-1
+                             Ray Train sets up torch.distributed (gloo / NCCL); each runs `run_worker`,
+                             the local launcher's trainer loop, with the shard addresses from the driver
+
+It is a launcher, not a second trainer: the run directory gets the same files as with the local
+launcher (config.toml, processes.json, metrics.jsonl, metrics.json, checkpoints/, model/), so the
+run directory must be on storage every node sees (a shared file system) when the cluster has more
+than one machine.
+
+Recovery is the local launcher's attempt loop (`launch._run`): when a shard actor or a trainer dies
+(kill -9, OOM, a lost node), every process of the attempt is stopped and a new attempt starts from
+the latest good checkpoint (fresh shards load their part of it), up to `train.max_restarts` times;
+sync mode then ends exactly where an uninterrupted run ends. A trainer's own error (bad data) is not
+retried: `WorkerError` with its one line. Resources that the cluster cannot grant within
+`cluster.start_timeout_s` end the job with `ClusterResourceError`, one line naming the role, the
+resources missing and the dead nodes.
+
+The token never touches a disk: Ray hands it to each actor and trainer (actor arguments, the train
+loop's config), which keeps it for `ps.token_file` in an in-memory file of its own (memfd, mode
+600, opened as /proc/self/fd/N) that vanishes with the process, even after kill -9.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from recsys.config import JobConfig, load_config, load_ps_config, to_toml
+from recsys.training.launch import JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_run_dir
+
+logger = logging.getLogger(__name__)
+
+STRATEGY = {"spread": "SPREAD", "pack": "PACK"}
+
+
+class ClusterResourceError(RuntimeError):
+    """The cluster cannot grant the resources of a role (nodes lost, a custom resource nobody offers)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# In the actors and trainers
+
+
+def _memory_file(name: str, text: str) -> tuple[int, Path]:
+    """`text` in an anonymous in-memory file (memfd, mode 600, not inherited by children) and the path
+    this process opens it by: nothing on disk, and it vanishes with the process, even after kill -9."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.fchmod(fd, 0o600)
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data):]
+    return fd, Path(f"/proc/self/fd/{fd}")
+
+
+def _private_config(config_toml: str, token: str) -> tuple[list[int], Path, list[str]]:
+    """The job config and the token as in-memory files of this process: their fds (close them when
+    done), the config's path and the overrides that point ps.auth at the token."""
+    token_fd, token_path = _memory_file("recsys-ps-token", token)
+    config_fd, config_path = _memory_file("recsys-config.toml", config_toml)
+    return [token_fd, config_fd], config_path, ["ps.auth='token'", f"ps.token_file='{token_path}'"]
+
+
+def this_node() -> dict[str, str]:
+    """The Ray node this process runs on: its id and the address Ray knows it by (the address its
+    processes serve on; 127.0.0.1 for a local instance or a loopback test cluster)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), None)
+    return {"node_id": node_id, "node_ip": ip or ray.util.get_node_ip_address()}
+
+
+class ShardActor:
+    """PS shard `shard` in a Ray actor: `serve` in a thread, on this node's address, token auth.
+
+    restore: a saved PS directory (a checkpoint's model/ps) the shard loads its part of first.
+    """
+
+    def __init__(self, config_toml: str, shard: int, token: str, run_dir: str, restore: str | None) -> None:
+        from embedding_ps.server import serve
+        from recsys.runtime import apply_environment, setup_logging
+
+        setup_logging(role=f"ps{shard}", log_file=str(Path(run_dir) / f"ps-{shard}.log"))
+        apply_environment()
+        self._fds, path, overrides = _private_config(config_toml, token)
+        ps = load_ps_config(path, overrides)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"recsys-ps{shard}-"))   # the ready file (no secret)
+        factory = None
+        if restore is not None:
+            from recsys.training.reshard import restore_shard
+
+            factory = lambda config, index: restore_shard(config, index, restore)   # noqa: E731
+        self._ready = self._dir / "ready"
+        self._node = this_node()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._address: str | None = None
+
+        def run() -> None:
+            try:
+                serve(ps, shard, bind=self._node["node_ip"], port=0, ready_file=str(self._ready),
+                      state_factory=factory, stop=self._stop)
+            except BaseException as e:        # reported by ready() / wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"ps-shard-{shard}", daemon=True)
+        self._thread.start()
+
+    def ready(self, timeout_s: float) -> dict:
+        """Once the shard serves: its address, pid and node."""
+        deadline = time.monotonic() + timeout_s
+        while self._address is None and not self._ready.exists():
+            if not self._thread.is_alive():
+                raise RuntimeError(f"ps shard stopped before it served: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ps shard not serving after {timeout_s:.0f} s")
+            time.sleep(0.02)
+        if self._address is None:
+            self._address = self._ready.read_text().strip()
+            shutil.rmtree(self._dir, ignore_errors=True)       # nothing left behind, even after kill -9
+        return {"address": self._address, "pid": os.getpid(), **self._node}
+
+    def wait(self) -> None:
+        """Returns when the shard stops (its ObjectRef fails when the actor dies: kill -9, a lost node)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        for fd in self._fds:
+            os.close(fd)
+
+
+def _watch_shards(shards: list, done: threading.Event, rank: int) -> None:
+    """A trainer's watchdog: a shard that ends during training ends this trainer at once (else it would
+    wait ps.timeout_s x retries on it), so Ray Train fails the attempt and the driver restarts it."""
+    refs = [s.wait.remote() for s in shards]
+    while not done.is_set():
+        ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
+        if ready and not done.is_set():
+            logger.error("trainer %d: ps shard %d is gone; ending this attempt", rank, refs.index(ready[0]))
+            logging.shutdown()
+            os._exit(3)
+
+
+def train_loop(config: dict) -> None:
+    """The Ray Train function: `run_worker` (the local launcher's trainer loop) in the process group
+    Ray Train set up (RANK / WORLD_SIZE / LOCAL_RANK in the environment, as torch elastic sets them)."""
+    from recsys.runtime import apply_environment, setup_logging
+    from recsys.training.worker import log_path, report_failure, run_worker
+
+    rank, run_dir, verbose = int(os.environ.get("RANK", "0")), config["run_dir"], config["verbose"]
+    setup_logging(verbose, role=f"trainer{rank}", log_file=str(log_path(run_dir, rank)))
+    apply_environment()
+    fds, path, overrides = _private_config(config["config"], config["token"])
+    done = threading.Event()
+    watchdog = threading.Thread(target=_watch_shards, args=(config["shards"], done, rank), daemon=True)
+    watchdog.start()
+    try:
+        resolved_fd, resolved = _memory_file("recsys-config.toml", to_toml(load_config(path, overrides)))
+        fds.append(resolved_fd)                 # ps.token_file -> this trainer's in-memory token
+        run_worker(str(resolved), config["addresses"], run_dir, config["resume"], node=this_node())
+    except Exception as e:
+        raise RuntimeError(report_failure(e, run_dir, rank, verbose)) from None
+    finally:
+        done.set()
+        for fd in fds:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the driver
+
+
+def connect(cfg: JobConfig) -> bool:
+    """Join cluster.address (or start a local Ray instance sized for the job); True when this call
+    started or joined Ray (the caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, log_to_driver=False)
+        return True
+    need: dict[str, float] = {}
+    for bundle, count in ((cfg.cluster.ps_bundle(), cfg.ps.num_shards),
+                          (cfg.cluster.trainer_bundle(), cfg.train.num_trainers)):
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v * count
+    custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU", "memory")}
+    ray.init(address="local",                 # a new instance, not one `ray start` left on this machine
+             num_cpus=max(os.cpu_count() or 1, int(need.get("CPU", 0) + 0.999)), resources=custom or None,
+             include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _absolute(cfg: JobConfig) -> JobConfig:
+    """Local paths made absolute: actors and trainers do not run in this process's directory."""
+    def fix(p: str) -> str:
+        return p if "://" in p or not p else str(Path(p).resolve())
+
+    data = dataclasses.replace(cfg.data, **{k: tuple(fix(p) for p in getattr(cfg.data, k))
+                                            for k in ("train_paths", "eval_paths", "test_paths", "item_paths")})
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, run_dir=fix(cfg.train.run_dir)),
+                               ps=dataclasses.replace(cfg.ps, storage_root=fix(cfg.ps.storage_root),
+                                                      num_workers=cfg.train.num_trainers))
+
+
+def _missing(role: str, key: str, bundle: dict[str, float], count: int) -> str:
+    """One line: what the cluster lacks for `count` bundles of `role`, and which nodes are dead."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    short = [f"{k} {v * count:g} needed, {free.get(k, 0.0):g} free of {total.get(k, 0.0):g}"
+             for k, v in bundle.items() if v * count > free.get(k, 0.0) + 1e-9]
+    dead = [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n in ray.nodes() if not n["Alive"]]
+    return (f"cannot place {count} {role}(s) of {key} = {bundle}: "
+            f"{'; '.join(short) or 'no single node offers one bundle'}"
+            f"{'; lost nodes: ' + ', '.join(dead) if dead else ''}")
+
+
+def _reserve(role: str, key: str, bundle: dict[str, float], count: int, strategy: str, timeout_s: float):
+    """A ready placement group of `count` bundles, or ClusterResourceError after timeout_s."""
+    pg = placement_group([dict(bundle)] * count, strategy=strategy, name=f"recsys-{role}")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        line = _missing(role, key, bundle, count)
+        remove_placement_group(pg)
+        raise ClusterResourceError(f"{line} (waited cluster.start_timeout_s = {timeout_s:g} s)") from None
+    return pg
+
+
+def _actor_options(bundle: dict[str, float]) -> dict:
+    """Ray actor options reserving exactly `bundle` (num_cpus always explicit)."""
+    opts = {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0)}
+    if "memory" in bundle:
+        opts["memory"] = bundle["memory"]
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    return opts | ({"resources": custom} if custom else {})
+
+
+def start_shards(cfg: JobConfig, token: str, restore: Path | None) -> tuple[list, list[dict], object]:
+    """ps.num_shards shard actors in one placement group; their handles, infos (address, pid, node) and the group."""
+    bundle = cfg.cluster.ps_bundle()
+    pg = _reserve("ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards,
+                  STRATEGY[cfg.cluster.placement], cfg.cluster.start_timeout_s)
+    remote = ray.remote(ShardActor)
+    text = to_toml(cfg)
+    actors = [remote.options(**_actor_options(bundle), max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                             name=None).remote(text, i, token, cfg.train.run_dir,
+                                               None if restore is None else str(restore))
+              for i in range(cfg.ps.num_shards)]
+    try:
+        infos = ray.get([a.ready.remote(READY_TIMEOUT_S) for a in actors], timeout=READY_TIMEOUT_S + 30)
+    except BaseException:
+        stop_shards(actors, pg)
+        raise
+    return actors, infos, pg
+
+
+def stop_shards(actors: list, pg: object | None) -> None:
+    """Stop the shards (a clean stop, then kill) and free their placement group."""
+    refs = [a.stop.remote() for a in actors]
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=15)
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        if pg is not None:
+            remove_placement_group(pg)
+
+
+def _dead_shards(actors: list, infos: list[dict]) -> list[str]:
+    """The shards that died during the attempt, each as 'ps shard I (pid P on node N)'."""
+    dead = []
+    for i, (a, info) in enumerate(zip(actors, infos)):
+        try:
+            ray.get(a.ready.remote(1.0), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            dead.append(f"ps shard {i} (pid {info['pid']} on node {info['node_ip']} {info['node_id'][:12]})")
+    return dead
+
+
+def _write_processes(run_dir: Path, infos: list[dict], earlier: list[dict]) -> list[dict]:
+    """processes.json as the local launcher writes it, with each process's node (node_id, node_ip)."""
+    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **this_node()}]
+    entries += [{"role": "ps", "rank": i, **{k: v for k, v in info.items() if k != "address"}}
+                for i, info in enumerate(infos)]
+    for f in sorted((run_dir / "pids").glob("trainer-*.json")):
+        entries.append(json.loads(f.read_text()))
+    entries += [e for e in earlier if e["role"] != "launcher"]
+    (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
+    return entries
+
+
+def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
+    """What a failed fit() means: a trainer process died (JobFailure, worth a restart), or a trainer's
+    own error (WorkerError, its one line)."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    failures = getattr(e, "worker_failures", {}) if isinstance(e, WorkerGroupError) else {}
+    # a dead worker process: its actor's error, or the health check that found the actor gone
+    died = sorted(r for r, err in failures.items()
+                  if isinstance(err, (ray.exceptions.RayActorError, WorkerHealthCheckFailedError)))
+    if died or not failures:
+        what = f"trainer rank {died[0]} died" if died else "the trainers failed"
+        detail = " ".join(str(failures.get(died[0], e) if died else e).split())[:300]
+        return JobFailure(f"{what}: {detail}", killed=True)
+    line = read_worker_error(run_dir)
+    return WorkerError(line if line is not None else " ".join(str(e).split())[:500])
+
+
+def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
+             earlier: list[dict], stops: object, verbose: bool) -> dict:
+    """One start of the shard actors and the Ray Train trainers; the final metrics. Raises JobFailure
+    when a process of it died, WorkerError when a trainer failed, ClusterResourceError."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    (run_dir / "metrics.json").unlink(missing_ok=True)
+    actors, infos, pg = [], [], None
+    try:
+        actors, infos, pg = start_shards(cfg, token, None if checkpoint is None else checkpoint / "model" / "ps")
+        _write_processes(run_dir, infos, earlier)
+        logger.info("ps shards ready at %s", ", ".join(f"{i['address']} (node {i['node_id'][:12]})" for i in infos))
+        bundle, strategy = cfg.cluster.trainer_bundle(), STRATEGY[cfg.cluster.placement]
+        remove_placement_group(_reserve("trainer", "cluster.trainer_resources", bundle, cfg.train.num_trainers,
+                                        strategy, cfg.cluster.start_timeout_s))   # fail fast, in one line
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={"config": to_toml(cfg), "token": token, "addresses": [i["address"] for i in infos],
+                               "run_dir": str(run_dir), "verbose": verbose, "shards": actors,
+                               "resume": None if checkpoint is None else str(checkpoint)},
+            scaling_config=ScalingConfig(num_workers=cfg.train.num_trainers, use_gpu=cfg.cluster.use_gpu,
+                                         resources_per_worker=bundle, placement_strategy=strategy),
+            run_config=RunConfig(name=f"recsys-{secrets.token_hex(4)}", storage_path=str(run_dir / "ray"),
+                                 failure_config=FailureConfig(max_failures=0)))
+        try:
+            trainer.fit()
+        except Exception as e:
+            dead = _dead_shards(actors, infos)
+            if dead:
+                raise JobFailure(f"{dead[0]} died during training", killed=True) from e
+            raise _trainer_failure(e, run_dir) from e
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
+        return metrics
+    finally:
+        if actors:
+            stop_shards(actors, pg)
+        earlier[:] = _write_processes(run_dir, infos, earlier)
+
+
+class _NoStops:
+    """The Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see README)."""
+
+    requested = threading.Event()
+
+
+def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
+    """Run a whole training job on Ray (cluster.address, or a local Ray instance); the final metrics,
+    as `launch_train` returns them. Same run directory, same resume and restart rules."""
+    import functools
+
+    from recsys.training.checkpoint import resolve_resume
+    from recsys.training.launch import _run
+
+    cfg = _absolute(cfg)
+    run_dir = Path(cfg.train.run_dir)
+    config_path = write_run_dir(cfg, run_dir)
+    checkpoint = resolve_resume(run_dir, resume) if resume else None
+    if resume == "latest" and checkpoint is None:
+        logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", run_dir)
+    token = secrets.token_hex(32)           # per job; only Ray carries it (task arguments), never a shared file
+    started = connect(cfg)
+    try:
+        return _run(cfg, config_path, run_dir, checkpoint, _NoStops(), verbose,   # type: ignore[arg-type]
+                    attempt=functools.partial(_attempt, token))
+    finally:
+        if started:
+            ray.shutdown()
