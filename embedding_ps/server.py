@@ -22,7 +22,9 @@ save is prepared or written, new SAVE and LOAD requests are parked and retried w
 
 With ps.shared_memory a client on the same host passes PULL / PUSH rows in its shared-memory
 segments (`embedding_ps.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
-gradients from, the segment the request names (sync mode copies them: the gate keeps them).
+gradients from, the segment the request names (sync mode copies them: the gate keeps them). A
+shard that does not take shared memory, or cannot open the segment (no /dev/shm shared with the
+client), answers status NO_SHM before applying anything; the client resends through the socket.
 
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.
@@ -51,8 +53,7 @@ from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import ShmAttacher
-from embedding_ps.shm import available as shm_available
+from embedding_ps.shm import ShmAttacher, shard_accepts
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,9 @@ StateFactory = Callable[[PSConfig, int], ShardStateLike]
 class ShardServer:
     """Decodes requests for one shard, calls its `state` and `gate`, encodes replies. No sockets here."""
 
-    def __init__(self, config: PSConfig, shard_index: int, state: ShardStateLike, token: bytes | None = None) -> None:
+    def __init__(self, config: PSConfig, shard_index: int, state: ShardStateLike, token: bytes | None = None,
+                 bind: str | None = None) -> None:
+        """bind: the host this shard is bound to (`serve`), for ps.shared_memory = "auto" (None: ps.bind)."""
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
         self.gate: Gate = make_gate(config, state)
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
@@ -112,9 +115,10 @@ class ShardServer:
                           P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep,
                           P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
-        # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM is refused)
-        self.shm = ShmAttacher() if config.shared_memory and shm_available() else None
+        # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM gets NO_SHM)
+        self.shm = ShmAttacher() if shard_accepts(config.shared_memory, bind or config.bind) else None
         self.shm_requests = 0             # PULL / PUSH served through shared memory
+        self.shm_refused = 0              # ... answered NO_SHM (the client resent them through the socket)
         self.saver = BackgroundSaver(self.name, shard_index)
         # SAVE / LOAD stay under ps.storage_root (resolved once; "": not confined, see PSConfig)
         self.storage_root = os.path.realpath(config.storage_root) if config.storage_root else None
@@ -146,6 +150,11 @@ class ShardServer:
                     self._remember(key, reply)
             return reply
         except P.ProtocolError as e:
+            if e.status == P.Status.NO_SHM:     # not an error: the client falls back to the socket
+                self.shm_refused += 1
+                logger.debug("%s: %s", self.name, e)
+                return [header.reply(P.Status.NO_SHM, dtype=P.DType.BYTES, count=0, dim=0).pack(),
+                        P.text_frame(str(e))]
             return self._error(header, frames, e.status, str(e))
         except (ValueError, IndexError) as e:   # the state refused the values (step range, ...)
             return self._error(header, frames, P.Status.BAD_VALUE, f"{type(e).__name__}: {e}")
@@ -195,16 +204,20 @@ class ShardServer:
         return tables, counts, P.frame_tensor(ids_buf, P.DType.INT64, total)
 
     def _segment(self, h: P.Header, name: memoryview, nbytes: int) -> np.ndarray:
-        """uint8 [nbytes] view of the client's shared-memory segment `name`; BAD_VALUE if refused."""
+        """uint8 [nbytes] view of the client's shared-memory segment `name`; NO_SHM if this shard
+        cannot open it (off here, another /dev/shm, another user), BAD_VALUE for a malformed name or size."""
         what = f"{P.Op(h.op).name} with shared memory"
         if self.shm is None:
             raise P.ProtocolError(f"{what} refused: this shard does not take shared memory (ps.shared_memory "
-                                  f"is off, or this host has no /dev/shm)", P.Status.BAD_VALUE)
+                                  f"is {self.config.shared_memory!r} here, or this host has no /dev/shm)",
+                                  P.Status.NO_SHM)
         if len(name) > 128:
             raise P.ProtocolError(f"{what}: segment name of {len(name)} bytes", P.Status.BAD_VALUE)
         try:
             seg = self.shm.attach(bytes(name), nbytes)
-        except (OSError, ValueError) as e:
+        except OSError as e:         # e.g. FileNotFoundError: the client's /dev/shm is not this one
+            raise P.ProtocolError(f"{what}: segment not opened here ({e})", P.Status.NO_SHM) from None
+        except ValueError as e:
             raise P.ProtocolError(f"{what}: {e}", P.Status.BAD_VALUE) from None
         self.shm_requests += 1
         return seg
@@ -322,6 +335,7 @@ class ShardServer:
                 "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
                 "state": self.state.stats(), "save": self.saver.status(),
                 "nonfinite_rows_skipped": self.nonfinite_skipped, "shm_requests": self.shm_requests,
+                "shm_refused": self.shm_refused,
                 **self.gate.stats()}
         return self._json(h, info)
 
@@ -500,7 +514,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
     token = load_token(config) if config.auth == "token" else None
     state = (state_factory or _default_state)(config, shard_index)
     _prime_malloc()
-    server = ShardServer(config, shard_index, state, token)
+    server = ShardServer(config, shard_index, state, token, bind=host)
     own_stop = stop is None              # a caller's `stop` comes with the caller's signal handling
     stop = stop or threading.Event()
     ctx = zmq.Context()

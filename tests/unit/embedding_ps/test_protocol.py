@@ -385,3 +385,19 @@ def test_nonfinite_rows_can_be_skipped():
     assert [(t, ids) for t, ids, _, _ in state.pushes] == [(0, [5, 6])]          # the finite rows only
     stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
     assert stats["nonfinite_rows_skipped"] == 1
+
+
+@pytest.mark.parametrize("setting,bind", [(False, "127.0.0.1"), ("auto", "10.0.0.7")])
+def test_shard_without_shared_memory_answers_no_shm_and_applies_nothing(setting, bind):
+    """NO_SHM (the client resends through the socket), not an error, and nothing applied."""
+    cfg = PSConfig(shared_memory=setting, tables=(TableConfig(name="a", dim=D),))
+    state = DictState(cfg)
+    server = ShardServer(cfg, 0, state, bind=bind)
+    ids = torch.tensor([1, 2], dtype=torch.int64)
+    for op in (P.Op.PUSH, P.Op.PULL):
+        h = P.Header(op=op, dtype=P.DType.FP32, count=1, dim=D, client=7, request=int(op), flags=P.FLAG_SHM)
+        reply = server.handle([h.pack(), b"", index_frame([[0, 2]]), ids.numpy().tobytes(), b"recsys-ps-" + b"0" * 16])
+        status, text = status_of(reply)
+        assert status == P.Status.NO_SHM and "does not take shared memory" in text
+    assert state.pushes == [] and server.errors == 0 and server.shm_refused == 2
+    assert server.replay == {}                  # the socket resend is applied, not answered from the cache
