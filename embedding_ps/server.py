@@ -53,7 +53,7 @@ from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import ShmAttacher, shard_accepts
+from embedding_ps.shm import ShmAttacher, ids_offset, shard_accepts
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
@@ -179,8 +179,9 @@ class ShardServer:
     # -- validation helpers -------------------------------------------------------------------
 
     def _parts(self, h: P.Header, index_buf: memoryview, ids_buf: memoryview
-               ) -> tuple[list[int], list[int], torch.Tensor]:
-        """(tables [T], counts [T], ids int64 [M]) of a PULL / PUSH; ProtocolError naming what is wrong."""
+               ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """(tables [T], counts [T], ids int64 [M]) of a PULL / PUSH; ProtocolError naming what is wrong.
+        ids None: they are in the request's shared-memory segment (FLAG_SHM with an empty ids frame)."""
         name = P.Op(h.op).name
         limit = self.config.max_frame_bytes
         if h.count < 1:
@@ -200,6 +201,8 @@ class ShardServer:
             if n < 0:
                 raise P.ProtocolError(f"{name}: part {i}: count must be >= 0, got {n}", P.Status.BAD_VALUE)
         total = sum(counts)
+        if h.flags & P.FLAG_SHM and total and not len(ids_buf):
+            return tables, counts, None
         P.expect_bytes(f"{name} ids", len(ids_buf), total, 8, limit)
         return tables, counts, P.frame_tensor(ids_buf, P.DType.INT64, total)
 
@@ -249,14 +252,18 @@ class ShardServer:
         """Rows wire dtype [M, D] of every part's ids, back to back; DEFERRED while the step must wait."""
         dtype = P.row_dtype(h.dtype, "PULL reply")
         tables, counts, ids = self._parts(h, payload[0], payload[1])
-        total = ids.shape[0]
+        total = sum(counts)
         reply_bytes = total * h.dim * P.ITEM_SIZE[dtype]
         if reply_bytes > self.config.max_frame_bytes:
             raise P.ProtocolError(f"PULL of {total} rows of dim {h.dim} = {reply_bytes} bytes exceeds "
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
-        seg = self._segment(h, payload[2], reply_bytes) if h.flags & P.FLAG_SHM else None   # uint8 [bytes]
+        seg = (self._segment(h, payload[2], reply_bytes if ids is not None else ids_offset(reply_bytes) + 8 * total)
+               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids
+        if ids is None:
+            ids = P.frame_tensor(memoryview(seg[ids_offset(reply_bytes):]), P.DType.INT64, total)
+            seg = seg[:reply_bytes]
         self.gate.pulled(h.step)
         if seg is not None and dtype == P.DType.FP32:
             out = P.frame_tensor(memoryview(seg), dtype, total, h.dim)   # [M, D], the client's memory
@@ -279,17 +286,22 @@ class ShardServer:
         """Every part's grads to the gate: applied now (async) or at the step's last barrier (sync)."""
         dtype = P.row_dtype(h.dtype, "PUSH grads")
         tables, counts, ids = self._parts(h, payload[0], payload[1])
-        total = ids.shape[0]
+        total = sum(counts)
         nbytes = total * h.dim * P.ITEM_SIZE[dtype]
         shm = bool(h.flags & P.FLAG_SHM)
         P.expect_bytes("PUSH grads", nbytes if shm else len(payload[2]), total * h.dim, P.ITEM_SIZE[dtype],
                        self.config.max_frame_bytes)
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
-        raw = memoryview(self._segment(h, payload[2], nbytes)) if shm else payload[2]
+        seg = self._segment(h, payload[2], nbytes if ids is not None else ids_offset(nbytes) + 8 * total) if shm else None
+        raw = memoryview(seg[:nbytes]) if shm else payload[2]
         grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        if ids is None:
+            ids = P.frame_tensor(memoryview(seg[ids_offset(nbytes):]), P.DType.INT64, total)
+            if self.config.mode == "sync":
+                ids = ids.clone()          # the sync gate keeps them past the reply: not the client's memory
         if shm and self.config.mode == "sync" and dtype == P.DType.FP32:
-            grads = grads.clone()          # the sync gate keeps them past the reply: not the client's memory
+            grads = grads.clone()          # (as the ids)
         keep = self._finite_rows(tables, counts, grads)               # None: every row is finite
         parts, start = [], 0
         for t, n in zip(tables, counts):

@@ -9,8 +9,9 @@ nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
 
     client (ShmPool)                                  shard (ShmAttacher)
     take(nbytes) -> segment "recsys-ps-<hex>"  ──name──>  attach(name, nbytes) -> uint8 view
-    PUSH: grads copied into the segment               reads grads from it (sync mode: copies them)
-    PULL: reply has no rows frame                     gathers rows into it
+    segment: rows dtype [M, D] | ids int64 [M] (at ids_offset; the request's ids frame is empty)
+    PUSH: grads copied into the segment               reads grads and ids from it (sync mode: copies them)
+    PULL: reply has no rows frame                     reads the ids, gathers rows into it
 
 Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
 a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
@@ -72,6 +73,11 @@ def is_local(address: str) -> bool:
         return False
     host = address[len("tcp://"):].rsplit(":", 1)[0]
     return host in _LOCAL_HOSTS or host.startswith("127.")
+
+
+def ids_offset(rows_bytes: int) -> int:
+    """Where a request's ids int64 [M] start in its segment: after its rows (`rows_bytes`), 8-aligned."""
+    return (rows_bytes + 7) & ~7
 
 
 def available() -> bool:
@@ -262,5 +268,5 @@ def _root(view: np.ndarray) -> np.ndarray:
     return view
 
 
-__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "Mode", "ShmAttacher", "ShmPool", "available", "client_uses",
+__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "Mode", "ids_offset", "ShmAttacher", "ShmPool", "available", "client_uses",
            "is_local", "shard_accepts"]
