@@ -23,8 +23,9 @@ same config (ps.threads, dtype, dims, row-wise Adagrad) prefilled like the shard
 same id batches and gradients as client 0 (`pull(..., out=)` as the server calls it, then `push`),
 no sockets, timed and combined the same way. `ratio_vs_inprocess` (uniform ids, 1 shard, 1
 client, dim 64) and `ratio_vs_inprocess_zipf` divide the shard's pull+push rows/s by that bound:
-what the process boundary and the server cost (over the socket, ps.shared_memory's default; with
-shared memory: `ratio_vs_inprocess_shm`, `ratio_vs_inprocess_zipf_shm`).
+what the process boundary and the server cost over the socket (ps.shared_memory = false; with
+shared memory, since session 21 the default for loopback shards: `ratio_vs_inprocess_shm`,
+`ratio_vs_inprocess_zipf_shm`).
 
 --weight-decay WD [--weight-decay-mode l2|decoupled] gives the tables sparse weight decay (its cost
 is the ratio of rows_per_s to a run without it).

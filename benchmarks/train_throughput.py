@@ -26,6 +26,7 @@ Every configuration runs --log-every + --steps steps and times them in intervals
 steps (loader wait, forward, backward, optimizer steps, PS round trips all included); the first
 interval is warm-up and dropped, the rate of a run is the median over its other intervals, and
 the reported rate is the median over --repeats runs (the configurations interleaved per repeat).
+--ps-shared-memory: ps.shared_memory of our launched runs (auto, the default: rows through /dev/shm).
 The in-process runs use torch.set_num_threads(--threads); our launched trainer gets
 train.num_threads = --threads too, and the PS shard process 1 thread (the launcher's setting).
 
@@ -114,12 +115,18 @@ def job_config(args: argparse.Namespace, data_dir: str, run_dir: str, mode: str,
         f"data.sparse_columns = {json.dumps(list(SPARSE))}", "data.passthrough_columns = []",
         f"data.batch_size = {batch // trainers}",
         f"ps.tables = [{tables}]", f'ps.mode = "{mode}"', f"ps.num_shards = {shards}", f"ps.max_staleness = {max_staleness}",
+        f"ps.shared_memory = {_toml_shm(getattr(args, 'ps_shared_memory', 'auto'))}",
         "model.table_pooling = {}", f"model.bottom_mlp = [128, {args.dim}]",
         f"train.num_trainers = {trainers}", f"train.max_steps = {total_steps}", f"train.epochs = {epochs}",
         f"train.log_every = {args.log_every}", f"train.num_threads = {args.threads}",
         f"train.run_dir = {json.dumps(run_dir)}",
     ]
     return load_config(QUICKSTART, overrides)
+
+
+def _toml_shm(value: str) -> str:
+    """--ps-shared-memory as a TOML value: true / false, or the string "auto"."""
+    return value if value in ("true", "false") else json.dumps(value)
 
 
 def table_rows(cap: int) -> list[int]:
@@ -386,7 +393,7 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
     out["meets_targets"] = {k: (None if out[k] is None else out[k] >= v) for k, v in TARGETS.items()}
     out.update({"rows": args.rows, "steps": args.steps, "log_every": args.log_every, "repeats": args.repeats,
                 "batch_size": args.batch_size, "dim": args.dim, "threads": args.threads, "cap": args.cap,
-                "ps_kernel": args.ps_kernel, "gen_s": round(gen_s, 2), "cpus": os.cpu_count(),
+                "ps_kernel": args.ps_kernel, "ps_shared_memory": args.ps_shared_memory, "gen_s": round(gen_s, 2), "cpus": os.cpu_count(),
                 "zipf": ZIPF, "cache_frac": args.cache_frac, "cache_staleness": args.cache_staleness,
                 "detail": detail, "notes": notes})
     return out
@@ -438,6 +445,8 @@ def main() -> int:
                    help="most rows per baseline table (ids map to id %% min(vocab, cap))")
     p.add_argument("--ps-kernel", choices=("auto", "native", "torch", "fbgemm"), default="auto",
                    help="ps.tables[*].kernel")
+    p.add_argument("--ps-shared-memory", choices=("auto", "true", "false"), default="auto",
+                   help="ps.shared_memory of our runs (auto: the default, the local launcher's shards use /dev/shm)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--cache-frac", type=float, default=0.05,
                    help="ours_cache_zipf: cache_rows of each table as a fraction of its feature's vocabulary")

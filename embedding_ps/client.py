@@ -34,6 +34,7 @@ for the sync contract).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -45,6 +46,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from embedding_ps import protocol as P
@@ -134,18 +136,22 @@ class PSClient:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
             return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
-        reqs, segs = [], {}
+        reqs, segs, fallbacks = [], {}, {}
         for shard, parts in shards.items():
-            seg = self._shm.take(shard, sum(c.numel() for _, c in parts) * dim * P.ITEM_SIZE[self.wire])  # rows go here
+            rows_bytes = sum(c.numel() for _, c in parts) * dim * P.ITEM_SIZE[self.wire]
+            seg = self._shm_segment(shard, rows_bytes, parts)         # rows go there, ids are there
             h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim,
                              flags=P.FLAG_SHM if seg else 0)
-            reqs.append((shard, h, _frames(tables, parts) + ([seg[0]] if seg else [])))
             if seg:
-                segs[shard] = seg[1]
+                segs[shard] = seg[1][:rows_bytes]
+                fallbacks[shard] = self._fallback(shard, h, tables, parts, segs)
+                reqs.append((shard, h, [_index_frame(tables, parts), b"", seg[0]]))
+            else:
+                reqs.append((shard, h, _frames(tables, parts)))
         counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
         call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
         fut = self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim,
-                                                                                 segs, call), call)
+                                                                                 segs, call), call, fallbacks)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         return fut
@@ -177,29 +183,30 @@ class PSClient:
             return _combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
         grad_parts = self._by_shard(list(zip(plans, sent)))
-        reqs, segs = [], {}
+        reqs, segs, fallbacks = [], {}, {}
         for shard, parts in shards.items():
             g = [c for _, c in grad_parts[shard]]
             m = sum(c.shape[0] for c in g)
-            seg = self._shm.take(shard, m * dim * P.ITEM_SIZE[self.wire])
+            seg = self._shm_segment(shard, m * dim * P.ITEM_SIZE[self.wire], parts)
+            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim,
+                             flags=P.FLAG_SHM if seg else 0)
             if seg:          # the grads go into the segment, cast to the wire type: [M_s, D]
                 segs[shard] = seg[1]
-                dst = P.frame_tensor(memoryview(seg[1]), self.wire, m, dim)
+                dst = P.frame_tensor(memoryview(seg[1][:m * dim * P.ITEM_SIZE[self.wire]]), self.wire, m, dim)
                 if len(g) > 1 and self.wire == P.DType.FP32:
                     torch.cat(g, out=dst)
                 else:
                     dst.copy_(g[0] if len(g) == 1 else torch.cat(g))
-                payload = seg[0]
+                fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst)
+                reqs.append((shard, h, [_index_frame(tables, parts), b"", seg[0]]))
             else:
                 payload = P.tensor_frame(P.to_wire(g[0] if len(g) == 1 else torch.cat(g), self.wire))  # [M_s, D]
-            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim,
-                             flags=P.FLAG_SHM if seg else 0)
-            reqs.append((shard, h, [*_frames(tables, parts), payload]))
+                reqs.append((shard, h, [*_frames(tables, parts), payload]))
         def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
             return None
 
         call = [] if segs else None
-        fut = self._submit(P.Op.PUSH, reqs, finish, call)
+        fut = self._submit(P.Op.PUSH, reqs, finish, call, fallbacks)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         with self._lock:
@@ -379,15 +386,42 @@ class PSClient:
                         client=self._client, request=next(self._ids), **fields)
 
     def _submit(self, op: P.Op, reqs: list[tuple[int, P.Header, list]],
-                finish: Callable[[dict], Any], call_out: list | None = None) -> Future:
+                finish: Callable[[dict], Any], call_out: list | None = None,
+                fallbacks: dict[int, Callable] | None = None) -> Future:
         if self._closed:
             raise RuntimeError("PSClient is closed")
         call = Call(op, Future(), finish, waiting=len(reqs))
         if call_out is not None:
             call_out.append(call)
-        items = [Request(call, shard, h.request, [h.pack(), self._token, *payload]) for shard, h, payload in reqs]
+        fallbacks = fallbacks or {}
+        items = [Request(call, shard, h.request, [h.pack(), self._token, *payload], fallback=fallbacks.get(shard))
+                 for shard, h, payload in reqs]
         self._io.submit(items)
         return call.future
+
+    def _shm_segment(self, shard: int, rows_bytes: int, parts: list[tuple[int, torch.Tensor]]
+                     ) -> tuple[bytes, "np.ndarray"] | None:
+        """(name, uint8 view) of a segment for a request to `shard` with the ids int64 [M] of `parts`
+        written after rows_bytes of rows (shm.ids_offset), or None: the socket."""
+        m = sum(c.numel() for _, c in parts)
+        seg = self._shm.take(shard, shm.ids_offset(rows_bytes) + 8 * m)
+        if seg is not None:
+            dst = P.frame_tensor(memoryview(seg[1][shm.ids_offset(rows_bytes):]), P.DType.INT64, m)   # [M]
+            torch.cat([c for _, c in parts], out=dst)
+        return seg
+
+    def _fallback(self, shard: int, h: P.Header, tables: Sequence[int], parts: list, segs: dict,
+                  grads: torch.Tensor | None = None) -> Callable[[str], tuple[int, list]]:
+        """The socket form of a shared-memory PULL (grads None) or PUSH (grads: wire dtype [M, D] in the
+        segment) to `shard`, for when the shard answers NO_SHM; called on the I/O thread."""
+        def fallback(message: str) -> tuple[int, list]:
+            self._shm.refused(shard, message)
+            segs.pop(shard, None)          # the shard never opened it: no rows there, reusable
+            again = dataclasses.replace(h, flags=h.flags & ~P.FLAG_SHM, request=next(self._ids))
+            rows = [] if grads is None else [P.tensor_frame(grads.clone())]
+            return again.request, [again.pack(), self._token, *_frames(tables, parts), *rows]
+
+        return fallback
 
     def _broadcast(self, op: P.Op, step: int | None = None, text: str | None = None, flags: int = 0) -> list:
         return self._wait(self._broadcast_async(op, step, text, flags))
@@ -483,11 +517,15 @@ class PSClient:
         return torch.cat(out) if out else torch.empty(0, dim)
 
 
+def _index_frame(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]):
+    """The index frame [T, 2] (table, count) of one shard's parts."""
+    return P.tensor_frame(torch.tensor([[tables[i], c.numel()] for i, c in parts], dtype=torch.int64))
+
+
 def _frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> list:
     """The index [T, 2] and ids [M] frames of one shard's parts."""
-    index = torch.tensor([[tables[i], c.numel()] for i, c in parts], dtype=torch.int64)
     ids = parts[0][1] if len(parts) == 1 else torch.cat([c for _, c in parts])
-    return [P.tensor_frame(index), P.tensor_frame(ids)]
+    return [_index_frame(tables, parts), P.tensor_frame(ids)]
 
 
 def _combine(futures: list[Future], combine: Callable[[list], Any]) -> Future:

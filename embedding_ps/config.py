@@ -179,12 +179,15 @@ class PSConfig:
     """A shard SAVEs and LOADs only under this directory ('..' and symlinks resolved; anything else
     is refused). `recsys train` and `recsys ps` set it to train.run_dir when it is empty; a PSConfig
     built in code with it empty does not confine (library use, tests)."""
-    shared_memory: bool = False
-    """A client whose shard address is on this host (127.x, localhost, ::1) passes PULL / PUSH rows of
-    1 MB or more through shared-memory segments in /dev/shm (`embedding_ps.shm`) instead of the
-    socket: the shard writes pulled rows into the client's segment, which the client returns without
-    a copy, and reads pushed gradients from it. Linux only (elsewhere: the socket); the shard must
-    have it set too (it refuses such requests otherwise)."""
+    shared_memory: bool | Literal["auto"] = "auto"
+    """PULL / PUSH rows of 1 MB or more between a client and a shard on one host go through
+    shared-memory segments in /dev/shm (`embedding_ps.shm`) instead of the socket: the shard writes
+    pulled rows into the client's segment, which the client returns without a copy, and reads pushed
+    gradients from it. "auto" (default): with the shards whose address is loopback (127.x,
+    localhost, ::1: the local launcher's), and a shard takes it when bound to loopback; true: tried
+    with every shard, taken whatever the bind; false: off. A shard that cannot open the client's
+    segment (off there, or no shared /dev/shm) makes the client fall back to the socket (one
+    warning), never an error. Linux only (elsewhere: the socket)."""
     threads: int = 0
     """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
     of a request are split into contiguous chunks of its (unique) rows, one per
@@ -216,6 +219,8 @@ class PSConfig:
             )
         if self.num_workers < 1:
             raise ValueError(f"ps.num_workers must be >= 1, got {self.num_workers}")
+        if not (isinstance(self.shared_memory, bool) or self.shared_memory == "auto"):
+            raise ValueError(f"ps.shared_memory must be true, false or 'auto', got {self.shared_memory!r}")
         if not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(f"ps.threads must be in [0, {MAX_THREADS}] (0: what the machine has), got {self.threads}")
         if self.max_staleness < 0:

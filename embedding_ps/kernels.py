@@ -23,13 +23,13 @@ check that every path agrees with them. This is the only module of the package t
 fbgemm_gpu, and only when a table uses it.
 
 `MEASURED` is the table of BENCHMARKS.md, section "Update kernels: fbgemm vs native C vs torch"
-(`python benchmarks/ps_table.py --kernels --clock cpu`, the medians of three runs): the setup, the
-figures, what auto picks from them and the caveats (load changes the verdict for row-wise Adagrad on
-fp32 d64 rows: the native update touches rows in arrival order, fbgemm sorts them first) are there.
-In short, with the C library loaded fbgemm wins for row-wise Adagrad on fp32 d64 rows without decay
-or with l2 and on most fp16 d64 tables; native keeps everything else (d16 rows, Adagrad, SGD,
-decoupled decay, where fbgemm pays passes around the op). Measure again when the native path
-changes (a multi-threaded or sorted update): the table, not the code, decides.
+(`python benchmarks/ps_table.py --kernels --clock cpu`, the medians of three runs, taken after the
+native update started grouping rows by slot before updating them): the setup, the figures, what
+auto picks from them and the caveats (load changes the verdict for row-wise Adagrad on fp32 d64
+rows) are there. In short, with the C library loaded fbgemm wins for row-wise Adagrad on fp32 d64
+rows without decay or with l2 and on fp16 d64 tables without decoupled decay except l2 Adagrad;
+native keeps everything else (d16 rows, Adagrad, SGD, decoupled decay, where fbgemm pays passes
+around the op). Measure again when the native path changes: the table, not the code, decides.
 """
 
 from __future__ import annotations
@@ -48,42 +48,42 @@ FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # (fbgemm, native C, fbgemm without the C library, torch without it): medians of three runs of
 # `python benchmarks/ps_table.py --kernels --clock cpu`: BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch".
 MEASURED: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
-    ("sgd", "none", "fp32", 64): (6.45, 11.26, 5.51, 6.19),
-    ("sgd", "l2", "fp32", 64): (4.08, 8.53, 3.76, 4.37),
-    ("sgd", "decoupled", "fp32", 64): (2.66, 8.86, 2.52, 3.15),
-    ("adagrad", "none", "fp32", 64): (2.00, 3.10, 1.93, 2.37),
-    ("adagrad", "l2", "fp32", 64): (1.83, 3.27, 1.74, 2.20),
-    ("adagrad", "decoupled", "fp32", 64): (1.44, 3.03, 1.42, 1.74),
-    ("rowwise_adagrad", "none", "fp32", 64): (8.67, 6.88, 7.07, 4.99),
-    ("rowwise_adagrad", "l2", "fp32", 64): (5.64, 4.55, 4.99, 3.87),
-    ("rowwise_adagrad", "decoupled", "fp32", 64): (3.09, 7.74, 2.83, 2.97),
-    ("sgd", "none", "fp32", 16): (9.25, 21.83, 7.68, 8.05),
-    ("sgd", "l2", "fp32", 16): (8.04, 20.62, 6.79, 6.94),
-    ("sgd", "decoupled", "fp32", 16): (6.33, 20.92, 5.56, 7.95),
-    ("adagrad", "none", "fp32", 16): (3.77, 11.67, 3.46, 5.08),
-    ("adagrad", "l2", "fp32", 16): (3.39, 11.51, 3.14, 4.41),
-    ("adagrad", "decoupled", "fp32", 16): (3.02, 12.11, 2.80, 5.14),
-    ("rowwise_adagrad", "none", "fp32", 16): (11.73, 16.74, 9.06, 7.04),
-    ("rowwise_adagrad", "l2", "fp32", 16): (9.37, 14.65, 7.54, 5.97),
-    ("rowwise_adagrad", "decoupled", "fp32", 16): (7.16, 15.22, 6.03, 6.83),
-    ("sgd", "none", "fp16", 64): (2.75, 1.70, 2.56, 3.52),
-    ("sgd", "l2", "fp16", 64): (1.95, 1.59, 2.13, 2.16),
-    ("sgd", "decoupled", "fp16", 64): (1.84, 1.78, 1.76, 3.64),
-    ("adagrad", "none", "fp16", 64): (1.91, 1.46, 1.83, 2.05),
-    ("adagrad", "l2", "fp16", 64): (1.51, 1.38, 1.63, 1.52),
-    ("adagrad", "decoupled", "fp16", 64): (1.48, 1.64, 1.41, 2.02),
-    ("rowwise_adagrad", "none", "fp16", 64): (2.75, 1.75, 2.54, 3.55),
-    ("rowwise_adagrad", "l2", "fp16", 64): (1.99, 1.50, 2.12, 2.07),
-    ("rowwise_adagrad", "decoupled", "fp16", 64): (1.73, 1.59, 1.59, 2.96),
-    ("sgd", "none", "fp16", 16): (4.47, 5.71, 4.09, 7.94),
-    ("sgd", "l2", "fp16", 16): (4.36, 5.39, 4.04, 6.65),
-    ("sgd", "decoupled", "fp16", 16): (3.58, 5.44, 3.25, 7.54),
-    ("adagrad", "none", "fp16", 16): (3.41, 4.89, 3.15, 5.32),
-    ("adagrad", "l2", "fp16", 16): (3.13, 4.74, 2.93, 4.54),
-    ("adagrad", "decoupled", "fp16", 16): (2.84, 5.30, 2.61, 5.14),
-    ("rowwise_adagrad", "none", "fp16", 16): (4.40, 5.76, 3.99, 6.97),
-    ("rowwise_adagrad", "l2", "fp16", 16): (3.88, 4.42, 3.56, 5.56),
-    ("rowwise_adagrad", "decoupled", "fp16", 16): (3.52, 5.08, 3.21, 6.75),
+    ("sgd", "none", "fp32", 64): (5.81, 9.26, 5.04, 5.91),
+    ("sgd", "l2", "fp32", 64): (4.28, 8.38, 3.90, 4.33),
+    ("sgd", "decoupled", "fp32", 64): (2.37, 8.41, 2.13, 2.59),
+    ("adagrad", "none", "fp32", 64): (1.87, 3.47, 1.77, 1.99),
+    ("adagrad", "l2", "fp32", 64): (1.82, 3.51, 1.73, 1.78),
+    ("adagrad", "decoupled", "fp32", 64): (1.19, 3.39, 1.16, 1.43),
+    ("rowwise_adagrad", "none", "fp32", 64): (8.71, 7.55, 7.17, 5.04),
+    ("rowwise_adagrad", "l2", "fp32", 64): (5.64, 5.04, 4.92, 3.72),
+    ("rowwise_adagrad", "decoupled", "fp32", 64): (2.40, 4.82, 2.31, 2.38),
+    ("sgd", "none", "fp32", 16): (8.85, 16.45, 7.49, 7.82),
+    ("sgd", "l2", "fp32", 16): (7.16, 15.55, 6.03, 6.14),
+    ("sgd", "decoupled", "fp32", 16): (5.39, 15.74, 4.74, 6.69),
+    ("adagrad", "none", "fp32", 16): (3.71, 10.11, 3.39, 5.10),
+    ("adagrad", "l2", "fp32", 16): (3.49, 9.80, 3.22, 4.67),
+    ("adagrad", "decoupled", "fp32", 16): (3.10, 10.31, 2.87, 5.11),
+    ("rowwise_adagrad", "none", "fp32", 16): (11.67, 14.24, 8.78, 6.94),
+    ("rowwise_adagrad", "l2", "fp32", 16): (9.21, 12.99, 7.23, 6.05),
+    ("rowwise_adagrad", "decoupled", "fp32", 16): (6.96, 13.12, 5.81, 6.35),
+    ("sgd", "none", "fp16", 64): (2.67, 1.81, 2.47, 2.82),
+    ("sgd", "l2", "fp16", 64): (2.02, 1.65, 2.10, 1.93),
+    ("sgd", "decoupled", "fp16", 64): (1.61, 1.79, 1.54, 2.83),
+    ("adagrad", "none", "fp16", 64): (1.91, 1.66, 1.85, 1.97),
+    ("adagrad", "l2", "fp16", 64): (1.50, 1.60, 1.62, 1.38),
+    ("adagrad", "decoupled", "fp16", 64): (1.42, 1.89, 1.40, 1.95),
+    ("rowwise_adagrad", "none", "fp16", 64): (2.60, 1.97, 2.47, 3.46),
+    ("rowwise_adagrad", "l2", "fp16", 64): (1.98, 1.67, 2.12, 2.10),
+    ("rowwise_adagrad", "decoupled", "fp16", 64): (1.71, 1.97, 1.66, 2.82),
+    ("sgd", "none", "fp16", 16): (4.59, 6.59, 4.13, 7.96),
+    ("sgd", "l2", "fp16", 16): (4.37, 6.01, 4.03, 6.78),
+    ("sgd", "decoupled", "fp16", 16): (3.71, 6.45, 3.42, 8.12),
+    ("adagrad", "none", "fp16", 16): (3.50, 6.06, 3.21, 5.45),
+    ("adagrad", "l2", "fp16", 16): (3.21, 5.57, 2.97, 4.92),
+    ("adagrad", "decoupled", "fp16", 16): (2.88, 5.82, 2.70, 5.48),
+    ("rowwise_adagrad", "none", "fp16", 16): (4.71, 6.11, 4.23, 7.54),
+    ("rowwise_adagrad", "l2", "fp16", 16): (4.27, 5.13, 3.85, 6.41),
+    ("rowwise_adagrad", "decoupled", "fp16", 16): (3.78, 5.98, 3.46, 7.46),
 }
 MEASURED_DIMS = (16, 64)
 AUTO_MARGIN = 1.05

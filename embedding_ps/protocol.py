@@ -14,6 +14,9 @@ PULL / PUSH with ``flags & FLAG_SHM`` (a client and shard on one host, `embeddin
 do not travel in a frame. PUSH's third payload frame is then the name (ASCII) of a shared-memory
 segment holding the grads dtype [M, D] from its first byte; PULL has a third payload frame, the
 name of the segment the shard writes the reply rows dtype [M, D] into, and the reply has no payload.
+A shard that cannot open the segment (it does not take shared memory, or it does not share the
+client's /dev/shm) answers status NO_SHM before applying anything, and the client sends the same
+request again with the rows in a frame.
 
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (copy-on-write, bounded extra
 memory), replies at once and writes it on a thread; SAVE_STATUS reports how that write went
@@ -91,6 +94,8 @@ class Status(enum.IntEnum):
     UNAUTHORIZED = 3     # missing or wrong token
     STALE_STEP = 4       # sync mode: a push or barrier for a step that was already applied
     INTERNAL = 5         # the shard failed to carry out a valid request
+    NO_SHM = 6           # FLAG_SHM: the shard cannot use the client's segment (off there, another host,
+                         # another /dev/shm); nothing was applied: the client resends over the socket
 
 
 class DType(enum.IntEnum):

@@ -22,7 +22,9 @@ requests are parked and retried when that ends.
 
 With ps.shared_memory a client on the same host passes PULL / PUSH rows in its shared-memory
 segments (`embedding_ps.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
-gradients from, the segment the request names (sync mode copies them: the gate keeps them).
+gradients from, the segment the request names (sync mode copies them: the gate keeps them). A
+shard that does not take shared memory, or cannot open the segment (no /dev/shm shared with the
+client), answers status NO_SHM before applying anything; the client resends through the socket.
 
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.
@@ -52,8 +54,7 @@ from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import ShmAttacher
-from embedding_ps.shm import available as shm_available
+from embedding_ps.shm import ShmAttacher, ids_offset, shard_accepts
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ StateFactory = Callable[[PSConfig, int], ShardStateLike]
 class ShardServer:
     """Decodes requests for one shard, calls its `state` and `gate`, encodes replies. No sockets here."""
 
-    def __init__(self, config: PSConfig, shard_index: int, state: ShardStateLike, token: bytes | None = None) -> None:
+    def __init__(self, config: PSConfig, shard_index: int, state: ShardStateLike, token: bytes | None = None,
+                 bind: str | None = None) -> None:
+        """bind: the host this shard is bound to (`serve`), for ps.shared_memory = "auto" (None: ps.bind)."""
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
         self.gate: Gate = make_gate(config, state)
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
@@ -111,9 +114,10 @@ class ShardServer:
                           P.Op.LOAD: self._load, P.Op.SHUTDOWN: self._shutdown, P.Op.SWEEP: self._sweep,
                           P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
-        # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM is refused)
-        self.shm = ShmAttacher() if config.shared_memory and shm_available() else None
+        # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM gets NO_SHM)
+        self.shm = ShmAttacher() if shard_accepts(config.shared_memory, bind or config.bind) else None
         self.shm_requests = 0             # PULL / PUSH served through shared memory
+        self.shm_refused = 0              # ... answered NO_SHM (the client resent them through the socket)
         self.saver = BackgroundSaver(self.name, shard_index)
         # SAVE / LOAD stay under ps.storage_root (resolved once; "": not confined, see PSConfig)
         root = config.storage_root
@@ -146,6 +150,11 @@ class ShardServer:
                     self._remember(key, reply)
             return reply
         except P.ProtocolError as e:
+            if e.status == P.Status.NO_SHM:     # not an error: the client falls back to the socket
+                self.shm_refused += 1
+                logger.debug("%s: %s", self.name, e)
+                return [header.reply(P.Status.NO_SHM, dtype=P.DType.BYTES, count=0, dim=0).pack(),
+                        P.text_frame(str(e))]
             return self._error(header, frames, e.status, str(e))
         except (ValueError, IndexError) as e:   # the state refused the values (step range, ...)
             return self._error(header, frames, P.Status.BAD_VALUE, f"{type(e).__name__}: {e}")
@@ -170,8 +179,9 @@ class ShardServer:
     # -- validation helpers -------------------------------------------------------------------
 
     def _parts(self, h: P.Header, index_buf: memoryview, ids_buf: memoryview
-               ) -> tuple[list[int], list[int], torch.Tensor]:
-        """(tables [T], counts [T], ids int64 [M]) of a PULL / PUSH; ProtocolError naming what is wrong."""
+               ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """(tables [T], counts [T], ids int64 [M]) of a PULL / PUSH; ProtocolError naming what is wrong.
+        ids None: they are in the request's shared-memory segment (FLAG_SHM with an empty ids frame)."""
         name = P.Op(h.op).name
         limit = self.config.max_frame_bytes
         if h.count < 1:
@@ -191,20 +201,26 @@ class ShardServer:
             if n < 0:
                 raise P.ProtocolError(f"{name}: part {i}: count must be >= 0, got {n}", P.Status.BAD_VALUE)
         total = sum(counts)
+        if h.flags & P.FLAG_SHM and total and not len(ids_buf):
+            return tables, counts, None
         P.expect_bytes(f"{name} ids", len(ids_buf), total, 8, limit)
         return tables, counts, P.frame_tensor(ids_buf, P.DType.INT64, total)
 
     def _segment(self, h: P.Header, name: memoryview, nbytes: int) -> np.ndarray:
-        """uint8 [nbytes] view of the client's shared-memory segment `name`; BAD_VALUE if refused."""
+        """uint8 [nbytes] view of the client's shared-memory segment `name`; NO_SHM if this shard
+        cannot open it (off here, another /dev/shm, another user), BAD_VALUE for a malformed name or size."""
         what = f"{P.Op(h.op).name} with shared memory"
         if self.shm is None:
             raise P.ProtocolError(f"{what} refused: this shard does not take shared memory (ps.shared_memory "
-                                  f"is off, or this host has no /dev/shm)", P.Status.BAD_VALUE)
+                                  f"is {self.config.shared_memory!r} here, or this host has no /dev/shm)",
+                                  P.Status.NO_SHM)
         if len(name) > 128:
             raise P.ProtocolError(f"{what}: segment name of {len(name)} bytes", P.Status.BAD_VALUE)
         try:
             seg = self.shm.attach(bytes(name), nbytes)
-        except (OSError, ValueError) as e:
+        except OSError as e:         # e.g. FileNotFoundError: the client's /dev/shm is not this one
+            raise P.ProtocolError(f"{what}: segment not opened here ({e})", P.Status.NO_SHM) from None
+        except ValueError as e:
             raise P.ProtocolError(f"{what}: {e}", P.Status.BAD_VALUE) from None
         self.shm_requests += 1
         return seg
@@ -241,14 +257,18 @@ class ShardServer:
         """Rows wire dtype [M, D] of every part's ids, back to back; DEFERRED while the step must wait."""
         dtype = P.row_dtype(h.dtype, "PULL reply")
         tables, counts, ids = self._parts(h, payload[0], payload[1])
-        total = ids.shape[0]
+        total = sum(counts)
         reply_bytes = total * h.dim * P.ITEM_SIZE[dtype]
         if reply_bytes > self.config.max_frame_bytes:
             raise P.ProtocolError(f"PULL of {total} rows of dim {h.dim} = {reply_bytes} bytes exceeds "
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
-        seg = self._segment(h, payload[2], reply_bytes) if h.flags & P.FLAG_SHM else None   # uint8 [bytes]
+        seg = (self._segment(h, payload[2], reply_bytes if ids is not None else ids_offset(reply_bytes) + 8 * total)
+               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids
+        if ids is None:
+            ids = P.frame_tensor(memoryview(seg[ids_offset(reply_bytes):]), P.DType.INT64, total)
+            seg = seg[:reply_bytes]
         self.gate.pulled(h.step)
         if seg is not None and dtype == P.DType.FP32:
             out = P.frame_tensor(memoryview(seg), dtype, total, h.dim)   # [M, D], the client's memory
@@ -271,17 +291,22 @@ class ShardServer:
         """Every part's grads to the gate: applied now (async) or at the step's last barrier (sync)."""
         dtype = P.row_dtype(h.dtype, "PUSH grads")
         tables, counts, ids = self._parts(h, payload[0], payload[1])
-        total = ids.shape[0]
+        total = sum(counts)
         nbytes = total * h.dim * P.ITEM_SIZE[dtype]
         shm = bool(h.flags & P.FLAG_SHM)
         P.expect_bytes("PUSH grads", nbytes if shm else len(payload[2]), total * h.dim, P.ITEM_SIZE[dtype],
                        self.config.max_frame_bytes)
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
-        raw = memoryview(self._segment(h, payload[2], nbytes)) if shm else payload[2]
+        seg = self._segment(h, payload[2], nbytes if ids is not None else ids_offset(nbytes) + 8 * total) if shm else None
+        raw = memoryview(seg[:nbytes]) if shm else payload[2]
         grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        if ids is None:
+            ids = P.frame_tensor(memoryview(seg[ids_offset(nbytes):]), P.DType.INT64, total)
+            if self.config.mode == "sync":
+                ids = ids.clone()          # the sync gate keeps them past the reply: not the client's memory
         if shm and self.config.mode == "sync" and dtype == P.DType.FP32:
-            grads = grads.clone()          # the sync gate keeps them past the reply: not the client's memory
+            grads = grads.clone()          # (as the ids)
         keep = self._finite_rows(tables, counts, grads)               # None: every row is finite
         parts, start = [], 0
         for t, n in zip(tables, counts):
@@ -327,6 +352,7 @@ class ShardServer:
                 "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
                 "state": self.state.stats(), "save": self.saver.status(),
                 "nonfinite_rows_skipped": self.nonfinite_skipped, "shm_requests": self.shm_requests,
+                "shm_refused": self.shm_refused,
                 **self.gate.stats()}
         return self._json(h, info)
 
@@ -500,7 +526,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
     token = load_token(config) if config.auth == "token" else None
     state = (state_factory or _default_state)(config, shard_index)
     _prime_malloc()
-    server = ShardServer(config, shard_index, state, token)
+    server = ShardServer(config, shard_index, state, token, bind=host)
     own_stop = stop is None              # a caller's `stop` comes with the caller's signal handling
     stop = stop or threading.Event()
     ctx = zmq.Context()

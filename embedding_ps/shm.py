@@ -10,15 +10,30 @@ nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
 
     client (ShmPool)                                  shard (ShmAttacher)
     take(nbytes) -> segment "recsys-ps-<hex>"  ──name──>  attach(name, nbytes) -> uint8 view
-    PUSH: grads copied into the segment               reads grads from it (sync mode: copies them)
-    PULL: reply has no rows frame                     gathers rows into it
+    segment: rows dtype [M, D] | ids int64 [M] (at ids_offset; the request's ids frame is empty)
+    PUSH: grads copied into the segment               reads grads and ids from it (sync mode: copies them)
+    PULL: reply has no rows frame                     reads the ids, gathers rows into it
 
 Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
 a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
-its own user, at least as large as the request says, and only when it is bound to a loopback
-address (`serve`). A segment whose request failed or was retried is never reused (a late write
-of the shard cannot reach a tensor the caller holds). Only Linux has /dev/shm; elsewhere
-`available()` is False and clients use the socket.
+its own user, at least as large as the request says. A segment whose request failed or was retried
+is never reused (a late write of the shard cannot reach a tensor the caller holds). Only Linux has
+/dev/shm; elsewhere `available()` is False and clients use the socket.
+
+Who uses it (ps.shared_memory, `client_uses` / `shard_accepts`):
+
+    "auto" (default)  a client tries it with the shards whose address is loopback by its name
+                      (127.x, localhost, ::1, ipc://: the local launcher's shards); a shard takes
+                      it when it is bound to a loopback address. A shard on another node (the Ray
+                      engine's, `recsys ps` on another host) is never tried.
+    true              a client tries it with every shard (e.g. this host's shards advertised under
+                      a routable address); a shard takes it whatever its bind address.
+    false             neither.
+
+Fallback: a shard that cannot open the client's segment (shared memory off there, or a container
+that shares the network namespace but not /dev/shm) answers status NO_SHM before it applies
+anything; the client sends the request again through the socket and stops trying that shard
+(`ClientSegments.refused`, one warning per shard), so it is never an error.
 """
 
 from __future__ import annotations
@@ -34,8 +49,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Literal
 
 import numpy as np
+
+from embedding_ps.auth import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +76,27 @@ def is_local(address: str) -> bool:
     return host in _LOCAL_HOSTS or host.startswith("127.")
 
 
+def ids_offset(rows_bytes: int) -> int:
+    """Where a request's ids int64 [M] start in its segment: after its rows (`rows_bytes`), 8-aligned."""
+    return (rows_bytes + 7) & ~7
+
+
 def available() -> bool:
     return sys.platform.startswith("linux") and os.path.isdir(SHM_DIR)
+
+
+Mode = bool | Literal["auto"]
+"""ps.shared_memory."""
+
+
+def client_uses(mode: Mode, address: str) -> bool:
+    """Whether a client tries shared memory with the shard at `address` (see the module docstring)."""
+    return mode is True or (mode == "auto" and is_local(address))
+
+
+def shard_accepts(mode: Mode, bind: str) -> bool:
+    """Whether a shard bound to host `bind` opens its clients' segments (see the module docstring)."""
+    return available() and (mode is True or (mode == "auto" and is_loopback(bind)))
 
 
 class ShmPool:
@@ -124,10 +161,20 @@ class ClientSegments:
     """What a PSClient needs: segments for the shards on this host only, from one pool, thread-safe
     (taken on the caller's thread, discarded on the I/O thread)."""
 
-    def __init__(self, addresses: Sequence[str], enabled: bool) -> None:
-        self.pool = ShmPool(POOL_BYTES) if enabled and available() else None
-        self.local = {s for s, a in enumerate(addresses) if is_local(a)}
+    def __init__(self, addresses: Sequence[str], mode: Mode) -> None:
+        self.addresses = list(addresses)
+        self.local = {s for s, a in enumerate(self.addresses) if client_uses(mode, a)}
+        self.pool = ShmPool(POOL_BYTES) if self.local and available() else None
         self.lock = threading.Lock()
+
+    def refused(self, shard: int, message: str) -> None:
+        """Shard `shard` answered NO_SHM: its requests use the socket from now on (one warning)."""
+        with self.lock:
+            if shard not in self.local:
+                return
+            self.local.discard(shard)
+        logger.warning("ps shard %d at %s cannot use this client's shared memory (%s); its rows go through "
+                       "the socket from now on", shard, self.addresses[shard], message)
 
     def take(self, shard: int, nbytes: int) -> tuple[bytes, np.ndarray] | None:
         """(name, uint8 [nbytes]) for a request to `shard`, or None: the socket (off, another host, small)."""
@@ -201,7 +248,8 @@ def _open(name: bytes) -> np.ndarray:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise ValueError(f"shared memory segment {text!r} is not a regular file of this user")
+            # another user's file (a container sharing /dev/shm under another uid): the socket then
+            raise PermissionError(f"shared memory segment {text!r} is not a regular file of this user")
         m = mmap.mmap(fd, st.st_size)
     finally:
         os.close(fd)
@@ -221,4 +269,5 @@ def _root(view: np.ndarray) -> np.ndarray:
     return view
 
 
-__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "ShmAttacher", "ShmPool", "available", "is_local"]
+__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "Mode", "ids_offset", "ShmAttacher", "ShmPool", "available", "client_uses",
+           "is_local", "shard_accepts"]

@@ -4,7 +4,8 @@ The caller's thread builds the requests (`embedding_ps.client.PSClient`); `IOThr
 matches replies by request id, retries a request unanswered for ps.timeout_s up to ps.retries
 times (then fails its future with ShardUnavailableError naming the shard and address), fails a
 future with PSRequestError on an error reply, and completes a `Call` (one future over requests to
-several shards) once every shard answered.
+several shards) once every shard answered. A request through shared memory that its shard answers
+with NO_SHM is sent again, once, as its `fallback` builds it (the rows in a frame).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Request:
     frames: list
     attempts: int = 0
     deadline: float = 0.0
+    # FLAG_SHM requests: fallback(shard's message) -> (request id, frames) of the same request through the socket
+    fallback: Callable[[str], tuple[int, list]] | None = None
 
 
 class IOThread(threading.Thread):
@@ -177,6 +180,10 @@ class IOThread(threading.Thread):
             if req is None or req.shard != shard or req.call.future.done():
                 continue   # the late answer to a retried request
             call = req.call
+            if header.status == P.Status.NO_SHM and req.fallback is not None:
+                self._resend_through_socket(req, bytes(frames[1].buffer).decode("utf-8", "replace")
+                                            if len(frames) > 1 else "")
+                continue
             if header.status != P.Status.OK:
                 text = bytes(frames[1].buffer).decode("utf-8", "replace") if len(frames) > 1 else ""
                 self._fail(call, PSRequestError(shard, self.addresses[shard], call.op.name, header.status, text))
@@ -188,6 +195,18 @@ class IOThread(threading.Thread):
                     call.future.set_result(call.finish(call.parts))
                 except Exception as e:   # a reply that does not fit its request
                     call.future.set_exception(e)
+
+    def _resend_through_socket(self, req: Request, message: str) -> None:
+        """The shard could not open the request's segment (nothing applied): send it again with the
+        rows in a frame, under a new request id (a late NO_SHM of a retry of the old one is dropped)."""
+        try:
+            req.request, req.frames = req.fallback(message)
+        except Exception as e:  # noqa: BLE001 - never leave the caller waiting
+            self._fail(req.call, e)
+            return
+        req.fallback, req.attempts = None, 0
+        self.pending[req.request] = req
+        self._send(req)
 
     def _expire(self) -> bool:
         now = time.monotonic()

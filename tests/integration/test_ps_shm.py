@@ -1,10 +1,15 @@
 """ps.shared_memory: shard processes on 127.0.0.1 read gradients from and write rows into the
 client's /dev/shm segments, with exactly the results of the socket path (async and sync, fp32 and
-fp16 wire, several tables and shards, ps.threads > 1); a shard without it refuses; a retried pull
-hands back a copy and never reuses its segment."""
+fp16 wire, several tables and shards, ps.threads > 1); a shard without it, or one that cannot open
+the client's segment, makes the client fall back to the socket with the same results; a retried
+pull hands back a copy and never reuses its segment."""
 
+import contextlib
 import dataclasses
 import os
+import threading
+import time
+import types
 
 import pytest
 import torch
@@ -12,8 +17,9 @@ import zmq
 
 from embedding_ps import protocol as P
 from embedding_ps import shm
-from embedding_ps.client import PSClient, PSRequestError
+from embedding_ps.client import PSClient
 from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.server import serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not shm.available(), reason="no /dev/shm")]
 
@@ -42,9 +48,10 @@ def run(shard_processes, config: PSConfig, name: str) -> tuple[list[torch.Tensor
 
 @pytest.mark.parametrize("mode,wire", [("async", "fp32"), ("sync", "fp16")])
 def test_shared_memory_gives_the_socket_results(shard_processes, mode: str, wire: str) -> None:
-    base = PSConfig(num_shards=2, mode=mode, wire_dtype=wire, timeout_s=60.0, threads=2, tables=TABLES)
+    base = PSConfig(num_shards=2, mode=mode, wire_dtype=wire, timeout_s=60.0, threads=2, tables=TABLES,
+                    shared_memory=False)
     via_socket, s_stats = run(shard_processes, base, "socket")
-    via_shm, m_stats = run(shard_processes, dataclasses.replace(base, shared_memory=True), "shm")
+    via_shm, m_stats = run(shard_processes, dataclasses.replace(base, shared_memory="auto"), "shm")
     for a, b in zip(via_socket, via_shm, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert all(s["shm_requests"] == 0 for s in s_stats)
@@ -52,13 +59,65 @@ def test_shared_memory_gives_the_socket_results(shard_processes, mode: str, wire
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"recsys-ps-{os.getpid():08x}")]
 
 
-def test_shard_without_shared_memory_refuses(shard_processes) -> None:
-    config = PSConfig(num_shards=1, mode="async", timeout_s=30.0, tables=TABLES)
+def test_shard_without_shared_memory_falls_back_to_the_socket(shard_processes, caplog) -> None:
+    """A shard with ps.shared_memory = false answers NO_SHM: the client resends through the socket
+    (one warning), gets the socket's rows, and does not try that shard again."""
+    config = PSConfig(num_shards=1, mode="async", timeout_s=30.0, shared_memory=False, tables=TABLES)
     shards = shard_processes(config)
-    with PSClient(dataclasses.replace(config, shared_memory=True), shards.addresses) as c:
-        with pytest.raises(PSRequestError, match="refused: this shard does not take shared memory"):
-            c.pull(0, torch.arange(ROWS))
-        assert c.pull(0, torch.arange(10)).shape == (10, D)   # small requests use the socket
+    ids = torch.arange(ROWS)
+    with PSClient(config, shards.addresses) as plain:
+        want = plain.pull(0, ids).clone()
+    with PSClient(dataclasses.replace(config, shared_memory="auto"), shards.addresses) as c:
+        with caplog.at_level("WARNING", logger="embedding_ps.shm"):
+            torch.testing.assert_close(c.pull(0, ids), want, atol=0, rtol=0)
+            c.push(0, ids, torch.ones(ROWS, D))
+            c.pull(0, ids)
+        stats = c.stats()[0]
+    assert stats["shm_refused"] == 1 and stats["shm_requests"] == 0 and stats["errors"] == 0
+    assert stats["requests"]["push"] == 1 and stats["requests"]["pull"] == 3    # the push applied once
+    assert len([r for r in caplog.records if "cannot use this client's shared memory" in r.message]) == 1
+
+
+@contextlib.contextmanager
+def thread_shards(config: PSConfig, tmp_path, name: str):
+    """config.num_shards shards served by threads of this process (so a test can patch their shm)."""
+    stop, threads, addresses = threading.Event(), [], []
+    try:
+        for i in range(config.num_shards):
+            ready = tmp_path / f"{name}-{i}.ready"
+            threads.append(threading.Thread(target=serve, args=(config, i), daemon=True,
+                                            kwargs={"ready_file": str(ready), "stop": stop}))
+            threads[-1].start()
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                assert time.monotonic() < deadline and threads[-1].is_alive(), f"shard {i} did not start"
+                time.sleep(0.01)
+            addresses.append(ready.read_text().strip())
+        yield types.SimpleNamespace(addresses=addresses)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_shard_that_cannot_open_the_segment_falls_back_with_the_same_results(tmp_path, monkeypatch,
+                                                                            mode: str) -> None:
+    """Containers that share a network but not /dev/shm: the shard's open fails (FileNotFoundError);
+    every pull and push still gives the socket's results, bit for bit."""
+    base = PSConfig(num_shards=2, mode=mode, timeout_s=60.0, threads=2, tables=TABLES)
+    with thread_shards(dataclasses.replace(base, shared_memory=False), tmp_path, "socket") as shards:
+        via_socket, _ = run(lambda cfg, name: shards, dataclasses.replace(base, shared_memory=False), "socket")
+
+    def not_here(name: bytes):
+        raise FileNotFoundError(2, "No such file or directory", name.decode())
+
+    monkeypatch.setattr(shm, "_open", not_here)
+    with thread_shards(base, tmp_path, "auto") as shards:           # "auto" on both ends, loopback
+        via_fallback, stats = run(lambda cfg, name: shards, base, "auto")
+    for a, b in zip(via_socket, via_fallback, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert all(s["shm_refused"] == 1 and s["shm_requests"] == 0 and s["errors"] == 0 for s in stats)
 
 
 def test_retried_pull_returns_a_copy_and_drops_its_segment() -> None:

@@ -275,3 +275,43 @@ def test_fp16_conversions_match_torch() -> None:
     f = np.empty(allh.shape[0], dtype=np.float32)
     lib.ps_h2f_array(allh.ctypes.data, f.ctypes.data, allh.shape[0])
     np.testing.assert_array_equal(f, allh.view(np.float16).astype(np.float32))
+
+
+@needs_native
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("decay", ["none", "l2", "decoupled"])
+def test_sorted_update_matches_arrival_order_and_torch(optimizer: str, dtype: str, decay: str) -> None:
+    """ps_update sorts >= 2048 rows by slot before updating: the same bits as arrival order (1 and 2
+    threads), and the rows of optim.apply_update (the torch path)."""
+    from embedding_ps.optim import apply_update
+
+    cfg = TableConfig(name="t", dim=24, optimizer=optimizer, dtype=dtype, lr=0.05, kernel="native",
+                      weight_decay=0.0 if decay == "none" else 0.3,
+                      weight_decay_mode="l2" if decay == "none" else decay)
+    rows, n = 20_000, 5000
+    gen = torch.Generator().manual_seed(3)
+    w0 = (torch.randn(rows, cfg.dim, generator=gen) * 0.5).to(torch.float16 if dtype == "fp16" else torch.float32)
+    s0 = {"sgd": None, "adagrad": torch.rand(rows, cfg.dim, generator=gen),
+          "rowwise_adagrad": torch.rand(rows, generator=gen)}[optimizer]
+    slots = torch.randperm(rows, generator=gen)[:n].to(torch.int32).numpy()      # unique, arrival order random
+    grads = torch.randn(n, cfg.dim, generator=gen)
+    lib = native.lib()
+    seen = []
+    for sort, threads in ((False, 1), (True, 1), (True, 2)):
+        w, st, meta = w0.clone(), None if s0 is None else s0.clone(), torch.zeros(rows, dtype=torch.int64)
+        native.update(lib, optimizer, w, st, slots, grads, cfg.lr, cfg.eps, meta, 7, cfg.weight_decay,
+                      cfg.weight_decay_mode, threads=threads, sort=sort)
+        seen.append((w, st, meta))
+    for w, st, meta in seen[1:]:
+        torch.testing.assert_close(w, seen[0][0], atol=0, rtol=0)
+        if st is not None:
+            torch.testing.assert_close(st, seen[0][1], atol=0, rtol=0)
+        torch.testing.assert_close(meta, seen[0][2], atol=0, rtol=0)
+    assert int((seen[1][2] != 0).sum()) == n and int(seen[1][2][int(slots[0])]) == (1 << 32) | 7
+    w, state = w0.clone(), {} if s0 is None else {"sum_sq": s0.clone()}
+    apply_update(cfg, w, state, torch.from_numpy(slots).long(), grads)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == "fp16" else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(seen[1][0].float(), w.float(), **tol)
+    if s0 is not None:
+        torch.testing.assert_close(seen[1][1], state["sum_sq"], **tol)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from embedding_ps import protocol as P
+from embedding_ps import shm
 from embedding_ps.auth import AuthConfigError, check_bind_auth, is_loopback
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.gates import StepBuffer
@@ -385,3 +386,50 @@ def test_nonfinite_rows_can_be_skipped():
     assert [(t, ids) for t, ids, _, _ in state.pushes] == [(0, [5, 6])]          # the finite rows only
     stats = json.loads(bytes(server.handle([P.Header(op=P.Op.STATS).pack(), b""])[1]))
     assert stats["nonfinite_rows_skipped"] == 1
+
+
+@pytest.mark.parametrize("setting,bind", [(False, "127.0.0.1"), ("auto", "10.0.0.7")])
+def test_shard_without_shared_memory_answers_no_shm_and_applies_nothing(setting, bind):
+    """NO_SHM (the client resends through the socket), not an error, and nothing applied."""
+    cfg = PSConfig(shared_memory=setting, tables=(TableConfig(name="a", dim=D),))
+    state = DictState(cfg)
+    server = ShardServer(cfg, 0, state, bind=bind)
+    ids = torch.tensor([1, 2], dtype=torch.int64)
+    for op in (P.Op.PUSH, P.Op.PULL):
+        h = P.Header(op=op, dtype=P.DType.FP32, count=1, dim=D, client=7, request=int(op), flags=P.FLAG_SHM)
+        reply = server.handle([h.pack(), b"", index_frame([[0, 2]]), ids.numpy().tobytes(), b"recsys-ps-" + b"0" * 16])
+        status, text = status_of(reply)
+        assert status == P.Status.NO_SHM and "does not take shared memory" in text
+    assert state.pushes == [] and server.errors == 0 and server.shm_refused == 2
+    assert server.replay == {}                  # the socket resend is applied, not answered from the cache
+
+
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+def test_ids_and_grads_in_the_segment_are_copied_in_sync_mode():
+    """FLAG_SHM with an empty ids frame: ids after the rows in the segment. The sync gate applies a
+    push at the barrier, after the client may have reused the segment: what it applies must be the
+    ids and grads of the push, not what the segment holds by then. A pull reads its ids there too."""
+    cfg = PSConfig(mode="sync", shared_memory=True, tables=(TableConfig(name="a", dim=D),))
+    state = DictState(cfg)
+    server = ShardServer(cfg, 0, state)
+    pool = shm.ShmPool(64 << 20)
+    try:
+        ids, grads = torch.tensor([5, 7, 9]), torch.ones(3, D)
+        name, seg = pool.take(shm.ids_offset(grads.numel() * 4) + 8 * 3)
+        rows = P.frame_tensor(memoryview(seg[:grads.numel() * 4]), P.DType.FP32, 3, D)
+        rows.copy_(grads)
+        P.frame_tensor(memoryview(seg[shm.ids_offset(grads.numel() * 4):]), P.DType.INT64, 3).copy_(ids)
+        h = P.Header(op=P.Op.PUSH, dtype=P.DType.FP32, count=1, dim=D, client=7, request=1, flags=P.FLAG_SHM)
+        assert status_of(server.handle([h.pack(), b"", index_frame([[0, 3]]), b"", name]))[0] == P.Status.OK
+        seg[:] = 0                                        # the client reuses the segment before the barrier
+        assert status_of(server.handle(barrier_req(0, 0, 2)))[0] == P.Status.OK
+        assert state.pushes[0][1] == [5, 7, 9] and bool((state.pushes[0][2] == 1).all())
+        P.frame_tensor(memoryview(seg[shm.ids_offset(grads.numel() * 4):]), P.DType.INT64, 3).copy_(ids)
+        h = P.Header(op=P.Op.PULL, dtype=P.DType.FP32, count=1, dim=D, step=1, client=7, request=3,
+                     flags=P.FLAG_SHM)
+        reply = server.handle([h.pack(), b"", index_frame([[0, 3]]), b"", name])
+        assert len(reply) == 1 and P.unpack_header(reply[0]).status == P.Status.OK
+        torch.testing.assert_close(rows, state.pull(0, ids), atol=0, rtol=0)   # rows written into the segment
+        del rows
+    finally:
+        pool.close()

@@ -108,3 +108,44 @@ def test_full_shm_falls_back_to_the_socket(monkeypatch) -> None:
     assert pool.take(2 << 20) is None                              # not tried again
     mine = f"recsys-ps-{os.getpid():08x}"
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)]   # the file made for it is gone
+
+
+def test_auto_is_the_default_and_tries_loopback_shards_only() -> None:
+    from embedding_ps.config import PSConfig
+
+    assert PSConfig().shared_memory == "auto"
+    local, remote = "tcp://127.0.0.1:5555", "tcp://10.0.0.7:5555"
+    assert shm.client_uses("auto", local) and not shm.client_uses("auto", remote)
+    assert shm.client_uses(True, local) and shm.client_uses(True, remote)       # explicit true: every shard
+    assert not shm.client_uses(False, local)
+    assert shm.shard_accepts("auto", "127.0.0.1") and shm.shard_accepts("auto", "::1")
+    assert not shm.shard_accepts("auto", "0.0.0.0") and not shm.shard_accepts("auto", "10.0.0.7")
+    assert shm.shard_accepts(True, "10.0.0.7") and not shm.shard_accepts(False, "127.0.0.1")
+    segs = shm.ClientSegments([local, remote], "auto")
+    try:
+        assert segs.local == {0}
+        assert segs.take(1, 2 << 20) is None                  # the other node's shard: the socket
+        assert segs.take(0, 2 << 20) is not None
+    finally:
+        segs.close()
+    assert shm.ClientSegments([local], False).pool is None   # off: not even a pool
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_shared_memory_setting_is_validated(value) -> None:
+    from embedding_ps.config import PSConfig
+
+    with pytest.raises(ValueError, match=r"ps.shared_memory must be true, false or 'auto', got"):
+        PSConfig(shared_memory=value)
+
+
+def test_refused_shard_falls_back_once_with_one_warning(caplog) -> None:
+    segs = shm.ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
+    try:
+        with caplog.at_level("WARNING", logger="embedding_ps.shm"):
+            segs.refused(0, "segment not opened here")
+            segs.refused(0, "segment not opened here")
+        assert len(caplog.records) == 1 and "ps shard 0 at tcp://127.0.0.1:1" in caplog.text
+        assert segs.take(0, 2 << 20) is None and segs.take(1, 2 << 20) is not None
+    finally:
+        segs.close()
