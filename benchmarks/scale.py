@@ -109,8 +109,11 @@ def children_rss() -> int:
     """Summed RSS of this process's children (the shard processes while they start)."""
     pids = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids += [int(x) for x in f.read().split()]
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(x) for x in f.read().split()]
+        except FileNotFoundError:         # a thread of this process ended meanwhile
+            pass
     total = 0
     for pid in pids:
         try:
@@ -127,11 +130,16 @@ class PeakRss(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak, self._done = 0, threading.Event()
+        self.error: BaseException | None = None
 
     def run(self) -> None:
-        while not self._done.is_set():
+        try:
+            while not self._done.is_set():
+                self.peak = max(self.peak, children_rss())
+                self._done.wait(0.05)
             self.peak = max(self.peak, children_rss())
-            self._done.wait(0.05)
+        except BaseException as e:        # a dead sampler must not pass for a low peak
+            self.error = e
 
     def __enter__(self) -> "PeakRss":
         self.start()
@@ -140,6 +148,8 @@ class PeakRss(threading.Thread):
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self.join(timeout=5)
+        if self.error is not None:
+            raise RuntimeError(f"the RSS sampler failed, its peak is not valid: {self.error!r}") from self.error
 
 
 def job_config(a: argparse.Namespace, rows: int, shards: int, run_dir: Path, hint: bool) -> JobConfig:
