@@ -4,7 +4,6 @@ project's loader and run on Ray."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from recsys.config import JobConfig, build, expand_tables, load_config
+from recsys.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -24,11 +23,11 @@ SBATCH = DEPLOY / "slurm" / "recsys.sbatch"
 DOCKERFILE = DEPLOY / "Dockerfile"
 README = (ROOT / "README.md").read_text()
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-HAS_CLUSTER = "cluster" in {f.name for f in dataclasses.fields(JobConfig)}
 
 
 def manifests() -> list[dict[str, Any]]:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (it comes with ray: pip install -e '.[ray]')")
+    import yaml  # PyYAML comes with ray, which the [test] extra installs
+
     return [d for d in yaml.safe_load_all(RAYJOB.read_text()) if d]
 
 
@@ -54,17 +53,6 @@ def readme_section(title: str) -> str:
     return README[start:end if end >= 0 else None]
 
 
-def load_job(path: Path | str, text: str | None = None) -> JobConfig:
-    """The project's loader on a job config; without the [cluster] section where this checkout's
-    JobConfig has none yet (the section comes with the Ray launcher)."""
-    if HAS_CLUSTER:
-        return load_config(path)
-    raw = tomllib.loads(text if text is not None else Path(path).read_text())
-    raw.pop("cluster", None)
-    expand_tables(raw, str(path))
-    return build(JobConfig, raw, source=str(path), prefix="")
-
-
 def configmap_config() -> str:
     return by_kind("ConfigMap")["data"]["job.toml"]
 
@@ -83,7 +71,7 @@ def test_job_configs_load(which: str, tmp_path: Path) -> None:
     if which == "the ConfigMap":
         path = tmp_path / "job.toml"
         path.write_text(configmap_config())
-    cfg = load_job(path)
+    cfg = load_config(path)
     assert cfg.ps.num_shards == 4 and cfg.train.num_trainers == 4 and len(cfg.ps.tables) == 28
     for p in (*cfg.data.train_paths, *cfg.data.eval_paths, cfg.train.run_dir):   # remote jobs: absolute paths
         assert p.startswith("/shared/"), p
@@ -93,8 +81,6 @@ def test_cluster_section_names_ray_and_the_custom_resources() -> None:
     cluster = tomllib.loads(SAMPLE.read_text())["cluster"]
     assert cluster["engine"] == "ray" and cluster["address"] == "auto" and cluster["use_gpu"] is True
     assert cluster["ps_resources"]["ps"] == 1 and cluster["trainer_resources"]["trainer"] == 1
-    if not HAS_CLUSTER:
-        pytest.skip("this checkout's JobConfig has no [cluster] section yet (it comes with the Ray launcher)")
     cfg = load_config(SAMPLE)
     assert (cfg.cluster.engine, cfg.cluster.address, cfg.cluster.use_gpu) == ("ray", "auto", True)
     assert cfg.train.device == "cuda"
@@ -121,7 +107,7 @@ def test_rayjob_runs_recsys_train_on_the_mounted_config() -> None:
 def test_rayjob_groups_offer_the_configs_custom_resources() -> None:
     g = groups()
     assert set(g) == {"head", "ps", "trainer"}
-    cfg = load_job(SAMPLE)
+    cfg = load_config(SAMPLE)
     cluster = tomllib.loads(SAMPLE.read_text())["cluster"]
     for name, count in (("ps", cfg.ps.num_shards), ("trainer", cfg.train.num_trainers)):
         started = g[name]["rayStartParams"]["resources"]         # '"{\"ps\": 1}"': a JSON string, quoted
@@ -194,8 +180,8 @@ def test_dockerfile_pins_pyprojects_versions() -> None:
 
 def test_dockerfile_ray_is_pyprojects_ray_extra() -> None:
     extras = PYPROJECT["project"].get("optional-dependencies", {})
-    if "ray" not in extras:
-        pytest.skip("pyproject.toml has no [ray] extra yet (it comes with the Ray launcher)")
+    assert "ray" in extras, "pyproject.toml has no [ray] extra"
+    assert any(r.startswith("ray[") for r in extras["test"]), "the [test] extra must install ray (CI runs the Ray tests)"
     assert docker_args()["RAY_VERSION"] == pinned(extras["ray"], "ray")
 
 
