@@ -55,6 +55,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay the figure out, write it to `path` as PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def plot_train_distributed(r: dict, out: Path) -> Path:
     """Grouped bars (sync, async) per layout; DMP's rates as horizontal lines."""
     plt = _pyplot()
@@ -88,11 +96,7 @@ def plot_train_distributed(r: dict, out: Path) -> Path:
     top = max([v for k, v in r.items() if k.startswith(("ours_", "torchrec_dmp_")) and isinstance(v, (int, float))])
     ax.set_ylim(0, 1.45 * top)                        # room for the legend above the bars
     ax.legend(fontsize=6, loc="upper left", ncol=2)
-    fig.tight_layout()
-    path = out / "train_distributed.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "train_distributed.png")
 
 
 def _latency_lists(obj, prefix: str = "") -> dict[str, list[float]]:
@@ -123,11 +127,7 @@ def plot_serving(r: dict, out: Path) -> Path | None:
     ax.set_ylabel("calls", fontsize=8)
     ax.set_title(f"serving, batch 1: p50 {r.get('p50_ms_b1')} ms, p99 {r.get('p99_ms_b1')} ms", fontsize=8)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / "serving_latency.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "serving_latency.png")
 
 
 def plot_memory(ps_tables: list[dict], checkpoint: dict | None, out: Path, scale: dict | None = None) -> Path:
@@ -171,11 +171,7 @@ def plot_memory(ps_tables: list[dict], checkpoint: dict | None, out: Path, scale
     ax.set_ylabel("bytes per row", fontsize=8)
     ax.set_title(f"memory per row, D={dim}", fontsize=8)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / "memory_per_row.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "memory_per_row.png")
 
 
 def main() -> int:
