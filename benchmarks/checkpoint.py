@@ -364,7 +364,7 @@ def print_row(r: dict, header: bool) -> None:
         print(f"{'rows':>10} {'MB':>8} {'save s':>8} {'load s':>8} {'prep s':>8} {'pause s':>8} {'write s':>8} "
               f"{'pause/save':>10} {'hold max s':>10} {'extra mem':>9} {'accounted':>9} {'push wait s':>11} "
               f"{'pushes':>6} identical")
-    gb, save = r["bytes"] / 1e9, r["blocking_save_s"]
+    save = r["blocking_save_s"]
     num = lambda v, w: "null".rjust(w) if v is None else f"{v:>{w}.3f}"   # noqa: E731
     print(f"{r['rows']:>10.0e} {r['bytes'] / 1e6:>8.1f} {num(save, 8)} {r['load_s']:>8.3f} "
           f"{r['prepare_s']:>8.3f} {r['snapshot_s']:>8.3f} {r['background_write_s']:>8.3f} "

@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 
-import numpy as np
 import torch
 
 from embedding_ps import native

@@ -292,7 +292,6 @@ class TableShard:
         """Evict the n rows with the lowest (count, last_seen, key)."""
         keys, slots = self.map.items()
         n = min(n, keys.shape[0])
-        s = torch.from_numpy(slots).long()
         prio = self.meta.numpy()[slots]  # count << 32 | last_seen
         kth = np.partition(prio, n - 1)[n - 1]
         pick = np.flatnonzero(prio < kth)

@@ -21,7 +21,6 @@ from recsys.config import ConfigError, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pathlib import Path
 
     from recsys.training.launch import write_run_dir
     from recsys.training import stopping

@@ -5,7 +5,6 @@ step, with the steps after it applied while it is written."""
 
 import json
 import threading
-import time
 
 import torch
 

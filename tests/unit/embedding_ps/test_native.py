@@ -5,7 +5,6 @@ Every test runs the same operations twice, once with the native library and once
 """
 
 import contextlib
-import dataclasses
 import logging
 
 import numpy as np
