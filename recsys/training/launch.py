@@ -203,11 +203,14 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
     return procs, addresses
 
 
-def write_processes(run_dir: Path, shards: list[subprocess.Popen], earlier: list[dict] = ()) -> list[dict]:
+def write_processes(run_dir: Path, shards: list[subprocess.Popen] | list[dict], earlier: list[dict] = (),
+                    node: dict | None = None) -> list[dict]:
     """processes.json: this launcher, the current attempt's shards and trainers, then `earlier`
-    attempts' processes."""
-    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid()}]
-    entries += [{"role": "ps", "rank": i, "pid": p.pid} for i, p in enumerate(shards)]
+    attempts' processes. shards: the shard processes, or each shard's fields (a "pid" and where it
+    runs: the Ray engine's actors); node: fields added to the launcher's entry (its Ray node)."""
+    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **(node or {})}]
+    entries += [{"role": "ps", "rank": i, **(p if isinstance(p, dict) else {"pid": p.pid})}
+                for i, p in enumerate(shards)]
     for f in sorted((run_dir / "pids").glob("trainer-*.json")):
         entries.append(json.loads(f.read_text()))
     entries += [e for e in earlier if e["role"] != "launcher"]

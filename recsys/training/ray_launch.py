@@ -43,7 +43,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from recsys.config import JobConfig, load_config, load_ps_config, to_toml
-from recsys.training.launch import JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_run_dir
+from recsys.training.launch import (JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_processes,
+                                    write_run_dir)
 
 logger = logging.getLogger(__name__)
 
@@ -299,14 +300,8 @@ def _dead_shards(actors: list, infos: list[dict]) -> list[str]:
 
 def _write_processes(run_dir: Path, infos: list[dict], earlier: list[dict]) -> list[dict]:
     """processes.json as the local launcher writes it, with each process's node (node_id, node_ip)."""
-    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **this_node()}]
-    entries += [{"role": "ps", "rank": i, **{k: v for k, v in info.items() if k != "address"}}
-                for i, info in enumerate(infos)]
-    for f in sorted((run_dir / "pids").glob("trainer-*.json")):
-        entries.append(json.loads(f.read_text()))
-    entries += [e for e in earlier if e["role"] != "launcher"]
-    (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
-    return entries
+    shards = [{k: v for k, v in info.items() if k != "address"} for info in infos]
+    return write_processes(run_dir, shards, earlier, node=this_node())
 
 
 def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
