@@ -281,26 +281,12 @@ class JobFailure(RuntimeError):
         self.killed = killed
 
 
-def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
-    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json),
-    or {"stopped": 1, "step", "checkpoint"} after a graceful stop (SIGTERM / SIGINT).
-
-    resume: `latest` (the run directory's newest good checkpoint; none yet: start afresh) or a
-    checkpoint path. The trainer and shard counts may differ from the checkpoint's.
-    verbose: trainers also print their tracebacks (else only their logs have them).
-    Raises WorkerError (a trainer's one-line error), StopNow (a second signal).
-    With cluster.engine = "ray" the job runs on Ray instead (recsys.training.ray_launch; Ray is
-    imported only then).
-    """
+def prepare_run(cfg: JobConfig, resume: str | None) -> tuple[Path, Path, Path | str | None]:
+    """Both engines' start of a job: the local run directory (train.run_dir, or this machine's
+    train.scratch_dir when train.run_dir is a URI) with the resolved config written, and the
+    checkpoint `resume` names (None: start afresh)."""
     from recsys.training.checkpoint import resolve_resume
 
-    if cfg.cluster.engine == "ray":
-        from recsys.training.ray_launch import launch_train_ray
-
-        return launch_train_ray(cfg, resume=resume, verbose=verbose)
-    check_devices(cfg)
-    # the shards wait for every trainer's barrier: they must know how many there are
-    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     config_path = write_run_dir(cfg, run_dir)
     if storage.is_uri(cfg.train.run_dir):
@@ -313,6 +299,28 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
     if resume == "latest" and checkpoint is None:
         logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
+    return run_dir, config_path, checkpoint
+
+
+def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
+    """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json),
+    or {"stopped": 1, "step", "checkpoint"} after a graceful stop (SIGTERM / SIGINT).
+
+    resume: `latest` (the run directory's newest good checkpoint; none yet: start afresh) or a
+    checkpoint path. The trainer and shard counts may differ from the checkpoint's.
+    verbose: trainers also print their tracebacks (else only their logs have them).
+    Raises WorkerError (a trainer's one-line error), StopNow (a second signal).
+    With cluster.engine = "ray" the job runs on Ray instead (recsys.training.ray_launch; Ray is
+    imported only then).
+    """
+    if cfg.cluster.engine == "ray":
+        from recsys.training.ray_launch import launch_train_ray
+
+        return launch_train_ray(cfg, resume=resume, verbose=verbose)
+    check_devices(cfg)
+    # the shards wait for every trainer's barrier: they must know how many there are
+    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
+    run_dir, config_path, checkpoint = prepare_run(cfg, resume)
     with StopRequests(run_dir) as stops:
         return _run(cfg, config_path, run_dir, checkpoint, stops, verbose)
 

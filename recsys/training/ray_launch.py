@@ -43,8 +43,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from recsys.config import JobConfig, load_config, load_ps_config, to_toml
-from recsys.training.launch import (JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_processes,
-                                    write_run_dir)
+from recsys.rundir import run_path
+from recsys.training.launch import JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_processes
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def _actor_options(bundle: dict[str, float]) -> dict:
     return opts | ({"resources": custom} if custom else {})
 
 
-def start_shards(cfg: JobConfig, token: str, restore: Path | None) -> tuple[list, list[dict], object]:
+def start_shards(cfg: JobConfig, token: str, restore: Path | str | None) -> tuple[list, list[dict], object]:
     """ps.num_shards shard actors in one placement group; their handles, infos (address, pid, node) and the group."""
     bundle = cfg.cluster.ps_bundle()
     pg = _reserve("ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards,
@@ -322,7 +322,7 @@ def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
     return WorkerError(line if line is not None else " ".join(str(e).split())[:500])
 
 
-def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
+def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | str | None,
              earlier: list[dict], stops: object, verbose: bool) -> dict:
     """One start of the shard actors and the Ray Train trainers; the final metrics. Raises JobFailure
     when a process of it died, WorkerError when a trainer failed, ClusterResourceError."""
@@ -332,7 +332,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
     (run_dir / "metrics.json").unlink(missing_ok=True)
     actors, infos, pg = [], [], None
     try:
-        actors, infos, pg = start_shards(cfg, token, None if checkpoint is None else checkpoint / "model" / "ps")
+        actors, infos, pg = start_shards(cfg, token, None if checkpoint is None else run_path(checkpoint, "model", "ps"))
         _write_processes(run_dir, infos, earlier)
         logger.info("ps shards ready at %s", ", ".join(f"{i['address']} (node {i['node_id'][:12]})" for i in infos))
         bundle, strategy = cfg.cluster.trainer_bundle(), STRATEGY[cfg.cluster.placement]
@@ -374,15 +374,10 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
     as `launch_train` returns them. Same run directory, same resume and restart rules."""
     import functools
 
-    from recsys.training.checkpoint import resolve_resume
-    from recsys.training.launch import _run
+    from recsys.training.launch import _run, prepare_run
 
     cfg = _absolute(cfg)
-    run_dir = Path(cfg.train.run_dir)
-    config_path = write_run_dir(cfg, run_dir)
-    checkpoint = resolve_resume(run_dir, resume) if resume else None
-    if resume == "latest" and checkpoint is None:
-        logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", run_dir)
+    run_dir, config_path, checkpoint = prepare_run(cfg, resume)
     token = secrets.token_hex(32)           # per job; only Ray carries it (task arguments), never a shared file
     started = connect(cfg)
     try:
