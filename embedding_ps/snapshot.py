@@ -29,7 +29,6 @@ the table's saved fields. Restore (`ShardState.load`), re-sharding (`load_reshar
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -44,19 +43,14 @@ import torch
 
 from embedding_ps import remote
 from embedding_ps.config import TableConfig
+from embedding_ps.npyfile import (CHUNK, CorruptShardError, check_size, fsync_dir, map_checked, parse_npy, read_checked,
+                                   write_array, write_streamed)
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-_CHUNK = 8 << 20  # bytes per write / hash call: large enough that both release the GIL for long
-
-
-class CorruptShardError(ValueError):
-    """A saved shard directory is damaged: a file is missing, truncated, fails its checksum, or the
-    manifest is missing or unreadable. The message names the file and what is wrong."""
-
 
 LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
 """TableConfig fields saved as a table's "layout": a config loading the save must match them."""
@@ -206,7 +200,7 @@ class ShardSnapshot:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             old = f"{directory}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             if os.path.exists(directory):
@@ -215,7 +209,7 @@ class ShardSnapshot:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(parent)
+        fsync_dir(parent)
         shutil.rmtree(old, ignore_errors=True)
         size = sum(f["size"] for f in manifest["files"].values())
         write_s = time.perf_counter() - t0
@@ -227,93 +221,14 @@ class ShardSnapshot:
                           "num_shards": self.num_shards, "tables": [], "files": {}}
         for i, t in enumerate(self.tables):
             os.makedirs(os.path.join(tmp, f"table{i}"))
-            files = _write_streamed(os.path.join(tmp, f"table{i}"), t.rows) if t.rows is not None else {}
+            files = write_streamed(os.path.join(tmp, f"table{i}"), t.rows) if t.rows is not None else {}
             for name in sorted(t.arrays):
                 files[name] = write_array(os.path.join(tmp, f"table{i}", f"{name}.npy"), t.arrays[name])
             names = sorted(files)
             manifest["files"].update({f"table{i}/{name}.npy": files[name] for name in names})
-            _fsync_dir(os.path.join(tmp, f"table{i}"))
+            fsync_dir(os.path.join(tmp, f"table{i}"))
             manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": names})
         return manifest
-
-
-def write_array(path: str, a: np.ndarray) -> dict:
-    """Write `a` as a .npy file (fsynced); returns {"size", "sha256"} of the bytes written."""
-    if a.dtype.hasobject:
-        raise ValueError(f"{path}: array of dtype {a.dtype} holds Python objects; only plain arrays are saved")
-    a = np.ascontiguousarray(a)
-    with _NpyWriter(path, a.shape, a.dtype) as w:
-        w.write(a)
-    return w.result
-
-
-class _NpyWriter:
-    """A .npy file of C-order `shape` and `dtype` written in pieces (each the next rows), hashed as
-    written; on a clean exit checks the size, fsyncs and sets `result` {"size", "sha256"}."""
-
-    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.path, self.dtype = path, np.dtype(dtype)
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            header, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": tuple(shape)})
-        self.expect = len(header.getvalue()) + int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
-        self.h = hashlib.sha256(header.getvalue())
-        self.f = open(path, "wb")
-        self.f.write(header.getvalue())
-        self.size = len(header.getvalue())
-        self.result: dict = {}
-
-    def write(self, a: np.ndarray) -> None:
-        raw = np.ascontiguousarray(a, dtype=self.dtype).reshape(-1).view(np.uint8)
-        for lo in range(0, raw.shape[0], _CHUNK):
-            chunk = raw[lo : lo + _CHUNK]
-            self.f.write(chunk)
-            self.h.update(chunk)
-        self.size += raw.shape[0]
-
-    def __enter__(self) -> "_NpyWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                if self.size != self.expect:
-                    raise ValueError(f"{self.path}: wrote {self.size} bytes, the header promises {self.expect}")
-                self.f.flush()
-                os.fsync(self.f.fileno())
-                self.result = {"size": self.size, "sha256": self.h.hexdigest()}
-        finally:
-            self.f.close()
-
-
-def _write_streamed(directory: str, rows: Any) -> dict[str, dict]:
-    """Write a `RowStream`'s arrays, one .npy file each, all in one pass over its chunks."""
-    writers = {}
-    try:
-        for name, (shape, dtype) in rows.specs.items():
-            writers[name] = _NpyWriter(os.path.join(directory, f"{name}.npy"), shape, dtype)
-        chunks = rows.chunks()
-        try:
-            for part in chunks:
-                for name, a in part.items():
-                    writers[name].write(a)
-        finally:
-            chunks.close()
-    except BaseException as e:
-        for w in writers.values():
-            w.__exit__(type(e), e, None)
-        raise
-    for w in writers.values():
-        w.__exit__(None, None, None)
-    return {name: w.result for name, w in writers.items()}
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,8 +287,8 @@ def read_array(directory: str, manifest: dict, table: int, name: str, mmap: bool
         except (ValueError, EOFError, OSError) as e:
             raise CorruptShardError(f"{path}: unreadable ({e})") from None
     expect = manifest["files"][rel]
-    buf = _map_checked(path, expect) if mmap else _read_checked(path, expect)
-    return _parse_npy(path, buf)
+    buf = map_checked(path, expect) if mmap else read_checked(path, expect)
+    return parse_npy(path, buf)
 
 
 class SavedShard:
@@ -439,10 +354,10 @@ class SavedShard:
             raise ValueError(f"{where}: {self.num_tables} tables saved, config has {len(tables)}")
         for i, cfg in enumerate(tables):
             saved = self.layout(i)
-            for field in fields:
-                if saved.get(field) != getattr(cfg, field):
-                    raise ValueError(f"{where}: table {i} saved with {field}={saved.get(field)!r}, "
-                                     f"config has {field}={getattr(cfg, field)!r}")
+            for name in fields:
+                if saved.get(name) != getattr(cfg, name):
+                    raise ValueError(f"{where}: table {i} saved with {name}={saved.get(name)!r}, "
+                                     f"config has {name}={getattr(cfg, name)!r}")
 
     def live_slots(self, table: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys int64 [R], slots int64 [R]) of the rows table `table` holds: key k's row is
@@ -466,67 +381,6 @@ class SavedShard:
         return torch.from_numpy(keys), rows, state
 
 
-def _check_size(path: str, expect: dict) -> int:
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CorruptShardError(f"{path}: missing (manifest lists {expect['size']} bytes)") from None
-    if size < expect["size"]:
-        raise CorruptShardError(f"{path}: truncated, {size} bytes, manifest says {expect['size']}")
-    if size > expect["size"]:
-        raise CorruptShardError(f"{path}: {size} bytes, longer than the {expect['size']} the manifest says")
-    return size
-
-
-def _read_checked(path: str, expect: dict) -> np.ndarray:
-    """The bytes of `path` as uint8 [size], checked against expect {"size", "sha256"}."""
-    size = _check_size(path, expect)
-    buf = np.empty(size, dtype=np.uint8)
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while pos < size:
-            n = f.readinto(memoryview(buf[pos : pos + _CHUNK]))
-            if not n:
-                raise CorruptShardError(f"{path}: truncated while reading, {pos} bytes, manifest says {size}")
-            h.update(buf[pos : pos + n])
-            pos += n
-    if h.hexdigest() != expect["sha256"]:
-        raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
-    return buf
-
-
-def _map_checked(path: str, expect: dict) -> np.ndarray:
-    """`path` memory-mapped read-only as uint8 [size], hashed through the mapping and checked."""
-    size = _check_size(path, expect)
-    buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-    h = hashlib.sha256()
-    for lo in range(0, size, _CHUNK):
-        h.update(buf[lo : lo + _CHUNK])
-    if h.hexdigest() != expect["sha256"]:
-        raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
-    return buf
-
-
-def _parse_npy(path: str, buf: np.ndarray) -> np.ndarray:
-    """The array stored in .npy bytes `buf` uint8 [size], viewing them (no copy)."""
-    head = io.BytesIO(buf[: min(buf.shape[0], 1 << 16)].tobytes())
-    try:
-        version = np.lib.format.read_magic(head)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
-    except ValueError as e:
-        raise CorruptShardError(f"{path}: not a .npy file ({e})") from None
-    if dtype.hasobject:
-        raise CorruptShardError(f"{path}: holds Python objects (dtype {dtype}); refusing to load")
-    start, count = head.tell(), int(np.prod(shape, dtype=np.int64))
-    if buf.shape[0] - start != count * dtype.itemsize:
-        raise CorruptShardError(f"{path}: {buf.shape[0] - start} data bytes for shape {shape} of {dtype}")
-    return buf[start:].view(dtype).reshape(shape, order="F" if fortran else "C")
-
-
 def verify_shard(directory: str) -> None:
     """Check every file of a saved shard against its manifest (size, SHA-256) without loading it.
 
@@ -545,10 +399,10 @@ def verify_shard(directory: str) -> None:
         return
     for rel, expect in sorted(manifest["files"].items()):
         path = os.path.join(directory, rel)
-        size = _check_size(path, expect)
+        size = check_size(path, expect)
         h = hashlib.sha256()
         with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(CHUNK):
                 h.update(chunk)
         if h.hexdigest() != expect["sha256"]:
             raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, "
