@@ -323,7 +323,7 @@ class Trainer:
         run.window.total = time.perf_counter() - run.t_log
         values = run.window.as_metrics()
         if isinstance(self.store, CachingStore):
-            values.update(cache_metrics(self.store.cache_stats()))
+            values.update(cache_metrics(self.store.cache_counts()))
         self._log(values)
         run.window, run.t_log = StepTimes(), time.perf_counter()
 
