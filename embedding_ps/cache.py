@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
@@ -87,7 +87,7 @@ class CachingStore:
 
     def __init__(self, store: EmbeddingStore, config: PSConfig, *, max_age: int,
                  policy: Policy = DEFAULT_POLICY, device: torch.device | str = "cpu",
-                 refresh_ahead: int = 1) -> None:
+                 refresh_ahead: int = 1, background: bool = False) -> None:
         if max_age < 0:
             raise ValueError(f"CachingStore: max_age must be >= 0, got {max_age}")
         if refresh_ahead < 0:
@@ -107,13 +107,20 @@ class CachingStore:
             self.fused.append((cache, tables))
             self.where.update({t: (cache, k) for k, t in enumerate(tables)})
         self._lock = threading.Lock()
+        # background: lookups on one thread of their own (in call order), off the caller's
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="row-cache") if background else None
+        self._step = store.step
 
     @property
     def step(self) -> int:
-        return self.inner.step
+        """The step a call without one carries: the wrapped store's, or with `background` this
+        wrapper's copy of it (a barrier for step t sets t + 1 at once, as the store would, although
+        the store's own barrier call may still wait on the cache's thread)."""
+        return self.inner.step if self._worker is None else self._step
 
     @step.setter
     def step(self, value: int) -> None:
+        self._step = value
         self.inner.step = value
 
     # -- rows -------------------------------------------------------------------------------------
@@ -125,10 +132,18 @@ class CachingStore:
         Every part's distinct rows go into one buffer [sum U_t, D] (hits now, misses when they
         arrive), which is the result itself when the parts' ids are distinct and increasing (what
         the sparse arch sends), else expanded to the caller's order. `counts` (optional, per part
-        [N_t]): how often each id occurs in the batch, for the per-lookup hit rate."""
+        [N_t]): how often each id occurs in the batch, for the per-lookup hit rate. With
+        `background`, the lookup itself runs on the cache's thread, calls in the order made."""
         if len(tables) != len(ids) or not tables:
             raise ValueError(f"CachingStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
-        step = self.inner.step if step is None else step
+        step = self.step if step is None else step
+        if self._worker is None:
+            return self._pull(tables, ids, step, counts)
+        return self._chain(lambda: self._pull(tables, ids, step, counts))
+
+    def _pull(self, tables: Sequence[int], ids: Sequence[torch.Tensor], step: int,
+              counts: Sequence[torch.Tensor] | None) -> Future[torch.Tensor]:
+        """`pull_many_async` on the calling thread."""
         cached = [t in self.where and x.numel() > 0 for t, x in zip(tables, ids)]
         caches = {id(self.where[t][0]) for t, c in zip(tables, cached) if c}
         if len(caches) > 1 or len({t for t, c in zip(tables, cached) if c}) < sum(cached):
@@ -158,7 +173,7 @@ class CachingStore:
                     counts: Sequence[torch.Tensor] | None) -> Future[torch.Tensor]:
         """A call the fused path does not take (parts of several dims, or one table twice): one
         call per part, in order (a repeated id is looked up once per part, as two steps' lookups)."""
-        futs = [self.pull_many_async([t], [x], step, None if counts is None else [counts[i]])
+        futs = [self._pull([t], [x], step, None if counts is None else [counts[i]])
                 for i, (t, x) in enumerate(zip(tables, ids))]
         out: Future = Future()
         try:
@@ -169,8 +184,31 @@ class CachingStore:
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
-        """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not."""
-        return self.inner.push_many_async(tables, ids, grads.detach().to("cpu"), step)
+        """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not; with
+        `background` through the cache's thread, so that the wrapped store sees pulls and pushes in
+        the order they were made (a pull made before a push never sees it: exact with max_age 0)."""
+        grads = grads.detach().to("cpu")
+        if self._worker is None:
+            return self.inner.push_many_async(tables, ids, grads, step)
+        step = self.step if step is None else step
+        return self._chain(lambda: self.inner.push_many_async(tables, ids, grads, step))
+
+    def _chain(self, call) -> Future:
+        """A Future of the Future that `call()` returns, called on the cache's thread in order."""
+        out: Future = Future()
+
+        def run() -> None:
+            try:
+                call().add_done_callback(lambda f: _relay(f, out))
+            except BaseException as e:   # the caller's .result() raises it
+                out.set_exception(e)
+
+        self._worker.submit(run)
+        return out
+
+    def _call(self, fn, *args):
+        """fn(*args), on the cache's thread after every call made before (with `background`)."""
+        return fn(*args) if self._worker is None else self._worker.submit(fn, *args).result()
 
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         return self.pull_many_async([table], [ids], step).result()
@@ -197,36 +235,44 @@ class CachingStore:
 
     # -- everything else is the wrapped store's ---------------------------------------------------
 
+    # (with `background` each goes to the store after every pull and push made before it)
+
     def barrier(self, step: int) -> None:
-        self.inner.barrier(step)
+        self._step = step + 1
+        self._call(self.inner.barrier, step)
 
     def barrier_async(self, step: int) -> Future:
-        return self.inner.barrier_async(step)
+        if self._worker is None:
+            return self.inner.barrier_async(step)
+        self._step = step + 1
+        return self._chain(lambda: self.inner.barrier_async(step))
 
     def sweep(self, step: int) -> list[dict]:
-        return self.inner.sweep(step)       # dropped rows leave the cache within max_age steps
+        return self._call(self.inner.sweep, step)       # dropped rows leave the cache within max_age steps
 
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
-        return self.inner.save(directory, step, background)
+        return self._call(self.inner.save, directory, step, background)
 
     def prepare_save(self) -> Future[list]:
-        return self.inner.prepare_save()
+        return self._call(self.inner.prepare_save)
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
-        return self.inner.wait_saved(directory, timeout_s)
+        return self._call(self.inner.wait_saved, directory, timeout_s)
 
     def load(self, directory: str) -> list[dict]:
         """The store loads `directory`; every cached row is dropped (they are the old rows)."""
-        out = self.inner.load(directory)
+        out = self._call(self.inner.load, directory)
         with self._lock:
             for cache, _ in self.fused:
                 cache.clear()
         return out
 
     def stats(self) -> list[dict]:
-        return self.inner.stats()
+        return self._call(self.inner.stats)
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.inner.close()
 
 
@@ -328,6 +374,14 @@ class _Plan:
                 cache.fill(ids_r, tab_r, slot_r, rows.to(cache.rows.device), step, generation)
 
         fut.add_done_callback(arrived)
+
+
+def _relay(src: Future, dst: Future) -> None:
+    """dst gets src's result or exception."""
+    try:
+        dst.set_result(src.result())
+    except BaseException as e:
+        dst.set_exception(e)
 
 
 def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list[int], list[torch.Tensor]]:

@@ -437,7 +437,8 @@ def cached_store(store: EmbeddingStore, cfg: JobConfig, device: torch.device) ->
     ahead already miss K steps of updates, so cached rows may be ps.max_staleness - K steps older."""
     if not any(t.cache_rows > 0 for t in cfg.ps.tables):
         return store
-    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.prefetch_batches, device=device)
+    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.prefetch_batches, device=device,
+                        background=True)
 
 
 def progress_bar(total: int, enabled: bool):

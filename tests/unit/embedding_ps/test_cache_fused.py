@@ -161,3 +161,64 @@ def test_ids_of_two_tables_under_one_combined_key_are_served_right(monkeypatch) 
     c = store.cache_counts()
     assert (c["a"]["hits"], c["c"]["hits"], c["c"]["misses"]) == (6, 0, 9)
     assert np.all(store.fused[0][0].tab[store.fused[0][0].tab >= 0] == 0)    # only table a cached
+
+
+class _Recording:
+    """A LocalStore that records the calls that reach it, with the step each carries."""
+
+    def __init__(self, cfg: PSConfig) -> None:
+        self.local = LocalStore.create(cfg)
+        self.calls: list[tuple[str, int]] = []
+
+    @property
+    def step(self) -> int:
+        return self.local.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.local.step = value
+
+    def pull_many_async(self, tables, ids, step=None):
+        self.calls.append(("pull", step))
+        return self.local.pull_many_async(tables, ids, step)
+
+    def push_many_async(self, tables, ids, grads, step=None):
+        self.calls.append(("push", self.local.step if step is None else step))
+        return self.local.push_many_async(tables, ids, grads, step)
+
+    def barrier_async(self, step):
+        self.calls.append(("barrier", step))
+        return self.local.barrier_async(step)
+
+    def close(self) -> None:
+        pass
+
+
+def test_background_lookups_keep_the_order_and_steps_of_the_calls() -> None:
+    """With `background` the trainer's async pattern (pull t + 1, push t, barrier t) reaches the
+    store in call order with the steps a direct store would give, and serves the same rows."""
+    rec, plain = _Recording(CFG), _Recording(CFG)
+    bg = CachingStore(rec, CFG, max_age=2, background=True)       # type: ignore[arg-type]
+    direct = CachingStore(plain, CFG, max_age=2)                  # type: ignore[arg-type]
+    parts = stream(12, seed=3)
+    served: dict[int, list[torch.Tensor]] = {id(bg): [], id(direct): []}
+    try:
+        for store in (bg, direct):
+            nxt = store.pull_many_async(ALL, parts[0], 0)
+            for step in range(11):
+                rows = nxt.result(timeout=10)
+                served[id(store)].append(rows)
+                nxt = store.pull_many_async(ALL, parts[step + 1], step + 1)        # prefetch
+                push = store.push_many_async(ALL, parts[step], torch.ones(rows.shape[0], 4))
+                bar = store.barrier_async(step)
+                assert store.step == step + 1
+                push.result(timeout=10)
+                bar.result(timeout=10)
+            nxt.result(timeout=10)
+        assert rec.calls == plain.calls
+        assert all(torch.equal(a, b) for a, b in zip(served[id(bg)], served[id(direct)]))
+        assert [s for c, s in rec.calls if c == "push"] == list(range(11))
+        every = [torch.arange(-30, 600 * 7, 7)] * 4
+        assert torch.equal(rec.local.pull_many_async(ALL, every).result(), plain.local.pull_many_async(ALL, every).result())
+    finally:
+        bg.close()
