@@ -23,6 +23,11 @@ without). The bound is unchanged: a row is never served for a step more than max
 the step it was pulled for. The shard sends as many rows as before for such a row (one pull per
 max_age - R steps instead of per max_age + 1), but none on the step's critical path.
 
+Background (`background=True`, what the trainer uses): every call runs on one thread of the
+cache's own, in the order made (pulls, pushes, barriers, saves, loads), so the caller's thread only
+queues a lookup and the wrapped store still sees every call in the caller's order (a pull made
+before a push never sees it). A barrier for step t sets the wrapper's `step` to t + 1 at once.
+
 Staleness: a row pulled for step s by a trainer that prefetches K batches misses at most K of its
 own steps' updates when step s uses it, and t - s + K at step t. The trainer passes
 max_age = ps.max_staleness - K, so a cached row is never staler than ps.max_staleness steps (the
