@@ -11,7 +11,7 @@ Layout: table k owns slots [base[k], base[k] + cap[k]) (`TableConfig.cache_rows`
 for (`pulled`), lookups while cached (`count`), last step looked up (`last`) and the step a
 refresh-ahead pull was requested for (`refreshing`). `rows` is zeroed when the cache is built
 (sum cap x D x 4 bytes, at once): first touches of fresh pages while the cache fills cost the
-steps ~4 ms each on 26 criteo-like tables (scratch timing, BENCHMARKS.md "Row cache").
+steps ~4 ms each on 26 criteo-like tables (BENCHMARKS.md, "Row cache: fused lookup").
 
 Combined key: splitmix64(id ^ splitmix64(k + 1)), a bijection of the id for one table, so two ids
 of one table never share a key; two tables' ids may (probability ~ n^2 / 2^64), which the slot's
