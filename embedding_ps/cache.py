@@ -20,8 +20,10 @@ step does not wait for; when it arrives the cached copy is replaced and counts a
 So a row looked up at least once every max_age - R steps is refreshed before it expires and keeps
 hitting, as long as a refresh arrives within R steps (a late one: the row expires and misses, as
 without). The bound is unchanged: a row is never served for a step more than max_age steps after
-the step it was pulled for. The shard sends as many rows as before for such a row (one pull per
-max_age - R steps instead of per max_age + 1), but none on the step's critical path.
+the step it was pulled for. The shard sends such a row more often than without (once every
+max_age - R steps instead of every max_age + 1), and rows refreshed but not looked up again before
+they expire are sent for nothing: refresh ahead hides latency, it does not save shard work
+(BENCHMARKS.md, "Row cache: fused lookup").
 
 Background (`background=True`, what the trainer uses): every call runs on one thread of the
 cache's own, in the order made (pulls, pushes, barriers, saves, loads), so the caller's thread only
