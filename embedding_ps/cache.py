@@ -63,7 +63,7 @@ import torch
 
 from embedding_ps.config import PSConfig
 from embedding_ps.rowcache import FusedRowCache, move_rows
-from embedding_ps.store import EmbeddingStore, done_future
+from embedding_ps.store import EmbeddingStore
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class CachingStore:
         caches = {id(self.where[t][0]) for t, c in zip(tables, cached) if c}
         if len(caches) > 1 or len({t for t, c in zip(tables, cached) if c}) < sum(cached):
             return self._pull_parts(tables, ids, step, counts)   # mixed dims or a table twice: part by part
-        plan = _Plan.make(self, tables, ids, cached, counts)
+        plan = _Plan(self, tables, ids, cached, counts)
         with self._lock:
             plan.look(step, self.max_age, self.refresh_after)
         fut = plan.issue(self.inner, step)
@@ -284,40 +284,43 @@ class CachingStore:
 
 
 class _Plan:
-    """One fused call: the parts' distinct ids, where each lands in the row buffer, the lookup."""
+    """One fused call: the parts' distinct ids, where each lands in the row buffer, the lookup.
 
-    def __init__(self) -> None:
-        self.cache: FusedRowCache | None = None
+    Parts are the call's (table, ids) pairs, P of them; entries are the cached parts' distinct ids
+    back to back, E of them (M of them misses after `look`).
+    """
 
-    @classmethod
-    def make(cls, store: CachingStore, tables: Sequence[int], ids: Sequence[torch.Tensor], cached: list[bool],
-             counts: Sequence[torch.Tensor] | None) -> "_Plan":
-        p = cls()
-        p.tables = list(tables)
-        p.uniq, p.inverse = [], []           # per part: distinct ids [U] (cpu), inverse [N] | None
+    def __init__(self, store: CachingStore, tables: Sequence[int], ids: Sequence[torch.Tensor], cached: list[bool],
+                 counts: Sequence[torch.Tensor] | None) -> None:
+        self.tables = list(tables)
+        self.uniq: list[torch.Tensor] = []                 # per part: distinct ids [U] (cpu)
+        self.inverse: list[torch.Tensor | None] = []       # per part: inverse [N] into them, or None
         cnt = []
         for i, x in enumerate(ids):
             u, inv, c = _distinct(x.to("cpu", torch.int64), None if counts is None else counts[i])
-            p.uniq.append(u)
-            p.inverse.append(inv)
+            self.uniq.append(u)
+            self.inverse.append(inv)
             cnt.append(c)
-        sizes = np.array([u.numel() for u in p.uniq], dtype=np.int64)              # [P]
-        p.starts = np.cumsum(sizes) - sizes                                         # [P] in the buffer
-        p.dim = store.config.tables[tables[0]].dim
-        p.buf = torch.empty(int(sizes.sum()), p.dim, device=store.device)           # [sum U, D]
-        p.cparts = [i for i, c in enumerate(cached) if c]                           # cached parts
-        p.uparts = [i for i, c in enumerate(cached) if not c]                       # the rest
-        if p.cparts:
-            p.cache = store.where[tables[p.cparts[0]]][0]
-            local = np.array([store.where[tables[i]][1] for i in p.cparts], dtype=np.int32)
-            csizes = sizes[p.cparts]
-            p.ids = np.concatenate([p.uniq[i].numpy() for i in p.cparts])          # [E] entries
-            p.tab = np.repeat(local, csizes)                                        # [E] local table
-            p.part = np.repeat(np.arange(len(p.cparts)), csizes)                    # [E] cached part no.
-            first = np.cumsum(csizes) - csizes
-            p.pos = np.arange(p.ids.shape[0]) + np.repeat(p.starts[p.cparts] - first, csizes)   # [E] buffer row
-            p.counts = None if counts is None else np.concatenate([cnt[i] for i in p.cparts])
-        return p
+        sizes = np.array([u.numel() for u in self.uniq], dtype=np.int64)            # [P]
+        self.starts = np.cumsum(sizes) - sizes                                       # [P] first buffer row
+        dim = store.config.tables[tables[0]].dim
+        self.buf = torch.empty(int(sizes.sum()), dim, device=store.device)           # [sum U, D]
+        self.cparts = [i for i, c in enumerate(cached) if c]                         # cached parts
+        self.uparts = [i for i, c in enumerate(cached) if not c]                     # the rest
+        self.cache: FusedRowCache | None = None
+        self.lk = None                                     # the lookup (`look`)
+        self.miss = np.zeros(0, dtype=np.int64)            # [M] entries that missed (`look`)
+        if not self.cparts:
+            return
+        self.cache = store.where[tables[self.cparts[0]]][0]
+        local = np.array([store.where[tables[i]][1] for i in self.cparts], dtype=np.int32)
+        csizes = sizes[self.cparts]
+        self.ids = np.concatenate([self.uniq[i].numpy() for i in self.cparts])       # [E] entries
+        self.tab = np.repeat(local, csizes)                                          # [E] local table
+        self.part = np.repeat(np.arange(len(self.cparts)), csizes)                   # [E] cached part no.
+        first = np.cumsum(csizes) - csizes
+        self.pos = np.arange(self.ids.shape[0]) + np.repeat(self.starts[self.cparts] - first, csizes)   # [E] buffer row
+        self.counts = None if counts is None else np.concatenate([cnt[i] for i in self.cparts])          # [E]
 
     def look(self, step: int, max_age: int, refresh_after: int | None) -> None:
         """The lookup of every cached entry; hits copied into the buffer (under the store's lock)."""
