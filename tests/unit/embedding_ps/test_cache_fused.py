@@ -222,3 +222,26 @@ def test_background_lookups_keep_the_order_and_steps_of_the_calls() -> None:
         assert torch.equal(rec.local.pull_many_async(ALL, every).result(), plain.local.pull_many_async(ALL, every).result())
     finally:
         bg.close()
+
+
+class _Failing(_Recording):
+    """Pulls and pushes that fail as a shard that timed out would."""
+
+    def pull_many_async(self, tables, ids, step=None):
+        raise RuntimeError("shard 1 at tcp://127.0.0.1:9: pull timed out")
+
+    def push_many_async(self, tables, ids, grads, step=None):
+        fut: Future = Future()
+        fut.set_exception(RuntimeError("shard 0 at tcp://127.0.0.1:8: push timed out"))
+        return fut
+
+
+def test_background_errors_reach_the_caller() -> None:
+    store = CachingStore(_Failing(CFG), CFG, max_age=2, background=True)   # type: ignore[arg-type]
+    try:
+        with pytest.raises(RuntimeError, match="shard 1 .* pull timed out"):
+            store.pull_many_async([0, 1], [torch.tensor([1]), torch.tensor([2])], 0).result(timeout=10)
+        with pytest.raises(RuntimeError, match="shard 0 .* push timed out"):
+            store.push_many_async([0], [torch.tensor([1])], torch.ones(1, 4), 0).result(timeout=10)
+    finally:
+        store.close()
