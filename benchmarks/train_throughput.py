@@ -35,7 +35,11 @@ train.num_threads = --threads too, and the PS shard process 1 thread (the launch
   exponents are 1.0-1.3), ps.max_staleness = --cache-staleness in both; the second with a
   trainer-side row cache of --cache-frac (5%) of each feature's vocabulary per table
   (`ps.tables[*].cache_rows`). Hit rate: the trainer's `cache/hit_rate` lines (hits / distinct ids
-  looked up, i.e. the rows the shard does not send).
+  looked up: rows served from the cache, the step waiting for no pull) and
+  `cache/hit_rate_per_lookup` (hits / ids drawn, a batch's duplicates counted: hits / accesses);
+  `cache/refresh_rate`: hits also pulled again ahead of their expiry (sent by the shard off the
+  step's path). The static ideal: each feature's cache_rows most frequent ids of the file (an
+  oracle, never stale) on the same data, per lookup and per distinct id of a batch.
 
 When torchrec cannot be imported the run fails (exit 2) naming why, unless --allow-missing-baseline
 (then torchrec and its ratios are null and a note says why).
@@ -43,7 +47,9 @@ When torchrec cannot be imported the run fails (exit 2) naming why, unless --all
 --json prints one line: `ours_sync`, `ours_async`, `ours_local`, `torchrec`, `plain`,
 `ours_async_zipf`, `ours_cache_zipf` (samples/s; null when not run), `ratio_async_vs_torchrec`,
 `ratio_sync_vs_torchrec`, `ratio_async_vs_plain`, `ratio_sync_vs_plain`, `ratio_local_vs_torchrec`,
-`cache_hit_rate`, `ratio_cache_vs_nocache` (ours_cache_zipf / ours_async_zipf), `target` (1.0) and
+`cache_hit_rate` (per distinct id, as `cache_hit_rate_per_distinct`), `cache_hit_rate_per_lookup`,
+`cache_refresh_rate`, `cache_ideal_static_per_distinct` / `_per_lookup`,
+`ratio_cache_vs_nocache` (ours_cache_zipf / ours_async_zipf), `target` (1.0) and
 `meets_target` (ours_async / torchrec), `targets` / `meets_targets` (issue #14's four), per-configuration
 detail (every run's rate; for ours the median ps/pull_ms, ps/push_ms, time/ps_wait_ms,
 data/wait_frac, cache/hit_rate) and `notes`.
@@ -165,6 +171,27 @@ def cache_rows_of(frac: float) -> dict[str, int]:
     return {f.name: max(1, round(frac * f.vocab)) for f in PRESETS["criteo-like"].sparse if f.name in SPARSE}
 
 
+def ideal_static(data_dir: str, cache_rows: dict[str, int], batch: int) -> dict[str, float]:
+    """What a static cache of each feature's `cache_rows` most frequent ids in `data_dir` (counted
+    over the whole file: an oracle, never stale) would hit on that data read in batches of `batch`
+    rows: per lookup (ids drawn) and per distinct id of a batch (per feature), nulls left out."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(data_dir, columns=list(cache_rows))
+    hits = draws = dhits = distinct = 0
+    for name, k in cache_rows.items():
+        col = table.column(name).drop_null().to_numpy()                   # int64 [R]
+        ids, counts = np.unique(col, return_counts=True)
+        top = ids[np.argsort(-counts, kind="stable")[:k]]                  # the k most frequent
+        inside = np.isin(col, top)                                         # [R]
+        hits, draws = hits + int(inside.sum()), draws + col.shape[0]
+        for i in range(0, col.shape[0], batch):
+            u = np.unique(col[i:i + batch])
+            dhits, distinct = dhits + int(np.isin(u, top).sum()), distinct + u.shape[0]
+    return {"per_lookup": round(hits / draws, 4), "per_distinct": round(dhits / distinct, 4)}
+
+
 def remap(kj: KeyedJagged, rows: torch.Tensor) -> KeyedJagged:
     """ids [N] -> id % rows[feature] (int64 [F] rows), so that each id indexes its bounded table."""
     F = len(kj.keys)
@@ -212,7 +239,9 @@ def summarize_lines(lines: list[dict], cfg: JobConfig, where: str) -> dict:
     med = lambda k: statistics.median(float(x[k]) for x in timed if x.get(k) is not None)   # noqa: E731
     out = {"samples_per_s": med("perf/samples_per_s"), "intervals": [x["perf/samples_per_s"] for x in timed],
            "pull_ms": med("ps/pull_ms"), "push_ms": med("ps/push_ms"), "data_wait_frac": med("data/wait_frac")}
-    for key, name in (("time/ps_wait_ms", "ps_wait_ms"), ("cache/hit_rate", "cache_hit_rate")):
+    for key, name in (("time/ps_wait_ms", "ps_wait_ms"), ("cache/hit_rate", "cache_hit_rate"),
+                      ("cache/hit_rate_per_lookup", "cache_hit_rate_per_lookup"),
+                      ("cache/refresh_rate", "cache_refresh_rate")):
         if any(x.get(key) is not None for x in timed):
             out[name] = med(key)
     out["step_ms"] = 1e3 * cfg.data.batch_size / out["samples_per_s"]
@@ -333,6 +362,7 @@ def run(args: argparse.Namespace) -> dict:
         notes.append(f"{why}; torchrec and its ratios reported as null (--allow-missing-baseline)")
         configs.remove("torchrec")
     results: dict[str, list[dict]] = {c: [] for c in configs}
+    ideal = None
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         data_dir, zipf_dir = os.path.join(tmp, "data"), os.path.join(tmp, "data-zipf")
         t0 = time.perf_counter()
@@ -340,6 +370,8 @@ def run(args: argparse.Namespace) -> dict:
             generate(preset="criteo-like", rows=args.rows, num_files=args.files, out_dir=data_dir, seed=0)
         if any(c in ZIPF_CONFIGS for c in configs):
             write_preset(zipf_preset(), args.rows, zipf_dir)
+            if "ours_cache_zipf" in configs:
+                ideal = ideal_static(zipf_dir, cache_rows_of(args.cache_frac), args.batch_size)
         gen_s = time.perf_counter() - t0
         for r in range(args.repeats):
             for c in configs:
@@ -360,14 +392,15 @@ def run(args: argparse.Namespace) -> dict:
                 if not args.json:
                     print(f"  repeat {r + 1}/{args.repeats} {c:10s} {res['samples_per_s']:10,.0f} samples/s",
                           file=sys.stderr, flush=True)
-    return summarize(args, results, notes, gen_s)
+    return summarize(args, results, notes, gen_s, ideal)
 
 
 class MissingBaseline(RuntimeError):
     """A baseline the run needs cannot run (and --allow-missing-baseline was not given)."""
 
 
-def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: list[str], gen_s: float) -> dict:
+def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: list[str], gen_s: float,
+              ideal: dict[str, float] | None = None) -> dict:
     rate = {c: (round(statistics.median(x["samples_per_s"] for x in results[c])) if results.get(c) else None)
             for c in CONFIGS}
     ratio = lambda a, b: round(rate[a] / rate[b], 3) if rate[a] and rate[b] else None   # noqa: E731
@@ -375,7 +408,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
     for c, runs in results.items():
         d = {"runs_samples_per_s": [round(x["samples_per_s"]) for x in runs],
              "step_ms": round(statistics.median(x["step_ms"] for x in runs), 1)}
-        for k in ("pull_ms", "push_ms", "ps_wait_ms", "data_wait_frac", "cache_hit_rate", "final_loss"):
+        for k in ("pull_ms", "push_ms", "ps_wait_ms", "data_wait_frac", "cache_hit_rate", "cache_hit_rate_per_lookup",
+                  "cache_refresh_rate", "final_loss"):
             if runs and k in runs[0]:
                 d[k] = round(statistics.median(x[k] for x in runs), 3)
         detail[c] = d
@@ -386,8 +420,13 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
            "ratio_local_vs_torchrec": ratio("ours_local", "torchrec"), "target": TARGET}
     r = out["ratio_async_vs_torchrec"]
     out["meets_target"] = None if r is None else r >= TARGET
-    hits = [x["cache_hit_rate"] for x in results.get("ours_cache_zipf", []) if "cache_hit_rate" in x]
-    out["cache_hit_rate"] = round(statistics.median(hits), 4) if hits else None
+    cached = results.get("ours_cache_zipf", [])
+    for key, name in (("cache_hit_rate", "cache_hit_rate"), ("cache_hit_rate", "cache_hit_rate_per_distinct"),
+                      ("cache_hit_rate_per_lookup", "cache_hit_rate_per_lookup"), ("cache_refresh_rate", "cache_refresh_rate")):
+        got = [x[key] for x in cached if key in x]
+        out[name] = round(statistics.median(got), 4) if got else None
+    out["cache_ideal_static_per_distinct"] = ideal["per_distinct"] if ideal else None
+    out["cache_ideal_static_per_lookup"] = ideal["per_lookup"] if ideal else None
     out["ratio_cache_vs_nocache"] = ratio("ours_cache_zipf", "ours_async_zipf")
     out["targets"] = dict(TARGETS)
     out["meets_targets"] = {k: (None if out[k] is None else out[k] >= v) for k, v in TARGETS.items()}
@@ -420,7 +459,12 @@ def print_table(r: dict) -> None:
                      ("ratio_sync_vs_torchrec", "ours_sync / torchrec"),
                      ("ratio_async_vs_plain", "ours_async / plain"),
                      ("ratio_local_vs_torchrec", "ours_local / torchrec"),
-                     ("ratio_cache_vs_nocache", "cache / no cache (Zipf)"), ("cache_hit_rate", "cache hit rate")):
+                     ("ratio_cache_vs_nocache", "cache / no cache (Zipf)"),
+                     ("cache_hit_rate", "cache hit rate (distinct)"),
+                     ("cache_hit_rate_per_lookup", "cache hit rate (lookup)"),
+                     ("cache_refresh_rate", "cache refresh ahead"),
+                     ("cache_ideal_static_per_distinct", "ideal static (distinct)"),
+                     ("cache_ideal_static_per_lookup", "ideal static (lookup)")):
         v = r[k]
         print(f"  {label:24s} {'null' if v is None else f'{v:.3f}'}")
     for k, want in r["targets"].items():

@@ -5,42 +5,67 @@
     store.push_many_async([0, 1], [ids0, ids1], grads, step)            # every row's grads, as without
 
 Per table with `cache_rows > 0` (`TableConfig.cache_rows`) the wrapper keeps up to that many rows,
-each with the step it was pulled at. A pull for step t serves a cached row when the row was pulled
-for a step s with 0 <= t - s <= max_age; an older row (or one whose pull is still in flight) is a
-miss and is pulled again, refreshing the cached copy in place. Only misses go to the wrapped store,
-in one multi-table call, so the shards see fewer rows per request. Pushes are unchanged: the shard
-stays the owner of every row and applies every gradient; the cache never changes a row itself.
+each with the step it was pulled for; the tables of one dim share one `FusedRowCache` (one lookup
+for all of a call's parts, `embedding_ps.rowcache`). A pull for step t serves a cached row when the
+row was pulled for a step s with 0 <= t - s <= max_age; an older row (or one whose pull is still
+in flight) is a miss and is pulled again, refreshing the cached copy in place. Only misses go to
+the wrapped store, in one multi-table call, so the shards see fewer rows per request. Pushes are
+unchanged: the shard stays the owner of every row and applies every gradient; the cache never
+changes a row itself.
+
+Refresh ahead (`refresh_ahead` = R >= 1, default 1; 0 turns it off): a hit for step t whose row
+was pulled for step s with t - s >= max(1, max_age - R), and no refresh already in flight, is
+served from the cache AND pulled again for step t, in a second call to the wrapped store that the
+step does not wait for; when it arrives the cached copy is replaced and counts as pulled for t.
+So a row looked up at least once every max_age - R steps is refreshed before it expires and keeps
+hitting, as long as a refresh arrives within R steps (a late one: the row expires and misses, as
+without). The bound is unchanged: a row is never served for a step more than max_age steps after
+the step it was pulled for. The shard sends such a row more often than without (once every
+max_age - R steps instead of every max_age + 1), and rows refreshed but not looked up again before
+they expire are sent for nothing: refresh ahead hides latency, it does not save shard work
+(BENCHMARKS.md, "Row cache: fused lookup").
+
+Background (`background=True`, what the trainer uses): every call runs on one thread of the
+cache's own, in the order made (pulls, pushes, barriers, saves, loads), so the caller's thread only
+queues a lookup and the wrapped store still sees every call in the caller's order (a pull made
+before a push never sees it). A barrier for step t sets the wrapper's `step` to t + 1 at once.
 
 Staleness: a row pulled for step s by a trainer that prefetches K batches misses at most K of its
 own steps' updates when step s uses it, and t - s + K at step t. The trainer passes
 max_age = ps.max_staleness - K, so a cached row is never staler than ps.max_staleness steps (the
-shard's own bound); max_age = 0 serves a row only to the step it was pulled for: the cache then
-never hits across steps, and training is exactly the uncached run.
+shard's own bound); max_age = 0 serves a row only to the step it was pulled for (and never
+refreshes ahead): the cache then never hits across steps, and training is exactly the uncached run.
 
 Eviction when a table's cache is full: `lfu` (fewest lookups while cached, ties: least recently
-used) or `lru` (least recently used). Rows looked up by the current call are never evicted by it;
+used) or `lru` (least recently used). Rows looked up at the current step are never evicted;
 misses beyond the free and evictable slots are pulled but not cached. `benchmarks/row_cache.py`
 measures both on Zipf(1.05) streams: DEFAULT_POLICY is its pick.
 
-Counting: hits and misses per table count the distinct ids of each call (the rows the wrapped
-store would have had to send), `cache_stats()` returns them since the last call. Rows live on
-`device` (the trainer's GPU when it trains on one): hits are gathered there and misses copied
-there, so a pull's rows come back on `device`; gradients go to the wrapped store on the CPU.
+Counting (`cache_counts()`, per table, since the last call): `hits` and `misses` per distinct id
+of each call (a hit: served from the cache without waiting for the store; what `cache/hit_rate`
+reports), `refreshes` (hits also pulled ahead: rows the shard still sends, off the critical path),
+and `lookups` / `lookup_hits`: the same weighted by each id's occurrences in the batch, when the
+caller passes `counts` (the sparse arch does: `counts_lookups`). Rows live on `device` (the
+trainer's GPU when it trains on one): hits are gathered there and misses copied there, so a pull's
+rows come back on `device`; gradients go to the wrapped store on the CPU.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
 import torch
 
 from embedding_ps.config import PSConfig
-from embedding_ps.idmap import IdMap
-from embedding_ps.store import EmbeddingStore, done_future
+from embedding_ps.rowcache import FusedRowCache, move_rows
+from embedding_ps.store import EmbeddingStore
+
+logger = logging.getLogger(__name__)
 
 Policy = Literal["lfu", "lru"]
 
@@ -49,127 +74,8 @@ DEFAULT_POLICY: Policy = "lfu"
 100k / 1M / 10M vocabulary, max_age 3 / 7 / no expiry; BENCHMARKS.md): hit rates equal in 5 of the
 9 settings, LFU 1.6-10 points higher in the 2 without expiry, LRU 0.7-2.3 points higher in 2 (100k)."""
 
-NEVER = np.iinfo(np.int64).min // 2
-"""`pulled` of a slot whose row has not arrived yet: older than any max_age allows."""
-_KEEP = np.iinfo(np.int64).max
-"""Eviction key of a slot the current call looked up (never evicted by it)."""
-
-
-class RowCache:
-    """One table's cached rows: id -> slot (`IdMap`), rows [C, D] on `device`, per-slot bookkeeping.
-
-    Not thread-safe by itself: `CachingStore` holds one lock around every call.
-    """
-
-    def __init__(self, capacity: int, dim: int, policy: Policy, device: torch.device) -> None:
-        if capacity < 1:
-            raise ValueError(f"RowCache: capacity must be >= 1, got {capacity}")
-        if policy not in ("lfu", "lru"):
-            raise ValueError(f"RowCache: policy must be 'lfu' or 'lru', got {policy!r}")
-        self.capacity, self.policy = capacity, policy
-        self.map = IdMap(capacity)                                  # id -> slot
-        self.keys = np.zeros(capacity, dtype=np.int64)              # [C] id held by each slot
-        self.pulled = np.full(capacity, NEVER, dtype=np.int64)      # [C] step its row was pulled for
-        self.count = np.zeros(capacity, dtype=np.int64)             # [C] lookups while cached (lfu)
-        self.last = np.zeros(capacity, dtype=np.int64)              # [C] last step looked up
-        self.rows = torch.zeros(min(capacity, 1024), dim, device=device)   # [<= C, D], grows as slots fill
-        self.used = 0                                               # slots [0, used) were handed out
-        self.spare = np.zeros(0, dtype=np.int64)                    # evicted slots not handed out yet
-        self.generation = 0                                         # + 1 at every clear()
-        self.hits = 0
-        self.misses = 0
-
-    def lookup(self, ids: np.ndarray, step: int, max_age: int) -> tuple[np.ndarray, np.ndarray]:
-        """Distinct ids int64 [U] looked up for `step` -> (hit bool [U], slot int32 [U]).
-
-        A hit's slot holds its row; a miss's slot (or -1: not cached) is where its row goes when the
-        pull arrives (`fill`). Counts the lookups and evicts as needed.
-        """
-        slot = self.map.lookup(ids)                                 # [U], -1 absent
-        present = slot >= 0
-        ps = slot[present].astype(np.int64)
-        age = step - self.pulled[ps]
-        hit = np.zeros(ids.shape[0], dtype=bool)
-        hit[present] = (age >= 0) & (age <= max_age)
-        self.count[ps] += 1
-        self.last[ps] = step
-        self.pulled[ps[~hit[present]]] = NEVER                      # stale: refreshed by this pull
-        absent = np.flatnonzero(~present)
-        if absent.size:
-            new = self._allocate(absent.size, ps)                   # [A'] <= [A]
-            took = absent[:new.size]
-            self.map.insert(ids[took], new.astype(np.int32))
-            self.keys[new] = ids[took]
-            self.pulled[new] = NEVER
-            self.count[new] = 1
-            self.last[new] = step
-            slot[took] = new
-        nh = int(hit.sum())
-        self.hits += nh
-        self.misses += ids.shape[0] - nh
-        return hit, slot
-
-    def fill(self, ids: np.ndarray, slots: np.ndarray, rows: torch.Tensor, step: int, generation: int) -> None:
-        """Rows [M, D] pulled for `step` of ids [M] into their slots [M] (-1: not cached); a slot
-        handed to another id meanwhile, or holding a newer pull, is left alone, and so is every
-        row of a pull looked up before the last clear() (`generation`)."""
-        if generation != self.generation:
-            return
-        ok = slots >= 0
-        s = slots[ok].astype(np.int64)
-        ok[ok] = (self.keys[s] == ids[ok]) & (self.pulled[s] <= step)
-        if not ok.any():
-            return
-        pos = np.flatnonzero(ok)
-        s = slots[pos].astype(np.int64)
-        _move(self.rows, s, rows, pos)
-        self.pulled[s] = step
-
-    def clear(self) -> None:
-        """Forget every row (the store's rows changed underneath: a LOAD)."""
-        self.map.clear()
-        self.pulled[:] = NEVER
-        self.count[:] = 0
-        self.used = 0
-        self.spare = np.zeros(0, dtype=np.int64)
-        self.generation += 1
-
-    def _allocate(self, n: int, protect: np.ndarray) -> np.ndarray:
-        """Up to n slots int64 [<= n]: never used ones, then spare ones, then evicted ones (never one
-        in `protect`, the slots this call looked up).
-
-        An eviction scans every slot (O(C)), so it takes the C/64 lowest-ranked rows at once (at least
-        the n needed) and keeps the extra ones as spare slots for the next calls."""
-        fresh = min(n, self.capacity - self.used)
-        out = [np.arange(self.used, self.used + fresh, dtype=np.int64)]
-        self.used += fresh
-        if self.used > self.rows.shape[0]:         # grow by doubling: memory follows the rows held
-            grown = self.rows.new_zeros(min(self.capacity, max(self.used, 2 * self.rows.shape[0])), self.rows.shape[1])
-            grown[:self.rows.shape[0]] = self.rows
-            self.rows = grown
-        need = n - fresh
-        if need and self.spare.size:
-            out.append(self.spare[:need])
-            self.spare = self.spare[need:]
-            need -= out[-1].size
-        k = min(len(self.map) - protect.size, max(need, self.capacity // 64))   # mapped, not looked up now
-        if need <= 0 or k <= 0:
-            return np.concatenate(out)
-        if self.policy == "lru":
-            key = self.last.copy()
-        else:                            # fewest lookups first, then least recently used
-            key = (np.minimum(self.count, (1 << 30) - 1) << 32) | (self.last & 0xFFFFFFFF)
-        key[protect] = _KEEP
-        for taken in out:
-            key[taken] = _KEEP
-        victims = np.argpartition(key, k - 1)[:k]                        # the k lowest keys
-        victims = victims[key[victims] != _KEEP]
-        victims = victims[np.argsort(key[victims], kind="stable")]       # the lowest go first
-        self.map.delete(self.keys[victims])
-        self.pulled[victims] = NEVER
-        out.append(victims[:need])
-        self.spare = victims[need:]
-        return np.concatenate(out)
+COUNTS = ("hits", "misses", "refreshes", "lookups", "lookup_hits")
+"""The per-table counters of `cache_counts()`."""
 
 
 class CachingStore:
@@ -179,111 +85,137 @@ class CachingStore:
 
         store = CachingStore(LocalStore.create(cfg), cfg, max_age=2)
         store.pull(0, torch.tensor([5, 7]), step=0)   # two misses: pulled, cached
-        store.pull(0, torch.tensor([5]), step=2)      # a hit (pulled 2 steps ago)
+        store.pull(0, torch.tensor([5]), step=2)      # a hit (pulled 2 steps ago), also refreshed ahead
         store.cache_stats()                           # {"t0": (1, 2)}: hits, misses
     """
 
+    counts_lookups = True
+    """`pull_many_async` takes `counts` (occurrences of each id): the sparse arch passes them."""
+
     def __init__(self, store: EmbeddingStore, config: PSConfig, *, max_age: int,
-                 policy: Policy = DEFAULT_POLICY, device: torch.device | str = "cpu") -> None:
+                 policy: Policy = DEFAULT_POLICY, device: torch.device | str = "cpu",
+                 refresh_ahead: int = 1, background: bool = False) -> None:
         if max_age < 0:
             raise ValueError(f"CachingStore: max_age must be >= 0, got {max_age}")
+        if refresh_ahead < 0:
+            raise ValueError(f"CachingStore: refresh_ahead must be >= 0, got {refresh_ahead}")
         self.inner, self.config, self.max_age = store, config, max_age
         self.device = torch.device(device)
-        self.caches: list[RowCache | None] = [
-            RowCache(t.cache_rows, t.dim, policy, self.device) if t.cache_rows > 0 else None
-            for t in config.tables]
+        # a hit this old (or older) is refreshed ahead; None: never (off, or max_age 0)
+        self.refresh_after = max(1, max_age - refresh_ahead) if refresh_ahead and max_age >= 1 else None
+        by_dim: dict[int, list[int]] = {}
+        for i, t in enumerate(config.tables):
+            if t.cache_rows > 0:
+                by_dim.setdefault(t.dim, []).append(i)
+        self.where: dict[int, tuple[FusedRowCache, int]] = {}     # table -> (its cache, local index)
+        self.fused: list[tuple[FusedRowCache, list[int]]] = []    # (cache, its tables)
+        for dim, tables in by_dim.items():
+            cache = FusedRowCache([config.tables[i].cache_rows for i in tables], dim, policy, self.device)
+            self.fused.append((cache, tables))
+            self.where.update({t: (cache, k) for k, t in enumerate(tables)})
         self._lock = threading.Lock()
+        # background: lookups on one thread of their own (in call order), off the caller's
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="row-cache") if background else None
+        self._step = store.step
 
     @property
     def step(self) -> int:
-        return self.inner.step
+        """The step a call without one carries: the wrapped store's, or with `background` this
+        wrapper's copy of it (a barrier for step t sets t + 1 at once, as the store would, although
+        the store's own barrier call may still wait on the cache's thread)."""
+        return self.inner.step if self._worker is None else self._step
 
     @step.setter
     def step(self, value: int) -> None:
+        self._step = value
         self.inner.step = value
 
     # -- rows -------------------------------------------------------------------------------------
 
-    def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
-                        step: int | None = None) -> Future[torch.Tensor]:
+    def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], step: int | None = None,
+                        counts: Sequence[torch.Tensor] | None = None) -> Future[torch.Tensor]:
         """A Future of rows [sum N_t, D] on `device`: cached hits, the rest pulled from the store.
 
         Every part's distinct rows go into one buffer [sum U_t, D] (hits now, misses when they
         arrive), which is the result itself when the parts' ids are distinct and increasing (what
-        the sparse arch sends), else expanded to the caller's order."""
+        the sparse arch sends), else expanded to the caller's order. `counts` (optional, per part
+        [N_t]): how often each id occurs in the batch, for the per-lookup hit rate. With
+        `background`, the lookup itself runs on the cache's thread, calls in the order made."""
         if len(tables) != len(ids) or not tables:
             raise ValueError(f"CachingStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
-        step = self.inner.step if step is None else step
-        dim, dev = self.config.tables[tables[0]].dim, self.device
-        parts = []   # per part: (cache | None, distinct ids np [U], inverse [N] | None, hit [U], (slots [U], generation), rows [U, D])
-        miss_tables, miss_ids = [], []
+        step = self.step if step is None else step
+        if self._worker is None:
+            return self._pull(tables, ids, step, counts)
+        return self._chain(lambda: self._pull(tables, ids, step, counts))
+
+    def _pull(self, tables: Sequence[int], ids: Sequence[torch.Tensor], step: int,
+              counts: Sequence[torch.Tensor] | None) -> Future[torch.Tensor]:
+        """`pull_many_async` on the calling thread."""
+        cached = [t in self.where and x.numel() > 0 for t, x in zip(tables, ids)]
+        caches = {id(self.where[t][0]) for t, c in zip(tables, cached) if c}
+        if len(caches) > 1 or len({t for t, c in zip(tables, cached) if c}) < sum(cached):
+            return self._pull_parts(tables, ids, step, counts)   # mixed dims or a table twice: part by part
+        plan = _Plan(self, tables, ids, cached, counts)
         with self._lock:
-            looked = []
-            for t, x in zip(tables, ids):
-                cache = self.caches[t]
-                if cache is None or x.numel() == 0:
-                    looked.append((None, x, None, None, None))
-                    continue
-                uniq, inverse = _distinct(x.to("cpu", torch.int64))                        # [U], [N] | None
-                hit, slots = cache.lookup(uniq.numpy(), step, self.max_age)
-                looked.append((cache, uniq, inverse, hit, slots))
-            buf = torch.empty(sum(x.numel() for _, x, _, _, _ in looked), dim, device=dev)  # [sum U_t, D]
-            start = 0
-            for t, (cache, uniq, inverse, hit, slots) in zip(tables, looked):
-                rows = buf[start:start + uniq.numel()]                                     # [U, D] view
-                start += uniq.numel()
-                if cache is None:
-                    miss_tables.append(t)
-                    miss_ids.append(uniq)
-                    parts.append((None, None, None, None, (None, 0), rows))
-                    continue
-                u = uniq.numpy()
-                if hit.any():
-                    h = np.flatnonzero(hit)
-                    _move(rows, h, cache.rows, slots[h].astype(np.int64))
-                if not hit.all():
-                    miss_tables.append(t)
-                    miss_ids.append(torch.from_numpy(u[~hit]))
-                parts.append((cache, u, None if inverse is None else inverse.to(dev), hit, (slots, cache.generation), rows))
-        if not miss_tables:
-            return done_future(self._assemble(parts, [], step, buf))
-        inner = self.inner.pull_many_async(miss_tables, miss_ids, step)
+            plan.look(step, self.max_age, self.refresh_after)
+        fut = plan.issue(self.inner, step)
         out: Future = Future()
 
-        def arrived(fut: Future) -> None:
+        def arrived(f: Future) -> None:
             try:
-                pulled = fut.result().to(dev)
-                pieces = list(torch.split(pulled, [x.numel() for x in miss_ids]))
+                pulled = f.result() if f is not None else None
                 with self._lock:
-                    out.set_result(self._assemble(parts, pieces, step, buf))
+                    out.set_result(plan.assemble(pulled, step))
             except BaseException as e:   # the caller's .result() raises it
                 out.set_exception(e)
 
-        inner.add_done_callback(arrived)
+        if fut is None:
+            arrived(None)   # type: ignore[arg-type]
+        else:
+            fut.add_done_callback(arrived)
+        plan.issue_refresh(self.inner, step, self._lock)
         return out
 
-    def _assemble(self, parts: list, pieces: list[torch.Tensor], step: int, buf: torch.Tensor) -> torch.Tensor:
-        """The misses' rows (`pieces`, in part order) into `buf` and the cache; the rows [sum N_t, D]."""
-        k = 0
-        for cache, u, _, hit, (slots, generation), rows in parts:
-            if cache is None:                      # not cached: the store's rows as they are
-                rows.copy_(pieces[k])
-                k += 1
-            elif not hit.all():
-                miss = np.flatnonzero(~hit)
-                got = pieces[k]                                                            # [M, D]
-                k += 1
-                _move(rows, miss, got, None)
-                cache.fill(u[miss], slots[miss], got, step, generation)
-        if all(p[2] is None for p in parts):
-            return buf
-        out = [rows if inverse is None else rows.index_select(0, inverse) for _, _, inverse, _, _, rows in parts]
-        return out[0] if len(out) == 1 else torch.cat(out)                                 # [sum N_t, D]
+    def _pull_parts(self, tables: Sequence[int], ids: Sequence[torch.Tensor], step: int,
+                    counts: Sequence[torch.Tensor] | None) -> Future[torch.Tensor]:
+        """A call the fused path does not take (parts of several dims, or one table twice): one
+        call per part, in order (a repeated id is looked up once per part, as two steps' lookups)."""
+        futs = [self._pull([t], [x], step, None if counts is None else [counts[i]])
+                for i, (t, x) in enumerate(zip(tables, ids))]
+        out: Future = Future()
+        try:
+            out.set_result(torch.cat([f.result() for f in futs]))
+        except BaseException as e:
+            out.set_exception(e)
+        return out
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
-        """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not."""
-        return self.inner.push_many_async(tables, ids, grads.detach().to("cpu"), step)
+        """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not; with
+        `background` through the cache's thread, so that the wrapped store sees pulls and pushes in
+        the order they were made (a pull made before a push never sees it: exact with max_age 0)."""
+        grads = grads.detach().to("cpu")
+        if self._worker is None:
+            return self.inner.push_many_async(tables, ids, grads, step)
+        step = self.step if step is None else step
+        return self._chain(lambda: self.inner.push_many_async(tables, ids, grads, step))
+
+    def _chain(self, call) -> Future:
+        """A Future of the Future that `call()` returns, called on the cache's thread in order."""
+        out: Future = Future()
+
+        def run() -> None:
+            try:
+                call().add_done_callback(lambda f: _relay(f, out))
+            except BaseException as e:   # the caller's .result() raises it
+                out.set_exception(e)
+
+        self._worker.submit(run)
+        return out
+
+    def _call(self, fn, *args):
+        """fn(*args), on the cache's thread after every call made before (with `background`)."""
+        return fn(*args) if self._worker is None else self._worker.submit(fn, *args).result()
 
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         return self.pull_many_async([table], [ids], step).result()
@@ -293,83 +225,212 @@ class CachingStore:
 
     # -- statistics -------------------------------------------------------------------------------
 
-    def cache_stats(self) -> dict[str, tuple[int, int]]:
-        """{table name: (hits, misses)} of every cached table since the last call (then reset)."""
+    def cache_counts(self) -> dict[str, dict[str, int]]:
+        """{table name: {hits, misses, refreshes, lookups, lookup_hits}} of every cached table since
+        the last call (then reset)."""
         out = {}
         with self._lock:
-            for t, cache in zip(self.config.tables, self.caches):
-                if cache is not None:
-                    out[t.name] = (cache.hits, cache.misses)
-                    cache.hits = cache.misses = 0
+            for cache, tables in self.fused:
+                got = cache.take_counts()
+                for k, t in enumerate(tables):
+                    out[self.config.tables[t].name] = {c: int(got[c][k]) for c in COUNTS}
         return out
+
+    def cache_stats(self) -> dict[str, tuple[int, int]]:
+        """{table name: (hits, misses)} of every cached table since the last call (then reset)."""
+        return {name: (c["hits"], c["misses"]) for name, c in self.cache_counts().items()}
 
     # -- everything else is the wrapped store's ---------------------------------------------------
 
+    # (with `background` each goes to the store after every pull and push made before it)
+
     def barrier(self, step: int) -> None:
-        self.inner.barrier(step)
+        self._step = step + 1
+        self._call(self.inner.barrier, step)
 
     def barrier_async(self, step: int) -> Future:
-        return self.inner.barrier_async(step)
+        if self._worker is None:
+            return self.inner.barrier_async(step)
+        self._step = step + 1
+        return self._chain(lambda: self.inner.barrier_async(step))
 
     def sweep(self, step: int) -> list[dict]:
-        return self.inner.sweep(step)       # dropped rows leave the cache within max_age steps
+        return self._call(self.inner.sweep, step)       # dropped rows leave the cache within max_age steps
 
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
-        return self.inner.save(directory, step, background)
+        return self._call(self.inner.save, directory, step, background)
 
     def prepare_save(self) -> Future[list]:
-        return self.inner.prepare_save()
+        return self._call(self.inner.prepare_save)
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
-        return self.inner.wait_saved(directory, timeout_s)
+        return self._call(self.inner.wait_saved, directory, timeout_s)
 
     def load(self, directory: str) -> list[dict]:
         """The store loads `directory`; every cached row is dropped (they are the old rows)."""
-        out = self.inner.load(directory)
+        out = self._call(self.inner.load, directory)
         with self._lock:
-            for cache in self.caches:
-                if cache is not None:
-                    cache.clear()
+            for cache, _ in self.fused:
+                cache.clear()
         return out
 
     def stats(self) -> list[dict]:
-        return self.inner.stats()
+        return self._call(self.inner.stats)
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.inner.close()
 
 
-def _move(dst: torch.Tensor, at: np.ndarray, src: torch.Tensor, rows: np.ndarray | None) -> None:
-    """dst[at] = src[rows] (src itself when rows is None) for float [*, D] tensors on one device.
+class _Plan:
+    """One fused call: the parts' distinct ids, where each lands in the row buffer, the lookup.
 
-    On the CPU through numpy: single-threaded copies of a few thousand rows, where torch's
-    index_select / index_copy_ open parallel regions whose threads, on busy cores, cost more than the
-    copy. The cache's work per step for 26 criteo-like tables, this way and with the torch ops:
-    BENCHMARKS.md, "Figures moved here from the code"."""
-    if dst.device.type == "cpu":
-        s = src.numpy()
-        dst.numpy()[at] = s if rows is None else s[rows]
-        return
-    at_t = torch.from_numpy(at).to(dst.device)
-    dst.index_copy_(0, at_t, src if rows is None else src.index_select(0, torch.from_numpy(rows).to(src.device)))
+    Parts are the call's (table, ids) pairs, P of them; entries are the cached parts' distinct ids
+    back to back, E of them (M of them misses after `look`).
+    """
+
+    def __init__(self, store: CachingStore, tables: Sequence[int], ids: Sequence[torch.Tensor], cached: list[bool],
+                 counts: Sequence[torch.Tensor] | None) -> None:
+        self.tables = list(tables)
+        self.uniq: list[torch.Tensor] = []                 # per part: distinct ids [U] (cpu)
+        self.inverse: list[torch.Tensor | None] = []       # per part: inverse [N] into them, or None
+        cnt = []
+        for i, x in enumerate(ids):
+            u, inv, c = _distinct(x.to("cpu", torch.int64), None if counts is None else counts[i])
+            self.uniq.append(u)
+            self.inverse.append(inv)
+            cnt.append(c)
+        sizes = np.array([u.numel() for u in self.uniq], dtype=np.int64)            # [P]
+        self.starts = np.cumsum(sizes) - sizes                                       # [P] first buffer row
+        dim = store.config.tables[tables[0]].dim
+        self.buf = torch.empty(int(sizes.sum()), dim, device=store.device)           # [sum U, D]
+        self.cparts = [i for i, c in enumerate(cached) if c]                         # cached parts
+        self.uparts = [i for i, c in enumerate(cached) if not c]                     # the rest
+        self.cache: FusedRowCache | None = None
+        self.lk = None                                     # the lookup (`look`)
+        self.miss = np.zeros(0, dtype=np.int64)            # [M] entries that missed (`look`)
+        if not self.cparts:
+            return
+        self.cache = store.where[tables[self.cparts[0]]][0]
+        local = np.array([store.where[tables[i]][1] for i in self.cparts], dtype=np.int32)
+        csizes = sizes[self.cparts]
+        self.ids = np.concatenate([self.uniq[i].numpy() for i in self.cparts])       # [E] entries
+        self.tab = np.repeat(local, csizes)                                          # [E] local table
+        self.part = np.repeat(np.arange(len(self.cparts)), csizes)                   # [E] cached part no.
+        first = np.cumsum(csizes) - csizes
+        self.pos = np.arange(self.ids.shape[0]) + np.repeat(self.starts[self.cparts] - first, csizes)   # [E] buffer row
+        self.counts = None if counts is None else np.concatenate([cnt[i] for i in self.cparts])          # [E]
+
+    def look(self, step: int, max_age: int, refresh_after: int | None) -> None:
+        """The lookup of every cached entry; hits copied into the buffer (under the store's lock)."""
+        if self.cache is None:
+            return
+        self.lk = self.cache.lookup(self.ids, self.tab, step, max_age, refresh_after, self.counts)
+        h = np.flatnonzero(self.lk.hit)
+        if h.size:
+            move_rows(self.buf, self.pos[h], self.cache.rows, self.lk.slot[h])
+        self.miss = np.flatnonzero(~self.lk.hit)                                    # [M] entries
+
+    def issue(self, inner: EmbeddingStore, step: int) -> Future | None:
+        """One call to the wrapped store: the uncached parts' ids, then each cached part's misses."""
+        tables = [self.tables[i] for i in self.uparts]
+        ids = [self.uniq[i] for i in self.uparts]
+        if self.cache is not None and self.miss.size:
+            tables_m, ids_m = _by_part(self.ids[self.miss], self.part[self.miss],
+                                       [self.tables[i] for i in self.cparts])
+            tables += tables_m
+            ids += ids_m
+        return inner.pull_many_async(tables, ids, step) if tables else None
+
+    def assemble(self, pulled: torch.Tensor | None, step: int) -> torch.Tensor:
+        """The pulled rows [sum U_uncached + M, D] into the buffer and the cache; the rows [sum N, D]."""
+        k = 0
+        if pulled is not None:
+            pulled = pulled.to(self.buf.device)
+            for i in self.uparts:
+                n = self.uniq[i].numel()
+                self.buf[self.starts[i]:self.starts[i] + n] = pulled[k:k + n]
+                k += n
+        if self.cache is not None and self.miss.size:
+            got = pulled[k:]                                                        # [M, D]
+            move_rows(self.buf, self.pos[self.miss], got, None)
+            self.cache.fill(self.ids[self.miss], self.tab[self.miss], self.lk.slot[self.miss], got, step,
+                            self.lk.generation)
+        if all(inv is None for inv in self.inverse):
+            return self.buf
+        out = [self.buf[s:s + u.numel()] if inv is None else self.buf[s:s + u.numel()].index_select(0, inv.to(self.buf.device))
+               for s, u, inv in zip(self.starts, self.uniq, self.inverse)]
+        return out[0] if len(out) == 1 else torch.cat(out)                          # [sum N_t, D]
+
+    def issue_refresh(self, inner: EmbeddingStore, step: int, lock: threading.Lock) -> None:
+        """The hits due for a refresh, pulled again for `step` in a call nobody waits for."""
+        if self.cache is None or not self.lk.refresh.any():
+            return
+        r = np.flatnonzero(self.lk.refresh)
+        ids_r, tab_r, slot_r = self.ids[r], self.tab[r], self.lk.slot[r]
+        cache, generation = self.cache, self.lk.generation
+        tables, ids = _by_part(ids_r, self.part[r], [self.tables[i] for i in self.cparts])
+        fut = inner.pull_many_async(tables, ids, step)
+
+        def arrived(f: Future) -> None:
+            try:
+                rows = f.result()
+            except Exception as e:   # the rows expire and miss later: nothing is served wrong
+                logger.warning("row cache: a refresh-ahead pull of %d rows failed (%s); they will miss "
+                               "when they expire", r.size, e)
+                return
+            with lock:
+                cache.fill(ids_r, tab_r, slot_r, rows.to(cache.rows.device), step, generation)
+
+        fut.add_done_callback(arrived)
 
 
-def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(distinct ids [U], inverse [N] into them), inverse None when `ids` [N] already are distinct
-    and increasing (what the sparse arch sends: `torch.unique`'s output), which skips a sort."""
+def _relay(src: Future, dst: Future) -> None:
+    """dst gets src's result or exception."""
+    try:
+        dst.set_result(src.result())
+    except BaseException as e:
+        dst.set_exception(e)
+
+
+def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Entries ids [M] of cached parts part [M] (nondecreasing) -> (tables, ids per part) of the
+    parts that have any, in part order."""
+    n = np.bincount(part, minlength=len(tables))
+    pieces = torch.from_numpy(ids).split(n.tolist())
+    keep = np.flatnonzero(n)
+    return [tables[i] for i in keep], [pieces[i] for i in keep]
+
+
+def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
+    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]): inverse None when `ids` [N]
+    already are distinct and increasing (what the sparse arch sends: `torch.unique`'s output), which
+    skips a sort; the occurrences are `counts` then (None when not given)."""
     if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
-        return ids, None
-    return torch.unique(ids, return_inverse=True)
+        return ids, None, None if counts is None else counts.to("cpu", torch.int64).numpy()
+    u, inv, c = torch.unique(ids, return_inverse=True, return_counts=True)
+    if counts is not None:   # occurrences of the given ids summed per distinct id
+        c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, counts.to("cpu", torch.int64))
+    return u, inv, c.numpy()
 
 
-def cache_metrics(stats: dict[str, tuple[int, int]]) -> dict[str, float]:
-    """`cache/<table>/hit_rate` of each table and `cache/hit_rate` over all, from `cache_stats()`
-    (NaN, written as null, for a table that had no lookups)."""
-    out = {f"cache/{name}/hit_rate": h / (h + m) if h + m else float("nan") for name, (h, m) in stats.items()}
-    hits = sum(h for h, _ in stats.values())
-    total = hits + sum(m for _, m in stats.values())
-    out["cache/hit_rate"] = hits / total if total else float("nan")
+def cache_metrics(counts: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Metrics of `cache_counts()` (NaN, written as null, where nothing was counted):
+    `cache/<table>/hit_rate` and `cache/hit_rate` (hits / distinct ids looked up, per call),
+    `cache/hit_rate_per_lookup` (hits / ids looked up, duplicates of a batch counted: needs counts),
+    `cache/refresh_rate` (rows refreshed ahead / distinct ids looked up)."""
+    def rate(a: int, b: int) -> float:
+        return a / b if b else float("nan")
+
+    out = {f"cache/{name}/hit_rate": rate(c["hits"], c["hits"] + c["misses"]) for name, c in counts.items()}
+    tot = {k: sum(c[k] for c in counts.values()) for k in COUNTS}
+    distinct = tot["hits"] + tot["misses"]
+    out["cache/hit_rate"] = rate(tot["hits"], distinct)
+    out["cache/hit_rate_per_lookup"] = rate(tot["lookup_hits"], tot["lookups"])
+    out["cache/refresh_rate"] = rate(tot["refreshes"], distinct)
     return out
 
 
-__all__ = ["CachingStore", "RowCache", "DEFAULT_POLICY", "cache_metrics"]
+__all__ = ["CachingStore", "DEFAULT_POLICY", "cache_metrics"]

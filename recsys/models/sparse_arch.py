@@ -89,14 +89,16 @@ class SparseLookup:
     batch_size: int
     futures: list[Future] = field(default_factory=list)         # per group: its pull_many_async
     rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
+    counts: list[torch.Tensor] | None = None   # per plan: [U] occurrences of each unique id (a row cache's stats)
     pull_s: float = 0.0
     wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
 
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
         for group in self.groups:
+            extra = {} if self.counts is None else {"counts": [self.counts[p] for p in group]}
             self.futures.append(self.store.pull_many_async([self.plans[p].table for p in group],
-                                                           [self.ids[p] for p in group], step))
+                                                           [self.ids[p] for p in group], step, **extra))
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
@@ -261,6 +263,8 @@ class SparseArch:
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
         bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
         look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B)
+        if getattr(store, "counts_lookups", False):     # a row cache: per-lookup hit rate
+            look.counts = []
         t0 = time.perf_counter()
         for plan in self.plans:
             pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
@@ -270,7 +274,11 @@ class SparseArch:
             else:
                 lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
                 offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-            uniq, inverse = torch.unique(values, return_inverse=True)              # [U], [N_t]
+            if look.counts is None:
+                uniq, inverse = torch.unique(values, return_inverse=True)          # [U], [N_t]
+            else:
+                uniq, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
+                look.counts.append(counts)                                         # [U]
             if batch.weights is not None:
                 wp = [batch.weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
                 look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])

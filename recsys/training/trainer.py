@@ -323,7 +323,7 @@ class Trainer:
         run.window.total = time.perf_counter() - run.t_log
         values = run.window.as_metrics()
         if isinstance(self.store, CachingStore):
-            values.update(cache_metrics(self.store.cache_stats()))
+            values.update(cache_metrics(self.store.cache_counts()))
         self._log(values)
         run.window, run.t_log = StepTimes(), time.perf_counter()
 
@@ -437,7 +437,8 @@ def cached_store(store: EmbeddingStore, cfg: JobConfig, device: torch.device) ->
     ahead already miss K steps of updates, so cached rows may be ps.max_staleness - K steps older."""
     if not any(t.cache_rows > 0 for t in cfg.ps.tables):
         return store
-    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.prefetch_batches, device=device)
+    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.prefetch_batches, device=device,
+                        background=True)
 
 
 def progress_bar(total: int, enabled: bool):

@@ -5,6 +5,7 @@ arrive late or out of order."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from concurrent.futures import Future
 
 import pytest
@@ -44,8 +45,10 @@ def test_hits_and_misses_are_counted_per_distinct_id_of_a_call() -> None:
     store.pull(1, ids(1, 2), step=2)                # table b is not cached: not counted
     assert store.cache_stats() == {"a": (3, 5), "c": (0, 0)}
     assert store.cache_stats() == {"a": (0, 0), "c": (0, 0)}          # reset by reading
-    m = cache_metrics({"a": (3, 5), "c": (1, 1)})
+    zero = dict.fromkeys(("refreshes", "lookups", "lookup_hits"), 0)
+    m = cache_metrics({"a": {**zero, "hits": 3, "misses": 5}, "c": {**zero, "hits": 1, "misses": 1}})
     assert m["cache/a/hit_rate"] == 3 / 8 and m["cache/c/hit_rate"] == 0.5 and m["cache/hit_rate"] == 0.4
+    assert math.isnan(m["cache/hit_rate_per_lookup"]) and m["cache/refresh_rate"] == 0.0
 
 
 @pytest.mark.parametrize("policy, hit, miss", [("lru", 2, 1), ("lfu", 1, 2)])
@@ -91,11 +94,11 @@ def test_multi_table_call_with_duplicates_and_empty_parts_equals_the_wrapped_sto
 
 @pytest.mark.parametrize("max_age", [0, 1, 2])
 def test_cached_row_is_refreshed_after_max_age_steps(max_age: int) -> None:
-    """A row pulled for step 0 is served unchanged (although the shard updated it) up to step
-    max_age, and pulled again, with the update, at step max_age + 1."""
+    """Without refresh ahead, a row pulled for step 0 is served unchanged (although the shard
+    updated it) up to step max_age, and pulled again, with the update, at step max_age + 1."""
     cfg = config(cache_rows=10)
     inner = LocalStore.create(cfg)
-    store = CachingStore(inner, cfg, max_age=max_age)
+    store = CachingStore(inner, cfg, max_age=max_age, refresh_ahead=0)
     x = ids(42)
     first = store.pull(0, x, step=0)
     store.push(0, x, torch.ones(1, 4), step=0)                # applied by the store at once
@@ -185,8 +188,8 @@ def test_cache_rows_must_not_be_negative() -> None:
         TableConfig(name="a", dim=4, cache_rows=-1)
 
 
-def test_cached_rows_survive_the_cache_growing() -> None:
-    """Rows are allocated as slots fill (1024 at first): rows cached before a growth are served right after."""
+def test_cached_rows_survive_many_fills() -> None:
+    """4000 rows cached over 4 calls are all served right afterwards, from the cache."""
     cfg = config(cache_rows=5000)
     plain = LocalStore.create(cfg)
     store = CachingStore(LocalStore.create(cfg), cfg, max_age=10)
@@ -196,7 +199,7 @@ def test_cached_rows_survive_the_cache_growing() -> None:
     everything = torch.cat(chunks)
     assert torch.equal(store.pull(0, everything, step=4), plain.pull(0, everything))
     assert store.cache_stats()["a"] == (4000, 4000)
-    assert 4000 <= store.caches[0].rows.shape[0] <= 5000
+    assert store.fused[0][0].rows.shape[0] == 5000 + 100          # tables a and c share one dim
 
 
 def test_an_eviction_frees_a_64th_of_the_slots_lowest_first() -> None:
