@@ -87,8 +87,6 @@ class SparseLookup:
     lengths: list[torch.Tensor]           # per plan: [len(features) * B] bag lengths (int64)
     weights: list[torch.Tensor | None]    # per plan: [N_t] per-id weights or None
     batch_size: int
-    order: list[torch.Tensor] = field(default_factory=list)     # per plan: [N_t] positions, ids grouped by unique id
-    counts: list[torch.Tensor] = field(default_factory=list)    # per plan: [U] ids of each unique id
     futures: list[Future] = field(default_factory=list)         # per group: its pull_many_async
     rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
     pull_s: float = 0.0
@@ -144,11 +142,10 @@ class SparseLookup:
         example-major ([B * F_g, D], i.e. [B, F_g, D]): the ids are permuted into that order first.
         """
         base = 0
-        indices, offsets, weights, orders = [], [], [], []
+        indices, offsets, weights = [], [], []
         num_ids = 0
         for p in group:
             indices.append(self.inverse[p] + base if base else self.inverse[p])
-            orders.append(self.order[p] + num_ids if num_ids else self.order[p])
             offsets.append(self.offsets[p] + num_ids if num_ids else self.offsets[p])
             base += self.ids[p].numel()
             num_ids += self.inverse[p].numel()
@@ -161,18 +158,14 @@ class SparseLookup:
         cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
         idx, offs, w = cat(indices), cat(offsets), (cat(weights) if use_weights else None)
         lens = cat([self.lengths[p] for p in group])
-        # the group's ids grouped by row [N] (rows are the plans' unique ids back to back, each plan's
-        # in sorted order) and ids per row [U_g]: sum pooling's backward, from lookup's sorts
-        order, counts = cat(orders), cat([self.counts[p] for p in group])
         if example_major:
-            idx, offs, lens, w, dest = _to_example_major(idx, lens, self.batch_size, w)
-            order = dest.index_select(0, order)                            # positions in the new order
+            idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w)
         dev = self.rows[g].device
         if dev.type != "cpu":         # a row cache on the GPU (embedding_ps.cache): pool there
-            idx, offs, lens, order, counts = (x.to(dev) for x in (idx, offs, lens, order, counts))
+            idx, offs, lens = idx.to(dev), offs.to(dev), lens.to(dev)
             w = None if w is None else w.to(dev)
         if mode == "sum":
-            return _SumPool.apply(self.rows[g], idx, offs, lens, w, order, counts)
+            return _SumPool.apply(self.rows[g], idx, offs, lens, w)
         return F.embedding_bag(idx, self.rows[g], offs, mode=mode, per_sample_weights=w)
 
     def push(self, scale: float = 1.0) -> list[Future]:
@@ -189,11 +182,10 @@ class SparseLookup:
         return futures
 
 
-def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weights: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
+                      weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Bags feature-major -> example-major: indices [N] and lengths [F * B] of bag (f, b) at f * B + b
-    -> (indices [N], offsets [B * F], lengths [B * F], weights [N] | None) of bag (f, b) at b * F + f,
-    and dest [N]: the new position of each id."""
+    -> (indices [N], offsets [B * F], lengths [B * F], weights [N] | None) of bag (f, b) at b * F + f."""
     F_ = lengths.numel() // B
     N = indices.numel()
     if N == lengths.numel() and bool((lengths == 1).all()):   # one id per bag: a transpose
@@ -201,8 +193,7 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weig
         out = indices.view(F_, B).t().reshape(-1)                                          # [N]
         if weights is not None:
             weights = weights.view(F_, B).t().reshape(-1)
-        dest = em_offsets.view(B, F_).t().reshape(-1)         # id f * B + b goes to b * F + f
-        return out, em_offsets, lengths, weights, dest
+        return out, em_offsets, lengths, weights
     em_lengths = lengths.view(F_, B).t().reshape(-1)                        # [B * F]
     em_offsets = torch.cumsum(em_lengths, 0) - em_lengths                  # [B * F]
     fm_offsets = torch.cumsum(lengths, 0) - lengths                        # [F * B]
@@ -211,7 +202,7 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weig
     out = torch.empty_like(indices).index_copy_(0, dest, indices)
     if weights is not None:
         weights = torch.empty_like(weights).index_copy_(0, dest, weights)
-    return out, em_offsets, em_lengths, weights, dest
+    return out, em_offsets, em_lengths, weights
 
 
 class _SumPool(torch.autograd.Function):
@@ -219,28 +210,25 @@ class _SumPool(torch.autograd.Function):
 
     rows [U, D], indices [N], offsets / lengths [bags], weights [N] | None -> [bags, D]. The
     gradient of row u is the sum of grad[bag of id n] * weight[n] over the ids n with indices[n] = u:
-    an embedding_bag over grad [bags, D] whose bag u holds those ids' bags (ids grouped by row:
-    `order` [N] and `counts` [U] from the lookup's sorts, else one stable argsort of `indices`). It
-    reads each id's gradient once and writes each row once, in parallel over rows; the zeros
-    [U, D] + index_add_ it replaces ran on one thread and took 2-4x longer (BENCHMARKS.md, "Training
-    step CPU time against TorchRec").
+    an embedding_bag over grad [bags, D] whose bag u holds those ids' bags (ids grouped by row
+    with one stable argsort of `indices`). It reads each id's gradient once and writes each row
+    once, in parallel over rows; the zeros [U, D] + index_add_ it replaces ran on one thread and
+    took 2-4x longer (BENCHMARKS.md, "Training step CPU time against TorchRec").
     """
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
-                weights: torch.Tensor | None, order: torch.Tensor | None = None,
-                counts: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.save_for_backward(indices, lengths, weights, order, counts)
+                weights: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(indices, lengths, weights)
         ctx.num_rows = rows.shape[0]
         return F.embedding_bag(indices, rows, offsets, mode="sum", per_sample_weights=weights)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        indices, lengths, weights, order, counts = ctx.saved_tensors
+        indices, lengths, weights = ctx.saved_tensors
         U, N = ctx.num_rows, indices.numel()
-        if order is None:
-            order = torch.argsort(indices, stable=True)                           # [N] ids grouped by row
-            counts = torch.bincount(indices, minlength=U)                         # [U] ids of each row
+        order = torch.argsort(indices, stable=True)                               # [N] ids grouped by row
+        counts = torch.bincount(indices, minlength=U)                             # [U] ids of each row
         row_starts = torch.cumsum(counts, 0) - counts                             # [U]
         if N == lengths.numel() and bool((lengths == 1).all()):   # bag i holds id i
             bag_of = order
@@ -250,7 +238,7 @@ class _SumPool(torch.autograd.Function):
             bag_of = bag.index_select(0, order)
         w = None if weights is None else weights.index_select(0, order)
         grad = F.embedding_bag(bag_of, grad_out.contiguous(), row_starts, mode="sum", per_sample_weights=w)  # [U, D]
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None
 
 
 def _groups(plans: list[TablePlan]) -> list[list[int]]:
@@ -294,14 +282,7 @@ class SparseArch:
             else:
                 lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
                 offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-            # one sort gives the unique ids, their inverse and the ids grouped by unique id (order),
-            # which sum pooling's backward reuses instead of sorting again
-            sorted_values, order = torch.sort(values, stable=True)                 # [N_t], [N_t]
-            uniq, inv_sorted, counts = torch.unique_consecutive(sorted_values, return_inverse=True,
-                                                                return_counts=True)  # [U], [N_t], [U]
-            inverse = torch.empty_like(inv_sorted).index_copy_(0, order, inv_sorted)   # [N_t]
-            look.order.append(order)
-            look.counts.append(counts)
+            uniq, inverse = torch.unique(values, return_inverse=True)              # [U], [N_t]
             if batch.weights is not None:
                 wp = [batch.weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
                 look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])
