@@ -53,6 +53,13 @@ When torchrec cannot be imported the run fails (exit 2) naming why, unless --all
 `meets_target` (ours_async / torchrec), `targets` / `meets_targets` (issue #14's four), per-configuration
 detail (every run's rate; for ours the median ps/pull_ms, ps/push_ms, time/ps_wait_ms,
 data/wait_frac, cache/hit_rate) and `notes`.
+
+CPU time (diagnostic, `benchmarks/cpu_time.py`): every configuration's detail has
+`cpu_ms_per_step` (CPU ms per timed step of each role: our `trainer`, `ps` shard, the `launcher`
+(this process, minus the sampling thread) and `other` processes; an in-process baseline's whole
+`process`) and `cpu_ms_per_step_total`; `cpu_ratio_sync_vs_torchrec` / `cpu_ratio_async_vs_torchrec`
+are TorchRec's total over ours (> 1: we spend less CPU per step). With both cores busy the
+throughput ratio follows this one, and it moves much less than samples/s on a shared machine.
 Timings on a shared 2-core machine are noisy: compare ratios from one run, not absolute rates.
 """
 
@@ -64,6 +71,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: spin
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -84,6 +92,7 @@ from data.synthetic import PRESETS, Preset, generate, iter_rows  # noqa: E402
 from recsys.config import JobConfig, load_config  # noqa: E402
 from recsys.metrics import MemoryMetricLogger  # noqa: E402
 from recsys.models import build_dense_model, build_sparse_arch  # noqa: E402
+from cpu_time import ProcessCpuSampler  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -209,9 +218,10 @@ def run_ours(cfg: JobConfig) -> dict:
     from recsys.training.launch import launch_train
 
     run_dir = Path(cfg.train.run_dir)
-    launch_train(cfg)
+    with ProcessCpuSampler() as sampler:
+        launch_train(cfg)
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines() if s.strip()]
-    return summarize_lines(lines, cfg, str(run_dir / "metrics.jsonl"))
+    return summarize_lines(lines, cfg, str(run_dir / "metrics.jsonl"), sampler)
 
 
 def run_local(cfg: JobConfig, args: argparse.Namespace) -> dict:
@@ -223,14 +233,26 @@ def run_local(cfg: JobConfig, args: argparse.Namespace) -> dict:
     sink = MemoryMetricLogger()
     trainer = Trainer(cfg, LocalStore.create(cfg.ps), metric_logger=sink)
     try:
-        trainer.train()
+        frozen_gc()
+        with ProcessCpuSampler() as sampler:
+            trainer.train()
     finally:
+        gc.unfreeze()
         trainer.close()
-    return summarize_lines(sink.lines, cfg, "ours_local")
+    return summarize_lines(sink.lines, cfg, "ours_local", sampler)
 
 
-def summarize_lines(lines: list[dict], cfg: JobConfig, where: str) -> dict:
-    """Median rate and PS timings of a trainer's metric lines after the first (warm-up) one."""
+def frozen_gc() -> None:
+    """Collect, then freeze every object so far (gc.unfreeze() undoes it), as a trainer process does
+    before training: the in-process runs pay for no full collection over the benchmark's imports."""
+    gc.collect()
+    gc.freeze()
+
+
+def summarize_lines(lines: list[dict], cfg: JobConfig, where: str, sampler: ProcessCpuSampler | None = None) -> dict:
+    """Median rate and PS timings of a trainer's metric lines after the first (warm-up) one; with a
+    sampler, CPU ms per step of each role (trainer, ps, launcher, other) between the first and the
+    last line (the timed steps)."""
     lines = [x for x in lines if x.get("perf/samples_per_s") is not None]
     if len(lines) < 2:
         raise RuntimeError(f"{where}: {len(lines)} perf/samples_per_s lines, need >= 2 "
@@ -245,6 +267,10 @@ def summarize_lines(lines: list[dict], cfg: JobConfig, where: str) -> dict:
         if any(x.get(key) is not None for x in timed):
             out[name] = med(key)
     out["step_ms"] = 1e3 * cfg.data.batch_size / out["samples_per_s"]
+    if sampler is not None and "time" in lines[0]:
+        steps = lines[-1]["step"] - lines[0]["step"]
+        cpu = sampler.cpu_between(lines[0]["time"], lines[-1]["time"])
+        out["cpu_ms_per_step"] = {role: round(1e3 * v / steps, 2) for role, v in sorted(cpu.items())}
     return out
 
 
@@ -310,6 +336,8 @@ def run_inprocess(kind: str, cfg: JobConfig, args: argparse.Namespace) -> dict:
     loss_fn = nn.BCEWithLogitsLoss()
     rows_t = torch.tensor(rows, dtype=torch.int64)
     rates, n, steps = [], 0, 0
+    frozen_gc()                  # as our trainer processes do before training (recsys.training.worker)
+    cpu0 = None                  # process CPU seconds at the end of the warm-up interval
     with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
         it = batches(loader, cfg.train.epochs)
         t_log = time.perf_counter()
@@ -330,11 +358,16 @@ def run_inprocess(kind: str, cfg: JobConfig, args: argparse.Namespace) -> dict:
                 now = time.perf_counter()
                 rates.append(n / (now - t_log))
                 n, t_log = 0, now
+                if cpu0 is None:
+                    cpu0 = time.process_time()       # every thread of this process (loader included)
+    cpu_s = time.process_time() - cpu0
+    gc.unfreeze()
     timed = rates[1:]
     if not timed:
         raise RuntimeError(f"{kind}: {len(rates)} intervals, need >= 2")
     out = {"samples_per_s": statistics.median(timed), "intervals": timed, "final_loss": float(loss.detach())}
     out["step_ms"] = 1e3 * cfg.data.batch_size / out["samples_per_s"]
+    out["cpu_ms_per_step"] = {"process": round(1e3 * cpu_s / (steps - cfg.train.log_every), 2)}
     return out
 
 
@@ -412,6 +445,11 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
                   "cache_refresh_rate", "final_loss"):
             if runs and k in runs[0]:
                 d[k] = round(statistics.median(x[k] for x in runs), 3)
+        if runs and all("cpu_ms_per_step" in x for x in runs):
+            roles = sorted({r for x in runs for r in x["cpu_ms_per_step"]})
+            d["cpu_ms_per_step"] = {r: round(statistics.median(x["cpu_ms_per_step"].get(r, 0.0) for x in runs), 2)
+                                    for r in roles}
+            d["cpu_ms_per_step_total"] = round(statistics.median(sum(x["cpu_ms_per_step"].values()) for x in runs), 2)
         detail[c] = d
     out = {**rate, "ratio_async_vs_torchrec": ratio("ours_async", "torchrec"),
            "ratio_sync_vs_torchrec": ratio("ours_sync", "torchrec"),
@@ -428,6 +466,10 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
     out["cache_ideal_static_per_distinct"] = ideal["per_distinct"] if ideal else None
     out["cache_ideal_static_per_lookup"] = ideal["per_lookup"] if ideal else None
     out["ratio_cache_vs_nocache"] = ratio("ours_cache_zipf", "ours_async_zipf")
+    cpu = {c: detail.get(c, {}).get("cpu_ms_per_step_total") for c in CONFIGS}
+    cpu_ratio = lambda a, b: round(cpu[b] / cpu[a], 3) if cpu[a] and cpu[b] else None   # noqa: E731
+    out["cpu_ratio_sync_vs_torchrec"] = cpu_ratio("ours_sync", "torchrec")
+    out["cpu_ratio_async_vs_torchrec"] = cpu_ratio("ours_async", "torchrec")
     out["targets"] = dict(TARGETS)
     out["meets_targets"] = {k: (None if out[k] is None else out[k] >= v) for k, v in TARGETS.items()}
     out.update({"rows": args.rows, "steps": args.steps, "log_every": args.log_every, "repeats": args.repeats,
@@ -447,14 +489,15 @@ def print_table(r: dict) -> None:
               "torchrec": "torchrec FusedEBC, 1 process", "plain": "nn.EmbeddingBag sparse, 1 process",
               "ours_async_zipf": "ours async, Zipf ids, no cache", "ours_cache_zipf": "ours async, Zipf ids, cache"}
     print(f"  {'configuration':34s} {'samples/s':>10s} {'step ms':>8s} {'pull ms':>8s} {'push ms':>8s} "
-          f"{'data wait':>9s} {'hit rate':>8s}")
+          f"{'data wait':>9s} {'hit rate':>8s} {'cpu ms':>7s}")
     for c in CONFIGS:
         d = r["detail"].get(c, {})
         v = r[c]
         fmt = lambda k, f: (f.format(d[k]) if k in d else "-")   # noqa: E731
         print(f"  {labels[c]:34s} {('%10.0f' % v) if v else '      null'} {fmt('step_ms', '{:8.1f}'):>8s} "
               f"{fmt('pull_ms', '{:8.1f}'):>8s} {fmt('push_ms', '{:8.1f}'):>8s} "
-              f"{fmt('data_wait_frac', '{:9.3f}'):>9s} {fmt('cache_hit_rate', '{:8.3f}'):>8s}")
+              f"{fmt('data_wait_frac', '{:9.3f}'):>9s} {fmt('cache_hit_rate', '{:8.3f}'):>8s} "
+              f"{fmt('cpu_ms_per_step_total', '{:7.1f}'):>7s}")
     for k, label in (("ratio_async_vs_torchrec", "ours_async / torchrec"),
                      ("ratio_sync_vs_torchrec", "ours_sync / torchrec"),
                      ("ratio_async_vs_plain", "ours_async / plain"),
@@ -464,7 +507,9 @@ def print_table(r: dict) -> None:
                      ("cache_hit_rate_per_lookup", "cache hit rate (lookup)"),
                      ("cache_refresh_rate", "cache refresh ahead"),
                      ("cache_ideal_static_per_distinct", "ideal static (distinct)"),
-                     ("cache_ideal_static_per_lookup", "ideal static (lookup)")):
+                     ("cache_ideal_static_per_lookup", "ideal static (lookup)"),
+                     ("cpu_ratio_sync_vs_torchrec", "CPU/step torchrec / sync"),
+                     ("cpu_ratio_async_vs_torchrec", "CPU/step torchrec / async")):
         v = r[k]
         print(f"  {label:24s} {'null' if v is None else f'{v:.3f}'}")
     for k, want in r["targets"].items():

@@ -190,6 +190,12 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
     -> (indices [N], offsets [B * F], lengths [B * F], weights [N] | None) of bag (f, b) at b * F + f."""
     F_ = lengths.numel() // B
     N = indices.numel()
+    if N == lengths.numel() and bool((lengths == 1).all()):   # one id per bag: a transpose
+        em_offsets = torch.arange(N, dtype=lengths.dtype, device=lengths.device)          # [B * F]
+        out = indices.view(F_, B).t().reshape(-1)                                          # [N]
+        if weights is not None:
+            weights = weights.view(F_, B).t().reshape(-1)
+        return out, em_offsets, lengths, weights
     em_lengths = lengths.view(F_, B).t().reshape(-1)                        # [B * F]
     em_offsets = torch.cumsum(em_lengths, 0) - em_lengths                  # [B * F]
     fm_offsets = torch.cumsum(lengths, 0) - lengths                        # [F * B]
@@ -202,11 +208,14 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
 
 
 class _SumPool(torch.autograd.Function):
-    """embedding_bag(mode="sum") whose backward is one index_add_ of the bags' gradients.
+    """embedding_bag(mode="sum") whose backward is one more embedding_bag, over the bags' gradients.
 
     rows [U, D], indices [N], offsets / lengths [bags], weights [N] | None -> [bags, D]. The
-    gradient of rows is zeros [U, D] index_add_ (grad[bag of each id] * weight), faster than
-    embedding_bag's own backward (measured: BENCHMARKS.md, "Figures moved here from the code").
+    gradient of row u is the sum of grad[bag of id n] * weight[n] over the ids n with indices[n] = u:
+    an embedding_bag over grad [bags, D] whose bag u holds those ids' bags (ids grouped by row
+    with one stable argsort of `indices`). It reads each id's gradient once and writes each row
+    once, in parallel over rows; the zeros [U, D] + index_add_ it replaces ran on one thread and
+    took 2-4x longer (BENCHMARKS.md, "Training step CPU time against TorchRec").
     """
 
     @staticmethod
@@ -219,16 +228,19 @@ class _SumPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         indices, lengths, weights = ctx.saved_tensors
-        if indices.numel() == lengths.numel() and bool((lengths == 1).all()):   # bag i holds id i
-            src = grad_out
+        U, N = ctx.num_rows, indices.numel()
+        order = torch.argsort(indices, stable=True)                               # [N] ids grouped by row
+        counts = torch.bincount(indices, minlength=U)                             # [U] ids of each row
+        row_starts = torch.cumsum(counts, 0) - counts                             # [U]
+        if N == lengths.numel() and bool((lengths == 1).all()):   # bag i holds id i
+            bag_of = order
         else:
             bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
-                                          output_size=indices.numel())
-            src = grad_out.index_select(0, bag)                                   # [N, D]
-        if weights is not None:
-            src = src * weights.unsqueeze(1)
-        grad = torch.zeros(ctx.num_rows, grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
-        return grad.index_add_(0, indices, src), None, None, None, None
+                                          output_size=N)                          # [N] bag of each id
+            bag_of = bag.index_select(0, order)
+        w = None if weights is None else weights.index_select(0, order)
+        grad = F.embedding_bag(bag_of, grad_out.contiguous(), row_starts, mode="sum", per_sample_weights=w)  # [U, D]
+        return grad, None, None, None, None
 
 
 def _groups(plans: list[TablePlan]) -> list[list[int]]:

@@ -7,10 +7,18 @@ Both strategies have the same small interface, called by the Trainer::
     strategy.drain()                       # every push sent so far is acknowledged
     strategy.resumed(t)                    # a restored run continues at step t
 
-`SyncStep`: wait for step t's pushes, then `barrier(t)`; the shards apply the step once every
-worker is there, and the next pull waits for that. `AsyncStep`: step t's pushes (and a progress
-report, `barrier_async(t)`, for ps.max_staleness) fly while the next batch computes; the previous
-step's are waited for first, so errors surface and at most one step of gradients is in flight.
+`SyncStep`: wait for step t's pushes, then send `barrier(t)` without waiting for its reply; the
+shards apply the step once every worker is there, and a pull for step t + 1 is parked there until
+then. The trainer meanwhile runs its dense optimizer step and prepares the next batch (reads it,
+finds its unique ids, sends its pulls), which before waited behind the shard's update. The
+barrier's reply is waited for at the next step (or `drain`), so its errors still surface.
+`AsyncStep`: step t's pushes (and a progress report, `barrier_async(t)`, for ps.max_staleness)
+fly while the next batch computes; the previous step's are waited for first, so errors surface
+and at most one step of gradients is in flight.
+
+Both rely on a shard serving one connection's requests in order (`PSClient.barrier_async`): a
+pull sent after barrier(t) is seen after it. SyncStep still waits for the pushes before the
+barrier, so a push that had to be resent (timeout, shared-memory fallback) cannot land after it.
 """
 
 from __future__ import annotations
@@ -45,14 +53,20 @@ class SyncStep:
 
     def __init__(self, store: EmbeddingStore) -> None:
         self.store = store
+        self._barrier: Future | None = None     # the last step's barrier, reply not yet waited for
 
     def after_backward(self, futures: list[Future], step: int) -> None:
+        self.drain()                    # step t - 1's barrier (its reply came before this step's pull's)
         for fut in futures:
             fut.result()
-        self.store.barrier(step)        # the shards apply the step once all workers are here
+        # the shards apply the step once all workers are here; the next pull (sent after this on
+        # the same connection) waits there for that, so the trainer need not wait here
+        self._barrier = self.store.barrier_async(step)
 
     def drain(self) -> None:
-        pass                            # after_backward already waited
+        if self._barrier is not None:
+            barrier, self._barrier = self._barrier, None
+            barrier.result()
 
     def resumed(self, step: int) -> None:
         pass

@@ -10,6 +10,7 @@ code 2; the launcher prints the first rank's line last. A trainer asked to stop 
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import json
 import logging
@@ -180,6 +181,10 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             if load_shards and dist.is_initialized():
                 dist.barrier()            # nobody pulls before the shards hold the checkpoint's rows
             trainer.restore(resume)
+        # what exists now (modules, model, client) lives for the whole run: without this every full
+        # collection during training walks its ~200k objects again (~180 ms each, measured)
+        gc.collect()
+        gc.freeze()
         t0 = time.perf_counter()
         summary = trainer.train()
         if trainer.stopped:                # a stop request: the checkpoint is written, nothing else

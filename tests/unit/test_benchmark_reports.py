@@ -130,3 +130,16 @@ def test_scale_zipf_batches_are_unique_ids_in_range():
         assert b.dtype.is_floating_point is False and b.min() >= 0 and b.max() < 1000
         assert b.unique().shape[0] == b.shape[0] <= 256
     assert (batches[0] < 10).sum() >= 3            # Zipf: the first ids are the hot ones
+
+
+def test_cpu_between_interpolates_and_sums_per_role():
+    ct = _load("cpu_time")
+    s = ct.ProcessCpuSampler()
+    s.series = {1: [(10.0, 1.0), (11.0, 1.5), (12.0, 2.5)],      # 0.5 s CPU / s, then 1.0
+                2: [(10.0, 0.0), (12.0, 0.2)],
+                3: [(11.5, 0.4), (12.0, 0.6)]}                    # started inside the window
+    s.roles = {1: "trainer", 2: "ps", 3: "trainer"}
+    got = s.cpu_between(10.5, 12.0)
+    assert got["trainer"] == pytest.approx((2.5 - 1.25) + 0.6)
+    assert got["ps"] == pytest.approx(0.2 * 1.5 / 2)
+    assert s.cpu_between(0.0, 100.0) == pytest.approx({"trainer": 2.5 + 0.6, "ps": 0.2})
