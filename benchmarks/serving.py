@@ -58,6 +58,7 @@ from data.synthetic import generate  # noqa: E402
 from embedding_ps.local import LocalStore  # noqa: E402
 from recsys.config import load_config, to_toml  # noqa: E402
 from recsys.serving import Predictor  # noqa: E402
+from recsys.serving.fused import FusedPooling  # noqa: E402
 from recsys.serving.export import export_model  # noqa: E402
 from recsys.serving.quantize import dequantize, tbe_rows  # noqa: E402
 from recsys.serving.source import resolve_source  # noqa: E402
@@ -273,7 +274,11 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     lat = latencies(base, base_ones)
     out.update(baseline_p50_ms_b1=ms(lat, 0.5), baseline_p99_ms_b1=ms(lat, 0.99))
     base_bigs = [base.inputs(b) for b in bigs]
+    out["pooling"] = type(p._fused).__name__
     out["pooled_per_s_b4096"] = round(rate(p.pooled, bigs, BIG))
+    python_fused = FusedPooling(p.sparse.plans, p.tables, p.precision)       # the fbgemm + torch path, same run
+    out["fused_python_per_s_b4096"] = round(rate(python_fused.pool, bigs, BIG))
+    del python_fused
     out["baseline_per_s_b4096"] = round(rate(base, base_bigs, BIG))
     out["predictions_per_s_b4096"] = round(rate(p.predict, bigs, BIG))
     out["ratio_b4096_vs_baseline"] = round(out["pooled_per_s_b4096"] / out["baseline_per_s_b4096"], 3)

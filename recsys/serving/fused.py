@@ -69,6 +69,29 @@ class FusedPooling:
 
     def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> None:
         """`tables`: the predictor's TableViews indexed like ps.tables (ids sorted, matrix as stored)."""
+        slots = self._plan(plans, tables, precision)
+        S = self.num_slots
+        # -- rows -----------------------------------------------------------------------------------
+        if self.quantized:
+            self._build_tbe(slots, tables)
+        else:
+            self._build_matrices(slots, tables)
+        keys, vals, self.minus_one = [], [], torch.full((S,), -1, dtype=torch.int64)
+        for s, (p, _) in enumerate(slots):
+            ids = np.asarray(tables[p.table].ids)
+            pos = np.arange(ids.shape[0], dtype=np.int64) + int(self.slot_base[s])
+            neg = ids == -1
+            if neg.any():                                 # -1 is fbgemm's empty-slot key: kept aside
+                self.minus_one[s] = int(pos[neg][0])
+                ids, pos = ids[~neg], pos[~neg]
+            keys.append(ids)
+            vals.append(pos)
+        self.any_minus_one = bool((self.minus_one >= 0).any())
+        self.hash_table, self.hash_offsets = _hash_maps(keys, vals)
+        self._finish_columns(slots)
+
+    def _plan(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> list[tuple[TablePlan, int]]:
+        """Slots (grouped as SparseArch groups), hashed tables and classes of default rows; returns the slots."""
         self.precision = precision
         self.quantized = precision in QUANTIZED
         groups: dict[tuple[int, str, bool], list[tuple[TablePlan, int]]] = {}
@@ -103,24 +126,7 @@ class FusedPooling:
         self.slot_class = torch.tensor(cls, dtype=torch.int64)                              # [S]
         self.any_default = bool(classes)
         self.one_class = len(classes) == 1 and bool((self.slot_class == 0).all())
-        # -- rows -----------------------------------------------------------------------------------
-        if self.quantized:
-            self._build_tbe(slots, tables)
-        else:
-            self._build_matrices(slots, tables)
-        keys, vals, self.minus_one = [], [], torch.full((S,), -1, dtype=torch.int64)
-        for s, (p, _) in enumerate(slots):
-            ids = np.asarray(tables[p.table].ids)
-            pos = np.arange(ids.shape[0], dtype=np.int64) + int(self.slot_base[s])
-            neg = ids == -1
-            if neg.any():                                 # -1 is fbgemm's empty-slot key: kept aside
-                self.minus_one[s] = int(pos[neg][0])
-                ids, pos = ids[~neg], pos[~neg]
-            keys.append(ids)
-            vals.append(pos)
-        self.any_minus_one = bool((self.minus_one >= 0).any())
-        self.hash_table, self.hash_offsets = _hash_maps(keys, vals)
-        self._finish_columns(slots)
+        return slots
 
     # -- load ---------------------------------------------------------------------------------------
 

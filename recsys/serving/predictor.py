@@ -42,6 +42,7 @@ from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.fused import FusedPooling
+from recsys.serving.native_fused import make_pooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
@@ -85,7 +86,7 @@ class Predictor:
         self._fused: FusedPooling | None = None
         for d in deltas:
             self.apply_delta(d)
-        self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
+        self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""
@@ -119,7 +120,7 @@ class Predictor:
         """Pooled embeddings [B, F, D] and linear terms [B, F_lin] (None without linear tables)."""
         if self.fused:
             if self._fused is None:
-                self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
+                self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
             return self._fused.pool(batch)
         if self.precision in QUANTIZED:
             if self._pooling is None:
