@@ -227,7 +227,7 @@ struct sv_pool_ctx {
     const int64_t *values;
     const float *weights, *defaults;
     const int64_t *offsets, *slots;
-    int64_t B;
+    int64_t B, S;
     float *out[2];
 };
 
@@ -302,35 +302,42 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
     }
 }
 
-/* bags [lo, hi), the common widths compiled with constant loops */
-static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_ctx *c, int64_t lo, int64_t hi) {
-    int64_t s = lo / c->B, s_end = (s + 1) * c->B;
-    const int64_t *sl = c->slots + SV_K * s;
-    for (int64_t k = lo; k < hi; k++) {
-        if (k == s_end) {
-            s++;
-            s_end += c->B;
-            sl += SV_K;
-        }
-        switch (sl[7]) {
-        case 1: sv_bag(c, k, sl, s, 1); break;
-        case 8: sv_bag(c, k, sl, s, 8); break;
-        case 16: sv_bag(c, k, sl, s, 16); break;
-        case 32: sv_bag(c, k, sl, s, 32); break;
-        case 64: sv_bag(c, k, sl, s, 64); break;
-        case 128: sv_bag(c, k, sl, s, 128); break;
-        default: sv_bag(c, k, sl, s, 0);
+/* Examples [lo, hi) of every slot, in blocks of SV_BLOCK examples: for each block, slot by slot, so
+ * that the block's output rows stay in cache while every slot writes its columns (slot by slot
+ * over the whole batch would stream the whole output through the cache once per slot). The
+ * common widths compile with constant loops. */
+#define SV_BLOCK 64
+#define SV_BAGS(DC)                                                                                 \
+    for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, DC);                          \
+    break;
+static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_ctx *c, int64_t lo, int64_t hi,
+                                                          int64_t S) {
+    for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
+        const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t *sl = c->slots + SV_K * s;
+            switch (sl[7]) {
+            case 1: SV_BAGS(1)
+            case 8: SV_BAGS(8)
+            case 16: SV_BAGS(16)
+            case 32: SV_BAGS(32)
+            case 64: SV_BAGS(64)
+            case 128: SV_BAGS(128)
+            default: SV_BAGS(0)
+            }
         }
     }
 }
 
-static void sv_pool_chunk_generic(void *p, int64_t lo, int64_t hi) { sv_bags((const struct sv_pool_ctx *)p, lo, hi); }
+static void sv_pool_chunk_generic(void *p, int64_t lo, int64_t hi) {
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S);
+}
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
 #define SV_FMA_DISPATCH 1
 /* The same code with hardware fma (fmaf is one instruction there, a libm call otherwise). */
 __attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
-    sv_bags((const struct sv_pool_ctx *)p, lo, hi);
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S);
 }
 #endif
 
@@ -340,10 +347,10 @@ __attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64
 void sv_pool(const int32_t *rows, const int64_t *values, const float *weights, const float *defaults,
              const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
              int nthreads) {
-    struct sv_pool_ctx c = {rows, values, weights, defaults, offsets, slots, B, {out0, out1}};
+    struct sv_pool_ctx c = {rows, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
     sv_chunk_fn fn = sv_pool_chunk_generic;
 #ifdef SV_FMA_DISPATCH
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) fn = sv_pool_chunk_fma;
 #endif
-    sv_parallel(fn, &c, S * B, nthreads, SV_MIN_BAGS);
+    sv_parallel(fn, &c, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);   /* split the examples */
 }

@@ -116,6 +116,8 @@ class NativePooling(FusedPooling):
         self._set_addresses()
         self._out: torch.Tensor | None = None             # the last output buffer (see _output)
         self._out_refs = 0
+        self._rows = torch.empty(0, dtype=torch.int32)    # scratch (see _scratch)
+        self._offsets = torch.zeros(1, dtype=torch.int64)
 
     # -- load ---------------------------------------------------------------------------------------
 
@@ -159,12 +161,16 @@ class NativePooling(FusedPooling):
     # -- per request --------------------------------------------------------------------------------
 
     def pool(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B = batch.batch_size
-        values, lengths, weights = self._slot_values(batch)
+        B, kj = batch.batch_size, batch.sparse
+        if self._feature_order is None:
+            self._feature_order = bool(torch.equal(self.slot_feature, torch.arange(len(kj.keys))))
+        if self._feature_order:                           # the batch's order: lengths int32 as they are
+            values, lengths, weights = kj.values, kj.lengths, batch.weights
+        else:
+            values, lengths, weights = self._slot_values(batch)
         values = values.contiguous()
-        offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)                  # [S * B + 1]
+        rows, offsets = self._scratch(values.shape[0], lengths.shape[0])               # [N], [S * B + 1]
         torch.cumsum(lengths, 0, out=offsets[1:])
-        rows = torch.empty(values.shape[0], dtype=torch.int32)                          # [N]
         threads = torch.get_num_threads()
         misses = native_pool.lookup(self.native, self.buckets, self.slots, B, values, offsets, rows, threads)
         defaults = self._defaults(rows, values, offsets, misses, B) if misses else None
@@ -176,6 +182,15 @@ class NativePooling(FusedPooling):
                          out[F_all:] if F_lin else None, threads)
         pooled = out[:F_all].view(B, self.num_pooled, self.dim)
         return pooled, (out[F_all:].view(B, self.num_linear) if F_lin else None)
+
+    def _scratch(self, n: int, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows int32 [n] and offsets int64 [bags + 1] (offsets[0] = 0), kept between requests: fresh
+        multi-100-kB buffers per request cost page faults (see _output)."""
+        if self._rows.shape[0] < n:
+            self._rows = torch.empty(max(n, 2 * self._rows.shape[0]), dtype=torch.int32)
+        if self._offsets.shape[0] < bags + 1:
+            self._offsets = torch.zeros(max(bags + 1, 2 * self._offsets.shape[0]), dtype=torch.int64)
+        return self._rows[:n], self._offsets[:bags + 1]
 
     def _output(self, n: int) -> torch.Tensor:
         """A float32 [n] output buffer: the previous request's again when nothing references it any
