@@ -54,7 +54,7 @@
 #define ATOMIC_ADD(p, v) (*(p) += (v))
 #endif
 
-int sv_abi_version(void) { return 3; }
+int sv_abi_version(void) { return 4; }
 
 /* ------------------------------------------------------------------ parallel for */
 typedef void (*sv_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
@@ -223,8 +223,8 @@ static inline void sv_uniform(float *x, int64_t key, const int64_t *sl, int64_t 
 #define SV_DMAX 1024 /* widest row the kernel pools (the caller checks) */
 
 struct sv_pool_ctx {
-    const int32_t *rows;
-    const int64_t *values;
+    int32_t *rows;
+    const int64_t *map, *values;
     const float *weights, *defaults;
     const int64_t *offsets, *slots;
     int64_t B, S;
@@ -237,12 +237,12 @@ struct sv_pool_ctx {
  * end (as FusedPooling adds them after fbgemm's TBE).
  * DC: the width when known at compile time (0: the slot's, at most SV_DMAX). */
 static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ctx *c, int64_t k, const int64_t *sl,
-                                                         int64_t s, const int64_t DC) {
+                                                         int64_t s, int64_t send, const int64_t DC) {
     const int64_t b = k - s * c->B;
     const uint8_t *mat = (const uint8_t *)(intptr_t)sl[4];
     const int64_t rb = sl[5], kind = sl[6], d = DC ? DC : sl[7], mean = sl[8];
     float *o = c->out[sl[9]] + sl[10] + b * sl[11];
-    const int64_t i0 = c->offsets[k], i1 = c->offsets[k + 1], send = c->offsets[(s + 1) * c->B];
+    const int64_t i0 = c->offsets[k], i1 = c->offsets[k + 1];
     const float *wts = mean ? NULL : c->weights;
     float acc[SV_DMAX], dacc[SV_DMAX], def[SV_DMAX];     /* on the stack: no aliasing with rows or output */
     int defaults = 0;
@@ -308,7 +308,7 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
  * common widths compile with constant loops. */
 #define SV_BLOCK 64
 #define SV_BAGS(DC)                                                                                 \
-    for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, DC);                          \
+    for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, end, DC);                     \
     break;
 static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_ctx *c, int64_t lo, int64_t hi,
                                                           int64_t S) {
@@ -316,6 +316,8 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
         for (int64_t s = 0; s < S; s++) {
             const int64_t *sl = c->slots + SV_K * s;
+            const int64_t start = c->offsets[s * c->B + b0], end = c->offsets[s * c->B + b1];
+            if (c->map) sv_lookup_slot(sl, c->map, c->values, start, end, c->rows);   /* hot for the pooling */
             switch (sl[7]) {
             case 1: SV_BAGS(1)
             case 8: SV_BAGS(8)
@@ -342,12 +344,13 @@ __attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64
 #endif
 
 /* Pools bags k = s * B + b (ids offsets[k] .. offsets[k + 1], raw ids values) into out[slot's
- * output]. weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default
+ * output]. map: NULL when rows holds every id's row already (sv_lookup), else the maps: each
+ * block's ids are looked up right before they are pooled (no slot may have code -3 then). weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default
  * rows that rows <= -4 point at, or NULL. */
-void sv_pool(const int32_t *rows, const int64_t *values, const float *weights, const float *defaults,
+void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,
              const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
              int nthreads) {
-    struct sv_pool_ctx c = {rows, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
+    struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
     sv_chunk_fn fn = sv_pool_chunk_generic;
 #ifdef SV_FMA_DISPATCH
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) fn = sv_pool_chunk_fma;

@@ -111,6 +111,7 @@ class NativePooling(FusedPooling):
         for pos, (_, s) in enumerate(linear):            # linear [B, F_lin]
             desc[s, 9], desc[s, 10], desc[s, 11] = 1, pos, len(linear)
         self.slots = desc
+        self.caller_defaults = bool((desc[:, 12] == -3).any())     # some default rows computed in Python
         self._slot_tables = [p.table for p, _ in slots]
         self._slot_dims = [p.dim for p, _ in slots]
         self._set_addresses()
@@ -172,13 +173,16 @@ class NativePooling(FusedPooling):
         rows, offsets = self._scratch(values.shape[0], lengths.shape[0])               # [N], [S * B + 1]
         torch.cumsum(lengths, 0, out=offsets[1:])
         threads = torch.get_num_threads()
-        misses = native_pool.lookup(self.native, self.buckets, self.slots, B, values, offsets, rows, threads)
-        defaults = self._defaults(rows, values, offsets, misses, B) if misses else None
+        defaults, fused = None, not self.caller_defaults  # fused: the pooling call looks the ids up too
+        if not fused:
+            misses = native_pool.lookup(self.native, self.buckets, self.slots, B, values, offsets, rows, threads)
+            defaults = self._defaults(rows, values, offsets, misses, B) if misses else None
         if weights is not None:
             weights = weights.to(torch.float32).contiguous()
         F_all, F_lin = B * self.num_pooled * self.dim, B * self.num_linear
         out = self._output(F_all + F_lin)                                                # pooled | linear
-        native_pool.pool(self.native, rows, values, weights, defaults, offsets, self.slots, B, out[:F_all],
+        native_pool.pool(self.native, rows, self.buckets if fused else None, values, weights, defaults, offsets,
+                         self.slots, B, out[:F_all],
                          out[F_all:] if F_lin else None, threads)
         pooled = out[:F_all].view(B, self.num_pooled, self.dim)
         return pooled, (out[F_all:].view(B, self.num_linear) if F_lin else None)

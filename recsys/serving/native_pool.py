@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("_pool.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _LIBS = ("-lm",)
-_ABI = 3
+_ABI = 4
 SLOT_FIELDS = 16            # columns of the slot descriptor (see _pool.c)
 MAX_DIM = 1024             # widest row the kernel pools (SV_DMAX)
 
@@ -45,7 +45,7 @@ _SIGS = {
     "sv_map_build": ([_P, _I64, _P, _I64], _I64),
     "sv_lookup": ([_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int], _I64),
     "sv_misses": ([_P, _P, _I64, _P, _P], _I64),
-    "sv_pool": ([_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
+    "sv_pool": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
 }
 
 
@@ -155,15 +155,19 @@ def misses(native, rows: torch.Tensor, offsets: torch.Tensor, count: int) -> tup
     return where, bag
 
 
-def pool(native, rows: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None,
-         defaults: torch.Tensor | None, offsets: torch.Tensor, slots: torch.Tensor, B: int, out0: torch.Tensor,
-         out1: torch.Tensor | None, threads: int) -> None:
+def pool(native, rows: torch.Tensor, buckets: torch.Tensor | None, values: torch.Tensor,
+         weights: torch.Tensor | None, defaults: torch.Tensor | None, offsets: torch.Tensor, slots: torch.Tensor,
+         B: int, out0: torch.Tensor, out1: torch.Tensor | None, threads: int) -> None:
     """Pool every bag into out0 / out1 (float32, laid out as the slots' columns and strides say);
     rows -2 are the uniform default rows of their keys (from `values`), rows <= -4 read float32
-    `defaults` at offset -row - 4."""
+    `defaults` at offset -row - 4. `buckets`: None when `rows` holds the rows (`lookup`), else
+    the hash maps: the kernel fills `rows` block by block as it pools (no slot of code -3)."""
     _check(rows, torch.int32, "rows"), _check(offsets, torch.int64, "offsets"), _check(slots, torch.int64, "slots")
     _check(values, torch.int64, "values")
     assert values.shape == rows.shape
+    if buckets is not None:
+        _check(buckets, torch.int64, "map")
+        assert not bool((slots[:, 12] == -3).any()), "slots whose unknown ids need the caller's default rows"
     _check(out0, torch.float32, "out0")
     if weights is not None:
         _check(weights, torch.float32, "weights")
@@ -174,6 +178,6 @@ def pool(native, rows: torch.Tensor, values: torch.Tensor, weights: torch.Tensor
         _check(out1, torch.float32, "out1")
     S = slots.shape[0]
     assert offsets.shape[0] == S * B + 1 and rows.shape[0] == int(offsets[-1])
-    native.sv_pool(rows.data_ptr(), values.data_ptr(), None if weights is None else weights.data_ptr(),
+    native.sv_pool(rows.data_ptr(), None if buckets is None else buckets.data_ptr(), values.data_ptr(), None if weights is None else weights.data_ptr(),
                    None if defaults is None else defaults.data_ptr(), offsets.data_ptr(), slots.data_ptr(), S, B,
                    out0.data_ptr(), None if out1 is None else out1.data_ptr(), threads)

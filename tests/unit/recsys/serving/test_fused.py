@@ -9,6 +9,8 @@ features, linear (dim 1) tables, and the id -1 (fbgemm's empty-slot key).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -38,13 +40,16 @@ TABLES = (
 FEATURE_TABLES = {"d": "a"}
 LINEAR = {"a": "lin", "h": "lin", "n": "lin"}
 POOLING = {"m": "mean"}
+# every default uniform or zeros: NativePooling computes them all in C and looks ids up inside its
+# pooling call (with a normal default, Python computes those rows between two calls)
+UNIFORM_TABLES = tuple(dataclasses.replace(c, init="uniform") if c.init == "normal" else c for c in TABLES)
 
 
-def make_views(precision: str, seed: int = 0) -> list[TableView]:
+def make_views(precision: str, seed: int = 0, tables: tuple = TABLES) -> list[TableView]:
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     views = []
-    for cfg in TABLES:
+    for cfg in tables:
         if cfg.kind == "hashed":
             ids = np.arange(0, 13, 2, dtype=np.int64)                             # some hashed rows missing
         else:
@@ -93,9 +98,11 @@ def reference(precision: str, plans, views, batch: Batch) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("weighted", [True, False])
-def test_fused_equals_per_table_path(impl: str, precision: str, weighted: bool) -> None:
-    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
-    views = make_views(precision)
+@pytest.mark.parametrize("tables", ["normal", "uniform"])
+def test_fused_equals_per_table_path(impl: str, precision: str, weighted: bool, tables: str) -> None:
+    configs = TABLES if tables == "normal" else UNIFORM_TABLES
+    plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision, tables=configs)
     fused = build(impl, plans, views, precision)
     for seed, B in enumerate((1, 1, 2, 7, 64, 300)):
         batch = make_batch(views, B, seed, weighted)
@@ -171,12 +178,16 @@ def test_empty_table_and_unused_feature(impl: str, precision: str) -> None:
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_native_equals_fused_at_batch_4096_any_thread_count(precision: str) -> None:
+@pytest.mark.parametrize("tables", ["normal", "uniform"])
+def test_native_equals_fused_at_batch_4096_any_thread_count(precision: str, tables: str) -> None:
     """B = 4096 (the benchmark's batch) and B = 1, weighted or not: NativePooling == FusedPooling
-    bit for bit, with 1 and 3 kernel threads (the C side splits ids and bags between them)."""
-    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
-    views = make_views(precision, seed=5)
+    bit for bit, with 1 and 3 kernel threads (the C side splits ids and bags between them), with
+    some default rows from Python (two calls) or all from C (one call)."""
+    configs = TABLES if tables == "normal" else UNIFORM_TABLES
+    plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision, seed=5, tables=configs)
     fused, native = FusedPooling(plans, views, precision), build("native", plans, views, precision)
+    assert native.caller_defaults == (tables == "normal")
     threads = torch.get_num_threads()
     try:
         for seed, (B, weighted) in enumerate([(4096, True), (4096, False), (1, True), (1, False)]):
