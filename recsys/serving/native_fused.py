@@ -150,7 +150,7 @@ class NativePooling(FusedPooling):
         self.buckets = torch.full((total, 2), -1, dtype=torch.int64)                    # [C, 2] (key, row)
         for t in used:
             at, b = self.map_at[t]
-            ids = torch.from_numpy(np.ascontiguousarray(tables[t].ids, dtype=np.int64))
+            ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
             native_pool.map_build(self.native, self.buckets[at:at + (1 << b)], ids)
 
     def _set_addresses(self) -> None:
