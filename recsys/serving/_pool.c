@@ -30,7 +30,7 @@
  *   key, computed in the loop exactly as embedding_ps/init.py's `init_rows` computes it; <= -4:
  *   a default row the caller computed (see sv_bag).
  *
- * Threads: lookups split the ids, pooling splits the bags into contiguous chunks, one per thread
+ * Threads: lookups split the ids, pooling splits the examples into contiguous chunks, one per thread
  * (threads 1..T-1 started per call, chunk 0 on the caller); every item's math is the same whatever
  * the chunking, so results do not depend on the thread count.
  */
@@ -130,7 +130,9 @@ struct sv_lookup_ctx {
     int32_t *rows;
 };
 
-static inline int64_t sv_key(int64_t id, uint64_t hashed) { return hashed ? (int64_t)(sv_mix((uint64_t)id) % hashed) : id; }
+static inline int64_t sv_key(int64_t id, uint64_t hashed) {
+    return hashed ? (int64_t)(sv_mix((uint64_t)id) % hashed) : id;
+}
 
 /* ids [lo, hi) of one slot */
 static int64_t sv_lookup_slot(const int64_t *sl, const int64_t *map0, const int64_t *values, int64_t lo, int64_t hi,
@@ -345,8 +347,9 @@ __attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64
 
 /* Pools bags k = s * B + b (ids offsets[k] .. offsets[k + 1], raw ids values) into out[slot's
  * output]. map: NULL when rows holds every id's row already (sv_lookup), else the maps: each
- * block's ids are looked up right before they are pooled (no slot may have code -3 then). weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default
- * rows that rows <= -4 point at, or NULL. */
+ * block's ids are looked up right before they are pooled (no slot may have code -3 then).
+ * weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default rows that
+ * rows <= -4 point at, or NULL. */
 void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,
              const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
              int nthreads) {

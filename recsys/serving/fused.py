@@ -25,6 +25,9 @@ pooling group (dim, pooling mode, linear or not), as `SparseArch` groups them. P
      zero row and their default rows added in float32 afterwards, as `tbe_pool.QuantizedPooling`
      does (bit-equal to it).
 
+`native_fused.NativePooling` (a C kernel, what the Predictor uses when a C compiler is there)
+gives the same results; this class is its fallback and the reference its tests compare with.
+
 The key -1 marks an empty slot in fbgemm's hash map, so a table that stores the id -1 keeps its
 row aside and ids -1 are patched after the lookup (only when some table stores it).
 Not thread-safe (the scratch rows are per instance), like the `Predictor`.

@@ -178,6 +178,7 @@ def pool(native, rows: torch.Tensor, buckets: torch.Tensor | None, values: torch
         _check(out1, torch.float32, "out1")
     S = slots.shape[0]
     assert offsets.shape[0] == S * B + 1 and rows.shape[0] == int(offsets[-1])
-    native.sv_pool(rows.data_ptr(), None if buckets is None else buckets.data_ptr(), values.data_ptr(), None if weights is None else weights.data_ptr(),
+    native.sv_pool(rows.data_ptr(), None if buckets is None else buckets.data_ptr(), values.data_ptr(),
+                   None if weights is None else weights.data_ptr(),
                    None if defaults is None else defaults.data_ptr(), offsets.data_ptr(), slots.data_ptr(), S, B,
                    out0.data_ptr(), None if out1 is None else out1.data_ptr(), threads)
