@@ -7,15 +7,13 @@
  * through ctypes with raw pointers (the caller checks dtypes, contiguity and sizes).
  * `recsys/serving/fused.py` (FusedPooling) stays the reference; tests compare the two bit for bit.
  *
- * Hash map of one table, holding its rows: uint8 [C + 1, bb] buckets, C = 2**bits, each an int64
- * key then the key's row (bb bytes in all, a multiple of 8); key INT64_MIN = empty (bucket C
- * holds the row of the id INT64_MIN when the table stores it: "aside"). Linear probing from
- * home = splitmix64(key + GOLDEN) >> (64 - bits). A lookup gives the bucket index: the row is in
- * the cache line(s) the probe just read, one random memory access per id.
+ * Hash map of one table: int64 [C, 2] buckets (key, value), C = 2**bits, value -1 = empty (so any
+ * int64 key, -1 included, can be stored). Linear probing from
+ * home = splitmix64(key + GOLDEN) >> (64 - bits). Values are the table's local rows.
  *
  * Slot descriptor, int64 [S, SV_K] (a slot is one (table, feature) pair, in the batch's slot order):
- *   0 buckets address        1 map bits          2 hashed: num_embeddings (0: the id is the key)
- *   3 1: bucket C holds the id INT64_MIN         4 buckets address + 8 (rows)   5 bucket bytes bb
+ *   0 map offset (buckets)   1 map bits          2 hashed: num_embeddings (0: the id is the key)
+ *   3 row base (added to the local row)          4 matrix address   5 row bytes
  *   6 kind (0 fp32, 2 int8, 3 int4)              7 dim D            8 mode (0 sum, 1 mean)
  *   9 output (0 or 1)        10 output column of example 0          11 output stride (floats)
  *   12 row of an unknown id: -1 (zeros default), -2 (uniform default, computed here), -3 (other
@@ -56,7 +54,7 @@
 #define ATOMIC_ADD(p, v) (*(p) += (v))
 #endif
 
-int sv_abi_version(void) { return 5; }
+int sv_abi_version(void) { return 4; }
 
 /* ------------------------------------------------------------------ parallel for */
 typedef void (*sv_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
@@ -105,42 +103,29 @@ static inline uint64_t sv_mix(uint64_t z) {
 
 static inline uint64_t sv_home(int64_t key, int64_t bits) { return sv_mix((uint64_t)key + GOLDEN) >> (64 - bits); }
 
-#define SV_EMPTY INT64_MIN
-#define SV_BKEY(base, p, bb) (*(const int64_t *)((base) + (p) * (bb)))
-
-/* Insert keys[i] with its row rows + i * rb (rb <= bb - 8 bytes) into one table's buckets (keys
- * INT64_MIN when empty). Returns the number of keys already present (left as they were), or -1
- * when the map is full. */
-int64_t sv_map_build(uint8_t *base, int64_t bits, int64_t bb, const int64_t *keys, int64_t n, const uint8_t *rows,
-                     int64_t rb) {
+/* Insert keys[i] -> i (i < n) into one table's map (2**bits buckets, values -1). Returns the number
+ * of keys already present (left as they were), or -1 when the map is full. */
+int64_t sv_map_build(int64_t *map, int64_t bits, const int64_t *keys, int64_t n) {
     const uint64_t mask = ((uint64_t)1 << bits) - 1;
     int64_t dup = 0;
     for (int64_t i = 0; i < n; i++) {
-        const int64_t k = keys[i];
-        if (k == SV_EMPTY) {                 /* aside, in bucket C; its key field: INT64_MIN free, 0 used */
-            const int64_t used = 0;
-            if (SV_BKEY(base, mask + 1, bb) == used) dup++;
-            memcpy(base + (mask + 1) * bb, &used, 8);
-            memcpy(base + (mask + 1) * bb + 8, rows + i * rb, (size_t)rb);
-            continue;
-        }
-        uint64_t p = sv_home(k, bits);
+        uint64_t p = sv_home(keys[i], bits);
         uint64_t left = mask + 1;
-        while (SV_BKEY(base, p, bb) != SV_EMPTY && SV_BKEY(base, p, bb) != k) {
+        while (map[2 * p + 1] >= 0 && map[2 * p] != keys[i]) {
             p = (p + 1) & mask;
             if (--left == 0) return -1;
         }
-        if (SV_BKEY(base, p, bb) == k) dup++;
+        if (map[2 * p + 1] >= 0) dup++;
         else {
-            memcpy(base + p * bb, &k, 8);
-            memcpy(base + p * bb + 8, rows + i * rb, (size_t)rb);
+            map[2 * p] = keys[i];
+            map[2 * p + 1] = i;
         }
     }
     return dup;
 }
 
 struct sv_lookup_ctx {
-    const int64_t *slots, *values, *offsets;
+    const int64_t *map, *slots, *values, *offsets;
     int64_t S, B, misses;
     int32_t *rows;
 };
@@ -150,18 +135,18 @@ static inline int64_t sv_key(int64_t id, uint64_t hashed) {
 }
 
 /* ids [lo, hi) of one slot */
-/* ids [lo, hi) of one slot */
-static int64_t sv_lookup_slot(const int64_t *sl, const int64_t *values, int64_t lo, int64_t hi, int32_t *rows) {
-    const uint8_t *base = (const uint8_t *)(intptr_t)sl[0];
-    const int64_t bits = sl[1], bb = sl[5];
-    const int32_t miss = (int32_t)sl[12], aside = sl[3] ? (int32_t)((int64_t)1 << bits) : miss;
+static int64_t sv_lookup_slot(const int64_t *sl, const int64_t *map0, const int64_t *values, int64_t lo, int64_t hi,
+                              int32_t *rows) {
+    const int64_t *map = map0 + 2 * sl[0];
+    const int64_t bits = sl[1], base = sl[3];
+    const int32_t miss = (int32_t)sl[12];
     const uint64_t mask = ((uint64_t)1 << bits) - 1, hashed = (uint64_t)sl[2];
     int64_t misses = 0, keys[SV_PF];
     uint64_t homes[SV_PF];
     for (int64_t i = lo; i < hi && i < lo + SV_PF; i++) {        /* ring of the next SV_PF (key, home) */
         keys[i % SV_PF] = sv_key(values[i], hashed);
         homes[i % SV_PF] = sv_home(keys[i % SV_PF], bits);
-        PREFETCH(base + homes[i % SV_PF] * bb);
+        PREFETCH(map + 2 * homes[i % SV_PF]);
     }
     for (int64_t i = lo; i < hi; i++) {
         const int64_t k = keys[i % SV_PF];
@@ -170,17 +155,12 @@ static int64_t sv_lookup_slot(const int64_t *sl, const int64_t *values, int64_t 
             const int64_t kn = sv_key(values[i + SV_PF], hashed);
             keys[i % SV_PF] = kn;
             homes[i % SV_PF] = sv_home(kn, bits);
-            PREFETCH(base + homes[i % SV_PF] * bb);
+            PREFETCH(map + 2 * homes[i % SV_PF]);
         }
-        if (k == SV_EMPTY) {                                           /* the id INT64_MIN: aside */
-            rows[i] = aside;
-            misses += aside == -3;
-            continue;
-        }
-        int64_t kk;
-        while ((kk = SV_BKEY(base, p, bb)) != SV_EMPTY && kk != k) p = (p + 1) & mask;
-        rows[i] = kk == k ? (int32_t)p : miss;
-        misses += kk != k && miss == -3;
+        int64_t v;
+        while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != k) p = (p + 1) & mask;
+        rows[i] = v >= 0 ? (int32_t)(base + v) : miss;
+        misses += v < 0 && miss == -3;
     }
     return misses;
 }
@@ -192,17 +172,17 @@ static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
         const int64_t end = c->offsets[(s + 1) * c->B];
         if (end <= lo) continue;
         const int64_t e = end < hi ? end : hi;
-        misses += sv_lookup_slot(c->slots + SV_K * s, c->values, lo, e, c->rows);
+        misses += sv_lookup_slot(c->slots + SV_K * s, c->map, c->values, lo, e, c->rows);
         lo = e;
     }
     ATOMIC_ADD(&c->misses, misses);
 }
 
-/* rows[i] = the bucket of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
+/* rows[i] = the row of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
  * code of unknown ids when its table lacks the key. Returns how many got code -3 (the caller's). */
-int64_t sv_lookup(const int64_t *slots, int64_t S, int64_t B, const int64_t *values, const int64_t *offsets,
-                  int32_t *rows, int nthreads) {
-    struct sv_lookup_ctx c = {slots, values, offsets, S, B, 0, rows};
+int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B, const int64_t *values,
+                  const int64_t *offsets, int32_t *rows, int nthreads) {
+    struct sv_lookup_ctx c = {map, slots, values, offsets, S, B, 0, rows};
     sv_parallel(sv_lookup_chunk, &c, offsets[S * B], nthreads, SV_MIN_IDS);
     return c.misses;
 }
@@ -246,8 +226,7 @@ static inline void sv_uniform(float *x, int64_t key, const int64_t *sl, int64_t 
 
 struct sv_pool_ctx {
     int32_t *rows;
-    int lookup;
-    const int64_t *values;
+    const int64_t *map, *values;
     const float *weights, *defaults;
     const int64_t *offsets, *slots;
     int64_t B, S;
@@ -340,7 +319,7 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
         for (int64_t s = 0; s < S; s++) {
             const int64_t *sl = c->slots + SV_K * s;
             const int64_t start = c->offsets[s * c->B + b0], end = c->offsets[s * c->B + b1];
-            if (c->lookup) sv_lookup_slot(sl, c->values, start, end, c->rows);   /* hot for the pooling */
+            if (c->map) sv_lookup_slot(sl, c->map, c->values, start, end, c->rows);   /* hot for the pooling */
             switch (sl[7]) {
             case 1: SV_BAGS(1)
             case 8: SV_BAGS(8)
@@ -367,14 +346,14 @@ __attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64
 #endif
 
 /* Pools bags k = s * B + b (ids offsets[k] .. offsets[k + 1], raw ids values) into out[slot's
- * output]. lookup: 0 when rows holds every id's bucket already (sv_lookup), else each block's ids
- * are looked up right before they are pooled (no slot may have code -3 then).
+ * output]. map: NULL when rows holds every id's row already (sv_lookup), else the maps: each
+ * block's ids are looked up right before they are pooled (no slot may have code -3 then).
  * weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default rows that
  * rows <= -4 point at, or NULL. */
-void sv_pool(int32_t *rows, int lookup, const int64_t *values, const float *weights, const float *defaults,
+void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,
              const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
              int nthreads) {
-    struct sv_pool_ctx c = {rows, lookup, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
+    struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
     sv_chunk_fn fn = sv_pool_chunk_generic;
 #ifdef SV_FMA_DISPATCH
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) fn = sv_pool_chunk_fma;

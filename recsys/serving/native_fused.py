@@ -1,4 +1,4 @@
-"""NativePooling: FusedPooling's results from one call of a C kernel (`_pool.c`), no reorder copies.
+"""NativePooling: FusedPooling's results from two calls of a C kernel (`_pool.c`), no reorder copies.
 
     pooling = make_pooling(plans, tables, precision)   # NativePooling, or FusedPooling without a compiler
     pooled, linear = pooling.pool(batch)                # [B, F, D], [B, F_lin] | None
@@ -6,33 +6,25 @@
 Per request (slots, values in slot order and default rows as in `fused.FusedPooling`, whose
 planning this class inherits):
 
-1. Lookup: every (slot, id) -> bucket of a per-table open-addressing hash map built at load
-   that holds the rows themselves (bucket = int64 key | the key's row; power-of-two buckets,
-   splitmix64 home, linear probing, load <= 0.5; any id can be a key, -2**63 kept aside), so
-   one random memory access finds the id and its row. Hashed tables' keys
-   (`splitmix64(id) % num_embeddings`) are computed in the loop. An unknown id gets its slot's
-   code: -1 (zeros default: nothing to add), -2 (uniform default: computed in the pooling loop
-   exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults: Python's).
-2. Pooling (`sv_pool`): every bag k = s * B + b straight into its place in the outputs: pooled
-   [B, F, D] (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot
-   by slot within a block). Rows: fp32 / fp16 as float32; int8 / int4 as f32 scale | f32 bias |
-   codes (the f16-rounded scale and bias fbgemm's TBE uses). Default rows: fp32 / fp16 sum them
-   in id order among the bag's rows (as `F.embedding_bag` over FusedPooling's scratch rows);
-   int8 / int4 sum them (weighted) apart and add that to the bag (as FusedPooling adds them after
-   fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results
-   are bit-equal to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
-   When no slot has code -3 (the usual case), one call does both: each block's ids are looked up
-   right before they are pooled. Otherwise `sv_lookup` first, then `sv_misses` lists the -3 ids,
-   Python computes their rows (`init_rows` per class, as FusedPooling) into one float32 buffer
-   and points them there (-4 - offset), then `sv_pool`.
+1. `sv_lookup`: every (slot, id) -> row through per-table open-addressing hash maps built at
+   load (int64 keys, power-of-two buckets, splitmix64 home, linear probing, load <= 0.5; any id,
+   -1 included, can be a key). Hashed tables' keys (`splitmix64(id) % num_embeddings`) are
+   computed in the loop. Unknown ids get row -1; the kernel counts them.
+2. Only when some ids are unknown: `sv_misses` lists them, and their default rows are computed
+   as FusedPooling computes them (`init_rows` of the key, one call per class of tables) into one
+   float32 buffer; the unknown ids' rows become -2 - (offset in it). Tables of zeros defaults
+   keep -1: nothing to add.
+3. `sv_pool`: every bag k = s * B + b straight into its place in the outputs: pooled
+   [B, F, D] (feature order) and linear [B, F_lin], one buffer. fp32 / fp16 from one float32
+   matrix per width (as FusedPooling); int8 / int4 from rows f32 scale | f32 bias | codes (the
+   f16-rounded scale and bias the TBE uses). Default rows: fp32 / fp16 sum them in id order
+   among the bag's rows (as `F.embedding_bag` over FusedPooling's scratch rows); int8 / int4 sum
+   them (weighted) apart and add that to the bag (as FusedPooling adds them after fbgemm's TBE).
+   Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results are bit-equal
+   to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
 
-Memory: a power of two >= 2 R buckets for R rows (2 to 4 a row) of 8 + row bytes (rounded up to
-8). The benchmark's C1 (1,001,248 rows, D = 16): fp32 2**21 x 72 B = 151 MB (FusedPooling: 32 MB
-of fbgemm map + 64 MB of float32 rows = 96 MB); int8 2**21 x 32 B = 67 MB (FusedPooling: 32 MB +
-the TBE's 20 MB = 52 MB).
-
-Threads: the calls split their work over `torch.get_num_threads()` threads (results do not
-depend on the count). Not thread-safe (scratch buffers per instance), like the `Predictor`.
+Threads: both calls split their work over `torch.get_num_threads()` threads (results do not
+depend on the count). Not thread-safe (scratch rows per instance), like the `Predictor`.
 """
 
 from __future__ import annotations
@@ -48,12 +40,11 @@ from recsys.models.sparse_arch import TablePlan
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
 from recsys.serving.fused import FusedPooling
-from recsys.serving.quantize import dequantize, split_fused, tbe_dim
+from recsys.serving.quantize import split_fused, tbe_dim
 
 logger = logging.getLogger(__name__)
 
 _KIND = {"fp32": 0, "fp16": 0, "int8": 2, "int4": 3}
-_EMPTY = -(2**63)            # the key of an empty bucket (a stored id -2**63 is kept aside, see _pool.c)
 
 
 def _storage_use_count(t: torch.Tensor) -> int:
@@ -94,15 +85,18 @@ class NativePooling(FusedPooling):
         if max(p.dim for p, _ in slots) > native_pool.MAX_DIM:
             raise Unsupported(f"tables wider than {native_pool.MAX_DIM}")
         self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
-        self._build_tables(slots, tables)
+        if self.quantized:
+            self._build_quantized(slots, tables)
+        else:
+            self._build_matrices(slots, tables)          # FusedPooling's float32 matrices (+ zero, scratch rows)
+        self._build_maps(slots, tables)
         # -- slot descriptors (see _pool.c) --------------------------------------------------------
         desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 12]
         for s, (p, _) in enumerate(slots):
-            buckets = self.buckets[p.table]                                             # [C + 1, bb]
-            desc[s, 0], desc[s, 1] = buckets.data_ptr(), (buckets.shape[0] - 1).bit_length() - 1
+            desc[s, 0], desc[s, 1] = self.map_at[p.table]
             desc[s, 2] = self.hashed[s]
-            desc[s, 3] = int(self.aside[p.table])
-            desc[s, 4], desc[s, 5] = buckets.data_ptr() + 8, buckets.shape[1]          # rows after the key
+            desc[s, 3] = self.slot_base[s]
+            desc[s, 5] = self.dim_bytes[p.table] if self.quantized else 4 * p.dim
             desc[s, 6], desc[s, 7], desc[s, 8] = _KIND[precision], p.dim, int(p.pooling == "mean")
             c = int(self.slot_class[s])                   # unknown ids: -1 zeros, -2 uniform (in C), -3 here
             if c >= 0 and self.classes[c][2] == "uniform":
@@ -118,6 +112,9 @@ class NativePooling(FusedPooling):
             desc[s, 9], desc[s, 10], desc[s, 11] = 1, pos, len(linear)
         self.slots = desc
         self.caller_defaults = bool((desc[:, 12] == -3).any())     # some default rows computed in Python
+        self._slot_tables = [p.table for p, _ in slots]
+        self._slot_dims = [p.dim for p, _ in slots]
+        self._set_addresses()
         self._out: torch.Tensor | None = None             # the last output buffer (see _output)
         self._out_refs = 0
         self._rows = torch.empty(0, dtype=torch.int32)    # scratch (see _scratch)
@@ -125,33 +122,42 @@ class NativePooling(FusedPooling):
 
     # -- load ---------------------------------------------------------------------------------------
 
-    def _build_tables(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """Per table read by some slot: its hash map holding its rows, uint8 [C + 1, bb] (see _pool.c)."""
-        self.buckets: dict[int, torch.Tensor] = {}
-        self.aside: dict[int, bool] = {}
+    def _build_quantized(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """int8 / int4 rows per table: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's f16 values)."""
+        self.qrows: dict[int, torch.Tensor] = {}
+        self.dim_bytes: dict[int, int] = {}
         for t in sorted({p.table for p, _ in slots}):
-            rows = self._table_rows(tables[t])                                          # uint8 [R, rb]
-            ids = np.array(tables[t].ids, dtype=np.int64)                               # a copy: may be read-only
-            bits = max(1, (2 * ids.shape[0] - 1).bit_length())                          # load <= 0.5
-            words = -(-(8 + rows.shape[1]) // 8)                                         # bb / 8
-            buckets = torch.full(((1 << bits) + 1, words), _EMPTY, dtype=torch.int64).view(torch.uint8)
-            native_pool.map_build(self.native, buckets, torch.from_numpy(ids), rows)
-            self.buckets[t], self.aside[t] = buckets, bool((ids == _EMPTY).any())
+            m = np.asarray(tables[t].matrix)
+            codes, scale, bias = split_fused(m, self.precision)
+            ncodes = tbe_dim(self.precision, tables[t].cfg.dim) // (2 if self.precision == "int4" else 1)
+            rows = np.empty((m.shape[0], 8 + ncodes), np.uint8)
+            sb = np.stack([scale, bias], axis=1).astype(np.float16).astype(np.float32)     # [R, 2]
+            rows[:, :8] = sb.view(np.uint8)
+            rows[:, 8:] = codes[:, :ncodes]
+            self.qrows[t] = torch.from_numpy(rows)
+            self.dim_bytes[t] = rows.shape[1]
+        self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
 
-    def _table_rows(self, view: TableView) -> torch.Tensor:
-        """A table's rows as the kernel reads them, uint8 [R, rb]: fp32 / fp16 as float32 [R, D];
-        int8 / int4 as f32 scale | f32 bias | codes (the f16-rounded scale and bias of fbgemm's TBE)."""
-        m = np.asarray(view.matrix)
-        if not self.quantized:
-            rows = dequantize(m, self.precision, view.cfg.dim) if m.shape[0] else torch.zeros(0, view.cfg.dim)
-            return rows.contiguous().view(torch.uint8)                                  # [R, 4 D]
-        codes, scale, bias = split_fused(m, self.precision)
-        ncodes = tbe_dim(self.precision, view.cfg.dim) // (2 if self.precision == "int4" else 1)
-        rows = np.empty((m.shape[0], 8 + ncodes), np.uint8)
-        sb = np.stack([scale, bias], axis=1).astype(np.float16).astype(np.float32)      # [R, 2]
-        rows[:, :8] = sb.view(np.uint8)
-        rows[:, 8:] = codes[:, :ncodes]
-        return torch.from_numpy(rows)
+    def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 2 * rows buckets."""
+        used = sorted({p.table for p, _ in slots})
+        bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
+        self.map_at: dict[int, tuple[int, int]] = {}
+        total = 0
+        for t in used:
+            self.map_at[t] = (total, bits[t])
+            total += 1 << bits[t]
+        self.buckets = torch.full((total, 2), -1, dtype=torch.int64)                    # [C, 2] (key, row)
+        for t in used:
+            at, b = self.map_at[t]
+            ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
+            native_pool.map_build(self.native, self.buckets[at:at + (1 << b)], ids)
+
+    def _set_addresses(self) -> None:
+        """Column 4 of the slot descriptors: the address of each slot's row matrix."""
+        for s, t in enumerate(self._slot_tables):
+            m = self.qrows[t] if self.quantized else self.weights[self.dim_index[self._slot_dims[s]]]
+            self.slots[s, 4] = m.data_ptr()
 
     # -- per request --------------------------------------------------------------------------------
 
@@ -169,13 +175,13 @@ class NativePooling(FusedPooling):
         threads = torch.get_num_threads()
         defaults, fused = None, not self.caller_defaults  # fused: the pooling call looks the ids up too
         if not fused:
-            misses = native_pool.lookup(self.native, self.slots, B, values, offsets, rows, threads)
+            misses = native_pool.lookup(self.native, self.buckets, self.slots, B, values, offsets, rows, threads)
             defaults = self._defaults(rows, values, offsets, misses, B) if misses else None
         if weights is not None:
             weights = weights.to(torch.float32).contiguous()
         F_all, F_lin = B * self.num_pooled * self.dim, B * self.num_linear
         out = self._output(F_all + F_lin)                                                # pooled | linear
-        native_pool.pool(self.native, rows, fused, values, weights, defaults, offsets,
+        native_pool.pool(self.native, rows, self.buckets if fused else None, values, weights, defaults, offsets,
                          self.slots, B, out[:F_all],
                          out[F_all:] if F_lin else None, threads)
         pooled = out[:F_all].view(B, self.num_pooled, self.dim)

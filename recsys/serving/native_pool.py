@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("_pool.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _LIBS = ("-lm",)
-_ABI = 5
+_ABI = 4
 SLOT_FIELDS = 16            # columns of the slot descriptor (see _pool.c)
 MAX_DIM = 1024             # widest row the kernel pools (SV_DMAX)
 
@@ -42,10 +42,10 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _SIGS = {
     "sv_abi_version": ([], ctypes.c_int),
-    "sv_map_build": ([_P, _I64, _I64, _P, _I64, _P, _I64], _I64),
-    "sv_lookup": ([_P, _I64, _I64, _P, _P, _P, ctypes.c_int], _I64),
+    "sv_map_build": ([_P, _I64, _P, _I64], _I64),
+    "sv_lookup": ([_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int], _I64),
     "sv_misses": ([_P, _P, _I64, _P, _P], _I64),
-    "sv_pool": ([_P, ctypes.c_int, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
+    "sv_pool": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
 }
 
 
@@ -120,31 +120,28 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise TypeError(f"native_pool: {name} must be a contiguous CPU {dtype} tensor, got {t.dtype}")
 
 
-def map_build(native, buckets: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> None:
-    """Insert keys int64 [n] and their rows (uint8 [n, rb]) into one table's buckets uint8 [C + 1, bb]
-    (C a power of two >= 2 n, bb >= 8 + rb a multiple of 8, every key INT64_MIN: empty)."""
-    _check(buckets, torch.uint8, "buckets"), _check(keys, torch.int64, "keys"), _check(rows, torch.uint8, "rows")
-    cap, bb = buckets.shape[0] - 1, buckets.shape[1]
-    n, rb = keys.shape[0], (rows.shape[1] if rows.dim() == 2 else 0)
-    if cap & (cap - 1) or cap < 2 * n or bb % 8 or bb < 8 + rb or rows.shape[0] != n:
-        raise ValueError(f"native_pool: {cap} + 1 buckets of {bb} bytes for {n} keys with rows of {rb} bytes "
-                         "(a power of two >= 2 n, bytes a multiple of 8 >= 8 + row bytes)")
-    dup = native.sv_map_build(buckets.data_ptr(), cap.bit_length() - 1, bb, keys.data_ptr(), n, rows.data_ptr(), rb)
+def map_build(native, buckets: torch.Tensor, keys: torch.Tensor) -> None:
+    """Insert keys int64 [n] -> 0..n-1 into one table's map int64 [2**bits, 2] (values -1: empty)."""
+    _check(buckets, torch.int64, "map"), _check(keys, torch.int64, "keys")
+    cap = buckets.shape[0]
+    if cap & (cap - 1) or cap < 2 * keys.shape[0] or buckets.shape[1] != 2:
+        raise ValueError(f"native_pool: map of {cap} buckets for {keys.shape[0]} keys (a power of two >= 2 n)")
+    dup = native.sv_map_build(buckets.data_ptr(), cap.bit_length() - 1, keys.data_ptr(), keys.shape[0])
     if dup != 0:
         raise ValueError(f"native_pool: {dup} duplicate keys in a table's ids")
 
 
-def lookup(native, slots: torch.Tensor, B: int, values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor,
-           threads: int) -> int:
-    """rows int32 [N] <- each id's bucket, or its slot's code of unknown ids (-1, -2, -3); returns the
+def lookup(native, buckets: torch.Tensor, slots: torch.Tensor, B: int, values: torch.Tensor, offsets: torch.Tensor,
+           rows: torch.Tensor, threads: int) -> int:
+    """rows int32 [N] <- each id's row, or its slot's code of unknown ids (-1, -2, -3); returns the
     number of ids given -3 (those whose default rows the caller computes)."""
-    _check(slots, torch.int64, "slots"), _check(values, torch.int64, "values")
+    _check(buckets, torch.int64, "map"), _check(slots, torch.int64, "slots"), _check(values, torch.int64, "values")
     _check(offsets, torch.int64, "offsets"), _check(rows, torch.int32, "rows")
     S = slots.shape[0]
     assert slots.shape[1] == SLOT_FIELDS and offsets.shape[0] == S * B + 1
     assert values.shape[0] == rows.shape[0] == int(offsets[-1])
-    return int(native.sv_lookup(slots.data_ptr(), S, B, values.data_ptr(), offsets.data_ptr(), rows.data_ptr(),
-                                threads))
+    return int(native.sv_lookup(buckets.data_ptr(), slots.data_ptr(), S, B, values.data_ptr(), offsets.data_ptr(),
+                                rows.data_ptr(), threads))
 
 
 def misses(native, rows: torch.Tensor, offsets: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,17 +155,18 @@ def misses(native, rows: torch.Tensor, offsets: torch.Tensor, count: int) -> tup
     return where, bag
 
 
-def pool(native, rows: torch.Tensor, look_up: bool, values: torch.Tensor,
+def pool(native, rows: torch.Tensor, buckets: torch.Tensor | None, values: torch.Tensor,
          weights: torch.Tensor | None, defaults: torch.Tensor | None, offsets: torch.Tensor, slots: torch.Tensor,
          B: int, out0: torch.Tensor, out1: torch.Tensor | None, threads: int) -> None:
     """Pool every bag into out0 / out1 (float32, laid out as the slots' columns and strides say);
     rows -2 are the uniform default rows of their keys (from `values`), rows <= -4 read float32
-    `defaults` at offset -row - 4. `look_up`: False when `rows` holds the buckets (`lookup`), else
-    the kernel fills `rows` block by block as it pools (no slot of code -3)."""
+    `defaults` at offset -row - 4. `buckets`: None when `rows` holds the rows (`lookup`), else
+    the hash maps: the kernel fills `rows` block by block as it pools (no slot of code -3)."""
     _check(rows, torch.int32, "rows"), _check(offsets, torch.int64, "offsets"), _check(slots, torch.int64, "slots")
     _check(values, torch.int64, "values")
     assert values.shape == rows.shape
-    if look_up:
+    if buckets is not None:
+        _check(buckets, torch.int64, "map")
         assert not bool((slots[:, 12] == -3).any()), "slots whose unknown ids need the caller's default rows"
     _check(out0, torch.float32, "out0")
     if weights is not None:
@@ -180,7 +178,7 @@ def pool(native, rows: torch.Tensor, look_up: bool, values: torch.Tensor,
         _check(out1, torch.float32, "out1")
     S = slots.shape[0]
     assert offsets.shape[0] == S * B + 1 and rows.shape[0] == int(offsets[-1])
-    native.sv_pool(rows.data_ptr(), int(look_up), values.data_ptr(),
+    native.sv_pool(rows.data_ptr(), None if buckets is None else buckets.data_ptr(), values.data_ptr(),
                    None if weights is None else weights.data_ptr(),
                    None if defaults is None else defaults.data_ptr(), offsets.data_ptr(), slots.data_ptr(), S, B,
                    out0.data_ptr(), None if out1 is None else out1.data_ptr(), threads)

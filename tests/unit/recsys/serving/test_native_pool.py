@@ -30,38 +30,22 @@ def native():
     return lib
 
 
-def one_slot(buckets: torch.Tensor, hashed: int = 0, miss: int = -3, aside: bool = False) -> torch.Tensor:
-    """A slot descriptor reading these buckets (the other fields do not matter to lookups)."""
+def one_slot(bits: int, hashed: int = 0, miss: int = -3) -> torch.Tensor:
+    """A slot descriptor reading map 0 (the other fields do not matter to lookups)."""
     desc = torch.zeros(1, native_pool.SLOT_FIELDS, dtype=torch.int64)
-    desc[0, 0], desc[0, 1], desc[0, 2] = buckets.data_ptr(), (buckets.shape[0] - 1).bit_length() - 1, hashed
-    desc[0, 3], desc[0, 5], desc[0, 12] = int(aside), buckets.shape[1], miss
+    desc[0, 1], desc[0, 2], desc[0, 3], desc[0, 12] = bits, hashed, 10, miss     # row base 10
     return desc
 
 
-def build_map(native, keys: np.ndarray) -> torch.Tensor:
-    """Buckets of 16 bytes: the key, then its "row" = its index in keys (int64)."""
-    bits = max(1, (2 * keys.size - 1).bit_length())
-    buckets = torch.full(((1 << bits) + 1, 2), I64.min, dtype=torch.int64).view(torch.uint8)
-    rows = torch.arange(keys.size, dtype=torch.int64).view(-1, 1).view(torch.uint8)          # [n, 8]
-    native_pool.map_build(native, buckets, torch.from_numpy(keys), rows)
-    return buckets
-
-
-def found_rows(buckets: torch.Tensor, rows: torch.Tensor) -> np.ndarray:
-    """The row stored in each bucket rows[i] (-1 where rows[i] < 0)."""
-    payload = buckets.view(torch.int64)[:, 1].numpy()                                         # [C + 1]
-    r = rows.numpy().astype(np.int64)
-    return np.where(r >= 0, payload[np.maximum(r, 0)], -1)
-
-
 def test_map_lookup_equals_a_dict(native) -> None:
-    """Random int64 keys incl. -1, 0 and the extremes (INT64_MIN is the empty key: kept aside);
-    queries half stored, half not, any thread count."""
+    """Random int64 keys incl. -1, 0 and the extremes; queries half stored, half not, any thread count."""
     rng = np.random.default_rng(0)
     keys = np.unique(np.concatenate([rng.integers(I64.min, I64.max, 3000, dtype=np.int64),
                                      rng.integers(-50, 50, 60), [-1, 0, I64.min, I64.max]])).astype(np.int64)
     rng.shuffle(keys)
-    buckets = build_map(native, keys)
+    bits = (2 * keys.size - 1).bit_length()
+    buckets = torch.full((1 << bits, 2), -1, dtype=torch.int64)
+    native_pool.map_build(native, buckets, torch.from_numpy(keys))
     index = {int(k): i for i, k in enumerate(keys)}
     queries = np.concatenate([keys, rng.integers(I64.min, I64.max, 20000, dtype=np.int64), np.arange(-60, 60)])
     rng.shuffle(queries)
@@ -69,37 +53,32 @@ def test_map_lookup_equals_a_dict(native) -> None:
     offsets = torch.tensor([0, queries.size], dtype=torch.int64)
     for threads, miss in [(1, -3), (4, -3), (1, -1), (4, -2)]:
         rows = torch.empty(queries.size, dtype=torch.int32)
-        misses = native_pool.lookup(native, one_slot(buckets, miss=miss, aside=True), 1, torch.from_numpy(queries),
+        misses = native_pool.lookup(native, buckets, one_slot(bits, miss=miss), 1, torch.from_numpy(queries),
                                     offsets, rows, threads)
-        assert np.array_equal(found_rows(buckets, rows), found)                          # each id's own row
-        assert np.array_equal(rows.numpy() < 0, found < 0)
-        assert np.all(rows.numpy()[found < 0] == miss)                                   # the slot's code when absent
-        assert misses == (int((found < 0).sum()) if miss == -3 else 0)                   # only -3 is the caller's
-    rows = torch.empty(1, dtype=torch.int32)                                             # INT64_MIN not stored
-    native_pool.lookup(native, one_slot(build_map(native, keys[keys != I64.min])), 1,
-                       torch.tensor([I64.min]), torch.tensor([0, 1]), rows, 1)
-    assert rows.tolist() == [-3]
+        assert np.array_equal(rows.numpy(), np.where(found >= 0, found + 10, miss))   # the slot's code when absent
+        assert misses == (int((found < 0).sum()) if miss == -3 else 0)                # only -3 is the caller's
 
 
 def test_map_hashed_keys(native) -> None:
     """A hashed table: the key of id x is splitmix64(x) % num_embeddings (as TableView.keys)."""
     from embedding_ps.sharding import splitmix64_np
     stored = np.arange(0, 13, 2, dtype=np.int64)                        # keys 0, 2, ..., 12 of 13
-    buckets = build_map(native, stored)
+    buckets = torch.full((16, 2), -1, dtype=torch.int64)
+    native_pool.map_build(native, buckets, torch.from_numpy(stored))
     ids = np.random.default_rng(1).integers(I64.min, I64.max, 500, dtype=np.int64)
     keys = (splitmix64_np(ids) % np.uint64(13)).astype(np.int64)
-    want = np.where(keys % 2 == 0, keys // 2, -1)
+    want = np.where(keys % 2 == 0, keys // 2 + 10, -3)
     rows = torch.empty(500, dtype=torch.int32)
-    native_pool.lookup(native, one_slot(buckets, hashed=13), 1, torch.from_numpy(ids), torch.tensor([0, 500]), rows, 1)
-    assert np.array_equal(found_rows(buckets, rows), want)
+    native_pool.lookup(native, buckets, one_slot(4, hashed=13), 1, torch.from_numpy(ids),
+                       torch.tensor([0, 500]), rows, 1)
+    assert np.array_equal(rows.numpy(), want)
 
 
 def test_map_refuses_duplicates_and_small_maps(native) -> None:
-    empty = lambda n: torch.full((n + 1, 2), I64.min, dtype=torch.int64).view(torch.uint8)   # noqa: E731
     with pytest.raises(ValueError, match="duplicate"):
-        native_pool.map_build(native, empty(8), torch.tensor([5, 7, 5]), torch.zeros(3, 8, dtype=torch.uint8))
+        native_pool.map_build(native, torch.full((8, 2), -1, dtype=torch.int64), torch.tensor([5, 7, 5]))
     with pytest.raises(ValueError, match="power of two"):
-        native_pool.map_build(native, empty(4), torch.tensor([1, 2, 3]), torch.zeros(3, 8, dtype=torch.uint8))
+        native_pool.map_build(native, torch.full((4, 2), -1, dtype=torch.int64), torch.tensor([1, 2, 3]))
 
 
 def _plans_views():
