@@ -4,7 +4,7 @@ calls of the C kernel, recsys/serving/_pool.c) against the per-table serving pat
 fp32 / fp16 must be bit-equal to the training path (SparseArch over the ExportStore), int8 / int4
 bit-equal to tbe_pool.QuantizedPooling, on random batches with unseen ids, multi-hot bags, empty
 bags, per-id weights, mean pooling, hashed tables, tables of zeros defaults, a table shared by two
-features, linear (dim 1) tables, and the id -1 (fbgemm's empty-slot key).
+features, linear (dim 1) tables, and the ids -1 (fbgemm's empty-slot key) and -2**63.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def make_views(precision: str, seed: int = 0, tables: tuple = TABLES) -> list[Ta
             ids = np.arange(0, 13, 2, dtype=np.int64)                             # some hashed rows missing
         else:
             ids = np.unique(np.concatenate([np.arange(-3, 60, 3), rng.integers(-2**62, 2**62, 20)]))  # holds -1? no
-            if cfg.name == "a":
-                ids = np.unique(np.concatenate([ids, [-1]]))                      # a table storing the id -1
+            if cfg.name == "a":                           # a table storing the ids -1 and -2**63
+                ids = np.unique(np.concatenate([ids, [-1, np.iinfo(np.int64).min]]))
         rows = torch.randn(ids.shape[0], cfg.dim, generator=g)
         views.append(TableView(cfg, ids.astype(np.int64), quantize(rows, precision), precision))
     return views
