@@ -1,4 +1,4 @@
-"""NativePooling: FusedPooling's results from two calls of a C kernel (`_pool.c`), no reorder copies.
+"""NativePooling: FusedPooling's results from one call of a C kernel (`_pool.c`), no reorder copies.
 
     pooling = make_pooling(plans, tables, precision)   # NativePooling, or FusedPooling without a compiler
     pooled, linear = pooling.pool(batch)                # [B, F, D], [B, F_lin] | None
@@ -6,25 +6,29 @@
 Per request (slots, values in slot order and default rows as in `fused.FusedPooling`, whose
 planning this class inherits):
 
-1. `sv_lookup`: every (slot, id) -> row through per-table open-addressing hash maps built at
-   load (int64 keys, power-of-two buckets, splitmix64 home, linear probing, load <= 0.5; any id,
-   -1 included, can be a key). Hashed tables' keys (`splitmix64(id) % num_embeddings`) are
-   computed in the loop. Unknown ids get row -1; the kernel counts them.
-2. Only when some ids are unknown: `sv_misses` lists them, and their default rows are computed
-   as FusedPooling computes them (`init_rows` of the key, one call per class of tables) into one
-   float32 buffer; the unknown ids' rows become -2 - (offset in it). Tables of zeros defaults
-   keep -1: nothing to add.
-3. `sv_pool`: every bag k = s * B + b straight into its place in the outputs: pooled
-   [B, F, D] (feature order) and linear [B, F_lin], one buffer. fp32 / fp16 from one float32
-   matrix per width (as FusedPooling); int8 / int4 from rows f32 scale | f32 bias | codes (the
-   f16-rounded scale and bias the TBE uses). Default rows: fp32 / fp16 sum them in id order
-   among the bag's rows (as `F.embedding_bag` over FusedPooling's scratch rows); int8 / int4 sum
-   them (weighted) apart and add that to the bag (as FusedPooling adds them after fbgemm's TBE).
-   Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results are bit-equal
-   to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
+1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
+   (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
+   load <= 0.5; any int64 id can be a key). Hashed tables' keys (`splitmix64(id) %
+   num_embeddings`) are computed in the loop. An unknown id gets its slot's code: -1 (zeros
+   default: nothing to add), -2 (uniform default: computed in the pooling loop exactly as
+   `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal: Python's).
+2. Pooling: every bag k = s * B + b straight into its place in the outputs: pooled [B, F, D]
+   (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot by slot
+   within a block, so the block's output rows stay in cache). Rows: fp32 / fp16 from one
+   float32 matrix per width (FusedPooling's); int8 / int4 from rows f32 scale | f32 bias | codes
+   (the f16-rounded scale and bias fbgemm's TBE uses). Default rows: fp32 / fp16 sum them in id
+   order among the bag's rows (as `F.embedding_bag` over FusedPooling's scratch rows); int8 /
+   int4 sum them (weighted) apart and add that to the bag (as FusedPooling adds them after
+   fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results
+   are bit-equal to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
+   When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
+   are looked up right before they are pooled. Otherwise `sv_lookup` first, `sv_misses` lists
+   the -3 ids, Python computes their rows (`init_rows` per class, as FusedPooling) into one
+   float32 buffer and points them there (-4 - offset), then `sv_pool`.
 
-Threads: both calls split their work over `torch.get_num_threads()` threads (results do not
-depend on the count). Not thread-safe (scratch rows per instance), like the `Predictor`.
+Threads: the calls split their work over `torch.get_num_threads()` threads (results do not
+depend on the count). Not thread-safe (scratch buffers per instance), like the `Predictor`.
+Figures: BENCHMARKS.md ("The native kernel: `NativePooling`").
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def make_pooling(plans: list[TablePlan], tables: list[TableView], precision: str
 
 
 class NativePooling(FusedPooling):
-    """Pools a Batch's ids over all tables in two native calls: [B, F, D] pooled and [B, F_lin] linear."""
+    """Pools a Batch's ids over all tables in one native call (two when some default rows come from
+    Python): [B, F, D] pooled and [B, F_lin] linear, bit-equal to FusedPooling."""
 
     def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str, native) -> None:
         slots = self._plan(plans, tables, precision)
@@ -91,7 +96,7 @@ class NativePooling(FusedPooling):
             self._build_matrices(slots, tables)          # FusedPooling's float32 matrices (+ zero, scratch rows)
         self._build_maps(slots, tables)
         # -- slot descriptors (see _pool.c) --------------------------------------------------------
-        desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 12]
+        desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
         for s, (p, _) in enumerate(slots):
             desc[s, 0], desc[s, 1] = self.map_at[p.table]
             desc[s, 2] = self.hashed[s]
