@@ -16,8 +16,10 @@ hot ids).
 Per precision, in the same run, on the same exported tables:
 - ours, batch 1: `Predictor.predict(batch)` latency p50 / p99 over `--requests` requests (raw
   ids -> fused lookup -> pooling -> dense program -> sigmoid), and the pooling alone (`pooled`);
-- ours, batch 4096: pooled rows/s of `Predictor.pooled` (raw ids -> pooled [B, F, D]) and
-  predictions/s of `Predictor.predict`;
+- ours, batch 4096: pooled rows/s of `Predictor.pooled` (raw ids -> pooled [B, F, D]; the
+  Predictor's pooling is `NativePooling`, the C kernel, or `FusedPooling` without a compiler:
+  `pooling` says which) and predictions/s of `Predictor.predict`; `fused_python_per_s_b4096`:
+  `FusedPooling` (fbgemm hash map + embedding_bag / TBE) on the same requests, for comparison;
 - baseline: TorchRec's quantized inference `torchrec.quant.embedding_modules.EmbeddingBagCollection`
   (one fbgemm IntNBit TBE per pooling mode, data type = the export's precision, loaded with the
   export's own rows) on the same requests, pooling only. TorchRec takes row indices, not raw
@@ -27,6 +29,11 @@ Per precision, in the same run, on the same exported tables:
   like-for-like figure. Without torchrec the run stops (exit status 1, saying how to install
   it) unless `--allow-missing-baseline`: then the baseline is one plain `nn.EmbeddingBag` per
   table over the dequantized rows, labelled as such.
+
+Batch-4096 rates of ours, the baseline and FusedPooling are timed interleaved (5 rounds of
+>= 0.3 s each, medians), so that a load change on a shared machine hits all of them alike.
+Threads: `--threads T` sets `torch.set_num_threads(T)` for everything: fbgemm's kernels get
+what torch gives them, and the native kernel splits its work over `torch.get_num_threads()`.
 
 `--json` prints one line: `p50_ms_b1` / `p99_ms_b1` (the worse of fp32 and int8, the target
 precisions), `ratio_b4096_vs_baseline` (the lowest over the precisions of our pooled rows/s over
@@ -58,6 +65,7 @@ from data.synthetic import generate  # noqa: E402
 from embedding_ps.local import LocalStore  # noqa: E402
 from recsys.config import load_config, to_toml  # noqa: E402
 from recsys.serving import Predictor  # noqa: E402
+from recsys.serving.fused import FusedPooling  # noqa: E402
 from recsys.serving.export import export_model  # noqa: E402
 from recsys.serving.quantize import dequantize, tbe_rows  # noqa: E402
 from recsys.serving.source import resolve_source  # noqa: E402
@@ -236,6 +244,18 @@ def rate(fn, xs: list, work: int, reps: int = 5, min_s: float = 0.3) -> float:
     return statistics.median(rates)
 
 
+def rates(fns: dict, xs: dict, work: int, reps: int = 5, min_s: float = 0.3) -> dict:
+    """`rate` of several functions with their timings interleaved (a, b, c, a, b, c, ...): on a shared
+    machine a load change then hits every one alike rather than whichever ran at the time."""
+    for name, fn in fns.items():
+        fn(xs[name][0])
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            out[name].append(rate(fn, xs[name], work, reps=1, min_s=min_s))
+    return {name: statistics.median(r) for name, r in out.items()}
+
+
 def ms(xs: list[float], q: float) -> float:
     return round(float(np.quantile(np.array(xs), q)) * 1e3, 4)
 
@@ -273,8 +293,14 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     lat = latencies(base, base_ones)
     out.update(baseline_p50_ms_b1=ms(lat, 0.5), baseline_p99_ms_b1=ms(lat, 0.99))
     base_bigs = [base.inputs(b) for b in bigs]
-    out["pooled_per_s_b4096"] = round(rate(p.pooled, bigs, BIG))
-    out["baseline_per_s_b4096"] = round(rate(base, base_bigs, BIG))
+    out["pooling"] = type(p._fused).__name__
+    python_fused = FusedPooling(p.sparse.plans, p.tables, p.precision)       # the fbgemm + torch path, same run
+    r = rates({"ours": p.pooled, "baseline": base, "fused_python": python_fused.pool},
+              {"ours": bigs, "baseline": base_bigs, "fused_python": bigs}, BIG)
+    del python_fused
+    out["pooled_per_s_b4096"] = round(r["ours"])
+    out["fused_python_per_s_b4096"] = round(r["fused_python"])
+    out["baseline_per_s_b4096"] = round(r["baseline"])
     out["predictions_per_s_b4096"] = round(rate(p.predict, bigs, BIG))
     out["ratio_b4096_vs_baseline"] = round(out["pooled_per_s_b4096"] / out["baseline_per_s_b4096"], 3)
     # like for like: the baseline plus the raw id -> row map it needs (per-table np.searchsorted)
@@ -321,7 +347,7 @@ def main() -> int:
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the id stream")
     ap.add_argument("--unseen", type=float, default=0.05, help="fraction of ids never seen by the export")
     ap.add_argument("--requests", type=int, default=2000, help="batch-1 requests timed per precision")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (ours and the baseline alike)")
     ap.add_argument("--allow-missing-baseline", action="store_true",
                     help="without torchrec, measure plain nn.EmbeddingBag as the baseline instead of failing")
     a = ap.parse_args()

@@ -25,6 +25,9 @@ pooling group (dim, pooling mode, linear or not), as `SparseArch` groups them. P
      zero row and their default rows added in float32 afterwards, as `tbe_pool.QuantizedPooling`
      does (bit-equal to it).
 
+`native_fused.NativePooling` (a C kernel, what the Predictor uses when a C compiler is there)
+gives the same results; this class is its fallback and the reference its tests compare with.
+
 The key -1 marks an empty slot in fbgemm's hash map, so a table that stores the id -1 keeps its
 row aside and ids -1 are patched after the lookup (only when some table stores it).
 Not thread-safe (the scratch rows are per instance), like the `Predictor`.
@@ -69,6 +72,29 @@ class FusedPooling:
 
     def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> None:
         """`tables`: the predictor's TableViews indexed like ps.tables (ids sorted, matrix as stored)."""
+        slots = self._plan(plans, tables, precision)
+        S = self.num_slots
+        # -- rows -----------------------------------------------------------------------------------
+        if self.quantized:
+            self._build_tbe(slots, tables)
+        else:
+            self._build_matrices(slots, tables)
+        keys, vals, self.minus_one = [], [], torch.full((S,), -1, dtype=torch.int64)
+        for s, (p, _) in enumerate(slots):
+            ids = np.asarray(tables[p.table].ids)
+            pos = np.arange(ids.shape[0], dtype=np.int64) + int(self.slot_base[s])
+            neg = ids == -1
+            if neg.any():                                 # -1 is fbgemm's empty-slot key: kept aside
+                self.minus_one[s] = int(pos[neg][0])
+                ids, pos = ids[~neg], pos[~neg]
+            keys.append(ids)
+            vals.append(pos)
+        self.any_minus_one = bool((self.minus_one >= 0).any())
+        self.hash_table, self.hash_offsets = _hash_maps(keys, vals)
+        self._finish_columns(slots)
+
+    def _plan(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> list[tuple[TablePlan, int]]:
+        """Slots (grouped as SparseArch groups), hashed tables and classes of default rows; returns the slots."""
         self.precision = precision
         self.quantized = precision in QUANTIZED
         groups: dict[tuple[int, str, bool], list[tuple[TablePlan, int]]] = {}
@@ -103,24 +129,7 @@ class FusedPooling:
         self.slot_class = torch.tensor(cls, dtype=torch.int64)                              # [S]
         self.any_default = bool(classes)
         self.one_class = len(classes) == 1 and bool((self.slot_class == 0).all())
-        # -- rows -----------------------------------------------------------------------------------
-        if self.quantized:
-            self._build_tbe(slots, tables)
-        else:
-            self._build_matrices(slots, tables)
-        keys, vals, self.minus_one = [], [], torch.full((S,), -1, dtype=torch.int64)
-        for s, (p, _) in enumerate(slots):
-            ids = np.asarray(tables[p.table].ids)
-            pos = np.arange(ids.shape[0], dtype=np.int64) + int(self.slot_base[s])
-            neg = ids == -1
-            if neg.any():                                 # -1 is fbgemm's empty-slot key: kept aside
-                self.minus_one[s] = int(pos[neg][0])
-                ids, pos = ids[~neg], pos[~neg]
-            keys.append(ids)
-            vals.append(pos)
-        self.any_minus_one = bool((self.minus_one >= 0).any())
-        self.hash_table, self.hash_offsets = _hash_maps(keys, vals)
-        self._finish_columns(slots)
+        return slots
 
     # -- load ---------------------------------------------------------------------------------------
 

@@ -9,10 +9,13 @@
 Lookup (`export_store.TableView`): raw ids -> keys -> `np.searchsorted` on the sorted ids; an id
 the table lacks gets the table's default, exactly what a PS pull returns in training and eval.
 
-Pooling (the hot path): `fused.FusedPooling`, built when the Predictor opens, looks a request up
-across all tables at once (one fbgemm hash-map lookup of every (table, id), one `embedding_bag`
-per pooling group or one TBE call) with the same results as the per-table path below, which
-`Predictor.fused = False` selects. Latency and throughput: BENCHMARKS.md ("Serving").
+Pooling (the hot path): `native_fused.make_pooling`, called when the Predictor opens, builds
+`NativePooling` (a C kernel compiled on first use: per-table hash maps and pooling straight into
+[B, F, D] in one or two calls) or, without a C compiler, `fused.FusedPooling` (one fbgemm
+hash-map lookup of every (table, id), one `embedding_bag` per pooling group or one TBE call);
+both look a request up across all tables at once, with the same results (bit for bit) as the
+per-table path below, which `Predictor.fused = False` selects. Latency and throughput:
+BENCHMARKS.md ("Serving").
 
 Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
 `embedding_ps.store.EmbeddingStore` over the export's tables), to the `recsys.models.SparseArch`
@@ -42,6 +45,7 @@ from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.fused import FusedPooling
+from recsys.serving.native_fused import make_pooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
@@ -81,11 +85,11 @@ class Predictor:
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
         if "retrieval" in self.manifest:
             self._open_retrieval(self.manifest["retrieval"])
-        self.fused = True               # pooled() through FusedPooling (False: the per-table path)
+        self.fused = True               # pooled() through NativePooling / FusedPooling (False: the per-table path)
         self._fused: FusedPooling | None = None
         for d in deltas:
             self.apply_delta(d)
-        self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
+        self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""
@@ -119,7 +123,7 @@ class Predictor:
         """Pooled embeddings [B, F, D] and linear terms [B, F_lin] (None without linear tables)."""
         if self.fused:
             if self._fused is None:
-                self._fused = FusedPooling(self.sparse.plans, self.tables, self.precision)
+                self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
             return self._fused.pool(batch)
         if self.precision in QUANTIZED:
             if self._pooling is None:

@@ -1,12 +1,15 @@
-"""FusedPooling (one lookup + one pooling call over all tables) against the per-table serving paths.
+"""FusedPooling (one lookup + one pooling call over all tables) and NativePooling (the same in two
+calls of the C kernel, recsys/serving/_pool.c) against the per-table serving paths.
 
 fp32 / fp16 must be bit-equal to the training path (SparseArch over the ExportStore), int8 / int4
 bit-equal to tbe_pool.QuantizedPooling, on random batches with unseen ids, multi-hot bags, empty
 bags, per-id weights, mean pooling, hashed tables, tables of zeros defaults, a table shared by two
-features, linear (dim 1) tables, and the id -1 (fbgemm's empty-slot key).
+features, linear (dim 1) tables, and the ids -1 (fbgemm's empty-slot key) and -2**63.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,11 +19,14 @@ from data.batch import Batch, KeyedJagged
 from embedding_ps.config import TableConfig
 from recsys.models.sparse_arch import SparseArch, TablePlan, plan_tables
 from recsys.serving.export_store import ExportStore, TableView
+from recsys.serving import native_pool
 from recsys.serving.fused import FusedPooling
+from recsys.serving.native_fused import NativePooling
 from recsys.serving.quantize import quantize
 from recsys.serving.tbe_pool import QuantizedPooling
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+IMPLS = ("fused", "native")
 # "m" (mean) sits between sum-pooled features, so slot order (by pooling group) != feature order
 FEATURES = ("a", "m", "h", "z", "d", "n")
 TABLES = (
@@ -34,19 +40,22 @@ TABLES = (
 FEATURE_TABLES = {"d": "a"}
 LINEAR = {"a": "lin", "h": "lin", "n": "lin"}
 POOLING = {"m": "mean"}
+# every default uniform or zeros: NativePooling computes them all in C and looks ids up inside its
+# pooling call (with a normal default, Python computes those rows between two calls)
+UNIFORM_TABLES = tuple(dataclasses.replace(c, init="uniform") if c.init == "normal" else c for c in TABLES)
 
 
-def make_views(precision: str, seed: int = 0) -> list[TableView]:
+def make_views(precision: str, seed: int = 0, tables: tuple = TABLES) -> list[TableView]:
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     views = []
-    for cfg in TABLES:
+    for cfg in tables:
         if cfg.kind == "hashed":
             ids = np.arange(0, 13, 2, dtype=np.int64)                             # some hashed rows missing
         else:
             ids = np.unique(np.concatenate([np.arange(-3, 60, 3), rng.integers(-2**62, 2**62, 20)]))  # holds -1? no
-            if cfg.name == "a":
-                ids = np.unique(np.concatenate([ids, [-1]]))                      # a table storing the id -1
+            if cfg.name == "a":                           # a table storing the ids -1 and -2**63
+                ids = np.unique(np.concatenate([ids, [-1, np.iinfo(np.int64).min]]))
         rows = torch.randn(ids.shape[0], cfg.dim, generator=g)
         views.append(TableView(cfg, ids.astype(np.int64), quantize(rows, precision), precision))
     return views
@@ -70,6 +79,15 @@ def make_batch(views: list[TableView], B: int, seed: int, weighted: bool) -> Bat
     return Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B), sparse=kj, weights=weights)
 
 
+def build(impl: str, plans, views, precision: str) -> FusedPooling:
+    if impl == "fused":
+        return FusedPooling(plans, views, precision)
+    native = native_pool.lib()
+    if native is None:
+        pytest.skip("no C compiler: the native serving kernel cannot build")
+    return NativePooling(plans, views, precision, native)
+
+
 def reference(precision: str, plans, views, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     if precision in ("int8", "int4"):
         return QuantizedPooling(plans, views, precision).pool(batch)
@@ -77,12 +95,15 @@ def reference(precision: str, plans, views, batch: Batch) -> tuple[torch.Tensor,
     return pooled.detach(), None if linear is None else linear.detach()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("weighted", [True, False])
-def test_fused_equals_per_table_path(precision: str, weighted: bool) -> None:
-    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
-    views = make_views(precision)
-    fused = FusedPooling(plans, views, precision)
+@pytest.mark.parametrize("tables", ["normal", "uniform"])
+def test_fused_equals_per_table_path(impl: str, precision: str, weighted: bool, tables: str) -> None:
+    configs = TABLES if tables == "normal" else UNIFORM_TABLES
+    plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision, tables=configs)
+    fused = build(impl, plans, views, precision)
     for seed, B in enumerate((1, 1, 2, 7, 64, 300)):
         batch = make_batch(views, B, seed, weighted)
         want_pooled, want_linear = reference(precision, plans, views, batch)
@@ -93,8 +114,9 @@ def test_fused_equals_per_table_path(precision: str, weighted: bool) -> None:
         assert torch.equal(got_linear, want_linear), f"B={B} seed={seed}"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_one_id_per_feature_in_feature_order(precision: str) -> None:
+def test_one_id_per_feature_in_feature_order(impl: str, precision: str) -> None:
     """The quickstart's shape: every feature its own table, sum tables first, mean ones last, no linear."""
     features = ("c1", "c2", "c3", "m1")
     tables = tuple(TableConfig(name=f, dim=4, seed=i) for i, f in enumerate(features))
@@ -102,7 +124,7 @@ def test_one_id_per_feature_in_feature_order(precision: str) -> None:
     g = torch.Generator().manual_seed(1)
     views = [TableView(c, np.arange(0, 50, 5, dtype=np.int64), quantize(torch.randn(10, 4, generator=g), precision),
                        precision) for c in tables]
-    fused = FusedPooling(plans, views, precision)
+    fused = build(impl, plans, views, precision)
     rng = np.random.default_rng(2)
     for B in (1, 5, 33):
         lengths = np.ones((4, B), np.int32)
@@ -116,13 +138,14 @@ def test_one_id_per_feature_in_feature_order(precision: str) -> None:
         assert torch.equal(got, want)
 
 
-def test_scratch_rows_grow_with_many_unseen_ids() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scratch_rows_grow_with_many_unseen_ids(impl: str) -> None:
     """More unknown ids than the preallocated scratch rows: still equal (fp32)."""
     features = ("a",)
     tables = (TableConfig(name="a", dim=4),)
     plans = plan_tables(features, tables, {}, {}, {})
     views = [TableView(tables[0], np.arange(10, dtype=np.int64), torch.randn(10, 4).numpy(), "fp32")]
-    fused = FusedPooling(plans, views, "fp32")
+    fused = build(impl, plans, views, "fp32")
     values = torch.arange(5000, dtype=torch.int64)                                 # 4990 unseen
     batch = Batch(dense=torch.zeros(2500, 0), labels=torch.zeros(2500),
                   sparse=KeyedJagged(features, values, torch.full((2500,), 2, dtype=torch.int32)))
@@ -130,8 +153,9 @@ def test_scratch_rows_grow_with_many_unseen_ids() -> None:
     assert torch.equal(fused.pool(batch)[0], want)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_empty_table_and_unused_feature(precision: str) -> None:
+def test_empty_table_and_unused_feature(impl: str, precision: str) -> None:
     """A table with no rows yet (every id gets its default) and a batch feature no table reads."""
     features = ("a", "skip", "e")
     tables = (TableConfig(name="a", dim=4), TableConfig(name="e", dim=4, seed=9))
@@ -140,7 +164,7 @@ def test_empty_table_and_unused_feature(precision: str) -> None:
     views = [TableView(tables[0], np.arange(0, 30, 3, dtype=np.int64),
                        quantize(torch.randn(10, 4, generator=g), precision), precision),
              TableView(tables[1], np.zeros(0, np.int64), quantize(torch.zeros(0, 4), precision), precision)]
-    fused = FusedPooling(plans, views, precision)
+    fused = build(impl, plans, views, precision)
     rng = np.random.default_rng(4)
     for B in (1, 6):
         lengths = rng.integers(1, 3, size=(3, B)).astype(np.int32)
@@ -151,3 +175,62 @@ def test_empty_table_and_unused_feature(precision: str) -> None:
         got, _ = fused.pool(batch)
         assert got.shape == (B, 2, 4)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("tables", ["normal", "uniform"])
+def test_native_equals_fused_at_batch_4096_any_thread_count(precision: str, tables: str) -> None:
+    """B = 4096 (the benchmark's batch) and B = 1, weighted or not: NativePooling == FusedPooling
+    bit for bit, with 1 and 3 kernel threads (the C side splits ids and bags between them), with
+    some default rows from Python (two calls) or all from C (one call)."""
+    configs = TABLES if tables == "normal" else UNIFORM_TABLES
+    plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision, seed=5, tables=configs)
+    fused, native = FusedPooling(plans, views, precision), build("native", plans, views, precision)
+    assert native.caller_defaults == (tables == "normal")
+    threads = torch.get_num_threads()
+    try:
+        for seed, (B, weighted) in enumerate([(4096, True), (4096, False), (1, True), (1, False)]):
+            batch = make_batch(views, B, 100 + seed, weighted)
+            want, want_lin = fused.pool(batch)
+            for t in (1, 3):
+                torch.set_num_threads(t)
+                got, got_lin = native.pool(batch)
+                assert torch.equal(got, want), f"B={B} weighted={weighted} threads={t}"
+                assert torch.equal(got_lin, want_lin), f"B={B} weighted={weighted} threads={t}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_native_all_bags_empty(precision: str) -> None:
+    """A batch without a single id: zeros everywhere (mean bags of no id included)."""
+    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision)
+    native = build("native", plans, views, precision)
+    B = 3
+    kj = KeyedJagged(FEATURES, torch.zeros(0, dtype=torch.int64), torch.zeros(len(FEATURES) * B, dtype=torch.int32))
+    batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B), sparse=kj)
+    got, got_lin = native.pool(batch)
+    want, want_lin = reference(precision, plans, views, batch)
+    assert torch.equal(got, want) and torch.equal(got_lin, want_lin)
+    assert not got.any() and not got_lin.any()
+
+
+def test_native_output_buffer_reused_only_when_free() -> None:
+    """NativePooling writes a request into the previous request's output buffer only when no tensor
+    views it any more: results the caller keeps are never overwritten."""
+    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views("fp32")
+    native = build("native", plans, views, "fp32")
+    b1, b2 = make_batch(views, 64, 1, True), make_batch(views, 64, 2, True)
+    kept, kept_lin = native.pool(b1)
+    want, want_lin = kept.clone(), kept_lin.clone()
+    other, other_lin = native.pool(b2)                               # b1's results still referenced
+    assert torch.equal(kept, want) and torch.equal(kept_lin, want_lin)
+    assert kept.data_ptr() != other.data_ptr()
+    ptr = other.data_ptr()
+    del kept, kept_lin, other, other_lin
+    again, again_lin = native.pool(b1)                                # nothing references the buffer: reused
+    assert torch.equal(again, want) and torch.equal(again_lin, want_lin)
+    assert again.data_ptr() == ptr

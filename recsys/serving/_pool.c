@@ -1,0 +1,362 @@
+/* Native serving kernel: raw ids -> rows through per-table hash maps, and pooling of every bag of
+ * every slot straight into the model's output layout, fp32 and int8 / int4 rows dequantized in
+ * the loop.
+ *
+ * Plain C99, no Python or torch headers: `recsys/serving/native_pool.py` compiles this file with
+ * the system C compiler (-O3 -ffp-contract=off, never -march=native) on first use and calls it
+ * through ctypes with raw pointers (the caller checks dtypes, contiguity and sizes).
+ * `recsys/serving/fused.py` (FusedPooling) stays the reference; tests compare the two bit for bit.
+ *
+ * Hash map of one table: int64 [C, 2] buckets (key, value), C = 2**bits, value -1 = empty (so any
+ * int64 key, -1 included, can be stored). Linear probing from
+ * home = splitmix64(key + GOLDEN) >> (64 - bits). Values are the table's local rows.
+ *
+ * Slot descriptor, int64 [S, SV_K] (a slot is one (table, feature) pair, in the batch's slot order):
+ *   0 map offset (buckets)   1 map bits          2 hashed: num_embeddings (0: the id is the key)
+ *   3 row base (added to the local row)          4 matrix address   5 row bytes
+ *   6 kind (0 fp32, 2 int8, 3 int4)              7 dim D            8 mode (0 sum, 1 mean)
+ *   9 output (0 or 1)        10 output column of example 0          11 output stride (floats)
+ *   12 row of an unknown id: -1 (zeros default), -2 (uniform default, computed here), -3 (other
+ *      default: the caller computes it and points the row at it)
+ *   13 uniform default: splitmix64(seed)            14 uniform default: the float32 bits of its scale
+ *
+ * Float math (so that results are bit-equal to today's paths):
+ *   fp32 (torch embedding_bag on CPU, fbgemm SpMDM): acc = 0; per id acc += row (unweighted) or
+ *     acc = fma(w, row, acc) (per-id weights, sum bags only); mean bags: acc / (float)len.
+ *   int8 / int4 (fbgemm IntNBit TBE, rows f16 scale | f16 bias | codes; here f32 copies of those
+ *     f16 values at the row's start): w = weight (sum bags), 1.0f / len (mean bags) or 1;
+ *     acc = fma(scale * w, code, acc + bias * w).
+ *   Rows of unknown ids: -1 (zeros default) contribute nothing; -2: the uniform default row of the
+ *   key, computed in the loop exactly as embedding_ps/init.py's `init_rows` computes it; <= -4:
+ *   a default row the caller computed (see sv_bag).
+ *
+ * Threads: lookups split the ids, pooling splits the examples into contiguous chunks, one per thread
+ * (threads 1..T-1 started per call, chunk 0 on the caller); every item's math is the same whatever
+ * the chunking, so results do not depend on the thread count.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SV_K 16
+#define SV_PF 8             /* ids ahead to prefetch */
+#define SV_MAX_THREADS 64
+#define SV_MIN_IDS 8192     /* ids per thread below which a thread costs more than it saves */
+#define SV_MIN_BAGS 1024    /* bags per thread, likewise */
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch((const void *)(p))
+#define ATOMIC_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
+#else
+#define PREFETCH(p) ((void)0)
+#define ATOMIC_ADD(p, v) (*(p) += (v))
+#endif
+
+int sv_abi_version(void) { return 4; }
+
+/* ------------------------------------------------------------------ parallel for */
+typedef void (*sv_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
+struct sv_job { sv_chunk_fn fn; void *ctx; int64_t lo, hi; };
+
+static void *sv_job_run(void *p) {
+    struct sv_job *j = (struct sv_job *)p;
+    j->fn(j->ctx, j->lo, j->hi);
+    return NULL;
+}
+
+/* fn(ctx, lo, hi) over [0, n) in min(nthreads, n / min_chunk) contiguous chunks, in parallel. */
+static void sv_parallel(sv_chunk_fn fn, void *ctx, int64_t n, int nthreads, int64_t min_chunk) {
+    int64_t t = nthreads < SV_MAX_THREADS ? nthreads : SV_MAX_THREADS;
+    if (t > n / min_chunk) t = n / min_chunk;
+    if (t <= 1) {
+        fn(ctx, 0, n);
+        return;
+    }
+    struct sv_job jobs[SV_MAX_THREADS];
+    pthread_t tid[SV_MAX_THREADS];
+    int started[SV_MAX_THREADS];
+    for (int64_t i = 0; i < t; i++) {
+        jobs[i].fn = fn;
+        jobs[i].ctx = ctx;
+        jobs[i].lo = n * i / t;
+        jobs[i].hi = n * (i + 1) / t;
+    }
+    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, sv_job_run, &jobs[i]) == 0;
+    fn(ctx, jobs[0].lo, jobs[0].hi);
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else fn(ctx, jobs[i].lo, jobs[i].hi);
+    }
+}
+
+/* ------------------------------------------------------------------ hash map */
+static inline uint64_t sv_mix(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z;
+}
+
+static inline uint64_t sv_home(int64_t key, int64_t bits) { return sv_mix((uint64_t)key + GOLDEN) >> (64 - bits); }
+
+/* Insert keys[i] -> i (i < n) into one table's map (2**bits buckets, values -1). Returns the number
+ * of keys already present (left as they were), or -1 when the map is full. */
+int64_t sv_map_build(int64_t *map, int64_t bits, const int64_t *keys, int64_t n) {
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    int64_t dup = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t p = sv_home(keys[i], bits);
+        uint64_t left = mask + 1;
+        while (map[2 * p + 1] >= 0 && map[2 * p] != keys[i]) {
+            p = (p + 1) & mask;
+            if (--left == 0) return -1;
+        }
+        if (map[2 * p + 1] >= 0) dup++;
+        else {
+            map[2 * p] = keys[i];
+            map[2 * p + 1] = i;
+        }
+    }
+    return dup;
+}
+
+struct sv_lookup_ctx {
+    const int64_t *map, *slots, *values, *offsets;
+    int64_t S, B, misses;
+    int32_t *rows;
+};
+
+static inline int64_t sv_key(int64_t id, uint64_t hashed) {
+    return hashed ? (int64_t)(sv_mix((uint64_t)id) % hashed) : id;
+}
+
+/* ids [lo, hi) of one slot */
+static int64_t sv_lookup_slot(const int64_t *sl, const int64_t *map0, const int64_t *values, int64_t lo, int64_t hi,
+                              int32_t *rows) {
+    const int64_t *map = map0 + 2 * sl[0];
+    const int64_t bits = sl[1], base = sl[3];
+    const int32_t miss = (int32_t)sl[12];
+    const uint64_t mask = ((uint64_t)1 << bits) - 1, hashed = (uint64_t)sl[2];
+    int64_t misses = 0, keys[SV_PF];
+    uint64_t homes[SV_PF];
+    for (int64_t i = lo; i < hi && i < lo + SV_PF; i++) {        /* ring of the next SV_PF (key, home) */
+        keys[i % SV_PF] = sv_key(values[i], hashed);
+        homes[i % SV_PF] = sv_home(keys[i % SV_PF], bits);
+        PREFETCH(map + 2 * homes[i % SV_PF]);
+    }
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t k = keys[i % SV_PF];
+        uint64_t p = homes[i % SV_PF];
+        if (i + SV_PF < hi) {
+            const int64_t kn = sv_key(values[i + SV_PF], hashed);
+            keys[i % SV_PF] = kn;
+            homes[i % SV_PF] = sv_home(kn, bits);
+            PREFETCH(map + 2 * homes[i % SV_PF]);
+        }
+        int64_t v;
+        while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != k) p = (p + 1) & mask;
+        rows[i] = v >= 0 ? (int32_t)(base + v) : miss;
+        misses += v < 0 && miss == -3;
+    }
+    return misses;
+}
+
+static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
+    struct sv_lookup_ctx *c = (struct sv_lookup_ctx *)p;
+    int64_t misses = 0;
+    for (int64_t s = 0; s < c->S && lo < hi; s++) {
+        const int64_t end = c->offsets[(s + 1) * c->B];
+        if (end <= lo) continue;
+        const int64_t e = end < hi ? end : hi;
+        misses += sv_lookup_slot(c->slots + SV_K * s, c->map, c->values, lo, e, c->rows);
+        lo = e;
+    }
+    ATOMIC_ADD(&c->misses, misses);
+}
+
+/* rows[i] = the row of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
+ * code of unknown ids when its table lacks the key. Returns how many got code -3 (the caller's). */
+int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B, const int64_t *values,
+                  const int64_t *offsets, int32_t *rows, int nthreads) {
+    struct sv_lookup_ctx c = {map, slots, values, offsets, S, B, 0, rows};
+    sv_parallel(sv_lookup_chunk, &c, offsets[S * B], nthreads, SV_MIN_IDS);
+    return c.misses;
+}
+
+/* Positions where[M] (and bags bag[M]) of the rows -3, in order; returns M. */
+int64_t sv_misses(const int32_t *rows, const int64_t *offsets, int64_t nbags, int64_t *where, int64_t *bag) {
+    int64_t m = 0, k = 0;
+    const int64_t n = offsets[nbags];
+    for (int64_t i = 0; i < n; i++) {
+        if (rows[i] != -3) continue;
+        while (offsets[k + 1] <= i) k++;
+        where[m] = i;
+        bag[m++] = k;
+    }
+    return m;
+}
+
+/* The uniform default row of a key (embedding_ps/init.py `_symmetric_bits` times the scale):
+ * odd integers in (-2**24, 2**24), exact in float32, times 2**-24, times the float32 scale. */
+static inline void sv_uniform(float *x, int64_t key, const int64_t *sl, int64_t d) {
+    const uint64_t stream = sv_mix((uint64_t)key ^ (uint64_t)sl[13]);
+    const uint32_t a = (uint32_t)stream, b = (uint32_t)(stream >> 32);
+    float scale;
+    const uint32_t bits = (uint32_t)sl[14];
+    memcpy(&scale, &bits, sizeof scale);
+    for (int64_t j = 0; j < d; j++) {
+        uint32_t x32 = (a + (uint32_t)(j + 1) * 0x9E3779B9u) ^ b;
+        x32 ^= x32 >> 16;
+        x32 *= 0x85EBCA6Bu;
+        x32 ^= x32 >> 13;
+        x32 *= 0xC2B2AE35u;
+        x32 ^= x32 >> 16;
+        x32 = (x32 >> 8) << 1;
+        const int32_t v = (int32_t)x32 - ((1 << 24) - 1);
+        x[j] = ((float)v * 0x1p-24f) * scale;
+    }
+}
+
+/* ------------------------------------------------------------------ pooling */
+#define SV_DMAX 1024 /* widest row the kernel pools (the caller checks) */
+
+struct sv_pool_ctx {
+    int32_t *rows;
+    const int64_t *map, *values;
+    const float *weights, *defaults;
+    const int64_t *offsets, *slots;
+    int64_t B, S;
+    float *out[2];
+};
+
+/* One bag k = s * B + b. Rows r >= 0: the slot's matrix; -1: nothing; -2: the key's uniform default
+ * row; r <= -4: the float32 default row at defaults + (-r - 4). Default rows are summed in id
+ * order like a matrix row (fp32) or, for int8 / int4, weighted and summed apart and added at the
+ * end (as FusedPooling adds them after fbgemm's TBE).
+ * DC: the width when known at compile time (0: the slot's, at most SV_DMAX). */
+static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ctx *c, int64_t k, const int64_t *sl,
+                                                         int64_t s, int64_t send, const int64_t DC) {
+    const int64_t b = k - s * c->B;
+    const uint8_t *mat = (const uint8_t *)(intptr_t)sl[4];
+    const int64_t rb = sl[5], kind = sl[6], d = DC ? DC : sl[7], mean = sl[8];
+    float *o = c->out[sl[9]] + sl[10] + b * sl[11];
+    const int64_t i0 = c->offsets[k], i1 = c->offsets[k + 1];
+    const float *wts = mean ? NULL : c->weights;
+    float acc[SV_DMAX], dacc[SV_DMAX], def[SV_DMAX];     /* on the stack: no aliasing with rows or output */
+    int defaults = 0;
+    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+    const float inv = (mean && kind != 0 && i1 > i0) ? 1.0f / (float)(i1 - i0) : 1.0f;
+    for (int64_t i = i0; i < i1; i++) {
+        if (i + SV_PF < send && c->rows[i + SV_PF] >= 0) PREFETCH(mat + rb * c->rows[i + SV_PF]);
+        const int32_t r = c->rows[i];
+        if (r == -1 || r == -3) continue;
+        const float *x;
+        if (r >= 0) x = (const float *)(mat + rb * r);
+        else if (r == -2) {
+            sv_uniform(def, sv_key(c->values[i], (uint64_t)sl[2]), sl, d);
+            x = def;
+        } else x = c->defaults + (-(int64_t)r - 4);
+        if (kind == 0) {
+            if (wts) {
+                const float w = wts[i];
+                for (int64_t j = 0; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
+            } else {
+                for (int64_t j = 0; j < d; j++) acc[j] += x[j];
+            }
+            continue;
+        }
+        const float w = wts ? wts[i] : inv;
+        if (r < 0) {
+            if (!defaults) {
+                for (int64_t j = 0; j < d; j++) dacc[j] = 0.0f;
+                defaults = 1;
+            }
+            for (int64_t j = 0; j < d; j++) dacc[j] += x[j] * w;
+            continue;
+        }
+        const uint8_t *row = mat + rb * r;
+        float sb[2];
+        memcpy(sb, row, sizeof sb);
+        const float scale = sb[0] * w, bias = sb[1] * w;
+        const uint8_t *q = row + 8;
+        if (kind == 2) {
+            for (int64_t j = 0; j < d; j++) acc[j] = fmaf(scale, (float)q[j], acc[j] + bias);
+        } else {
+            for (int64_t j = 0; j + 1 < d; j += 2) {
+                const uint8_t byte = q[j >> 1];
+                acc[j] = fmaf(scale, (float)(byte & 15), acc[j] + bias);
+                acc[j + 1] = fmaf(scale, (float)(byte >> 4), acc[j + 1] + bias);
+            }
+            if (d & 1) acc[d - 1] = fmaf(scale, (float)(q[(d - 1) >> 1] & 15), acc[d - 1] + bias);
+        }
+    }
+    if (mean && kind == 0 && i1 > i0) {
+        const float n = (float)(i1 - i0);
+        for (int64_t j = 0; j < d; j++) o[j] = acc[j] / n;
+    } else if (defaults) {
+        for (int64_t j = 0; j < d; j++) o[j] = acc[j] + dacc[j];
+    } else {
+        for (int64_t j = 0; j < d; j++) o[j] = acc[j];
+    }
+}
+
+/* Examples [lo, hi) of every slot, in blocks of SV_BLOCK examples: for each block, slot by slot, so
+ * that the block's output rows stay in cache while every slot writes its columns (slot by slot
+ * over the whole batch would stream the whole output through the cache once per slot). The
+ * common widths compile with constant loops. */
+#define SV_BLOCK 64
+#define SV_BAGS(DC)                                                                                 \
+    for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, end, DC);                     \
+    break;
+static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_ctx *c, int64_t lo, int64_t hi,
+                                                          int64_t S) {
+    for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
+        const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t *sl = c->slots + SV_K * s;
+            const int64_t start = c->offsets[s * c->B + b0], end = c->offsets[s * c->B + b1];
+            if (c->map) sv_lookup_slot(sl, c->map, c->values, start, end, c->rows);   /* hot for the pooling */
+            switch (sl[7]) {
+            case 1: SV_BAGS(1)
+            case 8: SV_BAGS(8)
+            case 16: SV_BAGS(16)
+            case 32: SV_BAGS(32)
+            case 64: SV_BAGS(64)
+            case 128: SV_BAGS(128)
+            default: SV_BAGS(0)
+            }
+        }
+    }
+}
+
+static void sv_pool_chunk_generic(void *p, int64_t lo, int64_t hi) {
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S);
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define SV_FMA_DISPATCH 1
+/* The same code with hardware fma (fmaf is one instruction there, a libm call otherwise). */
+__attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S);
+}
+#endif
+
+/* Pools bags k = s * B + b (ids offsets[k] .. offsets[k + 1], raw ids values) into out[slot's
+ * output]. map: NULL when rows holds every id's row already (sv_lookup), else the maps: each
+ * block's ids are looked up right before they are pooled (no slot may have code -3 then).
+ * weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default rows that
+ * rows <= -4 point at, or NULL. */
+void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,
+             const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
+             int nthreads) {
+    struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
+    sv_chunk_fn fn = sv_pool_chunk_generic;
+#ifdef SV_FMA_DISPATCH
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) fn = sv_pool_chunk_fma;
+#endif
+    sv_parallel(fn, &c, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);   /* split the examples */
+}

@@ -1,0 +1,249 @@
+"""NativePooling: FusedPooling's results from one call of a C kernel (`_pool.c`), no reorder copies.
+
+    pooling = make_pooling(plans, tables, precision)   # NativePooling, or FusedPooling without a compiler
+    pooled, linear = pooling.pool(batch)                # [B, F, D], [B, F_lin] | None
+
+Per request (slots, values in slot order and default rows as in `fused.FusedPooling`, whose
+planning this class inherits):
+
+1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
+   (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
+   load <= 0.5; any int64 id can be a key). Hashed tables' keys (`splitmix64(id) %
+   num_embeddings`) are computed in the loop. An unknown id gets its slot's code: -1 (zeros
+   default: nothing to add), -2 (uniform default: computed in the pooling loop exactly as
+   `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal: Python's).
+2. Pooling: every bag k = s * B + b straight into its place in the outputs: pooled [B, F, D]
+   (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot by slot
+   within a block, so the block's output rows stay in cache). Rows: fp32 / fp16 from one
+   float32 matrix per width (FusedPooling's); int8 / int4 from rows f32 scale | f32 bias | codes
+   (the f16-rounded scale and bias fbgemm's TBE uses). Default rows: fp32 / fp16 sum them in id
+   order among the bag's rows (as `F.embedding_bag` over FusedPooling's scratch rows); int8 /
+   int4 sum them (weighted) apart and add that to the bag (as FusedPooling adds them after
+   fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results
+   are bit-equal to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
+   When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
+   are looked up right before they are pooled. Otherwise `sv_lookup` first, `sv_misses` lists
+   the -3 ids, Python computes their rows (`init_rows` per class, as FusedPooling) into one
+   float32 buffer and points them there (-4 - offset), then `sv_pool`.
+
+Threads: the calls split their work over `torch.get_num_threads()` threads (results do not
+depend on the count). Not thread-safe (scratch buffers per instance), like the `Predictor`.
+Figures: BENCHMARKS.md ("The native kernel: `NativePooling`").
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from embedding_ps.init import init_rows
+from embedding_ps.sharding import splitmix64_np
+from recsys.models.sparse_arch import TablePlan
+from recsys.serving import native_pool
+from recsys.serving.export_store import TableView
+from recsys.serving.fused import FusedPooling
+from recsys.serving.quantize import split_fused, tbe_dim
+
+logger = logging.getLogger(__name__)
+
+_KIND = {"fp32": 0, "fp16": 0, "int8": 2, "int4": 3}
+
+
+def _storage_use_count(t: torch.Tensor) -> int:
+    """References to t's storage (every tensor viewing it, plus the temporary storage object)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_use_count = _storage_use_count if hasattr(torch._C, "_storage_Use_Count") else None
+
+
+class Unsupported(ValueError):
+    """A layout the kernel does not handle (pooled slots of mixed widths, linear slots wider than 1)."""
+
+
+def make_pooling(plans: list[TablePlan], tables: list[TableView], precision: str) -> FusedPooling:
+    """NativePooling when the kernel builds and handles the layout, else FusedPooling (same results)."""
+    native = native_pool.lib()
+    if native is not None:
+        try:
+            return NativePooling(plans, tables, precision, native)
+        except Unsupported as e:
+            logger.info("serving: FusedPooling instead of the native kernel (%s)", e)
+    return FusedPooling(plans, tables, precision)
+
+
+class NativePooling(FusedPooling):
+    """Pools a Batch's ids over all tables in one native call (two when some default rows come from
+    Python): [B, F, D] pooled and [B, F_lin] linear, bit-equal to FusedPooling."""
+
+    def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str, native) -> None:
+        slots = self._plan(plans, tables, precision)
+        self.native = native
+        pooled = sorted((f, s) for s, (p, f) in enumerate(slots) if not p.linear)
+        linear = sorted((f, s) for s, (p, f) in enumerate(slots) if p.linear)
+        if not pooled or len({slots[s][0].dim for _, s in pooled}) != 1:
+            raise Unsupported("pooled features of mixed widths, or none")
+        if any(slots[s][0].dim != 1 for _, s in linear):
+            raise Unsupported("linear tables wider than 1")
+        if max(p.dim for p, _ in slots) > native_pool.MAX_DIM:
+            raise Unsupported(f"tables wider than {native_pool.MAX_DIM}")
+        self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
+        if self.quantized:
+            self._build_quantized(slots, tables)
+        else:
+            self._build_matrices(slots, tables)          # FusedPooling's float32 matrices (+ zero, scratch rows)
+        self._build_maps(slots, tables)
+        # -- slot descriptors (see _pool.c) --------------------------------------------------------
+        desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
+        for s, (p, _) in enumerate(slots):
+            desc[s, 0], desc[s, 1] = self.map_at[p.table]
+            desc[s, 2] = self.hashed[s]
+            desc[s, 3] = self.slot_base[s]
+            desc[s, 5] = self.dim_bytes[p.table] if self.quantized else 4 * p.dim
+            desc[s, 6], desc[s, 7], desc[s, 8] = _KIND[precision], p.dim, int(p.pooling == "mean")
+            c = int(self.slot_class[s])                   # unknown ids: -1 zeros, -2 uniform (in C), -3 here
+            if c >= 0 and self.classes[c][2] == "uniform":
+                _, seed, _, scale = self.classes[c]
+                desc[s, 12] = -2
+                desc[s, 13] = int(splitmix64_np(np.array([seed & (2**64 - 1)], dtype=np.uint64)).view(np.int64)[0])
+                desc[s, 14] = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
+            else:
+                desc[s, 12] = -1 if c < 0 else -3
+        for pos, (_, s) in enumerate(pooled):            # pooled [B, F, D]: column pos * D, stride F * D
+            desc[s, 9], desc[s, 10], desc[s, 11] = 0, pos * self.dim, len(pooled) * self.dim
+        for pos, (_, s) in enumerate(linear):            # linear [B, F_lin]
+            desc[s, 9], desc[s, 10], desc[s, 11] = 1, pos, len(linear)
+        self.slots = desc
+        self.caller_defaults = bool((desc[:, 12] == -3).any())     # some default rows computed in Python
+        self._slot_tables = [p.table for p, _ in slots]
+        self._slot_dims = [p.dim for p, _ in slots]
+        self._set_addresses()
+        self._out: torch.Tensor | None = None             # the last output buffer (see _output)
+        self._out_refs = 0
+        self._rows = torch.empty(0, dtype=torch.int32)    # scratch (see _scratch)
+        self._offsets = torch.zeros(1, dtype=torch.int64)
+
+    # -- load ---------------------------------------------------------------------------------------
+
+    def _build_quantized(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """int8 / int4 rows per table: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's f16 values)."""
+        self.qrows: dict[int, torch.Tensor] = {}
+        self.dim_bytes: dict[int, int] = {}
+        for t in sorted({p.table for p, _ in slots}):
+            m = np.asarray(tables[t].matrix)
+            codes, scale, bias = split_fused(m, self.precision)
+            ncodes = tbe_dim(self.precision, tables[t].cfg.dim) // (2 if self.precision == "int4" else 1)
+            rows = np.empty((m.shape[0], 8 + ncodes), np.uint8)
+            sb = np.stack([scale, bias], axis=1).astype(np.float16).astype(np.float32)     # [R, 2]
+            rows[:, :8] = sb.view(np.uint8)
+            rows[:, 8:] = codes[:, :ncodes]
+            self.qrows[t] = torch.from_numpy(rows)
+            self.dim_bytes[t] = rows.shape[1]
+        self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
+
+    def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 2 * rows buckets."""
+        used = sorted({p.table for p, _ in slots})
+        bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
+        self.map_at: dict[int, tuple[int, int]] = {}
+        total = 0
+        for t in used:
+            self.map_at[t] = (total, bits[t])
+            total += 1 << bits[t]
+        self.buckets = torch.full((total, 2), -1, dtype=torch.int64)                    # [C, 2] (key, row)
+        for t in used:
+            at, b = self.map_at[t]
+            ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
+            native_pool.map_build(self.native, self.buckets[at:at + (1 << b)], ids)
+
+    def _set_addresses(self) -> None:
+        """Column 4 of the slot descriptors: the address of each slot's row matrix."""
+        for s, t in enumerate(self._slot_tables):
+            m = self.qrows[t] if self.quantized else self.weights[self.dim_index[self._slot_dims[s]]]
+            self.slots[s, 4] = m.data_ptr()
+
+    # -- per request --------------------------------------------------------------------------------
+
+    def pool(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, kj = batch.batch_size, batch.sparse
+        if self._feature_order is None:
+            self._feature_order = bool(torch.equal(self.slot_feature, torch.arange(len(kj.keys))))
+        if self._feature_order:                           # the batch's order: lengths int32 as they are
+            values, lengths, weights = kj.values, kj.lengths, batch.weights
+        else:
+            values, lengths, weights = self._slot_values(batch)
+        values = values.contiguous()
+        rows, offsets = self._scratch(values.shape[0], lengths.shape[0])               # [N], [S * B + 1]
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        threads = torch.get_num_threads()
+        defaults, fused = None, not self.caller_defaults  # fused: the pooling call looks the ids up too
+        if not fused:
+            misses = native_pool.lookup(self.native, self.buckets, self.slots, B, values, offsets, rows, threads)
+            defaults = self._defaults(rows, values, offsets, misses, B) if misses else None
+        if weights is not None:
+            weights = weights.to(torch.float32).contiguous()
+        F_all, F_lin = B * self.num_pooled * self.dim, B * self.num_linear
+        out = self._output(F_all + F_lin)                                                # pooled | linear
+        native_pool.pool(self.native, rows, self.buckets if fused else None, values, weights, defaults, offsets,
+                         self.slots, B, out[:F_all],
+                         out[F_all:] if F_lin else None, threads)
+        pooled = out[:F_all].view(B, self.num_pooled, self.dim)
+        return pooled, (out[F_all:].view(B, self.num_linear) if F_lin else None)
+
+    def _scratch(self, n: int, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows int32 [n] and offsets int64 [bags + 1] (offsets[0] = 0), kept between requests: fresh
+        multi-100-kB buffers per request cost page faults (see _output)."""
+        if self._rows.shape[0] < n:
+            self._rows = torch.empty(max(n, 2 * self._rows.shape[0]), dtype=torch.int32)
+        if self._offsets.shape[0] < bags + 1:
+            self._offsets = torch.zeros(max(bags + 1, 2 * self._offsets.shape[0]), dtype=torch.int64)
+        return self._rows[:n], self._offsets[:bags + 1]
+
+    def _output(self, n: int) -> torch.Tensor:
+        """A float32 [n] output buffer: the previous request's again when nothing references it any
+        more (no view of it alive), else a new one. A fresh multi-MB buffer per request costs page
+        faults (glibc returns it to the system on free): ~0.8 ms at B = 4096 (BENCHMARKS.md)."""
+        out = self._out
+        if out is not None and out.numel() >= n and _use_count(out) == self._out_refs:
+            return out[:n]
+        out = torch.empty(n)
+        if _use_count is not None:
+            self._out, self._out_refs = out, _use_count(out)
+        return out
+
+    def _defaults(self, rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, misses: int,
+                  B: int) -> torch.Tensor:
+        """The default rows of the unknown ids of tables with a default the kernel does not compute
+        (rows -3; `init_rows` per class, as FusedPooling), flat float32, and their rows pointed
+        at them (-4 - offset)."""
+        where, bag = native_pool.misses(self.native, rows, offsets, misses)          # [M], [M]
+        slot = bag if B == 1 else bag.div(B, rounding_mode="floor")                   # [M]
+        keys = self._miss_keys(values[where], slot)
+        cls = self.slot_class[slot]                                                    # [M]
+        parts, at = [], 0
+        for c, (dim, seed, init, scale) in enumerate(self.classes):
+            idx = (cls == c).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            vals = init_rows(keys[idx], dim, seed, init, scale)                        # [M_c, D_c]
+            n = idx.numel()
+            if at + n * dim >= 2**31 - 4:
+                raise ValueError(f"serving: {n} default rows of width {dim} in one request: too many for int32 rows")
+            rows[where[idx]] = (-4 - at - torch.arange(n, dtype=torch.int64) * dim).to(torch.int32)
+            parts.append(vals.view(-1))
+            at += n * dim
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _miss_keys(self, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Keys [M] of unknown ids [M]: hashed tables' `splitmix64(id) % num_embeddings`, else the id."""
+        if not self.any_hashed:
+            return ids
+        n = self.hashed[slot]                                                          # [M], 0: not hashed
+        h = n > 0
+        keys = ids.clone()
+        if bool(h.any()):
+            keys[h] = torch.from_numpy((splitmix64_np(ids[h].numpy()) % n[h].numpy().astype(np.uint64))
+                                       .astype(np.int64))
+        return keys

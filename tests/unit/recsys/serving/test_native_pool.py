@@ -1,0 +1,118 @@
+"""The native serving kernel's pieces: its hash map against a dict, and the fallback to FusedPooling.
+
+NativePooling's pooled results against FusedPooling / the per-table paths: test_fused.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_ps import native as ps_native
+from embedding_ps.config import TableConfig
+from recsys.models.sparse_arch import plan_tables
+from recsys.serving import native_pool
+from recsys.serving.export_store import TableView
+from recsys.serving.fused import FusedPooling
+from recsys.serving.native_fused import NativePooling, make_pooling
+
+I64 = np.iinfo(np.int64)
+
+
+@pytest.fixture
+def native():
+    lib = native_pool.lib()
+    if lib is None:
+        pytest.skip("no C compiler: the native serving kernel cannot build")
+    return lib
+
+
+def one_slot(bits: int, hashed: int = 0, miss: int = -3) -> torch.Tensor:
+    """A slot descriptor reading map 0 (the other fields do not matter to lookups)."""
+    desc = torch.zeros(1, native_pool.SLOT_FIELDS, dtype=torch.int64)
+    desc[0, 1], desc[0, 2], desc[0, 3], desc[0, 12] = bits, hashed, 10, miss     # row base 10
+    return desc
+
+
+def test_map_lookup_equals_a_dict(native) -> None:
+    """Random int64 keys incl. -1, 0 and the extremes; queries half stored, half not, any thread count."""
+    rng = np.random.default_rng(0)
+    keys = np.unique(np.concatenate([rng.integers(I64.min, I64.max, 3000, dtype=np.int64),
+                                     rng.integers(-50, 50, 60), [-1, 0, I64.min, I64.max]])).astype(np.int64)
+    rng.shuffle(keys)
+    bits = (2 * keys.size - 1).bit_length()
+    buckets = torch.full((1 << bits, 2), -1, dtype=torch.int64)
+    native_pool.map_build(native, buckets, torch.from_numpy(keys))
+    index = {int(k): i for i, k in enumerate(keys)}
+    queries = np.concatenate([keys, rng.integers(I64.min, I64.max, 20000, dtype=np.int64), np.arange(-60, 60)])
+    rng.shuffle(queries)
+    found = np.array([index.get(int(q), -1) for q in queries])
+    offsets = torch.tensor([0, queries.size], dtype=torch.int64)
+    for threads, miss in [(1, -3), (4, -3), (1, -1), (4, -2)]:
+        rows = torch.empty(queries.size, dtype=torch.int32)
+        misses = native_pool.lookup(native, buckets, one_slot(bits, miss=miss), 1, torch.from_numpy(queries),
+                                    offsets, rows, threads)
+        assert np.array_equal(rows.numpy(), np.where(found >= 0, found + 10, miss))   # the slot's code when absent
+        assert misses == (int((found < 0).sum()) if miss == -3 else 0)                # only -3 is the caller's
+
+
+def test_map_hashed_keys(native) -> None:
+    """A hashed table: the key of id x is splitmix64(x) % num_embeddings (as TableView.keys)."""
+    from embedding_ps.sharding import splitmix64_np
+    stored = np.arange(0, 13, 2, dtype=np.int64)                        # keys 0, 2, ..., 12 of 13
+    buckets = torch.full((16, 2), -1, dtype=torch.int64)
+    native_pool.map_build(native, buckets, torch.from_numpy(stored))
+    ids = np.random.default_rng(1).integers(I64.min, I64.max, 500, dtype=np.int64)
+    keys = (splitmix64_np(ids) % np.uint64(13)).astype(np.int64)
+    want = np.where(keys % 2 == 0, keys // 2 + 10, -3)
+    rows = torch.empty(500, dtype=torch.int32)
+    native_pool.lookup(native, buckets, one_slot(4, hashed=13), 1, torch.from_numpy(ids),
+                       torch.tensor([0, 500]), rows, 1)
+    assert np.array_equal(rows.numpy(), want)
+
+
+def test_map_refuses_duplicates_and_small_maps(native) -> None:
+    with pytest.raises(ValueError, match="duplicate"):
+        native_pool.map_build(native, torch.full((8, 2), -1, dtype=torch.int64), torch.tensor([5, 7, 5]))
+    with pytest.raises(ValueError, match="power of two"):
+        native_pool.map_build(native, torch.full((4, 2), -1, dtype=torch.int64), torch.tensor([1, 2, 3]))
+
+
+def _plans_views():
+    tables = (TableConfig(name="a", dim=4), TableConfig(name="b", dim=4, seed=2))
+    plans = plan_tables(("a", "b"), tables, {}, {}, {})
+    views = [TableView(c, np.arange(0, 20, 2, dtype=np.int64), torch.randn(10, 4).numpy(), "fp32") for c in tables]
+    return plans, views
+
+
+def test_make_pooling_native_or_disabled(native) -> None:
+    plans, views = _plans_views()
+    assert type(make_pooling(plans, views, "fp32")) is NativePooling
+    prev = native_pool.set_enabled(False)
+    try:
+        assert type(make_pooling(plans, views, "fp32")) is FusedPooling
+    finally:
+        native_pool.set_enabled(prev)
+    prev = ps_native.set_enabled(False)                               # EMBEDDING_PS_NATIVE=0 turns it off too
+    try:
+        assert type(make_pooling(plans, views, "fp32")) is FusedPooling
+    finally:
+        ps_native.set_enabled(prev)
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) -> None:
+    """No cached library and no compiler: one warning, then FusedPooling (same results, tested in test_fused)."""
+    monkeypatch.setattr(ps_native, "_compiler", lambda: None)
+    monkeypatch.setattr(ps_native, "_cache_dirs", lambda: [tmp_path])
+    monkeypatch.setitem(native_pool._state, "loaded", False)
+    monkeypatch.setitem(native_pool._state, "lib", None)
+    plans, views = _plans_views()
+    with caplog.at_level(logging.WARNING, logger="recsys.serving.native_pool"):
+        first = make_pooling(plans, views, "fp32")
+        second = make_pooling(plans, views, "fp32")
+    assert type(first) is FusedPooling and type(second) is FusedPooling
+    warnings = [r for r in caplog.records if "native pooling kernel unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
