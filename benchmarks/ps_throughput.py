@@ -40,7 +40,10 @@ against the raw fp32 row (the last three from benchmarks/ps_table.py).
 --json prints one line with `rows_per_s` (pull+push per shard process, dim 64, 1 shard and 1
 client), `baseline_rows_per_s` (index_select + index_add_, dim 64), `map_ids_per_s`,
 `bytes_per_row_ratio`, `ratio_vs_inprocess`, `ratio_vs_inprocess_zipf` (the ids measured; a
-ratio whose measurements were not run is an error), and every measurement under `detail`.
+ratio whose measurements were not run is an error), `transport_of` (each ratio key -> "socket" or
+"shared_memory": `ratio_vs_inprocess` and `ratio_vs_inprocess_zipf` are the socket's, the `_shm`
+keys shared memory's), `default_local_transport` (what a client uses with a loopback shard under
+the default ps.shared_memory: "shared_memory" since session 21), and every measurement under `detail`.
 Note: this machine may have 2 cores for all processes; with 2 shards and 2 clients, 4 processes
 share them, so the larger configurations measure contention as much as scaling.
 """
@@ -68,6 +71,7 @@ from embedding_ps.client import PSClient  # noqa: E402
 from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
 from embedding_ps.server import serve  # noqa: E402
 from embedding_ps.shard import ShardState  # noqa: E402
+from embedding_ps.shm import client_uses  # noqa: E402
 
 DIMS = (16, 64)
 READY_TIMEOUT_S = 120.0
@@ -308,6 +312,7 @@ def main() -> None:
         "map_ids_per_s": res.get("map_lookup_insert_10pct_new_ids_per_s", float("nan")),
         "bytes_per_row_ratio": res.get("rss_ratio_d64", float("nan")),
     }
+    transports: dict[str, str] = {}
     for shm, kind in [(m, k) for m in {"off": ("",), "on": ("_shm",), "both": ("", "_shm")}[args.shared_memory]
                       for k in knobs["kinds"]]:
         sfx = "" if kind == "uniform" else "_zipf"
@@ -316,10 +321,17 @@ def main() -> None:
         if shard_key not in res:
             raise SystemExit(f"error: {key} needs the 1 shard / 1 client run (--shards 1 ... --clients 1 ...)")
         summary[key] = res[shard_key] / res[f"inprocess{sfx}_pull_push_d64_rows_per_s"]
+        transports[key] = "shared_memory" if shm else "socket"
+    summary["transport_of"] = transports          # which transport each ratio key measured
+    summary["default_local_transport"] = ("shared_memory" if client_uses(PSConfig().shared_memory, "tcp://127.0.0.1:1")
+                                          else "socket")
     if args.json:
         print(json.dumps({**summary, "detail": res}))
         return
     for k, v in {**res, **summary}.items():
+        if not isinstance(v, float):           # transport_of, default_local_transport
+            print(f"{k:48s} {v}")
+            continue
         shown = f"{v / 1e6:10.2f} M" if v >= 1e5 else f"{v:12.3f}"
         print(f"{k:48s} {shown}")
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -47,6 +46,7 @@ import numpy as np
 import torch
 import zmq
 
+from embedding_ps import native
 from embedding_ps import protocol as P
 from embedding_ps import remote
 from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
@@ -54,7 +54,8 @@ from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import ShmAttacher, ids_offset, shard_accepts
+from embedding_ps.pushgrads import finite_rows, wait_late
+from embedding_ps.shm import DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
@@ -264,10 +265,13 @@ class ShardServer:
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
-        seg = (self._segment(h, payload[2], reply_bytes if ids is not None else ids_offset(reply_bytes) + 8 * total)
-               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids
+        seg = (self._segment(h, payload[2], _seg_bytes(h, reply_bytes, total, ids is None))
+               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids | trailer
+        done = None
         if ids is None:
-            ids = P.frame_tensor(memoryview(seg[ids_offset(reply_bytes):]), P.DType.INT64, total)
+            start = ids_offset(reply_bytes)
+            ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
+            done = done_word(trailer(seg, reply_bytes, total)) if h.flags & P.FLAG_NOTIFY else None
             seg = seg[:reply_bytes]
         self.gate.pulled(h.step)
         if seg is not None and dtype == P.DType.FP32:
@@ -283,6 +287,8 @@ class ShardServer:
             wire = (P.frame_tensor(memoryview(seg), dtype, total, h.dim) if seg is not None
                     else self.buffers.tensor(P.TORCH_DTYPES[dtype], (total, h.dim)))
             out = wire.copy_(out)
+        if done is not None:
+            _notify(done)                   # the caller may take the rows now
         if seg is not None:
             return [h.reply().pack()]       # the rows are in the client's segment
         return [h.reply().pack(), P.tensor_frame(out)]
@@ -298,16 +304,25 @@ class ShardServer:
                        self.config.max_frame_bytes)
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
-        seg = self._segment(h, payload[2], nbytes if ids is not None else ids_offset(nbytes) + 8 * total) if shm else None
+        late = shm and bool(h.flags & P.FLAG_GRADS_LATE)     # the client writes the grads as this runs
+        if late and (ids is not None or dtype != P.DType.FP32):
+            raise P.ProtocolError("PUSH: late grads need fp32 grads and the ids in the segment", P.Status.BAD_VALUE)
+        seg = self._segment(h, payload[2], _seg_bytes(h, nbytes, total, ids is None)) if shm else None
+        # late: wait for the grads; `checked`: the client's copy found them all finite
+        checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s)
         raw = memoryview(seg[:nbytes]) if shm else payload[2]
         grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        ids_in_seg = ids is None
         if ids is None:
-            ids = P.frame_tensor(memoryview(seg[ids_offset(nbytes):]), P.DType.INT64, total)
+            start = ids_offset(nbytes)
+            ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
             if self.config.mode == "sync":
                 ids = ids.clone()          # the sync gate keeps them past the reply: not the client's memory
         if shm and self.config.mode == "sync" and dtype == P.DType.FP32:
             grads = grads.clone()          # (as the ids)
-        keep = self._finite_rows(tables, counts, grads)               # None: every row is finite
+        keep = None if checked else finite_rows(self.config, tables, counts, grads)   # None: all finite
+        if keep is not None:
+            self.nonfinite_skipped += int((~keep).sum())
         parts, start = [], 0
         for t, n in zip(tables, counts):
             if n:
@@ -319,29 +334,9 @@ class ShardServer:
                     parts.append((t, i, g))
             start += n
         self.gate.push(h.worker, h.step, parts)
+        if shm and h.flags & P.FLAG_NOTIFY and ids_in_seg:
+            _notify(done_word(trailer(seg, nbytes, total)))     # the caller may go on now
         return [h.reply().pack()]
-
-    def _finite_rows(self, tables: list[int], counts: list[int], grads: torch.Tensor) -> torch.Tensor | None:
-        """None if every gradient is finite (one sum: NaN and inf propagate through it); else, under
-        ps.on_nonfinite = "skip", a bool [M] of the finite rows; under "error" a BAD_VALUE naming them."""
-        if grads.numel() == 0 or math.isfinite(float(grads.sum())):
-            return None
-        finite = torch.isfinite(grads).all(dim=1)                          # [M]
-        if bool(finite.all()):                                             # the sum overflowed, no row did
-            return None
-        bad = int((~finite).sum())
-        if self.config.on_nonfinite == "skip":
-            self.nonfinite_skipped += bad
-            return finite
-        first = int((~finite).nonzero()[0])
-        start, part = 0, 0
-        while start + counts[part] <= first:
-            start += counts[part]
-            part += 1
-        name = self.config.tables[tables[part]].name
-        raise P.ProtocolError(f"PUSH: {bad} row(s) with NaN or infinite gradients (first: part {part}, table "
-                              f"{name!r}, row {first - start}); nothing applied (ps.on_nonfinite = 'error')",
-                              P.Status.BAD_VALUE)
 
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)
@@ -404,6 +399,22 @@ class ShardServer:
         logger.info("%s: shutdown requested by worker %d", self.name, h.worker)
         self.stopping = True
         return [h.reply().pack()]
+
+
+def _seg_bytes(h: P.Header, rows_bytes: int, m: int, ids_in_seg: bool) -> int:
+    """The bytes a FLAG_SHM request's segment must have: rows [| ids int64 [m] [| trailer]] (embedding_ps.shm)."""
+    if not ids_in_seg:
+        return rows_bytes
+    return ids_offset(rows_bytes) + 8 * m + (TRAILER_BYTES if h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY) else 0)
+
+
+def _notify(word: np.ndarray) -> None:
+    """Tell the client waiting on done word int32 [1] that its request was served (protocol.FLAG_NOTIFY)."""
+    lib = native.lib()
+    if lib is not None:
+        native.notify(lib, word, DONE_OK)
+    else:               # no futex wake: the client wakes on the reply
+        word[0] = DONE_OK
 
 
 def _buf(frame: Any) -> memoryview:
