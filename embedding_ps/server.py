@@ -33,6 +33,7 @@ Pushes and barriers are not idempotent: the shard keeps the replies of the last 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -302,35 +303,57 @@ class ShardServer:
         if late and (ids is not None or dtype != P.DType.FP32):
             raise P.ProtocolError("PUSH: late grads need fp32 grads and the ids in the segment", P.Status.BAD_VALUE)
         seg = self._segment(h, payload[2], _seg_bytes(h, nbytes, total, ids is None)) if shm else None
-        # late: wait for the grads; `checked`: the client's copy found them all finite
-        checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s)
-        raw = memoryview(seg[:nbytes]) if shm else payload[2]
-        grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
         ids_in_seg = ids is None
         if ids is None:
             start = ids_offset(nbytes)
             ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
             if self.config.mode == "sync":
                 ids = ids.clone()          # the sync gate keeps them past the reply: not the client's memory
-        if shm and self.config.mode == "sync" and dtype == P.DType.FP32:
-            grads = grads.clone()          # (as the ids)
-        keep = None if checked else finite_rows(self.config, tables, counts, grads)   # None: all finite
-        if keep is not None:
-            self.nonfinite_skipped += int((~keep).sum())
-        parts, start = [], 0
-        for t, n in zip(tables, counts):
-            if n:
-                i, g = ids[start:start + n], grads[start:start + n]
-                if keep is not None:
-                    k = keep[start:start + n]
-                    i, g = i[k], g[k]
-                if i.numel():
-                    parts.append((t, i, g))
-            start += n
-        self.gate.push(h.worker, h.step, parts)
+        bounds = list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts))     # (table, start, n)
+        part_ids = [ids[a:a + n] for _, a, n in bounds]
+        try:
+            if late:   # the client still writes the grads: look the ids up meanwhile, then wait
+                self._hint_slots(tables, part_ids)
+            # `checked`: the client's copy found every grad finite
+            checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s)
+            self.gate.push(h.worker, h.step, self._push_parts(h, bounds, part_ids, seg, payload, checked))
+        finally:
+            if late and hasattr(self.state, "clear_hints"):
+                self.state.clear_hints()
         if shm and h.flags & P.FLAG_NOTIFY and ids_in_seg:
             _notify(done_word(trailer(seg, nbytes, total)))     # the caller may go on now
         return [h.reply().pack()]
+
+    def _push_parts(self, h: P.Header, bounds: list, part_ids: list, seg, payload: list, checked: bool) -> list:
+        """[(table, ids [n], grads float32 [n, D])] of a PUSH (grads from its frame or segment), after the
+        finite check unless `checked`; ProtocolError under ps.on_nonfinite = "error"."""
+        dtype = P.DType(h.dtype)
+        total = sum(n for *_, n in bounds)
+        raw = memoryview(seg[:total * h.dim * P.ITEM_SIZE[dtype]]) if seg is not None else payload[2]
+        grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        if seg is not None and self.config.mode == "sync" and dtype == P.DType.FP32:
+            grads = grads.clone()          # the sync gate keeps them past the reply: not the client's memory
+        keep = None if checked else finite_rows(self.config, [t for t, *_ in bounds], [n for *_, n in bounds], grads)
+        if keep is not None:               # None: all finite
+            self.nonfinite_skipped += int((~keep).sum())
+        parts = []
+        for (t, a, n), i in zip(bounds, part_ids):
+            g = grads[a:a + n]
+            if keep is not None:
+                i, g = i[keep[a:a + n]], g[keep[a:a + n]]
+            if i.numel():
+                parts.append((t, i, g))
+        return parts
+
+    def _hint_slots(self, tables: list[int], part_ids: list[torch.Tensor]) -> None:
+        """Async mode, each table once in the request: the state looks up the parts' slots now
+        (`ShardState.hint_slots`; the push of these very id tensors takes them over)."""
+        hint = getattr(self.state, "hint_slots", None)
+        if hint is None or self.config.mode != "async" or len(set(tables)) != len(tables):
+            return
+        for t, i in zip(tables, part_ids):
+            if i.numel():
+                hint(t, i)
 
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)

@@ -96,9 +96,9 @@ class Client:
 
 
 def server(on_nonfinite: str = "error", timeout_s: float = 30.0, mode: str = "async",
-           optimizer: str = "adagrad") -> ShardServer:
+           optimizer: str = "adagrad", **table) -> ShardServer:
     cfg = PSConfig(mode=mode, shared_memory=True, timeout_s=timeout_s, on_nonfinite=on_nonfinite,
-                   tables=(TableConfig(name="t", dim=D, optimizer=optimizer, lr=0.1),))
+                   tables=(TableConfig(name="t", dim=D, optimizer=optimizer, lr=0.1, **table),))
     return ShardServer(cfg, 0, ShardState(cfg, 0), bind="127.0.0.1")
 
 
@@ -116,10 +116,14 @@ def rows(srv: ShardServer) -> torch.Tensor:
     return srv.state.pull(0, IDS).clone()
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
-def test_late_push_applies_what_a_frame_push_applies(optimizer: str) -> None:
+@pytest.mark.parametrize("optimizer,table", [("sgd", {}), ("adagrad", {}), ("rowwise_adagrad", {}), ("adam", {}),
+                                             ("ftrl", {}), ("adagrad", {"min_count": 2}),
+                                             ("rowwise_adagrad", {"max_rows": N // 2})])
+def test_late_push_applies_what_a_frame_push_applies(optimizer: str, table: dict) -> None:
+    """Also with admission (min_count 2: rows appear on the second push) and LFU eviction (max_rows):
+    the slots the shard looked up while it waited for the grads are the ones a lookup would give."""
     gen = torch.Generator().manual_seed(1)
-    late, framed, client = server(optimizer=optimizer), server(optimizer=optimizer), Client()
+    late, framed, client = server(optimizer=optimizer, **table), server(optimizer=optimizer, **table), Client()
     try:
         for step in range(3):
             grads = torch.randn(N, D, generator=gen)
@@ -131,8 +135,28 @@ def test_late_push_applies_what_a_frame_push_applies(optimizer: str) -> None:
             assert status(frame_push(framed, grads, step + 1)) == P.Status.OK
             assert shm.done_word(client.trailer)[0] == shm.DONE_OK
             torch.testing.assert_close(rows(late), rows(framed), atol=0, rtol=0)
+            assert late.state._hints == {}
     finally:
         client.close()
+
+
+def test_hinted_slots_are_used_only_for_that_ids_tensor() -> None:
+    cfg = PSConfig(tables=(TableConfig(name="t", dim=D, optimizer="adagrad", lr=0.1),))
+    a, b = ShardState(cfg, 0), ShardState(cfg, 0)
+    grads = torch.randn(N, D)
+    for s in (a, b):
+        s.push(0, IDS[: N // 2], torch.ones(N // 2, D), step=0)
+    ids = IDS.clone()
+    a.hint_slots(0, ids)                         # half the ids have rows, half get them in the push
+    a.push(0, ids, grads, step=1)
+    b.push(0, IDS, grads, step=1)
+    torch.testing.assert_close(a.pull(0, IDS), b.pull(0, IDS), atol=0, rtol=0)
+    a.hint_slots(0, ids[:10])                    # a hint for another tensor: the push looks up itself
+    a._hints[0] = (a._hints[0][0], np.zeros(10, dtype=np.int32))       # (a wrong hint would show)
+    a.push(0, ids[:10].clone(), grads[:10], step=2)
+    b.push(0, IDS[:10], grads[:10], step=2)
+    torch.testing.assert_close(a.pull(0, IDS), b.pull(0, IDS), atol=0, rtol=0)
+    assert a._hints == {}
 
 
 def test_late_non_finite_push_is_refused_with_no_row_changed() -> None:
