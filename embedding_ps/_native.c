@@ -29,11 +29,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #ifdef __linux__
 #include <limits.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #define PS_EMPTY (-1)
@@ -291,9 +291,15 @@ void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
 /* dst [n] = src [n] (32-bit values: fp32 grads), in one pass that also checks every value is
  * finite: returns 1 if none is NaN or +-inf, else 0. The exponent field of each value plus one
  * exponent unit carries into bit 31 only for an all-ones exponent (inf, NaN), so an OR of those
- * sums tells (integer ops: vectorizes without -ffast-math; the bits are copied unchanged). */
-int ps_copy_finite(const uint32_t *restrict src, uint32_t *restrict dst, int64_t n) {
+ * sums tells (integer ops: vectorizes without -ffast-math; the bits are copied unchanged).
+ * wake_fd >= 0: one byte is written to it first (the PS client's I/O thread's wake-up pipe: the
+ * thread then sends the request while this copies, without the two contending for Python's GIL). */
+int ps_copy_finite(const uint32_t *restrict src, uint32_t *restrict dst, int64_t n, int wake_fd) {
     uint32_t acc = 0;
+    if (wake_fd >= 0) { /* wake another thread first (its work overlaps the copy); a full pipe is fine */
+        ssize_t w = write(wake_fd, "x", 1);
+        (void)w;
+    }
     for (int64_t i = 0; i < n; i++) {
         uint32_t u = src[i];
         dst[i] = u;

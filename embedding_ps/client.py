@@ -216,11 +216,13 @@ class PSClient:
 
         call = [] if segs else None
         future = shm.NotifiedFuture(words, lambda: None) if words and len(words) == len(shards) else None
-        try:
-            fut = self._submit(P.Op.PUSH, reqs, finish, call, fallbacks, future)
+        sent = False
+        try:            # late: the I/O thread is woken by the first copy (no contention for the GIL)
+            fut = self._submit(P.Op.PUSH, reqs, finish, call, fallbacks, future, wake=not late)
+            sent = True
         finally:
-            if late:
-                late.write()       # the shards wait for it (abandoned if _submit failed)
+            if late:       # the shards wait for the grads (abandoned if _submit failed)
+                late.write(self._io.wake_w if sent else -1, self._io.wake if sent else None)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         with self._lock:
@@ -380,7 +382,8 @@ class PSClient:
 
     def _submit(self, op: P.Op, reqs: list[tuple[int, P.Header, list]],
                 finish: Callable[[dict], Any], call_out: list | None = None,
-                fallbacks: dict[int, Callable] | None = None, future: Future | None = None) -> Future:
+                fallbacks: dict[int, Callable] | None = None, future: Future | None = None,
+                wake: bool = True) -> Future:
         if self._closed:
             raise RuntimeError("PSClient is closed")
         call = Call(op, future or Future(), finish, waiting=len(reqs))
@@ -389,7 +392,7 @@ class PSClient:
         fallbacks = fallbacks or {}
         items = [Request(call, shard, h.request, [h.pack(), self._token, *payload], fallback=fallbacks.get(shard))
                  for shard, h, payload in reqs]
-        self._io.submit(items)
+        self._io.submit(items, wake)
         return call.future
 
     def _shm_segment(self, shard: int, rows_bytes: int, parts: list[tuple[int, torch.Tensor]],

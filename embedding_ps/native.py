@@ -55,7 +55,7 @@ _SIGS = {
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
                    ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
-    "ps_copy_finite": ([_P, _P, _I64], ctypes.c_int),
+    "ps_copy_finite": ([_P, _P, _I64, ctypes.c_int], ctypes.c_int),
     "ps_publish": ([_P, _I64], None),
     "ps_wait_flag": ([_P, _I64, _I64], _I64),
     "ps_notify": ([_P, ctypes.c_int32], None),
@@ -226,11 +226,12 @@ def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, 
     return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
 
 
-def copy_finite(native, src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """dst = src (float32, same shape, both contiguous) in one pass; whether every value is finite."""
+def copy_finite(native, src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1) -> bool:
+    """dst = src (float32, same shape, both contiguous) in one pass; whether every value is finite.
+    wake_fd >= 0: a byte is written to that fd first, inside the same call (no GIL held)."""
     _check(src, torch.float32, "src"), _check(dst, torch.float32, "dst")
     assert src.shape == dst.shape
-    return bool(native.ps_copy_finite(src.data_ptr(), dst.data_ptr(), src.numel()))
+    return bool(native.ps_copy_finite(src.data_ptr(), dst.data_ptr(), src.numel(), int(wake_fd)))
 
 
 def publish(native, flag: np.ndarray, value: int) -> None:

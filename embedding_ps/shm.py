@@ -244,22 +244,27 @@ class LateGrads:
         trailer[:] = 0                     # not ready (the segment's last request left its own id)
         self.items.append((request, grads, dst, trailer))
 
-    def write(self) -> None:
+    def write(self, wake_fd: int = -1, wake=None) -> None:
         """Copy every shard's grads and publish ready = request id, or -request id for a shard whose
-        copy did not happen (an exception: the shard applies nothing and answers an error)."""
+        copy did not happen (an exception: the shard applies nothing and answers an error).
+        wake_fd: written to by the first copy's C call (the I/O thread's wake-up); `wake()` is called
+        instead if no copy got to do it."""
         lib = native.lib()
         published = 0
         try:
             for request, grads, dst, trailer in self.items:
                 finite, start = True, 0
                 for g in grads:
-                    finite &= native.copy_finite(lib, g.contiguous(), dst[start:start + g.shape[0]])
+                    finite &= native.copy_finite(lib, g.contiguous(), dst[start:start + g.shape[0]], wake_fd)
+                    wake_fd, wake = -1, None
                     start += g.shape[0]
                 trailer[1] = int(finite)
                 native.publish(lib, trailer[0:1], request)
                 published += 1
             self.ok = True
         finally:
+            if wake is not None:
+                wake()
             for request, _, _, trailer in self.items[published:]:
                 native.publish(lib, trailer[0:1], -request)
             self.done.set()

@@ -4,6 +4,7 @@ segment a test plays the client of. A late push applies exactly what the same pu
 applies; a non-finite one is refused (or its bad rows skipped) before any row changes, as is one
 whose grads never come or whose client gave up; the done word is set only by a served request."""
 
+import os
 import threading
 import time
 
@@ -42,6 +43,16 @@ def test_copy_finite_copies_the_bits_and_finds_any_non_finite(bad, where) -> Non
     finite = native.copy_finite(lib(), src, dst)
     assert finite == bool(torch.isfinite(src).all())
     assert torch.equal(dst.view(torch.int32), src.view(torch.int32))      # NaN payloads and -0.0 too
+
+
+def test_copy_finite_wakes_the_fd_first() -> None:
+    r, w = os.pipe()
+    try:
+        src, dst = torch.randn(1000), torch.empty(1000)
+        assert native.copy_finite(lib(), src, dst, w) and torch.equal(src, dst)
+        assert os.read(r, 10) == b"x"
+    finally:
+        os.close(r), os.close(w)
 
 
 def test_publish_and_wait_flag() -> None:
