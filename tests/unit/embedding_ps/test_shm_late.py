@@ -265,3 +265,38 @@ def test_notified_future_returns_once_the_word_is_set_and_lets_go_of_it() -> Non
     with pytest.raises(RuntimeError, match="shard said no"):      # the reply wakes the caller
         err.result(timeout=5)
     assert other[0] == shm.DONE_REPLY
+
+
+def test_late_push_retried_is_answered_from_the_replay_cache() -> None:
+    srv, ref, client = server(), server(), Client()
+    try:
+        grads = torch.randn(N, D)
+        frames = client.request_frames(P.Op.PUSH, P.FLAG_GRADS_LATE | P.FLAG_NOTIFY)
+        client.write(grads)
+        assert status(srv.handle(frames)) == status(srv.handle(frames)) == P.Status.OK   # a retry: not applied again
+        assert status(frame_push(ref, grads, 1)) == P.Status.OK
+        torch.testing.assert_close(rows(srv), rows(ref), atol=0, rtol=0)
+    finally:
+        client.close()
+
+
+def test_hinted_pushes_during_a_background_save_keep_save_and_state_right(tmp_path, monkeypatch) -> None:
+    """test_cow_save's save-while-pushing with every push of the saved state hinted first (new ids,
+    duplicates, sweeps, freed slots reused): the files equal a blocking save, the state a replica's."""
+    from tests.unit.embedding_ps import test_cow_save
+
+    made, init, push = [], ShardState.__init__, ShardState.push
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    def hinted(self, table, ids, grads, step):
+        if self is made[0]:                  # the saved state; its replica pushes without hints
+            self.hint_slots(table, ids)
+        return push(self, table, ids, grads, step)
+
+    monkeypatch.setattr(ShardState, "__init__", record)
+    monkeypatch.setattr(ShardState, "push", hinted)
+    stats, state, _ = test_cow_save.save_while_pushing(tmp_path, fraction=1.0)
+    assert stats["preserved_rows"] > 0 and state is made[0]
