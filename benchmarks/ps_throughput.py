@@ -2,6 +2,7 @@
 
     python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9] [--native on|off]
                                        [--ids uniform|zipf|both] [--threads T] [--shared-memory on|off|both]
+                                       [--late-grads on|off]
 
 For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
 OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
@@ -26,6 +27,9 @@ client, dim 64) and `ratio_vs_inprocess_zipf` divide the shard's pull+push rows/
 what the process boundary and the server cost over the socket (ps.shared_memory = false; with
 shared memory, since session 21 the default for loopback shards: `ratio_vs_inprocess_shm`,
 `ratio_vs_inprocess_zipf_shm`).
+
+--late-grads off: shared-memory clients send a push only once its grads are in the segment and
+wait for the reply (PSClient.late_grads = notify = False, the order before session 22).
 
 --weight-decay WD [--weight-decay-mode l2|decoupled] gives the tables sparse weight decay (its cost
 is the ratio of rows_per_s to a run without it).
@@ -144,6 +148,7 @@ def client_main(config: PSConfig, addresses: list[str], worker: int, args: dict,
     torch.set_num_threads(1)
     out = {}
     with PSClient(config, addresses, worker_id=worker, dedup=args["dedup"]) as client:
+        client.late_grads = client.notify = args["late_grads"]
         for kind in args["kinds"]:
             for t, (dim, (batches, grads)) in enumerate(zip(DIMS, workload(kind, worker, args))):
                 barrier.wait(timeout=READY_TIMEOUT_S)       # all clients start each stream and dim together
@@ -279,6 +284,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="ps.threads of the shards and the in-process bound")
     p.add_argument("--shared-memory", choices=("on", "off", "both"), default="both",
                    help="ps.shared_memory: rows of a co-located shard through /dev/shm instead of the socket")
+    p.add_argument("--late-grads", choices=("on", "off"), default="on",
+                   help="shared-memory clients: PSClient.late_grads and .notify (off: the request order before them)")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
     args = p.parse_args()
@@ -290,7 +297,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
-             "threads": args.threads, "shared_memory": False,
+             "threads": args.threads, "shared_memory": False, "late_grads": args.late_grads == "on",
              "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
