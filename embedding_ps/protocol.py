@@ -49,8 +49,11 @@ PULL -> rows dtype [M, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP ->
 PUSH / BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with
 the error message.
 
-Version 2 (this one) has only the multi-table PULL / PUSH (ops 11 and 12); version 1 also had
-single-table ops 1 and 2. A peer of another version gets BAD_FRAME naming both versions.
+Version 3 (this one) is version 2 with the PUSH / PULL flags FLAG_GRADS_LATE and FLAG_NOTIFY:
+a version-2 shard would ignore them and read gradients the client has not written yet, so the
+versions refuse each other. Version 2 had only the multi-table PULL / PUSH (ops 11 and 12);
+version 1 also had single-table ops 1 and 2. A peer of another version gets BAD_FRAME naming both
+versions.
 
 Header fields (60 bytes, ``<IHBBHHIIQIIqQQ``)::
 
@@ -75,7 +78,7 @@ if sys.byteorder != "little":  # tensors go on the wire as their native bytes
     raise ImportError("embedding_ps.protocol needs a little-endian machine (the wire is little-endian)")
 
 MAGIC = 0x31535045  # b"EPS1" read as a little-endian u32
-VERSION = 2
+VERSION = 3
 HEADER_FORMAT = "<IHBBHHIIQIIqQQ"
 HEADER_SIZE = struct.calcsize(HEADER_FORMAT)
 _HEADER = struct.Struct(HEADER_FORMAT)
