@@ -2,6 +2,7 @@
 
     python benchmarks/ps_throughput.py [--json] [--batch 100000] [--pool 400000] [--repeats 9] [--native on|off]
                                        [--ids uniform|zipf|both] [--threads T] [--shared-memory on|off|both]
+                                       [--late-grads on|off]
 
 For 1 and 2 shard processes and 1 and 2 client processes (all started with the spawn context,
 OMP_NUM_THREADS=1 each), every client pulls and then pushes batches of --batch unique ids (drawn
@@ -27,6 +28,9 @@ what the process boundary and the server cost over the socket (ps.shared_memory 
 shared memory, since session 21 the default for loopback shards: `ratio_vs_inprocess_shm`,
 `ratio_vs_inprocess_zipf_shm`).
 
+--late-grads off: shared-memory clients send a push only once its grads are in the segment and
+wait for the reply (PSClient.late_grads = notify = False, the order before session 22).
+
 --weight-decay WD [--weight-decay-mode l2|decoupled] gives the tables sparse weight decay (its cost
 is the ratio of rows_per_s to a run without it).
 
@@ -40,7 +44,10 @@ against the raw fp32 row (the last three from benchmarks/ps_table.py).
 --json prints one line with `rows_per_s` (pull+push per shard process, dim 64, 1 shard and 1
 client), `baseline_rows_per_s` (index_select + index_add_, dim 64), `map_ids_per_s`,
 `bytes_per_row_ratio`, `ratio_vs_inprocess`, `ratio_vs_inprocess_zipf` (the ids measured; a
-ratio whose measurements were not run is an error), and every measurement under `detail`.
+ratio whose measurements were not run is an error), `transport_of` (each ratio key -> "socket" or
+"shared_memory": `ratio_vs_inprocess` and `ratio_vs_inprocess_zipf` are the socket's, the `_shm`
+keys shared memory's), `default_local_transport` (what a client uses with a loopback shard under
+the default ps.shared_memory: "shared_memory" since session 21), and every measurement under `detail`.
 Note: this machine may have 2 cores for all processes; with 2 shards and 2 clients, 4 processes
 share them, so the larger configurations measure contention as much as scaling.
 """
@@ -68,6 +75,7 @@ from embedding_ps.client import PSClient  # noqa: E402
 from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
 from embedding_ps.server import serve  # noqa: E402
 from embedding_ps.shard import ShardState  # noqa: E402
+from embedding_ps.shm import client_uses  # noqa: E402
 
 DIMS = (16, 64)
 READY_TIMEOUT_S = 120.0
@@ -140,6 +148,7 @@ def client_main(config: PSConfig, addresses: list[str], worker: int, args: dict,
     torch.set_num_threads(1)
     out = {}
     with PSClient(config, addresses, worker_id=worker, dedup=args["dedup"]) as client:
+        client.late_grads = client.notify = args["late_grads"]
         for kind in args["kinds"]:
             for t, (dim, (batches, grads)) in enumerate(zip(DIMS, workload(kind, worker, args))):
                 barrier.wait(timeout=READY_TIMEOUT_S)       # all clients start each stream and dim together
@@ -275,6 +284,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="ps.threads of the shards and the in-process bound")
     p.add_argument("--shared-memory", choices=("on", "off", "both"), default="both",
                    help="ps.shared_memory: rows of a co-located shard through /dev/shm instead of the socket")
+    p.add_argument("--late-grads", choices=("on", "off"), default="on",
+                   help="shared-memory clients: PSClient.late_grads and .notify (off: the request order before them)")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
     args = p.parse_args()
@@ -286,7 +297,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
-             "threads": args.threads, "shared_memory": False,
+             "threads": args.threads, "shared_memory": False, "late_grads": args.late_grads == "on",
              "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
@@ -308,6 +319,7 @@ def main() -> None:
         "map_ids_per_s": res.get("map_lookup_insert_10pct_new_ids_per_s", float("nan")),
         "bytes_per_row_ratio": res.get("rss_ratio_d64", float("nan")),
     }
+    transports: dict[str, str] = {}
     for shm, kind in [(m, k) for m in {"off": ("",), "on": ("_shm",), "both": ("", "_shm")}[args.shared_memory]
                       for k in knobs["kinds"]]:
         sfx = "" if kind == "uniform" else "_zipf"
@@ -316,10 +328,17 @@ def main() -> None:
         if shard_key not in res:
             raise SystemExit(f"error: {key} needs the 1 shard / 1 client run (--shards 1 ... --clients 1 ...)")
         summary[key] = res[shard_key] / res[f"inprocess{sfx}_pull_push_d64_rows_per_s"]
+        transports[key] = "shared_memory" if shm else "socket"
+    summary["transport_of"] = transports          # which transport each ratio key measured
+    summary["default_local_transport"] = ("shared_memory" if client_uses(PSConfig().shared_memory, "tcp://127.0.0.1:1")
+                                          else "socket")
     if args.json:
         print(json.dumps({**summary, "detail": res}))
         return
     for k, v in {**res, **summary}.items():
+        if not isinstance(v, float):           # transport_of, default_local_transport
+            print(f"{k:48s} {v}")
+            continue
         shown = f"{v / 1e6:10.2f} M" if v >= 1e5 else f"{v:12.3f}"
         print(f"{k:48s} {shown}")
 

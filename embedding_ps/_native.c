@@ -24,9 +24,17 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #define PS_EMPTY (-1)
 #define PS_TOMB (-2)
@@ -41,7 +49,7 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 4; }
+int ps_abi_version(void) { return 5; }
 
 /* ------------------------------------------------------------------ parallel for */
 #define PS_MAX_THREADS 64
@@ -277,6 +285,81 @@ void ps_f2h_array(const float *src, uint16_t *dst, int64_t n) {
 
 void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = ps_h2f(src[i]);
+}
+
+/* ------------------------------------------------------------------ shared-memory pushes */
+/* dst [n] = src [n] (32-bit values: fp32 grads), in one pass that also checks every value is
+ * finite: returns 1 if none is NaN or +-inf, else 0. The exponent field of each value plus one
+ * exponent unit carries into bit 31 only for an all-ones exponent (inf, NaN), so an OR of those
+ * sums tells (integer ops: vectorizes without -ffast-math; the bits are copied unchanged).
+ * wake_fd >= 0: one byte is written to it first (the PS client's I/O thread's wake-up pipe: the
+ * thread then sends the request while this copies, without the two contending for Python's GIL). */
+int ps_copy_finite(const uint32_t *restrict src, uint32_t *restrict dst, int64_t n, int wake_fd) {
+    uint32_t acc = 0;
+    if (wake_fd >= 0) { /* wake another thread first (its work overlaps the copy); a full pipe is fine */
+        ssize_t w = write(wake_fd, "x", 1);
+        (void)w;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = src[i];
+        dst[i] = u;
+        acc |= (u & 0x7f800000u) + 0x00800000u;
+    }
+    return !(acc & 0x80000000u);
+}
+
+/* Store `value` into *flag after every earlier store of this thread (the grads written into a
+ * segment, non-temporal ones included) is visible to another process mapping the same memory. */
+void ps_publish(int64_t *flag, int64_t value) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+}
+
+/* Wait until *flag is `want` or `-want` (the writer gave up) or timeout_ns passed: spins on an
+ * acquire load, yielding the CPU between checks after the first few thousand (another process
+ * may need this core to finish writing). Returns the value last read. */
+int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int64_t i = 0;; i++) {
+        int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+        if (v == want || v == -want) return v;
+        if (i < 4096) continue;
+        sched_yield();
+        if ((i & 63) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > timeout_ns) return v;
+        }
+    }
+}
+
+/* *word = value (a release store), then wake every thread of any process waiting in ps_wait_word
+ * on it (a futex on shared memory: no private flag). */
+void ps_notify(int32_t *word, int32_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+#ifdef __linux__
+    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+#endif
+}
+
+/* Wait until *word != 0 or timeout_ns passed, asleep in the kernel (a futex; elsewhere: yielding);
+ * returns the value last read (0: timed out). */
+int32_t ps_wait_word(int32_t *word, int64_t timeout_ns) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (v != 0) return v;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        int64_t left = timeout_ns - ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec));
+        if (left <= 0) return 0;
+#ifdef __linux__
+        struct timespec rel = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        syscall(SYS_futex, word, FUTEX_WAIT, 0, &rel, NULL, 0); /* returns at once if *word != 0 */
+#else
+        sched_yield();
+#endif
+    }
 }
 
 /* ------------------------------------------------------------------ gather (pull) */

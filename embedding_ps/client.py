@@ -43,17 +43,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from embedding_ps import protocol as P
-from embedding_ps import shm
+from embedding_ps import native, shm
 from embedding_ps.auth import load_token
 from embedding_ps.config import PSConfig
-from embedding_ps.sharding import route
+from embedding_ps.clientplan import assemble_rows, combine, frames, index_frame, plan_ids
+from embedding_ps.shm import LateGrads
 from embedding_ps.snapshot import shard_dir
 from embedding_ps.store import done_future
 from embedding_ps.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
@@ -79,21 +79,6 @@ class SaveTimeoutError(TimeoutError):
         self.shard, self.address = shard, address
 
 
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """How a request's ids [N] travel: the ids sent, grouped by shard, and the way back.
-
-    With dedup, `gather` [N] maps each caller position to its unique id's position in `sent`
-    (rows come back with one index_select; grads are summed with one index_add_). Without,
-    `place` [N] is the caller position of each sent id (None: the same order, one shard).
-    """
-
-    sent: torch.Tensor                 # int64 [U] ids grouped by shard (U = N without dedup)
-    counts: list[int]                  # [S] ids per shard
-    gather: torch.Tensor | None        # int64 [N] (dedup) or None
-    place: torch.Tensor | None         # int64 [U] (no dedup, several shards) or None
-
-
 class PSClient:
     """Pull rows from / push gradients to every PS shard (an `EmbeddingStore`). See the module docstring.
 
@@ -102,6 +87,14 @@ class PSClient:
     (the sparse arch) passes False and saves a sort per request; duplicates stay correct either way
     (the shard sums duplicate gradients), they only cost wire bytes.
     """
+
+    late_grads = True
+    """Shared-memory pushes of fp32 grads: send the request first, then copy the grads into the
+    segment (protocol.FLAG_GRADS_LATE; the shard waits for them). False: copy, then send."""
+
+    notify = True
+    """Shared-memory pulls and pushes: the shard wakes the caller through the segment once it served
+    the request (protocol.FLAG_NOTIFY; `shm.NotifiedFuture`). False: the caller waits for the reply."""
 
     def __init__(self, config: PSConfig, addresses: Sequence[str], worker_id: int = 0, *,
                  dedup: bool = True) -> None:
@@ -130,28 +123,36 @@ class PSClient:
                         step: int | None = None) -> "Future[torch.Tensor]":
         """A Future of float32 rows [sum N_t, D]: the rows of every table's int64 ids [N_t], in order."""
         dim, ids = self._many_args("pull", tables, ids)
-        plans = [self._plan(t, x) for t, x in zip(tables, ids)]
+        plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
         shards = self._by_shard([(p, p.sent) for p in plans])
         if not shards:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
-            return _combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
-        reqs, segs, fallbacks = [], {}, {}
+            return combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
+        reqs, segs, fallbacks, words = [], {}, {}, []
+        notify = self.notify and native.lib() is not None
         for shard, parts in shards.items():
-            rows_bytes = sum(c.numel() for _, c in parts) * dim * P.ITEM_SIZE[self.wire]
-            seg = self._shm_segment(shard, rows_bytes, parts)         # rows go there, ids are there
-            h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim,
-                             flags=P.FLAG_SHM if seg else 0)
+            m = sum(c.numel() for _, c in parts)
+            rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
+            seg = self._shm_segment(shard, rows_bytes, parts, shm.TRAILER_BYTES if notify else 0)   # rows, ids
+            flags = (P.FLAG_SHM | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
+            h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             if seg:
+                if notify:
+                    words.append(_done_word(shm.trailer(seg[1], rows_bytes, m)))
                 segs[shard] = seg[1][:rows_bytes]
                 fallbacks[shard] = self._fallback(shard, h, tables, parts, segs)
-                reqs.append((shard, h, [_index_frame(tables, parts), b"", seg[0]]))
+                reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
             else:
-                reqs.append((shard, h, _frames(tables, parts)))
+                reqs.append((shard, h, frames(tables, parts)))
         counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
         call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
-        fut = self._submit(P.Op.PULL, reqs, lambda replies: self._assemble_many(plans, counts, replies, dim,
-                                                                                 segs, call), call, fallbacks)
+        future = None
+        if words and len(words) == len(shards):     # every shard notifies: the rows without the replies
+            stub = {s: (P.Header(op=P.Op.PULL, dtype=self.wire), []) for s in shards}
+            future = shm.NotifiedFuture(words, lambda: assemble_rows(plans, counts, stub, dim, segs, call))
+        fut = self._submit(P.Op.PULL, reqs, lambda replies: assemble_rows(plans, counts, replies, dim, segs, call),
+                           call, fallbacks, future)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         return fut
@@ -165,7 +166,7 @@ class PSClient:
             raise ValueError(f"push to tables {list(tables)}: grads must be float [{total}, {dim}], got "
                              f"{grads.dtype} {list(grads.shape)}")
         grads = grads.detach().to("cpu", torch.float32)
-        plans = [self._plan(t, x) for t, x in zip(tables, ids)]
+        plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
         sent, start = [], 0
         for plan, x in zip(plans, ids):
             g = grads[start:start + x.numel()]                                     # [N_t, D]
@@ -180,33 +181,48 @@ class PSClient:
             return done_future(None)
         if self._too_big("push", tables, shards, dim):     # one request per table instead
             splits = torch.split(grads, [x.numel() for x in ids])
-            return _combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
+            return combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
         grad_parts = self._by_shard(list(zip(plans, sent)))
-        reqs, segs, fallbacks = [], {}, {}
+        reqs, segs, fallbacks, words = [], {}, {}, []
+        lib = native.lib()
+        late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and lib is not None else None
+        notify = self.notify and lib is not None
         for shard, parts in shards.items():
             g = [c for _, c in grad_parts[shard]]
             m = sum(c.shape[0] for c in g)
-            seg = self._shm_segment(shard, m * dim * P.ITEM_SIZE[self.wire], parts)
-            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim,
-                             flags=P.FLAG_SHM if seg else 0)
+            rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
+            seg = self._shm_segment(shard, rows_bytes, parts, shm.TRAILER_BYTES if late or notify else 0)
+            flags = (P.FLAG_SHM | (P.FLAG_GRADS_LATE if late else 0) | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
+            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             if seg:          # the grads go into the segment, cast to the wire type: [M_s, D]
+                if notify:
+                    words.append(_done_word(shm.trailer(seg[1], rows_bytes, m)))
                 segs[shard] = seg[1]
-                dst = P.frame_tensor(memoryview(seg[1][:m * dim * P.ITEM_SIZE[self.wire]]), self.wire, m, dim)
-                if len(g) > 1 and self.wire == P.DType.FP32:
+                dst = P.frame_tensor(memoryview(seg[1][:rows_bytes]), self.wire, m, dim)
+                if late:     # written once the request is on its way (LateGrads.write)
+                    late.add(h.request, g, dst, shm.trailer(seg[1], rows_bytes, m))
+                elif len(g) > 1 and self.wire == P.DType.FP32:
                     torch.cat(g, out=dst)
                 else:
                     dst.copy_(g[0] if len(g) == 1 else torch.cat(g))
-                fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst)
-                reqs.append((shard, h, [_index_frame(tables, parts), b"", seg[0]]))
+                fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst, late)
+                reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
             else:
                 payload = P.tensor_frame(P.to_wire(g[0] if len(g) == 1 else torch.cat(g), self.wire))  # [M_s, D]
-                reqs.append((shard, h, [*_frames(tables, parts), payload]))
+                reqs.append((shard, h, [*frames(tables, parts), payload]))
         def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
             return None
 
         call = [] if segs else None
-        fut = self._submit(P.Op.PUSH, reqs, finish, call, fallbacks)
+        future = shm.NotifiedFuture(words, lambda: None) if words and len(words) == len(shards) else None
+        sent = False
+        try:            # late: the I/O thread is woken by the first copy (no contention for the GIL)
+            fut = self._submit(P.Op.PUSH, reqs, finish, call, fallbacks, future, wake=not late)
+            sent = True
+        finally:
+            if late:       # the shards wait for the grads (abandoned if _submit failed)
+                late.write(self._io.wake_w if sent else -1, self._io.wake if sent else None)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         with self._lock:
@@ -360,66 +376,52 @@ class PSClient:
             raise ValueError(f"table {table}: ids must be int64 [N], got {ids.dtype} {list(ids.shape)}")
         return ids.detach().cpu()
 
-    def _plan(self, table: int, ids: torch.Tensor) -> _Plan:
-        """Dedup ids [N] (if self.dedup) and group them by shard: argsort + bincount, no loop."""
-        n = self.config.num_shards
-        if self.dedup:
-            ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)   # [U], [N]
-        if n == 1:
-            return _Plan(ids, [ids.numel()], inverse if self.dedup else None, None)
-        shard = route(ids, self.config.tables[table], n)                        # [U]
-        order = torch.argsort(shard, stable=True)                               # [U]
-        counts = torch.bincount(shard, minlength=n).tolist()
-        if not self.dedup:
-            return _Plan(ids[order], counts, None, order)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel())                                # unique index -> sent position
-        return _Plan(ids[order], counts, pos[inverse], None)
-
-    @staticmethod
-    def _chunks(plan: _Plan, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        parts = torch.split(t, plan.counts)
-        return [(s, part) for s, part in enumerate(parts) if part.shape[0] > 0]
-
     def _header(self, op: P.Op, table: int = 0, step: int | None = None, **fields: int) -> P.Header:
         return P.Header(op=op, table=table, step=self.step if step is None else step, worker=self.worker_id,
                         client=self._client, request=next(self._ids), **fields)
 
     def _submit(self, op: P.Op, reqs: list[tuple[int, P.Header, list]],
                 finish: Callable[[dict], Any], call_out: list | None = None,
-                fallbacks: dict[int, Callable] | None = None) -> Future:
+                fallbacks: dict[int, Callable] | None = None, future: Future | None = None,
+                wake: bool = True) -> Future:
         if self._closed:
             raise RuntimeError("PSClient is closed")
-        call = Call(op, Future(), finish, waiting=len(reqs))
+        call = Call(op, future or Future(), finish, waiting=len(reqs))
         if call_out is not None:
             call_out.append(call)
         fallbacks = fallbacks or {}
         items = [Request(call, shard, h.request, [h.pack(), self._token, *payload], fallback=fallbacks.get(shard))
                  for shard, h, payload in reqs]
-        self._io.submit(items)
+        self._io.submit(items, wake)
         return call.future
 
-    def _shm_segment(self, shard: int, rows_bytes: int, parts: list[tuple[int, torch.Tensor]]
-                     ) -> tuple[bytes, "np.ndarray"] | None:
+    def _shm_segment(self, shard: int, rows_bytes: int, parts: list[tuple[int, torch.Tensor]],
+                     extra: int = 0) -> tuple[bytes, "np.ndarray"] | None:
         """(name, uint8 view) of a segment for a request to `shard` with the ids int64 [M] of `parts`
-        written after rows_bytes of rows (shm.ids_offset), or None: the socket."""
+        written after rows_bytes of rows (shm.ids_offset) and `extra` bytes after them (a trailer),
+        or None: the socket."""
         m = sum(c.numel() for _, c in parts)
-        seg = self._shm.take(shard, shm.ids_offset(rows_bytes) + 8 * m)
+        seg = self._shm.take(shard, shm.ids_offset(rows_bytes) + 8 * m + extra)
         if seg is not None:
-            dst = P.frame_tensor(memoryview(seg[1][shm.ids_offset(rows_bytes):]), P.DType.INT64, m)   # [M]
+            start = shm.ids_offset(rows_bytes)
+            dst = P.frame_tensor(memoryview(seg[1][start:start + 8 * m]), P.DType.INT64, m)   # [M]
             torch.cat([c for _, c in parts], out=dst)
         return seg
 
     def _fallback(self, shard: int, h: P.Header, tables: Sequence[int], parts: list, segs: dict,
-                  grads: torch.Tensor | None = None) -> Callable[[str], tuple[int, list]]:
+                  grads: torch.Tensor | None = None, late: "LateGrads | None" = None
+                  ) -> Callable[[str], tuple[int, list]]:
         """The socket form of a shared-memory PULL (grads None) or PUSH (grads: wire dtype [M, D] in the
-        segment) to `shard`, for when the shard answers NO_SHM; called on the I/O thread."""
+        segment, written by `late` when given) to `shard`, for when the shard answers NO_SHM; called
+        on the I/O thread."""
         def fallback(message: str) -> tuple[int, list]:
+            if late is not None and not late.wait(self.config.timeout_s):
+                raise RuntimeError(f"push to ps shard {shard}: its grads were not written into shared memory")
             self._shm.refused(shard, message)
             segs.pop(shard, None)          # the shard never opened it: no rows there, reusable
             again = dataclasses.replace(h, flags=h.flags & ~P.FLAG_SHM, request=next(self._ids))
             rows = [] if grads is None else [P.tensor_frame(grads.clone())]
-            return again.request, [again.pack(), self._token, *_frames(tables, parts), *rows]
+            return again.request, [again.pack(), self._token, *frames(tables, parts), *rows]
 
         return fallback
 
@@ -458,7 +460,7 @@ class PSClient:
         """[(plan, tensor in plan.sent order)] -> {shard: [(part index, the shard's chunk)]}, parts in order."""
         out: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for i, (plan, t) in enumerate(items):
-            for shard, chunk in self._chunks(plan, t):
+            for shard, chunk in plan.chunks(t):
                 out.setdefault(shard, []).append((i, chunk))
         return out
 
@@ -479,78 +481,11 @@ class PSClient:
                              f"split the ids")
         return False
 
-    def _assemble_many(self, plans: list, counts: dict[int, list[int]], replies: dict[int, tuple[P.Header, list]],
-                       dim: int, segs: dict | None = None, call: list | None = None) -> torch.Tensor:
-        """Every shard's PULL reply (or its rows in shared-memory segment segs[shard]) -> float32 rows
-        [sum N_t, D] in the caller's order."""
-        pieces: dict[int, list[torch.Tensor]] = {}          # shard -> rows of each of its parts
-        for shard, cs in counts.items():
-            header, payload = replies[shard]
-            what = f"PULL reply of ps shard {shard}"
-            seg = segs.get(shard) if segs else None
-            if len(payload) != (seg is None):
-                raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not {int(seg is None)}")
-            dtype = P.row_dtype(header.dtype, what)
-            buf = memoryview(seg) if seg is not None else payload[0]
-            P.expect_bytes(what, len(buf), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
-            rows = P.frame_tensor(buf, dtype, sum(cs), dim)
-            if seg is not None and call and call[0].retried:
-                rows = rows.clone()          # an earlier attempt may still write the segment: not the caller's
-            if len(counts) == 1 and all(p.gather is None and p.place is None for p in plans):
-                return rows.float()           # one shard, no reordering: the frame itself (fp32)
-            pieces[shard] = list(torch.split(rows, cs))
-        out = []
-        for plan in plans:
-            if plan.sent.numel() == 0:        # a table without ids
-                out.append(torch.empty(0, dim))
-                continue
-            mine = [pieces[s].pop(0) for s, c in enumerate(plan.counts) if c]   # parts in table order
-            if plan.place is not None:
-                rows = torch.empty(plan.sent.numel(), dim)
-                for place, part in zip(torch.split(plan.place, [c for c in plan.counts if c]), mine):
-                    rows.index_copy_(0, place, part.float())
-            else:
-                rows = (torch.cat(mine) if len(mine) != 1 else mine[0]).float()
-                if plan.gather is not None:
-                    rows = rows.index_select(0, plan.gather)
-            out.append(rows)
-        return torch.cat(out) if out else torch.empty(0, dim)
-
-
-def _index_frame(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]):
-    """The index frame [T, 2] (table, count) of one shard's parts."""
-    return P.tensor_frame(torch.tensor([[tables[i], c.numel()] for i, c in parts], dtype=torch.int64))
-
-
-def _frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> list:
-    """The index [T, 2] and ids [M] frames of one shard's parts."""
-    ids = parts[0][1] if len(parts) == 1 else torch.cat([c for _, c in parts])
-    return [_index_frame(tables, parts), P.tensor_frame(ids)]
-
-
-def _combine(futures: list[Future], combine: Callable[[list], Any]) -> Future:
-    """A Future of combine([f.result() for f in futures]) once all are done (the first error wins)."""
-    out: Future = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-            return
-        try:
-            out.set_result(combine([f.result() for f in futures]))
-        except Exception as e:
-            out.set_exception(e)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
+def _done_word(trailer: np.ndarray) -> np.ndarray:
+    """A request's done word (int32 [1] in its segment's trailer), reset to "not served"."""
+    word = shm.done_word(trailer)
+    word[0] = 0
+    return word
 
 
 __all__ = ["PSClient", "ShardUnavailableError", "PSRequestError", "SaveFailedError", "SaveTimeoutError"]

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 4
+_ABI = 5
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -55,6 +55,11 @@ _SIGS = {
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
                    ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
+    "ps_copy_finite": ([_P, _P, _I64, ctypes.c_int], ctypes.c_int),
+    "ps_publish": ([_P, _I64], None),
+    "ps_wait_flag": ([_P, _I64, _I64], _I64),
+    "ps_notify": ([_P, ctypes.c_int32], None),
+    "ps_wait_word": ([_P, _I64], ctypes.c_int32),
     "ps_h2f_array": ([_P, _P, _I64], None),
 }
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
@@ -220,6 +225,36 @@ def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, 
     assert slots.shape[0] == n and weights.shape[1] == d
     return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
 
+
+def copy_finite(native, src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1) -> bool:
+    """dst = src (float32, same shape, both contiguous) in one pass; whether every value is finite.
+    wake_fd >= 0: a byte is written to that fd first, inside the same call (no GIL held)."""
+    _check(src, torch.float32, "src"), _check(dst, torch.float32, "dst")
+    assert src.shape == dst.shape
+    return bool(native.ps_copy_finite(src.data_ptr(), dst.data_ptr(), src.numel(), int(wake_fd)))
+
+
+def publish(native, flag: np.ndarray, value: int) -> None:
+    """flag int64 [1] = value, after every earlier store of this thread (a release store with a fence)."""
+    _check(flag, np.int64, "flag")
+    native.ps_publish(flag.ctypes.data, int(value))
+
+
+def wait_flag(native, flag: np.ndarray, want: int, timeout_s: float) -> int:
+    """Spin (then yield) until flag int64 [1] is `want` or `-want`, at most timeout_s; the value last read."""
+    _check(flag, np.int64, "flag")
+    return int(native.ps_wait_flag(flag.ctypes.data, int(want), int(timeout_s * 1e9)))
+
+def notify(native, word: np.ndarray, value: int) -> None:
+    """word int32 [1] = value (release), then wake whoever waits on it in any process (`wait_word`)."""
+    _check(word, np.int32, "word")
+    native.ps_notify(word.ctypes.data, int(value))
+
+
+def wait_word(native, word: np.ndarray, timeout_s: float) -> int:
+    """Sleep until word int32 [1] is not 0 (a futex on Linux), at most timeout_s; the value (0: timed out)."""
+    _check(word, np.int32, "word")
+    return int(native.ps_wait_word(word.ctypes.data, int(max(timeout_s, 0.0) * 1e9)))
 
 
 WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2}

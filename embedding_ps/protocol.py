@@ -18,6 +18,21 @@ A shard that cannot open the segment (it does not take shared memory, or it does
 client's /dev/shm) answers status NO_SHM before applying anything, and the client sends the same
 request again with the rows in a frame.
 
+PUSH with ``flags & FLAG_SHM | FLAG_GRADS_LATE`` (fp32 grads, ids in the segment): the client sends
+the request first and then writes the grads into the segment, so the request's hand-off to the
+shard overlaps that copy; the segment's 16-byte trailer after the ids (`embedding_ps.shm`) holds
+`ready` (int64: the request id once the grads are written, minus it if the client gave up) and
+`finite` (int64: 1 if the client's copy found every grad finite). The shard waits for `ready`
+before it reads a grad (bounded: an error reply if it does not come), and runs its own finite
+check only when `finite` is not 1.
+
+PULL / PUSH with ``flags & FLAG_SHM | FLAG_NOTIFY`` (ids in the segment, the same trailer): once the
+request succeeded (rows gathered into the segment, grads applied or queued), the shard sets the
+trailer's `done` word (int32 at byte 16) to 1 and wakes the client's thread waiting on it (a futex
+on the shared page), then sends its reply as usual. The waiting caller has its result without
+waiting for the reply to travel through the sockets and the client's I/O thread; every other
+outcome (an error, NO_SHM) comes by the reply.
+
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (copy-on-write, bounded extra
 memory), replies at once and writes it on a thread; SAVE_STATUS reports how that write went
 (`embedding_ps.saver`). Without the flag, SAVE replies once the files are written. SAVE with
@@ -34,8 +49,11 @@ PULL -> rows dtype [M, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP ->
 PUSH / BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with
 the error message.
 
-Version 2 (this one) has only the multi-table PULL / PUSH (ops 11 and 12); version 1 also had
-single-table ops 1 and 2. A peer of another version gets BAD_FRAME naming both versions.
+Version 3 (this one) is version 2 with the PUSH / PULL flags FLAG_GRADS_LATE and FLAG_NOTIFY:
+a version-2 shard would ignore them and read gradients the client has not written yet, so the
+versions refuse each other. Version 2 had only the multi-table PULL / PUSH (ops 11 and 12);
+version 1 also had single-table ops 1 and 2. A peer of another version gets BAD_FRAME naming both
+versions.
 
 Header fields (60 bytes, ``<IHBBHHIIQIIqQQ``)::
 
@@ -60,7 +78,7 @@ if sys.byteorder != "little":  # tensors go on the wire as their native bytes
     raise ImportError("embedding_ps.protocol needs a little-endian machine (the wire is little-endian)")
 
 MAGIC = 0x31535045  # b"EPS1" read as a little-endian u32
-VERSION = 2
+VERSION = 3
 HEADER_FORMAT = "<IHBBHHIIQIIqQQ"
 HEADER_SIZE = struct.calcsize(HEADER_FORMAT)
 _HEADER = struct.Struct(HEADER_FORMAT)
@@ -85,6 +103,13 @@ FLAG_PREPARE = 2
 """SAVE request flag: fault in the memory of the next background snapshot, reply at once."""
 FLAG_SHM = 4
 """PULL / PUSH request flag: the rows are in the client's shared-memory segment named by the last frame."""
+FLAG_GRADS_LATE = 8
+"""PUSH request flag (with FLAG_SHM, ids in the segment): sent while the client still writes the grads
+into the segment; the shard waits for the segment's trailer (`embedding_ps.shm.Trailer`) to say they
+are written, and skips its finite check when the trailer says the client found every grad finite."""
+FLAG_NOTIFY = 16
+"""PULL / PUSH request flag (with FLAG_SHM, ids in the segment): once the request succeeded, the shard
+sets the trailer's done word and wakes the client's waiting thread (a futex), before its reply."""
 
 
 class Status(enum.IntEnum):
@@ -265,7 +290,7 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
         raise ProtocolError(f"{what}: payload is not UTF-8 ({e})", Status.BAD_VALUE) from None
 
 
-__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "FLAG_SHM", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
+__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "FLAG_SHM", "FLAG_GRADS_LATE", "FLAG_NOTIFY", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
            "ProtocolError", "WIRE_DTYPES", "ITEM_SIZE", "unpack_header", "peek_ids", "check_request",
            "expect_bytes", "row_dtype", "tensor_frame", "frame_tensor", "to_wire", "text_frame",
            "frame_text"]

@@ -2,7 +2,8 @@
 
     recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
 
-(`recsys ps` is the one entry point; it calls `serve` here.) The server only decodes requests and
+(`recsys ps` is the one entry point; it calls `serve`, in `embedding_ps.shardloop` with the socket
+loop and importable from here.) The server only decodes requests and
 encodes replies (wire format: `embedding_ps.protocol`); rows, optimizer state and save/load live in
 `embedding_ps.shard.ShardState`, and the order of pushes and pulls in the mode's gate
 (`embedding_ps.gates`: `SyncGate` or `AsyncGate`, chosen at start). It is one thread and never
@@ -32,13 +33,10 @@ Pushes and barriers are not idempotent: the shard keeps the replies of the last 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import math
 import os
-import signal
-import socket
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -47,24 +45,22 @@ import numpy as np
 import torch
 import zmq
 
+from embedding_ps import native
 from embedding_ps import protocol as P
 from embedding_ps import remote
-from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve, token_matches
+from embedding_ps.auth import token_matches
 from embedding_ps.config import PSConfig
 from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
+from embedding_ps.pushgrads import finite_rows, wait_late
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import ShmAttacher, ids_offset, shard_accepts
+from embedding_ps.shm import DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
 
 REPLAY_ENTRIES = 16384
 """Replies of non-idempotent requests remembered for retries (each ~100 bytes)."""
-POLL_MS = 200
-"""The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
-BUSY_POLL_MS = 2
-"""... and this often while a background save is prepared or written."""
 MAX_STEP = 2**31 - 1
 """Steps are int32 on the shard (a row's last-seen step)."""
 
@@ -264,10 +260,13 @@ class ShardServer:
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
-        seg = (self._segment(h, payload[2], reply_bytes if ids is not None else ids_offset(reply_bytes) + 8 * total)
-               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids
+        seg = (self._segment(h, payload[2], _seg_bytes(h, reply_bytes, total, ids is None))
+               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids | trailer
+        done = None
         if ids is None:
-            ids = P.frame_tensor(memoryview(seg[ids_offset(reply_bytes):]), P.DType.INT64, total)
+            start = ids_offset(reply_bytes)
+            ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
+            done = done_word(trailer(seg, reply_bytes, total)) if h.flags & P.FLAG_NOTIFY else None
             seg = seg[:reply_bytes]
         self.gate.pulled(h.step)
         if seg is not None and dtype == P.DType.FP32:
@@ -283,6 +282,8 @@ class ShardServer:
             wire = (P.frame_tensor(memoryview(seg), dtype, total, h.dim) if seg is not None
                     else self.buffers.tensor(P.TORCH_DTYPES[dtype], (total, h.dim)))
             out = wire.copy_(out)
+        if done is not None:
+            _notify(done)                   # the caller may take the rows now
         if seg is not None:
             return [h.reply().pack()]       # the rows are in the client's segment
         return [h.reply().pack(), P.tensor_frame(out)]
@@ -298,50 +299,61 @@ class ShardServer:
                        self.config.max_frame_bytes)
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
-        seg = self._segment(h, payload[2], nbytes if ids is not None else ids_offset(nbytes) + 8 * total) if shm else None
-        raw = memoryview(seg[:nbytes]) if shm else payload[2]
-        grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        late = shm and bool(h.flags & P.FLAG_GRADS_LATE)     # the client writes the grads as this runs
+        if late and (ids is not None or dtype != P.DType.FP32):
+            raise P.ProtocolError("PUSH: late grads need fp32 grads and the ids in the segment", P.Status.BAD_VALUE)
+        seg = self._segment(h, payload[2], _seg_bytes(h, nbytes, total, ids is None)) if shm else None
+        ids_in_seg = ids is None
         if ids is None:
-            ids = P.frame_tensor(memoryview(seg[ids_offset(nbytes):]), P.DType.INT64, total)
+            start = ids_offset(nbytes)
+            ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
             if self.config.mode == "sync":
                 ids = ids.clone()          # the sync gate keeps them past the reply: not the client's memory
-        if shm and self.config.mode == "sync" and dtype == P.DType.FP32:
-            grads = grads.clone()          # (as the ids)
-        keep = self._finite_rows(tables, counts, grads)               # None: every row is finite
-        parts, start = [], 0
-        for t, n in zip(tables, counts):
-            if n:
-                i, g = ids[start:start + n], grads[start:start + n]
-                if keep is not None:
-                    k = keep[start:start + n]
-                    i, g = i[k], g[k]
-                if i.numel():
-                    parts.append((t, i, g))
-            start += n
-        self.gate.push(h.worker, h.step, parts)
+        bounds = list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts))     # (table, start, n)
+        part_ids = [ids[a:a + n] for _, a, n in bounds]
+        try:
+            if late:   # the client still writes the grads: look the ids up meanwhile, then wait
+                self._hint_slots(tables, part_ids)
+            # `checked`: the client's copy found every grad finite
+            checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s)
+            self.gate.push(h.worker, h.step, self._push_parts(h, bounds, part_ids, seg, payload, checked))
+        finally:
+            if late and hasattr(self.state, "clear_hints"):
+                self.state.clear_hints()
+        if shm and h.flags & P.FLAG_NOTIFY and ids_in_seg:
+            _notify(done_word(trailer(seg, nbytes, total)))     # the caller may go on now
         return [h.reply().pack()]
 
-    def _finite_rows(self, tables: list[int], counts: list[int], grads: torch.Tensor) -> torch.Tensor | None:
-        """None if every gradient is finite (one sum: NaN and inf propagate through it); else, under
-        ps.on_nonfinite = "skip", a bool [M] of the finite rows; under "error" a BAD_VALUE naming them."""
-        if grads.numel() == 0 or math.isfinite(float(grads.sum())):
-            return None
-        finite = torch.isfinite(grads).all(dim=1)                          # [M]
-        if bool(finite.all()):                                             # the sum overflowed, no row did
-            return None
-        bad = int((~finite).sum())
-        if self.config.on_nonfinite == "skip":
-            self.nonfinite_skipped += bad
-            return finite
-        first = int((~finite).nonzero()[0])
-        start, part = 0, 0
-        while start + counts[part] <= first:
-            start += counts[part]
-            part += 1
-        name = self.config.tables[tables[part]].name
-        raise P.ProtocolError(f"PUSH: {bad} row(s) with NaN or infinite gradients (first: part {part}, table "
-                              f"{name!r}, row {first - start}); nothing applied (ps.on_nonfinite = 'error')",
-                              P.Status.BAD_VALUE)
+    def _push_parts(self, h: P.Header, bounds: list, part_ids: list, seg, payload: list, checked: bool) -> list:
+        """[(table, ids [n], grads float32 [n, D])] of a PUSH (grads from its frame or segment), after the
+        finite check unless `checked`; ProtocolError under ps.on_nonfinite = "error"."""
+        dtype = P.DType(h.dtype)
+        total = sum(n for *_, n in bounds)
+        raw = memoryview(seg[:total * h.dim * P.ITEM_SIZE[dtype]]) if seg is not None else payload[2]
+        grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
+        if seg is not None and self.config.mode == "sync" and dtype == P.DType.FP32:
+            grads = grads.clone()          # the sync gate keeps them past the reply: not the client's memory
+        keep = None if checked else finite_rows(self.config, [t for t, *_ in bounds], [n for *_, n in bounds], grads)
+        if keep is not None:               # None: all finite
+            self.nonfinite_skipped += int((~keep).sum())
+        parts = []
+        for (t, a, n), i in zip(bounds, part_ids):
+            g = grads[a:a + n]
+            if keep is not None:
+                i, g = i[keep[a:a + n]], g[keep[a:a + n]]
+            if i.numel():
+                parts.append((t, i, g))
+        return parts
+
+    def _hint_slots(self, tables: list[int], part_ids: list[torch.Tensor]) -> None:
+        """Async mode, each table once in the request: the state looks up the parts' slots now
+        (`ShardState.hint_slots`; the push of these very id tensors takes them over)."""
+        hint = getattr(self.state, "hint_slots", None)
+        if hint is None or self.config.mode != "async" or len(set(tables)) != len(tables):
+            return
+        for t, i in zip(tables, part_ids):
+            if i.numel():
+                hint(t, i)
 
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)
@@ -406,6 +418,22 @@ class ShardServer:
         return [h.reply().pack()]
 
 
+def _seg_bytes(h: P.Header, rows_bytes: int, m: int, ids_in_seg: bool) -> int:
+    """The bytes a FLAG_SHM request's segment must have: rows [| ids int64 [m] [| trailer]] (embedding_ps.shm)."""
+    if not ids_in_seg:
+        return rows_bytes
+    return ids_offset(rows_bytes) + 8 * m + (TRAILER_BYTES if h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY) else 0)
+
+
+def _notify(word: np.ndarray) -> None:
+    """Tell the client waiting on done word int32 [1] that its request was served (protocol.FLAG_NOTIFY)."""
+    lib = native.lib()
+    if lib is not None:
+        native.notify(lib, word, DONE_OK)
+    else:               # no futex wake: the client wakes on the reply
+        word[0] = DONE_OK
+
+
 def _buf(frame: Any) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
 
@@ -424,136 +452,10 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-# ---------------------------------------------------------------------------------------------
-# the socket loop
+def __getattr__(name: str) -> Any:
+    """`serve` and `run_loop` live in `embedding_ps.shardloop` (the socket loop); imported from here too."""
+    if name in ("serve", "run_loop"):
+        from embedding_ps import shardloop
 
-
-def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> None:
-    """Serve until a SHUTDOWN request or `stop` is set. Parked requests are retried after barriers."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    deferred: list[list] = []
-    while not (server.stopping or stop.is_set()):
-        if deferred and server.wakeup():      # the saver's phase ended: a parked SAVE / LOAD goes on
-            deferred = _retry(server, sock, deferred)
-        # while the saver works, wake often to notice the end of its phase
-        if not poller.poll(BUSY_POLL_MS if server.saver.busy else POLL_MS):
-            continue
-        while not server.stopping:
-            try:
-                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            reply = server.handle(msg[1:])
-            if reply is DEFERRED:
-                deferred.append(msg)
-                continue
-            sock.send_multipart([msg[0], *reply], copy=False)
-            reply = None      # zmq holds the frames now: the reply buffer is free once it is sent
-            if deferred and (_op_of(msg) == P.Op.BARRIER or server.wakeup()):
-                deferred = _retry(server, sock, deferred)
-
-
-def _op_of(msg: list) -> int:
-    buf = _buf(msg[1]) if len(msg) > 1 else b""
-    return buf[6] if len(buf) == P.HEADER_SIZE else -1
-
-
-def _retry(server: ShardServer, sock: zmq.Socket, deferred: list[list]) -> list[list]:
-    still = []
-    for msg in deferred:
-        reply = server.handle(msg[1:])
-        if reply is DEFERRED:
-            still.append(msg)
-        else:
-            sock.send_multipart([msg[0], *reply], copy=False)
-        reply = None
-    return still
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port or '*'}" if ":" in host else f"tcp://{host}:{port or '*'}"
-
-
-def _advertised(endpoint: str, host: str) -> str:
-    """The address clients use: a wildcard bind is advertised under this machine's name."""
-    if host in ("0.0.0.0", "*", "::"):
-        return f"tcp://{socket.getfqdn()}:{endpoint.rsplit(':', 1)[1]}"
-    return endpoint
-
-
-def _write_ready(path: str, address: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(address + "\n")
-    os.replace(tmp, path)
-
-
-def _default_state(config: PSConfig, shard_index: int) -> ShardStateLike:
-    from embedding_ps.shard import ShardState
-
-    return ShardState(config, shard_index)
-
-
-def _prime_malloc() -> None:
-    """Free one large block so glibc raises its mmap threshold (to ~30 MB) now.
-
-    Below that threshold, request-sized blocks (zmq's receive buffers, push temporaries) come
-    from the heap and are reused; above it each is a fresh mmap whose every page faults in again
-    (the faults and time it costs a 100k-row d64 push: BENCHMARKS.md, "Figures moved here from the
-    code"). glibc raises the threshold
-    itself after the first such free, but only if one happens to come along.
-    """
-    block = torch.empty(30 << 20, dtype=torch.uint8)
-    del block
-
-
-def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: int = 0,
-          ready_file: str | None = None, state_factory: StateFactory | None = None,
-          stop: threading.Event | None = None) -> None:
-    """Serve shard `shard_index` of every table until SHUTDOWN, SIGTERM or `stop` is set (SIGTERM
-    only without a `stop` of the caller's, who then handles signals).
-
-    bind: host to bind (default ps.bind); a non-loopback host needs ps.auth (AuthConfigError,
-    raised before anything is bound). port 0: an ephemeral port. The address clients should use is
-    logged and written to `ready_file` (atomically) once the shard serves.
-    state_factory(config, shard_index) builds the shard state (default: ShardState).
-    """
-    if not 0 <= shard_index < config.num_shards:
-        raise ValueError(f"shard index {shard_index} is outside 0..{config.num_shards - 1} (ps.num_shards)")
-    host = bind or config.bind
-    check_bind_auth(config, host, shard_index)
-    token = load_token(config) if config.auth == "token" else None
-    state = (state_factory or _default_state)(config, shard_index)
-    _prime_malloc()
-    server = ShardServer(config, shard_index, state, token, bind=host)
-    own_stop = stop is None              # a caller's `stop` comes with the caller's signal handling
-    stop = stop or threading.Event()
-    ctx = zmq.Context()
-    authenticator = None
-    sock = ctx.socket(zmq.ROUTER)
-    old_handler = None
-    try:
-        sock.linger = 1000
-        sock.maxmsgsize = config.max_frame_bytes + P.HEADER_SIZE
-        sock.ipv6 = ":" in host
-        if config.auth == "curve":
-            authenticator = setup_server_curve(ctx, sock, config)
-        sock.bind(_endpoint(host, port))
-        address = _advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), host)
-        if own_stop and threading.current_thread() is threading.main_thread():
-            old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        logger.info("ps shard %d/%d serving at %s (%s mode, %d tables, auth %s, pid %d)", shard_index,
-                    config.num_shards, address, config.mode, len(config.tables), config.auth, os.getpid())
-        if ready_file:
-            _write_ready(ready_file, address)
-        run_loop(server, sock, stop)
-        logger.info("ps shard %d stopping", shard_index)
-    finally:
-        server.close()
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
-        sock.close()
-        if authenticator is not None:
-            authenticator.stop()
-        ctx.term()
+        return getattr(shardloop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 
 from embedding_ps import native
@@ -61,6 +62,7 @@ class ShardState:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)     # a background save's writer and waiting updates
         self._cow: CowSave | None = None                 # the running copy-on-write save, if any
+        self._hints: dict[int, tuple[torch.Tensor, np.ndarray]] = {}   # table -> (ids, slots): hint_slots
 
     # ------------------------------------------------------------------ hot path
     def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,9 +115,22 @@ class ShardState:
         grads = grads.detach().to(torch.float32).contiguous()
         with self._lock:
             keys = keys_of(ids, t.cfg)
+            hint = self._hints.pop(table, None)
             if self._cow is not None:       # may wait (lock released) for room in the save's side buffer
                 self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
-            t.push(keys, grads, step)
+            t.push(keys, grads, step, hint[1] if hint is not None and hint[0] is ids else None)
+
+    def hint_slots(self, table: int, ids: torch.Tensor) -> None:
+        """Look up the slots of ids int64 [N] now, for the next `push` of this very tensor to `table`
+        (the server, while a client still writes that push's grads: protocol.FLAG_GRADS_LATE). Valid
+        while nothing else changes the table's map: the server calls `clear_hints` once it pushed."""
+        t = self._table(table)
+        ids = self._ids(table, ids)
+        with self._lock:
+            self._hints[table] = (ids, t.map.lookup(keys_of(ids, t.cfg).numpy()))     # int32 [N], -1: no row
+
+    def clear_hints(self) -> None:
+        self._hints.clear()
 
     def sweep(self, step: int) -> dict[str, int]:
         """TTL eviction in every table; returns {"evicted_ttl": n, "pending_dropped": n, "<name>/evicted_ttl": ...}."""

@@ -13,6 +13,10 @@ nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
     segment: rows dtype [M, D] | ids int64 [M] (at ids_offset; the request's ids frame is empty)
     PUSH: grads copied into the segment               reads grads and ids from it (sync mode: copies them)
     PULL: reply has no rows frame                     reads the ids, gathers rows into it
+    PUSH with FLAG_GRADS_LATE: segment rows | ids | trailer (ready int64, finite int64, `trailer`)
+      request sent, then grads copied (+ finite check)  reads ids, waits for ready == request id
+      in one pass (native.copy_finite), then ready      (native.wait_flag), skips its finite check
+                                                         when finite == 1
 
 Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
 a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
@@ -46,6 +50,7 @@ import secrets
 import stat
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -53,6 +58,7 @@ from typing import Literal
 
 import numpy as np
 
+from embedding_ps import native
 from embedding_ps.auth import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -79,6 +85,27 @@ def is_local(address: str) -> bool:
 def ids_offset(rows_bytes: int) -> int:
     """Where a request's ids int64 [M] start in its segment: after its rows (`rows_bytes`), 8-aligned."""
     return (rows_bytes + 7) & ~7
+
+
+TRAILER_BYTES = 32
+"""A FLAG_GRADS_LATE / FLAG_NOTIFY request's trailer after its ids (protocol): int64 ready, int64 finite,
+int32 done, 4 bytes unused, int64 unused."""
+DONE_OK = 1
+"""The trailer's done word: the shard served the request (protocol.FLAG_NOTIFY)."""
+DONE_REPLY = 3
+"""... set by the client once the reply is in, whatever it said (wakes a waiting caller)."""
+
+
+def trailer(seg: np.ndarray, rows_bytes: int, m: int) -> np.ndarray:
+    """int64 [4] view (ready, finite, done | unused, unused) of the trailer after the ids int64 [m] of
+    a segment uint8 [>= ...] whose rows take rows_bytes."""
+    start = ids_offset(rows_bytes) + 8 * m
+    return seg[start:start + TRAILER_BYTES].view(np.int64)
+
+
+def done_word(trailer: np.ndarray) -> np.ndarray:
+    """The trailer's done word, int32 [1]."""
+    return trailer[2:3].view(np.int32)[:1]
 
 
 def available() -> bool:
@@ -201,6 +228,87 @@ class ClientSegments:
                 self.pool.close()       # unlinks the segments; mappings live on while a tensor views them
 
 
+class LateGrads:
+    """The grads of one FLAG_GRADS_LATE push (protocol): written into the shards' segments after the
+    requests are handed to the I/O thread, so that their way to the shards overlaps the copy. Each
+    shard's grads are copied and checked finite in one pass (`native.copy_finite`), then its
+    trailer's ready word is published (`native.publish`); the shard waits for it."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, list, object, np.ndarray]] = []   # (request, grads [M_i, D] fp32, dst, trailer)
+        self.done = threading.Event()
+        self.ok = False
+
+    def add(self, request: int, grads: list, dst, trailer: np.ndarray) -> None:
+        """Grads float32 [M_i, D] parts to copy into dst float32 [sum M_i, D] (a segment) for `request`."""
+        trailer[:] = 0                     # not ready (the segment's last request left its own id)
+        self.items.append((request, grads, dst, trailer))
+
+    def write(self, wake_fd: int = -1, wake=None) -> None:
+        """Copy every shard's grads and publish ready = request id, or -request id for a shard whose
+        copy did not happen (an exception: the shard applies nothing and answers an error).
+        wake_fd: written to by the first copy's C call (the I/O thread's wake-up); `wake()` is called
+        instead if no copy got to do it."""
+        lib = native.lib()
+        published = 0
+        try:
+            for request, grads, dst, trailer in self.items:
+                finite, start = True, 0
+                for g in grads:
+                    finite &= native.copy_finite(lib, g.contiguous(), dst[start:start + g.shape[0]], wake_fd)
+                    wake_fd, wake = -1, None
+                    start += g.shape[0]
+                trailer[1] = int(finite)
+                native.publish(lib, trailer[0:1], request)
+                published += 1
+            self.ok = True
+        finally:
+            if wake is not None:
+                wake()
+            for request, _, _, trailer in self.items[published:]:
+                native.publish(lib, trailer[0:1], -request)
+            self.done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every shard's grads were written (waits up to timeout_s for `write`)."""
+        return self.done.wait(timeout_s) and self.ok
+
+
+class NotifiedFuture(Future):
+    """A Future whose `result()` may come before the reply (protocol.FLAG_NOTIFY): once every shard set
+    its segment's done word to DONE_OK, `fast()` builds the result from the segments (what the reply
+    would give). Anything else (an error, NO_SHM, a timeout) ends in the reply's result; the client
+    sets the words to DONE_REPLY when the future completes, to wake a waiting caller."""
+
+    def __init__(self, words: list[np.ndarray], fast) -> None:
+        super().__init__()
+        self.words, self.fast = words, fast
+        self.add_done_callback(_wake)      # a function, not a bound method: no cycle through self
+
+    def result(self, timeout: float | None = None):
+        lib = native.lib()
+        words, fast = self.words, self.fast     # _wake lets go of them once the reply is in
+        if lib is not None and fast is not None and not self.done():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for word in words:
+                left = 1e9 if deadline is None else deadline - time.monotonic()
+                if native.wait_word(lib, word, left) != DONE_OK:
+                    break
+            else:
+                return fast()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return super().result(timeout)
+
+
+def _wake(fut: NotifiedFuture) -> None:
+    """The reply is in: wake a caller still waiting on the done words, and let go of the segments."""
+    lib = native.lib()
+    for word in fut.words:
+        if lib is not None and word[0] == 0:
+            native.notify(lib, word, DONE_REPLY)
+    fut.words, fut.fast = [], None
+
+
 class ShmAttacher:
     """The shard's mappings of its clients' segments by name (most recently used `max_entries`)."""
 
@@ -269,5 +377,6 @@ def _root(view: np.ndarray) -> np.ndarray:
     return view
 
 
-__all__ = ["MIN_BYTES", "POOL_BYTES", "ClientSegments", "Mode", "ids_offset", "ShmAttacher", "ShmPool", "available", "client_uses",
+__all__ = ["MIN_BYTES", "POOL_BYTES", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY", "trailer", "done_word", "LateGrads",
+           "NotifiedFuture", "ClientSegments", "Mode", "ids_offset", "ShmAttacher", "ShmPool", "available", "client_uses",
            "is_local", "shard_accepts"]

@@ -137,10 +137,11 @@ class TableShard:
         else:
             out[miss] = init_rows(keys[miss], self.cfg.dim, self.cfg.seed, self.cfg.init, self.cfg.init_scale)
 
-    def push(self, keys: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        """Apply grads float32 [N, D] of keys int64 [N] (dups summed) at `step`. `grads` is not modified."""
+    def push(self, keys: torch.Tensor, grads: torch.Tensor, step: int, slots: np.ndarray | None = None) -> None:
+        """Apply grads float32 [N, D] of keys int64 [N] (dups summed) at `step`; `grads` is not modified.
+        slots: the int32 [N] slots of `keys`, looked up since the map last changed (taken over), or None."""
         knp = keys.numpy()
-        slots = self.map.lookup(knp)  # int32 [N]
+        slots = self.map.lookup(knp) if slots is None else slots  # int32 [N]
         miss = slots < 0
         if miss.any():
             self._admit_missing(knp, slots, miss, step)

@@ -87,10 +87,16 @@ class IOThread(threading.Thread):
         self.pending: dict[int, Request] = {}
         self.dead: BaseException | None = None
 
-    def submit(self, item: Any) -> None:
+    def submit(self, item: Any, wake: bool = True) -> None:
+        """Queue `item` (requests, or None: stop). wake=False: the caller writes a byte to `wake_w`
+        itself, soon (e.g. from C with the GIL released, `native.copy_finite`)."""
         if self.dead is not None:
             raise RuntimeError(f"PSClient I/O thread is gone: {self.dead!r}")
         self.inbox.put(item)
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
         try:
             os.write(self.wake_w, b"x")
         except BlockingIOError:

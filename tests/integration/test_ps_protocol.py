@@ -33,7 +33,7 @@ BAD = [
     ("one frame", lambda: _pull([1])[:1], P.Status.BAD_FRAME, ">= 2 frames"),
     ("truncated ids", lambda: _pull([1, 2])[:3] + [bytes(12)], P.Status.BAD_FRAME, "frame has 12"),
     ("wrong magic", lambda: [b"ABCD" + _pull([1])[0][4:], b"", bytes(16), bytes(8)], P.Status.BAD_FRAME, "bad magic"),
-    ("version 1 peer", lambda: _pull([1], version=1), P.Status.BAD_FRAME, "version 1 not supported (this side speaks 2)"),
+    ("version 1 peer", lambda: _pull([1], version=1), P.Status.BAD_FRAME, "version 1 not supported (this side speaks 3)"),
     ("single-table op of version 1", lambda: [P.Header(op=1, dtype=P.DType.FP32, count=1, dim=D).pack(), b"",
                                               bytes(8)], P.Status.BAD_FRAME, "unknown op 1"),
     ("unknown op", lambda: [P.Header(op=99).pack(), b""], P.Status.BAD_FRAME, "unknown op 99"),

@@ -17,7 +17,7 @@ import zmq
 
 from embedding_ps import protocol as P
 from embedding_ps import shm
-from embedding_ps.client import PSClient
+from embedding_ps.client import PSClient, PSRequestError
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.server import serve
 
@@ -46,7 +46,7 @@ def run(shard_processes, config: PSConfig, name: str) -> tuple[list[torch.Tensor
     return seen, stats
 
 
-@pytest.mark.parametrize("mode,wire", [("async", "fp32"), ("sync", "fp16")])
+@pytest.mark.parametrize("mode,wire", [("async", "fp32"), ("sync", "fp32"), ("sync", "fp16")])
 def test_shared_memory_gives_the_socket_results(shard_processes, mode: str, wire: str) -> None:
     base = PSConfig(num_shards=2, mode=mode, wire_dtype=wire, timeout_s=60.0, threads=2, tables=TABLES,
                     shared_memory=False)
@@ -57,6 +57,52 @@ def test_shared_memory_gives_the_socket_results(shard_processes, mode: str, wire
     assert all(s["shm_requests"] == 0 for s in s_stats)
     assert all(s["shm_requests"] >= 6 for s in m_stats)   # 3 pulls + 3 pushes per shard (>= 1 MB) went through /dev/shm
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"recsys-ps-{os.getpid():08x}")]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_every_optimizer_gets_the_socket_results(shard_processes, mode: str) -> None:
+    optimizers = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+    base = PSConfig(num_shards=1, mode=mode, timeout_s=60.0, shared_memory=False,
+                    tables=tuple(TableConfig(name=o, dim=D, optimizer=o, lr=0.05) for o in optimizers))
+    got = {}
+    for sm in (False, "auto"):
+        config = dataclasses.replace(base, shared_memory=sm)
+        shards = shard_processes(config, f"{mode}-{sm}")
+        gen = torch.Generator().manual_seed(3)
+        ids = torch.randperm(4 * ROWS, generator=gen)[:ROWS]
+        tables = list(range(len(optimizers)))
+        with PSClient(config, shards.addresses, dedup=False) as c:
+            for step in range(3):
+                rows = c.pull_many_async(tables, [ids] * len(tables), step).result(timeout=60)
+                c.push_many_async(tables, [ids] * len(tables), torch.randn(rows.shape, generator=gen) * rows,
+                                  step).result(timeout=60)
+                c.barrier(step)
+            got[sm] = c.pull_many_async(tables, [ids] * len(tables)).result(timeout=60).clone()
+            assert (c.stats()[0]["shm_requests"] >= 7) == (sm == "auto")
+    torch.testing.assert_close(got["auto"], got[False], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("shared_memory", [False, "auto"])
+def test_non_finite_push_is_refused_with_no_row_changed(shard_processes, shared_memory) -> None:
+    """A push with one NaN among 12k rows fails naming it and changes no row, through the socket and
+    through shared memory (where the client's copy checks the grads and the shard trusts it only when
+    every value was finite)."""
+    config = PSConfig(num_shards=1, mode="async", timeout_s=30.0, shared_memory=shared_memory, tables=TABLES)
+    shards = shard_processes(config, f"nonfinite-{shared_memory}")
+    ids = torch.arange(ROWS)
+    with PSClient(config, shards.addresses, dedup=False) as c:
+        c.push(0, ids, torch.ones(ROWS, D))
+        before = c.pull(0, ids).clone()
+        grads = torch.ones(ROWS, D)
+        grads[ROWS - 1, D - 1] = float("nan")
+        with pytest.raises(PSRequestError, match="NaN or infinite"):
+            c.push(0, ids, grads)
+        torch.testing.assert_close(c.pull(0, ids), before, atol=0, rtol=0)
+        c.push(0, ids, torch.ones(ROWS, D))              # the next push goes through as before
+        assert not torch.equal(c.pull(0, ids), before)
+        stats = c.stats()[0]
+    assert stats["errors"] == 1
+    assert (stats["shm_requests"] >= 5) == (shared_memory == "auto")
 
 
 def test_shard_without_shared_memory_falls_back_to_the_socket(shard_processes, caplog) -> None:

@@ -133,13 +133,17 @@ def test_header_errors():
 
 
 def test_a_version_1_peer_gets_a_clear_error():
-    """Version 2 has one row path (multi-table PULL / PUSH); a version-1 request names both versions."""
-    assert P.VERSION == 2 and not hasattr(P.Op, "PULL_MULTI") and {int(P.Op.PULL), int(P.Op.PUSH)} == {11, 12}
+    """Since version 2 one row path (multi-table PULL / PUSH); a version-1 request names both versions.
+    Version 3 (late grads, notify): a version-2 peer is refused the same way."""
+    assert P.VERSION == 3 and not hasattr(P.Op, "PULL_MULTI") and {int(P.Op.PULL), int(P.Op.PUSH)} == {11, 12}
     server, state = make()
     v1 = pull_req([1])[0][:4] + struct.pack("<H", 1) + pull_req([1])[0][6:]
     status, text = status_of(server.handle([v1, b"", bytes(16), bytes(8)]))
     assert status == P.Status.BAD_FRAME
-    assert "protocol version 1 not supported (this side speaks 2)" in text and "same release" in text
+    assert "protocol version 1 not supported (this side speaks 3)" in text and "same release" in text
+    v2 = pull_req([1])[0][:4] + struct.pack("<H", 2) + pull_req([1])[0][6:]
+    assert "protocol version 2 not supported (this side speaks 3)" in status_of(server.handle([v2, b"", bytes(16),
+                                                                                              bytes(8)]))[1]
     old_pull = P.Header(op=1, dtype=P.DType.FP32, count=1, dim=D).pack()      # version 1's single-table op
     assert "unknown op 1" in status_of(server.handle([old_pull, b"", bytes(8)]))[1]
 

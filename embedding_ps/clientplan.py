@@ -1,0 +1,137 @@
+"""The PS client's bookkeeping around a request (`embedding_ps.client`): how its ids travel and
+how the rows come back.
+
+    plan_ids       ids [N] -> Plan: deduplicated (optional) and grouped by shard (argsort + bincount)
+    index_frame    a shard's parts -> the index frame int64 [T, 2] (table, count); `frames` adds the ids
+    assemble_rows  every shard's PULL reply (a frame, or rows in its shared-memory segment) -> float32
+                   rows [sum N_t, D] in the caller's order
+    combine        futures -> one future of their combined results (a call split per table)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from embedding_ps import protocol as P
+from embedding_ps.config import PSConfig
+from embedding_ps.sharding import route
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a request's ids [N] travel: the ids sent, grouped by shard, and the way back.
+
+    With dedup, `gather` [N] maps each caller position to its unique id's position in `sent`
+    (rows come back with one index_select; grads are summed with one index_add_). Without,
+    `place` [N] is the caller position of each sent id (None: the same order, one shard).
+    """
+
+    sent: torch.Tensor                 # int64 [U] ids grouped by shard (U = N without dedup)
+    counts: list[int]                  # [S] ids per shard
+    gather: torch.Tensor | None        # int64 [N] (dedup) or None
+    place: torch.Tensor | None         # int64 [U] (no dedup, several shards) or None
+
+    def chunks(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """t [U, ...] in `sent` order -> [(shard, its rows of t)] for the shards with ids."""
+        parts = torch.split(t, self.counts)
+        return [(s, part) for s, part in enumerate(parts) if part.shape[0] > 0]
+
+
+def plan_ids(config: PSConfig, dedup: bool, table: int, ids: torch.Tensor) -> Plan:
+    """Dedup ids [N] (if `dedup`) and group them by shard: argsort + bincount, no loop."""
+    n = config.num_shards
+    if dedup:
+        ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)   # [U], [N]
+    if n == 1:
+        return Plan(ids, [ids.numel()], inverse if dedup else None, None)
+    shard = route(ids, config.tables[table], n)                              # [U]
+    order = torch.argsort(shard, stable=True)                                # [U]
+    counts = torch.bincount(shard, minlength=n).tolist()
+    if not dedup:
+        return Plan(ids[order], counts, None, order)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())                                 # unique index -> sent position
+    return Plan(ids[order], counts, pos[inverse], None)
+
+
+def assemble_rows(plans: list[Plan], counts: dict[int, list[int]], replies: dict[int, tuple[P.Header, list]],
+                  dim: int, segs: dict | None = None, call: list | None = None) -> torch.Tensor:
+    """Every shard's PULL reply (or its rows in shared-memory segment segs[shard]) -> float32 rows
+    [sum N_t, D] in the caller's order. call: [the transport Call] (a retried one: rows are copied)."""
+    pieces: dict[int, list[torch.Tensor]] = {}          # shard -> rows of each of its parts
+    for shard, cs in counts.items():
+        header, payload = replies[shard]
+        what = f"PULL reply of ps shard {shard}"
+        seg = segs.get(shard) if segs else None
+        if len(payload) != (seg is None):
+            raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not {int(seg is None)}")
+        dtype = P.row_dtype(header.dtype, what)
+        buf = memoryview(seg) if seg is not None else payload[0]
+        P.expect_bytes(what, len(buf), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
+        rows = P.frame_tensor(buf, dtype, sum(cs), dim)
+        if seg is not None and call and call[0].retried:
+            rows = rows.clone()          # an earlier attempt may still write the segment: not the caller's
+        if len(counts) == 1 and all(p.gather is None and p.place is None for p in plans):
+            return rows.float()           # one shard, no reordering: the frame itself (fp32)
+        pieces[shard] = list(torch.split(rows, cs))
+    out = []
+    for plan in plans:
+        if plan.sent.numel() == 0:        # a table without ids
+            out.append(torch.empty(0, dim))
+            continue
+        mine = [pieces[s].pop(0) for s, c in enumerate(plan.counts) if c]   # parts in table order
+        if plan.place is not None:
+            rows = torch.empty(plan.sent.numel(), dim)
+            for place, part in zip(torch.split(plan.place, [c for c in plan.counts if c]), mine):
+                rows.index_copy_(0, place, part.float())
+        else:
+            rows = (torch.cat(mine) if len(mine) != 1 else mine[0]).float()
+            if plan.gather is not None:
+                rows = rows.index_select(0, plan.gather)
+        out.append(rows)
+    return torch.cat(out) if out else torch.empty(0, dim)
+
+
+def index_frame(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]):
+    """The index frame [T, 2] (table, count) of one shard's parts."""
+    return P.tensor_frame(torch.tensor([[tables[i], c.numel()] for i, c in parts], dtype=torch.int64))
+
+
+def frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> list:
+    """The index [T, 2] and ids [M] frames of one shard's parts."""
+    ids = parts[0][1] if len(parts) == 1 else torch.cat([c for _, c in parts])
+    return [index_frame(tables, parts), P.tensor_frame(ids)]
+
+
+def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
+    """A Future of join([f.result() for f in futures]) once all are done (the first error wins)."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+            return
+        try:
+            out.set_result(join([f.result() for f in futures]))
+        except Exception as e:
+            out.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
+__all__ = ["Plan", "assemble_rows", "combine", "frames", "index_frame", "plan_ids"]

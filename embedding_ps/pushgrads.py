@@ -1,0 +1,77 @@
+"""A PUSH's gradients on the shard: waiting for those a client writes late, and the finite check.
+
+Both run before any row changes, so a refused push applies nothing (`embedding_ps.server`):
+
+    wait_late     FLAG_GRADS_LATE (protocol): the client sent the request before writing the grads
+                  into its shared-memory segment; wait for the trailer's ready word (bounded), and
+                  tell whether the client's copy found every grad finite (then no check here)
+    finite_rows   one sum over the grads (NaN and inf propagate through it); only if it is not
+                  finite, the rows: ps.on_nonfinite "error" refuses the push naming the first bad
+                  row, "skip" keeps the finite rows
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from embedding_ps import native
+from embedding_ps import protocol as P
+from embedding_ps.config import PSConfig
+
+GRADS_WAIT_S = 10.0
+"""Longest a shard waits for a FLAG_GRADS_LATE push's grads (the copy takes ~1 ms per 100k d64
+rows; this bound only matters if the client died mid-copy: the shard serves no one meanwhile)."""
+
+
+def wait_late(request: int, trailer: np.ndarray, timeout_s: float) -> bool:
+    """Wait until the client wrote request `request`'s grads (trailer int64 [2]: ready, finite);
+    whether it found them all finite. ProtocolError (nothing applied) if it gave up or took longer
+    than min(timeout_s, GRADS_WAIT_S)."""
+    if not 0 < request < 2**63:
+        raise P.ProtocolError(f"PUSH with late grads: request id {request} out of range", P.Status.BAD_VALUE)
+    wait = min(timeout_s, GRADS_WAIT_S)
+    lib = native.lib()
+    if lib is not None:
+        got = native.wait_flag(lib, trailer[0:1], request, wait)
+    else:     # numpy reads: ordered after the client's release store on x86 (TSO)
+        deadline = time.monotonic() + wait
+        while (got := int(trailer[0])) not in (request, -request) and time.monotonic() < deadline:
+            os.sched_yield()
+    if got == -request:
+        raise P.ProtocolError("PUSH: the client gave up writing its grads into shared memory; nothing applied",
+                              P.Status.BAD_VALUE)
+    if got != request:
+        raise P.ProtocolError(f"PUSH: grads not written into shared memory within {wait:g} s; nothing applied",
+                              P.Status.BAD_VALUE)
+    return int(trailer[1]) == 1
+
+
+def finite_rows(config: PSConfig, tables: list[int], counts: list[int], grads: torch.Tensor
+                ) -> torch.Tensor | None:
+    """None if every gradient of grads [M, D] is finite; else, under ps.on_nonfinite = "skip", a bool
+    [M] of the finite rows; under "error" a BAD_VALUE ProtocolError naming them (part, table, row)."""
+    if grads.numel() == 0 or math.isfinite(float(grads.sum())):
+        return None
+    finite = torch.isfinite(grads).all(dim=1)                          # [M]
+    if bool(finite.all()):                                             # the sum overflowed, no row did
+        return None
+    if config.on_nonfinite == "skip":
+        return finite
+    bad = int((~finite).sum())
+    first = int((~finite).nonzero()[0])
+    start, part = 0, 0
+    while start + counts[part] <= first:
+        start += counts[part]
+        part += 1
+    name = config.tables[tables[part]].name
+    raise P.ProtocolError(f"PUSH: {bad} row(s) with NaN or infinite gradients (first: part {part}, table "
+                          f"{name!r}, row {first - start}); nothing applied (ps.on_nonfinite = 'error')",
+                          P.Status.BAD_VALUE)
+
+
+__all__ = ["GRADS_WAIT_S", "finite_rows", "wait_late"]

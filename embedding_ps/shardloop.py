@@ -1,0 +1,167 @@
+"""The shard's socket loop: `serve` binds a ZeroMQ ROUTER socket and runs `run_loop` over a
+`embedding_ps.server.ShardServer` (which decodes requests and encodes replies; no sockets there).
+
+    recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
+
+(`recsys ps` is the one entry point; it calls `serve`, also importable from embedding_ps.server.)
+The loop is one thread and never blocks on a request: one that must wait (a sync-mode pull for a
+step whose predecessor is not applied yet, a SAVE / LOAD during a background write) is parked and
+handled again after a barrier or once the write ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+
+import torch
+import zmq
+
+from embedding_ps import protocol as P
+from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve
+from embedding_ps.config import PSConfig
+from embedding_ps.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
+
+logger = logging.getLogger("embedding_ps.server")
+
+POLL_MS = 200
+"""The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
+BUSY_POLL_MS = 2
+"""... and this often while a background save is prepared or written."""
+
+
+def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> None:
+    """Serve until a SHUTDOWN request or `stop` is set. Parked requests are retried after barriers."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    deferred: list[list] = []
+    while not (server.stopping or stop.is_set()):
+        if deferred and server.wakeup():      # the saver's phase ended: a parked SAVE / LOAD goes on
+            deferred = _retry(server, sock, deferred)
+        # while the saver works, wake often to notice the end of its phase
+        if not poller.poll(BUSY_POLL_MS if server.saver.busy else POLL_MS):
+            continue
+        while not server.stopping:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            reply = server.handle(msg[1:])
+            if reply is DEFERRED:
+                deferred.append(msg)
+                continue
+            sock.send_multipart([msg[0], *reply], copy=False)
+            reply = None      # zmq holds the frames now: the reply buffer is free once it is sent
+            if deferred and (_op_of(msg) == P.Op.BARRIER or server.wakeup()):
+                deferred = _retry(server, sock, deferred)
+
+
+def _op_of(msg: list) -> int:
+    buf = _buf(msg[1]) if len(msg) > 1 else b""
+    return buf[6] if len(buf) == P.HEADER_SIZE else -1
+
+
+def _retry(server: ShardServer, sock: zmq.Socket, deferred: list[list]) -> list[list]:
+    still = []
+    for msg in deferred:
+        reply = server.handle(msg[1:])
+        if reply is DEFERRED:
+            still.append(msg)
+        else:
+            sock.send_multipart([msg[0], *reply], copy=False)
+        reply = None
+    return still
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port or '*'}" if ":" in host else f"tcp://{host}:{port or '*'}"
+
+
+def _advertised(endpoint: str, host: str) -> str:
+    """The address clients use: a wildcard bind is advertised under this machine's name."""
+    if host in ("0.0.0.0", "*", "::"):
+        return f"tcp://{socket.getfqdn()}:{endpoint.rsplit(':', 1)[1]}"
+    return endpoint
+
+
+def _write_ready(path: str, address: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)
+
+
+def _default_state(config: PSConfig, shard_index: int) -> ShardStateLike:
+    from embedding_ps.shard import ShardState
+
+    return ShardState(config, shard_index)
+
+
+def _prime_malloc() -> None:
+    """Free one large block so glibc raises its mmap threshold (to ~30 MB) now.
+
+    Below that threshold, request-sized blocks (zmq's receive buffers, push temporaries) come
+    from the heap and are reused; above it each is a fresh mmap whose every page faults in again
+    (the faults and time it costs a 100k-row d64 push: BENCHMARKS.md, "Figures moved here from the
+    code"). glibc raises the threshold
+    itself after the first such free, but only if one happens to come along.
+    """
+    block = torch.empty(30 << 20, dtype=torch.uint8)
+    del block
+
+
+def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: int = 0,
+          ready_file: str | None = None, state_factory: StateFactory | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Serve shard `shard_index` of every table until SHUTDOWN, SIGTERM or `stop` is set (SIGTERM
+    only without a `stop` of the caller's, who then handles signals).
+
+    bind: host to bind (default ps.bind); a non-loopback host needs ps.auth (AuthConfigError,
+    raised before anything is bound). port 0: an ephemeral port. The address clients should use is
+    logged and written to `ready_file` (atomically) once the shard serves.
+    state_factory(config, shard_index) builds the shard state (default: ShardState).
+    """
+    if not 0 <= shard_index < config.num_shards:
+        raise ValueError(f"shard index {shard_index} is outside 0..{config.num_shards - 1} (ps.num_shards)")
+    host = bind or config.bind
+    check_bind_auth(config, host, shard_index)
+    token = load_token(config) if config.auth == "token" else None
+    state = (state_factory or _default_state)(config, shard_index)
+    _prime_malloc()
+    server = ShardServer(config, shard_index, state, token, bind=host)
+    own_stop = stop is None              # a caller's `stop` comes with the caller's signal handling
+    stop = stop or threading.Event()
+    ctx = zmq.Context()
+    authenticator = None
+    sock = ctx.socket(zmq.ROUTER)
+    old_handler = None
+    try:
+        sock.linger = 1000
+        sock.maxmsgsize = config.max_frame_bytes + P.HEADER_SIZE
+        sock.ipv6 = ":" in host
+        if config.auth == "curve":
+            authenticator = setup_server_curve(ctx, sock, config)
+        sock.bind(_endpoint(host, port))
+        address = _advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), host)
+        if own_stop and threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        logger.info("ps shard %d/%d serving at %s (%s mode, %d tables, auth %s, pid %d)", shard_index,
+                    config.num_shards, address, config.mode, len(config.tables), config.auth, os.getpid())
+        if ready_file:
+            _write_ready(ready_file, address)
+        run_loop(server, sock, stop)
+        logger.info("ps shard %d stopping", shard_index)
+    finally:
+        server.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+        sock.close()
+        if authenticator is not None:
+            authenticator.stop()
+        ctx.term()
+
+
+__all__ = ["BUSY_POLL_MS", "POLL_MS", "run_loop", "serve"]
