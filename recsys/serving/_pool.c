@@ -260,7 +260,8 @@ static inline __attribute__((always_inline)) void sv_int4_c(float *restrict acc,
 #define SV_AVX static inline __attribute__((target("avx2,fma")))
 SV_AVX void sv_add_avx(float *restrict acc, const float *restrict x, int64_t d) {
     int64_t j = 0;
-    for (; j + 8 <= d; j += 8) _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), _mm256_loadu_ps(x + j)));
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), _mm256_loadu_ps(x + j)));
     for (; j < d; j++) acc[j] += x[j];
 }
 
