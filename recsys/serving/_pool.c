@@ -221,6 +221,90 @@ static inline void sv_uniform(float *x, int64_t key, const int64_t *sl, int64_t 
     }
 }
 
+/* ------------------------------------------------------------------ row ops
+ * One id's row into a bag's accumulator acc [d] (on the stack). Each output element gets the same
+ * operations in the same order in the scalar (portable) and the AVX2 versions, so both give the
+ * same bits. The AVX2 ones exist because GCC unrolls the scalar loops of small constant widths
+ * (8, 16) into scalar code before its vectorizer sees them, and never vectorizes the int4 one. */
+static inline __attribute__((always_inline)) void sv_add_c(float *restrict acc, const float *restrict x, int64_t d) {
+    for (int64_t j = 0; j < d; j++) acc[j] += x[j];
+}
+
+static inline __attribute__((always_inline)) void sv_fma_c(float *restrict acc, float w, const float *restrict x,
+                                                           int64_t d) {
+    for (int64_t j = 0; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
+}
+
+/* int8 codes: acc = fma(scale, code, acc + bias) */
+static inline __attribute__((always_inline)) void sv_int8_c(float *restrict acc, float scale, float bias,
+                                                            const uint8_t *restrict q, int64_t j, int64_t d) {
+    for (; j < d; j++) acc[j] = fmaf(scale, (float)q[j], acc[j] + bias);
+}
+
+/* int4 codes from element j (even) on: element 2i is the low nibble of byte i, 2i + 1 the high one */
+static inline __attribute__((always_inline)) void sv_int4_c(float *restrict acc, float scale, float bias,
+                                                            const uint8_t *restrict q, int64_t j, int64_t d) {
+    for (; j + 1 < d; j += 2) {
+        const uint8_t byte = q[j >> 1];
+        acc[j] = fmaf(scale, (float)(byte & 15), acc[j] + bias);
+        acc[j + 1] = fmaf(scale, (float)(byte >> 4), acc[j + 1] + bias);
+    }
+    if (d & 1) acc[d - 1] = fmaf(scale, (float)(q[(d - 1) >> 1] & 15), acc[d - 1] + bias);
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define SV_FMA_DISPATCH 1
+#include <immintrin.h>
+/* 8 floats a step, the scalar versions for the rest; only inlined into sv_pool_chunk_fma (flatten),
+ * the generic code never calls them (sv_bag's V = 0). */
+#define SV_AVX static inline __attribute__((target("avx2,fma")))
+SV_AVX void sv_add_avx(float *restrict acc, const float *restrict x, int64_t d) {
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), _mm256_loadu_ps(x + j)));
+    for (; j < d; j++) acc[j] += x[j];
+}
+
+SV_AVX void sv_fma_avx(float *restrict acc, float w, const float *restrict x, int64_t d) {
+    const __m256 vw = _mm256_set1_ps(w);
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + j), _mm256_loadu_ps(acc + j)));
+    for (; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
+}
+
+SV_AVX void sv_int8_avx(float *restrict acc, float scale, float bias, const uint8_t *restrict q, int64_t d) {
+    const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
+        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vs, code, _mm256_add_ps(_mm256_loadu_ps(acc + j), vb)));
+    }
+    sv_int8_c(acc, scale, bias, q, j, d);
+}
+
+SV_AVX void sv_int4_avx(float *restrict acc, float scale, float bias, const uint8_t *restrict q, int64_t d) {
+    const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
+    const __m128i m15 = _mm_set1_epi8(15);
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {                  /* 8 bytes: 16 codes */
+        const __m128i by = _mm_loadl_epi64((const __m128i *)(q + (j >> 1)));
+        const __m128i lo = _mm_and_si128(by, m15), hi = _mm_and_si128(_mm_srli_epi16(by, 4), m15);
+        const __m128i codes = _mm_unpacklo_epi8(lo, hi);                   /* [16] bytes in element order */
+        const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+        const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vs, c0, _mm256_add_ps(_mm256_loadu_ps(acc + j), vb)));
+        _mm256_storeu_ps(acc + j + 8, _mm256_fmadd_ps(vs, c1, _mm256_add_ps(_mm256_loadu_ps(acc + j + 8), vb)));
+    }
+    sv_int4_c(acc, scale, bias, q, j, d);
+}
+#else
+#define sv_add_avx sv_add_c
+#define sv_fma_avx sv_fma_c
+#define sv_int8_avx(acc, scale, bias, q, d) sv_int8_c(acc, scale, bias, q, 0, d)
+#define sv_int4_avx(acc, scale, bias, q, d) sv_int4_c(acc, scale, bias, q, 0, d)
+#endif
+
 /* ------------------------------------------------------------------ pooling */
 #define SV_DMAX 1024 /* widest row the kernel pools (the caller checks) */
 
@@ -237,9 +321,10 @@ struct sv_pool_ctx {
  * row; r <= -4: the float32 default row at defaults + (-r - 4). Default rows are summed in id
  * order like a matrix row (fp32) or, for int8 / int4, weighted and summed apart and added at the
  * end (as FusedPooling adds them after fbgemm's TBE).
- * DC: the width when known at compile time (0: the slot's, at most SV_DMAX). */
+ * DC: the width when known at compile time (0: the slot's, at most SV_DMAX); V: 1 for the AVX2 row
+ * ops (only in sv_pool_chunk_fma), 0 for the scalar ones. */
 static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ctx *c, int64_t k, const int64_t *sl,
-                                                         int64_t s, int64_t send, const int64_t DC) {
+                                                         int64_t s, int64_t send, const int64_t DC, const int V) {
     const int64_t b = k - s * c->B;
     const uint8_t *mat = (const uint8_t *)(intptr_t)sl[4];
     const int64_t rb = sl[5], kind = sl[6], d = DC ? DC : sl[7], mean = sl[8];
@@ -262,10 +347,11 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
         } else x = c->defaults + (-(int64_t)r - 4);
         if (kind == 0) {
             if (wts) {
-                const float w = wts[i];
-                for (int64_t j = 0; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
+                if (V) sv_fma_avx(acc, wts[i], x, d);
+                else sv_fma_c(acc, wts[i], x, d);
             } else {
-                for (int64_t j = 0; j < d; j++) acc[j] += x[j];
+                if (V) sv_add_avx(acc, x, d);
+                else sv_add_c(acc, x, d);
             }
             continue;
         }
@@ -284,14 +370,11 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
         const float scale = sb[0] * w, bias = sb[1] * w;
         const uint8_t *q = row + 8;
         if (kind == 2) {
-            for (int64_t j = 0; j < d; j++) acc[j] = fmaf(scale, (float)q[j], acc[j] + bias);
+            if (V) sv_int8_avx(acc, scale, bias, q, d);
+            else sv_int8_c(acc, scale, bias, q, 0, d);
         } else {
-            for (int64_t j = 0; j + 1 < d; j += 2) {
-                const uint8_t byte = q[j >> 1];
-                acc[j] = fmaf(scale, (float)(byte & 15), acc[j] + bias);
-                acc[j + 1] = fmaf(scale, (float)(byte >> 4), acc[j + 1] + bias);
-            }
-            if (d & 1) acc[d - 1] = fmaf(scale, (float)(q[(d - 1) >> 1] & 15), acc[d - 1] + bias);
+            if (V) sv_int4_avx(acc, scale, bias, q, d);
+            else sv_int4_c(acc, scale, bias, q, 0, d);
         }
     }
     if (mean && kind == 0 && i1 > i0) {
@@ -310,10 +393,10 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
  * common widths compile with constant loops. */
 #define SV_BLOCK 64
 #define SV_BAGS(DC)                                                                                 \
-    for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, end, DC);                     \
+    for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, end, DC, V);                  \
     break;
 static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_ctx *c, int64_t lo, int64_t hi,
-                                                          int64_t S) {
+                                                          int64_t S, const int V) {
     for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
         for (int64_t s = 0; s < S; s++) {
@@ -334,14 +417,14 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
 }
 
 static void sv_pool_chunk_generic(void *p, int64_t lo, int64_t hi) {
-    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S);
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S, 0);
 }
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-#define SV_FMA_DISPATCH 1
-/* The same code with hardware fma (fmaf is one instruction there, a libm call otherwise). */
-__attribute__((target("avx2,fma"))) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
-    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S);
+#ifdef SV_FMA_DISPATCH
+/* The same code with hardware fma (fmaf is one instruction there, a libm call otherwise) and the
+ * AVX2 row ops (flatten: inlined here with the constant widths). */
+__attribute__((target("avx2,fma"), flatten)) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S, 1);
 }
 #endif
 

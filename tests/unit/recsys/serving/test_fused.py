@@ -234,3 +234,23 @@ def test_native_output_buffer_reused_only_when_free() -> None:
     again, again_lin = native.pool(b1)                                # nothing references the buffer: reused
     assert torch.equal(again, want) and torch.equal(again_lin, want_lin)
     assert again.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("dim", [16, 20, 40, 128, 136])
+def test_native_equals_reference_at_wider_rows(precision: str, dim: int) -> None:
+    """Widths where the kernel's AVX2 row ops run (8 floats / 16 int4 codes a step) with and without
+    a scalar tail, at compile-time widths (16, 128) and runtime ones (20, 40, 136): bit-equal to
+    the per-table paths (and FusedPooling), weighted or not, defaults from C or from Python."""
+    for configs in (TABLES, UNIFORM_TABLES):
+        wide = tuple(c if c.name == "lin" else dataclasses.replace(c, dim=dim) for c in configs)
+        plans = plan_tables(FEATURES, wide, FEATURE_TABLES, LINEAR, POOLING)
+        views = make_views(precision, seed=dim, tables=wide)
+        native = build("native", plans, views, precision)
+        for seed, weighted in enumerate((True, False)):
+            batch = make_batch(views, 97, 7 + seed, weighted)
+            want, want_lin = reference(precision, plans, views, batch)
+            got, got_lin = native.pool(batch)
+            assert torch.equal(got, want), f"{precision} dim={dim} weighted={weighted}"
+            assert torch.equal(got_lin, want_lin), f"{precision} dim={dim} weighted={weighted}"
+            assert torch.equal(FusedPooling(plans, views, precision).pool(batch)[0], want)
