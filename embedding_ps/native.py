@@ -114,18 +114,23 @@ def _compiler() -> str | None:
     return None
 
 
+def cached_library(src: Path, prefix: str, flags: tuple[str, ...], libs: tuple[str, ...] = ()) -> Path:
+    """The shared library built from C file `src` with `flags` (and `libs`): the cached
+    `<prefix>-<hash of source, flags, machine>.so` of the first cache directory that has it, else
+    compiled now into the first writable one. RuntimeError: no compiler, failed build, no directory.
+    (Also the serving kernel's loader, `recsys.serving.native_pool`.)"""
+    key = src.read_bytes() + repr((flags, libs, platform.machine(), platform.system()) if libs else
+                                  (flags, platform.machine(), platform.system())).encode()
+    name = f"{prefix}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    for d in _cache_dirs():
+        if (d / name).is_file():
+            return d / name
+    return _compile(src, name, flags, libs)
+
+
 def _load():
     try:
-        src = _SRC.read_bytes()
-        tag = hashlib.sha256(src + repr((_FLAGS, platform.machine(), platform.system())).encode()).hexdigest()[:16]
-        name = f"_native-{tag}.so"
-        so = None
-        for d in _cache_dirs():
-            if (d / name).is_file():
-                so = d / name
-                break
-        if so is None:
-            so = _compile(src, name)
+        so = cached_library(_SRC, "_native", _FLAGS)
         native = ctypes.CDLL(str(so))
         for fn, (args, res) in _SIGS.items():
             f = getattr(native, fn)
@@ -139,7 +144,7 @@ def _load():
         return None
 
 
-def _compile(src: bytes, name: str) -> Path:
+def _compile(src: Path, name: str, flags: tuple[str, ...], libs: tuple[str, ...]) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
@@ -153,7 +158,8 @@ def _compile(src: bytes, name: str) -> Path:
             errors.append(f"{d}: {e}")
             continue
         try:
-            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC)], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(src), *libs], capture_output=True, text=True,
+                                  timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
             os.chmod(tmp, 0o755)

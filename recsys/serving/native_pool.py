@@ -13,12 +13,7 @@ Wrappers here check dtypes, contiguity and sizes before passing raw pointers.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -70,10 +65,7 @@ def lib():
 
 def _load():
     try:
-        src = _SRC.read_bytes()
-        tag = hashlib.sha256(src + repr((_FLAGS, _LIBS, platform.machine(), platform.system())).encode()).hexdigest()
-        name = f"_pool-{tag[:16]}.so"
-        so = next((d / name for d in ps_native._cache_dirs() if (d / name).is_file()), None) or _compile(name)
+        so = ps_native.cached_library(_SRC, "_pool", _FLAGS, _LIBS)
         native = ctypes.CDLL(str(so))
         for fn, (args, res) in _SIGS.items():
             f = getattr(native, fn)
@@ -85,33 +77,6 @@ def _load():
     except Exception as e:  # noqa: BLE001 - any failure means: keep FusedPooling
         logger.warning("recsys.serving: native pooling kernel unavailable, using FusedPooling (%s)", e)
         return None
-
-
-def _compile(name: str) -> Path:
-    cc = ps_native._compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
-    errors = []
-    for d in ps_native._cache_dirs():
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp.so", dir=d)
-            os.close(fd)
-        except OSError as e:
-            errors.append(f"{d}: {e}")
-            continue
-        try:
-            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), *_LIBS], capture_output=True, text=True,
-                                  timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, d / name)   # atomic: a concurrent process sees no library or a whole one
-            return d / name
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError("no writable cache directory: " + "; ".join(errors))
 
 
 # ---------------------------------------------------------------------------- checked wrappers
