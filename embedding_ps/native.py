@@ -118,7 +118,7 @@ def cached_library(src: Path, prefix: str, flags: tuple[str, ...], libs: tuple[s
     """The shared library built from C file `src` with `flags` (and `libs`): the cached
     `<prefix>-<hash of source, flags, machine>.so` of the first cache directory that has it, else
     compiled now into the first writable one. RuntimeError: no compiler, failed build, no directory.
-    (Also the serving kernel's loader, `recsys.serving.native_pool`.)"""
+    `load_library` loads it (this module's `_native.c` and `recsys.serving.native_pool`'s kernel)."""
     key = src.read_bytes() + repr((flags, libs, platform.machine(), platform.system()) if libs else
                                   (flags, platform.machine(), platform.system())).encode()
     name = f"{prefix}-{hashlib.sha256(key).hexdigest()[:16]}.so"
@@ -128,17 +128,25 @@ def cached_library(src: Path, prefix: str, flags: tuple[str, ...], libs: tuple[s
     return _compile(src, name, flags, libs)
 
 
+def load_library(src: Path, prefix: str, flags: tuple[str, ...], sigs: dict, abi_symbol: str, abi: int,
+                 libs: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """`cached_library(src, ...)` loaded with ctypes, each function of `sigs` {name: (argtypes,
+    restype)} typed, and its `abi_symbol()` checked to be `abi`. RuntimeError on any mismatch."""
+    so = cached_library(src, prefix, flags, libs)
+    lib = ctypes.CDLL(str(so))
+    for fn, (args, res) in sigs.items():
+        f = getattr(lib, fn)
+        f.argtypes, f.restype = args, res
+    got = getattr(lib, abi_symbol)()
+    if got != abi:
+        raise RuntimeError(f"{so}: ABI version {got}, expected {abi}")
+    logger.debug("native library: %s", so)
+    return lib
+
+
 def _load():
     try:
-        so = cached_library(_SRC, "_native", _FLAGS)
-        native = ctypes.CDLL(str(so))
-        for fn, (args, res) in _SIGS.items():
-            f = getattr(native, fn)
-            f.argtypes, f.restype = args, res
-        if native.ps_abi_version() != _ABI:
-            raise RuntimeError(f"{so}: ABI version {native.ps_abi_version()}, expected {_ABI}")
-        logger.debug("embedding_ps native path: %s", so)
-        return native
+        return load_library(_SRC, "_native", _FLAGS, _SIGS, "ps_abi_version", _ABI)
     except Exception as e:  # noqa: BLE001 - any failure means: keep the numpy/torch path
         logger.warning("embedding_ps: native fast path unavailable, using numpy/torch (%s)", e)
         return None

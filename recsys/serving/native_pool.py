@@ -65,15 +65,7 @@ def lib():
 
 def _load():
     try:
-        so = ps_native.cached_library(_SRC, "_pool", _FLAGS, _LIBS)
-        native = ctypes.CDLL(str(so))
-        for fn, (args, res) in _SIGS.items():
-            f = getattr(native, fn)
-            f.argtypes, f.restype = args, res
-        if native.sv_abi_version() != _ABI:
-            raise RuntimeError(f"{so}: ABI version {native.sv_abi_version()}, expected {_ABI}")
-        logger.debug("serving native kernel: %s", so)
-        return native
+        return ps_native.load_library(_SRC, "_pool", _FLAGS, _SIGS, "sv_abi_version", _ABI, _LIBS)
     except Exception as e:  # noqa: BLE001 - any failure means: keep FusedPooling
         logger.warning("recsys.serving: native pooling kernel unavailable, using FusedPooling (%s)", e)
         return None
