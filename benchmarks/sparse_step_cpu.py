@@ -19,7 +19,10 @@ thread of this process, `time.process_time`), median over --steps steps after 3 
 
 `ours_trainer_ms`, `ours_shard_ms` and `torchrec_ms` sum the phases. Our trainer's sparse work
 competes for the same 2 cores as the shard's, so the sum of both against TorchRec's is what the
-end-to-end ratio feels (beside the dense model, which is the same in both).
+end-to-end ratio feels (beside the dense model, which is the same in both):
+`cpu_ratio_vs_torchrec` = torchrec_ms / (ours_trainer_ms + ours_shard_ms), measured in the same run.
+The TorchRec baseline (`pip install -e .[bench]`, or `make bench-deps`) is required: without it the
+script exits 2 naming what is missing, unless --allow-missing-baseline (then its figures are null).
 """
 
 from __future__ import annotations
@@ -134,27 +137,37 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--cap", type=int, default=200_000)
     p.add_argument("--ps-kernel", choices=("auto", "native", "torch", "fbgemm"), default="auto")
+    p.add_argument("--allow-missing-baseline", action="store_true",
+                   help="without torchrec, report its figures as null instead of failing")
     a = p.parse_args()
+    missing = tt.torchrec_missing()
+    if missing and not a.allow_missing_baseline:
+        print(f"sparse_step_cpu.py: {missing}: the TorchRec baseline cannot run (make bench-deps, or pass "
+              f"--allow-missing-baseline)", file=sys.stderr)
+        return 2
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="bench-sparse-") as tmp:
         cfg, batches = load_batches(a, tmp)
         ours, unique = run_ours(cfg, batches, a.steps)
-        trec = run_torchrec(a, batches, a.steps)
+        trec = None if missing else run_torchrec(a, batches, a.steps)
+    trainer_ms = round(sum(ours[k] for k in ("lookup", "pool_fwd", "pool_bwd", "push")), 2)
+    shard_ms = round(ours["shard_pull"] + ours["shard_push"], 2)
+    trec_ms = None if trec is None else round(sum(trec.values()), 2)
     out = {"ours": ours, "torchrec": trec, "unique_rows_per_step": unique,
            "ids_per_step": int(batches[0].sparse.values.numel()),
-           "ours_trainer_ms": round(sum(ours[k] for k in ("lookup", "pool_fwd", "pool_bwd", "push")), 2),
-           "ours_shard_ms": round(ours["shard_pull"] + ours["shard_push"], 2),
-           "torchrec_ms": round(sum(trec.values()), 2), "threads": a.threads, "steps": a.steps}
+           "ours_trainer_ms": trainer_ms, "ours_shard_ms": shard_ms, "torchrec_ms": trec_ms,
+           "cpu_ratio_vs_torchrec": None if trec_ms is None else round(trec_ms / (trainer_ms + shard_ms), 3),
+           "baseline": missing or "torchrec FusedEmbeddingBagCollection", "threads": a.threads, "steps": a.steps}
     if a.json:
         print(json.dumps(out))
         return 0
     print(f"sparse step, CPU ms (median of {a.steps}), {a.threads} threads, {out['ids_per_step']} ids, "
           f"{unique:.0f} unique rows a step")
-    for side, phases in (("ours", ours), ("torchrec", trec)):
+    for side, phases in (("ours", ours), ("torchrec", trec or {})):
         for k, v in phases.items():
             print(f"  {side:9s} {k:11s} {v:7.2f}")
-    for k in ("ours_trainer_ms", "ours_shard_ms", "torchrec_ms"):
-        print(f"  {k:21s} {out[k]:7.2f}")
+    for k in ("ours_trainer_ms", "ours_shard_ms", "torchrec_ms", "cpu_ratio_vs_torchrec"):
+        print(f"  {k:21s} {'null' if out[k] is None else f'{out[k]:7.2f}'}")
     return 0
 
 
