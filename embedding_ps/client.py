@@ -481,6 +481,7 @@ class PSClient:
                              f"split the ids")
         return False
 
+
 def _done_word(trailer: np.ndarray) -> np.ndarray:
     """A request's done word (int32 [1] in its segment's trailer), reset to "not served"."""
     word = shm.done_word(trailer)

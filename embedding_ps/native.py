@@ -259,6 +259,7 @@ def wait_flag(native, flag: np.ndarray, want: int, timeout_s: float) -> int:
     _check(flag, np.int64, "flag")
     return int(native.ps_wait_flag(flag.ctypes.data, int(want), int(timeout_s * 1e9)))
 
+
 def notify(native, word: np.ndarray, value: int) -> None:
     """word int32 [1] = value (release), then wake whoever waits on it in any process (`wait_word`)."""
     _check(word, np.int32, "word")

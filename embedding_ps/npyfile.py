@@ -165,5 +165,6 @@ def parse_npy(path: str, buf: np.ndarray) -> np.ndarray:
         raise CorruptShardError(f"{path}: {buf.shape[0] - start} data bytes for shape {shape} of {dtype}")
     return buf[start:].view(dtype).reshape(shape, order="F" if fortran else "C")
 
+
 __all__ = ["CHUNK", "CorruptShardError", "NpyWriter", "check_size", "fsync_dir", "map_checked", "parse_npy",
            "read_checked", "write_array", "write_streamed"]
