@@ -224,11 +224,18 @@ def _absolute(cfg: JobConfig) -> JobConfig:
 
 
 def _missing(role: str, key: str, bundle: dict[str, float], count: int) -> str:
-    """One line: what the cluster lacks for `count` bundles of `role`, and which nodes are dead."""
-    total, free = ray.cluster_resources(), ray.available_resources()
+    """One line: what the cluster lacks for `count` bundles of `role`, and which nodes are dead.
+    Totals count the living nodes only: `ray.cluster_resources()` still counts a node lost moments
+    ago, which made the line say e.g. "0 free of 2" of a resource no living node has."""
+    nodes, free = ray.nodes(), ray.available_resources()
+    total: dict[str, float] = {}
+    for n in nodes:
+        if n["Alive"]:
+            for k, v in n["Resources"].items():
+                total[k] = total.get(k, 0.0) + v
     short = [f"{k} {v * count:g} needed, {free.get(k, 0.0):g} free of {total.get(k, 0.0):g}"
              for k, v in bundle.items() if v * count > free.get(k, 0.0) + 1e-9]
-    dead = [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n in ray.nodes() if not n["Alive"]]
+    dead = [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n in nodes if not n["Alive"]]
     return (f"cannot place {count} {role}(s) of {key} = {bundle}: "
             f"{'; '.join(short) or 'no single node offers one bundle'}"
             f"{'; lost nodes: ' + ', '.join(dead) if dead else ''}")
