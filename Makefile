@@ -44,5 +44,10 @@ bench: bench-deps
 	$(VPY) benchmarks/preflight.py
 	$(VPY) benchmarks/ray_overhead.py
 
+# On a machine with a CUDA GPU (not part of `bench`, which runs anywhere): dense and row cache on the
+# GPU, shards on the CPU cores, against TorchRec on the same GPU (needs torchrec + the CUDA fbgemm-gpu).
+bench-gpu: bench-deps
+	$(VPY) benchmarks/train_gpu.py
+
 clean:
 	rm -rf $(VENV) demo runs *.egg-info

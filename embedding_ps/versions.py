@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib.metadata as md
 
 # torch release -> the fbgemm-gpu release built against it (CPU and CUDA wheels share numbers).
-SUPPORTED_PAIRS: dict[str, str] = {"2.13": "1.8"}
+# 2.13 / 1.8: the pinned pair (pyproject.toml). 2.11 / 1.6: the CUDA 13 pair of the GPU machines'
+# images (torch 2.11.0+cu130 with the fbgemm-gpu 1.6.0 CUDA wheel; fbgemm's own table stops at 1.5 ->
+# 2.10), on which benchmarks/train_gpu.py and tests/integration/test_cuda.py ran.
+SUPPORTED_PAIRS: dict[str, str] = {"2.13": "1.8", "2.11": "1.6"}
 FBGEMM_DISTS = ("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-genai")
 
 
