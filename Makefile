@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 # The CPU wheels; the GPU path is documented in the README.
 PIP_INSTALL := $(VPY) -m pip install --disable-pip-version-check -q
 
-.PHONY: venv demo test test-unit test-integration bench bench-deps clean
+.PHONY: venv demo test test-unit test-integration bench bench-deps bench-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
