@@ -52,7 +52,7 @@ from embedding_ps import protocol as P
 from embedding_ps import native, shm
 from embedding_ps.auth import load_token
 from embedding_ps.config import PSConfig
-from embedding_ps.clientplan import assemble_rows, combine, frames, index_frame, plan_ids
+from embedding_ps.clientplan import assemble_rows, combine, frames, index_frame, plan_ids, plan_many
 from embedding_ps.shm import LateGrads
 from embedding_ps.snapshot import shard_dir
 from embedding_ps.store import done_future
@@ -123,8 +123,12 @@ class PSClient:
                         step: int | None = None) -> "Future[torch.Tensor]":
         """A Future of float32 rows [sum N_t, D]: the rows of every table's int64 ids [N_t], in order."""
         dim, ids = self._many_args("pull", tables, ids)
-        plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
-        shards = self._by_shard([(p, p.sent) for p in plans])
+        many = plan_many(self.config, self.dedup, tables, ids)     # None: some part needs dedup
+        if many is not None:
+            shards = many.by_shard(many.sent)
+        else:
+            plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
+            shards = self._by_shard([(p, p.sent) for p in plans])
         if not shards:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
@@ -147,12 +151,17 @@ class PSClient:
                 reqs.append((shard, h, frames(tables, parts)))
         counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
         call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
+
+        def assemble(replies: dict) -> torch.Tensor:
+            if many is not None:
+                return many.assemble(counts, replies, dim, segs, call)
+            return assemble_rows(plans, counts, replies, dim, segs, call)
+
         future = None
         if words and len(words) == len(shards):     # every shard notifies: the rows without the replies
             stub = {s: (P.Header(op=P.Op.PULL, dtype=self.wire), []) for s in shards}
-            future = shm.NotifiedFuture(words, lambda: assemble_rows(plans, counts, stub, dim, segs, call))
-        fut = self._submit(P.Op.PULL, reqs, lambda replies: assemble_rows(plans, counts, replies, dim, segs, call),
-                           call, fallbacks, future)
+            future = shm.NotifiedFuture(words, lambda: assemble(stub))
+        fut = self._submit(P.Op.PULL, reqs, assemble, call, fallbacks, future)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
         return fut
@@ -166,24 +175,28 @@ class PSClient:
             raise ValueError(f"push to tables {list(tables)}: grads must be float [{total}, {dim}], got "
                              f"{grads.dtype} {list(grads.shape)}")
         grads = grads.detach().to("cpu", torch.float32)
-        plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
-        sent, start = [], 0
-        for plan, x in zip(plans, ids):
-            g = grads[start:start + x.numel()]                                     # [N_t, D]
-            start += x.numel()
-            if plan.gather is not None:         # sum the grads of duplicates into shard order
-                g = torch.zeros(plan.sent.numel(), dim).index_add_(0, plan.gather, g)
-            elif plan.place is not None:
-                g = g.index_select(0, plan.place)
-            sent.append(g)
-        shards = self._by_shard([(p, p.sent) for p in plans])
+        many = plan_many(self.config, self.dedup, tables, ids)     # None: some part needs dedup
+        if many is not None:
+            shards = many.by_shard(many.sent)
+        else:
+            plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
+            sent, start = [], 0
+            for plan, x in zip(plans, ids):
+                g = grads[start:start + x.numel()]                                     # [N_t, D]
+                start += x.numel()
+                if plan.gather is not None:         # sum the grads of duplicates into shard order
+                    g = torch.zeros(plan.sent.numel(), dim).index_add_(0, plan.gather, g)
+                elif plan.place is not None:
+                    g = g.index_select(0, plan.place)
+                sent.append(g)
+            shards = self._by_shard([(p, p.sent) for p in plans])
         if not shards:
             return done_future(None)
         if self._too_big("push", tables, shards, dim):     # one request per table instead
             splits = torch.split(grads, [x.numel() for x in ids])
             return combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
-        grad_parts = self._by_shard(list(zip(plans, sent)))
+        grad_parts = many.by_shard(many.to_sent(grads)) if many is not None else self._by_shard(list(zip(plans, sent)))
         reqs, segs, fallbacks, words = [], {}, {}, []
         lib = native.lib()
         late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and lib is not None else None

@@ -2,9 +2,11 @@
 how the rows come back.
 
     plan_ids       ids [N] -> Plan: deduplicated (optional) and grouped by shard (argsort + bincount)
+    plan_many      every table's ids of one call -> ManyPlan: routed and grouped by shard together, in
+                   a few whole-call ops instead of a few per table (when no part needs dedup)
     index_frame    a shard's parts -> the index frame int64 [T, 2] (table, count); `frames` adds the ids
     assemble_rows  every shard's PULL reply (a frame, or rows in its shared-memory segment) -> float32
-                   rows [sum N_t, D] in the caller's order
+                   rows [sum N_t, D] in the caller's order (`ManyPlan.assemble`: the same for a ManyPlan)
     combine        futures -> one future of their combined results (a call split per table)
 """
 
@@ -20,7 +22,7 @@ import torch
 
 from embedding_ps import protocol as P
 from embedding_ps.config import PSConfig
-from embedding_ps.sharding import route
+from embedding_ps.sharding import keys_of, route, shard_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +62,101 @@ def plan_ids(config: PSConfig, dedup: bool, table: int, ids: torch.Tensor) -> Pl
     return Plan(ids[order], counts, pos[inverse], None)
 
 
+@dataclass(frozen=True, slots=True)
+class ManyPlan:
+    """How one call's ids travel when every table's part is routed at once.
+
+    The parts' ids, concatenated in call order (X [N]), are sent grouped by shard, each shard's ids
+    in call order (so part after part): `sent` = X[order]. A shard's reply holds its rows in that
+    order, so one index_copy_ per shard puts every row back at its caller position.
+    """
+
+    sent: torch.Tensor                  # int64 [N] X grouped by shard
+    order: torch.Tensor | None          # int64 [N] caller position of each sent id; None: X itself (1 shard)
+    counts: list[list[int]]             # [S][P] ids of part p sent to shard s
+
+    def by_shard(self, t: torch.Tensor) -> dict[int, list[tuple[int, torch.Tensor]]]:
+        """t [N, ...] in `sent` order -> {shard: [(part index, its rows of t)]}, parts in call order."""
+        flat = [(s, p, c) for s, row in enumerate(self.counts) for p, c in enumerate(row) if c]
+        pieces = torch.split(t, [c for _, _, c in flat])
+        out: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for (s, p, _), piece in zip(flat, pieces):
+            out.setdefault(s, []).append((p, piece))
+        return out
+
+    def to_sent(self, t: torch.Tensor) -> torch.Tensor:
+        """t [N, ...] in caller order -> in `sent` order."""
+        return t if self.order is None else t.index_select(0, self.order)
+
+    def assemble(self, counts: dict[int, list[int]], replies: dict[int, tuple[P.Header, list]], dim: int,
+                 segs: dict | None = None, call: list | None = None) -> torch.Tensor:
+        """Every shard's PULL reply -> float32 rows [N, D] in the caller's order."""
+        n = self.sent.numel()
+        if self.order is None and len(counts) == 1:           # one shard: the frame itself (fp32)
+            (shard, cs), = counts.items()
+            return _reply_rows(shard, cs, replies, dim, segs, call).float()
+        out = torch.empty(n, dim)
+        start = 0
+        for shard in sorted(counts):                          # sent order is shard order
+            m = sum(counts[shard])
+            rows = _reply_rows(shard, counts[shard], replies, dim, segs, call)
+            out.index_copy_(0, self.order[start:start + m], rows if rows.dtype == torch.float32 else rows.float())
+            start += m
+        return out
+
+
+def plan_many(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequence[torch.Tensor]) -> ManyPlan | None:
+    """Route every part's ids [N_t] of one call at once: one shard_of over all N ids, one stable
+    argsort, one bincount of (shard, part). None when `dedup` and a part's ids are not strictly
+    increasing (what the sparse arch sends: torch.unique's output); then plan_ids dedups part by part."""
+    lens = [x.numel() for x in ids]
+    x = torch.cat(ids) if len(ids) > 1 else ids[0]                                    # [N]
+    n, S, P_ = x.numel(), config.num_shards, len(ids)
+    if dedup and n > 1:
+        up = x[1:] > x[:-1]                                                            # [N - 1]
+        starts = torch.tensor(lens[:-1], dtype=torch.int64).cumsum(0) - 1             # last id of parts 0..P-2
+        starts = starts[(starts >= 0) & (starts < n - 1)]
+        up[starts] = True                                                              # a part may start lower
+        if not bool(up.all()):
+            return None
+    if S == 1:
+        return ManyPlan(x, None, [lens])
+    if any(config.tables[t].kind == "hashed" for t in tables):
+        keys = torch.cat([keys_of(part, config.tables[t]) for t, part in zip(tables, ids)]) if n else x
+    else:
+        keys = x
+    shard = shard_of(keys, S)                                                          # [N]
+    part = torch.repeat_interleave(torch.arange(P_), torch.tensor(lens), output_size=n)   # [N]
+    counts = torch.bincount(shard * P_ + part, minlength=S * P_).view(S, P_).tolist()
+    order = torch.argsort(shard, stable=True)                                          # [N]
+    return ManyPlan(x.index_select(0, order), order, counts)
+
+
+def _reply_rows(shard: int, cs: list[int], replies: dict[int, tuple[P.Header, list]], dim: int,
+                segs: dict | None, call: list | None) -> torch.Tensor:
+    """One shard's PULL reply (or its rows in shared-memory segment segs[shard]) -> rows [sum cs, D]
+    in the wire dtype (a view of the frame or segment, a copy after a retry)."""
+    header, payload = replies[shard]
+    what = f"PULL reply of ps shard {shard}"
+    seg = segs.get(shard) if segs else None
+    if len(payload) != (seg is None):
+        raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not {int(seg is None)}")
+    dtype = P.row_dtype(header.dtype, what)
+    buf = memoryview(seg) if seg is not None else payload[0]
+    P.expect_bytes(what, len(buf), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
+    rows = P.frame_tensor(buf, dtype, sum(cs), dim)
+    if seg is not None and call and call[0].retried:
+        rows = rows.clone()          # an earlier attempt may still write the segment: not the caller's
+    return rows
+
+
 def assemble_rows(plans: list[Plan], counts: dict[int, list[int]], replies: dict[int, tuple[P.Header, list]],
                   dim: int, segs: dict | None = None, call: list | None = None) -> torch.Tensor:
     """Every shard's PULL reply (or its rows in shared-memory segment segs[shard]) -> float32 rows
     [sum N_t, D] in the caller's order. call: [the transport Call] (a retried one: rows are copied)."""
     pieces: dict[int, list[torch.Tensor]] = {}          # shard -> rows of each of its parts
     for shard, cs in counts.items():
-        header, payload = replies[shard]
-        what = f"PULL reply of ps shard {shard}"
-        seg = segs.get(shard) if segs else None
-        if len(payload) != (seg is None):
-            raise P.ProtocolError(f"{what} has {len(payload)} payload frames, not {int(seg is None)}")
-        dtype = P.row_dtype(header.dtype, what)
-        buf = memoryview(seg) if seg is not None else payload[0]
-        P.expect_bytes(what, len(buf), sum(cs) * dim, P.ITEM_SIZE[dtype], 1 << 62)
-        rows = P.frame_tensor(buf, dtype, sum(cs), dim)
-        if seg is not None and call and call[0].retried:
-            rows = rows.clone()          # an earlier attempt may still write the segment: not the caller's
+        rows = _reply_rows(shard, cs, replies, dim, segs, call)
         if len(counts) == 1 and all(p.gather is None and p.place is None for p in plans):
             return rows.float()           # one shard, no reordering: the frame itself (fp32)
         pieces[shard] = list(torch.split(rows, cs))
@@ -134,4 +214,4 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
     return out
 
 
-__all__ = ["Plan", "assemble_rows", "combine", "frames", "index_frame", "plan_ids"]
+__all__ = ["ManyPlan", "Plan", "assemble_rows", "combine", "frames", "index_frame", "plan_ids", "plan_many"]
