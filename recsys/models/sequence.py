@@ -110,6 +110,7 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
         return rows.new_zeros(B, max_len, rows.shape[1]), mask
     idx = torch.zeros(B, max_len, dtype=torch.int64)
     idx[mask] = inv + base                                                   # row-major: bag b's ids in order
+    idx, mask = idx.to(rows.device), mask.to(rows.device)                    # rows on the GPU: a row cache there
     seq = rows.index_select(0, idx.view(-1)).view(B, max_len, -1)            # [B, L, D]
     return seq * mask.unsqueeze(2).to(seq.dtype), mask                       # padding: zeros, no gradient
 

@@ -92,6 +92,7 @@ class SparseLookup:
     counts: list[torch.Tensor] | None = None   # per plan: [U] occurrences of each unique id (a row cache's stats)
     pull_s: float = 0.0
     wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
+    device: torch.device | None = None    # pool here (rows moved on arrival); None: where the rows come
 
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
@@ -104,7 +105,10 @@ class SparseLookup:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
         t0 = time.perf_counter()
         for fut in self.futures:
-            self.rows.append(fut.result().requires_grad_(True))
+            rows = fut.result()                                               # [U_g, D]
+            if self.device is not None and rows.device != self.device:
+                rows = rows.to(self.device)   # train.device = "cuda": pool on the GPU, push grads [U_g, D] back
+            self.rows.append(rows.requires_grad_(True))
         self.wait_s = time.perf_counter() - t0
         self.pull_s += self.wait_s
         B = self.batch_size
@@ -264,6 +268,10 @@ class SparseArch:
     def __init__(self, plans: list[TablePlan]) -> None:
         self.plans = plans
         self.groups = _groups(plans)
+        self.device: torch.device | None = None
+        """Where lookups pool (`SparseLookup.device`); the trainer sets its train.device. On a GPU the
+        pulled rows [U, D] cross to it (not the pooled [B, F, D], twice their size with one id per
+        bag) and pooling's forward and backward run there."""
 
     def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
         kj = batch.sparse
@@ -274,7 +282,7 @@ class SparseArch:
         starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
         bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
-        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B)
+        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device)
         if getattr(store, "counts_lookups", False):     # a row cache: per-lookup hit rate
             look.counts = []
         t0 = time.perf_counter()

@@ -121,6 +121,8 @@ class Trainer:
         self.device = torch.device(cfg.train.device)
         self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
         self.sparse, model = build_job_model(cfg)
+        if self.device.type != "cpu":
+            self.sparse.device = self.device     # pool on the GPU (SparseArch.device)
         self.model = model.to(self.device)
         self.ddp = wrap_ddp(self.model, cfg.train, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train)
