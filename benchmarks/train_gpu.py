@@ -286,7 +286,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of generated data (read in epochs)")
-    p.add_argument("--files", type=int, default=1)
     p.add_argument("--steps", type=int, default=100, help="timed steps per run (after --log-every warm-up steps)")
     p.add_argument("--log-every", type=int, default=10, help="steps per timing interval")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
