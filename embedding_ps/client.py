@@ -52,7 +52,8 @@ from embedding_ps import protocol as P
 from embedding_ps import native, shm
 from embedding_ps.auth import load_token
 from embedding_ps.config import PSConfig
-from embedding_ps.clientplan import assemble_rows, combine, frames, index_frame, plan_ids, plan_many
+from embedding_ps.clientplan import (assemble_rows, combine, frames, index_frame, plan_ids, plan_many,
+                                     plans_by_shard)
 from embedding_ps.shm import LateGrads
 from embedding_ps.snapshot import shard_dir
 from embedding_ps.store import done_future
@@ -128,7 +129,7 @@ class PSClient:
             shards = many.by_shard(many.sent)
         else:
             plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
-            shards = self._by_shard([(p, p.sent) for p in plans])
+            shards = plans_by_shard([(p, p.sent) for p in plans])
         if not shards:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
@@ -189,14 +190,14 @@ class PSClient:
                 elif plan.place is not None:
                     g = g.index_select(0, plan.place)
                 sent.append(g)
-            shards = self._by_shard([(p, p.sent) for p in plans])
+            shards = plans_by_shard([(p, p.sent) for p in plans])
         if not shards:
             return done_future(None)
         if self._too_big("push", tables, shards, dim):     # one request per table instead
             splits = torch.split(grads, [x.numel() for x in ids])
             return combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
-        grad_parts = many.by_shard(many.to_sent(grads)) if many is not None else self._by_shard(list(zip(plans, sent)))
+        grad_parts = many.by_shard(many.to_sent(grads)) if many is not None else plans_by_shard(list(zip(plans, sent)))
         reqs, segs, fallbacks, words = [], {}, {}, []
         lib = native.lib()
         late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and lib is not None else None
@@ -468,14 +469,6 @@ class PSClient:
         if len(dims) != 1:
             raise ValueError(f"{op}_many: tables {list(tables)} have dims {sorted(dims)}; one call takes one dim")
         return dims.pop(), [self._check_ids(t, x) for t, x in zip(tables, ids)]
-
-    def _by_shard(self, items: list) -> dict[int, list[tuple[int, torch.Tensor]]]:
-        """[(plan, tensor in plan.sent order)] -> {shard: [(part index, the shard's chunk)]}, parts in order."""
-        out: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for i, (plan, t) in enumerate(items):
-            for shard, chunk in plan.chunks(t):
-                out.setdefault(shard, []).append((i, chunk))
-        return out
 
     def _too_big(self, op: str, tables: Sequence[int], shards: dict[int, list[tuple[int, torch.Tensor]]],
                  dim: int) -> bool:

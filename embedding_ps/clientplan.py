@@ -62,6 +62,15 @@ def plan_ids(config: PSConfig, dedup: bool, table: int, ids: torch.Tensor) -> Pl
     return Plan(ids[order], counts, pos[inverse], None)
 
 
+def plans_by_shard(items: list[tuple[Plan, torch.Tensor]]) -> dict[int, list[tuple[int, torch.Tensor]]]:
+    """[(plan, tensor in plan.sent order)] -> {shard: [(part index, the shard's chunk)]}, parts in order."""
+    out: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for i, (plan, t) in enumerate(items):
+        for shard, chunk in plan.chunks(t):
+            out.setdefault(shard, []).append((i, chunk))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ManyPlan:
     """How one call's ids travel when every table's part is routed at once.
@@ -214,4 +223,4 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
     return out
 
 
-__all__ = ["ManyPlan", "Plan", "assemble_rows", "combine", "frames", "index_frame", "plan_ids", "plan_many"]
+__all__ = ["ManyPlan", "Plan", "assemble_rows", "combine", "frames", "index_frame", "plan_ids", "plan_many", "plans_by_shard"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from embedding_ps import protocol as P
-from embedding_ps.clientplan import assemble_rows, plan_ids, plan_many
+from embedding_ps.clientplan import assemble_rows, plan_ids, plan_many, plans_by_shard
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.sharding import route
 
@@ -20,14 +20,6 @@ D = 3
 def config(shards: int) -> PSConfig:
     return PSConfig(num_shards=shards, tables=(TableConfig(name="a", dim=D), TableConfig(name="b", dim=D),
                                               TableConfig(name="h", dim=D, kind="hashed", num_embeddings=50)))
-
-
-def by_shard_per_table(plans) -> dict[int, list[tuple[int, torch.Tensor]]]:
-    out: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    for i, p in enumerate(plans):
-        for s, c in p.chunks(p.sent):
-            out.setdefault(s, []).append((i, c))
-    return out
 
 
 def replies(shards: dict[int, list[tuple[int, torch.Tensor]]], dtype=torch.float32) -> dict:
@@ -59,7 +51,7 @@ def test_plan_many_sends_and_assembles_what_the_per_table_plans_do(shards: int, 
     cfg = config(shards)
     tables, ids = CALLS[call]
     plans = [plan_ids(cfg, True, t, x) for t, x in zip(tables, ids)]
-    old = by_shard_per_table(plans)
+    old = plans_by_shard([(p, p.sent) for p in plans])
     many = plan_many(cfg, True, tables, ids)
     assert many is not None
     new = many.by_shard(many.sent)
