@@ -451,6 +451,51 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
     }
 }
 
+/* The rows of a block's ids (examples [b0, b1) of every slot) into c->rows, in one pass over all
+ * its slots: the hash buckets prefetched SV_PFB ids ahead across slot boundaries (a slot's block is
+ * often a few ids: a per-slot pipeline would wait on the first ones of every slot), and each
+ * found row's first cache line prefetched for the pooling that follows. Same rows as
+ * sv_lookup_slot (the codes of unknown ids likewise). */
+#ifndef SV_PFB
+#define SV_PFB 32           /* ids ahead whose buckets are in flight */
+#endif
+struct sv_pend { int64_t key, i; uint64_t home; const int64_t *sl; };
+
+static inline __attribute__((always_inline)) void sv_lookup_block(const struct sv_pool_ctx *c, int64_t b0,
+                                                                  int64_t b1) {
+    struct sv_pend ring[SV_PFB];
+    uint64_t head = 0, tail = 0;                    /* ring[tail % SV_PFB .. head % SV_PFB): in flight */
+    int64_t s = -1, i = 0, end = 0;                 /* the next id: i of slot s (its block ends at end) */
+    for (;;) {
+        while (head - tail < SV_PFB) {              /* the next ids: key, home bucket, prefetch */
+            while (i >= end && ++s < c->S) {
+                i = c->offsets[s * c->B + b0];
+                end = c->offsets[s * c->B + b1];
+            }
+            if (i >= end) break;
+            const int64_t *sl = c->slots + SV_K * s;
+            struct sv_pend *e = &ring[head++ % SV_PFB];
+            e->key = sv_key(c->values[i], (uint64_t)sl[2]);
+            e->home = sv_home(e->key, sl[1]);
+            e->i = i++;
+            e->sl = sl;
+            PREFETCH(c->map + 2 * (sl[0] + (int64_t)e->home));
+        }
+        if (tail == head) return;
+        const struct sv_pend *e = &ring[tail++ % SV_PFB];
+        const int64_t *sl = e->sl, *map = c->map + 2 * sl[0];
+        const uint64_t mask = ((uint64_t)1 << sl[1]) - 1;
+        uint64_t p = e->home;
+        int64_t v;
+        while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != e->key) p = (p + 1) & mask;
+        if (v >= 0) {
+            const int64_t r = sl[3] + v;
+            c->rows[e->i] = (int32_t)r;
+            PREFETCH((const uint8_t *)(intptr_t)sl[4] + sl[5] * r);
+        } else c->rows[e->i] = (int32_t)sl[12];
+    }
+}
+
 /* Examples [lo, hi) of every slot, in blocks of SV_BLOCK examples: for each block, slot by slot, so
  * that the block's output rows stay in cache while every slot writes its columns (slot by slot
  * over the whole batch would stream the whole output through the cache once per slot). The
@@ -463,10 +508,10 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
                                                           int64_t S, const int V) {
     for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
+        if (c->map) sv_lookup_block(c, b0, b1);     /* the block's rows, hot for the pooling */
         for (int64_t s = 0; s < S; s++) {
             const int64_t *sl = c->slots + SV_K * s;
-            const int64_t start = c->offsets[s * c->B + b0], end = c->offsets[s * c->B + b1];
-            if (c->map) sv_lookup_slot(sl, c->map, c->values, start, end, c->rows);   /* hot for the pooling */
+            const int64_t end = c->offsets[s * c->B + b1];
             switch (sl[7]) {
             case 1: SV_BAGS(1)
             case 8: SV_BAGS(8)

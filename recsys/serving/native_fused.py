@@ -8,10 +8,12 @@ planning this class inherits):
 
 1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
    (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
-   load <= 0.5; any int64 id can be a key). Hashed tables' keys (`splitmix64(id) %
-   num_embeddings`) are computed in the loop. An unknown id gets its slot's code: -1 (zeros
-   default: nothing to add), -2 (uniform default: computed in the pooling loop exactly as
-   `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal: Python's).
+   load <= 0.25 in maps of up to 2**16 buckets (1 MiB), <= 0.5 in larger ones: fewer second
+   probes and mispredicted branches, BENCHMARKS.md; any int64 id can be a key). Hashed tables'
+   keys (`splitmix64(id) % num_embeddings`) are computed in the loop. An unknown id gets its
+   slot's code: -1 (zeros default: nothing to add), -2 (uniform default: computed in the pooling
+   loop exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal:
+   Python's).
 2. Pooling: every bag k = s * B + b straight into its place in the outputs: pooled [B, F, D]
    (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot by slot
    within a block, so the block's output rows stay in cache). Rows: fp32 from one float32 matrix
@@ -20,10 +22,12 @@ planning this class inherits):
    from rows f32 scale | f32 bias | codes (the f16-rounded scale and bias fbgemm's TBE uses).
    Default rows: fp32 / fp16 sum them in id order among the bag's rows (as `F.embedding_bag`
    over FusedPooling's scratch rows); int8 / int4 sum them (weighted) apart and add that to the
-   bag (as FusedPooling adds them after fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results
-   are bit-equal to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
+   bag (as FusedPooling adds them after fbgemm's TBE). Same float formulas as embedding_bag /
+   fbgemm (see `_pool.c`), so the results are bit-equal to FusedPooling's
+   (tests/unit/recsys/serving/test_fused.py, test_native_half.py).
    When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
-   are looked up right before they are pooled. Otherwise `sv_lookup` first, `sv_misses` lists
+   (all its slots in one pass, buckets and then rows prefetched ahead) are looked up right
+   before they are pooled. Otherwise `sv_lookup` first, `sv_misses` lists
    the -3 ids, Python computes their rows (`init_rows` per class, as FusedPooling) into one
    float32 buffer and points them there (-4 - offset), then `sv_pool`.
 
@@ -50,6 +54,7 @@ from recsys.serving.quantize import split_fused, tbe_dim
 logger = logging.getLogger(__name__)
 
 _KIND = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
+_SMALL_MAP = 1 << 16        # buckets (16 B each) up to which a map gets 4 buckets per row rather than 2
 
 
 def _storage_use_count(t: torch.Tensor) -> int:
@@ -157,9 +162,11 @@ class NativePooling(FusedPooling):
         self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
 
     def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 2 * rows buckets."""
+        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 4 * rows buckets
+        while that is at most _SMALL_MAP buckets, else 2**bits >= 2 * rows."""
         used = sorted({p.table for p, _ in slots})
         bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
+        bits = {t: b + 1 if 2 << b <= _SMALL_MAP else b for t, b in bits.items()}
         self.map_at: dict[int, tuple[int, int]] = {}
         total = 0
         for t in used:

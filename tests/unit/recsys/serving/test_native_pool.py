@@ -116,3 +116,22 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) 
     assert type(first) is FusedPooling and type(second) is FusedPooling
     warnings = [r for r in caplog.records if "native pooling kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+
+
+def test_map_sizes(native) -> None:
+    """Maps of up to 2**16 buckets hold >= 4 buckets per row (load <= 0.25), larger ones >= 2 (<= 0.5);
+    every stored id still finds its row."""
+    tables = (TableConfig(name="s", dim=4), TableConfig(name="m", dim=4, seed=2), TableConfig(name="l", dim=4, seed=3))
+    plans = plan_tables(("s", "m", "l"), tables, {}, {}, {})
+    sizes = (10, 16384, 40000)                      # 64 buckets; 2**16 (the largest small map); 2**17
+    views = [TableView(c, np.arange(n, dtype=np.int64) * 7, np.zeros((n, 4), np.float32), "fp32")
+             for c, n in zip(tables, sizes)]
+    pooling = NativePooling(plans, views, "fp32", native)
+    assert [pooling.map_at[t][1] for t in range(3)] == [6, 16, 17]
+    assert pooling.buckets.shape[0] == 64 + 2**16 + 2**17
+    for t, n in enumerate(sizes):
+        at, bits = pooling.map_at[t]
+        keys = pooling.buckets[at:at + (1 << bits), 0]
+        rows = pooling.buckets[at:at + (1 << bits), 1]
+        assert int((rows >= 0).sum()) == n
+        assert torch.equal(keys[rows >= 0].sort().values, torch.arange(n, dtype=torch.int64) * 7)
