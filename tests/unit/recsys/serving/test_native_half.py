@@ -108,6 +108,7 @@ def test_half_rows_held_as_float16() -> None:
     for t in used:
         rows = native.table_rows[t]
         assert rows.dtype == torch.float16 and rows.is_contiguous()
+        assert rows.data_ptr() % 64 == 0                                # rows of D = 16: one cache line each
         assert rows.nbytes == 2 * views[t].num_rows * views[t].cfg.dim
         assert np.array_equal(rows.numpy().view(np.uint16), np.asarray(views[t].matrix).view(np.uint16))
     fused = FusedPooling(plans, views, "fp16")
