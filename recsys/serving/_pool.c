@@ -451,48 +451,45 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
     }
 }
 
-/* The rows of a block's ids (examples [b0, b1) of every slot) into c->rows, in one pass over all
- * its slots: the hash buckets prefetched SV_PFB ids ahead across slot boundaries (a slot's block is
- * often a few ids: a per-slot pipeline would wait on the first ones of every slot), and each
- * found row's first cache line prefetched for the pooling that follows. Same rows as
- * sv_lookup_slot (the codes of unknown ids likewise). */
-#ifndef SV_PFB
-#define SV_PFB 32           /* ids ahead whose buckets are in flight */
-#endif
-struct sv_pend { int64_t key, i; uint64_t home; const int64_t *sl; };
-
-static inline __attribute__((always_inline)) void sv_lookup_block(const struct sv_pool_ctx *c, int64_t b0,
-                                                                  int64_t b1) {
-    struct sv_pend ring[SV_PFB];
-    uint64_t head = 0, tail = 0;                    /* ring[tail % SV_PFB .. head % SV_PFB): in flight */
-    int64_t s = -1, i = 0, end = 0;                 /* the next id: i of slot s (its block ends at end) */
-    for (;;) {
-        while (head - tail < SV_PFB) {              /* the next ids: key, home bucket, prefetch */
-            while (i >= end && ++s < c->S) {
-                i = c->offsets[s * c->B + b0];
-                end = c->offsets[s * c->B + b1];
-            }
-            if (i >= end) break;
-            const int64_t *sl = c->slots + SV_K * s;
-            struct sv_pend *e = &ring[head++ % SV_PFB];
-            e->key = sv_key(c->values[i], (uint64_t)sl[2]);
-            e->home = sv_home(e->key, sl[1]);
-            e->i = i++;
-            e->sl = sl;
-            PREFETCH(c->map + 2 * (sl[0] + (int64_t)e->home));
+/* A block's ids (examples [b0, b1) of every slot) are looked up in two passes. sv_home_block:
+ * each id's home bucket into c->rows (as uint32: a map has at most 2**32 buckets, its table at
+ * most 2**31 rows) and that bucket prefetched; sv_bags runs it one block ahead, so the buckets
+ * arrive while the block before is pooled (a lookup right before its pooling waited on them:
+ * every block touches every table's map). sv_probe_block: from those homes, each id's row (or
+ * its slot's code of unknown ids, as sv_lookup_slot), and the row's first line prefetched for
+ * the pooling that follows. Hashed tables compute their keys in both passes. */
+static inline __attribute__((always_inline)) void sv_home_block(const struct sv_pool_ctx *c, int64_t b0,
+                                                                int64_t b1) {
+    for (int64_t s = 0; s < c->S; s++) {
+        const int64_t *sl = c->slots + SV_K * s, *map = c->map + 2 * sl[0];
+        const int64_t lo = c->offsets[s * c->B + b0], hi = c->offsets[s * c->B + b1], bits = sl[1];
+        const uint64_t hashed = (uint64_t)sl[2];
+        for (int64_t i = lo; i < hi; i++) {
+            const uint64_t h = sv_home(sv_key(c->values[i], hashed), bits);
+            c->rows[i] = (int32_t)(uint32_t)h;
+            PREFETCH(map + 2 * h);
         }
-        if (tail == head) return;
-        const struct sv_pend *e = &ring[tail++ % SV_PFB];
-        const int64_t *sl = e->sl, *map = c->map + 2 * sl[0];
-        const uint64_t mask = ((uint64_t)1 << sl[1]) - 1;
-        uint64_t p = e->home;
-        int64_t v;
-        while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != e->key) p = (p + 1) & mask;
-        if (v >= 0) {
-            const int64_t r = sl[3] + v;
-            c->rows[e->i] = (int32_t)r;
-            PREFETCH((const uint8_t *)(intptr_t)sl[4] + sl[5] * r);
-        } else c->rows[e->i] = (int32_t)sl[12];
+    }
+}
+
+static inline __attribute__((always_inline)) void sv_probe_block(const struct sv_pool_ctx *c, int64_t b0,
+                                                                 int64_t b1) {
+    for (int64_t s = 0; s < c->S; s++) {
+        const int64_t *sl = c->slots + SV_K * s, *map = c->map + 2 * sl[0];
+        const int64_t lo = c->offsets[s * c->B + b0], hi = c->offsets[s * c->B + b1], base = sl[3], rb = sl[5];
+        const uint64_t hashed = (uint64_t)sl[2], mask = ((uint64_t)1 << sl[1]) - 1;
+        const uint8_t *mat = (const uint8_t *)(intptr_t)sl[4];
+        const int32_t miss = (int32_t)sl[12];
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t k = sv_key(c->values[i], hashed);
+            uint64_t p = (uint32_t)c->rows[i];
+            int64_t v;
+            while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != k) p = (p + 1) & mask;
+            if (v >= 0) {
+                c->rows[i] = (int32_t)(base + v);
+                PREFETCH(mat + rb * (base + v));
+            } else c->rows[i] = miss;
+        }
     }
 }
 
@@ -508,7 +505,11 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
                                                           int64_t S, const int V) {
     for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
-        if (c->map) sv_lookup_block(c, b0, b1);     /* the block's rows, hot for the pooling */
+        if (c->map) {                               /* this block's rows; the next block's buckets in flight */
+            if (b0 == lo) sv_home_block(c, b0, b1);
+            sv_probe_block(c, b0, b1);
+            if (b1 < hi) sv_home_block(c, b1, b1 + SV_BLOCK < hi ? b1 + SV_BLOCK : hi);
+        }
         for (int64_t s = 0; s < S; s++) {
             const int64_t *sl = c->slots + SV_K * s;
             const int64_t end = c->offsets[s * c->B + b1];
@@ -539,7 +540,8 @@ __attribute__((target("avx2,fma,f16c"), flatten)) static void sv_pool_chunk_fma(
 
 /* Pools bags k = s * B + b (ids offsets[k] .. offsets[k + 1], raw ids values) into out[slot's
  * output]. map: NULL when rows holds every id's row already (sv_lookup), else the maps: each
- * block's ids are looked up right before they are pooled (no slot may have code -3 then).
+ * block's ids are looked up before it is pooled, their buckets prefetched while the block before
+ * is pooled (sv_home_block; no slot may have code -3 then).
  * weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default rows that
  * rows <= -4 point at, or NULL. */
 void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,

@@ -26,8 +26,8 @@ planning this class inherits):
    fbgemm (see `_pool.c`), so the results are bit-equal to FusedPooling's
    (tests/unit/recsys/serving/test_fused.py, test_native_half.py).
    When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
-   (all its slots in one pass, buckets and then rows prefetched ahead) are looked up right
-   before they are pooled. Otherwise `sv_lookup` first, `sv_misses` lists
+   are looked up before it is pooled, their hash buckets prefetched while the block before is
+   pooled and their rows right after the lookup. Otherwise `sv_lookup` first, `sv_misses` lists
    the -3 ids, Python computes their rows (`init_rows` per class, as FusedPooling) into one
    float32 buffer and points them there (-4 - offset), then `sv_pool`.
 
@@ -172,6 +172,8 @@ class NativePooling(FusedPooling):
         used = sorted({p.table for p, _ in slots})
         bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
         bits = {t: b + 1 if 2 << b <= _SMALL_MAP else b for t, b in bits.items()}
+        if max(bits.values()) > 32:                                      # the kernel keeps homes as uint32
+            raise Unsupported("a table of more than 2**31 rows")
         self.map_at: dict[int, tuple[int, int]] = {}
         total = 0
         for t in used:
