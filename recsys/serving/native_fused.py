@@ -191,6 +191,12 @@ class NativePooling(FusedPooling):
             m = self.table_rows[t] if self.per_table else self.weights[self.dim_index[self._slot_dims[s]]]
             self.slots[s, 4] = m.data_ptr()
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}
+        (fp16: float16 rows; fp32: FusedPooling's matrices incl. the zero and scratch rows)."""
+        rows = self.table_rows.values() if self.per_table else self.weights
+        return {"rows": sum(m.nbytes for m in rows), "maps": self.buckets.nbytes}
+
     # -- per request --------------------------------------------------------------------------------
 
     def pool(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -137,3 +137,18 @@ def test_fallback_pools_half_rows() -> None:
             assert type(native) is NativePooling
             got, got_lin = native.pool(batch)
             assert torch.equal(got, want) and torch.equal(got_lin, want_lin), f"B={B} native"
+
+
+def test_held_bytes_fp16_half_of_fp32() -> None:
+    """`held_bytes` (what benchmarks/serving.py reports): fp16 rows take half of fp32's rows minus
+    FusedPooling's zero and scratch rows; the maps do not depend on the precision."""
+    if native_pool.lib() is None:
+        pytest.skip("no C compiler: the native serving kernel cannot build")
+    plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
+    half = make_pooling(plans, make_views("fp16"), "fp16").held_bytes()
+    full = make_pooling(plans, make_views("fp32"), "fp32")
+    rows = sum(v.num_rows * v.cfg.dim for v in make_views("fp32"))                  # every table read
+    extra = sum((w.shape[0] - z) * w.shape[1] for w, z in zip(full.weights, full.zero_row))   # zero, scratch rows
+    assert half["rows"] == 2 * rows
+    assert full.held_bytes()["rows"] == 4 * (rows + extra)
+    assert half["maps"] == full.held_bytes()["maps"] == full.buckets.nbytes
