@@ -135,3 +135,20 @@ def test_map_sizes(native) -> None:
         rows = pooling.buckets[at:at + (1 << bits), 1]
         assert int((rows >= 0).sum()) == n
         assert torch.equal(keys[rows >= 0].sort().values, torch.arange(n, dtype=torch.int64) * 7)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+def test_portable_build_equals_the_reference(native, precision: str) -> None:
+    """The kernel built without its AVX2 / F16C path (-DSV_PORTABLE, as on a CPU other than x86)
+    pools every precision like the per-table paths, bit for bit (B = 300: several blocks)."""
+    from tests.unit.recsys.serving.test_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, UNIFORM_TABLES,
+                                                      make_batch, make_views, reference)
+    portable = native_pool.build(("-DSV_PORTABLE",))
+    plans = plan_tables(FEATURES, UNIFORM_TABLES, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision, seed=3, tables=UNIFORM_TABLES)
+    pooling = NativePooling(plans, views, precision, portable)
+    for seed, weighted in enumerate((True, False)):
+        batch = make_batch(views, 300, 20 + seed, weighted)
+        want, want_lin = reference(precision, plans, views, batch)
+        got, got_lin = pooling.pool(batch)
+        assert torch.equal(got, want) and torch.equal(got_lin, want_lin), f"{precision} weighted={weighted}"
