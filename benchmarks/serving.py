@@ -20,6 +20,8 @@ Per precision, in the same run, on the same exported tables:
   Predictor's pooling is `NativePooling`, the C kernel, or `FusedPooling` without a compiler:
   `pooling` says which) and predictions/s of `Predictor.predict`; `fused_python_per_s_b4096`:
   `FusedPooling` (fbgemm hash map + embedding_bag / TBE) on the same requests, for comparison;
+- memory: `pooling_rows_mib` / `pooling_maps_mib`, what `NativePooling` holds (row matrices: fp16
+  as float16, int8 / int4 as scale | bias | codes, fp32 one float32 matrix a width; hash maps);
 - baseline: TorchRec's quantized inference `torchrec.quant.embedding_modules.EmbeddingBagCollection`
   (one fbgemm IntNBit TBE per pooling mode, data type = the export's precision, loaded with the
   export's own rows) on the same requests, pooling only. TorchRec takes row indices, not raw
@@ -305,6 +307,9 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     out.update(baseline_p50_ms_b1=ms(lat, 0.5), baseline_p99_ms_b1=ms(lat, 0.99))
     base_bigs = [base.inputs(b) for b in bigs]
     out["pooling"] = type(p._fused).__name__
+    if hasattr(p._fused, "held_bytes"):                                      # NativePooling's rows and maps
+        held = p._fused.held_bytes()
+        out.update(pooling_rows_mib=round(held["rows"] / 2**20, 1), pooling_maps_mib=round(held["maps"] / 2**20, 1))
     python_fused = FusedPooling(p.sparse.plans, p.tables, p.precision)       # the fbgemm + torch path, same run
     r = rates({"ours": p.pooled, "baseline": base, "fused_python": python_fused.pool},
               {"ours": bigs, "baseline": base_bigs, "fused_python": bigs}, BIG)

@@ -1,6 +1,6 @@
 /* Native serving kernel: raw ids -> rows through per-table hash maps, and pooling of every bag of
  * every slot straight into the model's output layout, fp32 and int8 / int4 rows dequantized in
- * the loop.
+ * the loop, fp16 rows widened to float32 in the loop (F16C 8 at a time where the CPU has it).
  *
  * Plain C99, no Python or torch headers: `recsys/serving/native_pool.py` compiles this file with
  * the system C compiler (-O3 -ffp-contract=off, never -march=native) on first use and calls it
@@ -14,7 +14,7 @@
  * Slot descriptor, int64 [S, SV_K] (a slot is one (table, feature) pair, in the batch's slot order):
  *   0 map offset (buckets)   1 map bits          2 hashed: num_embeddings (0: the id is the key)
  *   3 row base (added to the local row)          4 matrix address   5 row bytes
- *   6 kind (0 fp32, 2 int8, 3 int4)              7 dim D            8 mode (0 sum, 1 mean)
+ *   6 kind (0 fp32, 1 fp16, 2 int8, 3 int4)      7 dim D            8 mode (0 sum, 1 mean)
  *   9 output (0 or 1)        10 output column of example 0          11 output stride (floats)
  *   12 row of an unknown id: -1 (zeros default), -2 (uniform default, computed here), -3 (other
  *      default: the caller computes it and points the row at it)
@@ -23,6 +23,8 @@
  * Float math (so that results are bit-equal to today's paths):
  *   fp32 (torch embedding_bag on CPU, fbgemm SpMDM): acc = 0; per id acc += row (unweighted) or
  *     acc = fma(w, row, acc) (per-id weights, sum bags only); mean bags: acc / (float)len.
+ *   fp16: the same, on the row widened to float32 (exact: every half is a float), so the results
+ *     are those of the fp32 path over the widened matrix (what FusedPooling pools).
  *   int8 / int4 (fbgemm IntNBit TBE, rows f16 scale | f16 bias | codes; here f32 copies of those
  *     f16 values at the row's start): w = weight (sum bags), 1.0f / len (mean bags) or 1;
  *     acc = fma(scale * w, code, acc + bias * w).
@@ -54,7 +56,7 @@
 #define ATOMIC_ADD(p, v) (*(p) += (v))
 #endif
 
-int sv_abi_version(void) { return 4; }
+int sv_abi_version(void) { return 5; }
 
 /* ------------------------------------------------------------------ parallel for */
 typedef void (*sv_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
@@ -235,6 +237,34 @@ static inline __attribute__((always_inline)) void sv_fma_c(float *restrict acc, 
     for (int64_t j = 0; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
 }
 
+/* IEEE half -> float, exact (every half is a float): normal, subnormal (man * 2**-24), zero, inf,
+ * NaN (quieted, as F16C's vcvtph2ps does). */
+static inline float sv_h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    float f;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man ? 0x400000u | (man << 13) : 0u);
+    else if (exp) bits = sign | ((exp + 112u) << 23) | (man << 13);
+    else {
+        f = (float)man * 0x1p-24f;                  /* 0 or a subnormal half: exact in float32 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* fp16 rows, from element j on: acc += (float)x or acc = fma(w, (float)x, acc) */
+static inline __attribute__((always_inline)) void sv_addh_c(float *restrict acc, const uint16_t *restrict x,
+                                                            int64_t j, int64_t d) {
+    for (; j < d; j++) acc[j] += sv_h2f(x[j]);
+}
+
+static inline __attribute__((always_inline)) void sv_fmah_c(float *restrict acc, float w,
+                                                            const uint16_t *restrict x, int64_t j, int64_t d) {
+    for (; j < d; j++) acc[j] = fmaf(w, sv_h2f(x[j]), acc[j]);
+}
+
 /* int8 codes: acc = fma(scale, code, acc + bias) */
 static inline __attribute__((always_inline)) void sv_int8_c(float *restrict acc, float scale, float bias,
                                                             const uint8_t *restrict q, int64_t j, int64_t d) {
@@ -252,12 +282,13 @@ static inline __attribute__((always_inline)) void sv_int4_c(float *restrict acc,
     if (d & 1) acc[d - 1] = fmaf(scale, (float)(q[(d - 1) >> 1] & 15), acc[d - 1] + bias);
 }
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+/* SV_PORTABLE (a -D flag): no AVX2 path at all, as on a machine other than x86 (tests build it so). */
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(SV_PORTABLE)
 #define SV_FMA_DISPATCH 1
 #include <immintrin.h>
 /* 8 floats a step, the scalar versions for the rest; only inlined into sv_pool_chunk_fma (flatten),
  * the generic code never calls them (sv_bag's V = 0). */
-#define SV_AVX static inline __attribute__((target("avx2,fma")))
+#define SV_AVX static inline __attribute__((target("avx2,fma,f16c")))
 SV_AVX void sv_add_avx(float *restrict acc, const float *restrict x, int64_t d) {
     int64_t j = 0;
     for (; j + 8 <= d; j += 8)
@@ -271,6 +302,26 @@ SV_AVX void sv_fma_avx(float *restrict acc, float w, const float *restrict x, in
     for (; j + 8 <= d; j += 8)
         _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + j), _mm256_loadu_ps(acc + j)));
     for (; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
+}
+
+/* fp16 rows: 8 halves widened by vcvtph2ps (exact) a step */
+SV_AVX void sv_addh_avx(float *restrict acc, const uint16_t *restrict x, int64_t d) {
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + j)));
+        _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), v));
+    }
+    sv_addh_c(acc, x, j, d);
+}
+
+SV_AVX void sv_fmah_avx(float *restrict acc, float w, const uint16_t *restrict x, int64_t d) {
+    const __m256 vw = _mm256_set1_ps(w);
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + j)));
+        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vw, v, _mm256_loadu_ps(acc + j)));
+    }
+    sv_fmah_c(acc, w, x, j, d);
 }
 
 SV_AVX void sv_int8_avx(float *restrict acc, float scale, float bias, const uint8_t *restrict q, int64_t d) {
@@ -301,6 +352,8 @@ SV_AVX void sv_int4_avx(float *restrict acc, float scale, float bias, const uint
 #else
 #define sv_add_avx sv_add_c
 #define sv_fma_avx sv_fma_c
+#define sv_addh_avx(acc, x, d) sv_addh_c(acc, x, 0, d)
+#define sv_fmah_avx(acc, w, x, d) sv_fmah_c(acc, w, x, 0, d)
 #define sv_int8_avx(acc, scale, bias, q, d) sv_int8_c(acc, scale, bias, q, 0, d)
 #define sv_int4_avx(acc, scale, bias, q, d) sv_int4_c(acc, scale, bias, q, 0, d)
 #endif
@@ -319,7 +372,7 @@ struct sv_pool_ctx {
 
 /* One bag k = s * B + b. Rows r >= 0: the slot's matrix; -1: nothing; -2: the key's uniform default
  * row; r <= -4: the float32 default row at defaults + (-r - 4). Default rows are summed in id
- * order like a matrix row (fp32) or, for int8 / int4, weighted and summed apart and added at the
+ * order like a matrix row (fp32, fp16) or, for int8 / int4, weighted and summed apart and added at the
  * end (as FusedPooling adds them after fbgemm's TBE).
  * DC: the width when known at compile time (0: the slot's, at most SV_DMAX); V: 1 for the AVX2 row
  * ops (only in sv_pool_chunk_fma), 0 for the scalar ones. */
@@ -334,18 +387,29 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
     float acc[SV_DMAX], dacc[SV_DMAX], def[SV_DMAX];     /* on the stack: no aliasing with rows or output */
     int defaults = 0;
     for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
-    const float inv = (mean && kind != 0 && i1 > i0) ? 1.0f / (float)(i1 - i0) : 1.0f;
+    const float inv = (mean && kind >= 2 && i1 > i0) ? 1.0f / (float)(i1 - i0) : 1.0f;
     for (int64_t i = i0; i < i1; i++) {
         if (i + SV_PF < send && c->rows[i + SV_PF] >= 0) PREFETCH(mat + rb * c->rows[i + SV_PF]);
         const int32_t r = c->rows[i];
         if (r == -1 || r == -3) continue;
+        if (kind == 1 && r >= 0) {                  /* an fp16 row (default rows are float32: below) */
+            const uint16_t *h = (const uint16_t *)(mat + rb * r);
+            if (wts) {
+                if (V) sv_fmah_avx(acc, wts[i], h, d);
+                else sv_fmah_c(acc, wts[i], h, 0, d);
+            } else {
+                if (V) sv_addh_avx(acc, h, d);
+                else sv_addh_c(acc, h, 0, d);
+            }
+            continue;
+        }
         const float *x;
         if (r >= 0) x = (const float *)(mat + rb * r);
         else if (r == -2) {
             sv_uniform(def, sv_key(c->values[i], (uint64_t)sl[2]), sl, d);
             x = def;
         } else x = c->defaults + (-(int64_t)r - 4);
-        if (kind == 0) {
+        if (kind <= 1) {
             if (wts) {
                 if (V) sv_fma_avx(acc, wts[i], x, d);
                 else sv_fma_c(acc, wts[i], x, d);
@@ -377,13 +441,55 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
             else sv_int4_c(acc, scale, bias, q, 0, d);
         }
     }
-    if (mean && kind == 0 && i1 > i0) {
+    if (mean && kind <= 1 && i1 > i0) {
         const float n = (float)(i1 - i0);
         for (int64_t j = 0; j < d; j++) o[j] = acc[j] / n;
     } else if (defaults) {
         for (int64_t j = 0; j < d; j++) o[j] = acc[j] + dacc[j];
     } else {
         for (int64_t j = 0; j < d; j++) o[j] = acc[j];
+    }
+}
+
+/* A block's ids (examples [b0, b1) of every slot) are looked up in two passes. sv_home_block:
+ * each id's home bucket into c->rows (as uint32: a map has at most 2**32 buckets, its table at
+ * most 2**31 rows) and that bucket prefetched; sv_bags runs it one block ahead, so the buckets
+ * arrive while the block before is pooled (a lookup right before its pooling waited on them:
+ * every block touches every table's map). sv_probe_block: from those homes, each id's row (or
+ * its slot's code of unknown ids, as sv_lookup_slot), and the row's first line prefetched for
+ * the pooling that follows. Hashed tables compute their keys in both passes. */
+static inline __attribute__((always_inline)) void sv_home_block(const struct sv_pool_ctx *c, int64_t b0,
+                                                                int64_t b1) {
+    for (int64_t s = 0; s < c->S; s++) {
+        const int64_t *sl = c->slots + SV_K * s, *map = c->map + 2 * sl[0];
+        const int64_t lo = c->offsets[s * c->B + b0], hi = c->offsets[s * c->B + b1], bits = sl[1];
+        const uint64_t hashed = (uint64_t)sl[2];
+        for (int64_t i = lo; i < hi; i++) {
+            const uint64_t h = sv_home(sv_key(c->values[i], hashed), bits);
+            c->rows[i] = (int32_t)(uint32_t)h;
+            PREFETCH(map + 2 * h);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void sv_probe_block(const struct sv_pool_ctx *c, int64_t b0,
+                                                                 int64_t b1) {
+    for (int64_t s = 0; s < c->S; s++) {
+        const int64_t *sl = c->slots + SV_K * s, *map = c->map + 2 * sl[0];
+        const int64_t lo = c->offsets[s * c->B + b0], hi = c->offsets[s * c->B + b1], base = sl[3], rb = sl[5];
+        const uint64_t hashed = (uint64_t)sl[2], mask = ((uint64_t)1 << sl[1]) - 1;
+        const uint8_t *mat = (const uint8_t *)(intptr_t)sl[4];
+        const int32_t miss = (int32_t)sl[12];
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t k = sv_key(c->values[i], hashed);
+            uint64_t p = (uint32_t)c->rows[i];
+            int64_t v;
+            while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != k) p = (p + 1) & mask;
+            if (v >= 0) {
+                c->rows[i] = (int32_t)(base + v);
+                PREFETCH(mat + rb * (base + v));
+            } else c->rows[i] = miss;
+        }
     }
 }
 
@@ -399,10 +505,14 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
                                                           int64_t S, const int V) {
     for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
+        if (c->map) {                               /* this block's rows; the next block's buckets in flight */
+            if (b0 == lo) sv_home_block(c, b0, b1);
+            sv_probe_block(c, b0, b1);
+            if (b1 < hi) sv_home_block(c, b1, b1 + SV_BLOCK < hi ? b1 + SV_BLOCK : hi);
+        }
         for (int64_t s = 0; s < S; s++) {
             const int64_t *sl = c->slots + SV_K * s;
-            const int64_t start = c->offsets[s * c->B + b0], end = c->offsets[s * c->B + b1];
-            if (c->map) sv_lookup_slot(sl, c->map, c->values, start, end, c->rows);   /* hot for the pooling */
+            const int64_t end = c->offsets[s * c->B + b1];
             switch (sl[7]) {
             case 1: SV_BAGS(1)
             case 8: SV_BAGS(8)
@@ -422,15 +532,16 @@ static void sv_pool_chunk_generic(void *p, int64_t lo, int64_t hi) {
 
 #ifdef SV_FMA_DISPATCH
 /* The same code with hardware fma (fmaf is one instruction there, a libm call otherwise) and the
- * AVX2 row ops (flatten: inlined here with the constant widths). */
-__attribute__((target("avx2,fma"), flatten)) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
+ * AVX2 / F16C row ops (flatten: inlined here with the constant widths). */
+__attribute__((target("avx2,fma,f16c"), flatten)) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
     sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S, 1);
 }
 #endif
 
 /* Pools bags k = s * B + b (ids offsets[k] .. offsets[k + 1], raw ids values) into out[slot's
  * output]. map: NULL when rows holds every id's row already (sv_lookup), else the maps: each
- * block's ids are looked up right before they are pooled (no slot may have code -3 then).
+ * block's ids are looked up before it is pooled, their buckets prefetched while the block before
+ * is pooled (sv_home_block; no slot may have code -3 then).
  * weights: float32 [N] per-id weights of the sum bags, or NULL; defaults: the default rows that
  * rows <= -4 point at, or NULL. */
 void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,
@@ -439,7 +550,8 @@ void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const flo
     struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
     sv_chunk_fn fn = sv_pool_chunk_generic;
 #ifdef SV_FMA_DISPATCH
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) fn = sv_pool_chunk_fma;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        fn = sv_pool_chunk_fma;
 #endif
     sv_parallel(fn, &c, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);   /* split the examples */
 }

@@ -8,21 +8,26 @@ planning this class inherits):
 
 1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
    (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
-   load <= 0.5; any int64 id can be a key). Hashed tables' keys (`splitmix64(id) %
-   num_embeddings`) are computed in the loop. An unknown id gets its slot's code: -1 (zeros
-   default: nothing to add), -2 (uniform default: computed in the pooling loop exactly as
-   `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal: Python's).
+   load <= 0.25 in maps of up to 2**16 buckets (1 MiB), <= 0.5 in larger ones: fewer second
+   probes and mispredicted branches, BENCHMARKS.md; any int64 id can be a key). Hashed tables'
+   keys (`splitmix64(id) % num_embeddings`) are computed in the loop. An unknown id gets its
+   slot's code: -1 (zeros default: nothing to add), -2 (uniform default: computed in the pooling
+   loop exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal:
+   Python's).
 2. Pooling: every bag k = s * B + b straight into its place in the outputs: pooled [B, F, D]
    (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot by slot
-   within a block, so the block's output rows stay in cache). Rows: fp32 / fp16 from one
-   float32 matrix per width (FusedPooling's); int8 / int4 from rows f32 scale | f32 bias | codes
-   (the f16-rounded scale and bias fbgemm's TBE uses). Default rows: fp32 / fp16 sum them in id
-   order among the bag's rows (as `F.embedding_bag` over FusedPooling's scratch rows); int8 /
-   int4 sum them (weighted) apart and add that to the bag (as FusedPooling adds them after
-   fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see `_pool.c`), so the results
-   are bit-equal to FusedPooling's (tests/unit/recsys/serving/test_fused.py).
+   within a block, so the block's output rows stay in cache). Rows: fp32 from one float32 matrix
+   per width (FusedPooling's); fp16 as float16, one matrix per table (half the bytes of
+   FusedPooling's widened copy; the kernel widens each row as it adds it, exactly); int8 / int4
+   from rows f32 scale | f32 bias | codes (the f16-rounded scale and bias fbgemm's TBE uses).
+   Default rows: fp32 / fp16 sum them in id order among the bag's rows (as `F.embedding_bag`
+   over FusedPooling's scratch rows); int8 / int4 sum them (weighted) apart and add that to the
+   bag (as FusedPooling adds them after fbgemm's TBE). Same float formulas as embedding_bag /
+   fbgemm (see `_pool.c`), so the results are bit-equal to FusedPooling's
+   (tests/unit/recsys/serving/test_fused.py, test_native_half.py).
    When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
-   are looked up right before they are pooled. Otherwise `sv_lookup` first, `sv_misses` lists
+   are looked up before it is pooled, their hash buckets prefetched while the block before is
+   pooled and their rows right after the lookup. Otherwise `sv_lookup` first, `sv_misses` lists
    the -3 ids, Python computes their rows (`init_rows` per class, as FusedPooling) into one
    float32 buffer and points them there (-4 - offset), then `sv_pool`.
 
@@ -48,7 +53,8 @@ from recsys.serving.quantize import split_fused, tbe_dim
 
 logger = logging.getLogger(__name__)
 
-_KIND = {"fp32": 0, "fp16": 0, "int8": 2, "int4": 3}
+_KIND = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
+_SMALL_MAP = 1 << 16        # buckets (16 B each) up to which a map gets 4 buckets per row rather than 2
 
 
 def _storage_use_count(t: torch.Tensor) -> int:
@@ -90,8 +96,13 @@ class NativePooling(FusedPooling):
         if max(p.dim for p, _ in slots) > native_pool.MAX_DIM:
             raise Unsupported(f"tables wider than {native_pool.MAX_DIM}")
         self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
+        self.per_table = self.quantized or precision == "fp16"
+        self.table_rows: dict[int, torch.Tensor] = {}    # per-table row matrices (fp16, int8, int4)
+        self.dim_bytes: dict[int, int] = {}
         if self.quantized:
             self._build_quantized(slots, tables)
+        elif precision == "fp16":
+            self._build_half(slots, tables)
         else:
             self._build_matrices(slots, tables)          # FusedPooling's float32 matrices (+ zero, scratch rows)
         self._build_maps(slots, tables)
@@ -101,7 +112,7 @@ class NativePooling(FusedPooling):
             desc[s, 0], desc[s, 1] = self.map_at[p.table]
             desc[s, 2] = self.hashed[s]
             desc[s, 3] = self.slot_base[s]
-            desc[s, 5] = self.dim_bytes[p.table] if self.quantized else 4 * p.dim
+            desc[s, 5] = self.dim_bytes[p.table] if self.per_table else 4 * p.dim
             desc[s, 6], desc[s, 7], desc[s, 8] = _KIND[precision], p.dim, int(p.pooling == "mean")
             c = int(self.slot_class[s])                   # unknown ids: -1 zeros, -2 uniform (in C), -3 here
             if c >= 0 and self.classes[c][2] == "uniform":
@@ -129,8 +140,6 @@ class NativePooling(FusedPooling):
 
     def _build_quantized(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
         """int8 / int4 rows per table: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's f16 values)."""
-        self.qrows: dict[int, torch.Tensor] = {}
-        self.dim_bytes: dict[int, int] = {}
         for t in sorted({p.table for p, _ in slots}):
             m = np.asarray(tables[t].matrix)
             codes, scale, bias = split_fused(m, self.precision)
@@ -139,14 +148,32 @@ class NativePooling(FusedPooling):
             sb = np.stack([scale, bias], axis=1).astype(np.float16).astype(np.float32)     # [R, 2]
             rows[:, :8] = sb.view(np.uint8)
             rows[:, 8:] = codes[:, :ncodes]
-            self.qrows[t] = torch.from_numpy(rows)
+            self.table_rows[t] = torch.from_numpy(rows)
             self.dim_bytes[t] = rows.shape[1]
         self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
 
+    def _build_half(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """fp16 rows per table as stored: float16 [R, D], a private copy (the export's matrix may be a
+        read-only memory map of a file a later export replaces), allocated by torch: 64-byte
+        aligned, so a 32-byte row (D = 16) never straddles two cache lines (numpy's large arrays
+        start 16 bytes into a page: ~3-9% fewer b4096 rows/s, BENCHMARKS.md)."""
+        for t in sorted({p.table for p, _ in slots}):
+            m = np.asarray(tables[t].matrix).view(np.float16)                                # [R, D]
+            rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
+            if m.shape[0]:
+                rows.numpy()[:] = m
+            self.table_rows[t] = rows
+            self.dim_bytes[t] = 2 * tables[t].cfg.dim
+        self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
+
     def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 2 * rows buckets."""
+        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 4 * rows buckets
+        while that is at most _SMALL_MAP buckets, else 2**bits >= 2 * rows."""
         used = sorted({p.table for p, _ in slots})
         bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
+        bits = {t: b + 1 if 2 << b <= _SMALL_MAP else b for t, b in bits.items()}
+        if max(bits.values()) > 32:                                      # the kernel keeps homes as uint32
+            raise Unsupported("a table of more than 2**31 rows")
         self.map_at: dict[int, tuple[int, int]] = {}
         total = 0
         for t in used:
@@ -161,8 +188,14 @@ class NativePooling(FusedPooling):
     def _set_addresses(self) -> None:
         """Column 4 of the slot descriptors: the address of each slot's row matrix."""
         for s, t in enumerate(self._slot_tables):
-            m = self.qrows[t] if self.quantized else self.weights[self.dim_index[self._slot_dims[s]]]
+            m = self.table_rows[t] if self.per_table else self.weights[self.dim_index[self._slot_dims[s]]]
             self.slots[s, 4] = m.data_ptr()
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}
+        (fp16: float16 rows; fp32: FusedPooling's matrices incl. the zero and scratch rows)."""
+        rows = self.table_rows.values() if self.per_table else self.weights
+        return {"rows": sum(m.nbytes for m in rows), "maps": self.buckets.nbytes}
 
     # -- per request --------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("_pool.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _LIBS = ("-lm",)
-_ABI = 4
+_ABI = 5
 SLOT_FIELDS = 16            # columns of the slot descriptor (see _pool.c)
 MAX_DIM = 1024             # widest row the kernel pools (SV_DMAX)
 
@@ -63,9 +63,16 @@ def lib():
     return _state["lib"]
 
 
+def build(extra_flags: tuple[str, ...] = ()):
+    """Compile (cached) and load the kernel, with `extra_flags` added to the compiler's, e.g.
+    ("-DSV_PORTABLE",): the build without the AVX2 / F16C path, as on a CPU other than x86 (tests
+    compare the two). Raises on any failure; `lib()` is the process's build."""
+    return ps_native.load_library(_SRC, "_pool", _FLAGS + tuple(extra_flags), _SIGS, "sv_abi_version", _ABI, _LIBS)
+
+
 def _load():
     try:
-        return ps_native.load_library(_SRC, "_pool", _FLAGS, _SIGS, "sv_abi_version", _ABI, _LIBS)
+        return build()
     except Exception as e:  # noqa: BLE001 - any failure means: keep FusedPooling
         logger.warning("recsys.serving: native pooling kernel unavailable, using FusedPooling (%s)", e)
         return None

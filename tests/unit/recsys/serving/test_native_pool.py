@@ -116,3 +116,39 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) 
     assert type(first) is FusedPooling and type(second) is FusedPooling
     warnings = [r for r in caplog.records if "native pooling kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+
+
+def test_map_sizes(native) -> None:
+    """Maps of up to 2**16 buckets hold >= 4 buckets per row (load <= 0.25), larger ones >= 2 (<= 0.5);
+    every stored id still finds its row."""
+    tables = (TableConfig(name="s", dim=4), TableConfig(name="m", dim=4, seed=2), TableConfig(name="l", dim=4, seed=3))
+    plans = plan_tables(("s", "m", "l"), tables, {}, {}, {})
+    sizes = (10, 16384, 40000)                      # 64 buckets; 2**16 (the largest small map); 2**17
+    views = [TableView(c, np.arange(n, dtype=np.int64) * 7, np.zeros((n, 4), np.float32), "fp32")
+             for c, n in zip(tables, sizes)]
+    pooling = NativePooling(plans, views, "fp32", native)
+    assert [pooling.map_at[t][1] for t in range(3)] == [6, 16, 17]
+    assert pooling.buckets.shape[0] == 64 + 2**16 + 2**17
+    for t, n in enumerate(sizes):
+        at, bits = pooling.map_at[t]
+        keys = pooling.buckets[at:at + (1 << bits), 0]
+        rows = pooling.buckets[at:at + (1 << bits), 1]
+        assert int((rows >= 0).sum()) == n
+        assert torch.equal(keys[rows >= 0].sort().values, torch.arange(n, dtype=torch.int64) * 7)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+def test_portable_build_equals_the_reference(native, precision: str) -> None:
+    """The kernel built without its AVX2 / F16C path (-DSV_PORTABLE, as on a CPU other than x86)
+    pools every precision like the per-table paths, bit for bit (B = 300: several blocks)."""
+    from tests.unit.recsys.serving.test_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, UNIFORM_TABLES,
+                                                      make_batch, make_views, reference)
+    portable = native_pool.build(("-DSV_PORTABLE",))
+    plans = plan_tables(FEATURES, UNIFORM_TABLES, FEATURE_TABLES, LINEAR, POOLING)
+    views = make_views(precision, seed=3, tables=UNIFORM_TABLES)
+    pooling = NativePooling(plans, views, precision, portable)
+    for seed, weighted in enumerate((True, False)):
+        batch = make_batch(views, 300, 20 + seed, weighted)
+        want, want_lin = reference(precision, plans, views, batch)
+        got, got_lin = pooling.pool(batch)
+        assert torch.equal(got, want) and torch.equal(got_lin, want_lin), f"{precision} weighted={weighted}"
