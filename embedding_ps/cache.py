@@ -260,9 +260,6 @@ class CachingStore:
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
         return self._call(self.inner.save, directory, step, background)
 
-    def prepare_save(self) -> Future[list]:
-        return self._call(self.inner.prepare_save)
-
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
         return self._call(self.inner.wait_saved, directory, timeout_s)
 

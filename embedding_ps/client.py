@@ -307,11 +307,6 @@ class PSClient:
         flags = P.FLAG_BACKGROUND if background else 0
         return self._broadcast(P.Op.SAVE, step=step, text=directory, flags=flags)
 
-    def prepare_save(self) -> "Future[list]":
-        """Replies at once, [{"shard", "prepared": False, "phase"}, ...]: a shard's background snapshot is
-        copy-on-write and needs no memory made ready ahead (kept for callers of the old protocol)."""
-        return self._broadcast_async(P.Op.SAVE, text="prepare", flags=P.FLAG_PREPARE)
-
     def save_status(self) -> list[dict]:
         """Per shard, the last save: {"shard", "directory", "state": "none" | "writing" | "done" |
         "failed", "error", "write_s", "bytes", "snapshot_s", "prepare_s", "background", "step",

@@ -127,10 +127,6 @@ class LocalStore:
         self._last_save = directory
         return out
 
-    def prepare_save(self) -> Future[list]:
-        """Nothing to prepare: saves are blocking here."""
-        return done_future([{"shard": i, "prepared": False, "phase": "idle"} for i in range(len(self.states))])
-
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
         """The statuses of the last save, which `save` finished before returning; RuntimeError if it
         was not to `directory`."""

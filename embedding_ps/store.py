@@ -72,10 +72,6 @@ class EmbeddingStore(Protocol):
         """Every shard saves its part under `directory` (one `embedding_ps.snapshot` directory each)."""
         ...
 
-    def prepare_save(self) -> "Future[list]":
-        """Fault in the memory of the next background save ahead of it (may do nothing)."""
-        ...
-
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
         """Block until every shard's last save is `directory` and written; per-shard statuses."""
         ...

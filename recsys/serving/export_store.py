@@ -127,9 +127,6 @@ class ExportStore:
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
         raise self._read_only(f"save to {directory}")
 
-    def prepare_save(self) -> Future:
-        raise self._read_only("prepare_save")
-
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
         raise self._read_only(f"wait_saved {directory}")
 

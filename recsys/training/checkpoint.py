@@ -20,8 +20,7 @@ The cut (`Checkpointer.save` at step t, called by every rank between steps):
 
 With `train.checkpoint_background` the shards take a copy-on-write snapshot (the only pause; extra
 memory within `ps.checkpoint_extra_memory`, `embedding_ps.cow`) and write it while training goes
-on. Half-way between two checkpoints rank 0 still sends `prepare_save`, which the shards now answer
-without doing anything (nothing to prepare); a thread of rank 0 waits for the writes, writes the manifest and
+on. A thread of rank 0 waits for the writes, writes the manifest and
 renames the temporary directory into place, so a directory named `step-*` is always complete.
 `resolve_resume` verifies checksums and, for `latest`, falls back to the newest good checkpoint.
 
@@ -276,18 +275,6 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.pauses: list[float] = []          # seconds training stood still per checkpoint (rank 0)
         self.last_step = -1
-        self._prepared = False
-
-    def maybe_prepare(self, step: int, store: EmbeddingStore) -> None:
-        """Rank 0, half-way to the next checkpoint: the shards fault in the snapshot's memory now."""
-        t = self.cfg.train
-        if self.rank != 0 or not self.enabled or not t.checkpoint_background or self._prepared:
-            return
-        half_steps = t.checkpoint_every and step % t.checkpoint_every == t.checkpoint_every // 2
-        half_time = t.checkpoint_every_s and time.monotonic() - self._last_time >= t.checkpoint_every_s / 2
-        if half_steps or half_time:
-            store.prepare_save()               # not waited for: the reply only says whether it started
-            self._prepared = True
 
     def due(self, step: int) -> bool:
         """Whether to checkpoint after `step` steps (the same answer on every rank)."""
@@ -349,7 +336,6 @@ class Checkpointer:
             return
         self._last_time = time.monotonic()
         self.last_step = step
-        self._prepared = False
         if self.rank == 0:
             pause = time.perf_counter() - t0
             self.pauses.append(pause)

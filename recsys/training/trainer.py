@@ -315,8 +315,6 @@ class Trainer:
             self._validate(run)
         if self.checkpointer.due(self.step):
             self.checkpoint(run.position)
-        else:
-            self.checkpointer.maybe_prepare(self.step, self.store)
 
     def _end_window(self, run: _Run) -> None:
         """Log the window's metrics (averaged over ranks) and start a new one; rank 0 sweeps TTLs."""

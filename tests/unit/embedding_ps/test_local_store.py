@@ -33,7 +33,7 @@ def test_local_store_satisfies_the_protocol() -> None:
     assert isinstance(store, EmbeddingStore)
     members = protocol_members()
     assert {"step", "pull_many_async", "push_many_async", "pull", "push", "barrier", "barrier_async", "sweep",
-            "save", "prepare_save", "wait_saved", "load", "stats", "close"} <= set(members)
+            "save", "wait_saved", "load", "stats", "close"} <= set(members)
     for name in members:
         assert hasattr(store, name), name
         want = getattr(EmbeddingStore, name, None)
@@ -101,7 +101,6 @@ def test_save_load_and_wait(tmp_path) -> None:
     back = LocalStore.from_dir(store.config, tmp_path / "ps")
     for t in range(len(TABLES)):
         torch.testing.assert_close(back.pull(t, probe), store.pull(t, probe), atol=0, rtol=0)
-    assert store.prepare_save().result()[0]["shard"] == 0
     store.close()
 
 

@@ -57,7 +57,7 @@ def test_is_read_only() -> None:
     for call in (lambda: store.push(0, ids, torch.zeros(2, 4)),
                  lambda: store.push_many_async([0], [ids], torch.zeros(2, 4)),
                  lambda: store.save("/tmp/x"), lambda: store.load("/tmp/x"), lambda: store.sweep(1),
-                 store.prepare_save, lambda: store.wait_saved("/tmp/x", 1.0)):
+                 lambda: store.wait_saved("/tmp/x", 1.0)):
         with pytest.raises(ReadOnlyExportError, match="read-only"):
             call()
     store.barrier(4)
