@@ -29,6 +29,7 @@ from embedding_ps.config import PSConfig, TableConfig
 from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig
 from recsys.config_retrieval import EvalConfig, check_two_tower
+from recsys.config_toml import to_dict, to_toml
 
 
 MAX_LOCAL_TRAINERS = 1024
@@ -458,54 +459,6 @@ def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
             raise bad("a string")
         return value
     raise ConfigError(f"{source}: {key}: unsupported config type {tp!r}")
-
-
-def to_dict(cfg: Any) -> Any:
-    """The config as plain TOML-able values (tuples become lists)."""
-    if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, (tuple, list)):
-        return [to_dict(v) for v in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
-
-
-def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML text that `load_config` reads back into an equal config."""
-    lines: list[str] = []
-    tree = to_dict(cfg)
-    for section, body in tree.items():
-        arrays = {k: v for k, v in body.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
-        lines.append(f"[{section}]")
-        lines += _toml_items({k: v for k, v in body.items() if k not in arrays})
-        for name, items in arrays.items():
-            for item in items:
-                lines += ["", f"[[{section}.{name}]]"] + _toml_items(item)
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_items(body: dict[str, Any]) -> list[str]:
-    return [f"{k} = {_toml_value(v)}" for k, v in body.items() if v is not None]
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
-def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
 
 
 __all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig", "EvalConfig",
