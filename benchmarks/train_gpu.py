@@ -60,6 +60,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from data.loader import ParquetLoader  # noqa: E402
 from data.synthetic import PRESETS  # noqa: E402
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> dict:
                 results[c].append(res)
                 print(f"  repeat {r + 1}/{args.repeats} {c:15s} {res['samples_per_s']:10,.0f} samples/s, "
                       f"GPU busy {res['gpu_busy_pct']}%", file=sys.stderr, flush=True)
+                if args.partial:    # the summary so far, rewritten after every run (a cut run keeps it)
+                    Path(args.partial).write_text(json.dumps(summarize(args, results, notes, gen_s)) + "\n")
     return summarize(args, results, notes, gen_s)
 
 
@@ -256,7 +259,7 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
            "ratio_vs_plain_gpu": ratio("ours_gpu_cache", "plain_gpu")}
     out["targets"] = dict(TARGETS)
     out["meets_targets"] = {k: (None if out[k] is None else out[k] >= v) for k, v in TARGETS.items()}
-    out.update({"device": torch.cuda.get_device_name(0), "cpus": os.cpu_count(), "torch": torch.__version__,
+    out.update({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpus": os.cpu_count(), "torch": torch.__version__,
                 "rows": args.rows, "steps": args.steps, "log_every": args.log_every, "repeats": args.repeats,
                 "batch_size": args.batch_size, "dim": args.dim, "threads": args.threads, "shards": args.shards,
                 "cap": args.cap, "cache_frac": args.cache_frac, "cache_staleness": args.cache_staleness,
@@ -299,6 +302,7 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--cache-frac", type=float, default=0.05, help="cache_rows per table / its feature's vocabulary")
     p.add_argument("--cache-staleness", type=int, default=8, help="ps.max_staleness of our runs")
+    p.add_argument("--partial", metavar="FILE", help="rewrite FILE with the JSON summary of the runs so far after each run")
     p.add_argument("--allow-missing-baseline", action="store_true",
                    help="report torchrec_gpu as null when torchrec cannot run, instead of failing")
     a = p.parse_args()

@@ -143,3 +143,26 @@ def test_cpu_between_interpolates_and_sums_per_role():
     assert got["trainer"] == pytest.approx((2.5 - 1.25) + 0.6)
     assert got["ps"] == pytest.approx(0.2 * 1.5 / 2)
     assert s.cpu_between(0.0, 100.0) == pytest.approx({"trainer": 2.5 + 0.6, "ps": 0.2})
+
+
+def test_train_gpu_summary_ratios_targets_and_partial_runs():
+    """benchmarks/train_gpu.py's summary: medians over runs, ratios of medians, targets judged, and a
+    summary of partial results (a configuration with no run yet: null, no error)."""
+    tg = _load("train_gpu")
+    args = argparse.Namespace(rows=1000, steps=10, log_every=5, repeats=3, batch_size=4096, dim=64, threads=4,
+                              shards=4, cap=100, cache_frac=0.05, cache_staleness=8)
+    run = lambda rate, busy, **kw: {"samples_per_s": rate, "gpu_busy_pct": busy, **kw}   # noqa: E731
+    results = {"ours_gpu_cache": [run(100.0, 4.0, cache_hit_rate=0.2), run(120.0, 6.0, cache_hit_rate=0.3),
+                                  run(90.0, 5.0, cache_hit_rate=0.4)],
+               "ours_gpu": [run(80.0, 3.0), run(100.0, 4.0)],
+               "torchrec_gpu": [run(400.0, 20.0), run(500.0, 10.0), run(450.0, 15.0)],
+               "plain_gpu": []}
+    r = tg.summarize(args, results, [], 1.0)
+    assert r["ours_gpu_cache"] == 100 and r["ours_gpu"] == 90 and r["torchrec_gpu"] == 450 and r["plain_gpu"] is None
+    assert r["ratio_vs_torchrec_gpu"] == round(100 / 450, 3)
+    assert r["ratio_cache_vs_nocache"] == round(100 / 90, 3)
+    assert r["ratio_vs_plain_gpu"] is None
+    assert r["gpu_busy_pct"] == 5.0 and r["gpu_busy_pct_torchrec_gpu"] == 15.0
+    assert r["cache_hit_rate"] == 0.3
+    assert r["meets_targets"] == {"gpu_busy_pct": False, "ratio_vs_torchrec_gpu": False}
+    json.dumps(r)
