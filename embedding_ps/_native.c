@@ -49,7 +49,7 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 5; }
+int ps_abi_version(void) { return 6; }
 
 /* ------------------------------------------------------------------ parallel for */
 #define PS_MAX_THREADS 64
@@ -594,4 +594,49 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
     struct ps_update_ctx c = {opt, w, half, state, d, slots, order, g, neg_lr, eps, meta, step, wd_mode, wd, decay};
     ps_parallel(ps_update_chunk, &c, n, nthreads);
     free(order);
+}
+
+/* ------------------------------------------------------------------ row init (init.py) */
+/* out [n, d] float32 = init.py's symmetric bits in (-1, 1): for key k, s = splitmix64(uint64(k) ^
+ * seed_mix), a / b its low / high 32 bits, column c = (2 * (fmix32((a + (c + 1) * 0x9E3779B9) ^ b)
+ * >> 8) + 1 - 2**24) / 2**24, exact in fp32 (numpy's `_symmetric_bits` is the reference). */
+static inline uint64_t ps_splitmix64(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z;
+}
+
+struct ps_init_ctx {
+    const int64_t *keys;
+    int64_t d;
+    uint64_t seed_mix;
+    float *out;
+};
+
+static void ps_init_chunk(void *p, int64_t lo, int64_t hi) {
+    const struct ps_init_ctx *c = (const struct ps_init_ctx *)p;
+    const int64_t d = c->d;
+    for (int64_t i = lo; i < hi; i++) {
+        const uint64_t s = ps_splitmix64((uint64_t)c->keys[i] ^ c->seed_mix);
+        const uint32_t a = (uint32_t)s, b = (uint32_t)(s >> 32);
+        float *restrict o = c->out + i * d;
+        for (int64_t j = 0; j < d; j++) { /* independent lanes: vectorizes */
+            uint32_t x = (a + (uint32_t)(j + 1) * 0x9E3779B9u) ^ b;
+            x ^= x >> 16;
+            x *= 0x85EBCA6Bu;
+            x ^= x >> 13;
+            x *= 0xC2B2AE35u;
+            x ^= x >> 16;
+            const int32_t v = (int32_t)((x >> 8) << 1) - ((1 << 24) - 1);
+            o[j] = (float)v * 0x1p-24f;
+        }
+    }
+}
+
+void ps_init_bits(const int64_t *keys, int64_t n, int64_t d, uint64_t seed_mix, float *out, int nthreads) {
+    struct ps_init_ctx c = {keys, d, seed_mix, out};
+    ps_parallel(ps_init_chunk, &c, n, nthreads);
 }

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 5
+_ABI = 6
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -61,6 +61,7 @@ _SIGS = {
     "ps_notify": ([_P, ctypes.c_int32], None),
     "ps_wait_word": ([_P, _I64], ctypes.c_int32),
     "ps_h2f_array": ([_P, _P, _I64], None),
+    "ps_init_bits": ([_P, _I64, _I64, ctypes.c_uint64, _P, ctypes.c_int], None),
 }
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
 
@@ -227,6 +228,16 @@ def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:
     """Whether int32 slots (each in [0, 8 * bitmap.size)) repeat; bitmap: uint8, zero, left zero."""
     _check(slots, np.int32, "slots"), _check(bitmap, np.uint8, "bitmap")
     return bool(native.ps_has_duplicates(slots.ctypes.data, slots.shape[0], bitmap.ctypes.data))
+
+
+def init_bits(native, keys: np.ndarray, dim: int, seed_mix: int, threads: int = 1) -> np.ndarray:
+    """embedding_ps.init's symmetric bits in C: int64 [N] keys -> float32 [N, D] in (-1, 1), bit for bit
+    the numpy reference's (`init._symmetric_bits_np`); one pass instead of ~15 numpy passes."""
+    _check(keys, np.int64, "keys")
+    out = np.empty((keys.shape[0], dim), dtype=np.float32)
+    native.ps_init_bits(keys.ctypes.data, keys.shape[0], dim, seed_mix & 0xFFFFFFFFFFFFFFFF, out.ctypes.data,
+                        threads)
+    return out
 
 
 def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads: int = 1) -> int:

@@ -134,6 +134,9 @@ class Trainer:
         self.strategy = step_strategy(cfg.ps.mode, self.store)     # sync or async, chosen here once
         # sync mode with W ranks and a last batch that may be short: weight by each rank's share
         self._uneven_batches = cfg.ps.mode == "sync" and world_size > 1 and not cfg.data.drop_last
+        # a rank's batch is short only at its epoch's last step, except when bad rows are skipped
+        # (then any batch may be its rank's last): only those steps sum the global batch size
+        self._any_step_uneven = cfg.data.on_bad_rows == "skip"
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
@@ -182,11 +185,16 @@ class Trainer:
                            None if linear is None else linear.to(self.device), *seq, **extra)
         return logits.float()
 
-    def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes) -> float:
-        """Forward, backward, push row grads, dense optimizer step. Returns the batch loss."""
+    def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes, *,
+                   end_of_epoch: bool = True) -> float:
+        """Forward, backward, push row grads, dense optimizer step. Returns the batch loss.
+
+        `end_of_epoch`: whether this may be the epoch's last step, the only one whose batches can differ
+        in size between ranks (the loop knows; the default assumes it may)."""
         acc = self.cfg.train.grad_accum_steps
         last_micro = (self.step + 1) % acc == 0
-        share = self._batch_share(batch.batch_size)      # W * this rank's share of the global batch
+        # W * this rank's share of the global batch
+        share = self._batch_share(batch.batch_size) if end_of_epoch or self._any_step_uneven else 1.0
         sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else _null()
         with sync_ctx:
             logits = self.forward(batch, lookup)
@@ -216,7 +224,8 @@ class Trainer:
         carry the weight, are pushed times 1 / W) contributes exactly its part of the mean over the
         concatenated batch, whatever the split (sync mode's equivalence with one process). Batches
         can only differ with data.drop_last = false (an epoch's last batch), and only sync mode is
-        exact, so only then is the global batch size summed (one small all_reduce a step).
+        exact, so only then is the global batch size summed (one small all_reduce, on an epoch's last
+        step, or on every step under data.on_bad_rows = "skip"; every rank decides alike).
         """
         if not self._uneven_batches:
             return 1.0
@@ -229,7 +238,8 @@ class Trainer:
         run = self._start_run()
         for prepared in self._prepared_steps(run):
             try:
-                loss = self.train_step(prepared.batch, prepared.lookup, run.window)
+                loss = self.train_step(prepared.batch, prepared.lookup, run.window,
+                                       end_of_epoch=prepared.end_of_epoch)
             except NonFiniteLossError as e:
                 rows = self.loader.describe_rows(run.position, prepared.position)
                 raise NonFiniteLossError(f"{e} on the batch of {rows} (check those rows' values, or lower "

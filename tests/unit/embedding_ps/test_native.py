@@ -314,3 +314,33 @@ def test_sorted_update_matches_arrival_order_and_torch(optimizer: str, dtype: st
     torch.testing.assert_close(seen[1][0].float(), w.float(), **tol)
     if s0 is not None:
         torch.testing.assert_close(seen[1][1], state["sum_sq"], **tol)
+
+
+# ---------------------------------------------------------------------------- row init
+@needs_native
+@pytest.mark.parametrize("dim", [1, 3, 8, 16, 17, 64, 136])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_init_bits_native_equals_numpy_bit_for_bit(dim: int, threads: int) -> None:
+    """The C row init (one pass) gives init.py's numpy bits exactly, for every seed and key (incl.
+    -1, 0, int64 min / max) and any thread count; init_rows (uniform, normal) follows it."""
+    from embedding_ps import init
+    from embedding_ps.sharding import splitmix64_np
+
+    rng = np.random.default_rng(dim)
+    keys = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 9000, dtype=np.int64),
+                           np.array([-1, 0, 1, -(2**63), 2**63 - 1], dtype=np.int64)])
+    for seed in (0, 1, -5, 2**63 + 7, 12345):
+        mix = int(splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
+        got = native.init_bits(native.lib(), keys, dim, mix, threads)
+        want = init._symmetric_bits_np(keys, dim, seed)
+        assert got.dtype == np.float32 and got.shape == (keys.shape[0], dim)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), seed
+        assert float(np.abs(got).max()) < 1.0
+    t = torch.from_numpy(keys[:500])
+    for kind in ("uniform", "normal"):
+        fast = init.init_rows(t, dim, 7, kind, 0.05)
+        with pure():
+            slow = init.init_rows(t, dim, 7, kind, 0.05)
+        assert torch.equal(fast, slow), kind
+    row = init.init_rows(t[:1], dim, 7, "uniform", 0.05)[0].tolist()         # the docstring's formula
+    assert row == pytest.approx(init.init_row_reference(int(t[0]), dim, 7, "uniform", 0.05), rel=1e-6)
