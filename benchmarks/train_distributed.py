@@ -37,6 +37,11 @@ rotated between repeats, after one untimed warm-up run unless --no-warmup). Ever
 process (ours and DMP's ranks) gets --threads torch threads, our shard processes 1 each: on this
 2-core machine ours runs T + S processes, DMP 2.
 
+CPU: every process of a configuration (trainers or DMP's ranks, shards, the launcher) is sampled
+from /proc (`cpu_time.ProcessCpuSampler`) and its CPU ms per global step over the timed windows
+reported per role (`detail.<config>.cpu_ms_per_step`); `cpu_ratio_vs_torchrec_dmp` (and `_async_`) =
+DMP's total / ours: on 2 busy cores the samples/s ratio follows it, and it moves far less with load.
+
 The headline `ratio_vs_torchrec_dmp` = ours_sync_2t2s / torchrec_dmp_tw: like for like, DMP is
 synchronous (every step's embedding updates land before the next step's lookup), as is our sync
 mode. `ratio_async_vs_torchrec_dmp` (ours async: rows prefetched one step ahead) and the ratios
@@ -74,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_throughput  # noqa: E402  (the single-process benchmark's job config)
+from cpu_time import ProcessCpuSampler  # noqa: E402
 from train_throughput import SPARSE, SPARSE_LR, table_rows  # noqa: E402  (ours and DMP: the same tables and lr)
 
 from data.synthetic import generate  # noqa: E402
@@ -96,6 +102,15 @@ def job_config(args: argparse.Namespace, data_dir: str, run_dir: str, mode: str,
                                        global_batch=args.global_batch)
 
 
+def cpu_per_step(sampler: ProcessCpuSampler, t0: float, t1: float, steps: int) -> dict[str, float]:
+    """CPU ms per (global) step of each role (trainer: ours or DMP's ranks; ps; launcher) over the
+    timed windows: every process's CPU between the end of the warm-up window and the last window."""
+    cpu = sampler.cpu_between(t0, t1)
+    out = {role: round(1e3 * v / steps, 2) for role, v in sorted(cpu.items())}
+    out["total"] = round(sum(1e3 * v / steps for v in cpu.values()), 2)
+    return out
+
+
 def windows_summary(rates: list[float], where: str) -> dict:
     """A run's rate: the median of its windows after the first (warm-up) one."""
     timed = rates[1:]
@@ -113,10 +128,13 @@ def run_ours(cfg: JobConfig) -> dict:
     from recsys.training.launch import launch_train
 
     run_dir = Path(cfg.train.run_dir)
-    launch_train(cfg)
+    with ProcessCpuSampler() as sampler:
+        launch_train(cfg)
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines() if s.strip()]
     lines = [x for x in lines if x.get("perf/samples_per_s") is not None]
     out = windows_summary([float(x["perf/samples_per_s"]) for x in lines], str(run_dir / "metrics.jsonl"))
+    out["cpu_ms_per_step"] = cpu_per_step(sampler, lines[0]["time"], lines[-1]["time"],
+                                          lines[-1]["step"] - lines[0]["step"])
     for key, name in (("ps/pull_ms", "pull_ms"), ("ps/push_ms", "push_ms"), ("data/wait_frac", "data_wait_frac")):
         vals = [float(x[key]) for x in lines[1:] if x.get(key) is not None]
         out[name] = statistics.median(vals) if vals else None
@@ -197,6 +215,7 @@ def _dmp_rank(rank: int, port: int, cfg: JobConfig, args: argparse.Namespace, pl
         loss_fn = torch.nn.BCEWithLogitsLoss()
         rows = torch.tensor(table_rows(args.cap), dtype=torch.int64)
         total, rates, steps, n = cfg.train.max_steps, [], 0, 0
+        ends: list[float] = []                  # wall-clock time (unix s) of each window's end
         with ParquetLoader(cfg.data, cfg.data.train_paths, rank=rank, world_size=DMP_WORLD) as loader:
             t_log = time.perf_counter()
             for epoch in range(cfg.train.epochs):
@@ -215,6 +234,7 @@ def _dmp_rank(rank: int, port: int, cfg: JobConfig, args: argparse.Namespace, pl
                     if steps % cfg.train.log_every == 0:
                         now = time.perf_counter()
                         rates.append(n / (now - t_log))
+                        ends.append(time.time())
                         n, t_log = 0, now
                     if steps >= total:
                         break
@@ -222,7 +242,8 @@ def _dmp_rank(rank: int, port: int, cfg: JobConfig, args: argparse.Namespace, pl
                     break
         if rank == 0:
             res = windows_summary(rates, f"torchrec_dmp_{planner}")
-            res.update(plan=chosen, final_loss=float(loss.detach()))
+            res.update(plan=chosen, final_loss=float(loss.detach()), window_ends=ends,
+                       timed_steps=cfg.train.log_every * (len(ends) - 1))
             Path(out).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
@@ -243,12 +264,14 @@ def run_dmp(cfg: JobConfig, args: argparse.Namespace, planner: str, tmp: str) ->
     port = _free_port()
     procs = [ctx.Process(target=_dmp_entry, args=(r, port, cfg, args, planner, out), daemon=True)
              for r in range(DMP_WORLD)]
+    sampler = ProcessCpuSampler()
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        with sampler:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            for p in procs:
+                p.join(timeout=max(1.0, deadline - time.monotonic()))
         codes = [p.exitcode for p in procs]
     finally:
         for p in procs:
@@ -259,7 +282,10 @@ def run_dmp(cfg: JobConfig, args: argparse.Namespace, planner: str, tmp: str) ->
     if codes != [0] * DMP_WORLD or not os.path.exists(out):
         why = next((e.read_text().strip().splitlines()[-1] for e in errs if e.exists()), "no traceback")
         raise RuntimeError(f"torchrec DMP ({planner}) failed: exit codes {codes}: {why}")
-    return json.loads(Path(out).read_text())
+    res = json.loads(Path(out).read_text())
+    ends = res.pop("window_ends")
+    res["cpu_ms_per_step"] = cpu_per_step(sampler, ends[0], ends[-1], res.pop("timed_steps"))
+    return res
 
 
 def torchrec_missing() -> str | None:
@@ -339,6 +365,10 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
                 d[k] = round(statistics.median(vals), 3)
         if runs and "plan" in runs[0]:
             d["plan"] = runs[0]["plan"]
+        cpus = [x["cpu_ms_per_step"] for x in runs if x.get("cpu_ms_per_step")]
+        if cpus:
+            d["cpu_ms_per_step"] = {role: round(statistics.median(x.get(role, 0.0) for x in cpus), 2)
+                                    for role in sorted({k for x in cpus for k in x})}
         detail[c] = d
     out = {**rate,
            "ratio_vs_torchrec_dmp": ratio("ours_sync_2t2s", "torchrec_dmp_tw"),
@@ -350,6 +380,10 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
            "scaling_async_2t2s_vs_1t2s": ratio("ours_async_2t2s", "ours_async_1t2s"),
            "scaling_async_2t2s_vs_2t1s": ratio("ours_async_2t2s", "ours_async_2t1s"),
            "headline": "ours_sync_2t2s / torchrec_dmp_tw (both synchronous)", "target": TARGET}
+    cpu = lambda c: detail.get(c, {}).get("cpu_ms_per_step", {}).get("total")   # noqa: E731
+    for key, ours in (("cpu_ratio_vs_torchrec_dmp", "ours_sync_2t2s"), ("cpu_ratio_async_vs_torchrec_dmp", "ours_async_2t2s")):
+        # DMP's CPU ms per global step / ours (all processes): on busy cores the rate follows it
+        out[key] = round(cpu("torchrec_dmp_tw") / cpu(ours), 3) if cpu("torchrec_dmp_tw") and cpu(ours) else None
     pairs = {"ratio_vs_torchrec_dmp": ("ours_sync_2t2s", "torchrec_dmp_tw"),
              "ratio_async_vs_torchrec_dmp": ("ours_async_2t2s", "torchrec_dmp_tw")}
     out["ratios_per_repeat"] = {   # the same repeat's runs paired (they ran minutes apart, not months)
@@ -369,14 +403,16 @@ def print_table(r: dict) -> None:
     print(f"criteo-like, {r['rows']:,} rows, 26 one-id features + 13 dense, D={r['dim']}, global batch "
           f"{r['global_batch']}, {r['steps']} timed steps (+{r['log_every']} warm-up), median of {r['repeats']}, "
           f"{r['threads']} torch threads per trainer, {r['cpus']} cpus")
-    print(f"  {'configuration':26s} {'samples/s':>10s} {'pull ms':>8s} {'push ms':>8s} {'data wait':>9s}  plan")
+    print(f"  {'configuration':26s} {'samples/s':>10s} {'pull ms':>8s} {'push ms':>8s} {'data wait':>9s} "
+          f"{'CPU ms/step':>11s}  plan")
     for c in CONFIGS:
         d, v = r["detail"].get(c, {}), r[c]
         fmt = lambda k, f: (f.format(d[k]) if k in d else "-")   # noqa: E731
         print(f"  {c:26s} {('%10.0f' % v) if v else '      null'} {fmt('pull_ms', '{:8.1f}'):>8s} "
-              f"{fmt('push_ms', '{:8.1f}'):>8s} {fmt('data_wait_frac', '{:9.3f}'):>9s}  {d.get('plan', '')}")
+              f"{fmt('push_ms', '{:8.1f}'):>8s} {fmt('data_wait_frac', '{:9.3f}'):>9s} "
+              f"{d.get('cpu_ms_per_step', {}).get('total', '-'):>11}  {d.get('plan', '')}")
     for k, v in r.items():
-        if k.startswith(("ratio_", "scaling_")):
+        if k.startswith(("ratio_", "scaling_", "cpu_ratio_")):
             print(f"  {k:36s} {'null' if v is None else f'{v:.3f}'}")
     for k, v in r["ratios_per_repeat"].items():
         print(f"  {k} per repeat: {v}")

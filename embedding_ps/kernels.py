@@ -23,13 +23,13 @@ check that every path agrees with them. This is the only module of the package t
 fbgemm_gpu, and only when a table uses it.
 
 `MEASURED` is the table of BENCHMARKS.md, section "Update kernels: fbgemm vs native C vs torch"
-(`python benchmarks/ps_table.py --kernels --clock cpu`, the medians of three runs, taken after the
-native update started grouping rows by slot before updating them): the setup, the figures, what
-auto picks from them and the caveats (load changes the verdict for row-wise Adagrad on fp32 d64
-rows) are there. In short, with the C library loaded fbgemm wins for row-wise Adagrad on fp32 d64
-rows without decay or with l2 and on fp16 d64 tables without decoupled decay except l2 Adagrad;
-native keeps everything else (d16 rows, Adagrad, SGD, decoupled decay, where fbgemm pays passes
-around the op). Measure again when the native path changes: the table, not the code, decides.
+(`python benchmarks/ps_table.py --kernels --clock cpu`, the medians of three runs) on the newest
+machine measured, `MEASURED_EARLIER` those of the machines before it. The winner depends on the
+CPU: fbgemm-gpu-cpu 1.8.0's row-wise Adagrad pushed 8.7M rows/s (1.18x native) on the 2026-11-25
+machine and 1.5M (0.29x) on the 2026-11-27 one, so auto takes fbgemm only where it won on every
+machine measured: today the fp16 d64 tables of SGD, Adagrad and row-wise Adagrad without decay;
+native keeps everything else. Measure again when the native path changes or on a new kind of CPU:
+the tables, not the code, decide.
 """
 
 from __future__ import annotations
@@ -47,7 +47,47 @@ FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # (optimizer, weight decay: "none" | "l2" | "decoupled", row dtype, dim) -> push M rows/s of
 # (fbgemm, native C, fbgemm without the C library, torch without it): medians of three runs of
 # `python benchmarks/ps_table.py --kernels --clock cpu`: BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch".
-MEASURED: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
+# One table per machine the benchmark ran on; `MEASURED` is the newest, `MEASURED_EARLIER` the rest.
+Figures = dict[tuple[str, str, str, int], tuple[float, float, float, float]]
+_MEASURED_2026_11_27: Figures = {
+    ("sgd", "none", "fp32", 64): (4.34, 6.34, 3.77, 3.77),
+    ("sgd", "l2", "fp32", 64): (3.12, 5.72, 2.67, 2.65),
+    ("sgd", "decoupled", "fp32", 64): (2.15, 5.93, 1.97, 2.21),
+    ("adagrad", "none", "fp32", 64): (1.55, 3.09, 1.47, 1.64),
+    ("adagrad", "l2", "fp32", 64): (1.29, 2.93, 1.23, 1.37),
+    ("adagrad", "decoupled", "fp32", 64): (1.13, 3.10, 1.08, 1.30),
+    ("rowwise_adagrad", "none", "fp32", 64): (1.52, 5.30, 1.38, 3.04),
+    ("rowwise_adagrad", "l2", "fp32", 64): (1.32, 4.59, 1.18, 2.33),
+    ("rowwise_adagrad", "decoupled", "fp32", 64): (1.10, 5.14, 1.03, 1.97),
+    ("sgd", "none", "fp32", 16): (8.13, 14.97, 6.33, 5.88),
+    ("sgd", "l2", "fp32", 16): (6.29, 13.15, 5.09, 4.87),
+    ("sgd", "decoupled", "fp32", 16): (4.67, 13.23, 3.97, 5.05),
+    ("adagrad", "none", "fp32", 16): (3.16, 8.75, 2.85, 3.81),
+    ("adagrad", "l2", "fp32", 16): (2.87, 8.17, 2.57, 3.29),
+    ("adagrad", "decoupled", "fp32", 16): (2.47, 8.54, 2.26, 3.33),
+    ("rowwise_adagrad", "none", "fp32", 16): (1.79, 10.31, 1.67, 4.68),
+    ("rowwise_adagrad", "l2", "fp32", 16): (1.65, 9.41, 1.55, 4.09),
+    ("rowwise_adagrad", "decoupled", "fp32", 16): (1.55, 9.01, 1.47, 3.90),
+    ("sgd", "none", "fp16", 64): (2.20, 1.74, 1.96, 2.40),
+    ("sgd", "l2", "fp16", 64): (1.51, 1.41, 1.48, 1.55),
+    ("sgd", "decoupled", "fp16", 64): (1.36, 1.61, 1.25, 2.22),
+    ("adagrad", "none", "fp16", 64): (1.45, 1.38, 1.34, 1.33),
+    ("adagrad", "l2", "fp16", 64): (1.17, 1.37, 1.19, 1.06),
+    ("adagrad", "decoupled", "fp16", 64): (1.09, 1.50, 1.02, 1.32),
+    ("rowwise_adagrad", "none", "fp16", 64): (1.78, 1.69, 1.67, 2.10),
+    ("rowwise_adagrad", "l2", "fp16", 64): (1.45, 1.48, 1.55, 1.58),
+    ("rowwise_adagrad", "decoupled", "fp16", 64): (1.31, 1.75, 1.25, 2.19),
+    ("sgd", "none", "fp16", 16): (3.20, 5.11, 3.06, 4.70),
+    ("sgd", "l2", "fp16", 16): (3.40, 4.65, 2.93, 4.03),
+    ("sgd", "decoupled", "fp16", 16): (2.50, 4.98, 2.34, 4.55),
+    ("adagrad", "none", "fp16", 16): (2.61, 4.25, 2.44, 3.26),
+    ("adagrad", "l2", "fp16", 16): (2.55, 4.17, 2.35, 2.90),
+    ("adagrad", "decoupled", "fp16", 16): (2.10, 4.27, 1.94, 3.24),
+    ("rowwise_adagrad", "none", "fp16", 16): (3.58, 4.62, 3.19, 4.05),
+    ("rowwise_adagrad", "l2", "fp16", 16): (3.34, 4.09, 2.92, 3.54),
+    ("rowwise_adagrad", "decoupled", "fp16", 16): (2.71, 4.66, 2.51, 4.08),
+}
+_MEASURED_2026_11_25: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
     ("sgd", "none", "fp32", 64): (5.81, 9.26, 5.04, 5.91),
     ("sgd", "l2", "fp32", 64): (4.28, 8.38, 3.90, 4.33),
     ("sgd", "decoupled", "fp32", 64): (2.37, 8.41, 2.13, 2.59),
@@ -85,6 +125,15 @@ MEASURED: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
     ("rowwise_adagrad", "l2", "fp16", 16): (4.27, 5.13, 3.85, 6.41),
     ("rowwise_adagrad", "decoupled", "fp16", 16): (3.78, 5.98, 3.46, 7.46),
 }
+MEASURED: Figures = _MEASURED_2026_11_27
+"""The newest machine's figures (2026-11-27: a 2-core Xeon VM with AVX-512 FP16 / AMX, 480 MB L3,
+where fbgemm-gpu-cpu 1.8.0's row-wise Adagrad ran at 1.4M rows/s against 8.7M on the machine before)."""
+MEASURED_EARLIER: tuple[tuple[str, Figures], ...] = (
+    ("2026-11-25", _MEASURED_2026_11_25),
+)
+"""(date, figures) of the machines measured before `MEASURED`: auto takes fbgemm only where it won
+on every one of them too, since which path wins depends on the CPU (fbgemm's row-wise Adagrad was
+1.18x native on the 2026-11-25 machine and 0.27x on the 2026-11-27 one)."""
 MEASURED_DIMS = (16, 64)
 AUTO_MARGIN = 1.05
 """auto takes fbgemm only where it measured at least this many times the other path's rate
@@ -112,32 +161,42 @@ def fbgemm_available() -> bool:
     return fbgemm_error() is None
 
 
-def measured_rates(cfg: TableConfig) -> tuple[int, tuple[float, float, float, float]] | None:
+def measured_rates(cfg: TableConfig, figures: Figures | None = None) -> tuple[int, tuple[float, float, float, float]] | None:
     """(the measured dim nearest cfg.dim, push M rows/s of (fbgemm, native C, fbgemm without C,
-    torch)) for this table's optimizer, weight decay and row dtype; None if fbgemm has no CPU
-    update for its optimizer."""
+    torch)) for this table's optimizer, weight decay and row dtype in `figures` (default `MEASURED`);
+    None if fbgemm has no CPU update for its optimizer."""
     if cfg.optimizer not in FBGEMM_OPTIMIZERS:
         return None
     decay = cfg.weight_decay_mode if cfg.weight_decay else "none"
     dim = min(MEASURED_DIMS, key=lambda d: abs(math.log(cfg.dim / d)))  # nearest on a log scale
-    return dim, MEASURED[(cfg.optimizer, decay, cfg.dtype, dim)]
+    return dim, (MEASURED if figures is None else figures)[(cfg.optimizer, decay, cfg.dtype, dim)]
+
+
+def _rivals(rates: tuple[float, float, float, float], native_loaded: bool) -> tuple[float, str, float]:
+    """(fbgemm's rate, the other path's name, its rate) of one measurement."""
+    fbgemm, native_c, fbgemm_pure, plain = rates
+    if native_loaded:
+        return fbgemm, "native C", native_c
+    return fbgemm_pure, "torch", plain   # without the C library both run the numpy id map
 
 
 def auto_kernel(cfg: TableConfig, native_loaded: bool) -> tuple[str, str]:
-    """("fbgemm" or "native", why) for a table with kernel "auto"; `native_loaded`: the C library is."""
+    """("fbgemm" or "native", why) for a table with kernel "auto"; `native_loaded`: the C library is.
+    fbgemm only where it measured >= AUTO_MARGIN x the other path on every machine measured."""
     found = measured_rates(cfg)
     if found is None:
         return "native", f"fbgemm has no CPU {cfg.optimizer} update"
-    dim, (fbgemm, native_c, fbgemm_pure, plain) = found
-    if native_loaded:
-        other, rate = "native C", native_c
-    else:  # without the C library both run the numpy id map: the figures measured that way
-        other, rate, fbgemm = "torch", plain, fbgemm_pure
+    dim, rates = found
+    fbgemm, other, rate = _rivals(rates, native_loaded)
     decay = cfg.weight_decay_mode if cfg.weight_decay else "no"
     why = (f"{cfg.optimizer}, {decay} weight decay, {cfg.dtype} d{dim}: fbgemm {fbgemm:.2f}M vs {other} "
            f"{rate:.2f}M rows/s")
     if fbgemm < AUTO_MARGIN * rate:
         return "native", why
+    for date, figures in MEASURED_EARLIER:
+        fb, _, r = _rivals(measured_rates(cfg, figures)[1], native_loaded)
+        if fb < AUTO_MARGIN * r:
+            return "native", f"{why}, but {fb:.2f}M vs {r:.2f}M on the {date} machine"
     if fbgemm_error() is not None:
         return "native", f"{why}, but fbgemm_gpu does not import: {fbgemm_error()}"
     return "fbgemm", why

@@ -27,6 +27,7 @@ def figures(monkeypatch):
     returns the dict to edit."""
     table = {key: (2.0, 4.0, 2.0, 1.0) for key in kernels.MEASURED}
     monkeypatch.setattr(kernels, "MEASURED", table)
+    monkeypatch.setattr(kernels, "MEASURED_EARLIER", ())     # one machine unless a test adds one
     return table
 
 
@@ -37,8 +38,25 @@ def resolved(cfg: TableConfig, native_loaded: bool = True) -> str:
 def test_measured_table_covers_every_fbgemm_case() -> None:
     want = {(o, d, dt, dim) for o in kernels.FBGEMM_OPTIMIZERS for d in DECAYS for dt in ("fp32", "fp16")
             for dim in kernels.MEASURED_DIMS}
-    assert set(kernels.MEASURED) == want
-    assert all(len(v) == 4 and min(v) > 0 for v in kernels.MEASURED.values())
+    for figures in (kernels.MEASURED, *(f for _, f in kernels.MEASURED_EARLIER)):
+        assert set(figures) == want
+        assert all(len(v) == 4 and min(v) > 0 for v in figures.values())
+
+
+def test_auto_takes_fbgemm_only_where_it_won_on_every_machine(figures, monkeypatch) -> None:
+    """The winner depends on the CPU: a path measured slower on any machine is not taken."""
+    cfg = TableConfig(name="t", dim=64, optimizer="rowwise_adagrad")
+    key = ("rowwise_adagrad", "none", "fp32", 64)
+    figures[key] = (8.0, 4.0, 8.0, 4.0)                                    # fbgemm 2x on the newest
+    earlier = {k: (9.0, 1.0, 9.0, 1.0) for k in figures}
+    monkeypatch.setattr(kernels, "MEASURED_EARLIER", (("2000-01-01", earlier),))
+    assert resolved(cfg) == "fbgemm" and resolved(cfg, native_loaded=False) == "fbgemm"
+    earlier[key] = (1.0, 4.0, 9.0, 1.0)                                    # native 4x there, with C only
+    out, why = kernels.resolve(cfg, True)
+    assert out.kernel == "torch" and why.endswith("but 1.00M vs 4.00M on the 2000-01-01 machine)"), why
+    assert resolved(cfg, native_loaded=False) == "fbgemm"                 # without C: fbgemm won on both
+    figures[key] = (1.0, 4.0, 8.0, 4.0)                                    # the newest says native itself
+    assert resolved(cfg) == "native"
 
 
 def test_auto_is_the_default_and_native_an_alias_of_torch() -> None:
