@@ -226,6 +226,46 @@ int ps_has_duplicates(const int32_t *slots, int64_t n, uint8_t *bitmap) {
     return dup;
 }
 
+/* Duplicate slots [n] of grads [n, d] summed: out_slots [u] (in order of first arrival) and out
+ * [u, d], each row 0.0f + its grads in arrival order (what zeros [u, d] + index_add_ computes, bit
+ * for bit). A temporary open-addressing table of slot -> output row (>= 2n buckets, ~8 B each) finds
+ * the rows: no per-row array of the table's capacity. Returns u, or -1 if out of memory. */
+int64_t ps_merge_rows(const int32_t *slots, const float *grads, int64_t n, int64_t d, int32_t *out_slots,
+                      float *out) {
+    int64_t nb = 16;
+    while (nb < 2 * n) nb <<= 1;
+    int32_t *keys = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    int32_t *rows = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    if (keys == NULL || rows == NULL) {
+        free(keys);
+        free(rows);
+        return -1;
+    }
+    memset(keys, 0xff, (size_t)nb * sizeof(int32_t)); /* -1: empty (slots are >= 0) */
+    const uint64_t mask = (uint64_t)nb - 1;
+    int64_t u = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t s = slots[i];
+        uint64_t b = ((uint64_t)(uint32_t)s * 0x9E3779B97F4A7C15ULL >> 32) & mask;
+        while (keys[b] != -1 && keys[b] != s) b = (b + 1) & mask;
+        const float *restrict g = grads + i * d;
+        if (keys[b] == -1) {
+            keys[b] = s;
+            rows[b] = (int32_t)u;
+            out_slots[u] = s;
+            float *restrict o = out + u * d;
+            for (int64_t j = 0; j < d; j++) o[j] = 0.0f + g[j];
+            u++;
+        } else {
+            float *restrict o = out + (int64_t)rows[b] * d;
+            for (int64_t j = 0; j < d; j++) o[j] += g[j];
+        }
+    }
+    free(keys);
+    free(rows);
+    return u;
+}
+
 /* ------------------------------------------------------------------ fp16 <-> fp32 (IEEE, RNE) */
 static inline float ps_h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -309,27 +349,44 @@ int ps_copy_finite(const uint32_t *restrict src, uint32_t *restrict dst, int64_t
 }
 
 /* Store `value` into *flag after every earlier store of this thread (the grads written into a
- * segment, non-temporal ones included) is visible to another process mapping the same memory. */
+ * segment, non-temporal ones included) is visible to another process mapping the same memory, then
+ * wake a shard asleep in ps_wait_flag on it (a futex on the flag's low 32 bits; no waiter: one cheap
+ * syscall). */
 void ps_publish(int64_t *flag, int64_t value) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+#ifdef __linux__
+    syscall(SYS_futex, (int32_t *)flag, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); /* x86-64: low half first */
+#endif
 }
 
 /* Wait until *flag is `want` or `-want` (the writer gave up) or timeout_ns passed: spins on an
- * acquire load, yielding the CPU between checks after the first few thousand (another process
- * may need this core to finish writing). Returns the value last read. */
+ * acquire load for the first few thousand checks (the copy is usually done by then), then sleeps in
+ * the kernel on a futex of the flag's low 32 bits in slices of at most 1 ms (ps_publish wakes it;
+ * a writer without the wake is seen at the next slice), where it spun on sched_yield before: with
+ * more processes than cores the spinning took CPU from the very writer it waited for. Returns the
+ * value last read. */
 int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
     struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (int64_t i = 0;; i++) {
+    for (int i = 0; i < 4096; i++) {
         int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
         if (v == want || v == -want) return v;
-        if (i < 4096) continue;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+        if (v == want || v == -want) return v;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        int64_t left = timeout_ns - ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec));
+        if (left <= 0) return v;
+#ifdef __linux__
+        if (left > 1000000) left = 1000000;
+        struct timespec rel = {0, (long)left};
+        /* returns at once if the low half changed since v was read */
+        syscall(SYS_futex, (int32_t *)flag, FUTEX_WAIT, (int32_t)(uint32_t)(uint64_t)v, &rel, NULL, 0);
+#else
         sched_yield();
-        if ((i & 63) == 0) {
-            clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > timeout_ns) return v;
-        }
+#endif
     }
 }
 

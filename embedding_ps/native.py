@@ -62,6 +62,7 @@ _SIGS = {
     "ps_wait_word": ([_P, _I64], ctypes.c_int32),
     "ps_h2f_array": ([_P, _P, _I64], None),
     "ps_init_bits": ([_P, _I64, _I64, ctypes.c_uint64, _P, ctypes.c_int], None),
+    "ps_merge_rows": ([_P, _P, _I64, _I64, _P, _P], _I64),
 }
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
 
@@ -228,6 +229,20 @@ def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:
     """Whether int32 slots (each in [0, 8 * bitmap.size)) repeat; bitmap: uint8, zero, left zero."""
     _check(slots, np.int32, "slots"), _check(bitmap, np.uint8, "bitmap")
     return bool(native.ps_has_duplicates(slots.ctypes.data, slots.shape[0], bitmap.ctypes.data))
+
+
+def merge_rows(native, slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """slots int32 [N] with duplicates, grads float32 [N, D] -> (unique slots int32 [U] in order of first
+    arrival, grads summed in arrival order [U, D]): `table._merge_duplicates` in one C pass, bit for bit."""
+    _check(slots, np.int32, "slots"), _check(grads, torch.float32, "grads")
+    n, d = grads.shape
+    assert slots.shape[0] == n and n < 1 << 31
+    out_slots = np.empty(n, dtype=np.int32)
+    out = torch.empty(n, d, dtype=torch.float32)
+    u = native.ps_merge_rows(slots.ctypes.data, grads.data_ptr(), n, d, out_slots.ctypes.data, out.data_ptr())
+    if u < 0:
+        raise MemoryError(f"native merge of {n} rows: out of memory")
+    return out_slots[:u], out[:u]
 
 
 def init_bits(native, keys: np.ndarray, dim: int, seed_mix: int, threads: int = 1) -> np.ndarray:

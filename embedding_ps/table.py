@@ -160,9 +160,9 @@ class TableShard:
     def _push_native(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> bool:
         """The optimizer update and counters of existing rows `slots` int32 [N] in C, if it applies.
 
-        Duplicates are detected with a bitmap over the slots (no sort) and summed exactly as
-        `_sum_duplicates` does (index_add_ in arrival order), then `optim.native_update` runs the
-        update and the counters in one pass per row.
+        Duplicates are detected with a bitmap over the slots (no sort) and summed in one C pass
+        (`native.merge_rows`) exactly as `_sum_duplicates` does (index_add_ in arrival order), then
+        `optim.native_update` runs the update and the counters in one pass per row.
         """
         cfg = self.cfg
         if cfg.kernel != "torch" or cfg.optimizer not in native.OPTIMIZERS:
@@ -172,8 +172,8 @@ class TableShard:
             return False
         if self._dupbits.shape[0] * 8 < self.cap:
             self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
-        if native.has_duplicates(lib, slots, self._dupbits):
-            slots, grads = _merge_duplicates(slots, grads)
+        if native.has_duplicates(lib, slots, self._dupbits):   # e.g. sync mode: the step's pushes of all trainers
+            slots, grads = native.merge_rows(lib, slots, grads.contiguous())
         return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step, self.threads)
 
     def _push_torch(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> None:

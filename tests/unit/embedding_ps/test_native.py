@@ -344,3 +344,26 @@ def test_init_bits_native_equals_numpy_bit_for_bit(dim: int, threads: int) -> No
         assert torch.equal(fast, slow), kind
     row = init.init_rows(t[:1], dim, 7, "uniform", 0.05)[0].tolist()         # the docstring's formula
     assert row == pytest.approx(init.init_row_reference(int(t[0]), dim, 7, "uniform", 0.05), rel=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [1, 7, 16, 64, 136])
+def test_merge_rows_equals_index_add_in_arrival_order(dim: int) -> None:
+    """The C merge of duplicate slots gives _merge_duplicates' sums bit for bit (signed zeros too),
+    its unique slots in order of first arrival; no duplicates and one row are fine too."""
+    from embedding_ps.table import _merge_duplicates
+
+    rng = np.random.default_rng(dim)
+    for n, high in ((5000, 700), (3000, 1 << 30), (1, 10), (64, 3)):
+        slots = rng.integers(0, high, n, dtype=np.int32)
+        grads = torch.from_numpy(rng.standard_normal((n, dim), dtype=np.float32) * 10 ** rng.uniform(-8, 3, (n, 1)).astype(np.float32))
+        grads[rng.random(n) < 0.05] = -0.0
+        got_slots, got = native.merge_rows(native.lib(), slots, grads)
+        want_slots, want = _merge_duplicates(slots, grads)
+        first = {}
+        for i, s in enumerate(slots.tolist()):
+            first.setdefault(s, i)
+        assert got_slots.tolist() == sorted(first, key=first.get)               # first-arrival order
+        order = np.argsort(got_slots)
+        assert np.array_equal(got_slots[order], want_slots)
+        assert np.array_equal(got[torch.from_numpy(order)].numpy().view(np.uint32), want.numpy().view(np.uint32))
