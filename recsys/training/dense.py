@@ -42,7 +42,7 @@ def wrap_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Mod
         # PowerSGD deadlocks on gloo when gradients span several buckets (PLATFORM-NOTES): one bucket.
         bucket_cap_mb = 1 << 14
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=bucket_cap_mb)
+              bucket_cap_mb=bucket_cap_mb, broadcast_buffers=has_state_buffers(model))
     if cfg.comm_hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -56,6 +56,16 @@ def wrap_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Mod
                                    start_powerSGD_iter=2, random_seed=cfg.seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     return ddp
+
+
+def has_state_buffers(model: nn.Module) -> bool:
+    """Whether the model has persistent buffers (state such as two_tower's frequency counts, which DDP
+    then broadcasts from rank 0 before every forward, as by default). Non-persistent buffers are
+    derived from the config (DLRM's triu indices, DIN's kept features), equal on every rank: with only
+    those, DDP skips that broadcast, one collective and one sync point of the ranks a step (TorchRec's
+    DMP wraps its dense part with broadcast_buffers=False too)."""
+    persistent = model.state_dict().keys()
+    return any(name in persistent for name, _ in model.named_buffers())
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

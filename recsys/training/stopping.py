@@ -2,13 +2,17 @@
 
     requests = install(signal.SIGTERM, signal.SIGINT)   # in the main thread, before training
     ...
-    if stop_agreed(world_size):        # at every step boundary, on every rank (one small all_reduce)
+    agreement = StopAgreement(world_size)
+    if agreement.after_step():         # at every step boundary, on every rank
         checkpoint; exit 0
 
 The handler only sets a flag (a signal may arrive in the middle of a collective or a PS call; the
 step that is running finishes normally). Ranks see a signal at different moments, so the flag is
 combined over the process group at each step boundary (MAX): every rank stops after the same step,
-which is what a consistent checkpoint needs. A second signal (more than DUPLICATE_WINDOW_S after the
+which is what a consistent checkpoint needs. `StopAgreement` reduces step t's flags while step t + 1
+trains (async_op) and reads the result after step t + 1: every rank stops after the same step, one
+step after the request, and no rank waits at the boundary for a slower one (a blocking all_reduce
+there was one more sync point of the ranks a step; `stop_agreed` is that blocking form). A second signal (more than DUPLICATE_WINDOW_S after the
 first) restores the default action and re-sends itself: the process dies by it at once (no checkpoint).
 
 Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
@@ -27,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from recsys.dist import all_reduce
+from recsys.dist import all_reduce, collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -82,4 +86,36 @@ def stop_agreed(world_size: int) -> bool:
     return bool(all_reduce(torch.tensor([int(requested())]), dist.ReduceOp.MAX).item())
 
 
-__all__ = ["install", "requested", "request", "reset", "stop_agreed"]
+class StopAgreement:
+    """The ranks' stop requests combined one step behind, without waiting at the step boundary.
+
+    after_step() at every step boundary, on every rank: True when some rank had asked to stop at the
+    previous boundary (the same answer on every rank, so all stop after the same step). One process:
+    this process's request, at once. close() waits for the reduction in flight (call it on every rank
+    when training ends, before other collectives)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None   # the previous boundary's reduction
+
+    def after_step(self) -> bool:
+        if self.world_size == 1:
+            return requested()
+        stop = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            stop = bool(flag.item())
+        self._pending = None
+        if not stop:
+            flag = torch.tensor([int(requested())], device=collective_device())
+            self._pending = (dist.all_reduce(flag, dist.ReduceOp.MAX, async_op=True), flag)
+        return stop
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
+__all__ = ["StopAgreement", "install", "requested", "request", "reset", "stop_agreed"]

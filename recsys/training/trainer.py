@@ -236,6 +236,12 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         run = self._start_run()
+        agreement = stopping.StopAgreement(self.world_size)
+        self._train_loop(run, agreement)
+        agreement.close()              # the reduction still in flight (on an error: the process ends)
+        return self._finish_run(run)
+
+    def _train_loop(self, run: _Run, agreement: stopping.StopAgreement) -> None:
         for prepared in self._prepared_steps(run):
             try:
                 loss = self.train_step(prepared.batch, prepared.lookup, run.window,
@@ -248,10 +254,9 @@ class Trainer:
             self._after_step(run, prepared, loss)
             if run.stop:
                 break
-            if stopping.stop_agreed(self.world_size):     # SIGTERM / SIGINT: every rank stops here
+            if agreement.after_step():     # SIGTERM / SIGINT: every rank stops here (one step later)
                 self.stopped = True
                 break
-        return self._finish_run(run)
 
     def _start_run(self) -> _Run:
         self.model.train()
