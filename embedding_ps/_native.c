@@ -102,13 +102,18 @@ static void ps_parallel(ps_chunk_fn fn, void *ctx, int64_t n, int nthreads) {
 #define PS_ADD(p, v) (*(p) += (v)) /* single-threaded builds only */
 #endif
 
-static inline uint64_t ps_home(int64_t key, uint64_t nb) {
-    uint64_t z = (uint64_t)key + 0x9E3779B97F4A7C15ULL;
+/* the SplitMix64 finalizer (embedding_ps.sharding.splitmix64_np is its numpy copy) */
+static inline uint64_t ps_splitmix64(uint64_t z) {
     z ^= z >> 30;
     z *= 0xBF58476D1CE4E5B9ULL;
     z ^= z >> 27;
     z *= 0x94D049BB133111EBULL;
     z ^= z >> 31;
+    return z;
+}
+
+static inline uint64_t ps_home(int64_t key, uint64_t nb) {
+    const uint64_t z = ps_splitmix64((uint64_t)key + 0x9E3779B97F4A7C15ULL);
     return ((z >> 32) * nb) >> 32;
 }
 
@@ -657,15 +662,6 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
 /* out [n, d] float32 = init.py's symmetric bits in (-1, 1): for key k, s = splitmix64(uint64(k) ^
  * seed_mix), a / b its low / high 32 bits, column c = (2 * (fmix32((a + (c + 1) * 0x9E3779B9) ^ b)
  * >> 8) + 1 - 2**24) / 2**24, exact in fp32 (numpy's `_symmetric_bits` is the reference). */
-static inline uint64_t ps_splitmix64(uint64_t z) {
-    z ^= z >> 30;
-    z *= 0xBF58476D1CE4E5B9ULL;
-    z ^= z >> 27;
-    z *= 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    return z;
-}
-
 struct ps_init_ctx {
     const int64_t *keys;
     int64_t d;
