@@ -1,0 +1,83 @@
+"""Two pieces of a shard's per-step work, C against the numpy / torch code it replaced (the reference).
+
+    python benchmarks/shard_ops.py [--json] [--rows 14000] [--dim 64] [--calls 50]
+
+- row init: `embedding_ps.init._symmetric_bits` (one C pass, `ps_init_bits`) against
+  `_symmetric_bits_np` (~15 numpy passes) for --rows new ids: what a shard computes for every id it
+  has not seen, on the pull and again when it admits the id on the push.
+- duplicate merge: `native.merge_rows` against `table._merge_duplicates` (np.unique + zeros +
+  index_add_) for two trainers' pushes of --rows / 2 rows each sharing 40% of their slots: what a
+  sync-mode shard does when it applies a step.
+One thread; medians of --calls calls (ms) and the ratios, measured in the same run. Both sides give
+the same bits (tests/unit/embedding_ps/test_native.py). Exits 2 when the C library cannot load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from embedding_ps import init, native  # noqa: E402
+from embedding_ps.table import _merge_duplicates  # noqa: E402
+
+
+def median_ms(fn, calls: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def run(rows: int, dim: int, calls: int) -> dict:
+    lib = native.lib()
+    rng = np.random.default_rng(0)
+    keys = rng.integers(-(2**63), 2**63 - 1, rows, dtype=np.int64)
+    out = {"rows": rows, "dim": dim, "calls": calls}
+    out["init_c_ms"] = median_ms(lambda: init._symmetric_bits(keys, dim, 7), calls)
+    out["init_numpy_ms"] = median_ms(lambda: init._symmetric_bits_np(keys, dim, 7), calls)
+    half = rows // 2
+    a = rng.choice(10 * rows, half, replace=False).astype(np.int32)
+    b = np.concatenate([a[: int(0.4 * half)], rng.choice(10 * rows, half - int(0.4 * half), replace=False).astype(np.int32)])
+    slots, grads = np.concatenate([a, b]), torch.randn(2 * half, dim)
+    out["merge_c_ms"] = median_ms(lambda: native.merge_rows(lib, slots, grads), calls)
+    out["merge_numpy_torch_ms"] = median_ms(lambda: _merge_duplicates(slots, grads), calls)
+    out["ratio_init"] = out["init_numpy_ms"] / out["init_c_ms"]
+    out["ratio_merge"] = out["merge_numpy_torch_ms"] / out["merge_c_ms"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--rows", type=int, default=14_000, help="new ids to init; rows of the two pushes together")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--calls", type=int, default=50)
+    a = p.parse_args()
+    if native.lib() is None:
+        print("error: the native C library does not load (no C compiler?): nothing to compare", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    r = run(a.rows, a.dim, a.calls)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        for k, v in r.items():
+            print(f"  {k:22s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
