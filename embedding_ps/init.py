@@ -39,7 +39,8 @@ def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) 
 def _symmetric_bits(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
     """int64 [N] -> float32 [N, D] in (-1, 1), per the module docstring: one C pass when the native
     library loads (a shard initialises every new id's row, on its pull and again when admitted on its
-    push: ~15 numpy passes over [N, D] cost ~4-6 ms for 14k rows of d64), else numpy."""
+    push; the numpy passes below cost several times more: BENCHMARKS.md, section "The shard's
+    first-epoch and sync-mode work in C"), else numpy."""
     lib = native.lib()
     if lib is not None:
         seed_mix = int(splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])

@@ -25,8 +25,9 @@ fbgemm_gpu, and only when a table uses it.
 `MEASURED` is the table of BENCHMARKS.md, section "Update kernels: fbgemm vs native C vs torch"
 (`python benchmarks/ps_table.py --kernels --clock cpu`, the medians of three runs) on the newest
 machine measured, `MEASURED_EARLIER` those of the machines before it. The winner depends on the
-CPU: fbgemm-gpu-cpu 1.8.0's row-wise Adagrad pushed 8.7M rows/s (1.18x native) on the 2026-11-25
-machine and 1.5M (0.29x) on the 2026-11-27 one, so auto takes fbgemm only where it won on every
+CPU: fbgemm-gpu-cpu 1.8.0's row-wise Adagrad beat the native update on the 2026-11-25 machine and
+lost to it by several times on the 2026-11-27 one (BENCHMARKS.md, section "Update kernels: fbgemm
+vs native C vs torch, a second machine"), so auto takes fbgemm only where it won on every
 machine measured: today the fp16 d64 tables of SGD, Adagrad and row-wise Adagrad without decay;
 native keeps everything else. Measure again when the native path changes or on a new kind of CPU:
 the tables, not the code, decide.
@@ -126,14 +127,12 @@ _MEASURED_2026_11_25: dict[tuple[str, str, str, int], tuple[float, float, float,
     ("rowwise_adagrad", "decoupled", "fp16", 16): (3.78, 5.98, 3.46, 7.46),
 }
 MEASURED: Figures = _MEASURED_2026_11_27
-"""The newest machine's figures (2026-11-27: a 2-core Xeon VM with AVX-512 FP16 / AMX, 480 MB L3,
-where fbgemm-gpu-cpu 1.8.0's row-wise Adagrad ran at 1.4M rows/s against 8.7M on the machine before)."""
+"""The newest machine's figures (2026-11-27: a 2-core Xeon VM with AVX-512 FP16 / AMX, 480 MB L3)."""
 MEASURED_EARLIER: tuple[tuple[str, Figures], ...] = (
     ("2026-11-25", _MEASURED_2026_11_25),
 )
 """(date, figures) of the machines measured before `MEASURED`: auto takes fbgemm only where it won
-on every one of them too, since which path wins depends on the CPU (fbgemm's row-wise Adagrad was
-1.18x native on the 2026-11-25 machine and 0.27x on the 2026-11-27 one)."""
+on every one of them too, since which path wins depends on the CPU (compare the two tables)."""
 MEASURED_DIMS = (16, 64)
 AUTO_MARGIN = 1.05
 """auto takes fbgemm only where it measured at least this many times the other path's rate
