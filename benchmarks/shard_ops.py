@@ -50,7 +50,9 @@ def run(rows: int, dim: int, calls: int) -> dict:
     out["init_numpy_ms"] = median_ms(lambda: init._symmetric_bits_np(keys, dim, 7), calls)
     half = rows // 2
     a = rng.choice(10 * rows, half, replace=False).astype(np.int32)
-    b = np.concatenate([a[: int(0.4 * half)], rng.choice(10 * rows, half - int(0.4 * half), replace=False).astype(np.int32)])
+    shared = int(0.4 * half)
+    fresh = rng.choice(10 * rows, half - shared, replace=False).astype(np.int32)
+    b = np.concatenate([a[:shared], fresh])
     slots, grads = np.concatenate([a, b]), torch.randn(2 * half, dim)
     out["merge_c_ms"] = median_ms(lambda: native.merge_rows(lib, slots, grads), calls)
     out["merge_numpy_torch_ms"] = median_ms(lambda: _merge_duplicates(slots, grads), calls)

@@ -6,8 +6,10 @@ Two (or --ranks) gloo processes on 127.0.0.1, one thread each. The baseline, mea
 run, is the collective every multi-rank step already makes: DDP's allreduce of the dense gradients
 of configs/tiny.toml's model (1,497 float32 parameters; larger models make the ratio smaller).
 A step here is some compute (COMPUTE_MATMULS 192x192 matmuls) and that allreduce; measured: the
-step alone, and the step + the trainer's `stop_agreed`. (An overlapped variant - the flags reduced
-with async_op while the next step computes - measured no better here, 2 busy cores: not used.)
+step alone, and the step + the blocking `stop_agreed`. (An overlapped variant - the flags reduced
+with async_op while the next step computes - measured no better here, 2 busy cores; the trainer
+uses it all the same since 2026-11-27 (`stopping.StopAgreement`): it removes a sync point of the
+ranks at every step boundary, which this two-rank loop of equal steps does not show.)
 Figures: median microseconds per call over 5 blocks of --iters calls, and ratios to the baseline.
 """
 

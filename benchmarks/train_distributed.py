@@ -381,7 +381,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict]], notes: l
            "scaling_async_2t2s_vs_2t1s": ratio("ours_async_2t2s", "ours_async_2t1s"),
            "headline": "ours_sync_2t2s / torchrec_dmp_tw (both synchronous)", "target": TARGET}
     cpu = lambda c: detail.get(c, {}).get("cpu_ms_per_step", {}).get("total")   # noqa: E731
-    for key, ours in (("cpu_ratio_vs_torchrec_dmp", "ours_sync_2t2s"), ("cpu_ratio_async_vs_torchrec_dmp", "ours_async_2t2s")):
+    for key, ours in (("cpu_ratio_vs_torchrec_dmp", "ours_sync_2t2s"),
+                      ("cpu_ratio_async_vs_torchrec_dmp", "ours_async_2t2s")):
         # DMP's CPU ms per global step / ours (all processes): on busy cores the rate follows it
         out[key] = round(cpu("torchrec_dmp_tw") / cpu(ours), 3) if cpu("torchrec_dmp_tw") and cpu(ours) else None
     pairs = {"ratio_vs_torchrec_dmp": ("ours_sync_2t2s", "torchrec_dmp_tw"),

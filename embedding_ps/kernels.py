@@ -88,7 +88,7 @@ _MEASURED_2026_11_27: Figures = {
     ("rowwise_adagrad", "l2", "fp16", 16): (3.34, 4.09, 2.92, 3.54),
     ("rowwise_adagrad", "decoupled", "fp16", 16): (2.71, 4.66, 2.51, 4.08),
 }
-_MEASURED_2026_11_25: dict[tuple[str, str, str, int], tuple[float, float, float, float]] = {
+_MEASURED_2026_11_25: Figures = {
     ("sgd", "none", "fp32", 64): (5.81, 9.26, 5.04, 5.91),
     ("sgd", "l2", "fp32", 64): (4.28, 8.38, 3.90, 4.33),
     ("sgd", "decoupled", "fp32", 64): (2.37, 8.41, 2.13, 2.59),
@@ -160,7 +160,8 @@ def fbgemm_available() -> bool:
     return fbgemm_error() is None
 
 
-def measured_rates(cfg: TableConfig, figures: Figures | None = None) -> tuple[int, tuple[float, float, float, float]] | None:
+def measured_rates(cfg: TableConfig, figures: Figures | None = None
+                   ) -> tuple[int, tuple[float, float, float, float]] | None:
     """(the measured dim nearest cfg.dim, push M rows/s of (fbgemm, native C, fbgemm without C,
     torch)) for this table's optimizer, weight decay and row dtype in `figures` (default `MEASURED`);
     None if fbgemm has no CPU update for its optimizer."""

@@ -12,8 +12,9 @@ combined over the process group at each step boundary (MAX): every rank stops af
 which is what a consistent checkpoint needs. `StopAgreement` reduces step t's flags while step t + 1
 trains (async_op) and reads the result after step t + 1: every rank stops after the same step, one
 step after the request, and no rank waits at the boundary for a slower one (a blocking all_reduce
-there was one more sync point of the ranks a step; `stop_agreed` is that blocking form). A second signal (more than DUPLICATE_WINDOW_S after the
-first) restores the default action and re-sends itself: the process dies by it at once (no checkpoint).
+there was one more sync point of the ranks a step; `stop_agreed` is that blocking form). A second
+signal (more than DUPLICATE_WINDOW_S after the first) restores the default action and re-sends
+itself: the process dies by it at once (no checkpoint).
 
 Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
 launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a

@@ -356,7 +356,8 @@ def test_merge_rows_equals_index_add_in_arrival_order(dim: int) -> None:
     rng = np.random.default_rng(dim)
     for n, high in ((5000, 700), (3000, 1 << 30), (1, 10), (64, 3)):
         slots = rng.integers(0, high, n, dtype=np.int32)
-        grads = torch.from_numpy(rng.standard_normal((n, dim), dtype=np.float32) * 10 ** rng.uniform(-8, 3, (n, 1)).astype(np.float32))
+        scale = 10 ** rng.uniform(-8, 3, (n, 1)).astype(np.float32)                # rows of very different sizes
+        grads = torch.from_numpy(rng.standard_normal((n, dim), dtype=np.float32) * scale)
         grads[rng.random(n) < 0.05] = -0.0
         got_slots, got = native.merge_rows(native.lib(), slots, grads)
         want_slots, want = _merge_duplicates(slots, grads)
