@@ -10,8 +10,9 @@ log whose last line starting with "{" is the JSON). Plots made, each only from t
 - `train_distributed.png`: samples/s of ours per (trainers, shards) layout, sync and async bars,
   against TorchRec DMP on 2 processes (table-wise and the planner's choice) as horizontal lines
   (from benchmarks/train_distributed.py --json).
-- `serving_latency.png`: a histogram of batch-1 latencies, when the serving JSON carries a list of
-  per-call latencies (any list of numbers under a key containing "latenc" and "ms"); otherwise the
+- `serving_latency.png`: a histogram of batch-1 latencies (the slowest 0.5% of calls off the axis),
+  one series per list of per-call latencies in the input (any list of numbers under a key containing
+  "latenc" and "ms": what `benchmarks/serving.py --latencies FILE` writes); without such a list the
   plot is skipped and the script says so.
 - `memory_per_row.png`: bytes per row against rows, from benchmarks/ps_table.py --json
   (`rss_rows` and `rss_bytes_per_row_d{D}`: a shard's resident memory, one point per file) and
@@ -121,8 +122,10 @@ def plot_serving(r: dict, out: Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
+    every = sorted(x for xs in series.values() for x in xs)
+    hi = every[min(len(every) - 1, int(0.995 * len(every)))]       # the slowest 0.5% off the axis
     for name, xs in series.items():
-        ax.hist(xs, bins=50, histtype="step", label=name)
+        ax.hist([x for x in xs if x <= hi], bins=60, range=(0, hi), histtype="step", label=name)
     ax.set_xlabel("batch-1 latency (ms)", fontsize=8)
     ax.set_ylabel("calls", fontsize=8)
     ax.set_title(f"serving, batch 1: p50 {r.get('p50_ms_b1')} ms, p99 {r.get('p99_ms_b1')} ms", fontsize=8)

@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py [--json] [--rows N] [--extra-rows N] [--zipf A] [--unseen P]
                                  [--requests N] [--threads T] [--allow-missing-baseline]
+                                 [--latencies FILE]
 
 Builds a criteo-like model in-process (configs/quickstart.toml: DLRM, 26 one-id + 2 multi-hot
 mean-pooled features, D = 16): trains it for a few steps on `--rows` synthetic rows, adds
@@ -39,7 +40,9 @@ what torch gives them, and the native kernel splits its work over `torch.get_num
 
 `--json` prints one line: `p50_ms_b1` / `p99_ms_b1` (the worse of fp32 and int8, the target
 precisions), `ratio_b4096_vs_baseline` (the lowest over the precisions of our pooled rows/s over
-the baseline's at B = 4096), `baseline`, and everything else under `detail`.
+the baseline's at B = 4096), `baseline`, and everything else under `detail`. `--latencies FILE`
+also writes every timed batch-1 call, per precision (`predict_latency_ms_b1`, ours end to end, and
+`baseline_latency_ms_b1`), as JSON: `benchmarks/plots.py --serving FILE` draws their histogram.
 Measured figures: BENCHMARKS.md ("Serving").
 """
 
@@ -285,7 +288,8 @@ def check_baseline(p: Predictor, base: Baseline, decoded: Batch, a: float) -> fl
 
 
 def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, requests: int,
-                    allow_missing: bool) -> tuple[dict, str]:
+                    allow_missing: bool) -> tuple[dict, str, dict[str, list[float]]]:
+    """One precision's figures, the baseline's label and every batch-1 call's latency (ms)."""
     t0 = time.perf_counter()
     p = Predictor(export)
     out = {"open_s": round(time.perf_counter() - t0, 3)}
@@ -300,11 +304,13 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     out["unseen_frac_C1_b1"] = round(miss / requests, 3)              # C1: one id a request
     lat = latencies(p.predict, ones)
     out.update(p50_ms_b1=ms(lat, 0.5), p99_ms_b1=ms(lat, 0.99))
+    calls = {"predict_latency_ms_b1": [round(x * 1e3, 4) for x in lat]}        # every call (--latencies)
     lat = latencies(p.pooled, ones)
     out.update(pooled_p50_ms_b1=ms(lat, 0.5), pooled_p99_ms_b1=ms(lat, 0.99))
     base_ones = [base.inputs(b) for b in ones]
     lat = latencies(base, base_ones)
     out.update(baseline_p50_ms_b1=ms(lat, 0.5), baseline_p99_ms_b1=ms(lat, 0.99))
+    calls["baseline_latency_ms_b1"] = [round(x * 1e3, 4) for x in lat]
     base_bigs = [base.inputs(b) for b in bigs]
     out["pooling"] = type(p._fused).__name__
     if hasattr(p._fused, "held_bytes"):                                      # NativePooling's rows and maps
@@ -326,7 +332,7 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     p.fused = False                                                          # the per-table path, same requests
     lat = latencies(p.predict, ones[:max(200, requests // 5)], warmup=20)
     out["per_table_p50_ms_b1"] = ms(lat, 0.5)
-    return out, base.label
+    return out, base.label, calls
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -341,10 +347,14 @@ def run(a: argparse.Namespace) -> dict:
         table = pq.read_table(eval_file)
         cfg = dataclasses.replace(source.config.data, shuffle=False)
         decoded = decode_table(cfg, table)
-        res, label = {}, ""
+        res, label, calls = {}, "", {}
         for prec in PRECISIONS:
-            res[prec], label = bench_precision(Path(tmp) / prec, decoded, a.zipf, a.unseen, a.requests,
-                                               a.allow_missing_baseline)
+            res[prec], label, calls[prec] = bench_precision(Path(tmp) / prec, decoded, a.zipf, a.unseen,
+                                                            a.requests, a.allow_missing_baseline)
+    if a.latencies:
+        Path(a.latencies).write_text(json.dumps({"p50_ms_b1": max(res[x]["p50_ms_b1"] for x in TARGETED),
+                                                 "p99_ms_b1": max(res[x]["p99_ms_b1"] for x in TARGETED),
+                                                 "baseline": label, "calls": calls}))
     return {"p50_ms_b1": max(res[x]["p50_ms_b1"] for x in TARGETED),
             "p99_ms_b1": max(res[x]["p99_ms_b1"] for x in TARGETED),
             "ratio_b4096_vs_baseline": min(r["ratio_b4096_vs_baseline"] for r in res.values()),
@@ -366,6 +376,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (ours and the baseline alike)")
     ap.add_argument("--allow-missing-baseline", action="store_true",
                     help="without torchrec, measure plain nn.EmbeddingBag as the baseline instead of failing")
+    ap.add_argument("--latencies", metavar="FILE",
+                    help="also write every timed batch-1 call's latency, per precision, to FILE (JSON)")
     a = ap.parse_args()
     if a.rows // 2 < max(BIG, a.requests):
         ap.error(f"--rows {a.rows}: the eval half must hold a {BIG}-example batch and --requests rows; "

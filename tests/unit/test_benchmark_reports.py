@@ -166,3 +166,11 @@ def test_train_gpu_summary_ratios_targets_and_partial_runs():
     assert r["cache_hit_rate"] == 0.3
     assert r["meets_targets"] == {"gpu_busy_pct": False, "ratio_vs_torchrec_gpu": False}
     json.dumps(r)
+
+
+def test_serving_latency_histogram_written(plots, tmp_path):
+    """serving.py --latencies FILE's shape: one series per precision and side, every call in ms."""
+    calls = {p: {"predict_latency_ms_b1": [0.1 + 0.001 * i for i in range(300)],
+                 "baseline_latency_ms_b1": [0.2 + 0.001 * i for i in range(300)]} for p in ("fp32", "int8")}
+    path = plots.plot_serving({"p50_ms_b1": 0.25, "p99_ms_b1": 0.4, "calls": calls}, tmp_path)
+    assert path == tmp_path / "serving_latency.png" and path.stat().st_size > 1000
