@@ -43,15 +43,18 @@ def _symmetric_bits(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
     first-epoch and sync-mode work in C"), else numpy."""
     lib = native.lib()
     if lib is not None:
-        seed_mix = int(splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
-        return native.init_bits(lib, np.ascontiguousarray(keys, dtype=np.int64), dim, seed_mix)
+        return native.init_bits(lib, np.ascontiguousarray(keys, dtype=np.int64), dim, seed_mix(seed))
     return _symmetric_bits_np(keys, dim, seed)
+
+
+def seed_mix(seed: int) -> int:
+    """splitmix64(uint64(seed)): what every key of a table with this seed is xor-ed with."""
+    return int(splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
 
 
 def _symmetric_bits_np(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
     """The numpy reference of `_symmetric_bits` (and its path without the native library)."""
-    seed_mix = splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
-    stream = splitmix64_np(keys.view(np.uint64) ^ seed_mix)  # uint64 [N]
+    stream = splitmix64_np(keys.view(np.uint64) ^ np.uint64(seed_mix(seed)))  # uint64 [N]
     a = stream.astype(np.uint32)  # low 32 bits
     b = (stream >> np.uint64(32)).astype(np.uint32)
     steps = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0x9E3779B9)).astype(np.uint32)  # [D]

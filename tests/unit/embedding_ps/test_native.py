@@ -324,14 +324,12 @@ def test_init_bits_native_equals_numpy_bit_for_bit(dim: int, threads: int) -> No
     """The C row init (one pass) gives init.py's numpy bits exactly, for every seed and key (incl.
     -1, 0, int64 min / max) and any thread count; init_rows (uniform, normal) follows it."""
     from embedding_ps import init
-    from embedding_ps.sharding import splitmix64_np
 
     rng = np.random.default_rng(dim)
     keys = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 9000, dtype=np.int64),
                            np.array([-1, 0, 1, -(2**63), 2**63 - 1], dtype=np.int64)])
     for seed in (0, 1, -5, 2**63 + 7, 12345):
-        mix = int(splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
-        got = native.init_bits(native.lib(), keys, dim, mix, threads)
+        got = native.init_bits(native.lib(), keys, dim, init.seed_mix(seed), threads)
         want = init._symmetric_bits_np(keys, dim, seed)
         assert got.dtype == np.float32 and got.shape == (keys.shape[0], dim)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), seed
