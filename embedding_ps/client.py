@@ -161,7 +161,7 @@ class PSClient:
         future = None
         if words and len(words) == len(shards):     # every shard notifies: the rows without the replies
             stub = {s: (P.Header(op=P.Op.PULL, dtype=self.wire), []) for s in shards}
-            future = shm.NotifiedFuture(words, lambda: assemble(stub), lambda: self._shm.settle(segs))
+            future = shm.NotifiedFuture(words, lambda: assemble(stub), lambda out: self._shm.settle(segs, out))
         fut = self._submit(P.Op.PULL, reqs, assemble, call, fallbacks, future)
         if segs:
             fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
@@ -229,7 +229,7 @@ class PSClient:
             return None
 
         call = [] if segs else None
-        future = (shm.NotifiedFuture(words, lambda: None, lambda: self._shm.settle(segs))
+        future = (shm.NotifiedFuture(words, lambda: None, lambda _: self._shm.settle(segs))
                   if words and len(words) == len(shards) else None)
         sent = False
         try:            # late: the I/O thread is woken by the first copy (no contention for the GIL)

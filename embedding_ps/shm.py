@@ -51,8 +51,9 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Literal
 
@@ -198,7 +199,8 @@ class ClientSegments:
         self.local = {s for s, a in enumerate(self.addresses) if client_uses(mode, a)}
         self.pool = ShmPool(POOL_BYTES) if self.local and available() else None
         self.lock = threading.Lock()
-        self.settling: dict[int, float] = {}     # id of a segment -> until when a request may wait for it
+        # id of a segment -> (until when a request may wait for it, weakref to the caller's result or None)
+        self.settling: dict[int, tuple[float, Callable[[], object] | None]] = {}
 
     def refused(self, shard: int, message: str) -> None:
         """Shard `shard` answered NO_SHM: its requests use the socket from now on (one warning)."""
@@ -218,12 +220,19 @@ class ClientSegments:
         with self.lock:
             return self.pool.take(nbytes)
 
-    def settle(self, segs: dict[int, np.ndarray]) -> None:
-        """The caller has its result from these segments (FLAG_NOTIFY) while their reply is still on its
-        way: a request that finds no idle segment waits up to SETTLE_S for one of them."""
+    def settle(self, segs: dict[int, np.ndarray], result: object = None) -> None:
+        """The caller has its `result` from these segments (FLAG_NOTIFY) while their reply is still on
+        its way: a request that finds no idle segment waits up to SETTLE_S for one of them, unless the
+        caller still holds that result (a tensor viewing the segment: then it stays busy)."""
         until = time.monotonic() + SETTLE_S
+        held = None
+        if result is not None:
+            try:
+                held = weakref.ref(result)
+            except TypeError:            # cannot tell whether the caller lets go of it: never wait
+                held = _held
         for seg in segs.values():
-            self.settling[id(_root(seg))] = until
+            self.settling[id(_root(seg))] = (until, held)
 
     def _settle(self, nbytes: int) -> None:
         """Wait (bounded) while no segment of nbytes or more is idle but one is settling: back-to-back
@@ -239,9 +248,10 @@ class ClientSegments:
                         continue
                     if pool._idle(i):
                         return
-                    wait = wait or settling.get(id(pool.segs[i][1]), 0.0) > now
+                    until, held = settling.get(id(pool.segs[i][1]), (0.0, None))
+                    wait = wait or (until > now and (held is None or held() is None))
                 if not wait:
-                    for key in [k for k, until in settling.items() if until <= now]:
+                    for key in [k for k, (until, _) in settling.items() if until <= now]:
                         del settling[key]
                     return
             time.sleep(0)          # the I/O thread needs the GIL to handle the reply
@@ -258,7 +268,8 @@ class ClientSegments:
             for seg in segs.values():
                 key = id(_root(seg))
                 if key in self.settling:
-                    self.settling[key] = min(self.settling[key], until)
+                    was, held = self.settling[key]
+                    self.settling[key] = (min(was, until), held)
         if fut.exception() is not None or retried:
             with self.lock:
                 for seg in segs.values():
@@ -339,7 +350,7 @@ class NotifiedFuture(Future):
             else:
                 out = fast()
                 if self.on_fast is not None:
-                    self.on_fast()
+                    self.on_fast(out)
                 return out
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         return super().result(timeout)
@@ -414,6 +425,10 @@ def _unlink(name: bytes) -> None:
         os.unlink(os.path.join(SHM_DIR, name.decode()))
     except OSError:
         pass
+
+
+def _held() -> bool:
+    return True
 
 
 def _root(view: np.ndarray) -> np.ndarray:

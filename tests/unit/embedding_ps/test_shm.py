@@ -213,7 +213,23 @@ def test_a_handled_reply_shortens_the_wait() -> None:
         fut: Future = Future()
         fut.set_result(None)
         segs.done(fut, {0: held}, [])
-        until = segs.settling[id(shm._root(held))]
+        until, _ = segs.settling[id(shm._root(held))]
         assert until <= time.monotonic() + shm.SETTLE_GRACE_S
+    finally:
+        segs.close()
+
+
+def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for() -> None:
+    # a trainer keeps the rows it pulled (fast path) while it asks for the next batch: no wait
+    segs = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
+    try:
+        name, view = segs.take(0, 3 << 20)
+        rows = torch.from_numpy(view).view(torch.float32)     # the caller's result, viewing the segment
+        segs.settle({0: view}, rows)
+        del view
+        t0 = time.monotonic()
+        name2, _ = segs.take(0, 3 << 20)
+        assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
+        del rows
     finally:
         segs.close()
