@@ -199,6 +199,7 @@ class ClientSegments:
         self.local = {s for s, a in enumerate(self.addresses) if client_uses(mode, a)}
         self.pool = ShmPool(POOL_BYTES) if self.local and available() else None
         self.lock = threading.Lock()
+        self.settle_s = SETTLE_S                 # 0: never wait (benchmarks/shm_segments.py compares)
         # id of a segment -> (until when a request may wait for it, weakref to the caller's result or None)
         self.settling: dict[int, tuple[float, Callable[[], object] | None]] = {}
 
@@ -224,7 +225,9 @@ class ClientSegments:
         """The caller has its `result` from these segments (FLAG_NOTIFY) while their reply is still on
         its way: a request that finds no idle segment waits up to SETTLE_S for one of them, unless the
         caller still holds that result (a tensor viewing the segment: then it stays busy)."""
-        until = time.monotonic() + SETTLE_S
+        if self.settle_s <= 0:
+            return
+        until = time.monotonic() + self.settle_s
         held = None
         if result is not None:
             try:
@@ -237,8 +240,7 @@ class ClientSegments:
     def _settle(self, nbytes: int) -> None:
         """Wait (bounded) while no segment of nbytes or more is idle but one is settling: back-to-back
         requests then reuse one segment, whose memory is still in the CPU's cache, instead of
-        alternating between two (measured: a 100k-row d64 Zipf pull 6.2 -> 4.9 ms, BENCHMARKS.md,
-        "One segment for back-to-back requests")."""
+        alternating between two (BENCHMARKS.md, "One segment for back-to-back requests")."""
         pool, settling = self.pool, self.settling
         while True:
             now, wait = time.monotonic(), False
