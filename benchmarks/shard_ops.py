@@ -1,6 +1,6 @@
-"""Two pieces of a shard's per-step work, C against the numpy / torch code it replaced (the reference).
+"""Pieces of a shard's and a trainer's per-step work, C against the numpy / torch code it replaced.
 
-    python benchmarks/shard_ops.py [--json] [--rows 14000] [--dim 64] [--calls 50]
+    python benchmarks/shard_ops.py [--json] [--rows 14000] [--dim 64] [--calls 50] [--tables 26] [--batch 4096]
 
 - row init: `embedding_ps.init._symmetric_bits` (one C pass, `ps_init_bits`) against
   `_symmetric_bits_np` (~15 numpy passes) for --rows new ids: what a shard computes for every id it
@@ -8,8 +8,11 @@
 - duplicate merge: `native.merge_rows` against `table._merge_duplicates` (np.unique + zeros +
   index_add_) for two trainers' pushes of --rows / 2 rows each sharing 40% of their slots: what a
   sync-mode shard does when it applies a step.
+- trainer dedup: `embedding_ps.native.unique` (one hash pass) against `torch.unique(...,
+  return_inverse=True)` (a sort) for --tables tables of --batch Zipf(1.05) ids over 200k each (the
+  train benchmarks' shape): what the sparse arch does per table per step (`recsys.models.sparse_arch._unique`).
 One thread; medians of --calls calls (ms) and the ratios, measured in the same run. Both sides give
-the same bits (tests/unit/embedding_ps/test_native.py). Exits 2 when the C library cannot load.
+the same bits (tests/unit/embedding_ps/test_native.py; the dedup: the same ids, in another order). Exits 2 when the C library cannot load.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ def median_ms(fn, calls: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def run(rows: int, dim: int, calls: int) -> dict:
+def zipf_ids(n: int, vocab: int, rng: np.random.Generator) -> torch.Tensor:
+    """int64 [n] Zipf(1.05) draws over ranks 1..vocab (inverse CDF), ranks mapped to scattered ids."""
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -1.05)
+    ranks = np.minimum(np.searchsorted(cdf / cdf[-1], rng.random(n)), vocab - 1)
+    return torch.from_numpy(ranks.astype(np.int64) * 7919 + 13)
+
+
+def run(rows: int, dim: int, calls: int, tables: int = 26, batch: int = 4096) -> dict:
     lib = native.lib()
     rng = np.random.default_rng(0)
     keys = rng.integers(-(2**63), 2**63 - 1, rows, dtype=np.int64)
@@ -58,6 +68,11 @@ def run(rows: int, dim: int, calls: int) -> dict:
     out["merge_numpy_torch_ms"] = median_ms(lambda: _merge_duplicates(slots, grads), calls)
     out["ratio_init"] = out["init_numpy_ms"] / out["init_c_ms"]
     out["ratio_merge"] = out["merge_numpy_torch_ms"] / out["merge_c_ms"]
+    ids = [zipf_ids(batch, 200_000, rng) for _ in range(tables)]
+    out["dedup_tables"], out["dedup_batch"] = tables, batch
+    out["dedup_c_ms"] = median_ms(lambda: [native.unique(lib, x) for x in ids], calls)
+    out["dedup_torch_ms"] = median_ms(lambda: [torch.unique(x, return_inverse=True) for x in ids], calls)
+    out["ratio_dedup"] = out["dedup_torch_ms"] / out["dedup_c_ms"]
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
@@ -67,12 +82,14 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=14_000, help="new ids to init; rows of the two pushes together")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--tables", type=int, default=26, help="trainer dedup: tables a step")
+    p.add_argument("--batch", type=int, default=4096, help="trainer dedup: ids a table a step")
     a = p.parse_args()
     if native.lib() is None:
         print("error: the native C library does not load (no C compiler?): nothing to compare", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    r = run(a.rows, a.dim, a.calls)
+    r = run(a.rows, a.dim, a.calls, a.tables, a.batch)
     if a.json:
         print(json.dumps(r))
     else:

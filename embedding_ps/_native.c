@@ -49,7 +49,7 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 6; }
+int ps_abi_version(void) { return 7; }
 
 /* ------------------------------------------------------------------ parallel for */
 #define PS_MAX_THREADS 64
@@ -214,6 +214,47 @@ int64_t ps_map_place(int64_t *kv, int32_t *vv, int64_t nbuckets, const int64_t *
         vv[p] = vals[i];
     }
     return tombs;
+}
+
+/* ids [n] -> uniq [u] (each distinct id once, in order of first appearance), inverse [n] (the
+ * position of ids[i] in uniq) and, unless counts is NULL, counts [u] (occurrences). One pass with a
+ * temporary open-addressing table (a power of two >= 2n buckets, 12 B each): the trainer's
+ * per-table dedup of a batch's ids, which torch.unique does by sorting. Returns u, or -1 if out of
+ * memory. */
+int64_t ps_unique(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse, int64_t *counts) {
+    int64_t nb = 16;
+    while (nb < 2 * n) nb <<= 1;
+    int64_t *keys = (int64_t *)malloc((size_t)nb * sizeof(int64_t));
+    int32_t *rows = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    if (keys == NULL || rows == NULL) {
+        free(keys);
+        free(rows);
+        return -1;
+    }
+    memset(rows, 0xff, (size_t)nb * sizeof(int32_t)); /* -1: empty (any int64 is an id) */
+    const uint64_t mask = (uint64_t)nb - 1;
+    int64_t u = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t k = ids[i];
+        uint64_t h = (uint64_t)k;
+        h ^= h >> 33;
+        h *= 0xff51afd7ed558ccdULL;
+        h ^= h >> 33;
+        uint64_t b = h & mask;
+        while (rows[b] != -1 && keys[b] != k) b = (b + 1) & mask;
+        if (rows[b] == -1) {
+            rows[b] = (int32_t)u;
+            keys[b] = k;
+            uniq[u] = k;
+            if (counts) counts[u] = 0;
+            u++;
+        }
+        inverse[i] = rows[b];
+        if (counts) counts[rows[b]]++;
+    }
+    free(keys);
+    free(rows);
+    return u;
 }
 
 /* 1 if slots [n] (each in [0, nbits)) hold a value twice, else 0. `bitmap` has >= nbits bits,

@@ -61,6 +61,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from embedding_ps import native
 from embedding_ps.config import PSConfig
 from embedding_ps.rowcache import FusedRowCache, move_rows
 from embedding_ps.store import EmbeddingStore
@@ -137,8 +138,8 @@ class CachingStore:
         """A Future of rows [sum N_t, D] on `device`: cached hits, the rest pulled from the store.
 
         Every part's distinct rows go into one buffer [sum U_t, D] (hits now, misses when they
-        arrive), which is the result itself when the parts' ids are distinct and increasing (what
-        the sparse arch sends), else expanded to the caller's order. `counts` (optional, per part
+        arrive), which is the result itself when the parts' ids are distinct (what the sparse arch
+        sends), else expanded to the caller's order. `counts` (optional, per part
         [N_t]): how often each id occurs in the batch, for the per-lookup hit rate. With
         `background`, the lookup itself runs on the cache's thread, calls in the order made."""
         if len(tables) != len(ids) or not tables:
@@ -403,11 +404,18 @@ def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list
 def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
     """(distinct ids [U], inverse [N] into them, occurrences int64 [U]): inverse None when `ids` [N]
-    already are distinct and increasing (what the sparse arch sends: `torch.unique`'s output), which
-    skips a sort; the occurrences are `counts` then (None when not given)."""
-    if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+    already are distinct (what the sparse arch sends), which keeps the caller's order; the
+    occurrences are `counts` then (None when not given). Distinct ids are told by one hash pass in
+    C (`native.unique`), or, without the C library, by being increasing (else torch.unique's sort)."""
+    lib = native.lib()
+    if ids.numel() < 2 or (lib is None and bool((ids[1:] > ids[:-1]).all())):
         return ids, None, None if counts is None else counts.to("cpu", torch.int64).numpy()
-    u, inv, c = torch.unique(ids, return_inverse=True, return_counts=True)
+    if lib is not None and ids.dtype == torch.int64:
+        u, inv, c = native.unique(lib, ids.to("cpu").contiguous(), counts=True)
+        if u.numel() == ids.numel():     # distinct: u is ids itself (first appearances, in order)
+            return ids, None, None if counts is None else counts.to("cpu", torch.int64).numpy()
+    else:
+        u, inv, c = torch.unique(ids, return_inverse=True, return_counts=True)
     if counts is not None:   # occurrences of the given ids summed per distinct id
         c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, counts.to("cpu", torch.int64))
     return u, inv, c.numpy()

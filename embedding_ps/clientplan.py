@@ -117,7 +117,8 @@ class ManyPlan:
 def plan_many(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequence[torch.Tensor]) -> ManyPlan | None:
     """Route every part's ids [N_t] of one call at once: one shard_of over all N ids, one stable
     argsort, one bincount of (shard, part). None when `dedup` and a part's ids are not strictly
-    increasing (what the sparse arch sends: torch.unique's output); then plan_ids dedups part by part."""
+    increasing (sorted unique ids, e.g. torch.unique's output); then plan_ids dedups part by part.
+    (The sparse arch's ids are unique in order of first appearance: its clients have dedup off.)"""
     lens = [x.numel() for x in ids]
     x = torch.cat(ids) if len(ids) > 1 else ids[0]                                    # [N]
     n, S, P_ = x.numel(), config.num_shards, len(ids)

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 6
+_ABI = 7
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -63,6 +63,7 @@ _SIGS = {
     "ps_h2f_array": ([_P, _P, _I64], None),
     "ps_init_bits": ([_P, _I64, _I64, ctypes.c_uint64, _P, ctypes.c_int], None),
     "ps_merge_rows": ([_P, _P, _I64, _I64, _P, _P], _I64),
+    "ps_unique": ([_P, _I64, _P, _P, _P], _I64),
 }
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
 
@@ -223,6 +224,25 @@ def map_place(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, vals: np
     if r < 0:
         raise RuntimeError("IdMap: no free bucket (map full)")
     return int(r)
+
+
+def unique(native, ids: torch.Tensor, counts: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ids int64 [N] -> (uniq int64 [U]: each distinct id once, in order of first appearance,
+    inverse int64 [N]: uniq[inverse] == ids, counts int64 [U] of occurrences or None): what
+    torch.unique(ids, return_inverse=True, return_counts=counts) gives up to the order of uniq,
+    from one hash pass instead of a sort."""
+    _check(ids, torch.int64, "ids")
+    n = ids.shape[0]
+    assert ids.dim() == 1 and n < 1 << 31
+    uniq = torch.empty(n, dtype=torch.int64)
+    inverse = torch.empty(n, dtype=torch.int64)
+    cnt = torch.empty(n, dtype=torch.int64) if counts else None
+    u = native.ps_unique(ids.data_ptr(), n, uniq.data_ptr(), inverse.data_ptr(),
+                         cnt.data_ptr() if cnt is not None else None)
+    if u < 0:
+        raise MemoryError(f"native unique of {n} ids: out of memory")
+    return uniq[:u], inverse, (cnt[:u] if cnt is not None else None)
 
 
 def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from data.batch import Batch
+from embedding_ps import native
 from embedding_ps.config import TableConfig
 from embedding_ps.store import EmbeddingStore
 
@@ -211,6 +212,21 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
     return out, em_offsets, em_lengths, weights
 
 
+def _unique(values: torch.Tensor, counts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """values int64 [N] -> (unique ids [U], inverse [N], counts [U] | None). One hash pass in C
+    (`embedding_ps.native.unique`: ids in order of first appearance), ~5x faster than torch.unique's
+    sort (26 tables of 4096 ids: 0.9 against 4.8 ms a step, BENCHMARKS.md, "The trainer's dedup in
+    one hash pass"); torch.unique (sorted) without the C library. Training does not depend on the
+    order: every row's pooled value and gradient sum the same terms in the same order."""
+    lib = native.lib()
+    if lib is not None and values.dtype == torch.int64 and values.device.type == "cpu":
+        return native.unique(lib, values.contiguous(), counts)
+    if counts:
+        return torch.unique(values, return_inverse=True, return_counts=True)
+    uniq, inverse = torch.unique(values, return_inverse=True)
+    return uniq, inverse, None
+
+
 class _SumPool(torch.autograd.Function):
     """embedding_bag(mode="sum") whose backward is one more embedding_bag, over the bags' gradients.
 
@@ -294,11 +310,9 @@ class SparseArch:
             else:
                 lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
                 offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-            if look.counts is None:
-                uniq, inverse = torch.unique(values, return_inverse=True)          # [U], [N_t]
-            else:
-                uniq, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
-                look.counts.append(counts)                                         # [U]
+            uniq, inverse, counts = _unique(values, look.counts is not None)      # [U], [N_t], [U] | None
+            if look.counts is not None:
+                look.counts.append(counts)
             if batch.weights is not None:
                 wp = [batch.weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
                 look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])

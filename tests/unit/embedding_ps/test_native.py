@@ -366,3 +366,32 @@ def test_merge_rows_equals_index_add_in_arrival_order(dim: int) -> None:
         order = np.argsort(got_slots)
         assert np.array_equal(got_slots[order], want_slots)
         assert np.array_equal(got[torch.from_numpy(order)].numpy().view(np.uint32), want.numpy().view(np.uint32))
+
+
+@needs_native
+@pytest.mark.parametrize("ids", [
+    [], [7], [5, 5, 5], [3, -1, 3, 2**63 - 1, -(2**63), -1, 0, 2**63 - 1],
+    list(range(1000, 0, -1)) + list(range(0, 2000, 3)),
+])
+def test_unique_matches_torch_unique_up_to_order(ids) -> None:
+    x = torch.tensor(ids, dtype=torch.int64)
+    uniq, inverse, counts = native.unique(native.lib(), x, counts=True)
+    assert torch.equal(uniq[inverse], x)                            # inverse maps back
+    first = {}
+    for i, v in enumerate(ids):
+        first.setdefault(v, i)
+    assert uniq.tolist() == sorted(first, key=first.get)            # each id once, by first appearance
+    tu, tc = torch.unique(x, return_counts=True)
+    order = torch.argsort(uniq)
+    assert torch.equal(uniq[order], tu) and torch.equal(counts[order], tc)
+    u2, inv2, c2 = native.unique(native.lib(), x)                    # without counts
+    assert torch.equal(u2, uniq) and torch.equal(inv2, inverse) and c2 is None
+
+
+@needs_native
+def test_unique_of_random_ids_with_collisions() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5000, (20000,), generator=g) * 4096     # ids sharing low bits
+    uniq, inverse, counts = native.unique(native.lib(), x, counts=True)
+    assert torch.equal(uniq[inverse], x) and int(counts.sum()) == x.numel()
+    assert torch.equal(torch.sort(uniq).values, torch.unique(x))
