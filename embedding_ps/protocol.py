@@ -23,7 +23,8 @@ the request first and then writes the grads into the segment, so the request's h
 shard overlaps that copy; the segment's 16-byte trailer after the ids (`embedding_ps.shm`) holds
 `ready` (int64: the request id once the grads are written, minus it if the client gave up) and
 `finite` (int64: 1 if the client's copy found every grad finite). The shard waits for `ready`
-before it reads a grad (bounded: an error reply if it does not come), and runs its own finite
+before it reads a grad (bounded: an error reply if it does not come, or at once if the client's
+flock on the segment is gone: it died), and runs its own finite
 check only when `finite` is not 1.
 
 PULL / PUSH with ``flags & FLAG_SHM | FLAG_NOTIFY`` (ids in the segment, the same trailer): once the

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,24 +25,44 @@ from embedding_ps import protocol as P
 from embedding_ps.config import PSConfig
 
 GRADS_WAIT_S = 10.0
-"""Longest a shard waits for a FLAG_GRADS_LATE push's grads (the copy takes ~1 ms per 100k d64
-rows; this bound only matters if the client died mid-copy: the shard serves no one meanwhile)."""
+"""Longest a shard waits for a FLAG_GRADS_LATE push's grads (the copy takes ~5 ms per 100k d64
+rows; this bound only matters if the client hangs mid-copy: the shard serves no one meanwhile; a
+client that died is seen within WRITER_CHECK_S)."""
 
 
-def wait_late(request: int, trailer: np.ndarray, timeout_s: float) -> bool:
-    """Wait until the client wrote request `request`'s grads (trailer int64 [2]: ready, finite);
-    whether it found them all finite. ProtocolError (nothing applied) if it gave up or took longer
-    than min(timeout_s, GRADS_WAIT_S)."""
+WRITER_CHECK_S = 0.05
+"""How often a shard waiting for late grads asks whether their writer still lives (`alive`)."""
+
+
+def wait_late(request: int, trailer: np.ndarray, timeout_s: float,
+              alive: Callable[[], bool] | None = None) -> bool:
+    """Wait until the client wrote request `request`'s grads (trailer int64 [2]: ready, finite),
+    and tell whether it found them all finite. ProtocolError (nothing applied) if it gave up, took
+    longer than min(timeout_s, GRADS_WAIT_S), or `alive()` (asked every WRITER_CHECK_S while it
+    waits: `shm.writer_alive`) says it is gone: a client killed mid-copy costs the shard ~50 ms,
+    not the whole bound."""
     if not 0 < request < 2**63:
         raise P.ProtocolError(f"PUSH with late grads: request id {request} out of range", P.Status.BAD_VALUE)
     wait = min(timeout_s, GRADS_WAIT_S)
+    deadline = time.monotonic() + wait
     lib = native.lib()
-    if lib is not None:
-        got = native.wait_flag(lib, trailer[0:1], request, wait)
-    else:     # numpy reads: ordered after the client's release store on x86 (TSO)
-        deadline = time.monotonic() + wait
-        while (got := int(trailer[0])) not in (request, -request) and time.monotonic() < deadline:
-            os.sched_yield()
+    while True:
+        left = deadline - time.monotonic()
+        slice_s = max(0.0, min(left, WRITER_CHECK_S if alive is not None else left))
+        if lib is not None:
+            got = native.wait_flag(lib, trailer[0:1], request, slice_s)
+        else:     # numpy reads: ordered after the client's release store on x86 (TSO)
+            end = time.monotonic() + slice_s
+            while (got := int(trailer[0])) not in (request, -request) and time.monotonic() < end:
+                os.sched_yield()
+        if got in (request, -request) or left <= slice_s:
+            break
+        if alive is not None and not alive():
+            got = int(trailer[0])         # written just before it went: take it
+            if got not in (request, -request):
+                raise P.ProtocolError("PUSH: the client is gone (it died or closed its shared memory) before "
+                                      "it wrote its grads; nothing applied", P.Status.BAD_VALUE)
+            break
     if got == -request:
         raise P.ProtocolError("PUSH: the client gave up writing its grads into shared memory; nothing applied",
                               P.Status.BAD_VALUE)
@@ -74,4 +95,4 @@ def finite_rows(config: PSConfig, tables: list[int], counts: list[int], grads: t
                           P.Status.BAD_VALUE)
 
 
-__all__ = ["GRADS_WAIT_S", "finite_rows", "wait_late"]
+__all__ = ["GRADS_WAIT_S", "WRITER_CHECK_S", "finite_rows", "wait_late"]

@@ -33,6 +33,7 @@ Pushes and barriers are not idempotent: the shard keeps the replies of the last 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -54,7 +55,8 @@ from embedding_ps.gates import Gate, make_gate
 from embedding_ps.replybuffers import ReplyBuffers
 from embedding_ps.pushgrads import finite_rows, wait_late
 from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer
+from embedding_ps.shm import (DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer,
+                               writer_alive)
 from embedding_ps.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
@@ -315,7 +317,8 @@ class ShardServer:
             if late:   # the client still writes the grads: look the ids up meanwhile, then wait
                 self._hint_slots(tables, part_ids)
             # `checked`: the client's copy found every grad finite
-            checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s)
+            checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s,
+                                         functools.partial(writer_alive, bytes(payload[2])))
             self.gate.push(h.worker, h.step, self._push_parts(h, bounds, part_ids, seg, payload, checked))
         finally:
             if late and hasattr(self.state, "clear_hints"):

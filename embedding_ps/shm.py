@@ -20,7 +20,9 @@ nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
 
 Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
 a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
-its own user, at least as large as the request says. A segment whose request failed or was retried
+its own user, at least as large as the request says. The client keeps each segment's fd open with
+a shared flock on it: a shard waiting for a push's late grads sees the client gone (the kernel
+drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`). A segment whose request failed or was retried
 is never reused (a late write of the shard cannot reach a tensor the caller holds). Only Linux has
 /dev/shm; elsewhere `available()` is False and clients use the socket.
 
@@ -42,6 +44,7 @@ anything; the client sends the request again through the socket and stops trying
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -138,6 +141,7 @@ class ShmPool:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.segs: list[tuple[bytes, np.ndarray]] = []        # (name, uint8 [size] viewing the mapping)
+        self.fds: dict[bytes, int] = {}                       # name -> open fd holding a shared flock
         self.total = 0
         self.failed = False                                   # a segment could not be made: socket from now on
 
@@ -158,12 +162,14 @@ class ShmPool:
                     return None
                 self.discard(self.segs[min(idle, key=lambda i: self.segs[i][1].nbytes)][1])
             try:
-                self.segs.append(_create(size))
+                name, a, fd = _create(size)
             except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
                 logger.warning("shared memory segment of %d bytes not created (%s): rows go through the "
                                "socket from now on", size, e)
                 self.failed = True
                 return None
+            self.segs.append((name, a))
+            self.fds[name] = fd
             self.total += size
             best = len(self.segs) - 1
         name, a = self.segs[best]
@@ -177,13 +183,20 @@ class ShmPool:
                 del self.segs[i]
                 self.total -= a.nbytes
                 _unlink(name)
+                self._close_fd(name)
                 return
 
     def close(self) -> None:
         for name, _ in self.segs:
             _unlink(name)
+            self._close_fd(name)
         self.segs.clear()
         self.total = 0
+
+    def _close_fd(self, name: bytes) -> None:
+        fd = self.fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)                # drops the flock: a shard waiting on it stops waiting
 
     def _idle(self, i: int) -> bool:
         # references: the list's tuple and getrefcount's argument; more while a view (a tensor) lives
@@ -390,20 +403,47 @@ class ShmAttacher:
         return a[:nbytes]
 
 
-def _create(size: int) -> tuple[bytes, np.ndarray]:
+def _create(size: int) -> tuple[bytes, np.ndarray, int]:
+    """(name, uint8 [size] view, fd): a new segment, its fd kept open with a shared flock on it for
+    as long as the client lives (`writer_alive`; the kernel drops the lock when the process dies)."""
     name = f"recsys-ps-{os.getpid():08x}{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         # reserve the pages now: on a full tmpfs a sparse segment would SIGBUS at first touch instead
         os.posix_fallocate(fd, 0, size)
         m = mmap.mmap(fd, size)
+        fcntl.flock(fd, fcntl.LOCK_SH)
     except BaseException:
         os.unlink(path)
+        os.close(fd)
         raise
+    return name.encode(), np.frombuffer(m, dtype=np.uint8), fd
+
+
+def writer_alive(name: bytes) -> bool:
+    """Whether the client that made segment `name` may still write it: its shared flock on the file
+    is held (`_create`), which the kernel drops when that process dies, however it dies (a PID would
+    not do: a client in another PID namespace may share /dev/shm). False also once the segment was
+    unlinked (the client closed it). A shard waiting for late grads asks this between waits."""
+    text = name.decode("ascii", "replace")
+    if not NAME_RE.fullmatch(text):
+        return False
+    try:
+        fd = os.open(os.path.join(SHM_DIR, text), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True                         # someone holds a lock: the client lives
+    except OSError:
+        return True                         # cannot tell: wait for the timeout as before
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
     finally:
         os.close(fd)
-    return name.encode(), np.frombuffer(m, dtype=np.uint8)
 
 
 def _open(name: bytes) -> np.ndarray:
@@ -441,4 +481,4 @@ def _root(view: np.ndarray) -> np.ndarray:
 
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY", "trailer", "done_word", "LateGrads",
            "NotifiedFuture", "ClientSegments", "Mode", "ids_offset", "ShmAttacher", "ShmPool", "available", "client_uses",
-           "is_local", "shard_accepts"]
+           "is_local", "shard_accepts", "writer_alive"]

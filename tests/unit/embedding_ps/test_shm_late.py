@@ -2,9 +2,12 @@
 without sockets: the C helpers against numpy/torch references, and a ShardServer fed requests whose
 segment a test plays the client of. A late push applies exactly what the same push through a frame
 applies; a non-finite one is refused (or its bad rows skipped) before any row changes, as is one
-whose grads never come or whose client gave up; the done word is set only by a served request."""
+whose grads never come, whose client gave up or died; the done word is set only by a served request."""
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -300,3 +303,67 @@ def test_hinted_pushes_during_a_background_save_keep_save_and_state_right(tmp_pa
     monkeypatch.setattr(ShardState, "push", hinted)
     stats, state, _ = test_cow_save.save_while_pushing(tmp_path, fraction=1.0)
     assert stats["preserved_rows"] > 0 and state is made[0]
+
+
+# ---------------------------------------------------------------------------- a client that dies
+_CHILD = """
+import sys, time
+from embedding_ps import shm
+pool = shm.ShmPool(1 << 26)
+name, seg = pool.take(int(sys.argv[1]))
+start = shm.ids_offset(int(sys.argv[2]))
+seg[start:start + 8 * int(sys.argv[3])].view('int64')[:] = [i * 7 + 3 for i in range(int(sys.argv[3]))]
+print(name.decode(), flush=True)
+time.sleep(60)
+"""
+
+
+def _segment_of_a_killed_client() -> bytes:
+    """The name of a segment (ids IDS written, no grads) whose client process was killed (SIGKILL)."""
+    rows_bytes = N * D * 4
+    size = shm.ids_offset(rows_bytes) + 8 * N + shm.TRAILER_BYTES
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(size), str(rows_bytes), str(N)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip().encode()
+        assert name.startswith(b"recsys-ps-"), name
+        assert shm.writer_alive(name)                      # its client lives and holds the lock
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    return name
+
+
+def test_writer_alive_follows_the_clients_lock() -> None:
+    pool = shm.ShmPool(1 << 26)
+    name, _ = pool.take(2 << 20)
+    assert shm.writer_alive(name)
+    pool.close()                                          # unlinked, lock dropped
+    assert not shm.writer_alive(name)
+    assert not shm.writer_alive(b"../etc/passwd")
+    dead = _segment_of_a_killed_client()
+    try:
+        assert not shm.writer_alive(dead)                 # the kernel dropped the dead process's lock
+    finally:
+        shm._unlink(dead)
+
+
+def test_late_push_of_a_client_killed_before_its_grads_is_refused_at_once() -> None:
+    # a client killed mid-copy: the shard sees it gone within ~WRITER_CHECK_S, not after the 10 s
+    # bound (min(ps.timeout_s, GRADS_WAIT_S)), and applies nothing
+    srv = server(timeout_s=30.0)
+    name = _segment_of_a_killed_client()
+    try:
+        before = rows(srv)
+        h = P.Header(op=P.Op.PUSH, dtype=P.DType.FP32, count=1, dim=D, client=9, request=1,
+                     flags=P.FLAG_SHM | P.FLAG_GRADS_LATE)
+        index = torch.tensor([[0, N]], dtype=torch.int64)
+        t0 = time.monotonic()
+        reply = srv.handle([h.pack(), b"", index.numpy().tobytes(), b"", name])
+        took = time.monotonic() - t0
+        assert status(reply) == P.Status.BAD_VALUE and "client is gone" in bytes(reply[1]).decode()
+        assert took < 5.0, took                            # generous for a loaded machine; the bound is 10 s
+        torch.testing.assert_close(rows(srv), before, atol=0, rtol=0)
+    finally:
+        shm._unlink(name)
