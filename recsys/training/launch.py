@@ -136,6 +136,29 @@ def read_worker_error(run_dir: Path) -> str | None:
     return f"{e['error']} [trainer rank {e['rank']}; traceback in {e['log']}]"
 
 
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
+             "Connection refused")
+"""What a collective (gloo, NCCL) or the rendezvous store says when a peer process is gone."""
+
+
+def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
+    """Trainer ranks that left no error of their own this attempt (errors written after `since`)
+    while every rank that did only lost its connection to a peer (PEER_LOST): the killed ones, when
+    the launcher saw the others' errors before the kill (torch elastic reports the first failed rank
+    it finds, not every one). [] otherwise."""
+    errors = []
+    for f in (run_dir / "errors").glob("trainer-*.json"):
+        try:
+            e = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if e.get("time", 0.0) >= since:
+            errors.append(e)
+    if not errors or not all(any(p in e["error"] for p in PEER_LOST) for e in errors):
+        return []
+    return sorted(set(range(world)) - {int(e["rank"]) for e in errors})
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the child when the launcher dies (even by SIGKILL)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -378,6 +401,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     from recsys.training.worker import worker_main
 
     (run_dir / "metrics.json").unlink(missing_ok=True)
+    started = time.time()                 # trainer errors written from now on are this attempt's
     shards: list[subprocess.Popen] = []
     try:
         shards, addresses = start_shards(cfg, config_path, run_dir,
@@ -411,6 +435,10 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
                     f = killed[0]
                     raise JobFailure(f"trainer rank {f.local_rank} (pid {f.pid}) was killed by signal "
                                      f"{-f.exitcode} ({f.signal_name()})", killed=True) from e
+                silent = silent_ranks(run_dir, cfg.train.num_trainers, started)
+                if silent:            # the same, seen in the other order: the survivors' errors first
+                    raise JobFailure(f"trainer rank {silent[0]} exited without an error of its own (killed?) "
+                                     f"and the others lost their connection to it", killed=True) from e
                 line = read_worker_error(run_dir)    # the first trainer's own error
                 if line is not None:
                     raise WorkerError(line) from None

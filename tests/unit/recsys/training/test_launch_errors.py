@@ -1,0 +1,41 @@
+"""The launcher's reading of trainer errors after a failed attempt: a killed trainer whose death the
+launcher saw after its peers' errors (they only lost their connection to it) is still a kill."""
+
+import json
+import time
+from pathlib import Path
+
+from recsys.training.launch import silent_ranks
+
+GLOO_RESET = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17098: Connection reset "
+              "by peer. This is typically caused by a remote worker hanging")
+
+
+def write_error(run_dir: Path, rank: int, error: str, t: float) -> None:
+    (run_dir / "errors").mkdir(parents=True, exist_ok=True)
+    (run_dir / "errors" / f"trainer-{rank}.json").write_text(
+        json.dumps({"rank": rank, "time": t, "error": error, "log": "x"}))
+
+
+def test_a_rank_without_error_while_the_others_lost_it_is_silent(tmp_path: Path) -> None:
+    t0 = time.time()
+    write_error(tmp_path, 0, GLOO_RESET, t0 + 1)
+    assert silent_ranks(tmp_path, 2, since=t0) == [1]
+    write_error(tmp_path, 2, "RuntimeError: Connection closed by peer [127.0.0.1]:5000", t0 + 1)
+    assert silent_ranks(tmp_path, 4, since=t0) == [1, 3]
+
+
+def test_an_error_of_its_own_is_not_a_kill(tmp_path: Path) -> None:
+    t0 = time.time()
+    write_error(tmp_path, 0, GLOO_RESET, t0 + 1)
+    write_error(tmp_path, 1, "ValueError: column 'label' missing in part-0.parquet", t0 + 1)
+    assert silent_ranks(tmp_path, 3, since=t0) == []            # rank 1's own error is the cause
+    assert silent_ranks(tmp_path / "none", 2, since=t0) == []     # no error at all: nothing to tell
+
+
+def test_errors_of_an_earlier_attempt_do_not_count(tmp_path: Path) -> None:
+    t0 = time.time()
+    write_error(tmp_path, 0, GLOO_RESET, t0 - 10)                 # the attempt before this one
+    assert silent_ranks(tmp_path, 2, since=t0) == []
+    write_error(tmp_path, 1, GLOO_RESET, t0 + 1)
+    assert silent_ranks(tmp_path, 2, since=t0) == [0]
