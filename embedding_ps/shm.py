@@ -22,8 +22,8 @@ Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_E
 a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
 its own user, at least as large as the request says. The client keeps each segment's fd open with
 a shared flock on it: a shard waiting for a push's late grads sees the client gone (the kernel
-drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`). A segment whose request failed or was retried
-is never reused (a late write of the shard cannot reach a tensor the caller holds). Only Linux has
+drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`). A
+segment whose request failed or was retried is never reused (a late write of the shard cannot reach a tensor the caller holds). Only Linux has
 /dev/shm; elsewhere `available()` is False and clients use the socket.
 
 Who uses it (ps.shared_memory, `client_uses` / `shard_accepts`):
@@ -247,8 +247,9 @@ class ClientSegments:
                 held = weakref.ref(result)
             except TypeError:            # cannot tell whether the caller lets go of it: never wait
                 held = _held
-        for seg in segs.values():
-            self.settling[id(_root(seg))] = (until, held)
+        with self.lock:                  # _settle iterates the dict under it
+            for seg in segs.values():
+                self.settling[id(_root(seg))] = (until, held)
 
     def _settle(self, nbytes: int) -> None:
         """Wait (bounded) while no segment of nbytes or more is idle but one is settling: back-to-back
@@ -280,11 +281,12 @@ class ClientSegments:
         call.clear()
         if self.settling:
             until = time.monotonic() + SETTLE_GRACE_S
-            for seg in segs.values():
-                key = id(_root(seg))
-                if key in self.settling:
-                    was, held = self.settling[key]
-                    self.settling[key] = (min(was, until), held)
+            with self.lock:
+                for seg in segs.values():
+                    key = id(_root(seg))
+                    if key in self.settling:
+                        was, held = self.settling[key]
+                        self.settling[key] = (min(was, until), held)
         if fut.exception() is not None or retried:
             with self.lock:
                 for seg in segs.values():
