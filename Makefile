@@ -37,6 +37,7 @@ bench: bench-deps
 	$(VPY) benchmarks/data_pipeline.py
 	$(VPY) benchmarks/ps_table.py --kernels
 	$(VPY) benchmarks/ps_throughput.py
+	$(VPY) benchmarks/shm_segments.py
 	$(VPY) benchmarks/shard_ops.py
 	$(VPY) benchmarks/train_throughput.py
 	$(VPY) benchmarks/train_distributed.py
