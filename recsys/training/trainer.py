@@ -346,6 +346,10 @@ class Trainer:
         """One pass over data.eval_paths (every rank its part; metrics over all ranks): log `val/*`,
         keep a new best model in run_dir/best, decide on early stopping (the same on every rank)."""
         self.drain()
+        if self.world_size > 1 and is_distributed():
+            # async: every rank's pushes applied before any rank pulls rows to score, so the pass
+            # scores the very rows the best model's snapshot then saves (it waits the same way)
+            dist.barrier()
         t0 = time.perf_counter()
         metrics = self.evaluate(self.cfg.data.eval_paths)
         v = self.validation
