@@ -11,6 +11,9 @@
 - trainer dedup: `embedding_ps.native.unique` (one hash pass) against `torch.unique(...,
   return_inverse=True)` (a sort) for --tables tables of --batch Zipf(1.05) ids over 200k each (the
   train benchmarks' shape): what the sparse arch does per table per step (`recsys.models.sparse_arch._unique`).
+- trainer bags example-major: `embedding_ps.native.to_example_major` (one C pass) against the torch
+  ops of `recsys.models.sparse_arch._to_example_major` for --tables features x --batch bags of 0-2
+  ids each (the same values): what the sparse arch does once a step before pooling into [B, F, D].
 One thread; medians of --calls calls (ms) and the ratios, measured in the same run. Both sides give
 the same bits (tests/unit/embedding_ps/test_native.py; the dedup: the same ids, in another order). Exits 2 when the C library cannot load.
 """
@@ -73,6 +76,17 @@ def run(rows: int, dim: int, calls: int, tables: int = 26, batch: int = 4096) ->
     out["dedup_c_ms"] = median_ms(lambda: [native.unique(lib, x) for x in ids], calls)
     out["dedup_torch_ms"] = median_ms(lambda: [torch.unique(x, return_inverse=True) for x in ids], calls)
     out["ratio_dedup"] = out["dedup_torch_ms"] / out["dedup_c_ms"]
+    from recsys.models import sparse_arch      # the torch reference lives with the trainer
+    lengths = torch.from_numpy(rng.integers(0, 3, tables * batch)).to(torch.int64)
+    indices = torch.from_numpy(rng.integers(0, 200_000, int(lengths.sum()))).to(torch.int64)
+    out["example_major_c_ms"] = median_ms(lambda: native.to_example_major(lib, indices, lengths, batch), calls)
+    native.set_enabled(False)
+    try:
+        out["example_major_torch_ms"] = median_ms(lambda: sparse_arch._to_example_major(indices, lengths, batch,
+                                                                                         None), calls)
+    finally:
+        native.set_enabled(True)
+    out["ratio_example_major"] = out["example_major_torch_ms"] / out["example_major_c_ms"]
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 

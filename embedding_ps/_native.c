@@ -216,6 +216,31 @@ int64_t ps_map_place(int64_t *kv, int32_t *vv, int64_t nbuckets, const int64_t *
     return tombs;
 }
 
+/* Bags feature-major -> example-major: lengths [F * B] of bag (f, b) at f * B + b, indices [N]
+ * (and weights [N] unless NULL) bag after bag in that order -> out [N] (out_w [N]) with bag (f, b)
+ * at b * F + f, em_lengths [B * F] and em_offsets [B * F] (its bags' starts). One pass over the
+ * bags; the trainer's pooled [B, F, D] comes straight out of one embedding_bag over them. */
+void ps_to_example_major(const int64_t *lengths, int64_t F, int64_t B, const int64_t *indices, const float *weights,
+                         int64_t *out, float *out_w, int64_t *em_lengths, int64_t *em_offsets) {
+    int64_t pos = 0;
+    for (int64_t b = 0; b < B; b++) /* example-major starts */
+        for (int64_t f = 0; f < F; f++) {
+            int64_t len = lengths[f * B + b];
+            em_lengths[b * F + f] = len;
+            em_offsets[b * F + f] = pos;
+            pos += len;
+        }
+    int64_t src = 0;
+    for (int64_t f = 0; f < F; f++) /* feature-major reading order */
+        for (int64_t b = 0; b < B; b++) {
+            int64_t len = lengths[f * B + b], dst = em_offsets[b * F + f];
+            for (int64_t k = 0; k < len; k++) out[dst + k] = indices[src + k];
+            if (weights)
+                for (int64_t k = 0; k < len; k++) out_w[dst + k] = weights[src + k];
+            src += len;
+        }
+}
+
 /* ids [n] -> uniq [u] (each distinct id once, in order of first appearance), inverse [n] (the
  * position of ids[i] in uniq) and, unless counts is NULL, counts [u] (occurrences). One pass with a
  * temporary open-addressing table (a power of two >= 2n buckets, 12 B each): the trainer's

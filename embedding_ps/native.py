@@ -64,6 +64,7 @@ _SIGS = {
     "ps_init_bits": ([_P, _I64, _I64, ctypes.c_uint64, _P, ctypes.c_int], None),
     "ps_merge_rows": ([_P, _P, _I64, _I64, _P, _P], _I64),
     "ps_unique": ([_P, _I64, _P, _P, _P], _I64),
+    "ps_to_example_major": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _P], None),
 }
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
 
@@ -243,6 +244,33 @@ def unique(native, ids: torch.Tensor, counts: bool = False
     if u < 0:
         raise MemoryError(f"native unique of {n} ids: out of memory")
     return uniq[:u], inverse, (cnt[:u] if cnt is not None else None)
+
+
+def to_example_major(native, indices: torch.Tensor, lengths: torch.Tensor, B: int,
+                     weights: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Bags feature-major -> example-major in one C pass: indices int64 [N] and lengths int64 [F * B]
+    of bag (f, b) at f * B + b (weights float32 [N] or None) -> (indices [N], offsets [B * F],
+    lengths [B * F], weights [N] | None) of bag (f, b) at b * F + f: what
+    `recsys.models.sparse_arch._to_example_major` computes with torch ops, the same values."""
+    _check(indices, torch.int64, "indices"), _check(lengths, torch.int64, "lengths")
+    if weights is not None:
+        _check(weights, torch.float32, "weights")
+    n, fb = indices.shape[0], lengths.shape[0]
+    assert indices.dim() == 1 and lengths.dim() == 1 and B > 0 and fb % B == 0
+    assert weights is None or weights.shape == indices.shape
+    out = torch.empty_like(indices)
+    out_w = torch.empty_like(weights) if weights is not None else None
+    em_lengths = torch.empty_like(lengths)
+    em_offsets = torch.empty_like(lengths)
+    if int(lengths.sum()) != n or (fb and int(lengths.min()) < 0):
+        raise ValueError(f"to_example_major: lengths must be >= 0 and sum to the {n} indices, got sum "
+                         f"{int(lengths.sum())}")
+    native.ps_to_example_major(lengths.data_ptr(), fb // B, B, indices.data_ptr(),
+                               weights.data_ptr() if weights is not None else None, out.data_ptr(),
+                               out_w.data_ptr() if out_w is not None else None, em_lengths.data_ptr(),
+                               em_offsets.data_ptr())
+    return out, em_offsets, em_lengths, out_w
 
 
 def has_duplicates(native, slots: np.ndarray, bitmap: np.ndarray) -> bool:

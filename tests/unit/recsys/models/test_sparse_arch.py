@@ -227,3 +227,29 @@ def test_the_c_dedup_gives_the_same_rows_pooled_and_grads_as_torch_unique(poolin
                 torch.testing.assert_close(got[True][1][t][i], grad, rtol=1e-6, atol=1e-7)
     # the orders differ (first appearance against sorted): the test compares what does not depend on it
     assert any(not torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))
+
+
+@pytest.mark.parametrize("F_,B,high,weighted", [(26, 64, 3, True), (3, 5, 4, False), (1, 7, 2, True),
+                                                (4, 1, 3, False), (5, 6, 1, True)])
+def test_example_major_in_c_equals_the_torch_ops(F_: int, B: int, high: int, weighted: bool) -> None:
+    # embedding_ps.native.to_example_major against _to_example_major's torch ops: the same values,
+    # bags of 0..high-1 ids (high 1: every bag empty)
+    from embedding_ps import native
+    from recsys.models.sparse_arch import _to_example_major
+    if not native.available():
+        pytest.skip("native library off or unavailable")
+    g = torch.Generator().manual_seed(F_ * 100 + B)
+    lengths = torch.randint(0, high, (F_ * B,), generator=g, dtype=torch.int64)
+    n = int(lengths.sum())
+    indices = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int64)
+    weights = torch.rand(n, generator=g) if weighted else None
+    got = _to_example_major(indices, lengths, B, weights)
+    native.set_enabled(False)
+    try:
+        ref = _to_example_major(indices, lengths, B, weights)
+    finally:
+        native.set_enabled(True)
+    for a, b in zip(got, ref):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(ValueError, match="lengths"):
+        native.to_example_major(native.lib(), indices, lengths + 1, B)
