@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -87,22 +85,8 @@ def main() -> None:
     state = ShardState(config, 0)                    # prefilled as the shard
     for chunk in torch.split(T.pool_ids(args.pool), 200_000):
         state.push(TABLE, chunk, torch.zeros(chunk.numel(), grads.shape[1]), step=0)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="ps-shm-push-") as workdir:
-        ready = os.path.join(workdir, "shard.ready")
-        shard = ctx.Process(target=T.shard_main, args=(config, 0, ready), daemon=True)
-        shard.start()
-        try:
-            address = T.wait_ready(ready, shard)
-            T.prefill(config, [address], args.pool)
-            with PSClient(config, [address], dedup=False) as client:
-                times = measure(client, state, batches, grads, args.rounds)
-                client.shutdown()
-            shard.join(timeout=30)
-        finally:
-            if shard.is_alive():
-                shard.kill()
-                shard.join(timeout=10)
+    with T.shard_and_client(config, args.pool, "ps-shm-push-") as client:
+        times = measure(client, state, batches, grads, args.rounds)
     ms = {f"{k}_ms": 1e3 * float(np.median(v)) for k, v in times.items()}
     res: dict[str, float | str] = {"ids": args.ids, "batch": float(args.batch), "rounds": float(args.rounds), **ms}
     bound = ms["inprocess_pull_ms"] + ms["inprocess_push_ms"]

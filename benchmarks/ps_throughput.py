@@ -55,12 +55,14 @@ share them, so the larger configurations measure contention as much as scaling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -245,6 +247,29 @@ def wait_ready(path: str, proc) -> str:
             raise TimeoutError(f"shard not ready after {READY_TIMEOUT_S} s ({path})")
         time.sleep(0.05)
     return Path(path).read_text().strip()
+
+
+@contextlib.contextmanager
+def shard_and_client(config: PSConfig, pool: int, prefix: str) -> Iterator[PSClient]:
+    """Shard 0 of `config` in a spawned process on 127.0.0.1, prefilled with `pool` ids (`prefill`),
+    and a PSClient of it in this process (dedup off: the benchmarks send unique ids or mean their
+    duplicates); on the way out the shard is shut down and joined, killed if it does not exit."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        ready = os.path.join(workdir, "shard.ready")
+        shard = ctx.Process(target=shard_main, args=(config, 0, ready), daemon=True)
+        shard.start()
+        try:
+            address = wait_ready(ready, shard)
+            prefill(config, [address], pool)
+            with PSClient(config, [address], dedup=False) as client:
+                yield client
+                client.shutdown()
+            shard.join(timeout=30)
+        finally:
+            if shard.is_alive():
+                shard.kill()
+                shard.join(timeout=10)
 
 
 def baseline(pool: int, batch: int, repeats: int) -> dict[str, float]:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -71,24 +69,10 @@ def measure(client: PSClient, batches: list[torch.Tensor], grads: torch.Tensor, 
 def run(ids: str, args: argparse.Namespace) -> dict[str, float]:
     config = T.make_config(1, 1, shared_memory=True)
     batches, grads = T.workload(ids, 0, {"pool": args.pool, "batch": args.batch})[TABLE]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="shm-segments-") as workdir:
-        ready = os.path.join(workdir, "shard.ready")
-        shard = ctx.Process(target=T.shard_main, args=(config, 0, ready), daemon=True)
-        shard.start()
-        try:
-            address = T.wait_ready(ready, shard)
-            T.prefill(config, [address], args.pool)
-            with PSClient(config, [address], dedup=False) as client:
-                if client._shm.pool is None:
-                    raise SystemExit("shared memory is not available here (/dev/shm)")
-                times, held = measure(client, batches, grads, args.blocks, args.block)
-                client.shutdown()
-            shard.join(timeout=30)
-        finally:
-            if shard.is_alive():
-                shard.kill()
-                shard.join(timeout=10)
+    with T.shard_and_client(config, args.pool, "shm-segments-") as client:
+        if client._shm.pool is None:
+            raise SystemExit("shared memory is not available here (/dev/shm)")
+        times, held = measure(client, batches, grads, args.blocks, args.block)
     res: dict[str, float] = {f"{ids}_{k}_ms": 1e3 * float(np.median(v)) for k, v in times.items()}
     for way, n in held.items():
         res[f"{ids}_{way}_segments"] = float(n)

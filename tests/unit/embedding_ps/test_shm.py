@@ -154,6 +154,16 @@ def test_refused_shard_falls_back_once_with_one_warning(caplog) -> None:
         segs.close()
 
 
+@pytest.fixture
+def segs():
+    """A client's segments for one shard on this host (shared memory on), closed afterwards."""
+    segments = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
+    try:
+        yield segments
+    finally:
+        segments.close()
+
+
 def _release_later(holder: list, delay_s: float) -> threading.Thread:
     """Drop the caller's view of a segment after delay_s (as the I/O thread does once the reply is in)."""
     t = threading.Thread(target=lambda: (time.sleep(delay_s), holder.clear()))
@@ -161,75 +171,55 @@ def _release_later(holder: list, delay_s: float) -> threading.Thread:
     return t
 
 
-def test_a_settling_segment_is_waited_for_and_reused() -> None:
+def test_a_settling_segment_is_waited_for_and_reused(segs: shm.ClientSegments) -> None:
     # back-to-back requests: the last one's caller has its result (notify), its reply is still being
     # handled; the next request waits for that segment instead of making (and alternating with) a second
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
-    try:
-        name, view = segs.take(0, 3 << 20)
-        holder = [view]                        # what the in-flight reply holds
-        del view
-        segs.settle({0: holder[0]})
-        t = _release_later(holder, 0.0005)
-        name2, _ = segs.take(0, 3 << 20)
-        t.join(timeout=5)
-        assert name2 == name and len(segs.pool.segs) == 1
-    finally:
-        segs.close()
+    name, view = segs.take(0, 3 << 20)
+    holder = [view]                        # what the in-flight reply holds
+    del view
+    segs.settle({0: holder[0]})
+    t = _release_later(holder, 0.0005)
+    name2, _ = segs.take(0, 3 << 20)
+    t.join(timeout=5)
+    assert name2 == name and len(segs.pool.segs) == 1
 
 
-def test_a_segment_not_settling_is_not_waited_for() -> None:
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
-    try:
-        name, held = segs.take(0, 3 << 20)     # the caller keeps its rows: busy, not settling
-        t0 = time.monotonic()
-        name2, _ = segs.take(0, 3 << 20)
-        assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
-    finally:
-        segs.close()
+def test_a_segment_not_settling_is_not_waited_for(segs: shm.ClientSegments) -> None:
+    name, held = segs.take(0, 3 << 20)     # the caller keeps its rows: busy, not settling
+    t0 = time.monotonic()
+    name2, _ = segs.take(0, 3 << 20)
+    assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
 
 
-def test_the_wait_for_a_settling_segment_is_bounded() -> None:
+def test_the_wait_for_a_settling_segment_is_bounded(segs: shm.ClientSegments) -> None:
     # the caller kept the result it had through the segment: after SETTLE_S another segment is used
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
-    try:
-        name, held = segs.take(0, 3 << 20)
-        segs.settle({0: held})
-        t0 = time.monotonic()
-        name2, _ = segs.take(0, 3 << 20)
-        waited = time.monotonic() - t0
-        assert name2 != name and waited < 1.0      # bounded (SETTLE_S; generous for a loaded machine)
-        assert not segs.settling                   # the expired mark is gone
-    finally:
-        segs.close()
+    name, held = segs.take(0, 3 << 20)
+    segs.settle({0: held})
+    t0 = time.monotonic()
+    name2, _ = segs.take(0, 3 << 20)
+    waited = time.monotonic() - t0
+    assert name2 != name and waited < 1.0      # bounded (SETTLE_S; generous for a loaded machine)
+    assert not segs.settling                   # the expired mark is gone
 
 
-def test_a_handled_reply_shortens_the_wait() -> None:
+def test_a_handled_reply_shortens_the_wait(segs: shm.ClientSegments) -> None:
     # done(): the reply was handled; if the segment is still busy after SETTLE_GRACE_S the caller holds it
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
-    try:
-        name, held = segs.take(0, 3 << 20)
-        segs.settle({0: held})
-        fut: Future = Future()
-        fut.set_result(None)
-        segs.done(fut, {0: held}, [])
-        until, _ = segs.settling[id(shm._root(held))]
-        assert until <= time.monotonic() + shm.SETTLE_GRACE_S
-    finally:
-        segs.close()
+    name, held = segs.take(0, 3 << 20)
+    segs.settle({0: held})
+    fut: Future = Future()
+    fut.set_result(None)
+    segs.done(fut, {0: held}, [])
+    until, _ = segs.settling[id(shm._root(held))]
+    assert until <= time.monotonic() + shm.SETTLE_GRACE_S
 
 
-def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for() -> None:
+def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for(segs: shm.ClientSegments) -> None:
     # a trainer keeps the rows it pulled (fast path) while it asks for the next batch: no wait
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
-    try:
-        name, view = segs.take(0, 3 << 20)
-        rows = torch.from_numpy(view).view(torch.float32)     # the caller's result, viewing the segment
-        segs.settle({0: view}, rows)
-        del view
-        t0 = time.monotonic()
-        name2, _ = segs.take(0, 3 << 20)
-        assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
-        del rows
-    finally:
-        segs.close()
+    name, view = segs.take(0, 3 << 20)
+    rows = torch.from_numpy(view).view(torch.float32)     # the caller's result, viewing the segment
+    segs.settle({0: view}, rows)
+    del view
+    t0 = time.monotonic()
+    name2, _ = segs.take(0, 3 << 20)
+    assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
+    del rows
