@@ -402,11 +402,18 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         np.save(out / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", values, allow_pickle=False)
 
+    @property
+    def scoring_store(self) -> EmbeddingStore:
+        """Where evaluation and prediction pull rows: the shards' current rows, never the row cache's
+        (whose rows may be ps.max_staleness steps old), so that a validation pass scores the rows a
+        checkpoint of this step saves. (The caller drains pushes first.)"""
+        return self.store.inner if isinstance(self.store, CachingStore) else self.store
+
     def evaluate(self, paths: tuple[str, ...]) -> dict[str, float]:
         """`eval_metrics` of the model on `paths` over every rank's part (collective): auc, logloss,
         ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column."""
         if self._in_batch:                              # two_tower: recall@K / ndcg@K over data.item_paths
-            return retrieval_metrics_of(self.cfg, self.sparse, self.store, self.model, paths)
+            return retrieval_metrics_of(self.cfg, self.sparse, self.scoring_store, self.model, paths)
         labels, scores, extras = self.predict(paths)
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
         return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact")
@@ -424,10 +431,11 @@ class Trainer:
                                             world_size=self.world_size) as loader:
             it = iter(loader)
             batch = next(it, None)
-            lookup = self.sparse.lookup(batch, self.store) if batch is not None else None
+            store = self.scoring_store
+            lookup = self.sparse.lookup(batch, store) if batch is not None else None
             while batch is not None:
                 nxt = next(it, None)
-                nxt_lookup = self.sparse.lookup(nxt, self.store) if nxt is not None else None
+                nxt_lookup = self.sparse.lookup(nxt, store) if nxt is not None else None
                 scores.append(torch.sigmoid(self.forward(batch, lookup, train=False)))
                 labels.append(batch.labels)
                 for name, col in batch.extras.items():

@@ -30,12 +30,15 @@ def val_lines(run: Path) -> list[dict]:
     return [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val/logloss" in x]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async_cache"])
 def test_early_stopping_keeps_the_best_model_and_scores_the_test_set(tmp_path: Path, tiny_dataset, mode: str) -> None:
     data = tiny_dataset(rows=6000, files=3, seed=1, preset="longtail")
-    cfg = job(tmp_path, data, f"ps.mode='{mode}'", "ps.num_shards=2", "train.num_trainers=2",
+    # async_cache: a trainer-side row cache serving rows up to 3 steps old; validation scores the
+    # shards' rows (Trainer.scoring_store), the ones RUN_DIR/best saves, not the cache's
+    cache = ("ps.table_defaults.cache_rows=64", "ps.max_staleness=4") if mode == "async_cache" else ()
+    cfg = job(tmp_path, data, f"ps.mode='{mode.split('_')[0]}'", "ps.num_shards=2", "train.num_trainers=2",
               "ps.table_defaults.weight_decay=0.0", "train.epochs=12", "train.validate_every=4",
-              "train.early_stop_patience=2")
+              "train.early_stop_patience=2", *cache)
     launch_train(cfg)
     run = tmp_path / "run"
     metrics = json.loads((run / "metrics.json").read_text())
