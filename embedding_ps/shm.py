@@ -366,8 +366,9 @@ class NotifiedFuture(Future):
                     break
             else:
                 out = fast()
-                if self.on_fast is not None:
-                    self.on_fast(out)
+                on_fast = self.on_fast          # read once: _wake (the I/O thread) may clear it
+                if on_fast is not None:
+                    on_fast(out)
                 return out
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         return super().result(timeout)
@@ -433,8 +434,10 @@ def writer_alive(name: bytes) -> bool:
         return False
     try:
         fd = os.open(os.path.join(SHM_DIR, text), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False                        # unlinked: the client closed it, or never made it
     except OSError:
-        return False
+        return True                         # cannot tell (out of fds, ...): wait for the timeout as before
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

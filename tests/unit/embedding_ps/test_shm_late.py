@@ -349,6 +349,25 @@ def test_writer_alive_follows_the_clients_lock() -> None:
         shm._unlink(dead)
 
 
+def test_writer_alive_cannot_tell_when_the_segment_will_not_open(monkeypatch) -> None:
+    # out of file descriptors (or any error but "no such file") says nothing of the client: the
+    # shard must not refuse a live client's push for it (it waits for the timeout, as before)
+    import errno
+    pool = shm.ShmPool(1 << 26)
+    try:
+        name, _ = pool.take(2 << 20)
+
+        def no_fds(*args, **kwargs):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(shm.os, "open", no_fds)
+        assert shm.writer_alive(name)
+        monkeypatch.undo()
+        assert shm.writer_alive(name)
+    finally:
+        pool.close()
+
+
 def test_late_push_of_a_client_killed_before_its_grads_is_refused_at_once() -> None:
     # a client killed mid-copy: the shard sees it gone within ~WRITER_CHECK_S, not after the 10 s
     # bound (min(ps.timeout_s, GRADS_WAIT_S)), and applies nothing
