@@ -188,6 +188,13 @@ def _ptr(a) -> int:
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
 
 
+def _require(ok: bool, what: str) -> None:
+    """The shapes a C function relies on (out-of-bounds writes otherwise): a ValueError, not an
+    assert, so that `python -O` keeps the check."""
+    if not ok:
+        raise ValueError(f"native: {what}")
+
+
 def _check(a, dtype, name: str) -> None:
     if isinstance(a, np.ndarray):
         ok = a.dtype == dtype and a.flags.c_contiguous
@@ -201,7 +208,7 @@ def map_find(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, want: str
              threads: int = 1) -> np.ndarray:
     """IdMap._find in C: int64 [N] keys -> int32 values (want="val") or int64 buckets (want="pos"), -1 absent."""
     _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals"), _check(keys, np.int64, "keys")
-    assert kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32
+    _require(kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32, "map_find: keys and values of one size in [1, 2**32)")
     n, nb = keys.shape[0], kv.shape[0]
     if want == "val":
         out = np.empty(n, dtype=np.int32)
@@ -220,7 +227,8 @@ def map_place(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, vals: np
     """IdMap._place in C (sequential inserts); returns the number of tombstones reused."""
     _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals")
     _check(keys, np.int64, "keys"), _check(vals, np.int32, "vals")
-    assert kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32 and keys.shape == vals.shape
+    _require(kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32 and keys.shape == vals.shape,
+             "map_place: keys and values of one size in [1, 2**32), as many new keys as values")
     r = native.ps_map_place(kv.ctypes.data, vv.ctypes.data, kv.shape[0], keys.ctypes.data, vals.ctypes.data, keys.shape[0])
     if r < 0:
         raise RuntimeError("IdMap: no free bucket (map full)")
@@ -235,7 +243,7 @@ def unique(native, ids: torch.Tensor, counts: bool = False
     from one hash pass instead of a sort."""
     _check(ids, torch.int64, "ids")
     n = ids.shape[0]
-    assert ids.dim() == 1 and n < 1 << 31
+    _require(ids.dim() == 1 and n < 1 << 31, f"unique: ids must be 1-D, fewer than 2**31, got {list(ids.shape)}")
     uniq = torch.empty(n, dtype=torch.int64)
     inverse = torch.empty(n, dtype=torch.int64)
     cnt = torch.empty(n, dtype=torch.int64) if counts else None
@@ -257,13 +265,14 @@ def to_example_major(native, indices: torch.Tensor, lengths: torch.Tensor, B: in
     if weights is not None:
         _check(weights, torch.float32, "weights")
     n, fb = indices.shape[0], lengths.shape[0]
-    assert indices.dim() == 1 and lengths.dim() == 1 and B > 0 and fb % B == 0
-    assert weights is None or weights.shape == indices.shape
+    _require(indices.dim() == 1 and lengths.dim() == 1 and B > 0 and fb % B == 0,
+             f"to_example_major: 1-D indices and lengths, F * B lengths, got {fb} for B = {B}")
+    _require(weights is None or weights.shape == indices.shape, "to_example_major: weights must match indices")
     out = torch.empty_like(indices)
     out_w = torch.empty_like(weights) if weights is not None else None
     em_lengths = torch.empty_like(lengths)
     em_offsets = torch.empty_like(lengths)
-    if int(lengths.sum()) != n or (fb and int(lengths.min()) < 0):
+    if fb and (int(lengths.min()) < 0 or int(lengths.max()) > n) or int(lengths.sum()) != n:   # max <= n: no wrap
         raise ValueError(f"to_example_major: lengths must be >= 0 and sum to the {n} indices, got sum "
                          f"{int(lengths.sum())}")
     native.ps_to_example_major(lengths.data_ptr(), fb // B, B, indices.data_ptr(),
@@ -284,7 +293,7 @@ def merge_rows(native, slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarr
     arrival, grads summed in arrival order [U, D]): `table._merge_duplicates` in one C pass, bit for bit."""
     _check(slots, np.int32, "slots"), _check(grads, torch.float32, "grads")
     n, d = grads.shape
-    assert slots.shape[0] == n and n < 1 << 31
+    _require(slots.shape[0] == n and n < 1 << 31, f"merge_rows: {slots.shape[0]} slots for {n} rows (< 2**31)")
     out_slots = np.empty(n, dtype=np.int32)
     out = torch.empty(n, d, dtype=torch.float32)
     u = native.ps_merge_rows(slots.ctypes.data, grads.data_ptr(), n, d, out_slots.ctypes.data, out.data_ptr())
@@ -310,7 +319,7 @@ def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, 
     half = weights.dtype == torch.float16
     _check(weights, torch.float16 if half else torch.float32, "weights")
     n, d = out.shape
-    assert slots.shape[0] == n and weights.shape[1] == d
+    _require(slots.shape[0] == n and weights.shape[1] == d, f"{slots.shape[0]} slots for {n} rows of width {d}")
     return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
 
 
@@ -318,7 +327,7 @@ def copy_finite(native, src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1)
     """dst = src (float32, same shape, both contiguous) in one pass; whether every value is finite.
     wake_fd >= 0: a byte is written to that fd first, inside the same call (no GIL held)."""
     _check(src, torch.float32, "src"), _check(dst, torch.float32, "dst")
-    assert src.shape == dst.shape
+    _require(src.shape == dst.shape, f"copy_finite: src {list(src.shape)} and dst {list(dst.shape)} differ")
     return bool(native.ps_copy_finite(src.data_ptr(), dst.data_ptr(), src.numel(), int(wake_fd)))
 
 
@@ -365,12 +374,12 @@ def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | 
     _check(weights, torch.float16 if half else torch.float32, "weights")
     _check(slots, np.int32, "slots"), _check(grads, torch.float32, "grads")
     n, d = grads.shape
-    assert slots.shape[0] == n and weights.shape[1] == d
+    _require(slots.shape[0] == n and weights.shape[1] == d, f"{slots.shape[0]} slots for {n} rows of width {d}")
     opt = OPTIMIZERS[optimizer]
     sp = None
     if opt != OPTIMIZERS["sgd"]:
         _check(state, torch.float32, "optimizer state")
-        assert state.shape[0] == weights.shape[0]
+        _require(state.shape[0] == weights.shape[0], "update: state needs a row per weights row")
         sp = state.data_ptr()
     mp = None
     if meta is not None:
