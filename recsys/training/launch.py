@@ -143,20 +143,27 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
     """Trainer ranks that left no error of their own this attempt (errors written after `since`)
-    while every rank that did only lost its connection to a peer (PEER_LOST): the killed ones, when
-    the launcher saw the others' errors before the kill (torch elastic reports the first failed rank
-    it finds, not every one). [] otherwise."""
-    errors = []
-    for f in (run_dir / "errors").glob("trainer-*.json"):
-        try:
-            e = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if e.get("time", 0.0) >= since:
-            errors.append(e)
-    if not errors or not all(any(p in e["error"] for p in PEER_LOST) for e in errors):
+    and did not return from their job either (exits/trainer-R.json, `worker.report_exit`), while
+    every rank that did leave an error only lost its connection to a peer (PEER_LOST): the killed
+    ones, when the launcher saw the others' errors before the kill (torch elastic reports the first
+    failed rank it finds, not every one). [] otherwise: a rank that returned while its peers were
+    still in a collective is a bug in the job, not a kill worth a restart."""
+    def records(kind: str) -> list[dict]:
+        out = []
+        for f in (run_dir / kind).glob("trainer-*.json"):
+            try:
+                e = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if e.get("time", 0.0) >= since:
+                out.append(e)
+        return out
+
+    errors = records("errors")
+    if not errors or not all(any(p in e.get("error", "") for p in PEER_LOST) for e in errors):
         return []
-    return sorted(set(range(world)) - {int(e["rank"]) for e in errors})
+    spoke = {int(e["rank"]) for e in errors} | {int(e["rank"]) for e in records("exits")}
+    return sorted(set(range(world)) - spoke)
 
 
 def _die_with_parent() -> None:

@@ -86,6 +86,20 @@ def error_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "errors" / f"trainer-{rank}.json"
 
 
+def exit_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / "exits" / f"trainer-{rank}.json"
+
+
+def report_exit(run_dir: str | Path, rank: int) -> None:
+    """exits/trainer-R.json: this rank returned from its job (exit code 0) at this time. The launcher
+    then never takes its silence for a kill (`launch.silent_ranks`)."""
+    path = exit_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "code": 0}))
+    os.replace(tmp, path)
+
+
 def one_line(e: BaseException) -> str:
     """The error as one line: our errors (ValueError and its kin: data, config, checkpoints, non-finite
     numbers) by their message, which names the file / key / column; anything else with its type."""
@@ -144,6 +158,7 @@ def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: st
     except Exception as e:
         report_failure(e, run_dir, rank, verbose)
         raise SystemExit(2) from None
+    report_exit(run_dir, rank)
 
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,

@@ -39,3 +39,15 @@ def test_errors_of_an_earlier_attempt_do_not_count(tmp_path: Path) -> None:
     assert silent_ranks(tmp_path, 2, since=t0) == []
     write_error(tmp_path, 1, GLOO_RESET, t0 + 1)
     assert silent_ranks(tmp_path, 2, since=t0) == [0]
+
+
+def test_a_rank_that_returned_from_its_job_is_not_silent(tmp_path: Path) -> None:
+    # rank 1 returned (exit code 0) while rank 0 was still in a collective: a bug of the job, not a
+    # kill; restarting would only repeat it
+    from recsys.training.worker import report_exit
+    t0 = time.time()
+    write_error(tmp_path, 0, GLOO_RESET, t0 + 1)
+    report_exit(tmp_path, 1)
+    assert silent_ranks(tmp_path, 2, since=t0) == []
+    assert silent_ranks(tmp_path, 3, since=t0) == [2]               # rank 2 still said nothing
+    assert silent_ranks(tmp_path, 2, since=time.time() + 5) == []   # (no error of this attempt either)
