@@ -174,6 +174,7 @@ def _release_later(holder: list, delay_s: float) -> threading.Thread:
 def test_a_settling_segment_is_waited_for_and_reused(segs: shm.ClientSegments) -> None:
     # back-to-back requests: the last one's caller has its result (notify), its reply is still being
     # handled; the next request waits for that segment instead of making (and alternating with) a second
+    segs.settle_s = 30.0                   # a wait far longer than the release takes, even on a loaded machine
     name, view = segs.take(0, 3 << 20)
     holder = [view]                        # what the in-flight reply holds
     del view
@@ -184,11 +185,17 @@ def test_a_settling_segment_is_waited_for_and_reused(segs: shm.ClientSegments) -
     assert name2 == name and len(segs.pool.segs) == 1
 
 
+# NO_WAIT_S: these tests set settle_s to WAIT_S, so a take() that waited shows (a new segment's
+# creation may take milliseconds on a loaded machine: SETTLE_S itself would be a flaky bound)
+WAIT_S, NO_WAIT_S = 10.0, 5.0
+
+
 def test_a_segment_not_settling_is_not_waited_for(segs: shm.ClientSegments) -> None:
+    segs.settle_s = WAIT_S
     name, held = segs.take(0, 3 << 20)     # the caller keeps its rows: busy, not settling
     t0 = time.monotonic()
     name2, _ = segs.take(0, 3 << 20)
-    assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
+    assert name2 != name and time.monotonic() - t0 < NO_WAIT_S
 
 
 def test_the_wait_for_a_settling_segment_is_bounded(segs: shm.ClientSegments) -> None:
@@ -215,11 +222,12 @@ def test_a_handled_reply_shortens_the_wait(segs: shm.ClientSegments) -> None:
 
 def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for(segs: shm.ClientSegments) -> None:
     # a trainer keeps the rows it pulled (fast path) while it asks for the next batch: no wait
+    segs.settle_s = WAIT_S
     name, view = segs.take(0, 3 << 20)
     rows = torch.from_numpy(view).view(torch.float32)     # the caller's result, viewing the segment
     segs.settle({0: view}, rows)
     del view
     t0 = time.monotonic()
     name2, _ = segs.take(0, 3 << 20)
-    assert name2 != name and time.monotonic() - t0 < shm.SETTLE_S
+    assert name2 != name and time.monotonic() - t0 < NO_WAIT_S
     del rows
