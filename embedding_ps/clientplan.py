@@ -185,6 +185,8 @@ def assemble_rows(plans: list[Plan], counts: dict[int, list[int]], replies: dict
             if plan.gather is not None:
                 rows = rows.index_select(0, plan.gather)
         out.append(rows)
+    if len(out) == 1:
+        return out[0]                     # one table: no copy into a new tensor
     return torch.cat(out) if out else torch.empty(0, dim)
 
 
