@@ -14,7 +14,9 @@ rows/s is the sum over its clients. `pull_push` combines a pull and a push of th
 
 --ids: the id stream. `uniform`: unique ids drawn uniformly from the pool (the keys above);
 `zipf`: --batch ids drawn Zipf(1.05) over the pool's ranks (hot ids repeat inside a request, the
-client sends them as they are and the shard merges their gradients; keys `*_zipf_*`); `both`
+client sends them as they are and the shard merges their gradients; keys `*_zipf_*`; with --dedup
+the client sends each id once, sums their gradients itself and expands the rows: the in-process
+bound does not dedup, so its ratio is not the same op mix's); `both`
 (default) runs the two. --threads: ps.threads of the shards (default 0: the config's default).
 --shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.shm);
 `both` (default) runs each configuration over the socket and again with it (keys `*_shm*`).
@@ -298,7 +300,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2])
     p.add_argument("--wire", choices=["fp32", "fp16", "bf16"], default="fp32", help="ps.wire_dtype")
     p.add_argument("--dedup", action="store_true",
-                   help="let the client deduplicate (a sort per request; the ids are unique already)")
+                   help="let the client deduplicate (PSClient's default: one hash pass per request, "
+                        "clientplan.dedup_ids; uniform ids are unique already, Zipf ids repeat)")
     p.add_argument("--skip-core", action="store_true", help="skip the map and RSS measurements")
     p.add_argument("--native", choices=("on", "off"), default="on",
                    help="the shard's C fast path (embedding_ps/native.py); off = EMBEDDING_PS_NATIVE=0 everywhere")

@@ -13,7 +13,7 @@ are in the caller's order: table by table, each table's ids in the order given. 
 over ps.max_frame_bytes is sent as one request per table instead (and one table's request over it
 is refused: split the ids).
 
-The caller's thread deduplicates (`torch.unique`, when `dedup`), routes (`sharding.route`, argsort +
+The caller's thread deduplicates (when `dedup`: `clientplan.dedup_ids`), routes (`sharding.route`, argsort +
 bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.transport`) sends, matches
 replies by request id, retries and assembles the result. Rows and gradients travel as
 ps.wire_dtype (fp32, fp16 or bf16); with ps.shared_memory, those of a shard on this host (1 MB or
@@ -84,9 +84,10 @@ class PSClient:
     """Pull rows from / push gradients to every PS shard (an `EmbeddingStore`). See the module docstring.
 
     addresses: `tcp://host:port` of shard 0..S-1. worker_id: this trainer's rank (sync mode).
-    dedup: deduplicate ids before sending (sort + inverse). A caller whose ids are already unique
-    (the sparse arch) passes False and saves a sort per request; duplicates stay correct either way
-    (the shard sums duplicate gradients), they only cost wire bytes.
+    dedup: deduplicate ids before sending (one hash pass in C, or torch.unique's sort without the C
+    library; a duplicate's gradients are summed here, in arrival order). A caller whose ids are
+    already unique (the sparse arch) passes False and saves that pass; duplicates stay correct
+    either way (the shard sums duplicate gradients), they only cost wire bytes.
     """
 
     late_grads = True

@@ -100,3 +100,50 @@ def test_a_part_with_duplicate_or_unsorted_ids_is_left_to_the_per_table_plan() -
     # without dedup any ids go as they are (the shard sums a duplicate's grads)
     many = plan_many(cfg, False, [0], [torch.tensor([4, 4, 5, 1])])
     assert many is not None and sorted(many.sent.tolist()) == [1, 4, 4, 5]
+
+
+@pytest.fixture(params=["c", "torch"])
+def native_on(request):
+    """The client's dedup with the C library (one hash pass) and without it (torch.unique's sort)."""
+    from embedding_ps import native
+    if request.param == "c" and native.lib() is None:
+        pytest.skip("the C library did not build here")
+    prev = native.set_enabled(request.param == "c")
+    try:
+        yield request.param
+    finally:
+        native.set_enabled(prev)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_dedup_sends_each_id_once_and_puts_rows_and_summed_grads_back(native_on: str, shards: int) -> None:
+    cfg = config(shards)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-20, 40, (300,), generator=g) * 1_000_003      # many duplicates
+    plan = plan_ids(cfg, True, 0, ids)
+    assert sorted(plan.sent.tolist()) == sorted(set(ids.tolist()))     # each distinct id once
+    if native_on == "c" and shards == 1:                                # first appearances, in order
+        assert plan.sent.tolist() == list(dict.fromkeys(ids.tolist()))
+    shard_parts = plans_by_shard([(plan, plan.sent)])
+    counts = {s: [c.numel() for _, c in parts] for s, parts in shard_parts.items()}
+    for s, parts in shard_parts.items():
+        assert bool((route(parts[0][1], cfg.tables[0], shards) == s).all())
+    rows = assemble_rows([plan], counts, replies(shard_parts), D)
+    assert torch.equal(rows[:, 0], ids.double().float())                # every row at its caller position
+    # the client sums a duplicate's grads (client.push_many_async): what a per-id loop gives
+    grads = torch.randn(ids.numel(), D, generator=g)
+    summed = torch.zeros(plan.sent.numel(), D).index_add_(0, plan.gather, grads)
+    for k, x in enumerate(plan.sent.tolist()):
+        want = torch.zeros(D)
+        for i in torch.nonzero(ids == x).flatten().tolist():             # in arrival order
+            want += grads[i]
+        assert torch.equal(summed[k], want), x
+
+
+def test_dedup_of_distinct_ids_sends_them_as_they_are(native_on: str) -> None:
+    # the C pass tells distinct ids in any order; torch.unique's sort only sorted ones
+    ids = torch.tensor([9, 3, -5, 2**62, 7]) if native_on == "c" else torch.tensor([-5, 3, 7, 9, 2**62])
+    plan = plan_ids(config(1), True, 0, ids)
+    assert plan.gather is None and torch.equal(plan.sent, ids)         # no inverse to apply
+    many = plan_ids(config(2), True, 0, ids)
+    assert many.gather is None and sorted(many.sent.tolist()) == sorted(ids.tolist())
