@@ -38,7 +38,10 @@ refreshes ahead): the cache then never hits across steps, and training is exactl
 
 Eviction when a table's cache is full: `lfu` (fewest lookups while cached, ties: least recently
 used) or `lru` (least recently used). Rows looked up at the current step are never evicted;
-misses beyond the free and evictable slots are pulled but not cached. `benchmarks/row_cache.py`
+misses beyond the free and evictable slots are pulled but not cached. When a table cannot take all
+of a call's misses, the slots go to the misses that occur most often in the batch (`counts`, which
+the sparse arch passes), not to the first ones to arrive (BENCHMARKS.md, "Row cache: the hottest
+misses first"). `benchmarks/row_cache.py`
 measures both on Zipf(1.05) streams: DEFAULT_POLICY is its pick.
 
 Counting (`cache_counts()`, per table, since the last call): `hits` and `misses` per distinct id

@@ -121,6 +121,8 @@ class FusedRowCache:
             slot[collided] = UNCACHED
         a = np.flatnonzero(absent)
         if a.size:
+            if counts is not None:
+                a = self._hottest_first(a, tab, counts)
             new = self._allocate(tab[a], step)                          # [A], UNCACHED where none
             ok = new >= 0
             took, ns = a[ok], new[ok]
@@ -142,6 +144,19 @@ class FusedRowCache:
             self.lookups += np.bincount(tab, weights=counts, minlength=T).astype(np.int64)
             self.lookup_hits += np.bincount(tab[hit], weights=counts[hit], minlength=T).astype(np.int64)
         return Lookup(hit, slot, refresh, self.generation)
+
+    def _hottest_first(self, a: np.ndarray, tab: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Entries a [A] (misses to place) with those of each table that cannot take all of its
+        misses in free slots reordered by their occurrences in the batch, most first (ties: as
+        they came), so that the free and evicted slots go to the hottest misses whatever order the
+        ids came in; the other tables' entries stay where they are (no sort for them)."""
+        ta = tab[a]
+        over = np.bincount(ta, minlength=self.cap.shape[0]) > self.cap - self.used     # [T]
+        at = np.flatnonzero(over[ta])
+        if at.size > 1:
+            a = a.copy()
+            a[at] = a[at][np.argsort(-counts[a[at]], kind="stable")]
+        return a
 
     def fill(self, ids: np.ndarray, tab: np.ndarray, slots: np.ndarray, rows: torch.Tensor, step: int,
              generation: int) -> None:

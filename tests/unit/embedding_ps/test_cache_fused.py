@@ -245,3 +245,20 @@ def test_background_errors_reach_the_caller() -> None:
             store.push_many_async([0], [torch.tensor([1])], torch.ones(1, 4), 0).result(timeout=10)
     finally:
         store.close()
+
+
+def test_a_full_tables_slots_go_to_its_hottest_misses_whatever_order_they_came_in() -> None:
+    # table 0: 3 slots, 6 new ids in one lookup, the hottest last; table 1 has room for all of its
+    # misses and keeps their order. Counts (occurrences in the batch) decide who is cached.
+    cache = FusedRowCache([3, 8], dim=2, policy="lfu", device=torch.device("cpu"))
+    ids = np.array([10, 11, 12, 13, 14, 15, 50, 51], dtype=np.int64)
+    tab = np.array([0, 0, 0, 0, 0, 0, 1, 1], dtype=np.int32)
+    counts = np.array([1, 1, 2, 9, 1, 5, 1, 3], dtype=np.int64)
+    lk = cache.lookup(ids, tab, step=0, max_age=3, refresh_after=None, counts=counts)
+    cached = {int(i) for i, s in zip(ids, lk.slot) if s >= 0}
+    assert cached == {13, 15, 12, 50, 51}                  # the 3 hottest of table 0, all of table 1
+    assert list(lk.slot[6:]) == [3, 4]                     # table 1's in arrival order
+    # without counts: arrival order (the first 3 of table 0)
+    plain = FusedRowCache([3, 8], dim=2, policy="lfu", device=torch.device("cpu"))
+    lk = plain.lookup(ids, tab, step=0, max_age=3, refresh_after=None)
+    assert {int(i) for i, s in zip(ids, lk.slot) if s >= 0} == {10, 11, 12, 50, 51}
