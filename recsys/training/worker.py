@@ -92,12 +92,16 @@ def exit_path(run_dir: str | Path, rank: int) -> Path:
 
 def report_exit(run_dir: str | Path, rank: int) -> None:
     """exits/trainer-R.json: this rank returned from its job (exit code 0) at this time. The launcher
-    then never takes its silence for a kill (`launch.silent_ranks`)."""
+    then never takes its silence for a kill (`launch.silent_ranks`). A record that cannot be
+    written is logged, never an error: the job itself succeeded."""
     path = exit_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "code": 0}))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "code": 0}))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not record this trainer's exit in %s: %s", path, e)
 
 
 def one_line(e: BaseException) -> str:

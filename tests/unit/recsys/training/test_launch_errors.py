@@ -51,3 +51,10 @@ def test_a_rank_that_returned_from_its_job_is_not_silent(tmp_path: Path) -> None
     assert silent_ranks(tmp_path, 2, since=t0) == []
     assert silent_ranks(tmp_path, 3, since=t0) == [2]               # rank 2 still said nothing
     assert silent_ranks(tmp_path, 2, since=time.time() + 5) == []   # (no error of this attempt either)
+
+
+def test_an_exit_record_that_cannot_be_written_is_no_error(tmp_path: Path) -> None:
+    from recsys.training.worker import report_exit
+    (tmp_path / "exits").write_text("a file where the directory should be")
+    report_exit(tmp_path, 0)                                       # logged, not raised
+    assert silent_ranks(tmp_path, 1, since=0.0) == []
