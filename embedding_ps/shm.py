@@ -135,6 +135,29 @@ def shard_accepts(mode: Mode, bind: str) -> bool:
     return available() and (mode is True or (mode == "auto" and is_loopback(bind)))
 
 
+_POOLS: weakref.WeakSet = weakref.WeakSet()
+"""Every live ShmPool of this process (`_forget_in_child`)."""
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: close the inherited segment fds and forget the segments. A fd
+    inherited by fork shares its open file description, and with it the client's flock: a child
+    living on (a DataLoader worker, say) would keep a dead client looking alive to the shards
+    (`writer_alive`). The segments stay the parent's (nothing is unlinked); a pool used in the
+    child makes new ones (or, as any PSClient in a forked child, should not be used at all)."""
+    for pool in list(_POOLS):
+        for fd in pool.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        pool.fds, pool.segs, pool.total = {}, [], 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class ShmPool:
     """The client's segments: power-of-two sizes, reused once idle, at most `max_bytes` in all."""
 
@@ -144,6 +167,7 @@ class ShmPool:
         self.fds: dict[bytes, int] = {}                       # name -> open fd holding a shared flock
         self.total = 0
         self.failed = False                                   # a segment could not be made: socket from now on
+        _POOLS.add(self)
 
     def take(self, nbytes: int) -> tuple[bytes, np.ndarray] | None:
         """(name, uint8 [nbytes] view) of an idle segment, or None (too big for the pool: use the socket)."""
@@ -407,21 +431,28 @@ class ShmAttacher:
 
 
 def _create(size: int) -> tuple[bytes, np.ndarray, int]:
-    """(name, uint8 [size] view, fd): a new segment, its fd kept open with a shared flock on it for
+    """(name, uint8 [size] view, fd): a new segment and a fd of it kept open with a shared flock for
     as long as the client lives (`writer_alive`; the kernel drops the lock when the process dies)."""
     name = f"recsys-ps-{os.getpid():08x}{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    lock = -1
     try:
         # reserve the pages now: on a full tmpfs a sparse segment would SIGBUS at first touch instead
         os.posix_fallocate(fd, 0, size)
         m = mmap.mmap(fd, size)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        # the lock on an open file description of its own: the mapping keeps a dup of `fd`, which a
+        # forked child inherits, and closing the lock's fd must drop the lock (`_forget_in_child`)
+        lock = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_SH)
     except BaseException:
         os.unlink(path)
-        os.close(fd)
+        if lock >= 0:
+            os.close(lock)
         raise
-    return name.encode(), np.frombuffer(m, dtype=np.uint8), fd
+    finally:
+        os.close(fd)                    # the mapping holds its own descriptor
+    return name.encode(), np.frombuffer(m, dtype=np.uint8), lock
 
 
 def writer_alive(name: bytes) -> bool:

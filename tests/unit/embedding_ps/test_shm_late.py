@@ -386,3 +386,45 @@ def test_late_push_of_a_client_killed_before_its_grads_is_refused_at_once() -> N
         torch.testing.assert_close(rows(srv), before, atol=0, rtol=0)
     finally:
         shm._unlink(name)
+
+
+_FORKING_CHILD = """
+import os, sys, time
+from embedding_ps import shm
+pool = shm.ShmPool(1 << 26)
+name, seg = pool.take(2 << 20)
+pid = os.fork()
+if pid == 0:                      # a forked helper (a DataLoader worker, say) living on
+    assert not pool.fds and not pool.segs
+    time.sleep(60)
+    os._exit(0)
+print(name.decode(), pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_dead_client_alive() -> None:
+    # the client forks, then dies: its child, still running, must not hold the client's lock
+    proc = subprocess.Popen([sys.executable, "-c", _FORKING_CHILD], stdout=subprocess.PIPE, text=True)
+    child = None
+    name = b""
+    try:
+        text, pid = proc.stdout.readline().split()
+        name, child = text.encode(), int(pid)
+        assert shm.writer_alive(name)                      # the client lives
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        os.kill(child, 0)                                  # its child still runs
+        assert not shm.writer_alive(name)                  # yet the lock went with the client
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if name:
+            shm._unlink(name)
