@@ -165,7 +165,7 @@ class PSClient:
             future = shm.NotifiedFuture(words, lambda: assemble(stub), lambda out: self._shm.settle(segs, out))
         fut = self._submit(P.Op.PULL, reqs, assemble, call, fallbacks, future)
         if segs:
-            fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
+            fut.add_done_callback(self._shm.on_done(segs, call))
         return fut
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
@@ -240,7 +240,7 @@ class PSClient:
             if late:       # the shards wait for the grads (abandoned if _submit failed)
                 late.write(self._io.wake_w if sent else -1, self._io.wake if sent else None)
         if segs:
-            fut.add_done_callback(lambda f: self._shm.done(f, segs, call))
+            fut.add_done_callback(self._shm.on_done(segs, call))
         with self._lock:
             self._pushes.add(fut)
         fut.add_done_callback(self._push_done)

@@ -296,6 +296,16 @@ class ClientSegments:
                     return
             time.sleep(0)          # the I/O thread needs the GIL to handle the reply
 
+    def on_done(self, segs: dict[int, np.ndarray], call: list) -> Callable[[Future], None]:
+        """The done callback of a request over `segs`: `done`, after which it lets go of the
+        segments (a Future keeps its callbacks: a caller holding the future would keep them busy)."""
+        box = [segs]
+
+        def callback(fut: Future) -> None:
+            self.done(fut, box.pop(), call)
+
+        return callback
+
     def done(self, fut: Future, segs: dict[int, np.ndarray], call: list) -> None:
         """A failed or retried request's segments are never reused (the shard may still write them).
 

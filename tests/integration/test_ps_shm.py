@@ -213,3 +213,24 @@ def test_segments_are_reused_not_piled_up(shard_processes) -> None:
         now = c.pull(0, ids)
         assert not torch.equal(now, before)          # the rows moved ...
         torch.testing.assert_close(kept, before, atol=0, rtol=0)   # ... but not under the caller's tensor
+
+
+def test_a_kept_push_future_does_not_keep_its_segment(shard_processes) -> None:
+    # a caller that keeps the futures of its pushes lets their segments be reused: the done
+    # callback, which a Future keeps, lets go of them (a pull's future is another matter: its
+    # result is the rows, a view of the segment)
+    config = PSConfig(num_shards=1, timeout_s=60.0, tables=TABLES, shared_memory="auto")
+    shards = shard_processes(config, "kept")
+    ids = torch.arange(ROWS, dtype=torch.int64) * 3 + 1
+    grads = torch.full((ROWS, D), 1e-3)
+    with PSClient(config, shards.addresses, dedup=False) as c:
+        kept = []
+        for _ in range(4):
+            f = c.push_async(0, ids, grads)
+            f.result(timeout=60)
+            deadline = time.monotonic() + 30
+            while not f.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)                       # its reply handled
+            kept.append(f)
+        assert len(c._shm.pool.segs) == 1          # one segment, reused by every push
