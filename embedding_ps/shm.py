@@ -256,7 +256,10 @@ class ClientSegments:
         if self.settling:
             self._settle(nbytes)
         with self.lock:
-            return self.pool.take(nbytes)
+            got = self.pool.take(nbytes)
+            if got is not None and self.settling:   # busy with this request now: nothing to wait for
+                self.settling.pop(id(_root(got[1])), None)
+            return got
 
     def settle(self, segs: dict[int, np.ndarray], result: object = None) -> None:
         """The caller has its `result` from these segments (FLAG_NOTIFY) while their reply is still on

@@ -231,3 +231,21 @@ def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for(segs
     name2, _ = segs.take(0, 3 << 20)
     assert name2 != name and time.monotonic() - t0 < NO_WAIT_S
     del rows
+
+
+def test_a_taken_segment_is_no_longer_waited_for() -> None:
+    # a request to two shards: the first takes the segment the last request settled; the second must
+    # not wait for it (it is busy with this very request), but take another at once
+    segs = shm.ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
+    try:
+        segs.settle_s = WAIT_S
+        name, view = segs.take(0, 3 << 20)
+        segs.settle({0: view})
+        del view                                   # the last request's reply was handled: idle
+        again, mine = segs.take(0, 3 << 20)        # this request's first shard reuses it
+        assert again == name
+        t0 = time.monotonic()
+        other, _ = segs.take(1, 3 << 20)
+        assert other != name and time.monotonic() - t0 < NO_WAIT_S
+    finally:
+        segs.close()
