@@ -10,12 +10,13 @@
   sync-mode shard does when it applies a step.
 - trainer dedup: `embedding_ps.native.unique` (one hash pass) against `torch.unique(...,
   return_inverse=True)` (a sort) for --tables tables of --batch Zipf(1.05) ids over 200k each (the
-  train benchmarks' shape): what the sparse arch does per table per step (`recsys.models.sparse_arch._unique`).
+  train benchmarks' shape): what the sparse arch does per table per step (`embedding_ps.native.unique_ids`).
 - trainer bags example-major: `embedding_ps.native.to_example_major` (one C pass) against the torch
   ops of `recsys.models.sparse_arch._to_example_major` for --tables features x --batch bags of 0-2
   ids each (the same values): what the sparse arch does once a step before pooling into [B, F, D].
 One thread; medians of --calls calls (ms) and the ratios, measured in the same run. Both sides give
-the same bits (tests/unit/embedding_ps/test_native.py; the dedup: the same ids, in another order). Exits 2 when the C library cannot load.
+the same bits (tests/unit/embedding_ps/test_native.py; the dedup: the same ids, in another order).
+Exits 2 when the C library cannot load.
 """
 
 from __future__ import annotations

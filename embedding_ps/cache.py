@@ -406,21 +406,18 @@ def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list
 
 def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
-    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]): inverse None when `ids` [N]
-    already are distinct (what the sparse arch sends), which keeps the caller's order; the
-    occurrences are `counts` then (None when not given). Distinct ids are told by one hash pass in
-    C (`native.unique`), or, without the C library, by being increasing (else torch.unique's sort)."""
-    lib = native.lib()
-    if ids.numel() < 2 or (lib is None and bool((ids[1:] > ids[:-1]).all())):
-        return ids, None, None if counts is None else counts.to("cpu", torch.int64).numpy()
-    if lib is not None and ids.dtype == torch.int64:
-        u, inv, c = native.unique(lib, ids.to("cpu").contiguous(), counts=True)
-        if u.numel() == ids.numel():     # distinct: u is ids itself (first appearances, in order)
-            return ids, None, None if counts is None else counts.to("cpu", torch.int64).numpy()
-    else:
-        u, inv, c = torch.unique(ids, return_inverse=True, return_counts=True)
-    if counts is not None:   # occurrences of the given ids summed per distinct id
-        c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, counts.to("cpu", torch.int64))
+    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]) by `native.unique_ids`:
+    inverse None when `ids` [N] already are distinct (what the sparse arch sends) and come back in
+    their own order (always with the C pass), which keeps the caller's order; the occurrences are
+    `counts` then (None when not given)."""
+    given = None if counts is None else counts.to("cpu", torch.int64)
+    if ids.numel() < 2:
+        return ids, None, None if given is None else given.numpy()
+    u, inv, c = native.unique_ids(ids, counts=True)
+    if u.numel() == ids.numel() and torch.equal(u, ids):
+        return ids, None, None if given is None else given.numpy()
+    if given is not None:   # occurrences of the given ids summed per distinct id
+        c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, given)
     return u, inv, c.numpy()
 
 

@@ -66,16 +66,11 @@ def plan_ids(config: PSConfig, dedup: bool, table: int, ids: torch.Tensor) -> Pl
 
 
 def dedup_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids), inverse None when
-    the ids are distinct already (then `ids` itself comes back). With the C library one hash pass
-    (`native.unique`: ids in order of first appearance), else torch.unique's sort (sorted ids):
-    100k Zipf(1.05) ids 0.73 against 3.3 ms (BENCHMARKS.md, "The client's dedup in one hash pass")."""
-    lib = native.lib()
-    if lib is not None and ids.dtype == torch.int64 and ids.device.type == "cpu":
-        uniq, inverse, _ = native.unique(lib, ids.contiguous())
-        return (ids, None) if uniq.numel() == ids.numel() else (uniq, inverse)
-    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    return (ids, None) if uniq.numel() == ids.numel() and bool((uniq == ids).all()) else (uniq, inverse)
+    """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids) by
+    `native.unique_ids`; inverse None when the ids are distinct already and come back in their own
+    order (then `ids` itself comes back): always with the C pass, which keeps first appearances."""
+    uniq, inverse, _ = native.unique_ids(ids)
+    return (ids, None) if uniq.numel() == ids.numel() and torch.equal(uniq, ids) else (uniq, inverse)
 
 
 def plans_by_shard(items: list[tuple[Plan, torch.Tensor]]) -> dict[int, list[tuple[int, torch.Tensor]]]:

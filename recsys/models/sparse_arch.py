@@ -219,22 +219,6 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
     return out, em_offsets, em_lengths, weights
 
 
-def _unique(values: torch.Tensor, counts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """values int64 [N] -> (unique ids [U], inverse [N], counts [U] | None). One hash pass in C
-    (`embedding_ps.native.unique`: ids in order of first appearance), ~4x faster than torch.unique's
-    sort (26 tables of 4096 Zipf ids: 1.1 against 4.5 ms a step, BENCHMARKS.md, "The trainer's dedup
-    in one hash pass"); torch.unique (sorted) without the C library. Training does not depend on the
-    order: the pooled rows are the same bits, so are sum pooling's per-id gradients (`_SumPool` sums
-    a row's ids in batch order); torch's mean-pooling backward agrees to rounding."""
-    lib = native.lib()
-    if lib is not None and values.dtype == torch.int64 and values.device.type == "cpu":
-        return native.unique(lib, values.contiguous(), counts)
-    if counts:
-        return torch.unique(values, return_inverse=True, return_counts=True)
-    uniq, inverse = torch.unique(values, return_inverse=True)
-    return uniq, inverse, None
-
-
 class _SumPool(torch.autograd.Function):
     """embedding_bag(mode="sum") whose backward is one more embedding_bag, over the bags' gradients.
 
@@ -318,7 +302,10 @@ class SparseArch:
             else:
                 lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
                 offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-            uniq, inverse, counts = _unique(values, look.counts is not None)      # [U], [N_t], [U] | None
+            # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
+            # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
+            # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
+            uniq, inverse, counts = native.unique_ids(values, look.counts is not None)   # [U], [N_t], [U] | None
             if look.counts is not None:
                 look.counts.append(counts)
             if batch.weights is not None:
