@@ -28,6 +28,7 @@ from embedding_ps.client import PSClient
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
 from recsys.dist import all_reduce
+from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
 from recsys.training import stopping
 from recsys.training.checkpoint import checkpoint_path, read_manifest
@@ -86,6 +87,13 @@ def error_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "errors" / f"trainer-{rank}.json"
 
 
+def _write_record(path: Path, record: dict) -> None:
+    """`record` at `path` (`manifest.write_json_atomic`: whole or not at all), its directory made:
+    the launcher reads these files while trainers may still write them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, record)
+
+
 def exit_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "exits" / f"trainer-{rank}.json"
 
@@ -96,10 +104,7 @@ def report_exit(run_dir: str | Path, rank: int) -> None:
     written is logged, never an error: the job itself succeeded."""
     path = exit_path(run_dir, rank)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "code": 0}))
-        os.replace(tmp, path)
+        _write_record(path, {"rank": rank, "time": time.time(), "code": 0})
     except OSError as e:
         logger.warning("could not record this trainer's exit in %s: %s", path, e)
 
@@ -124,11 +129,7 @@ def report_failure(e: BaseException, run_dir: str | Path, rank: int, verbose: bo
         f.write(f"trainer {rank} failed: {text}")
     if verbose:
         logger.error("failed:\n%s", text)
-    path = error_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "error": line, "log": str(log)}))
-    os.replace(tmp, path)
+    _write_record(error_path(run_dir, rank), {"rank": rank, "time": time.time(), "error": line, "log": str(log)})
     return line
 
 
