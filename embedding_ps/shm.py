@@ -20,11 +20,12 @@ nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
 
 Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
 a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
-its own user, at least as large as the request says. The client keeps each segment's fd open with
-a shared flock on it: a shard waiting for a push's late grads sees the client gone (the kernel
-drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`). A
-segment whose request failed or was retried is never reused (a late write of the shard cannot reach a tensor the caller holds). Only Linux has
-/dev/shm; elsewhere `available()` is False and clients use the socket.
+its own user, at least as large as the request says. The client keeps a fd of each segment open
+with a shared flock on it: a shard waiting for a push's late grads sees the client gone (the
+kernel drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`).
+A segment whose request failed or was retried is never reused (a late write of the shard cannot
+reach a tensor the caller holds). Only Linux has /dev/shm; elsewhere `available()` is False and
+clients use the socket.
 
 Who uses it (ps.shared_memory, `client_uses` / `shard_accepts`):
 
