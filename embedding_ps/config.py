@@ -81,6 +81,15 @@ class TableConfig:
     vectorized torch); `torch`: the old name of `native`; `fbgemm`: fbgemm's fused CPU TBE backward
     (sgd/adagrad/rowwise_adagrad); `auto`: per table the faster of the two by the measurement that
     embedding_ps/kernels.py cites (its optimizer, weight decay, row dtype and dim)."""
+    placement: Literal["ps", "replicated", "auto"] = "ps"
+    """Where the table trains. `ps`: hash-sharded on the PS shards, lazy updates of the rows a step
+    touches (the path for big vocabularies). `replicated`: a dense [rows, dim] parameter on every
+    trainer (rows: the distinct ids of the training data; an id outside them gets the table's
+    `unadmitted` default row, untrained, as a PS pull and an export give it), trained by a torch
+    optimizer (the table's optimizer, lr, weight_decay, applied to the whole table every step) with
+    its gradient all-reduced by DDP beside the dense model's: no PS traffic. `auto`: replicated
+    when the table's distinct ids number at most ps.replicate_max_rows and its bytes fit
+    ps.replicate_max_bytes, else ps (the choice per table is logged and written to the run dir)."""
     cache_rows: int = 0
     """Trainer-side hot-row cache: each trainer keeps up to this many of the table's rows in memory
     (on its GPU with train.device = "cuda") and pulls only the misses (`embedding_ps.cache`); async
@@ -134,6 +143,14 @@ class TableConfig:
                 raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.cache_rows < 0:
             raise ValueError(f"{p}.cache_rows must be >= 0, got {self.cache_rows}")
+        if self.placement == "replicated":
+            if self.optimizer == "ftrl":
+                raise ValueError(f"{p}: placement 'replicated' trains with a torch optimizer (sgd, adagrad, "
+                                 f"rowwise_adagrad, adam); optimizer 'ftrl' needs placement = 'ps'")
+            if self.kind == "hashed":
+                raise ValueError(f"{p}: placement 'replicated' needs kind = 'dynamic' (its rows are the data's ids)")
+            if self.cache_rows:
+                raise ValueError(f"{p}: cache_rows caches PS rows; a replicated table has no PS rows (set it to 0)")
         if self.capacity < 0:
             raise ValueError(f"{p}.capacity must be >= 0, got {self.capacity}")
         if not self.row_counters and (self.ttl_steps or self.max_rows):
@@ -196,6 +213,13 @@ class PSConfig:
     may run on, at most 4 (`shard_threads`; 1 on a 2-core machine). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
+    replicate_max_rows: int = 100_000
+    """`placement = "auto"`: a table with at most this many distinct ids in the training data is
+    replicated on the trainers (see TableConfig.placement)."""
+    replicate_max_bytes: int = 256 << 20
+    """`placement = "auto"`: replicate only while the replicated tables' weights and optimizer state
+    (fp32) fit this many bytes on each trainer, smallest tables first; `replicated` tables count
+    too, and an explicit `replicated` table that alone passes it is an error."""
     checkpoint_extra_memory: float = 0.1
     """Most extra memory a shard's background save holds, as a fraction of its rows' bytes (weights,
     optimizer state and counters of every table), in (0, 1]. The save is copy-on-write
@@ -229,6 +253,10 @@ class PSConfig:
             raise ValueError(f"ps.timeout_s must be > 0, got {self.timeout_s}")
         if self.retries < 0:
             raise ValueError(f"ps.retries must be >= 0, got {self.retries}")
+        if self.replicate_max_rows < 0:
+            raise ValueError(f"ps.replicate_max_rows must be >= 0, got {self.replicate_max_rows}")
+        if self.replicate_max_bytes < 0:
+            raise ValueError(f"ps.replicate_max_bytes must be >= 0, got {self.replicate_max_bytes}")
         if not 0.0 < self.checkpoint_extra_memory <= 1.0:
             raise ValueError(f"ps.checkpoint_extra_memory must be in (0, 1] (a fraction of the rows' bytes), "
                              f"got {self.checkpoint_extra_memory}")

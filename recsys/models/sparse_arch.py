@@ -40,6 +40,7 @@ class TablePlan:
     pooling: str              # "sum" | "mean"
     features: tuple[int, ...]  # indices into the batch's feature keys, in output order
     linear: bool              # dim-1 table feeding the model's first-order (wide) terms
+    replicated: bool = False  # placement = "replicated": looked up in the trainer's own copy (replicated.py)
 
 
 def plan_tables(
@@ -66,7 +67,7 @@ def plan_tables(
             if linear and cfg.dim != 1:
                 raise ValueError(f"linear table '{name}' must have dim 1, got {cfg.dim}")
             plans.append(TablePlan(index[name], name, cfg.dim, table_pooling.get(name, "sum"),
-                                   tuple(feats), linear))
+                                   tuple(feats), linear, cfg.placement == "replicated"))
     return plans
 
 
@@ -91,13 +92,17 @@ class SparseLookup:
     futures: list[Future] = field(default_factory=list)         # per group: its pull_many_async
     rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
     counts: list[torch.Tensor] | None = None   # per plan: [U] occurrences of each unique id (a row cache's stats)
+    local: dict[int, torch.Tensor] = field(default_factory=dict)   # group -> a replicated table's rows [R(+E), D]
     pull_s: float = 0.0
     wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
     device: torch.device | None = None    # pool here (rows moved on arrival); None: where the rows come
 
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
-        for group in self.groups:
+        for g, group in enumerate(self.groups):
+            if g in self.local:            # a replicated table: no pull
+                self.futures.append(None)
+                continue
             extra = {} if self.counts is None else {"counts": [self.counts[p] for p in group]}
             self.futures.append(self.store.pull_many_async([self.plans[p].table for p in group],
                                                            [self.ids[p] for p in group], step, **extra))
@@ -105,7 +110,10 @@ class SparseLookup:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
         t0 = time.perf_counter()
-        for fut in self.futures:
+        for g, fut in enumerate(self.futures):
+            if fut is None:                # a replicated table's parameter: its gradient goes to DDP
+                self.rows.append(self.local[g])
+                continue
             rows = fut.result()                                               # [U_g, D]
             if self.device is not None and rows.device != self.device:
                 rows = rows.to(self.device)   # train.device = "cuda": pool on the GPU, push grads [U_g, D] back
@@ -178,7 +186,9 @@ class SparseLookup:
     def push(self, scale: float = 1.0) -> list[Future]:
         """Send every table's row gradient, multiplied by `scale`, to the store."""
         futures = []
-        for group, rows in zip(self.groups, self.rows):
+        for g, (group, rows) in enumerate(zip(self.groups, self.rows)):
+            if g in self.local:            # replicated: DDP all-reduces, the table optimizer applies
+                continue
             grad = rows.grad
             if grad is None:       # the group's output did not reach the loss
                 grad = torch.zeros_like(rows)
@@ -187,6 +197,10 @@ class SparseLookup:
             futures.append(self.store.push_many_async([self.plans[p].table for p in group],
                                                       [self.ids[p] for p in group], grad.detach()))
         return futures
+
+
+_NO_IDS = torch.zeros(0, dtype=torch.int64)
+"""A replicated plan's `ids` / `counts`: nothing pulled or pushed (one plan per group: no offset needed)."""
 
 
 def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
@@ -255,11 +269,13 @@ class _SumPool(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _groups(plans: list[TablePlan]) -> list[list[int]]:
-    """Plans pooled by one embedding_bag call: same dim, pooling mode and kind (linear or not)."""
-    keys: dict[tuple[int, str, bool], list[int]] = {}
+def _groups(plans: list[TablePlan], replicated: bool = False) -> list[list[int]]:
+    """Plans pooled by one embedding_bag call: same dim, pooling mode and kind (linear or not); with
+    `replicated`, each replicated table's plan alone (its rows are its own parameter)."""
+    keys: dict[tuple[int, str, bool, int], list[int]] = {}
     for i, p in enumerate(plans):
-        keys.setdefault((p.dim, p.pooling, p.linear), []).append(i)
+        own = p.table if replicated and p.replicated else -1
+        keys.setdefault((p.dim, p.pooling, p.linear, own), []).append(i)
     return list(keys.values())
 
 
@@ -276,10 +292,19 @@ class SparseArch:
     def __init__(self, plans: list[TablePlan]) -> None:
         self.plans = plans
         self.groups = _groups(plans)
+        self.replicated = None
+        """The trainer's `ReplicatedTables` (`use_replicated`); None: every table comes from the store
+        (serving and export read replicated tables from the export like any other)."""
         self.device: torch.device | None = None
         """Where lookups pool (`SparseLookup.device`); the trainer sets its train.device. On a GPU the
         pulled rows [U, D] cross to it (not the pooled [B, F, D], twice their size with one id per
         bag) and pooling's forward and backward run there."""
+
+    def use_replicated(self, tables) -> None:
+        """Look up the plans of `placement = "replicated"` tables in `tables` (a
+        `recsys.models.replicated.ReplicatedTables`), not in the store."""
+        self.replicated = tables
+        self.groups = _groups(self.plans, replicated=tables is not None)
 
     def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
         kj = batch.sparse
@@ -294,7 +319,10 @@ class SparseArch:
         if getattr(store, "counts_lookups", False):     # a row cache: per-lookup hit rate
             look.counts = []
         t0 = time.perf_counter()
-        for plan in self.plans:
+        local_of = {}              # plan index -> its group, for the replicated plans
+        if self.replicated is not None:
+            local_of = {group[0]: g for g, group in enumerate(self.groups) if self.plans[group[0]].replicated}
+        for i, plan in enumerate(self.plans):
             pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
             values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]          # [N_t]
             if len(plan.features) == 1:          # views of the batch-wide [F, B] tensors
@@ -302,10 +330,15 @@ class SparseArch:
             else:
                 lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
                 offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-            # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
-            # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
-            # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
-            uniq, inverse, counts = native.unique_ids(values, look.counts is not None)   # [U], [N_t], [U] | None
+            if i in local_of:      # a replicated table: the ids' rows in its parameter, no dedup, no pull
+                rows, inverse = self.replicated.rows(plan.name, values)              # [R(+E), D], [N_t]
+                look.local[local_of[i]] = rows
+                uniq, counts = _NO_IDS, (None if look.counts is None else _NO_IDS)
+            else:
+                # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
+                # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
+                # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
+                uniq, inverse, counts = native.unique_ids(values, look.counts is not None)   # [U], [N_t], [U] | None
             if look.counts is not None:
                 look.counts.append(counts)
             if batch.weights is not None:

@@ -34,6 +34,7 @@ import torch
 from embedding_ps.config import TableConfig
 from embedding_ps.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
+from recsys.models.replicated import REPLICATED_FILE, load_bytes
 from recsys.rundir import model_root
 from recsys.serving.tensorfile import ExportError
 
@@ -99,6 +100,7 @@ class SavedShards:
 
     def __init__(self, source: Source) -> None:
         self.source = source
+        self._replicated_state: dict | None = None
         ps = source.config.ps
         self.shards = [_guard(lambda i=i: self._open(i, ps.num_shards)) for i in range(ps.num_shards)]
 
@@ -112,8 +114,13 @@ class SavedShards:
         return saved
 
     def read_table(self, t: int, since: int | None = None) -> TableRows:
-        """Table `t` of every shard, concatenated and sorted by id (see the module docstring for `since`)."""
+        """Table `t` of every shard, concatenated and sorted by id (see the module docstring for `since`).
+
+        A replicated table (trained on the trainers, `recsys.models.replicated`) comes from the model's
+        replicated.pt instead: all its rows, also for a delta (they change every step)."""
         cfg = self.source.config.ps.tables[t]
+        if cfg.placement == "replicated":
+            return self._replicated(cfg)
         parts = [_guard(lambda s=s: self._read_shard(s, t, cfg, since)) for s in self.shards]
         ids = np.concatenate([p[0] for p in parts])
         rows = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, cfg.dim), np.float32)
@@ -125,6 +132,24 @@ class SavedShards:
             dup = ids[1:][ids[1:] == ids[:-1]][0]
             raise ExportError(f"table {cfg.name!r}: id {dup} is saved by two shards")
         return TableRows(ids, torch.from_numpy(rows), tomb)
+
+    def _replicated(self, cfg: TableConfig) -> TableRows:
+        path = self.source.model_dir / REPLICATED_FILE
+        if self._replicated_state is None:
+            try:
+                self._replicated_state = load_bytes(path.read_bytes())
+            except FileNotFoundError:
+                raise ExportError(f"{path}: missing: table {cfg.name!r} trained replicated on the trainers") from None
+            except Exception as e:                      # a damaged torch file
+                raise ExportError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+        state = self._replicated_state
+        if f"{cfg.name}.ids" not in state or f"{cfg.name}.weight" not in state:
+            raise ExportError(f"{path}: has no table {cfg.name!r}")
+        ids = state[f"{cfg.name}.ids"].numpy().astype(np.int64)
+        rows = state[f"{cfg.name}.weight"].float()
+        if rows.dim() != 2 or rows.shape != (ids.size, cfg.dim):
+            raise ExportError(f"{path}: table {cfg.name!r} is {tuple(rows.shape)} with {ids.size} ids; dim {cfg.dim}")
+        return TableRows(ids, rows.contiguous(), np.zeros(0, np.int64))
 
     def _read_shard(self, saved: SavedShard, t: int, cfg: TableConfig, since: int | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

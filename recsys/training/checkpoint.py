@@ -56,6 +56,7 @@ from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
 from recsys.manifest import check_files, file_entry, parse_manifest, write_json_atomic
+from recsys.models.replicated import REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes, save_bytes
 from recsys.manifest import read_manifest as _read_manifest
 from recsys.rundir import local_run_dir, run_path
 
@@ -79,6 +80,8 @@ class TrainParts:
     optimizer: torch.optim.Optimizer                        # the dense optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     store: EmbeddingStore                                   # the shards save their own rows
+    replicated: ReplicatedTables | None = None              # tables trained on the trainers (model/replicated.pt)
+    table_optimizer: TableOptimizer | None = None           # their optimizers (trainer/state.pt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +324,8 @@ class Checkpointer:
             (tmp / "config.toml").write_text(to_toml(self.cfg))
             (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
             torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
+            if parts.replicated is not None:
+                (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated))
             torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
             background = self.cfg.train.checkpoint_background
             ps_dir = run_path(root, "model", "ps") if remote else str((tmp / "model" / "ps").resolve())
@@ -388,9 +393,12 @@ class Checkpointer:
 def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any] | None = None) -> dict[str, Any]:
     """The dense optimizer, LR schedule, step, RNG and early-stopping record of a trainer (tensors
     and numbers only)."""
-    return {"step": step, "optimizer": parts.optimizer.state_dict(),
-            "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-            "validation": dict(validation or {})}
+    state = {"step": step, "optimizer": parts.optimizer.state_dict(),
+             "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+             "validation": dict(validation or {})}
+    if parts.table_optimizer is not None:
+        state["table_optimizer"] = parts.table_optimizer.state_dict()
+    return state
 
 
 def read_checked(root: Path | str, rel: str, manifest: dict[str, Any]) -> bytes:
@@ -413,8 +421,16 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
     manifest = read_manifest(root)
     parts.model.load_state_dict(torch.load(io.BytesIO(read_checked(root, "model/dense.pt", manifest)),
                                            weights_only=True))
+    if parts.replicated is not None:
+        rel = f"model/{REPLICATED_FILE}"
+        if rel not in manifest["files"]:
+            raise CorruptCheckpointError(f"{run_path(root, rel)}: missing: the checkpoint has no replicated tables "
+                                         f"(a table's placement cannot change on resume)")
+        parts.replicated.load_state(load_bytes(read_checked(root, rel, manifest)), where=str(run_path(root, rel)))
     state = torch.load(io.BytesIO(read_checked(root, "trainer/state.pt", manifest)), weights_only=True)
     parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.table_optimizer is not None:
+        parts.table_optimizer.load_state_dict(state.get("table_optimizer", {}))
     parts.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     step = int(state["step"])

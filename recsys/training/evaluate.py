@@ -20,6 +20,7 @@ from recsys.config import ConfigError, JobConfig, load_config
 from recsys.metrics import eval_metrics
 from recsys.rundir import model_root
 from recsys.training.trainer import Trainer
+from recsys.training.worker import saved_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def open_run(run_dir: str | Path, last: bool = False) -> tuple[JobConfig, Traine
     logger.info("using the %s model of %s", "best" if run != Path(run_dir) else "last", run_dir)
     cfg = load_config(run / "config.toml")
     store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
-    trainer = Trainer(cfg, store)
+    trainer = Trainer(cfg, store, replicated_state=saved_replicated(model_dir))
     trainer.model.load_state_dict(torch.load(model_dir / "dense.pt", weights_only=True))
     return cfg, trainer
 

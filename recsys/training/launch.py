@@ -39,7 +39,8 @@ import uuid
 from pathlib import Path
 
 from recsys import storage
-from recsys.config import JobConfig, to_toml
+from recsys.config import ConfigError, JobConfig, load_config, to_toml
+from recsys.models.replicated import log_placement, resolve_placement
 from recsys.rundir import local_run_dir, run_path
 
 logger = logging.getLogger(__name__)
@@ -311,14 +312,21 @@ class JobFailure(RuntimeError):
         self.killed = killed
 
 
-def prepare_run(cfg: JobConfig, resume: str | None) -> tuple[Path, Path, Path | str | None]:
-    """Both engines' start of a job: the local run directory (train.run_dir, or this machine's
-    train.scratch_dir when train.run_dir is a URI) with the resolved config written, and the
-    checkpoint `resume` names (None: start afresh)."""
+def prepare_run(cfg: JobConfig, resume: str | None) -> tuple[JobConfig, Path, Path, Path | str | None]:
+    """Both engines' start of a job: the config with every table's placement decided
+    (`recsys.models.replicated.resolve_placement`; on resume, the checkpoint's), the local run
+    directory (train.run_dir, or this machine's train.scratch_dir when train.run_dir is a URI)
+    with that config and placement.json written, and the checkpoint `resume` names (None: start
+    afresh)."""
     from recsys.training.checkpoint import resolve_resume
 
+    checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
+    placement = resolve_placement(placements_of(cfg, checkpoint))
+    log_placement(placement.report)
+    cfg = placement.config
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     config_path = write_run_dir(cfg, run_dir)
+    (run_dir / "placement.json").write_text(json.dumps(placement.report, indent=1))
     if storage.is_uri(cfg.train.run_dir):
         logger.info("train.run_dir is %s; this machine's pids, ready files and logs are in %s (train.scratch_dir)",
                     cfg.train.run_dir, run_dir)
@@ -326,10 +334,30 @@ def prepare_run(cfg: JobConfig, resume: str | None) -> tuple[Path, Path, Path | 
         if resume and not (run_dir / "metrics.jsonl").exists() and storage.is_file(
                 run_path(cfg.train.run_dir, "metrics.jsonl")):        # resumed on another machine
             (run_dir / "metrics.jsonl").write_bytes(storage.read_bytes(run_path(cfg.train.run_dir, "metrics.jsonl")))
-    checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
     if resume == "latest" and checkpoint is None:
         logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
-    return run_dir, config_path, checkpoint
+    return cfg, run_dir, config_path, checkpoint
+
+
+def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
+    """`cfg` whose `auto` tables take the placement they had in `checkpoint` (a resumed run keeps
+    where each table trains, whatever the data says now)."""
+    if checkpoint is None or not any(t.placement == "auto" for t in cfg.ps.tables):
+        return cfg
+    try:
+        path = run_path(checkpoint, "config.toml")
+        if storage.is_uri(str(path)):
+            local = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir) / "resume-config.toml"
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(storage.read_text(path))
+            path = local
+        saved = {t.name: t.placement for t in load_config(path).ps.tables}
+    except (FileNotFoundError, ConfigError) as e:
+        logger.warning("%s: cannot read its table placement (%s); deciding 'auto' from the data", checkpoint, e)
+        return cfg
+    tables = tuple(dataclasses.replace(t, placement=saved[t.name]) if t.placement == "auto" and saved.get(t.name)
+                   in ("ps", "replicated") else t for t in cfg.ps.tables)
+    return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
 
 
 def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
@@ -350,7 +378,7 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
-    run_dir, config_path, checkpoint = prepare_run(cfg, resume)
+    cfg, run_dir, config_path, checkpoint = prepare_run(cfg, resume)
     with StopRequests(run_dir) as stops:
         return _run(cfg, config_path, run_dir, checkpoint, stops, verbose)
 

@@ -384,7 +384,7 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
     from recsys.training.launch import _run, prepare_run
 
     cfg = _absolute(cfg)
-    run_dir, config_path, checkpoint = prepare_run(cfg, resume)
+    cfg, run_dir, config_path, checkpoint = prepare_run(cfg, resume)
     token = secrets.token_hex(32)           # per job; only Ray carries it (task arguments), never a shared file
     started = connect(cfg)
     try:

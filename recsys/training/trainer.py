@@ -43,6 +43,7 @@ from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model, sequence_inputs
+from recsys.models.replicated import TableOptimizer, TrainModules, build_replicated, resolve_placement
 from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training import stopping
@@ -116,7 +117,11 @@ class Trainer:
     """Build / train_step / train / predict / close for one rank."""
 
     def __init__(self, cfg: JobConfig, store: EmbeddingStore, *, rank: int = 0, world_size: int = 1,
-                 metric_logger: MetricSink | None = None) -> None:
+                 metric_logger: MetricSink | None = None, replicated_state: dict | None = None) -> None:
+        """`replicated_state`: saved replicated tables (model/replicated.pt) to start from; without it
+        their vocabularies are read from data.train_paths (recsys.models.replicated)."""
+        if any(t.placement == "auto" for t in cfg.ps.tables):    # the launcher resolves it; library use here
+            cfg = resolve_placement(cfg).config
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = torch.device(cfg.train.device)
         self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
@@ -124,8 +129,13 @@ class Trainer:
         if self.device.type != "cpu":
             self.sparse.device = self.device     # pool on the GPU (SparseArch.device)
         self.model = model.to(self.device)
-        self.ddp = wrap_ddp(self.model, cfg.train, self.device)
+        self.replicated = build_replicated(cfg, replicated_state)    # None: every table on the PS
+        if self.replicated is not None:
+            self.replicated.to(self.device)
+            self.sparse.use_replicated(self.replicated)
+        self.ddp = wrap_ddp(TrainModules(self.model, self.replicated), cfg.train, self.device)
         self.optimizer = build_optimizer(self.model, cfg.train)
+        self.table_optimizer = TableOptimizer(self.replicated) if self.replicated is not None else None
         # two_tower: in-batch softmax over the (global) batch's items, on logits [B, B_g]
         self._in_batch = bool(getattr(model, "in_batch_softmax", False))
         self.loss_fn = model.loss_fn if self._in_batch else nn.BCEWithLogitsLoss()
@@ -149,7 +159,8 @@ class Trainer:
     @property
     def parts(self) -> TrainParts:
         """What a checkpoint saves of this trainer (besides step and data position)."""
-        return TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, store=self.store)
+        return TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, store=self.store,
+                          replicated=self.replicated, table_optimizer=self.table_optimizer)
 
     def restore(self, checkpoint: str) -> dict:
         """Continue from a checkpoint (see recsys.training.checkpoint); the shards load their part
@@ -214,6 +225,9 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.table_optimizer is not None:       # replicated tables: every row, every step
+                self.table_optimizer.step()
+                self.table_optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     def _batch_share(self, rows: int) -> float:

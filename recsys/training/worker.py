@@ -30,6 +30,7 @@ from recsys.config import JobConfig, load_config
 from recsys.dist import all_reduce
 from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
+from recsys.models.replicated import REPLICATED_FILE, load_bytes, save_bytes
 from recsys.training import stopping
 from recsys.training.checkpoint import checkpoint_path, read_manifest
 from recsys.training.trainer import Trainer
@@ -59,7 +60,17 @@ def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -
     buf = io.BytesIO()
     torch.save(trainer.model.state_dict(), buf)
     storage.write_bytes(run_path(model_dir, "dense.pt"), buf.getvalue())      # atomic (tmp + rename locally)
+    if trainer.replicated is not None:
+        storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(trainer.replicated))
     store.save(ps_dir(model_dir))
+
+
+def saved_replicated(model_dir: Path | str) -> dict | None:
+    """MODEL_DIR/replicated.pt (a path or URI) as tensors, or None when the model has none."""
+    path = run_path(model_dir, REPLICATED_FILE)
+    if not storage.is_file(path):
+        return None
+    return load_bytes(storage.read_bytes(path))
 
 
 def ps_dir(model_dir: Path | str) -> str:
@@ -193,7 +204,10 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
     trainer = None
     try:
-        trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger)
+        # a resumed run's replicated tables keep their saved vocabulary (shapes fixed before DDP wraps them)
+        saved = saved_replicated(run_path(resume, "model")) if resume is not None else None
+        trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger,
+                          replicated_state=saved)
         store = trainer.store          # the row cache's wrapper when a table caches (a LOAD clears it)
         if resume is not None:
             if load_shards and rank == 0:
@@ -271,6 +285,8 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
             dist.barrier()                 # nobody pulls before the shards hold the best rows
         dense = storage.read_bytes(run_path(best, "model", "dense.pt"))
         trainer.model.load_state_dict(torch.load(io.BytesIO(dense), weights_only=True))
+        if trainer.replicated is not None:
+            trainer.replicated.load_state(saved_replicated(run_path(best, "model")), where=str(best))
         trainer.strategy.resumed(trainer.step)       # async: progress again after the LOAD
     m = trainer.evaluate(cfg.data.test_paths)
     m["examples"] = m.pop("eval_examples")

@@ -74,6 +74,8 @@ class Reference:
     """One process: nn.EmbeddingBag per table over the ids of the data, the same dense model."""
 
     def __init__(self, cfg: JobConfig, vocab: dict[str, torch.Tensor]) -> None:
+        """Tables with placement = "replicated" train like a plain PyTorch model's: their whole weight
+        by torch.optim.Adam (weight decay on every row, every step); the others as the PS does."""
         self.cfg = cfg
         self.tables = {t.name: t for t in cfg.ps.tables}
         self.vocab = vocab                                  # table -> sorted ids [V]
@@ -93,6 +95,10 @@ class Reference:
         self.model = build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
                                  num_sparse=len(cfg.data.sparse_columns), embedding_dim=cfg.ps.tables[0].dim)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.train.dense_lr)
+        self.replicated = {name: torch.optim.Adam([self.bags[name].weight], lr=t.lr, betas=(t.beta1, t.beta2),
+                                                  eps=t.eps, weight_decay=t.weight_decay)
+                           for name, t in self.tables.items() if t.placement == "replicated"}
+        assert all(self.tables[n].optimizer == "adam" for n in self.replicated)
 
     def step(self, batches) -> None:
         dense = torch.cat([b.dense for b in batches])
@@ -114,7 +120,11 @@ class Reference:
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
+        for opt in self.replicated.values():
+            opt.step()
         for feature in self.cfg.data.sparse_columns:            # the PS's sparse update, row by row
+            if feature in self.replicated:
+                continue
             touched = torch.unique(torch.cat([torch.searchsorted(self.vocab[feature], b.sparse[feature].values)
                                               for b in batches]))
             w, g = self.bags[feature].weight, self.bags[feature].weight.grad
@@ -159,6 +169,10 @@ def check_equals_reference(cfg: JobConfig, run: Path, trainers: int, num_steps: 
     steps = list(global_batches(cfg, trainers, num_steps))
     vocab = {f: torch.unique(torch.cat([b.sparse[f].values for bs in steps for b in bs]))
              for f in cfg.data.sparse_columns}
+    replicated = {}
+    if (run / "model" / "replicated.pt").exists():   # those tables hold every id of the training data
+        replicated = torch.load(run / "model" / "replicated.pt", weights_only=True)
+        vocab.update({t.name: replicated[f"{t.name}.ids"] for t in cfg.ps.tables if t.placement == "replicated"})
     ref = Reference(cfg, vocab)
     for batches in steps:
         ref.step(batches)
@@ -168,13 +182,14 @@ def check_equals_reference(cfg: JobConfig, run: Path, trainers: int, num_steps: 
         torch.testing.assert_close(dense[name], p, atol=1e-5, rtol=0, msg=f"dense {name}")
     store = LocalStore.from_dir(cfg.ps, run / "model" / "ps")
     for t, table in enumerate(cfg.ps.tables):
-        got = store.pull(t, vocab[table.name])
+        got = replicated[f"{table.name}.weight"] if table.placement == "replicated" else store.pull(t, vocab[table.name])
         torch.testing.assert_close(got, ref.bags[table.name].weight.detach(), atol=1e-5, rtol=0,
                                    msg=f"table {table.name}")
     # the run really trained: the rows moved away from their init
-    first = cfg.ps.tables[0]
-    init = init_rows(vocab[first.name], first.dim, first.seed, first.init, first.init_scale)
-    assert (store.pull(0, vocab[first.name]) - init).abs().max() > 1e-3
+    for t, table in enumerate(cfg.ps.tables):
+        init = init_rows(vocab[table.name], table.dim, table.seed, table.init, table.init_scale)
+        got = replicated[f"{table.name}.weight"] if table.placement == "replicated" else store.pull(t, vocab[table.name])
+        assert (got - init).abs().max() > 1e-3, table.name
     processes = json.loads((run / "processes.json").read_text())
     assert sum(p["role"] == "trainer" for p in processes) == trainers
     for p in processes:
@@ -194,3 +209,23 @@ def test_sync_with_layer_norm_equals_one_process_reference(tmp_path: Path, tiny_
     dense = torch.load(tmp_path / "run" / "model" / "dense.pt", weights_only=True)
     assert any("layers.1.weight" in k for k in dense)       # the LayerNorm after the first Linear
     check_equals_reference(cfg, tmp_path / "run", 2, STEPS)
+
+
+@pytest.mark.parametrize("trainers, shards", [(1, 1), (2, 2)])
+def test_sync_with_replicated_tables_equals_one_process_reference(tmp_path: Path, tiny_data: Path, trainers: int,
+                                                                   shards: int) -> None:
+    """Two tables (one multi-hot, mean-pooled) replicated on the trainers with Adam and L2 weight decay,
+    three on the PS: W trainers equal one process whose replicated tables are plain nn.EmbeddingBag
+    weights trained by torch.optim.Adam (every row, every step; DDP all-reduces their gradients)."""
+    import dataclasses
+
+    cfg = job(tmp_path, tiny_data, trainers, shards, "adam")
+    tables = tuple(dataclasses.replace(t, placement="replicated", weight_decay=0.01) if t.name in ("C1", "M1")
+                   else t for t in cfg.ps.tables)
+    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
+    launch_train(cfg)
+    run = tmp_path / "run"
+    saved = torch.load(run / "model" / "replicated.pt", weights_only=True)
+    assert sorted(k for k in saved) == ["C1.ids", "C1.weight", "M1.ids", "M1.weight"]
+    assert json.loads((run / "placement.json").read_text())["C1"]["placement"] == "replicated"
+    check_equals_reference(cfg, run, trainers, STEPS)

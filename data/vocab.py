@@ -1,0 +1,67 @@
+"""Distinct ids of id columns over Parquet files: the vocabulary of a table kept on the trainers.
+
+    ids = distinct_ids(cfg, cfg.train_paths, ("user", "item"))   # {"user": int64 [R] sorted, ...}
+
+The ids are decoded exactly as the loader decodes them (`data.parquet._ids`: integers as int64,
+uint64 reinterpreted, strings and string dictionaries hashed), so an id the loader yields is found
+in the vocabulary of the files it read. Nulls are left out (the loader refuses or skips them). One
+pass over the named columns only, one row group at a time; every process that reads the same files
+gets the same sorted arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from data.config import DataConfig
+from data.parquet import DataError, _ids, _list_parts, _valid, read_row_group, resolve_paths, scan_files
+from data.remote import parquet_file
+
+__all__ = ["distinct_ids"]
+
+
+def _column_ids(arr: pa.Array) -> np.ndarray:
+    """int64 [n'] ids of one column chunk, nulls dropped (lists: their child values)."""
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        _, arr = _list_parts(arr)
+    ids, _ = _ids(arr)
+    if arr.null_count:
+        ids = ids[_valid(arr)]
+    return ids
+
+
+def distinct_ids(cfg: DataConfig, paths: Sequence[str], columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """Column -> sorted distinct int64 ids [R] of that column over every file of `paths`.
+
+    Raises DataError naming the file (unreadable, or a column that is missing)."""
+    columns = tuple(dict.fromkeys(columns))
+    if not columns:
+        return {}
+    files = resolve_paths(tuple(paths))
+    if not files:
+        raise DataError(f"no Parquet files in {list(paths)} to build a vocabulary from")
+    sources, _, _ = scan_files(cfg, files)
+    seen: dict[str, list[np.ndarray]] = {c: [] for c in columns}
+    plan = _Plan(columns)
+    for source in sources:
+        with parquet_file(source.path, source.metadata) as pf:
+            for rg in range(len(source.row_group_rows)):
+                table = read_row_group(source, pf, rg, plan)
+                for col in columns:
+                    c = table.column(col)
+                    for chunk in c.chunks:
+                        seen[col].append(np.unique(_column_ids(chunk)))
+                    if len(seen[col]) > 64:          # bound the memory of the partial uniques
+                        seen[col] = [np.unique(np.concatenate(seen[col]))]
+    return {c: (np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)).astype(np.int64, copy=False)
+            for c, parts in seen.items()}
+
+
+class _Plan:
+    """The `columns` attribute `read_row_group` reads (a ColumnPlan of just these columns)."""
+
+    def __init__(self, columns: tuple[str, ...]) -> None:
+        self.columns = columns

@@ -1,0 +1,377 @@
+"""Replicated tables: small-vocabulary embedding tables trained on every trainer as dense parameters.
+
+A table with `placement = "replicated"` (or `"auto"`, resolved here from the training data) does not
+live on the PS. Every trainer holds it whole::
+
+    keys    int64 [R]       its vocabulary: the distinct ids of the training data, sorted
+    weight  float32 [R, D]  row r is id keys[r]; an nn.Parameter trained by a torch optimizer
+
+A batch's ids become row indices by a binary search in `keys`; the sparse arch pools them from
+`weight` with the same kernels as pulled rows, so autograd gives a dense [R, D] gradient, which DDP
+all-reduces with the dense model's (the table sits in the module DDP wraps, `TrainModules`). The
+optimizer (`TableOptimizer`: the table's `optimizer`, `lr`, `weight_decay`) updates every row every
+step, as torch's optimizers do for an `nn.Embedding`: the dense semantics a plain PyTorch model has
+(its weight decay and Adam moments act on all rows), where the PS updates only the touched rows.
+In sync mode W trainers equal one process on the global batch, like PS tables.
+
+An id outside the vocabulary (not in the training data) gets the table's default row, the row a PS
+pull returns for an id it never trained and an export serves for an id it lacks (`unadmitted`: the
+deterministic init row of (seed, id), or zeros); it is not trained. The vocabulary is fixed for the
+run: it is saved with the weights (`model/replicated.pt`: `NAME.ids`, `NAME.weight`) and a resumed
+run keeps it (ids new in the data then resolve to the default row; a table whose data grew past its
+vocabulary is retrained, or warm-started, with a new run).
+
+`resolve_placement` decides `auto` before any process starts: replicated when the table's distinct
+ids (over the columns that read it) number at most `ps.replicate_max_rows` and, smallest tables
+first, the replicated tables' bytes (weight, gradient and optimizer state) fit
+`ps.replicate_max_bytes`; else ps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from data.vocab import distinct_ids
+from embedding_ps.config import TableConfig
+from embedding_ps.init import init_rows
+from recsys.config import ConfigError, JobConfig
+
+logger = logging.getLogger(__name__)
+
+REPLICATED_FILE = "replicated.pt"
+"""The replicated tables' ids and weights in a model directory (beside dense.pt)."""
+
+_STATE_COPIES = {"sgd": 0, "adagrad": 1, "adam": 2}
+"""fp32 [R, D] optimizer state tensors per optimizer (row-wise Adagrad: one float a row)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# which tables, and their vocabularies
+
+
+def table_columns(cfg: JobConfig) -> dict[str, list[str]]:
+    """Table name -> the data.sparse_columns that read it (embedding and first-order lookups)."""
+    from recsys.models import build_sparse_arch      # models/__init__ imports this module
+
+    cols = cfg.data.sparse_columns
+    out: dict[str, list[str]] = {}
+    for plan in build_sparse_arch(cfg).plans:
+        out.setdefault(plan.name, []).extend(cols[f] for f in plan.features)
+    return {k: list(dict.fromkeys(v)) for k, v in out.items()}
+
+
+def table_bytes(tc: TableConfig, rows: int) -> int:
+    """fp32 bytes a replicated table takes on a trainer: weight, gradient and optimizer state."""
+    per_row = tc.dim * (2 + _STATE_COPIES.get(tc.optimizer, 0)) + (1 if tc.optimizer == "rowwise_adagrad" else 0)
+    return 4 * rows * per_row
+
+
+def vocabularies(cfg: JobConfig, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """Table name -> sorted distinct ids [R] of the columns that read it, over data.train_paths."""
+    names = list(names)
+    if not names:
+        return {}
+    by_table = table_columns(cfg)
+    columns = sorted({c for n in names for c in by_table.get(n, [])})
+    per_column = distinct_ids(cfg.data, cfg.data.train_paths, columns)
+    out = {}
+    for n in names:
+        parts = [per_column[c] for c in by_table.get(n, [])]
+        out[n] = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """`resolve_placement`'s answer: the config with every table's placement `ps` or `replicated`."""
+
+    config: JobConfig
+    vocab: dict[str, np.ndarray]          # replicated table -> its ids
+    report: dict[str, dict]               # table -> {"placement", "rows", "bytes", "why"}
+
+
+def resolve_placement(cfg: JobConfig) -> Placement:
+    """Decide `auto` tables from the training data's distinct ids (see the module docstring).
+
+    Raises ConfigError when the `replicated` tables alone do not fit ps.replicate_max_bytes."""
+    ps = cfg.ps
+    wanted = [t for t in ps.tables if t.placement in ("replicated", "auto")]
+    if not wanted:
+        return Placement(cfg, {}, {t.name: {"placement": "ps", "why": "placement = 'ps'"} for t in ps.tables})
+    if cfg.model.arch == "two_tower" and any(t.placement == "replicated" for t in wanted):
+        name = next(t.name for t in wanted if t.placement == "replicated")
+        raise ConfigError(f"ps.tables[{name}].placement = 'replicated': model.arch = 'two_tower' trains its "
+                          f"tables on the PS (its item corpus is scored through the shards); set 'ps' or 'auto'")
+    if cfg.model.arch == "two_tower" and any(t.placement == "auto" for t in wanted):
+        # the two towers' item corpus (data.item_paths) may hold ids the training data lacks
+        logger.info("two_tower: placement 'auto' tables stay on the PS unless set to 'replicated'")
+        wanted = [t for t in wanted if t.placement == "replicated"]
+    eligible = [t for t in wanted if t.placement == "replicated" or _auto_ok(t)]
+    vocab = vocabularies(cfg, [t.name for t in eligible])
+    report: dict[str, dict] = {}
+    budget = ps.replicate_max_bytes
+    used = 0
+    for t in eligible:
+        if t.placement == "replicated":
+            size = table_bytes(t, vocab[t.name].size)
+            used += size
+            report[t.name] = {"placement": "replicated", "rows": int(vocab[t.name].size), "bytes": size,
+                              "why": "placement = 'replicated'"}
+            if used > budget:
+                raise ConfigError(
+                    f"ps.tables[{t.name}].placement = 'replicated': {vocab[t.name].size} distinct ids in "
+                    f"data.train_paths take {size} bytes on each trainer (weight, gradient, optimizer state); "
+                    f"the replicated tables need {used} > ps.replicate_max_bytes = {budget} (raise it, or "
+                    f"set placement = 'ps' or 'auto')")
+    for t in sorted((t for t in eligible if t.placement == "auto"), key=lambda t: table_bytes(t, vocab[t.name].size)):
+        rows, size = int(vocab[t.name].size), table_bytes(t, vocab[t.name].size)
+        if rows > ps.replicate_max_rows:
+            why = f"{rows} distinct ids > ps.replicate_max_rows = {ps.replicate_max_rows}"
+        elif used + size > budget:
+            why = f"{size} bytes would pass ps.replicate_max_bytes = {budget} ({used} used)"
+        else:
+            used += size
+            report[t.name] = {"placement": "replicated", "rows": rows, "bytes": size,
+                              "why": f"auto: {rows} ids <= {ps.replicate_max_rows}"}
+            continue
+        report[t.name] = {"placement": "ps", "rows": rows, "why": f"auto: {why}"}
+    tables = []
+    for t in ps.tables:
+        entry = report.setdefault(t.name, {"placement": "ps", "why": _why_ps(t)})
+        tables.append(dataclasses.replace(t, placement=entry["placement"]))
+    new = dataclasses.replace(cfg, ps=dataclasses.replace(ps, tables=tuple(tables)))
+    keep = {n: v for n, v in vocab.items() if report[n]["placement"] == "replicated"}
+    return Placement(new, keep, report)
+
+
+def _auto_ok(t: TableConfig) -> bool:
+    return t.optimizer != "ftrl" and t.kind == "dynamic" and t.cache_rows == 0
+
+
+def _why_ps(t: TableConfig) -> str:
+    if t.placement == "ps":
+        return "placement = 'ps'"
+    if t.optimizer == "ftrl":
+        return "auto: optimizer 'ftrl' trains on the PS only"
+    if t.kind != "dynamic":
+        return "auto: a hashed table trains on the PS"
+    if t.cache_rows:
+        return "auto: cache_rows is set (a PS row cache)"
+    return "auto: two_tower"
+
+
+def log_placement(report: dict[str, dict]) -> None:
+    """One line: where each table trains."""
+    rep = [f"{n} ({e['rows']} rows)" if "rows" in e else n for n, e in report.items() if e["placement"] == "replicated"]
+    ps = [n for n, e in report.items() if e["placement"] == "ps"]
+    logger.info("table placement: replicated on the trainers: %s; on the PS: %s",
+                ", ".join(rep) or "none", ", ".join(ps) or "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# the tables
+
+
+class ReplicatedTables(nn.Module):
+    """Every replicated table of a job: `keys[name]` int64 [R] and `weight[name]` float32 [R, D]."""
+
+    def __init__(self, tables: dict[str, TableConfig], vocab: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self.configs = dict(tables)
+        self.weight = nn.ParameterDict()
+        self.keys: dict[str, torch.Tensor] = {}
+        for name, tc in self.configs.items():
+            keys = torch.from_numpy(np.ascontiguousarray(vocab[name], dtype=np.int64))
+            self.keys[name] = keys
+            self.weight[name] = nn.Parameter(init_rows(keys, tc.dim, tc.seed, tc.init, tc.init_scale))
+
+    def rows(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [R + E, D], index [N] into them) of ids [N]: the table's weight, plus, when some ids are
+        not in the vocabulary, their E distinct default rows (not trained) after it."""
+        keys, weight = self.keys[name], self.weight[name]
+        R = keys.numel()
+        if R == 0:
+            pos, hit = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+        else:
+            pos = torch.searchsorted(keys, ids)                                 # [N]
+            pos.clamp_(max=R - 1)
+            hit = keys.index_select(0, pos) == ids
+        if bool(hit.all()):
+            return weight, pos.to(weight.device) if weight.device != pos.device else pos
+        miss_ids, inv = torch.unique(ids[~hit], return_inverse=True)             # [E], [N_miss]
+        pos = pos.clone()
+        pos[~hit] = R + inv
+        tc = self.configs[name]
+        if tc.unadmitted == "zeros":
+            extra = torch.zeros(miss_ids.numel(), tc.dim)
+        else:
+            extra = init_rows(miss_ids, tc.dim, tc.seed, tc.init, tc.init_scale)
+        return torch.cat([weight, extra.to(weight.device, weight.dtype)]), pos.to(weight.device)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """`NAME.ids` and `NAME.weight` of every table (what model/replicated.pt holds)."""
+        out = {}
+        for name in self.configs:
+            out[f"{name}.ids"] = self.keys[name].clone()
+            out[f"{name}.weight"] = self.weight[name].detach().cpu().clone()
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor], where: str = "") -> None:
+        """Take the saved vocabulary and weights (shapes may differ from the fresh ones: the saved
+        vocabulary wins). Raises ValueError naming the table when one is missing or its dim differs."""
+        for name, tc in self.configs.items():
+            if f"{name}.ids" not in state or f"{name}.weight" not in state:
+                raise ValueError(f"{where}: replicated table {name!r} is not saved there (was it on the PS "
+                                 f"in that run? its placement cannot change on resume)")
+            keys, weight = state[f"{name}.ids"].to(torch.int64), state[f"{name}.weight"].float()
+            if weight.dim() != 2 or weight.shape[1] != tc.dim or weight.shape[0] != keys.numel():
+                raise ValueError(f"{where}: replicated table {name!r} is saved as {tuple(weight.shape)} with "
+                                 f"{keys.numel()} ids; the config says dim {tc.dim}")
+            self.keys[name] = keys.contiguous()
+            param = self.weight[name]
+            if param.shape == weight.shape:
+                param.data.copy_(weight)
+            else:          # before DDP wraps the table (its buckets are sized by the shapes)
+                param.data = weight.to(param.device).contiguous()
+
+
+def save_bytes(tables: ReplicatedTables) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tables.state(), buf)
+    return buf.getvalue()
+
+
+def load_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer
+
+
+class _RowwiseAdagrad(torch.optim.Optimizer):
+    """fbgemm's EXACT_ROWWISE_ADAGRAD on a dense table: h += mean(g*g) per row; w -= lr g / (sqrt(h) + eps)."""
+
+    def __init__(self, params, lr: float, eps: float, initial_accumulator: float, weight_decay: float) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator": initial_accumulator,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 (torch's signature)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if group["weight_decay"]:
+                    g = g.add(p, alpha=group["weight_decay"])
+                state = self.state[p]
+                if "sum_sq" not in state:
+                    state["sum_sq"] = torch.full((p.shape[0],), float(group["initial_accumulator"]),
+                                                 dtype=torch.float32, device=p.device)
+                h = state["sum_sq"]
+                h.add_(g.pow(2).mean(dim=1))
+                p.addcdiv_(g, (h.sqrt() + group["eps"]).unsqueeze(1), value=-group["lr"])
+        return None
+
+
+class TableOptimizer:
+    """One torch optimizer per replicated table, by its TableConfig (applied to every row every step).
+
+    sgd / adagrad / adam are torch.optim.SGD / Adagrad / Adam; rowwise_adagrad is fbgemm's row-wise
+    Adagrad. Weight decay: `l2` is the optimizer's own weight_decay (wd * w added to the gradient);
+    `decoupled` and `global` scale the whole table by (1 - lr * wd) before the update (AdamW's form;
+    for a table updated every step the PS's "global" decay is this)."""
+
+    def __init__(self, tables: ReplicatedTables) -> None:
+        self.tables = tables
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        for name, tc in tables.configs.items():
+            p = [tables.weight[name]]
+            wd = tc.weight_decay if tc.weight_decay_mode == "l2" else 0.0
+            if tc.optimizer == "sgd":
+                opt = torch.optim.SGD(p, lr=tc.lr, weight_decay=wd)
+            elif tc.optimizer == "adagrad":
+                opt = torch.optim.Adagrad(p, lr=tc.lr, eps=tc.eps, weight_decay=wd,
+                                          initial_accumulator_value=tc.initial_accumulator)
+            elif tc.optimizer == "adam":
+                opt = torch.optim.Adam(p, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=wd)
+            elif tc.optimizer == "rowwise_adagrad":
+                opt = _RowwiseAdagrad(p, lr=tc.lr, eps=tc.eps, initial_accumulator=tc.initial_accumulator,
+                                      weight_decay=wd)
+            else:
+                raise ValueError(f"ps.tables[{name}]: optimizer {tc.optimizer!r} cannot train a replicated table")
+            self.optimizers[name] = opt
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for name, opt in self.optimizers.items():
+            tc = self.tables.configs[name]
+            if tc.weight_decay and tc.weight_decay_mode != "l2":
+                self.tables.weight[name].mul_(1.0 - tc.lr * tc.weight_decay)
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, opt in self.optimizers.items():
+            if name in state:
+                opt.load_state_dict(state[name])
+            else:
+                logger.warning("replicated table %s: no optimizer state in the checkpoint; it starts fresh", name)
+
+
+def replicated_configs(cfg: JobConfig) -> dict[str, TableConfig]:
+    return {t.name: t for t in cfg.ps.tables if t.placement == "replicated"}
+
+
+def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = None) -> ReplicatedTables | None:
+    """The job's replicated tables (None without any): from `state` (a saved model/replicated.pt) or
+    with vocabularies read from data.train_paths. A config with `auto` tables left is resolved first."""
+    if any(t.placement == "auto" for t in cfg.ps.tables):
+        raise ValueError("resolve_placement(cfg) first: the config still has placement = 'auto' tables")
+    configs = replicated_configs(cfg)
+    if not configs:
+        return None
+    if state is not None:
+        vocab = {n: state[f"{n}.ids"].numpy() if f"{n}.ids" in state else np.zeros(0, np.int64) for n in configs}
+        tables = ReplicatedTables(configs, vocab)
+        tables.load_state(state)
+        return tables
+    vocab = vocabularies(cfg, configs)
+    return ReplicatedTables(configs, vocab)
+
+
+def total_rows(tables: ReplicatedTables | None) -> int:
+    return 0 if tables is None else sum(int(k.numel()) for k in tables.keys.values())
+
+
+__all__ = ["REPLICATED_FILE", "Placement", "ReplicatedTables", "TableOptimizer", "TrainModules", "build_replicated",
+           "load_bytes", "log_placement", "replicated_configs", "resolve_placement", "save_bytes",
+           "table_bytes", "table_columns", "vocabularies"]
+
+
+class TrainModules(nn.Module):
+    """What DDP wraps: the dense model and the replicated tables, so one ring-allreduce (DDP's buckets)
+    averages both gradients. Its forward is the dense model's; the tables are used by the sparse arch
+    before it (their gradients still reach DDP's hooks in the same backward)."""
+
+    def __init__(self, model: nn.Module, replicated: ReplicatedTables | None) -> None:
+        super().__init__()
+        self.model = model
+        self.replicated = replicated
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 (the dense model's signature)
+        return self.model(*args, **kwargs)
