@@ -184,6 +184,8 @@ CASES: list[Case] = [
     ("eval file without a column", train("data.eval_paths=['{w}/bad/no_I2.parquet']"), "I2"),
     ("test file missing", train("data.test_paths=['{w}/no_test.parquet']"), "no_test.parquet"),
     ("run dir is a file", train("train.run_dir='{w}/bad/a_file'"), "train.run_dir"),
+    ("replicated table over the byte budget",
+     train("ps.table_defaults.placement='replicated'", "ps.replicate_max_bytes=1000"), "ps.replicate_max_bytes"),
     # -- command-line arguments -----------------------------------------------------------------
     ("no command", args(), "command"),
     ("unknown command", args("fly"), "fly"),
