@@ -122,7 +122,8 @@ def job_config(args: argparse.Namespace, data_dir: str, run_dir: str, mode: str,
     batch = args.batch_size if global_batch is None else global_batch
     tables = ", ".join(f'{{name = "{c}", dim = {args.dim}, optimizer = "rowwise_adagrad", lr = {SPARSE_LR}, '
                        f'cache_rows = {cache_rows.get(c, 0)}, '
-                       f'kernel = "{args.ps_kernel}"}}' for c in SPARSE)
+                       f'kernel = "{args.ps_kernel}", placement = "{getattr(args, "placement", "ps")}"}}'
+                       for c in SPARSE)
     total_steps = args.log_every + args.steps
     epochs = math.ceil(total_steps * batch / args.rows) + 1
     overrides = [
@@ -261,7 +262,8 @@ def summarize_lines(lines: list[dict], cfg: JobConfig, where: str, sampler: Proc
     med = lambda k: statistics.median(float(x[k]) for x in timed if x.get(k) is not None)   # noqa: E731
     out = {"samples_per_s": med("perf/samples_per_s"), "intervals": [x["perf/samples_per_s"] for x in timed],
            "pull_ms": med("ps/pull_ms"), "push_ms": med("ps/push_ms"), "data_wait_frac": med("data/wait_frac")}
-    for key, name in (("time/ps_wait_ms", "ps_wait_ms"), ("cache/hit_rate", "cache_hit_rate"),
+    for key, name in (("time/ps_wait_ms", "ps_wait_ms"), ("ps/rows_per_step", "ps_rows_per_step"),
+                      ("cache/hit_rate", "cache_hit_rate"),
                       ("cache/hit_rate_per_lookup", "cache_hit_rate_per_lookup"),
                       ("cache/refresh_rate", "cache_refresh_rate")):
         if any(x.get(key) is not None for x in timed):
@@ -537,6 +539,9 @@ def main() -> int:
     p.add_argument("--ps-shared-memory", choices=("auto", "true", "false"), default="auto",
                    help="ps.shared_memory of our runs (auto: the default, the local launcher's shards use /dev/shm)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--placement", choices=("ps", "auto", "replicated"), default="ps",
+                   help="ps.tables[*].placement of our runs (auto: the criteo-like preset's small tables "
+                        "replicated on the trainer, ps.replicate_max_rows)")
     p.add_argument("--cache-frac", type=float, default=0.05,
                    help="ours_cache_zipf: cache_rows of each table as a fraction of its feature's vocabulary")
     p.add_argument("--cache-staleness", type=int, default=8,

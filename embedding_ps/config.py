@@ -213,9 +213,11 @@ class PSConfig:
     may run on, at most 4 (`shard_threads`; 1 on a 2-core machine). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
-    replicate_max_rows: int = 100_000
+    replicate_max_rows: int = 10_000
     """`placement = "auto"`: a table with at most this many distinct ids in the training data is
-    replicated on the trainers (see TableConfig.placement)."""
+    replicated on the trainers (see TableConfig.placement). A replicated table's step costs grow with
+    its rows (a dense gradient and an update of every row), a PS table's with the rows a batch
+    touches; at B = 4096, D = 64 they cross near 10,000 rows (benchmarks/placement.py)."""
     replicate_max_bytes: int = 256 << 20
     """`placement = "auto"`: replicate only while the replicated tables' weights and optimizer state
     (fp32) fit this many bytes on each trainer, smallest tables first; `replicated` tables count

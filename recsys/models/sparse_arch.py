@@ -95,6 +95,7 @@ class SparseLookup:
     local: dict[int, torch.Tensor] = field(default_factory=dict)   # group -> a replicated table's rows [R(+E), D]
     pull_s: float = 0.0
     wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
+    pulled_rows: int = 0                  # rows asked of the store (replicated tables' rows not counted)
     device: torch.device | None = None    # pool here (rows moved on arrival); None: where the rows come
 
     def issue(self, step: int | None) -> None:
@@ -347,6 +348,7 @@ class SparseArch:
             else:
                 look.weights.append(None)
             look.ids.append(uniq)
+            look.pulled_rows += uniq.numel()
             look.inverse.append(inverse)
             look.offsets.append(offsets)
             look.lengths.append(lens)

@@ -68,6 +68,7 @@ class StepTimes:
     pull: float = 0.0
     push: float = 0.0
     ps_wait: float = 0.0            # blocked on pull replies (the rest of `pull` is issuing them)
+    ps_rows: int = 0                # rows pulled from the PS (and their gradients pushed)
     total: float = 0.0
     samples: int = 0
     loss_sum: float = 0.0
@@ -85,6 +86,7 @@ class StepTimes:
             "ps/push_ms": 1e3 * self.push / n,
             "time/data_wait_ms": 1e3 * self.data / n,
             "time/ps_wait_ms": 1e3 * self.ps_wait / n,
+            "ps/rows_per_step": self.ps_rows / n,
         }
 
 
@@ -221,6 +223,7 @@ class Trainer:
         times.push += time.perf_counter() - t0
         times.pull += lookup.pull_s
         times.ps_wait += lookup.wait_s
+        times.ps_rows += lookup.pulled_rows
         if last_micro:
             self.optimizer.step()
             self.scheduler.step()
