@@ -212,13 +212,20 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
         path = resume if _is_remote(resume) else Path(resume)
         verify_checkpoint(path)
         return path
-    for path in reversed(list_checkpoints(run_dir)):
+    found = list_checkpoints(run_dir)
+    failed = []
+    for path in reversed(found):
         try:
             verify_checkpoint(path)
         except CorruptCheckpointError as e:
             logger.warning("skipping checkpoint %s: %s", _name(path), e)
+            failed.append(f"{_name(path)}: {e}")
             continue
         return path
+    if failed:      # starting from step 0 would overwrite them and the model: the user decides
+        raise CorruptCheckpointError(
+            f"--resume latest: none of the {len(failed)} checkpoints of {checkpoints_dir(run_dir)} verifies "
+            f"({'; '.join(failed)}); resume from a given one with --resume PATH, or start a new run_dir")
     return None
 
 

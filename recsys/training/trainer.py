@@ -396,6 +396,13 @@ class Trainer:
             self._write_trace(np.concatenate(run.trace))
         elapsed = time.perf_counter() - run.t_start
         out = {"steps": float(self.step), "train_s": elapsed, "samples": float(run.samples)}
+        max_steps = self.cfg.train.max_steps
+        if max_steps and self.step < max_steps and not (run.stop or self.stopped):
+            # the data (train.epochs passes over data.train_paths) ran out first: say so once
+            out["stopped_end_of_data"] = 1.0
+            if self.rank == 0:
+                logger.warning("train.max_steps = %d, but the data ended after %d steps (train.epochs = %d "
+                               "over data.train_paths): stopped there", max_steps, self.step, self.cfg.train.epochs)
         if self.validation.state.passes:
             out["val_passes"] = float(self.validation.state.passes)
             out["best_step"] = float(self.validation.state.best_step)

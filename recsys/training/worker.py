@@ -238,14 +238,19 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
                     "early_stopped"):
             if key in summary:
                 final[key] = summary[key]
-        if cfg.data.eval_paths:
-            final.update(trainer.evaluate(cfg.data.eval_paths))
+        trainer.drain()
         if dist.is_initialized():
             dist.barrier()      # every rank's last pushes are acknowledged before the shards save
-        if rank == 0:
+        if rank == 0:           # the model first: a failing eval below loses nothing of the training
             save_model(trainer, store, run_path(cfg.train.run_dir, "model"))
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
+        if dist.is_initialized():
+            dist.barrier()      # nobody pulls rows to score while the shards save
+        if cfg.data.eval_paths:
+            final.update(trainer.evaluate(cfg.data.eval_paths))
         report: dict = dict(final)
+        if "stopped_end_of_data" in summary:
+            report["stopped"] = "end of data"
         if cfg.data.test_paths:
             report["test"] = score_test(trainer, store, cfg, cfg.train.run_dir, rank)
         if rank == 0:

@@ -128,7 +128,8 @@ def test_incomplete_checkpoint_on_s3_is_skipped(s3, tmp_path: Path) -> None:
                        json.dumps({"format": "recsys-checkpoint", "version": 1, "step": 3,
                                    "files": {"model/dense.pt": {"size": 4, "sha256": "0"}}}))
     assert list_checkpoints(run) == [storage.join(ckpts, "step-0000000003")]
-    assert resolve_resume(run, "latest") is None                      # model/dense.pt is missing
+    with pytest.raises(CorruptCheckpointError, match="none of the 1 checkpoints.*dense.pt.*missing"):
+        resolve_resume(run, "latest")                                  # model/dense.pt is missing
     with pytest.raises(CorruptCheckpointError, match="step-0000000003/model/dense.pt.*missing"):
         resolve_resume(run, storage.join(ckpts, "step-0000000003"))
 

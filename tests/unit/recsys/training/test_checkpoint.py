@@ -138,7 +138,9 @@ def test_manifest_missing_is_named(tmp_path: Path, data_dir: Path) -> None:
     (root / "manifest.json").unlink()
     with pytest.raises(CorruptCheckpointError, match="manifest.json: missing"):
         verify_checkpoint(root)
-    assert resolve_resume(cfg.train.run_dir, "latest") is None
+    # no good checkpoint left: an error listing them, not a silent start from step 0 over them (#27)
+    with pytest.raises(CorruptCheckpointError, match=f"none of the 1 checkpoints.*{root.name}: .*manifest.json: missing"):
+        resolve_resume(cfg.train.run_dir, "latest")
 
 
 @pytest.mark.parametrize(("old", "new"), [(3, 2), (2, 5)])
