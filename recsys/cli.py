@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.launch", "WorkerError"),
                ("recsys.training.checkpoint", "CorruptCheckpointError"), ("embedding_ps.snapshot", "CorruptShardError"),
                ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
-               ("data.criteo", "CriteoFormatError"))
+               ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"))
 """(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,
 a trainer's error): one `error:` line and exit code 2. Looked up in sys.modules: an error of a
 module that was never imported cannot have been raised, and the CLI starts without torch."""
@@ -147,7 +147,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     preflight_train(cfg, resume=args.resume)   # config, data footers, the checkpoint, before any process
-    launch_train(cfg, resume=args.resume, verbose=args.verbose)   # a graceful stop also exits 0
+    launch_train(cfg, resume=args.resume, verbose=args.verbose,    # a graceful stop also exits 0
+                 overwrite=args.overwrite)
     return 0
 
 
@@ -206,7 +207,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             kind = source.origin.split(" ", 1)[0]
             source = dataclasses.replace(source, origin=f"{kind} {args.run or args.checkpoint}")
         preflight_export(source.model_dir.parent, source.origin.startswith("checkpoint"), Path(out))
-        manifest = export_model(source, out, precision=args.precision, since=args.since)
+        manifest = export_model(source, out, precision=args.precision, since=args.since, overwrite=args.overwrite)
     sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],
                                  "precision": manifest["precision"], "rows": manifest["rows"]}) + "\n")
     return 0
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the run's newest good checkpoint, or from a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train.run_dir holds a run: move it aside (to RUN_DIR.old-TIME) and start a new one")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("ray-submit", help="submit `recsys train --config X` to a Ray cluster as a Ray job")
@@ -313,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", type=int, default=None, metavar="STEP",
                    help="delta export: rows updated and ids evicted at steps >= STEP (a base export's step)")
     p.add_argument("--last", action="store_true", help="with --run: its last model, not its best (RUN_DIR/best)")
+    p.add_argument("--overwrite", action="store_true", help="replace an export of another run at --out")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("export-apply", help="apply a delta export to a base export -> a full export")

@@ -73,6 +73,11 @@ class TrainConfig:
     """Steps between metric lines."""
     run_dir: str = "runs/default"
     """Where the resolved config, processes.json, metrics and the final model go."""
+    run_id: str = ""
+    """The run's id: random, set when a run starts ("" in a config you write), kept by `--resume`;
+    written into the run's config.toml, every checkpoint manifest, metrics.json and every export
+    and delta manifest, so that nothing of another run is mixed in (export-apply and Predictor
+    refuse a delta of another run)."""
     scratch_dir: str = ""
     """When `run_dir` is a URI (`s3://...`, see README "Remote storage"): the local directory for what
     only this machine's processes need (pid and ready files, logs, errors, processes.json, checkpoint
@@ -131,6 +136,8 @@ class TrainConfig:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.dense_lr <= 0:
             raise ValueError(f"train.dense_lr must be > 0, got {self.dense_lr}")
+        if self.run_id and not all(c in "0123456789abcdef" for c in self.run_id):
+            raise ValueError(f"train.run_id must be lowercase hex (set by `recsys train`), got {self.run_id!r}")
         if self.checkpoint_every_s < 0:
             raise ValueError(f"train.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
         if self.keep_checkpoints < 1:

@@ -81,3 +81,89 @@ def local_run(run_dir: str | Path, last: bool = False) -> Iterator[Path]:
 
 
 __all__ = ["BEST_DIR", "best_dir", "has_best", "local_run", "local_run_dir", "model_root", "run_path"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one launcher per run directory, and no run mixed into another
+
+
+LOCK_FILE = ".lock"
+"""RUN_DIR/.lock (the local run directory's, also for a URI run_dir): flock'ed by the launcher."""
+
+RUN_FILES = ("config.toml", "metrics.json", "metrics.jsonl", "model", "checkpoints", BEST_DIR)
+"""What makes a run directory hold a run (a new run refuses it without --resume or --overwrite)."""
+
+
+class RunDirError(ValueError):
+    """A run directory held by another launcher, or holding another run; the message names it."""
+
+
+class RunLock:
+    """An exclusive `fcntl.flock` on LOCAL_RUN_DIR/.lock held for the launcher's life.
+
+    The holder writes {"pid", "host", "run_dir", "since"} into the file; a second launcher reads it to
+    name the holder and changes nothing. The kernel drops the lock when the holder dies (kill -9
+    too), so a crashed launcher never leaves a stale lock. Not across machines: a URI run_dir is
+    locked in this machine's scratch directory only."""
+
+    def __init__(self, local_dir: Path, run_dir: str) -> None:
+        import fcntl
+        import json
+        import os
+
+        local_dir.mkdir(parents=True, exist_ok=True)
+        path = local_dir / LOCK_FILE
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(self.fd, 4096, 0) or b"{}")
+            except ValueError:
+                holder = {}
+            os.close(self.fd)
+            raise RunDirError(
+                f"train.run_dir = {run_dir}: in use by another launcher (pid {holder.get('pid', '?')} on host "
+                f"{holder.get('host', '?')} since {holder.get('since', '?')}; lock {path}): wait for it, stop "
+                f"it, or choose another train.run_dir") from None
+        self.run_dir = str(run_dir)
+
+    def announce(self) -> None:
+        """Write who holds the lock (after the launcher's checks: a refused launcher changes nothing)."""
+        import json
+        import os
+        import socket
+        import time
+
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run_dir": self.run_dir,
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, info, 0)
+
+    def release(self) -> None:
+        import os
+
+        if self.fd >= 0:
+            os.close(self.fd)          # drops the flock; the file stays (removing it would race a waiter)
+            self.fd = -1
+
+
+def existing_run(run_dir: str | Path) -> list[str]:
+    """The names of RUN_FILES that `run_dir` (a path or URI) holds."""
+    return [name for name in RUN_FILES if storage.exists(run_path(run_dir, name))]
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename a local run directory's run files into RUN_DIR/../NAME.old-YYYYmmdd-HHMMSS; returns it."""
+    import time
+
+    old = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 0
+    while old.exists():
+        n += 1
+        old = old.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+    old.mkdir()
+    for child in sorted(run_dir.iterdir()):
+        if child.name != LOCK_FILE:
+            child.rename(old / child.name)
+    return old

@@ -33,6 +33,10 @@ def check_applicable(base: dict, delta: dict, base_where: str, delta_where: str)
     if not delta["since"] <= base["step"] <= delta["step"]:
         raise ExportError(f"{delta_where}: a delta since step {delta['since']} to step {delta['step']} does not "
                           f"apply to {base_where} at step {base['step']} (needs since <= base step <= delta step)")
+    b_run, d_run = base.get("run_id") or "", delta.get("run_id") or ""
+    if b_run and d_run and b_run != d_run and b_run not in delta.get("lineage", []):
+        raise ExportError(f"{delta_where}: a delta of run {d_run}, but {base_where} is an export of run {b_run} "
+                          f"(neither that run nor one it was warm-started from): apply deltas of the base's own run")
     if base["precision"] != delta["precision"]:
         raise ExportError(f"{delta_where}: precision {delta['precision']}, {base_where} has {base['precision']}")
     layout = lambda m: [(t["name"], t["dim"], t["kind"], t["num_embeddings"]) for t in m["tables"]]

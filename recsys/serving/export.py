@@ -31,6 +31,7 @@ is not supported: the export reads saved shards.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -162,6 +163,20 @@ def read_manifest(root: str | Path, verify: bool = True) -> dict:
 # writing a whole export
 
 
+def check_replaceable(out: Path, run_id: str, overwrite: bool) -> None:
+    """Raise ExportError when `out` holds an export of another run than `run_id` (and not `overwrite`)."""
+    path = out / "manifest.json"
+    if overwrite or not path.is_file():
+        return
+    try:
+        theirs = json.loads(path.read_text()).get("run_id") or ""
+    except (ValueError, OSError, AttributeError):
+        theirs = "?"
+    if theirs != run_id:
+        raise ExportError(f"{out}: holds an export of run {theirs or '(no run id)'}, this model is of run "
+                          f"{run_id or '(no run id)'}: choose another --out, or pass --overwrite to replace it")
+
+
 def publish(tmp: Path, out: Path) -> None:
     """Rename the finished `tmp` to `out`, replacing an older export there (never another directory)."""
     if out.exists():
@@ -183,13 +198,17 @@ def staging_dir(out: Path) -> Path:
     return tmp
 
 
-def export_model(source: Source, out: str | Path, precision: str = "fp32", since: int | None = None) -> dict:
-    """Write a full export (or with `since`, a delta) of `source` to `out`; returns the manifest."""
+def export_model(source: Source, out: str | Path, precision: str = "fp32", since: int | None = None,
+                 overwrite: bool = False) -> dict:
+    """Write a full export (or with `since`, a delta) of `source` to `out`; returns the manifest.
+
+    An export already at `out` is replaced only when it is one of the same run, or with `overwrite`."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if since is not None and not 0 <= since <= source.step:
         raise ExportError(f"--since {since} must be in [0, {source.step}] (the {source.origin} is at step {source.step})")
     cfg, out = source.config, Path(out)
+    check_replaceable(out, cfg.train.run_id, overwrite)
     if cfg.model.sequence_features and precision in QUANTIZED:
         raise ExportError(f"precision {precision!r}: a din model exports as fp32 or fp16 only (the quantized "
                           f"pooling kernel gives no per-position rows of the behavior lists)")
@@ -232,7 +251,7 @@ def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | 
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "step": step, "since": since,
         "precision": precision, "origin": origin, "created_unix": int(time.time()),
         "tables": tables, "features": features_section(cfg), "dense": dense,
-        "rows": {e["name"]: e["rows"] for e in tables},
+        "rows": {e["name"]: e["rows"] for e in tables}, "run_id": cfg.train.run_id,
     }
     if retrieval is not None:
         manifest["retrieval"] = retrieval

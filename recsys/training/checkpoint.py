@@ -338,7 +338,7 @@ class Checkpointer:
             ps_dir = run_path(root, "model", "ps") if remote else str((tmp / "model" / "ps").resolve())
             parts.store.save(ps_dir, step=step, background=background)
             info = {"step": step, "num_shards": self.cfg.ps.num_shards, "num_trainers": self.world_size,
-                    "mode": self.cfg.ps.mode, "time": time.time()}
+                    "mode": self.cfg.ps.mode, "time": time.time(), "run_id": self.cfg.train.run_id}
             self._finisher = threading.Thread(target=self._finish, name="checkpoint-finish", daemon=True,
                                               args=(parts.store, ps_dir, tmp, root, info, background,
                                                     target is None))

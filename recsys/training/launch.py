@@ -24,6 +24,7 @@ alone; both die with it (PR_SET_PDEATHSIG) if it is killed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -36,12 +37,13 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
-from recsys.rundir import local_run_dir, run_path
+from recsys.rundir import RunDirError, RunLock, existing_run, local_run_dir, move_aside, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -312,31 +314,83 @@ class JobFailure(RuntimeError):
         self.killed = killed
 
 
-def prepare_run(cfg: JobConfig, resume: str | None) -> tuple[JobConfig, Path, Path, Path | str | None]:
-    """Both engines' start of a job: the config with every table's placement decided
-    (`recsys.models.replicated.resolve_placement`; on resume, the checkpoint's), the local run
-    directory (train.run_dir, or this machine's train.scratch_dir when train.run_dir is a URI)
-    with that config and placement.json written, and the checkpoint `resume` names (None: start
-    afresh)."""
+@contextlib.contextmanager
+def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = None
+                 ) -> Iterator[tuple[JobConfig, Path, Path, Path | str | None]]:
+    """Both engines' start of a job, held for the launcher's life: yields the config with every
+    table's placement decided (`recsys.models.replicated.resolve_placement`; on resume, the
+    checkpoint's) and its run id (new, or the resumed run's), the local run directory (train.run_dir,
+    or this machine's train.scratch_dir when train.run_dir is a URI) with that config and
+    placement.json written, and the checkpoint `resume` names (None: start afresh).
+
+    The run directory is locked (`recsys.rundir.RunLock`) until the block ends: a second launcher on
+    it fails naming the holder. `overwrite`: None (library use) takes the directory as it is; False
+    (`recsys train`) refuses one that holds a run unless resuming; True moves that run aside first.
+    Everything that can refuse reads only: nothing is written before the lock is held."""
     from recsys.training.checkpoint import resolve_resume
 
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
     placement = resolve_placement(placements_of(cfg, checkpoint))
-    log_placement(placement.report)
     cfg = placement.config
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
-    config_path = write_run_dir(cfg, run_dir)
-    (run_dir / "placement.json").write_text(json.dumps(placement.report, indent=1))
-    if storage.is_uri(cfg.train.run_dir):
-        logger.info("train.run_dir is %s; this machine's pids, ready files and logs are in %s (train.scratch_dir)",
-                    cfg.train.run_dir, run_dir)
-        storage.write_text(run_path(cfg.train.run_dir, "config.toml"), to_toml(cfg))
-        if resume and not (run_dir / "metrics.jsonl").exists() and storage.is_file(
-                run_path(cfg.train.run_dir, "metrics.jsonl")):        # resumed on another machine
-            (run_dir / "metrics.jsonl").write_bytes(storage.read_bytes(run_path(cfg.train.run_dir, "metrics.jsonl")))
-    if resume == "latest" and checkpoint is None:
-        logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
-    return cfg, run_dir, config_path, checkpoint
+    lock = RunLock(run_dir, cfg.train.run_dir)
+    try:
+        if overwrite is not None and not resume and (held := existing_run(cfg.train.run_dir)):
+            if not overwrite:
+                raise RunDirError(
+                    f"train.run_dir = {cfg.train.run_dir}: holds a run ({', '.join(held)}): continue it with "
+                    f"--resume latest, choose a new train.run_dir, or pass --overwrite (moves it aside)")
+            if storage.is_uri(cfg.train.run_dir):
+                raise RunDirError(f"train.run_dir = {cfg.train.run_dir}: --overwrite cannot move a URI run "
+                                  f"directory aside; choose a new train.run_dir")
+            logger.warning("--overwrite: moved the run in %s to %s", run_dir, move_aside(run_dir))
+        lock.announce()
+        cfg = with_run_id(cfg, checkpoint, resume)
+        log_placement(placement.report)
+        config_path = write_run_dir(cfg, run_dir)
+        (run_dir / "placement.json").write_text(json.dumps(placement.report, indent=1))
+        if storage.is_uri(cfg.train.run_dir):
+            logger.info("train.run_dir is %s; this machine's pids, ready files and logs are in %s "
+                        "(train.scratch_dir)", cfg.train.run_dir, run_dir)
+            storage.write_text(run_path(cfg.train.run_dir, "config.toml"), to_toml(cfg))
+            if resume and not (run_dir / "metrics.jsonl").exists() and storage.is_file(
+                    run_path(cfg.train.run_dir, "metrics.jsonl")):        # resumed on another machine
+                (run_dir / "metrics.jsonl").write_bytes(
+                    storage.read_bytes(run_path(cfg.train.run_dir, "metrics.jsonl")))
+        if resume == "latest" and checkpoint is None:
+            logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
+        logger.info("run %s in %s", cfg.train.run_id, cfg.train.run_dir)
+        yield cfg, run_dir, config_path, checkpoint
+    finally:
+        lock.release()
+
+
+def with_run_id(cfg: JobConfig, checkpoint: Path | str | None, resume: str | None) -> JobConfig:
+    """`cfg` with train.run_id: the resumed run's (its checkpoint's, or with `--resume latest` and no
+    checkpoint yet the run directory's config), else a new random one."""
+    run_id = ""
+    for source in ([run_path(checkpoint, "config.toml")] if checkpoint is not None else []) + \
+            ([run_path(cfg.train.run_dir, "config.toml")] if resume else []):
+        run_id = _saved_run_id(source)
+        if run_id:
+            break
+    run_id = run_id or uuid.uuid4().hex[:16]        # a new run: a new id (a copied config.toml's is not kept)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_id=run_id))
+
+
+def _saved_run_id(path: Path | str) -> str:
+    """train.run_id of a saved config.toml ("" when it has none or cannot be read)."""
+    try:
+        text = storage.read_text(path)
+    except (FileNotFoundError, OSError):
+        return ""
+    import tomllib
+
+    try:
+        value = tomllib.loads(text).get("train", {}).get("run_id", "")
+    except tomllib.TOMLDecodeError:
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
@@ -360,13 +414,15 @@ def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
     return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
 
 
-def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
+def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False,
+                 overwrite: bool | None = None) -> dict:
     """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json),
     or {"stopped": 1, "step", "checkpoint"} after a graceful stop (SIGTERM / SIGINT).
 
     resume: `latest` (the run directory's newest good checkpoint; none yet: start afresh) or a
     checkpoint path. The trainer and shard counts may differ from the checkpoint's.
     verbose: trainers also print their tracebacks (else only their logs have them).
+    overwrite: what to do with a run directory that already holds a run (`prepared_run`).
     Raises WorkerError (a trainer's one-line error), StopNow (a second signal).
     With cluster.engine = "ray" the job runs on Ray instead (recsys.training.ray_launch; Ray is
     imported only then).
@@ -374,12 +430,12 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     if cfg.cluster.engine == "ray":
         from recsys.training.ray_launch import launch_train_ray
 
-        return launch_train_ray(cfg, resume=resume, verbose=verbose)
+        return launch_train_ray(cfg, resume=resume, verbose=verbose, overwrite=overwrite)
     check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
-    cfg, run_dir, config_path, checkpoint = prepare_run(cfg, resume)
-    with StopRequests(run_dir) as stops:
+    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint), \
+            StopRequests(run_dir) as stops:
         return _run(cfg, config_path, run_dir, checkpoint, stops, verbose)
 
 

@@ -376,20 +376,21 @@ class _NoStops:
     requested = threading.Event()
 
 
-def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = False) -> dict:
+def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = False,
+                     overwrite: bool | None = None) -> dict:
     """Run a whole training job on Ray (cluster.address, or a local Ray instance); the final metrics,
     as `launch_train` returns them. Same run directory, same resume and restart rules."""
     import functools
 
-    from recsys.training.launch import _run, prepare_run
+    from recsys.training.launch import _run, prepared_run
 
     cfg = _absolute(cfg)
-    cfg, run_dir, config_path, checkpoint = prepare_run(cfg, resume)
-    token = secrets.token_hex(32)           # per job; only Ray carries it (task arguments), never a shared file
-    started = connect(cfg)
-    try:
-        return _run(cfg, config_path, run_dir, checkpoint, _NoStops(), verbose,   # type: ignore[arg-type]
-                    attempt=functools.partial(_attempt, token))
-    finally:
-        if started:
-            ray.shutdown()
+    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint):
+        token = secrets.token_hex(32)       # per job; only Ray carries it (task arguments), never a shared file
+        started = connect(cfg)
+        try:
+            return _run(cfg, config_path, run_dir, checkpoint, _NoStops(), verbose,   # type: ignore[arg-type]
+                        attempt=functools.partial(_attempt, token))
+        finally:
+            if started:
+                ray.shutdown()

@@ -248,7 +248,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             dist.barrier()      # nobody pulls rows to score while the shards save
         if cfg.data.eval_paths:
             final.update(trainer.evaluate(cfg.data.eval_paths))
-        report: dict = dict(final)
+        report: dict = {"run_id": cfg.train.run_id, **final}
         if "stopped_end_of_data" in summary:
             report["stopped"] = "end of data"
         if cfg.data.test_paths:
