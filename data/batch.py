@@ -118,7 +118,8 @@ def _torchrec_kjt() -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """B examples: dense features, sparse ids, labels, optional per-id weights and passthrough columns."""
+    """B examples: dense features, sparse ids, labels, optional per-id weights, passthrough columns and
+    per-row example weights."""
 
     dense: torch.Tensor
     """float32 [B, Dn]"""
@@ -130,6 +131,8 @@ class Batch:
     """float32 [N], aligned with `sparse.values` (1.0 for features without a weight column), or None."""
     extras: dict[str, np.ndarray] = field(default_factory=dict)
     """Passthrough columns (`data.passthrough_columns`), each a numpy array [B]; stay on the host."""
+    example_weights: torch.Tensor | None = None
+    """float32 [B] per-row loss weights (`data.example_weight_column`, each >= 0 and finite), or None."""
 
     @property
     def batch_size(self) -> int:
@@ -144,6 +147,8 @@ class Batch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             weights=None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
             extras=self.extras,
+            example_weights=None if self.example_weights is None
+            else self.example_weights.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
@@ -153,6 +158,7 @@ class Batch:
             labels=self.labels.pin_memory(),
             weights=None if self.weights is None else self.weights.pin_memory(),
             extras=self.extras,
+            example_weights=None if self.example_weights is None else self.example_weights.pin_memory(),
         )
 
 
@@ -211,6 +217,15 @@ def validate_batch(batch: Batch) -> None:
         if batch.weights.numel() != batch.sparse.values.numel():
             raise ValueError(f"weights has {batch.weights.numel()} entries, sparse.values has "
                              f"{batch.sparse.values.numel()}")
+    if batch.example_weights is not None:
+        w = batch.example_weights
+        _check_tensor("example_weights", w, torch.float32, 1)
+        if w.shape[0] != B:
+            raise ValueError(f"example_weights has {w.shape[0]} rows, labels has B = {B}")
+        bad = ~(torch.isfinite(w) & (w >= 0))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"example_weights[{i}] = {w[i].item()} is not a finite number >= 0")
     for name, col in batch.extras.items():
         if len(col) != B:
             raise ValueError(f"extras['{name}'] has {len(col)} rows, labels has B = {B}")

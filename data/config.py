@@ -30,6 +30,18 @@ class DataConfig:
     """Id columns: int64 scalars (one id), list<int64> (multi-hot) or strings (hashed to int64)."""
     weight_columns: dict[str, str] = field(default_factory=dict)
     """Sparse column -> list<float> column of per-id weights, same lengths as the ids."""
+    example_weight_column: str = ""
+    """Column of a per-row loss weight (a number >= 0, finite), carried into `Batch.example_weights`
+    [B]; "" for none. Not `weight_columns` (per-id pooling weights). Training weighs each row's loss
+    by it; eval metrics are weighted by it (README "Example weights and negative downsampling")."""
+    negative_sampling_rate: float = 1.0
+    """r in (0, 1]: the training data's negatives (label 0) were kept with probability r. 1.0: not
+    downsampled. How it is corrected: `negative_sampling_correction`."""
+    negative_sampling_correction: Literal["calibrate", "weight"] = "calibrate"
+    """With negative_sampling_rate r < 1: "calibrate" trains on the rows as they are and reports
+    p' = p / (p + (1 - p) / r) (eval, predict, export, serving); "weight" weighs the negatives'
+    loss by 1 / r, so the model's own sigmoid is already calibrated and scores are not changed.
+    Each alone corrects the downsampling (both together would correct it twice)."""
     max_ids_per_row: int = 1024
     """A list column longer than this in one row is bad input."""
     on_bad_rows: Literal["error", "skip"] = "error"
@@ -73,6 +85,11 @@ class DataConfig:
             if len(set(cols)) != len(cols):
                 dup = sorted({c for c in cols if cols.count(c) > 1})
                 raise ValueError(f"data.{key} names {dup} more than once")
+        r = self.negative_sampling_rate
+        if not (0.0 < r <= 1.0):          # also NaN
+            raise ValueError(f"data.negative_sampling_rate must be in (0, 1], got {r}")
+        if self.example_weight_column and self.example_weight_column == self.label_column:
+            raise ValueError(f"data.example_weight_column = {self.example_weight_column!r} is the label column")
         for col in self.weight_columns:
             if col not in self.sparse_columns:
                 raise ValueError(

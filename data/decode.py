@@ -4,7 +4,8 @@
 
 The same `Decoder` and `gather` the `ParquetLoader` uses, so a served row becomes exactly the
 `Batch` training and eval made of it. A table without the label column is scored with labels 0
-(serving data has none); passthrough columns the table lacks are left out of `Batch.extras`.
+(serving data has none); passthrough columns the table lacks are left out of `Batch.extras`, and
+without `data.example_weight_column` the batch's `example_weights` is None.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pyarrow as pa
 
 from data.batch import Batch
 from data.config import DataConfig
-from data.parquet import ColumnPlan, DataError, Decoder, _check_schema
+from data.parquet import ColumnPlan, DataError, Decoder, _check_schema, read_columns
 from data.rows import BatchLayout, gather
 
 __all__ = ["DataError", "decode_table"]
@@ -30,10 +31,10 @@ def decode_table(cfg: DataConfig, table: pa.Table, where: str = "<table>") -> Ba
     keep = tuple(c for c in cfg.passthrough_columns if c in table.column_names)
     if keep != cfg.passthrough_columns:
         cfg = dataclasses.replace(cfg, passthrough_columns=keep)
+    if cfg.example_weight_column and cfg.example_weight_column not in table.column_names:
+        cfg = dataclasses.replace(cfg, example_weight_column="")
     is_list = _check_schema(where, table.schema, cfg, 1)
-    cols = (cfg.label_column, *cfg.dense_columns, *cfg.sparse_columns, *cfg.weight_columns.values(),
-            *cfg.passthrough_columns)
-    plan = ColumnPlan(tuple(dict.fromkeys(cols)), is_list)
+    plan = ColumnPlan(read_columns(cfg), is_list)
     rows, _, _ = Decoder(cfg, plan).decode(table.select(list(plan.columns)), where, 0)
     layout = BatchLayout(tuple(cfg.sparse_columns), plan.layout, bool(cfg.weight_columns))
     return gather([(rows, slice(0, len(rows)))], layout)

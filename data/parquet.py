@@ -4,12 +4,14 @@ A file is scanned once (footer only) when the loader is built: row counts per ro
 sharding plan, and the schema, checked against `DataConfig` (missing column, wrong type). Decoding
 one row group (or a row range of one) turns Arrow columns into numpy without a Python loop over
 rows, and checks the values (null label, NaN/inf, negative id, over-long list, weight/id length
-mismatch, null id inside a list). A bad value raises `DataError` naming the file, row group, column
-and row, or, with `on_bad_rows = "skip"`, the row is dropped and counted.
+mismatch, null id inside a list, a null, negative or non-finite example weight). A bad value raises
+`DataError` naming the file, row group, column and row, or, with `on_bad_rows = "skip"`, the row is
+dropped and counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -126,6 +128,8 @@ def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> t
             **{c: "sparse" for c in cfg.sparse_columns},
             **{w: "weight" for w in cfg.weight_columns.values()},
             **{c: "passthrough" for c in cfg.passthrough_columns}}
+    if cfg.example_weight_column:            # after passthrough: its number check wins
+        want[cfg.example_weight_column] = "per-row weight"
     for col, role in want.items():
         if schema.get_field_index(col) < 0:
             raise DataError(f"{where}, column '{col}': missing ({role} column); the file has "
@@ -133,11 +137,12 @@ def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> t
         t = schema.field(col).type
         ok = {"label": _is_number(t), "dense": _is_number(t), "passthrough": True,
               "sparse": _is_id(t) or (_is_list(t) and _is_id(t.value_type)),
-              "weight": _is_number(t) or (_is_list(t) and _is_number(t.value_type))}[role]
+              "weight": _is_number(t) or (_is_list(t) and _is_number(t.value_type)),
+              "per-row weight": _is_number(t)}[role]
         if not ok:
             expect = {"label": "a number", "dense": "a number",
                       "sparse": "an integer, a string or a list of those",
-                      "weight": "a number or a list of numbers"}[role]
+                      "weight": "a number or a list of numbers", "per-row weight": "a number"}[role]
             raise DataError(f"{where}, column '{col}': wrong type {t} for a {role} column, expected {expect}")
     for col, wcol in cfg.weight_columns.items():
         if _is_list(schema.field(col).type) and not _is_list(schema.field(wcol).type):
@@ -184,9 +189,40 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
         sources.append(ParquetSource(path, md, tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))))
     if not sources:
         raise DataError(f"no readable rows in {len(files)} files (skipped: {skipped})")
+    return sources, ColumnPlan(read_columns(cfg), is_list), skipped
+
+
+def read_columns(cfg: DataConfig) -> tuple[str, ...]:
+    """Every column a batch is made of, each once, in a fixed order."""
     cols = (cfg.label_column, *cfg.dense_columns, *cfg.sparse_columns, *cfg.weight_columns.values(),
-            *cfg.passthrough_columns)
-    return sources, ColumnPlan(tuple(dict.fromkeys(cols)), is_list), skipped
+            *cfg.passthrough_columns, *((cfg.example_weight_column,) if cfg.example_weight_column else ()))
+    return tuple(dict.fromkeys(cols))
+
+
+def scoring_config(cfg: DataConfig, paths: tuple[str, ...] | list[str]) -> DataConfig:
+    """`cfg` for scoring `paths` (eval, validation, predict): as it is when every file has
+    data.example_weight_column; without example weights when no file has it (every row weighs 1:
+    unweighted metrics); DataError naming a file without it when only some have it."""
+    col = cfg.example_weight_column
+    if not col:
+        return cfg
+    lacking, having = [], 0
+    for path in resolve_paths(tuple(paths)):
+        try:
+            with parquet_file(path) as pf:
+                names = pf.schema_arrow.names
+        except Exception:                      # unreadable: scan_files names it (or skips it)
+            continue
+        if col in names:
+            having += 1
+        else:
+            lacking.append(path)
+    if not lacking:
+        return cfg
+    if not having:
+        return dataclasses.replace(cfg, example_weight_column="")
+    raise DataError(f"{lacking[0]} (schema), column '{col}': missing (per-row weight column), which {having} "
+                    f"other files of the same data have (give every file the column, or none for unweighted metrics)")
 
 
 def read_row_group(source: ParquetSource, pf: pq.ParquetFile, rg: int, plan: ColumnPlan) -> pa.Table:
@@ -332,7 +368,7 @@ class Decoder:
         scalars = [self._scalar(table, col, chk) for col in self.scalar_cols]
         lists = [self._list(table, col, chk) for col in self.list_cols]
         extras = {c: np.array(_column(table, c).to_numpy(zero_copy_only=False)) for c in cfg.passthrough_columns}
-        rows = Rows(labels, dense, scalars, lists, extras)
+        rows = Rows(labels, dense, scalars, lists, extras, self._example_weights(table, chk))
         if not chk.counts:
             return rows, 0, chk.counts
         return rows.keep(~chk.bad), int(np.count_nonzero(chk.bad)), chk.counts
@@ -358,6 +394,20 @@ class Decoder:
         labels = np.array(_numbers(arr, 0.0), dtype=np.float32)                # [n], owned
         chk.flag(col, ~((labels >= 0) & (labels <= 1)), "label outside [0, 1]", labels)
         return labels
+
+    def _example_weights(self, table: pa.Table, chk: _Checker) -> np.ndarray | None:
+        """float32 [n] per-row loss weights of data.example_weight_column (None when it is unset):
+        a null, NaN, infinite or negative weight is a bad row."""
+        col = self.cfg.example_weight_column
+        if not col:
+            return None
+        arr = _column(table, col)
+        chk.flag(col, ~_valid(arr), "null example weight")
+        with np.errstate(over="ignore"):                                        # a float64 > 3.4e38 becomes inf
+            w = np.array(_numbers(arr, 1.0), dtype=np.float32)                 # [n], owned
+        chk.flag(col, ~np.isfinite(w), "NaN or inf example weight", w)
+        chk.flag(col, w < 0, "negative example weight", w)
+        return w
 
     def _dense(self, table: pa.Table, chk: _Checker) -> np.ndarray:
         cfg = self.cfg

@@ -83,6 +83,8 @@ class Rows:
     """the list features"""
     extras: dict[str, np.ndarray]
     """passthrough columns, each [n]"""
+    example_weights: np.ndarray | None = None
+    """float32 [n] per-row loss weights (`data.example_weight_column`), or None"""
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -101,7 +103,8 @@ class Rows:
             np.cumsum(lens, out=offsets[1:])
             lists.append(ListColumn(c.values.take(sel), offsets, None if c.weights is None else c.weights.take(sel)))
         return Rows(self.labels.take(idx), self.dense.take(idx, axis=0), scalars, lists,
-                    {k: v.take(idx, axis=0) for k, v in self.extras.items()})
+                    {k: v.take(idx, axis=0) for k, v in self.extras.items()},
+                    None if self.example_weights is None else self.example_weights.take(idx))
 
     @staticmethod
     def concat(parts: list[Rows]) -> Rows:
@@ -125,7 +128,8 @@ class Rows:
             lists.append(ListColumn(cat([x.values for x in cols]), offsets,
                                     None if c.weights is None else cat([x.weights for x in cols])))
         return Rows(cat([p.labels for p in parts]), cat([p.dense for p in parts]), scalars, lists,
-                    {k: cat([p.extras[k] for p in parts]) for k in p0.extras})
+                    {k: cat([p.extras[k] for p in parts]) for k in p0.extras},
+                    None if p0.example_weights is None else cat([p.example_weights for p in parts]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,4 +204,6 @@ def gather(segments: list[tuple[Rows, Index]], layout: BatchLayout) -> Batch:
         labels=torch.from_numpy(_stack(segments, lambda r: r.labels)),
         weights=None if weights is None else torch.from_numpy(weights),
         extras={k: _stack(segments, lambda r, k=k: r.extras[k]) for k in segments[0][0].extras},
+        example_weights=None if segments[0][0].example_weights is None
+        else torch.from_numpy(_stack(segments, lambda r: r.example_weights)),
     )

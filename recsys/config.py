@@ -232,6 +232,9 @@ class JobConfig:
                 raise ValueError(f"data.weight_columns.{column}: per-id weights need sum pooling, but "
                                  f"model.table_pooling.{table} = {self.model.table_pooling[table]!r}")
         check_two_tower(self.model, self.data)
+        if self.model.arch == "two_tower" and (self.data.example_weight_column or self.data.negative_sampling_rate < 1):
+            raise ValueError("data.example_weight_column / data.negative_sampling_rate weigh the binary cross-entropy "
+                             "of CTR models; model.arch = 'two_tower' trains an in-batch softmax: leave them unset")
         if self.model.arch == "two_tower" and self.train.num_trainers > 1 and not self.data.drop_last:
             raise ValueError("model.arch = 'two_tower' with train.num_trainers > 1 needs data.drop_last = true "
                              "(the ranks' item vectors are all-gathered as negatives: equal batch sizes)")

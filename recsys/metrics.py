@@ -13,6 +13,9 @@ AUC with only one label present, NE when the base rate is 0 or 1, calibration wi
 Empty inputs, labels other than 0/1 and length mismatches raise ValueError.
 
 `eval_metrics` is the eval of a job (every rank's part, plus the oracle AUC of synthetic data).
+With per-row weights w (`data.example_weight_column`) every metric is weighted: AUC counts a
+(positive, negative) pair as w_pos * w_neg, logloss = sum w l / sum w, the base rate of NE is
+sum w y / sum w, calibration = sum w p / sum w y; the count stays a row count.
 `CTRMetrics` accumulates the same quantities batch by batch as sums and histograms, which add up
 across ranks with one `all_reduce`. `MetricLogger` writes `metrics.jsonl` (one JSON object per
 `log` call), one log line, and TensorBoard scalars when tensorboard is installed.
@@ -68,15 +71,17 @@ def _binary_entropy(p: float) -> float:
     return -(p * math.log(p) + (1.0 - p) * math.log(1.0 - p))
 
 
-def auc(labels: ArrayLike, scores: ArrayLike) -> float:
+def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> float:
     """Exact ROC AUC: P(score of a positive > score of a negative), ties counted as 1/2.
 
     Computed from ranks (Mann-Whitney U) in O(N log N): tied scores share the average of the
     ranks they span, which is what counts a tied pair as half a correct pair. Scores need not be
     probabilities, only finite. NaN (with a warning) when every label is the same: with no
-    positive-negative pair the AUC is undefined.
+    positive-negative pair the AUC is undefined. With `weights` [N] (>= 0) a pair counts w_pos * w_neg.
     """
     y, s = _pair(labels, scores)
+    if weights is not None:
+        return _weighted_auc(y, s, _weights(weights, y))
     num_pos = float(y.sum())
     num_neg = y.numel() - num_pos
     if num_pos == 0 or num_neg == 0:
@@ -90,6 +95,33 @@ def auc(labels: ArrayLike, scores: ArrayLike) -> float:
     rank_sum_pos = float((avg_rank[inverse] * y).sum())
     u = rank_sum_pos - num_pos * (num_pos + 1) / 2                        # pairs a positive wins
     return u / (num_pos * num_neg)
+
+
+def _weights(weights: ArrayLike, y: torch.Tensor) -> torch.Tensor:
+    """weights -> float64 CPU [N], checked against labels y [N]: same length, finite, >= 0."""
+    w = torch.as_tensor(weights).detach().to("cpu", torch.float64).reshape(-1)  # [N]
+    if w.numel() != y.numel():
+        raise ValueError(f"weights and labels differ in length: {w.numel()} vs {y.numel()}")
+    ok = torch.isfinite(w) & (w >= 0)
+    if not bool(ok.all()):
+        raise ValueError(f"weights must be finite and >= 0, got values such as {w[~ok][:5].tolist()}")
+    return w
+
+
+def _weighted_auc(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> float:
+    """`auc` with a pair weighing w_pos * w_neg: per distinct score, the positive and negative
+    weight; a positive wins the negative weight below its score and half of its own score's."""
+    _, inverse = torch.unique(s, sorted=True, return_inverse=True)
+    G = int(inverse.max()) + 1
+    pos = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * y)          # [G]
+    neg = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * (1 - y))    # [G]
+    num_pos, num_neg = float(pos.sum()), float(neg.sum())
+    if num_pos == 0 or num_neg == 0:
+        logger.warning("auc is undefined without positive and negative weight (%g, %g); returning nan",
+                       num_pos, num_neg)
+        return math.nan
+    wins = (pos * (torch.cumsum(neg, 0) - neg + 0.5 * neg)).sum()
+    return float(wins) / (num_pos * num_neg)
 
 
 def logloss(labels: ArrayLike, scores: ArrayLike) -> float:
@@ -160,8 +192,9 @@ class StreamingAUC:
         self.num_buckets = num_buckets
         self.hist = torch.zeros(2, num_buckets, dtype=torch.float64)      # [2, K]
 
-    def update(self, labels: ArrayLike, scores: ArrayLike) -> None:
-        """Add a batch: labels {0, 1} [N], scores in [0, 1] [N] (ValueError outside: pass sigmoid(logits))."""
+    def update(self, labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> None:
+        """Add a batch: labels {0, 1} [N], scores in [0, 1] [N] (ValueError outside: pass sigmoid(logits)),
+        optional weights [N] >= 0 (each example counts that much instead of 1)."""
         y, s = _pair(labels, scores)
         lo, hi = float(s.min()), float(s.max())
         if not (0.0 <= lo and hi <= 1.0):   # also catches NaN
@@ -169,7 +202,8 @@ class StreamingAUC:
         K = self.num_buckets
         bucket = (s * K).long().clamp_(max=K - 1)                        # [N], a score of 1.0 -> K-1
         flat = y.long() * K + bucket                                      # [N] index into hist.view(-1)
-        self.hist += torch.bincount(flat, minlength=2 * K).view(2, K).to(torch.float64)
+        w = None if weights is None else _weights(weights, y)
+        self.hist += torch.bincount(flat, weights=w, minlength=2 * K).view(2, K).to(torch.float64)
 
     def merge(self, other: StreamingAUC) -> StreamingAUC:
         """Add `other`'s counts into this one (same num_buckets); returns self."""
@@ -208,8 +242,10 @@ class StreamingAUC:
 class CTRMetrics:
     """Accumulates auc / logloss / ne / calibration / count over batches and ranks.
 
-    Keeps sums [loss, labels, scores, count] and a `StreamingAUC`; with `exact_auc=True` it also
-    keeps every (label, score) pair (16 bytes per example) to compute the exact AUC.
+    Keeps sums [loss, labels, scores, weight, count] and a `StreamingAUC`; with `exact_auc=True` it
+    also keeps every (label, score) pair (16 bytes per example, 24 weighted) to compute the exact
+    AUC. `weighted=True`: every update gives per-example weights [N] and the sums are weighted
+    (see the module docstring); without, the weight sum is the count.
 
     Example::
 
@@ -219,32 +255,45 @@ class CTRMetrics:
         result = m.reduced().compute()   # on every rank; {"auc", "logloss", "ne", "calibration", "count"}
     """
 
-    def __init__(self, num_buckets: int = 10_000, exact_auc: bool = False) -> None:
-        self.sums = torch.zeros(4, dtype=torch.float64)                   # [loss, labels, scores, count]
+    def __init__(self, num_buckets: int = 10_000, exact_auc: bool = False, weighted: bool = False) -> None:
+        self.sums = torch.zeros(5, dtype=torch.float64)                   # [loss, labels, scores, weight, count]
         self.streaming_auc = StreamingAUC(num_buckets)
         self.exact_auc = exact_auc
+        self.weighted = weighted
         self._labels: list[torch.Tensor] = []
         self._scores: list[torch.Tensor] = []
+        self._weights: list[torch.Tensor] = []
 
-    def update(self, labels: ArrayLike, scores: ArrayLike) -> None:
-        """Add a batch: labels {0, 1} [N], scores (probabilities) [N]."""
+    def update(self, labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> None:
+        """Add a batch: labels {0, 1} [N], scores (probabilities) [N], weights [N] (>= 0) when weighted."""
+        if (weights is not None) != self.weighted:
+            raise ValueError(f"CTRMetrics(weighted={self.weighted}).update needs weights "
+                             f"{'[N]' if self.weighted else 'None'}")
         y, s = _pair(labels, scores)
-        self.streaming_auc.update(y, s)                                   # also checks 0 <= s <= 1
+        w = None if weights is None else _weights(weights, y)
+        self.streaming_auc.update(y, s, w)                                # also checks 0 <= s <= 1
         p = s.clamp(EPS, 1 - EPS)
-        loss_sum = -(y * torch.log(p) + (1 - y) * torch.log1p(-p)).sum()
-        self.sums += torch.stack([loss_sum, y.sum(), s.sum(), torch.tensor(float(y.numel()), dtype=torch.float64)])
+        loss = -(y * torch.log(p) + (1 - y) * torch.log1p(-p))           # [N]
+        n = torch.tensor(float(y.numel()), dtype=torch.float64)
+        if w is None:
+            self.sums += torch.stack([loss.sum(), y.sum(), s.sum(), n, n])
+        else:
+            self.sums += torch.stack([(w * loss).sum(), (w * y).sum(), (w * s).sum(), w.sum(), n])
         if self.exact_auc:
             self._labels.append(y)
             self._scores.append(s)
+            if w is not None:
+                self._weights.append(w)
 
     def merge(self, other: CTRMetrics) -> CTRMetrics:
         """Add `other`'s state into this one; returns self."""
-        if other.exact_auc != self.exact_auc:
-            raise ValueError("cannot merge CTRMetrics with and without exact_auc")
+        if other.exact_auc != self.exact_auc or other.weighted != self.weighted:
+            raise ValueError("cannot merge CTRMetrics with and without exact_auc / weighted")
         self.sums += other.sums
         self.streaming_auc.merge(other.streaming_auc)
         self._labels += other._labels
         self._scores += other._scores
+        self._weights += other._weights
         return self
 
     def reduced(self, group: dist.ProcessGroup | None = None) -> CTRMetrics:
@@ -257,24 +306,28 @@ class CTRMetrics:
         if not is_distributed(group):
             return out
         K = self.streaming_auc.num_buckets
-        total = all_reduce(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]), group=group)   # [4 + 2K]
-        out.sums = total[:4].clone()
-        out.streaming_auc.hist = total[4:].view(2, K).clone()
+        S = self.sums.numel()
+        total = all_reduce(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]), group=group)   # [S + 2K]
+        out.sums = total[:S].clone()
+        out.streaming_auc.hist = total[S:].view(2, K).clone()
         if self.exact_auc:
             empty = torch.zeros(0, dtype=torch.float64)
             out._labels = [all_gather_cat(torch.cat(self._labels) if self._labels else empty, group)]
             out._scores = [all_gather_cat(torch.cat(self._scores) if self._scores else empty, group)]
+            if self.weighted:
+                out._weights = [all_gather_cat(torch.cat(self._weights) if self._weights else empty, group)]
         return out
 
     def compute(self) -> dict[str, float]:
         """{"auc", "logloss", "ne", "calibration", "count"} of what was added here (see `reduced`)."""
-        loss_sum, label_sum, score_sum, count = self.sums.tolist()
+        loss_sum, label_sum, score_sum, weight_sum, count = self.sums.tolist()
         if count == 0:
             raise ValueError("CTRMetrics.compute: no examples were added")
-        ll = loss_sum / count
-        h = _binary_entropy(label_sum / count)
+        ll = loss_sum / weight_sum if weight_sum > 0 else math.nan        # every weight 0: undefined
+        h = _binary_entropy(label_sum / weight_sum) if weight_sum > 0 else 0.0
         if self.exact_auc:
-            auc_value = auc(torch.cat(self._labels), torch.cat(self._scores))
+            auc_value = auc(torch.cat(self._labels), torch.cat(self._scores),
+                            torch.cat(self._weights) if self.weighted else None)
         else:
             auc_value = self.streaming_auc.compute()
         return {
@@ -290,19 +343,21 @@ class CTRMetrics:
         self.streaming_auc.reset()
         self._labels.clear()
         self._scores.clear()
+        self._weights.clear()
 
 
 def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
-                 exact_auc: bool = True) -> dict[str, float]:
+                 exact_auc: bool = True, weights: torch.Tensor | None = None) -> dict[str, float]:
     """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
-    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals)."""
-    m = CTRMetrics(exact_auc=exact_auc)
-    m.update(labels, scores)
+    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals).
+    `weights` [N]: per-row weights (data.example_weight_column); every metric but the count is weighted."""
+    m = CTRMetrics(exact_auc=exact_auc, weighted=weights is not None)
+    m.update(labels, scores, weights)
     out = m.reduced().compute()
     out["eval_examples"] = out.pop("count")
     if p_true is not None:
-        oracle = CTRMetrics(exact_auc=exact_auc)
-        oracle.update(labels, p_true)
+        oracle = CTRMetrics(exact_auc=exact_auc, weighted=weights is not None)
+        oracle.update(labels, p_true, weights)
         out["oracle_auc"] = oracle.reduced().compute()["auc"]
     return out
 

@@ -18,7 +18,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from data.parquet import DataError, resolve_paths, scan_files
+from data.parquet import DataError, resolve_paths, scan_files, scoring_config
 from recsys import storage
 from recsys.config import ConfigError, JobConfig
 
@@ -41,7 +41,7 @@ def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
         if key == "train_paths" and not paths:
             raise PreflightError("data.train_paths: empty (list the training Parquet files, directories or globs)")
         if paths:
-            preflight_data(cfg, paths, f"data.{key}")
+            preflight_data(cfg, paths, f"data.{key}", scoring=key != "train_paths")
     if storage.is_uri(cfg.train.run_dir):
         check_remote_run_dir(cfg.train.run_dir)
     else:
@@ -85,11 +85,13 @@ def check_tables(cfg: JobConfig) -> None:
                                  f"or map a feature to it with model.feature_tables / linear_feature_tables)")
 
 
-def preflight_data(cfg: JobConfig, paths: tuple[str, ...] | list[str], key: str) -> None:
-    """The files of `paths` exist and their footers have the configured columns with usable types."""
+def preflight_data(cfg: JobConfig, paths: tuple[str, ...] | list[str], key: str, scoring: bool = True) -> None:
+    """The files of `paths` exist and their footers have the configured columns with usable types.
+    `scoring` (eval, test, predict data): data.example_weight_column may be absent from every file
+    (unweighted metrics); training data must have it (a number per row)."""
     try:
         files = resolve_paths(tuple(paths))
-        scan_files(cfg.data, files)
+        scan_files(scoring_config(cfg.data, files) if scoring else cfg.data, files)
     except DataError as e:
         raise PreflightError(f"{e} (fix the data, or {key} / the data.*_columns settings)") from None
     except (FileNotFoundError, ValueError) as e:

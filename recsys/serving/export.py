@@ -18,7 +18,9 @@ int4 packed two per byte, low nibble first), `scale` and `bias` (value = code * 
 fp32/fp16 `vector` is fixed_size_list<float>/<halffloat>[D]. Ids are raw ids for `dynamic` tables
 and hashed row indices (`embedding_ps.sharding.keys_of`) for `hashed` ones. An id a table lacks
 serves the table's `unadmitted` default: the deterministic init row of (seed, key) or zeros,
-exactly what a PS pull returns.
+exactly what a PS pull returns. The manifest's "calibration" ({"negative_sampling_rate": r,
+"correction": ...}) says how the Predictor turns the dense model's logits into calibrated click
+probabilities (recsys/calibration.py).
 
 A delta export (`--since S`, manifest kind "delta") holds the rows updated at steps >= S and the
 tombstones of ids evicted since (see source.py), plus the full dense model; `export-apply`
@@ -48,6 +50,7 @@ from recsys.serving.dense_export import export_dense
 from recsys.serving.retrieval import export_retrieval
 from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
 from recsys.serving.source import SavedShards, Source
+from recsys.calibration import manifest_section
 from recsys.manifest import check_files, file_entry, write_json_atomic
 from recsys.manifest import read_manifest as _read_manifest
 from recsys.serving.tensorfile import ExportError, read_header, write_safetensors
@@ -252,6 +255,7 @@ def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | 
         "precision": precision, "origin": origin, "created_unix": int(time.time()),
         "tables": tables, "features": features_section(cfg), "dense": dense,
         "rows": {e["name"]: e["rows"] for e in tables}, "run_id": cfg.train.run_id,
+        "calibration": manifest_section(data),      # the Predictor corrects scores by it (recsys.calibration)
     }
     if retrieval is not None:
         manifest["retrieval"] = retrieval

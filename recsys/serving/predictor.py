@@ -2,7 +2,7 @@
 
     p = Predictor("exports/tiny")                          # memory-maps tables/*.safetensors
     p = Predictor("exports/base", deltas=["exports/d1"])   # or p.apply_delta("exports/d1")
-    scores = p.predict(pa_table)          # float32 [N]: sigmoid(logits), rows decoded as in training
+    scores = p.predict(pa_table)          # float32 [N]: click probabilities, rows decoded as in training
     scores = p.predict(batch)             # a data.batch.Batch
     rows = p.lookup("C1", ids)            # float32 [N, D] (dequantized for int8 / int4)
 
@@ -24,6 +24,10 @@ equal the trained model's eval scores. int8 / int4 exports pool in one call of f
 `IntNBitTableBatchedEmbeddingBagsCodegen` (SUM with per-id weights; mean pooling as weights 1/length); ids without a row point at an
 all-zero extra row and their default rows are added in float32. The TBE holds its own copy of
 the quantized rows (its row layout is f16 scale | f16 bias | codes, see quantize.py).
+
+Scores: sigmoid(logits), calibrated for the training data's negative downsampling as the manifest's
+"calibration" section says (`recsys.calibration`: sigmoid(logit + log r) when r < 1 and the model
+was not trained with negatives weighted by 1 / r); `logits` stay the dense model's own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 
 from data.batch import Batch
 from data.decode import decode_table
+from recsys.calibration import manifest_score_rate, probabilities
 from recsys.config import load_config
 from recsys.models import build_sparse_arch, sequence_inputs
 from recsys.models.two_tower import tower_data, tower_sparse_arch
@@ -69,6 +74,7 @@ class Predictor:
         self.config = load_config(self.root / "config.toml")
         self.precision = self.manifest["precision"]
         self.step = int(self.manifest["step"])
+        self.score_rate = manifest_score_rate(self.manifest)       # 1.0: scores are sigmoid(logits)
         self.sparse = build_sparse_arch(self.config)
         self.sequences = bool(self.config.model.sequence_features)     # din: behavior rows per position too
         if self.sequences and self.precision in QUANTIZED:
@@ -104,6 +110,7 @@ class Predictor:
             self.tables[i] = TableView(view.cfg, ids, matrix, self.precision)
         self.scorer = load_dense(delta_dir / "dense.pt2")
         self.step = int(delta["step"])
+        self.score_rate = manifest_score_rate(delta)               # the delta's model, the delta's run config
         self._store = ExportStore(self.tables)
         self._pooling = None
         if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
@@ -175,12 +182,13 @@ class Predictor:
         return self.index.search(queries, k)
 
     def predict(self, data: Batch | pa.Table) -> np.ndarray:
-        """float32 [B] click probabilities of a Batch or of a pyarrow Table (decoded like training data)."""
+        """float32 [B] click probabilities (calibrated, see the module docstring) of a Batch or of a
+        pyarrow Table (decoded like training data)."""
         if isinstance(data, Batch):
-            return torch.sigmoid(self.logits(data)).numpy()
+            return probabilities(self.logits(data), self.score_rate).numpy()
         if not isinstance(data, pa.Table):
             raise TypeError(f"predict takes a data.batch.Batch or a pyarrow.Table, got {type(data).__name__}")
-        out = [torch.sigmoid(self.logits(decode_table(self.config.data, data.slice(i, _CHUNK_ROWS),
-                                                      f"<table rows {i}..>"))).numpy()
+        out = [probabilities(self.logits(decode_table(self.config.data, data.slice(i, _CHUNK_ROWS),
+                                                      f"<table rows {i}..>")), self.score_rate).numpy()
                for i in range(0, data.num_rows, _CHUNK_ROWS)]
         return np.concatenate(out) if out else np.zeros(0, np.float32)

@@ -3,6 +3,10 @@
 The saved PS shards are loaded into in-process shard states (same sharding as in training), the
 dense state into the model, and the trainer's own forward path scores the data, so offline
 scores are the training job's scores, not a re-implementation of them.
+
+Scores are calibrated for `data.negative_sampling_rate` (recsys.calibration). With
+`data.example_weight_column` set, the data must have that column and every metric is weighted by
+it (auc over weighted pairs, logloss, ne and calibration); `eval_examples` stays a row count.
 """
 
 from __future__ import annotations
@@ -48,14 +52,14 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
         if cfg.model.arch == "two_tower":      # recall@K / ndcg@K over data.item_paths (training/retrieval.py)
             metrics = trainer.evaluate(tuple(data))
         else:
-            labels, scores, extras = trainer.predict(tuple(data))
+            labels, scores, weights, extras = trainer.score(tuple(data))
     finally:
         trainer.close()
     if cfg.model.arch != "two_tower":
         if labels.numel() == 0:
             raise ValueError(f"no rows in {data}")
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-        metrics = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact")
+        metrics = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact", weights=weights)
     path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
     path.write_text(json.dumps(metrics, indent=1))
     logger.info("eval on %s: %s (written to %s)", data, metrics, path)
@@ -63,7 +67,8 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
 
 
 def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = False) -> int:
-    """Write `score` plus the configured passthrough columns to the Parquet file `out`."""
+    """Write `score` (click probabilities, calibrated for data.negative_sampling_rate) plus the
+    configured passthrough columns to the Parquet file `out`."""
     cfg, trainer = open_run(run_dir, last)
     try:
         _, scores, extras = trainer.predict(tuple(data))

@@ -37,8 +37,10 @@ from torch import nn
 
 from data.batch import Batch
 from data.loader import ParquetLoader
+from data.parquet import scoring_config
 from embedding_ps.cache import CachingStore, cache_metrics
 from embedding_ps.store import EmbeddingStore
+from recsys.calibration import data_score_rate, probabilities
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
@@ -48,6 +50,7 @@ from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
 from recsys.training import stopping
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
+from recsys.training.loss import ctr_loss, row_weights
 from recsys.training.retrieval import retrieval_metrics_of
 from recsys.training.step import step_strategy
 from recsys.rundir import best_dir, local_run_dir
@@ -211,7 +214,10 @@ class Trainer:
         sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else _null()
         with sync_ctx:
             logits = self.forward(batch, lookup)
-            loss = self.loss_fn(logits, batch.labels.to(self.device))
+            labels = batch.labels.to(self.device)
+            # CTR: sum_i w_i * BCE_i / B (recsys.training.loss), the plain mean when no row has a weight
+            loss = self.loss_fn(logits, labels) if self._in_batch else \
+                ctr_loss(logits, labels, row_weights(labels, batch.example_weights, self.cfg.data))
             if not torch.isfinite(loss.detach()):      # before any gradient reaches DDP or the shards
                 raise NonFiniteLossError(f"step {self.step + 1}: the training loss is {float(loss.detach())}")
             (loss * share / acc).backward()             # loss * 1.0 is exact: no special case
@@ -438,19 +444,29 @@ class Trainer:
         ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column."""
         if self._in_batch:                              # two_tower: recall@K / ndcg@K over data.item_paths
             return retrieval_metrics_of(self.cfg, self.sparse, self.scoring_store, self.model, paths)
-        labels, scores, extras = self.predict(paths)
+        labels, scores, weights, extras = self.score(paths)
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-        return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact")
+        return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact", weights=weights)
 
     def predict(self, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
-        """Labels [N], scores [N] (sigmoid of logits) and passthrough columns [N] of this rank's part of `paths`.
+        """Labels [N], scores [N] and passthrough columns [N] of this rank's part of `paths` (see `score`)."""
+        labels, scores, _, extras = self.score(paths)
+        return labels, scores, extras
+
+    def score(self, paths: tuple[str, ...]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, np.ndarray]]:
+        """Labels [N], scores [N], example weights [N] (None without data.example_weight_column, or when
+        the files of `paths` lack it) and passthrough columns [N] of this rank's part of `paths`. Scores
+        are click probabilities: sigmoid(logits), calibrated for data.negative_sampling_rate (recsys.calibration).
 
         Rows come in file order (no shuffle); the next batch's pulls fly while the current one computes.
         """
-        labels, scores = [], []
+        labels, scores, weights = [], [], []
         extras: dict[str, list[np.ndarray]] = {}
+        rate = data_score_rate(self.cfg.data)                  # 1.0: plain sigmoid
         self.model.eval()
         data_cfg = dataclasses.replace(self.cfg.data, shuffle=False, drop_last=False)   # score every row
+        data_cfg = scoring_config(data_cfg, paths)       # files without the example weight column: unweighted
         with torch.no_grad(), ParquetLoader(data_cfg, paths, rank=self.rank,
                                             world_size=self.world_size) as loader:
             it = iter(loader)
@@ -460,14 +476,17 @@ class Trainer:
             while batch is not None:
                 nxt = next(it, None)
                 nxt_lookup = self.sparse.lookup(nxt, store) if nxt is not None else None
-                scores.append(torch.sigmoid(self.forward(batch, lookup, train=False)))
+                scores.append(probabilities(self.forward(batch, lookup, train=False), rate))
                 labels.append(batch.labels)
+                if batch.example_weights is not None:
+                    weights.append(batch.example_weights)
                 for name, col in batch.extras.items():
                     extras.setdefault(name, []).append(np.asarray(col))
                 batch, lookup = nxt, nxt_lookup
         self.model.train()
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
-        return cat(labels), cat(scores), {k: np.concatenate(v) for k, v in extras.items()}
+        return (cat(labels), cat(scores), cat(weights) if data_cfg.example_weight_column else None,
+                {k: np.concatenate(v) for k, v in extras.items()})
 
     def _log(self, values: dict[str, float]) -> None:
         if self.world_size > 1 and is_distributed():

@@ -74,6 +74,9 @@ def _bad_data(world: Path, good: Path) -> None:
                    bad / "label_as_text.parquet")
     pq.write_table(table.set_column(table.schema.get_field_index("C1"), "C1",
                                     table.column("C1").cast(pa.float64(), safe=False)), bad / "C1_as_float.parquet")
+    pq.write_table(table.append_column("row_weight", pa.array(["1.0"] * table.num_rows)),
+                   bad / "weight_as_text.parquet")
+    pq.write_table(table.append_column("row_weight", pa.array([1.0] * table.num_rows)), bad / "weighted.parquet")
     (bad / "not_parquet.parquet").write_text("label,I1\n1,2\n")
     raw = good.read_bytes()
     (bad / "truncated.parquet").write_bytes(raw[: len(raw) // 2])
@@ -184,6 +187,14 @@ CASES: list[Case] = [
     ("eval file without a column", train("data.eval_paths=['{w}/bad/no_I2.parquet']"), "I2"),
     ("test file missing", train("data.test_paths=['{w}/no_test.parquet']"), "no_test.parquet"),
     ("run dir is a file", train("train.run_dir='{w}/bad/a_file'"), "train.run_dir"),
+    ("negative sampling rate 0", train("data.negative_sampling_rate=0.0"), "data.negative_sampling_rate"),
+    ("negative sampling rate above 1", train("data.negative_sampling_rate=1.5"), "data.negative_sampling_rate"),
+    ("example weight column missing", train("data.example_weight_column='row_weight'"), "'row_weight': missing"),
+    ("example weight column of a wrong type", train("data.train_paths=['{w}/bad/weight_as_text.parquet']",
+                                                    "data.example_weight_column='row_weight'"), "'row_weight'"),
+    ("eval files with and without the example weight column",
+     train("data.train_paths=['{w}/bad/weighted.parquet']", "data.example_weight_column='row_weight'",
+           "data.eval_paths=['{w}/bad/weighted.parquet', '{w}/data/part-00001.parquet']"), "'row_weight': missing"),
     ("replicated table over the byte budget",
      train("ps.table_defaults.placement='replicated'", "ps.replicate_max_bytes=1000"), "ps.replicate_max_bytes"),
     # -- command-line arguments -----------------------------------------------------------------

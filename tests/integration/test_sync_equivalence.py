@@ -114,7 +114,14 @@ class Reference:
             local = torch.searchsorted(self.vocab[feature], values)
             pooled.append(self.bags[feature](local, torch.cumsum(lengths, 0) - lengths))
         logits = self.model(dense, torch.stack(pooled, dim=1), None)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        weight = None                     # data.example_weight_column, times 1 / r on negatives ("weight")
+        if batches[0].example_weights is not None:
+            weight = torch.cat([b.example_weights for b in batches])
+        d = self.cfg.data
+        if d.negative_sampling_correction == "weight" and d.negative_sampling_rate < 1:
+            neg = torch.where(labels == 0, 1.0 / d.negative_sampling_rate, 1.0)
+            weight = neg if weight is None else weight * neg
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weight)   # sum(w l) / B
         for bag in self.bags.values():
             bag.zero_grad()
         self.opt.zero_grad()
@@ -159,6 +166,28 @@ def test_sync_is_exact_when_ranks_batches_differ_in_size(tmp_path: Path, tiny_da
     cfg = _with_optimizer(cfg, optimizer)
     steps = list(global_batches(cfg, 2, steps=11))
     assert sorted(b.batch_size for b in steps[-1]) == [2, 3] and all(b.batch_size == BATCH for bs in steps[:-1] for b in bs)
+    launch_train(cfg)
+    check_equals_reference(cfg, tmp_path / "run", 2, 11)
+
+
+def test_sync_is_exact_with_example_weights_and_negative_weighting(tmp_path: Path, tiny_dataset) -> None:
+    """Per-row loss weights (an example weight column, negatives times 1 / r) on the uneven last step:
+    the loss is sum(w l) / B on every rank, so the shares still add up to one process's loss."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tiny_dataset(rows=UNEVEN_ROWS, files=1, seed=9, row_group_rows=100) / "part-00000.parquet"
+    table = pq.read_table(src)
+    weights = np.random.default_rng(0).random(table.num_rows).astype(np.float32) * 3
+    data = tmp_path / "weighted.parquet"
+    pq.write_table(table.append_column("ew", pa.array(weights)), data, row_group_size=100)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"data.train_paths=['{data}']", "data.eval_paths=[]", f"data.batch_size={BATCH}",
+        "data.shuffle_buffer_rows=64", "data.drop_last=false", "ps.num_shards=2", "ps.mode='sync'",
+        "train.num_trainers=2", "train.epochs=1", f"train.run_dir='{tmp_path / 'run'}'", "train.log_every=5",
+        "train.num_threads=1", "data.example_weight_column='ew'", "data.negative_sampling_rate=0.25",
+        "data.negative_sampling_correction='weight'"])
     launch_train(cfg)
     check_equals_reference(cfg, tmp_path / "run", 2, 11)
 
