@@ -115,6 +115,10 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         from recsys.training.reshard import restore_shard
 
         factory = lambda config, shard: restore_shard(config, shard, args.restore)   # noqa: E731
+    elif args.init_from:
+        from recsys.training.reshard import init_shard
+
+        factory = lambda config, shard: init_shard(config, shard, args.init_from)   # noqa: E731
     stop = threading.Event()
     _stop_on_signals(stop)
     serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory,
@@ -146,6 +150,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from recsys.preflight import preflight_train
 
     cfg = load_config(args.config, args.overrides)
+    if args.init_from:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
     preflight_train(cfg, resume=args.resume)   # config, data footers, the checkpoint, before any process
     launch_train(cfg, resume=args.resume, verbose=args.verbose,    # a graceful stop also exits 0
                  overwrite=args.overwrite)
@@ -264,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", default=None, help="write the shard's address here once it serves")
     p.add_argument("--restore", default=None, metavar="PS_DIR",
                    help="first load this shard's part of a saved PS (a checkpoint's model/ps; any shard count)")
+    p.add_argument("--init-from", default=None, metavar="PS_DIR",
+                   help="warm start: take the rows of these saved shards' tables that this config has, by name")
     p.set_defaults(func=_cmd_ps)
 
     p = sub.add_parser("train", help="train: start the PS shards and trainers on this machine")
@@ -272,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the run's newest good checkpoint, or from a checkpoint directory")
     p.add_argument("--overwrite", action="store_true",
                    help="train.run_dir holds a run: move it aside (to RUN_DIR.old-TIME) and start a new one")
+    p.add_argument("--init-from", default=None, metavar="RUN_DIR|CHECKPOINT",
+                   help="warm start from another run's model (train.init_from): rows, optimizer state, dense "
+                        "weights; a fresh data position")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("ray-submit", help="submit `recsys train --config X` to a Ray cluster as a Ray job")

@@ -78,6 +78,20 @@ class TrainConfig:
     written into the run's config.toml, every checkpoint manifest, metrics.json and every export
     and delta manifest, so that nothing of another run is mixed in (export-apply and Predictor
     refuse a delta of another run)."""
+    init_from: str = ""
+    """Warm start (`recsys train --init-from`): a run directory (its best model if it kept one, else
+    its last), a checkpoint directory or a local path or URI of either. The new run starts from its
+    rows with their optimizer state and counters, its dense weights and (from a checkpoint) dense
+    optimizer state, on a fresh data position; the step counter continues from the source's step
+    (TTL, staleness and delta exports count on), and train.max_steps counts this run's steps. Tables
+    added since start empty; a table whose dim, kind or optimizer changed is an error naming it.
+    Ignored by --resume (a resumed run continues its own checkpoint)."""
+    init_step: int = 0
+    """The step train.init_from's model had reached (set by `recsys train`): this run's step counter
+    starts there, and it ends at init_step + train.max_steps."""
+    lineage: tuple[str, ...] = ()
+    """Run ids this run was warm-started from, oldest first (set by `recsys train --init-from`):
+    a delta of this run applies to an export of any of them (export-apply, Predictor)."""
     scratch_dir: str = ""
     """When `run_dir` is a URI (`s3://...`, see README "Remote storage"): the local directory for what
     only this machine's processes need (pid and ready files, logs, errors, processes.json, checkpoint
@@ -131,11 +145,13 @@ class TrainConfig:
         if self.num_trainers > MAX_LOCAL_TRAINERS:
             raise ValueError(f"train.num_trainers must be <= {MAX_LOCAL_TRAINERS} (processes started on this "
                              f"machine; more trainers: torchrun on several hosts), got {self.num_trainers}")
-        for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts"):
+        for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts", "init_step"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.dense_lr <= 0:
             raise ValueError(f"train.dense_lr must be > 0, got {self.dense_lr}")
+        if any(not r or not all(c in "0123456789abcdef" for c in r) for r in self.lineage):
+            raise ValueError(f"train.lineage must list run ids (lowercase hex), got {list(self.lineage)}")
         if self.run_id and not all(c in "0123456789abcdef" for c in self.run_id):
             raise ValueError(f"train.run_id must be lowercase hex (set by `recsys train`), got {self.run_id!r}")
         if self.checkpoint_every_s < 0:

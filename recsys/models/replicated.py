@@ -187,10 +187,30 @@ class ReplicatedTables(nn.Module):
         self.configs = dict(tables)
         self.weight = nn.ParameterDict()
         self.keys: dict[str, torch.Tensor] = {}
+        self.grown: dict[str, torch.Tensor] = {}     # warm start: saved row i is now row grown[name][i]
         for name, tc in self.configs.items():
             keys = torch.from_numpy(np.ascontiguousarray(vocab[name], dtype=np.int64))
             self.keys[name] = keys
             self.weight[name] = nn.Parameter(init_rows(keys, tc.dim, tc.seed, tc.init, tc.init_scale))
+
+    def grow_from(self, state: dict[str, torch.Tensor]) -> None:
+        """Warm start: every table's vocabulary becomes the union of the saved one and its own (the new
+        data's ids), the saved rows kept, new ids at their init rows. `grown[name]` maps the saved rows
+        to their new positions (for the optimizer state, `TableOptimizer.load_state_dict`). Before DDP
+        wraps the tables (their shapes change). Tables the state lacks keep their fresh rows."""
+        for name, tc in self.configs.items():
+            if f"{name}.ids" not in state:
+                continue
+            saved_ids, saved = state[f"{name}.ids"].to(torch.int64), state[f"{name}.weight"].float()
+            if saved.dim() != 2 or saved.shape != (saved_ids.numel(), tc.dim):
+                raise ValueError(f"replicated table {name!r} saved as {tuple(saved.shape)}, config dim {tc.dim}")
+            keys = torch.from_numpy(np.union1d(saved_ids.numpy(), self.keys[name].numpy()))
+            weight = init_rows(keys, tc.dim, tc.seed, tc.init, tc.init_scale)
+            pos = torch.searchsorted(keys, saved_ids)
+            weight[pos] = saved
+            self.keys[name] = keys
+            self.weight[name].data = weight.to(self.weight[name].device)
+            self.grown[name] = pos
 
     def rows(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [R + E, D], index [N] into them) of ids [N]: the table's weight, plus, when some ids are
@@ -325,33 +345,58 @@ class TableOptimizer:
     def state_dict(self) -> dict:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, remap: dict[str, torch.Tensor] | None = None) -> None:
+        """Load each table's optimizer state; `remap[name]` (a warm start's grown vocabulary) puts the
+        saved rows' state at their new positions, new rows at the optimizer's initial state."""
         for name, opt in self.optimizers.items():
-            if name in state:
-                opt.load_state_dict(state[name])
-            else:
-                logger.warning("replicated table %s: no optimizer state in the checkpoint; it starts fresh", name)
+            if name not in state:
+                logger.warning("replicated table %s: no optimizer state saved; it starts fresh", name)
+                continue
+            st = state[name]
+            if remap and name in remap:
+                st = _remapped(st, remap[name], self.tables.weight[name].shape[0], self.tables.configs[name])
+            opt.load_state_dict(st)
+
+
+def _remapped(state: dict, pos: torch.Tensor, rows: int, tc: TableConfig) -> dict:
+    """A torch optimizer state_dict whose per-row tensors [R_old, ...] become [rows, ...] with row i at pos[i]."""
+    out = {"param_groups": state["param_groups"], "state": {}}
+    for key, per_param in state["state"].items():
+        new = {}
+        for k, v in per_param.items():
+            if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == pos.numel():
+                fill = tc.initial_accumulator if k in ("sum", "sum_sq") else 0.0
+                grown = torch.full((rows, *v.shape[1:]), fill, dtype=v.dtype)
+                grown[pos] = v
+                v = grown
+            new[k] = v
+        out["state"][key] = new
+    return out
 
 
 def replicated_configs(cfg: JobConfig) -> dict[str, TableConfig]:
     return {t.name: t for t in cfg.ps.tables if t.placement == "replicated"}
 
 
-def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = None) -> ReplicatedTables | None:
-    """The job's replicated tables (None without any): from `state` (a saved model/replicated.pt) or
-    with vocabularies read from data.train_paths. A config with `auto` tables left is resolved first."""
+def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = None,
+                     grow: bool = False) -> ReplicatedTables | None:
+    """The job's replicated tables (None without any): from `state` (a saved model/replicated.pt: a
+    resumed run, or eval), or with vocabularies read from data.train_paths; with `grow` (a warm start)
+    both: the data's vocabularies joined with the saved ones (`ReplicatedTables.grow_from`)."""
     if any(t.placement == "auto" for t in cfg.ps.tables):
         raise ValueError("resolve_placement(cfg) first: the config still has placement = 'auto' tables")
     configs = replicated_configs(cfg)
     if not configs:
         return None
-    if state is not None:
+    if state is not None and not grow:
         vocab = {n: state[f"{n}.ids"].numpy() if f"{n}.ids" in state else np.zeros(0, np.int64) for n in configs}
         tables = ReplicatedTables(configs, vocab)
         tables.load_state(state)
         return tables
-    vocab = vocabularies(cfg, configs)
-    return ReplicatedTables(configs, vocab)
+    tables = ReplicatedTables(configs, vocabularies(cfg, configs))
+    if state is not None:
+        tables.grow_from(state)
+    return tables
 
 
 def total_rows(tables: ReplicatedTables | None) -> int:

@@ -446,3 +446,107 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
     logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, step,
                 manifest["num_trainers"], world_size)
     return Restored(step=step, manifest=manifest, validation=dict(state.get("validation", {})))
+
+
+# ---------------------------------------------------------------------------------------------
+# warm start (train.init_from)
+
+
+@dataclass(frozen=True, slots=True)
+class InitSource:
+    """A trained model a new run starts from (`resolve_init`)."""
+
+    root: Path | str                  # the checkpoint directory, or the run's model directory's parent
+    model_dir: Path | str             # holds dense.pt, ps/shard{i}/, replicated.pt
+    step: int                         # completed training steps of the source
+    config: JobConfig                 # the source run's resolved config
+    checkpoint: bool                  # a checkpoint: trainer/state.pt (dense optimizer state) too
+    manifest: dict[str, Any]          # the checkpoint's manifest ({} for a run's last model)
+
+
+def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
+    """`train.init_from` -> InitSource: a checkpoint directory (verified), or a run directory (its best
+    model, RUN_DIR/best, when it kept one, else RUN_DIR/model with metrics.json's step count).
+
+    Raises CorruptCheckpointError or ConfigError naming what is missing or damaged."""
+    from recsys.config import ConfigError, load_config
+    from recsys.rundir import model_root
+
+    remote = _is_remote(path)
+    root = path if remote else Path(path)
+    if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "trainer")):
+        manifest = verify_checkpoint(root) if verify else read_manifest(root)
+        return InitSource(root, run_path(root, "model"), int(manifest["step"]), _load_config(root), True, manifest)
+    if not storage.exists(run_path(root, "config.toml")):
+        raise ConfigError(f"train.init_from = {path}: neither a run directory nor a checkpoint (no config.toml)")
+    best = model_root(root)
+    if best != root:                                   # the run kept its best validation pass: a checkpoint
+        return resolve_init(best, verify)
+    for needed in ("metrics.json", "model/dense.pt"):
+        if not storage.exists(run_path(root, *needed.split("/"))):
+            raise ConfigError(f"train.init_from = {path}: not a finished run ({needed} is missing); give one of "
+                              f"its checkpoints instead")
+    try:
+        step = int(json.loads(storage.read_text(run_path(root, "metrics.json")))["steps"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{run_path(root, 'metrics.json')}: no readable step count ({e})") from None
+    return InitSource(root, run_path(root, "model"), step, _load_config(root), False, {})
+
+
+def _load_config(root: Path | str) -> JobConfig:
+    from recsys.config import load_config
+
+    path = run_path(root, "config.toml")
+    if _is_remote(path):
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            f.write(storage.read_text(path))
+        try:
+            return load_config(f.name)
+        finally:
+            os.unlink(f.name)
+    return load_config(path)
+
+
+def check_init_tables(cfg: JobConfig, source: InitSource) -> list[str]:
+    """The source's tables the new run takes (by name); raises ConfigError naming a table whose
+    layout or optimizer changed. Tables only in `cfg` start empty."""
+    from recsys.config import ConfigError
+
+    theirs = {t.name: t for t in source.config.ps.tables}
+    taken = []
+    for t in cfg.ps.tables:
+        old = theirs.get(t.name)
+        if old is None:
+            continue
+        for key in ("dim", "kind", "num_embeddings", "optimizer", "placement", "weight_decay_mode"):
+            if getattr(old, key) != getattr(t, key):
+                raise ConfigError(
+                    f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but train.init_from = {source.root} trained it "
+                    f"with {key} = {getattr(old, key)!r}: its rows and optimizer state do not carry over (keep "
+                    f"{key}, rename the table to start it afresh, or drop init_from)")
+        taken.append(t.name)
+    return taken
+
+
+def warm_start(parts: TrainParts, source: InitSource) -> None:
+    """Put the source's dense weights, replicated tables and (from a checkpoint) dense and table
+    optimizer state into `parts`; the data position, LR schedule and early-stopping record stay new."""
+    root = source.root
+    manifest = source.manifest
+    read = (lambda rel: read_checked(root, rel, manifest)) if source.checkpoint else \
+        (lambda rel: storage.read_bytes(run_path(root, *rel.split("/"))))
+    parts.model.load_state_dict(torch.load(io.BytesIO(read("model/dense.pt")), weights_only=True))
+    # (the replicated tables came from the source when the trainer was built: `build_replicated(grow=)`)
+    if not source.checkpoint:
+        logger.info("warm start from %s: no dense optimizer state there (a run's last model); it starts fresh",
+                    root)
+        return
+    state = torch.load(io.BytesIO(read("trainer/state.pt")), weights_only=True)
+    try:
+        parts.optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        logger.warning("warm start from %s: the dense optimizer state does not fit (%s); it starts fresh", root, e)
+    if parts.table_optimizer is not None:
+        parts.table_optimizer.load_state_dict(state.get("table_optimizer", {}), remap=parts.replicated.grown)

@@ -43,6 +43,7 @@ from pathlib import Path
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
+from recsys.training.checkpoint import InitSource, check_init_tables, resolve_init
 from recsys.rundir import RunDirError, RunLock, existing_run, local_run_dir, move_aside, run_path
 
 logger = logging.getLogger(__name__)
@@ -202,10 +203,12 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
 
 
 def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
-                 restore: Path | str | None = None) -> tuple[list[subprocess.Popen], list[str]]:
+                 restore: Path | str | None = None, init: Path | str | None = None
+                 ) -> tuple[list[subprocess.Popen], list[str]]:
     """Start ps.num_shards shard processes on ephemeral ports; return them and their addresses.
 
     restore: a saved PS directory (a checkpoint's model/ps) each shard loads its part of first.
+    init: a warm start's saved PS directory (its tables taken by name, `reshard.init_shard`).
     """
     procs: list[subprocess.Popen] = []
     ready_files = []
@@ -218,6 +221,8 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
                "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
         if restore is not None:
             cmd += ["--restore", str(restore)]
+        elif init is not None:
+            cmd += ["--init-from", str(init)]
         procs.append(subprocess.Popen(cmd, env=child_env(1), stdout=log, stderr=subprocess.STDOUT,
                                       preexec_fn=_die_with_parent, start_new_session=True))
         log.close()
@@ -316,12 +321,13 @@ class JobFailure(RuntimeError):
 
 @contextlib.contextmanager
 def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = None
-                 ) -> Iterator[tuple[JobConfig, Path, Path, Path | str | None]]:
+                 ) -> Iterator[tuple[JobConfig, Path, Path, Path | str | None, InitSource | None]]:
     """Both engines' start of a job, held for the launcher's life: yields the config with every
     table's placement decided (`recsys.models.replicated.resolve_placement`; on resume, the
     checkpoint's) and its run id (new, or the resumed run's), the local run directory (train.run_dir,
     or this machine's train.scratch_dir when train.run_dir is a URI) with that config and
-    placement.json written, and the checkpoint `resume` names (None: start afresh).
+    placement.json written, the checkpoint `resume` names (None: start afresh), and the warm
+    start's source (train.init_from, when there is no checkpoint to resume; else None).
 
     The run directory is locked (`recsys.rundir.RunLock`) until the block ends: a second launcher on
     it fails naming the holder. `overwrite`: None (library use) takes the directory as it is; False
@@ -330,8 +336,15 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
     from recsys.training.checkpoint import resolve_resume
 
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
-    placement = resolve_placement(placements_of(cfg, checkpoint))
+    init = resolve_init(cfg.train.init_from) if cfg.train.init_from and checkpoint is None else None
+    placement = resolve_placement(placements_of(cfg, checkpoint if init is None else init.root))
     cfg = placement.config
+    if init is not None:         # a warm start: the source's tables must fit; its run joins the lineage
+        check_init_tables(cfg, init)
+        src = init.config.train
+        lineage = tuple(dict.fromkeys((*src.lineage, *((src.run_id,) if src.run_id else ()))))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_step=init.step, lineage=lineage,
+                                                                 init_from=str(init.root)))
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     lock = RunLock(run_dir, cfg.train.run_dir)
     try:
@@ -359,8 +372,9 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
                     storage.read_bytes(run_path(cfg.train.run_dir, "metrics.jsonl")))
         if resume == "latest" and checkpoint is None:
             logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
-        logger.info("run %s in %s", cfg.train.run_id, cfg.train.run_dir)
-        yield cfg, run_dir, config_path, checkpoint
+        logger.info("run %s in %s%s", cfg.train.run_id, cfg.train.run_dir,
+                    f", warm-started from {init.root} (step {init.step})" if init is not None else "")
+        yield cfg, run_dir, config_path, checkpoint, init
     finally:
         lock.release()
 
@@ -434,9 +448,9 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
-    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint), \
+    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init), \
             StopRequests(run_dir) as stops:
-        return _run(cfg, config_path, run_dir, checkpoint, stops, verbose)
+        return _run(cfg, config_path, run_dir, checkpoint, stops, verbose, init=init)
 
 
 def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
@@ -453,9 +467,10 @@ def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
 
 
 def _run(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None, stops: StopRequests,
-         verbose: bool, attempt=None) -> dict:
+         verbose: bool, attempt=None, init: InitSource | None = None) -> dict:
     """The attempt loop (restarts after a kill); `attempt`: one start of the job, `_attempt` (local)
-    or the Ray engine's (recsys.training.ray_launch), with _attempt's arguments."""
+    or the Ray engine's (recsys.training.ray_launch), with _attempt's arguments. `init`: a warm
+    start's source, used while the run has no checkpoint of its own."""
     from recsys.training.checkpoint import resolve_resume
 
     attempt = attempt or _attempt
@@ -464,7 +479,8 @@ def _run(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | No
     restarts = 0
     while True:
         try:
-            metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose)
+            extra = {"init": init} if init is not None and checkpoint is None else {}
+            metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose, **extra)
             return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
         except JobFailure as e:
             if stops.requested.is_set():
@@ -483,7 +499,7 @@ def _run(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | No
 
 
 def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
-             earlier: list[dict], stops: StopRequests, verbose: bool) -> dict | None:
+             earlier: list[dict], stops: StopRequests, verbose: bool, init: InitSource | None = None) -> dict | None:
     """One start of the shards and trainers; the final metrics, or None after a graceful stop.
     Raises JobFailure when a process of it is killed, WorkerError when a trainer fails."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -496,7 +512,8 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     shards: list[subprocess.Popen] = []
     try:
         shards, addresses = start_shards(cfg, config_path, run_dir,
-                                         None if checkpoint is None else run_path(checkpoint, "model", "ps"))
+                                         None if checkpoint is None else run_path(checkpoint, "model", "ps"),
+                                         None if init is None else run_path(init.model_dir, "ps"))
         write_processes(run_dir, shards, earlier)
         logger.info("ps shards ready at %s", ", ".join(addresses))
         if stops.requested.is_set():
@@ -514,7 +531,8 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
         watchdog.start()
         try:
             elastic_launch(lc, worker_main)(str(config_path), list(addresses), str(run_dir),
-                                           None if checkpoint is None else str(checkpoint), False, verbose)
+                                           None if checkpoint is None else str(checkpoint), False, verbose,
+                                           None if init is None else str(init.root))
         except BaseException as e:
             if watchdog.dead is not None:
                 shard, code = watchdog.dead

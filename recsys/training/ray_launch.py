@@ -42,7 +42,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from recsys.config import JobConfig, load_config, load_ps_config, to_toml
+from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.rundir import run_path
 from recsys.training.launch import JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_processes
 
@@ -385,7 +385,10 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
     from recsys.training.launch import _run, prepared_run
 
     cfg = _absolute(cfg)
-    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint):
+    if cfg.train.init_from and not resume:
+        raise ConfigError("train.init_from: a warm start runs with cluster.engine = 'local' for now (the Ray "
+                          "engine's shard actors restore only checkpoints); use --resume, or the local engine")
+    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, _):
         token = secrets.token_hex(32)       # per job; only Ray carries it (task arguments), never a shared file
         started = connect(cfg)
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from embedding_ps.config import PSConfig
 from embedding_ps.shard import ShardState
-from embedding_ps.snapshot import saved_shard_dirs, shard_dir
+from embedding_ps.snapshot import SavedShard, saved_shard_dirs, shard_dir
 from recsys import storage
 from recsys.config import load_config, to_toml
 from recsys.training.checkpoint import verify_checkpoint, write_manifest
@@ -49,6 +49,27 @@ def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> Sha
     else:
         rows = state.load_resharded(old)
         logger.info("shard %d/%d: took %d rows from %d old shards", shard_index, config.num_shards, rows, len(old))
+    return state
+
+
+def init_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardState:
+    """A warm start's shard (train.init_from): shard `shard_index` of `config` holding the rows, optimizer
+    state and counters of the source's saved shards under `ps_dir` (any shard count) for every table of
+    `config` the source has, matched by name; tables only in `config` start empty, tables only in the
+    source are left behind. (The launcher checked that the kept tables' layout and optimizer match.)"""
+    if storage.is_uri(str(ps_dir)):
+        with storage.local_copy(str(ps_dir)) as local:
+            return init_shard(config, shard_index, local)
+    state = ShardState(config, shard_index)
+    index = {t.name: i for i, t in enumerate(config.tables)}
+    taken = 0
+    for directory in saved_shard_dirs(ps_dir):
+        saved = SavedShard(str(directory))
+        for i in range(saved.num_tables):
+            name = saved.layout(i).get("name")
+            if name in index and config.tables[index[name]].placement != "replicated":
+                taken += state.load_dump(index[name], *saved.dump_table(i))
+    logger.info("shard %d/%d: warm start took %d rows from %s", shard_index, config.num_shards, taken, ps_dir)
     return state
 
 

@@ -47,7 +47,7 @@ from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model, sequence_inputs
 from recsys.models.replicated import TableOptimizer, TrainModules, build_replicated, resolve_placement
 from recsys.models.two_tower import item_ids_of
-from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
+from recsys.training.checkpoint import Checkpointer, InitSource, TrainParts, restore_trainer, warm_start
 from recsys.training import stopping
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.loss import ctr_loss, row_weights
@@ -122,9 +122,11 @@ class Trainer:
     """Build / train_step / train / predict / close for one rank."""
 
     def __init__(self, cfg: JobConfig, store: EmbeddingStore, *, rank: int = 0, world_size: int = 1,
-                 metric_logger: MetricSink | None = None, replicated_state: dict | None = None) -> None:
+                 metric_logger: MetricSink | None = None, replicated_state: dict | None = None,
+                 warm: bool = False) -> None:
         """`replicated_state`: saved replicated tables (model/replicated.pt) to start from; without it
-        their vocabularies are read from data.train_paths (recsys.models.replicated)."""
+        their vocabularies are read from data.train_paths (recsys.models.replicated); with `warm` (a
+        warm start) both, joined (`build_replicated(grow=True)`)."""
         if any(t.placement == "auto" for t in cfg.ps.tables):    # the launcher resolves it; library use here
             cfg = resolve_placement(cfg).config
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -134,7 +136,7 @@ class Trainer:
         if self.device.type != "cpu":
             self.sparse.device = self.device     # pool on the GPU (SparseArch.device)
         self.model = model.to(self.device)
-        self.replicated = build_replicated(cfg, replicated_state)    # None: every table on the PS
+        self.replicated = build_replicated(cfg, replicated_state, grow=warm)   # None: every table on the PS
         if self.replicated is not None:
             self.replicated.to(self.device)
             self.sparse.use_replicated(self.replicated)
@@ -178,6 +180,24 @@ class Trainer:
         self.validation.load_state_dict(restored.validation)      # best so far and patience go on
         self.strategy.resumed(self.step)
         return restored.manifest
+
+    def warm_start(self, source: InitSource) -> None:
+        """Start from another run's model (train.init_from; the shards load its rows separately): its
+        dense weights and optimizer state, the step counter continuing from its step, a fresh data
+        position, LR schedule and early-stopping record."""
+        warm_start(self.parts, source)
+        self.step = self.start_step = self.checkpointer.last_step = source.step
+        self.store.step = self.step
+        self.strategy.resumed(self.step)
+        if self.rank == 0:
+            logger.info("warm start from %s at step %d (train.max_steps counts the steps of this run)",
+                        source.root, self.step)
+
+    @property
+    def _last_step(self) -> int:
+        """The step this run ends at: train.max_steps steps after a warm start's first (0: the data's end)."""
+        max_steps = self.cfg.train.max_steps
+        return max_steps + self.cfg.train.init_step if max_steps else 0
 
     @property
     def loader(self) -> ParquetLoader:
@@ -283,7 +303,7 @@ class Trainer:
 
     def _start_run(self) -> _Run:
         self.model.train()
-        total = self.cfg.train.max_steps or self.cfg.train.epochs * self.loader.num_batches
+        total = self._last_step or self.start_step + self.cfg.train.epochs * self.loader.num_batches
         bar = progress_bar(total, enabled=self.rank == 0)
         if bar is not None:
             bar.update(self.step)
@@ -320,7 +340,7 @@ class Trainer:
             run.window.data += wait_s
             return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position, end_of_epoch)
 
-        max_steps = self.cfg.train.max_steps
+        max_steps = self._last_step
         depth = self.cfg.train.prefetch_batches if self.strategy.prefetch else 0
         ahead: deque[PreparedStep] = deque()      # steps self.step + 1, ... with their pulls in flight
         while not max_steps or self.step < max_steps:
@@ -402,7 +422,7 @@ class Trainer:
             self._write_trace(np.concatenate(run.trace))
         elapsed = time.perf_counter() - run.t_start
         out = {"steps": float(self.step), "train_s": elapsed, "samples": float(run.samples)}
-        max_steps = self.cfg.train.max_steps
+        max_steps = self._last_step
         if max_steps and self.step < max_steps and not (run.stop or self.stopped):
             # the data (train.epochs passes over data.train_paths) ran out first: say so once
             out["stopped_end_of_data"] = 1.0

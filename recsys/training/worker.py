@@ -32,7 +32,7 @@ from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
 from recsys.models.replicated import REPLICATED_FILE, load_bytes, save_bytes
 from recsys.training import stopping
-from recsys.training.checkpoint import checkpoint_path, read_manifest
+from recsys.training.checkpoint import checkpoint_path, read_manifest, resolve_init
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
 from recsys import storage
@@ -155,7 +155,7 @@ def _leave_terminal_group() -> None:
 
 
 def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
-                load_shards: bool = False, verbose: bool = False) -> None:
+                load_shards: bool = False, verbose: bool = False, init: str | None = None) -> None:
     """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
     logging and environment settings, then `recsys.training.worker.run_worker`.
 
@@ -170,7 +170,7 @@ def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: st
     setup_logging(verbose, role=f"trainer{rank}", log_file=str(log_path(run_dir, rank)))
     apply_environment()
     try:
-        run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards)
+        run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards, init=init)
     except Exception as e:
         report_failure(e, run_dir, rank, verbose)
         raise SystemExit(2) from None
@@ -178,7 +178,7 @@ def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: st
 
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
-               load_shards: bool = False, node: dict | None = None) -> None:
+               load_shards: bool = False, node: dict | None = None, init: str | None = None) -> None:
     """One trainer process's job (its entry points, which set up logging, are `recsys.train`).
 
     resume: a checkpoint directory to continue from. load_shards: rank 0 also tells the (already
@@ -204,10 +204,13 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
     trainer = None
     try:
-        # a resumed run's replicated tables keep their saved vocabulary (shapes fixed before DDP wraps them)
-        saved = saved_replicated(run_path(resume, "model")) if resume is not None else None
+        # a resumed run's replicated tables keep their saved vocabulary, a warm start's join it with the
+        # new data's (shapes fixed before DDP wraps them)
+        source = resolve_init(init, verify=False) if init is not None and resume is None else None
+        saved = saved_replicated(run_path(resume, "model")) if resume is not None else \
+            saved_replicated(source.model_dir) if source is not None else None
         trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger,
-                          replicated_state=saved)
+                          replicated_state=saved, warm=source is not None)
         store = trainer.store          # the row cache's wrapper when a table caches (a LOAD clears it)
         if resume is not None:
             if load_shards and rank == 0:
@@ -215,6 +218,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             if load_shards and dist.is_initialized():
                 dist.barrier()            # nobody pulls before the shards hold the checkpoint's rows
             trainer.restore(resume)
+        elif source is not None:
+            trainer.warm_start(source)        # the shards took the source's rows when they started
         # what exists now (modules, model, client) lives for the whole run: without this every full
         # collection during training walks its ~200k objects again (~180 ms each, measured)
         gc.collect()
