@@ -255,6 +255,7 @@ def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | 
         "precision": precision, "origin": origin, "created_unix": int(time.time()),
         "tables": tables, "features": features_section(cfg), "dense": dense,
         "rows": {e["name"]: e["rows"] for e in tables}, "run_id": cfg.train.run_id,
+        "lineage": list(cfg.train.lineage),
         "calibration": manifest_section(data),      # the Predictor corrects scores by it (recsys.calibration)
     }
     if retrieval is not None:
