@@ -49,7 +49,7 @@
 #define PREFETCH_W(p) ((void)0)
 #endif
 
-int ps_abi_version(void) { return 7; }
+int ps_abi_version(void) { return 8; }
 
 /* ------------------------------------------------------------------ parallel for */
 #define PS_MAX_THREADS 64
@@ -490,10 +490,18 @@ int32_t ps_wait_word(int32_t *word, int64_t timeout_ns) {
     }
 }
 
+/* ------------------------------------------------------------------ global weight decay (decay.py) */
+/* The factor of a row `k` steps behind (k > 0): (float)(decay^k), decay the (float)(1 - lr * wd) of
+ * GlobalDecay.factor; numpy's np.power(float64(decay), k) cast to float32 in decay.py. */
+static inline float ps_decay_pow(float decay, int64_t k) { return (float)pow((double)decay, (double)k); }
+
 /* ------------------------------------------------------------------ gather (pull) */
 /* out [n, d] float32 = rows slots of w [C, d] (fp32 or fp16 when half != 0); rows of out whose
- * slot is < 0 are left as they are. Returns the number of such rows. */
-static int64_t ps_gather_range(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out) {
+ * slot is < 0 are left as they are. Returns the number of such rows. With dstep != NULL (global
+ * weight decay: each row's decayed-through step, int32 [C]) a row k = target - dstep[slot] > 0
+ * steps behind is scaled by decay^k on the way (GlobalDecay.pulled; the table is not written). */
+static int64_t ps_gather_range(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out,
+                               const int32_t *dstep, int64_t target, float decay) {
     const int64_t es = half ? 2 : 4;
     const char *base = (const char *)w;
     int64_t missing = 0;
@@ -508,7 +516,17 @@ static int64_t ps_gather_range(const void *w, int half, int64_t d, const int32_t
         }
         const char *row = base + (int64_t)slots[i] * d * es;
         float *o = out + i * d;
-        if (half) {
+        const int64_t k = dstep ? target - (int64_t)dstep[slots[i]] : 0;
+        if (k > 0) {
+            const float sc = ps_decay_pow(decay, k);
+            if (half) {
+                const uint16_t *h = (const uint16_t *)row;
+                for (int64_t j = 0; j < d; j++) o[j] = ps_h2f(h[j]) * sc;
+            } else {
+                const float *r = (const float *)row;
+                for (int64_t j = 0; j < d; j++) o[j] = r[j] * sc;
+            }
+        } else if (half) {
             const uint16_t *h = (const uint16_t *)row;
             for (int64_t j = 0; j < d; j++) o[j] = ps_h2f(h[j]);
         } else {
@@ -525,17 +543,29 @@ struct ps_gather_ctx {
     const int32_t *slots;
     float *out;
     int64_t missing;
+    const int32_t *dstep;
+    int64_t target;
+    float decay;
 };
 
 static void ps_gather_chunk(void *p, int64_t lo, int64_t hi) {
     struct ps_gather_ctx *c = (struct ps_gather_ctx *)p;
-    int64_t m = ps_gather_range(c->w, c->half, c->d, c->slots + lo, hi - lo, c->out + lo * c->d);
+    int64_t m = ps_gather_range(c->w, c->half, c->d, c->slots + lo, hi - lo, c->out + lo * c->d, c->dstep, c->target,
+                                c->decay);
     if (m) PS_ADD(&c->missing, m);
 }
 
 /* ps_gather_range over nthreads threads (rows are only read; each thread writes its rows of out). */
 int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out, int nthreads) {
-    struct ps_gather_ctx c = {w, half, d, slots, out, 0};
+    struct ps_gather_ctx c = {w, half, d, slots, out, 0, NULL, 0, 1.0f};
+    ps_parallel(ps_gather_chunk, &c, n, nthreads);
+    return c.missing;
+}
+
+/* ps_gather of a table with global weight decay: rows caught up through `target` (see ps_gather_range). */
+int64_t ps_gather_decayed(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out,
+                          const int32_t *dstep, int64_t target, float decay, int nthreads) {
+    struct ps_gather_ctx c = {w, half, d, slots, out, 0, dstep, target, decay};
     ps_parallel(ps_gather_chunk, &c, n, nthreads);
     return c.missing;
 }
@@ -577,10 +607,12 @@ static inline void ps_adagrad_f32(float *restrict w, float *restrict h, const fl
  * fp16 rows are updated in fp32 and rounded once (round to nearest even), as optim._add_rows.
  * Weight decay (optim.py): wd_mode 1 ("l2") adds wd * w to the row's gradient before the update
  * (accumulators included, as fbgemm's TBE); wd_mode 2 ("decoupled") scales the row by `decay`
- * ((float)(1 - lr * wd)) before adding the update, AdamW-style; 0: none. */
+ * ((float)(1 - lr * wd)) before adding the update, AdamW-style; wd_mode 3 ("global", decay.py)
+ * first catches a row k = step - dstep[s] > 0 steps behind up by decay^k and sets dstep[s] = step
+ * (a row already past `step` is not scaled), then adds the update; 0: none. */
 static void ps_update_range(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots,
                             const int32_t *order, int64_t n, const float *g, float neg_lr, float eps, int64_t *meta,
-                            int64_t step, int wd_mode, float wd, float decay) {
+                            int64_t step, int wd_mode, float wd, float decay, int32_t *dstep) {
     const int64_t es = half ? 2 : 4;
     char *base = (char *)w;
     float tmp[256];
@@ -604,6 +636,7 @@ static void ps_update_range(int opt, void *w, int half, float *state, int64_t d,
                 PREFETCH_W(state + s);
             }
             if (meta) PREFETCH_W(meta + s);
+            if (dstep) PREFETCH_W(dstep + s);
         }
         const int64_t i = order ? order[k] : k;
         const int64_t s = slots[i];
@@ -618,6 +651,16 @@ static void ps_update_range(int opt, void *w, int half, float *state, int64_t d,
             }
             gi = gbuf;
         }
+        float sc = decay; /* what the row is scaled by before the update */
+        int scaled = wd_mode == 2;
+        if (wd_mode == 3) {
+            const int64_t k = step - (int64_t)dstep[s];
+            if (k > 0) {
+                sc = ps_decay_pow(decay, k);
+                scaled = 1;
+                dstep[s] = (int32_t)step;
+            }
+        }
         float mult = neg_lr;
         if (opt == PS_ROWWISE_ADAGRAD) {
             float nrm = sqrtf(ps_sumsq(gi, d));
@@ -627,8 +670,8 @@ static void ps_update_range(int opt, void *w, int half, float *state, int64_t d,
         }
         if (!half) {
             float *wr = (float *)base + s * d;
-            if (wd_mode == 2)
-                for (int64_t j = 0; j < d; j++) wr[j] *= decay;
+            if (scaled)
+                for (int64_t j = 0; j < d; j++) wr[j] *= sc;
             if (opt == PS_ADAGRAD)
                 ps_adagrad_f32(wr, state + s * d, gi, neg_lr, eps, d);
             else
@@ -639,8 +682,8 @@ static void ps_update_range(int opt, void *w, int half, float *state, int64_t d,
                 const float *gj = gi + j0;
                 uint16_t *wr = (uint16_t *)base + s * d + j0;
                 for (int64_t j = 0; j < m; j++) tmp[j] = ps_h2f(wr[j]);
-                if (wd_mode == 2)
-                    for (int64_t j = 0; j < m; j++) tmp[j] *= decay;
+                if (scaled)
+                    for (int64_t j = 0; j < m; j++) tmp[j] *= sc;
                 if (opt == PS_ADAGRAD)
                     ps_adagrad_f32(tmp, state + s * d + j0, gj, neg_lr, eps, m);
                 else
@@ -671,16 +714,17 @@ struct ps_update_ctx {
     int64_t step;
     int wd_mode;
     float wd, decay;
+    int32_t *dstep;
 };
 
 static void ps_update_chunk(void *p, int64_t lo, int64_t hi) {
     struct ps_update_ctx *c = (struct ps_update_ctx *)p;
     if (c->order) /* the chunk is a range of the sorted order; grads stay indexed by request position */
         ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots, c->order + lo, hi - lo, c->g, c->neg_lr,
-                        c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay);
+                        c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay, c->dstep);
     else
         ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots + lo, NULL, hi - lo, c->g + lo * c->d,
-                        c->neg_lr, c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay);
+                        c->neg_lr, c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay, c->dstep);
 }
 
 #define PS_SORT_MIN 2048 /* rows below which sorting costs more than the cache misses it saves */
@@ -717,9 +761,10 @@ static int32_t *ps_slot_order(const int32_t *slots, int64_t n) {
  * misses on a large table). */
 void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
                const float *g, float neg_lr, float eps, int64_t *meta, int64_t step, int wd_mode, float wd,
-               float decay, int nthreads, int sort) {
+               float decay, int32_t *dstep, int nthreads, int sort) {
     int32_t *order = sort && n >= PS_SORT_MIN ? ps_slot_order(slots, n) : NULL;
-    struct ps_update_ctx c = {opt, w, half, state, d, slots, order, g, neg_lr, eps, meta, step, wd_mode, wd, decay};
+    struct ps_update_ctx c = {opt, w, half, state, d, slots, order, g, neg_lr, eps, meta, step, wd_mode, wd, decay,
+                              dstep};
     ps_parallel(ps_update_chunk, &c, n, nthreads);
     free(order);
 }

@@ -73,9 +73,13 @@ class TableConfig:
     """Most (id, step) eviction records kept per table per shard until read and truncated (oldest dropped)."""
     weight_decay: float = 0.0
     """Regularization of the rows a step touches (sgd, adagrad, rowwise_adagrad, adam; FTRL: ftrl_l1/l2)."""
-    weight_decay_mode: Literal["l2", "decoupled"] = "l2"
+    weight_decay_mode: Literal["l2", "decoupled", "global"] = "l2"
     """`l2`: weight_decay * w is added to a touched row's gradient (fbgemm TBE's L2 mode);
-    `decoupled`: a touched row is scaled by (1 - lr * weight_decay) before its update (AdamW-style)."""
+    `decoupled`: a touched row is scaled by (1 - lr * weight_decay) before its update (AdamW-style);
+    `global`: every row of the table is scaled by (1 - lr * weight_decay) every step, touched or not,
+    then the touched rows get their update from the plain gradient (fbgemm TBE's DECOUPLED_GLOBAL; the
+    decay of a whole-table torch optimizer). Applied lazily (`embedding_ps.decay`): a row untouched for k
+    steps is scaled by (1 - lr * weight_decay)^k when it is next pulled, pushed, saved or dumped."""
     kernel: Literal["auto", "native", "torch", "fbgemm"] = "auto"
     """Optimizer update path. `native`: the shard's own update (C when the library is compiled, else
     vectorized torch); `torch`: the old name of `native`; `fbgemm`: fbgemm's fused CPU TBE backward
@@ -125,9 +129,9 @@ class TableConfig:
             raise ValueError(f"{p}.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.weight_decay and self.optimizer == "ftrl":
             raise ValueError(f"{p}.weight_decay does not apply to optimizer 'ftrl': use ftrl_l2 (and ftrl_l1)")
-        if self.weight_decay_mode == "decoupled" and not self.lr * self.weight_decay < 1.0:
-            raise ValueError(f"{p}: decoupled weight decay needs lr * weight_decay < 1 (a row would flip "
-                             f"sign or vanish each step), got {self.lr} * {self.weight_decay}")
+        if self.weight_decay_mode in ("decoupled", "global") and not self.lr * self.weight_decay < 1.0:
+            raise ValueError(f"{p}: {self.weight_decay_mode} weight decay needs lr * weight_decay < 1 (a row would "
+                             f"flip sign or vanish each step), got {self.lr} * {self.weight_decay}")
         if self.kernel == "fbgemm" and self.optimizer not in ("sgd", "adagrad", "rowwise_adagrad"):
             raise ValueError(
                 f"{p}.kernel='fbgemm' supports optimizer sgd, adagrad, rowwise_adagrad; got {self.optimizer!r}"
@@ -151,6 +155,9 @@ class TableConfig:
                 raise ValueError(f"{p}: placement 'replicated' needs kind = 'dynamic' (its rows are the data's ids)")
             if self.cache_rows:
                 raise ValueError(f"{p}: cache_rows caches PS rows; a replicated table has no PS rows (set it to 0)")
+            if self.ttl_steps or self.max_rows:
+                raise ValueError(f"{p}: ttl_steps / max_rows age rows out of a PS table; a replicated table keeps "
+                                 f"its vocabulary (set placement = 'ps', or both to 0)")
         if self.capacity < 0:
             raise ValueError(f"{p}.capacity must be >= 0, got {self.capacity}")
         if not self.row_counters and (self.ttl_steps or self.max_rows):

@@ -167,7 +167,9 @@ def measured_rates(cfg: TableConfig, figures: Figures | None = None
     None if fbgemm has no CPU update for its optimizer."""
     if cfg.optimizer not in FBGEMM_OPTIMIZERS:
         return None
-    decay = cfg.weight_decay_mode if cfg.weight_decay else "none"
+    # global decay: the kernel updates without decay (`embedding_ps.decay` catches rows up before it, the
+    # same pass whichever kernel follows), so the figures without decay compare the two
+    decay = cfg.weight_decay_mode if cfg.weight_decay and cfg.weight_decay_mode != "global" else "none"
     dim = min(MEASURED_DIMS, key=lambda d: abs(math.log(cfg.dim / d)))  # nearest on a log scale
     return dim, (MEASURED if figures is None else figures)[(cfg.optimizer, decay, cfg.dtype, dim)]
 

@@ -117,11 +117,13 @@ class LocalStore:
 
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
         """Every shard's state under `directory`/shard<i>, written before this returns (`background`
-        only matters over the network, `step` only to a sync shard with pushes pending: none here).
+        only matters over the network; `step`, default `self.step`: the save's step, through which a
+        table with global weight decay writes its rows decayed, `ShardState.save`).
         [{"shard", "directory", "background": False, "write_s", "bytes"}, ...] as PSClient.save."""
         out = []
+        step = self.step if step is None else step
         for i, state in enumerate(self.states):
-            info = state.save(shard_dir(directory, i))
+            info = state.save(shard_dir(directory, i), step=step)
             out.append({"shard": i, "directory": info["directory"], "background": False,
                         "write_s": info["write_s"], "bytes": info["bytes"]})
         self._last_save = directory

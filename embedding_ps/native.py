@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("_native.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_ABI = 7
+_ABI = 8
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -52,8 +52,9 @@ _SIGS = {
     "ps_map_place": ([_P, _P, _I64, _P, _P, _I64], _I64),
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
     "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, ctypes.c_int], _I64),
+    "ps_gather_decayed": ([_P, ctypes.c_int, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, ctypes.c_int], _I64),
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
-                   ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int], None),
+                   ctypes.c_int, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
     "ps_copy_finite": ([_P, _P, _I64, ctypes.c_int], ctypes.c_int),
     "ps_publish": ([_P, _I64], None),
@@ -328,15 +329,24 @@ def init_bits(native, keys: np.ndarray, dim: int, seed_mix: int, threads: int = 
     return out
 
 
-def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads: int = 1) -> int:
+def gather(native, weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads: int = 1,
+           decay_steps: torch.Tensor | None = None, target: int = 0, decay: float = 1.0) -> int:
     """out float32 [N, D] = weights[slots] (fp32 or fp16 weights), slots int32 [N] < len(weights);
-    rows with slot < 0 are left untouched. Returns how many there were."""
+    rows with slot < 0 are left untouched. Returns how many there were.
+
+    decay_steps (int32 [C], global weight decay, `embedding_ps.decay`): a row k = target -
+    decay_steps[slot] > 0 steps behind comes scaled by decay^k (`GlobalDecay.pulled`'s math)."""
     _check(slots, np.int32, "slots"), _check(out, torch.float32, "out")
     half = weights.dtype == torch.float16
     _check(weights, torch.float16 if half else torch.float32, "weights")
     n, d = out.shape
     _require(slots.shape[0] == n and weights.shape[1] == d, f"{slots.shape[0]} slots for {n} rows of width {d}")
-    return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
+    if decay_steps is None:
+        return native.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
+    _check(decay_steps, torch.int32, "decay_steps")
+    _require(decay_steps.shape[0] == weights.shape[0], "gather: decay_steps needs a step per weights row")
+    return native.ps_gather_decayed(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(),
+                                    decay_steps.data_ptr(), int(target), float(np.float32(decay)), threads)
 
 
 def copy_finite(native, src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1) -> bool:
@@ -371,12 +381,13 @@ def wait_word(native, word: np.ndarray, timeout_s: float) -> int:
     return int(native.ps_wait_word(word.ctypes.data, int(max(timeout_s, 0.0) * 1e9)))
 
 
-WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2}
+WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2, "global": 3}
 
 
 def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, slots: np.ndarray,
            grads: torch.Tensor, lr: float, eps: float, meta: torch.Tensor | None, step: int,
-           weight_decay: float = 0.0, weight_decay_mode: str = "l2", threads: int = 1, sort: bool = True) -> None:
+           weight_decay: float = 0.0, weight_decay_mode: str = "l2", threads: int = 1, sort: bool = True,
+           decay_steps: torch.Tensor | None = None) -> None:
     """The fused update of unique rows slots int32 [U] from grads float32 [U, D] (see ps_update in _native.c).
 
     `threads` > 1 splits the rows between threads: the slots must be unique (`TableShard` merges
@@ -385,7 +396,10 @@ def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | 
     than arrival order, BENCHMARKS.md); False: arrival order (tests compare the two).
 
     weight_decay > 0: "l2" adds weight_decay * w to each row's gradient, "decoupled" scales the row
-    by (1 - lr * weight_decay) before the update (the math of `optim.apply_update`)."""
+    by (1 - lr * weight_decay) before the update (the math of `optim.apply_update`); "global" (with
+    `decay_steps`, int32 [C], each row's decayed-through step) first catches a row k = step -
+    decay_steps[slot] > 0 steps behind up by (1 - lr * weight_decay)^k and sets its step to `step`
+    (`GlobalDecay.touch`'s math), then adds the update without decay."""
     half = weights.dtype == torch.float16
     _check(weights, torch.float16 if half else torch.float32, "weights")
     _check(slots, np.int32, "slots"), _check(grads, torch.float32, "grads")
@@ -401,7 +415,14 @@ def update(native, optimizer: str, weights: torch.Tensor, state: torch.Tensor | 
     if meta is not None:
         _check(meta, torch.int64, "meta")
         mp = meta.data_ptr()
+    mode = weight_decay_mode if weight_decay else "none"
+    dp = None
+    if mode == "global":
+        _require(decay_steps is not None, "update: weight_decay_mode 'global' needs decay_steps")
+        _check(decay_steps, torch.int32, "decay_steps")
+        _require(decay_steps.shape[0] == weights.shape[0], "update: decay_steps needs a step per weights row")
+        dp = decay_steps.data_ptr()
     native.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
-                     float(np.float32(-lr)), float(np.float32(eps)), mp, int(step),
-                     WEIGHT_DECAY_MODES[weight_decay_mode if weight_decay else "none"],
-                     float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), threads, int(sort))
+                     float(np.float32(-lr)), float(np.float32(eps)), mp, int(step), WEIGHT_DECAY_MODES[mode],
+                     float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), dp, threads,
+                     int(sort))

@@ -21,6 +21,9 @@ Weight decay (`weight_decay` wd > 0; sgd, adagrad, rowwise_adagrad, adam), on th
                      fbgemm TBE's WeightDecayMode.L2)
     decoupled        w = (1 - lr * wd) * w, then the update above with the plain g
                      (AdamW; fbgemm TBE's WeightDecayMode.DECOUPLED)
+    global           every row, touched or not, decays as in decoupled every step: `embedding_ps.decay`
+                     catches the rows up before the update, which then runs with wd = 0 (`TableShard.ucfg`;
+                     `reference_update` leaves it to its caller too)
 
 The two Adagrads are fbgemm's EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD: the
 row-wise accumulator adds the mean over the row of g*g, and eps is added after the sqrt.
@@ -120,6 +123,7 @@ def native_update(
     meta: torch.Tensor | None = None,
     step: int = 0,
     threads: int = 1,
+    decay_steps: torch.Tensor | None = None,
 ) -> bool:
     """`apply_update` in C (`_native.c` ps_update), one pass per row, if it applies; returns whether it ran.
 
@@ -128,6 +132,8 @@ def native_update(
     the rows (unique, so each row has one owner). Runs for the torch
     kernel's sgd / adagrad / rowwise_adagrad on fp32 or fp16 rows when the native library is
     loaded; False otherwise (adam, ftrl, kernel="fbgemm", EMBEDDING_PS_NATIVE=0, no compiler).
+    Global weight decay: `decay_steps` (int32 [C], `TableShard.decay_step`) are caught up in the same
+    pass (`GlobalDecay.touch`'s math).
     """
     if cfg.kernel != "torch" or cfg.optimizer not in native.OPTIMIZERS:
         return False
@@ -136,7 +142,7 @@ def native_update(
         return False
     st = state.get("sum_sq")
     native.update(lib, cfg.optimizer, weights, st, slots, grads, cfg.lr, cfg.eps, meta, step,
-                  cfg.weight_decay, cfg.weight_decay_mode, threads)
+                  cfg.weight_decay, cfg.weight_decay_mode, threads, decay_steps=decay_steps)
     return True
 
 
@@ -217,7 +223,7 @@ def reference_update(cfg: TableConfig, w: torch.Tensor, state: dict[str, torch.T
     lr, eps = cfg.lr, cfg.eps
     if cfg.weight_decay and cfg.weight_decay_mode == "l2":
         g = g + cfg.weight_decay * w
-    elif cfg.weight_decay:
+    elif cfg.weight_decay and cfg.weight_decay_mode == "decoupled":
         w *= 1.0 - lr * cfg.weight_decay
     if cfg.optimizer == "sgd":
         w -= lr * g

@@ -384,6 +384,9 @@ class ShardServer:
             return self._json(h, {"shard": self.shard, "prepared": prepared, "phase": self.saver.phase})
         if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the write ends
             return DEFERRED
+        advance = getattr(self.state, "advance", None)
+        if advance is not None:    # global weight decay: the save writes rows decayed through step - 1
+            advance(h.step)
         if h.flags & P.FLAG_BACKGROUND:
             return self._json(h, self.saver.start(self.state, path, h.step))
         reply = self.saver.save(self.state, path, h.step)

@@ -32,7 +32,6 @@ import time
 import numpy as np
 import torch
 
-from embedding_ps import native
 from embedding_ps.config import PSConfig, shard_threads
 from embedding_ps.cow import CowSave, bound_bytes
 from embedding_ps.sharding import keys_of, shard_of
@@ -69,8 +68,9 @@ class ShardState:
         """Rows float32 [N, D] of ids int64 [N] (duplicates fine). Read-only: inserts nothing.
 
         Ids without a row (never pushed, not admitted yet, evicted) get their deterministic init
-        row, or zeros if the table says `unadmitted = "zeros"`. `step` is accepted for symmetry
-        with push; a pull does not change last-seen. `out`: a float32 [N, D] contiguous tensor
+        row, or zeros if the table says `unadmitted = "zeros"`. `step`: the request's step; a pull
+        does not change last-seen, and a table with global weight decay returns its rows caught up
+        through step - 1 (`embedding_ps.decay`). `out`: a float32 [N, D] contiguous tensor
         to write the rows into and return (the server reuses reply buffers: a fresh [N, D]
         allocation per request costs page faults); default a new tensor.
         """
@@ -81,17 +81,7 @@ class ShardState:
             raise ValueError(f"shard {self.shard_index} table {table}: out must be contiguous float32 "
                              f"[{ids.shape[0]}, {t.cfg.dim}], got {out.dtype} {list(out.shape)}")
         with self._lock:
-            keys = keys_of(ids, t.cfg)
-            if out is None:
-                return t.pull(keys)
-            lib = native.lib()
-            if lib is None:            # the torch path allocates its own result: copy it over
-                return out.copy_(t.pull(keys))
-            # TableShard.pull's native path, writing into `out`
-            snp = t.map.lookup(keys.numpy())
-            if native.gather(lib, t.weights, snp, out, self.threads) != 0:
-                t._fill_missing(keys, torch.from_numpy(snp < 0), out)
-            return out
+            return t.pull(keys_of(ids, t.cfg), step, out)
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Apply gradients float32 [N, D] of ids int64 [N] at `step`.
@@ -119,6 +109,15 @@ class ShardState:
             if self._cow is not None:       # may wait (lock released) for room in the save's side buffer
                 self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
             t.push(keys, grads, step, hint[1] if hint is not None and hint[0] is ids else None)
+
+    def advance(self, step: int) -> None:
+        """Requests of `step` are served from now on (a SAVE of `step`): every table with global
+        weight decay owes its rows the decay of the steps through step - 1, which a save or dump then
+        writes (`embedding_ps.decay`). Pushes and pulls carry their own step."""
+        self._check_step(step)
+        with self._lock:
+            for t in self.tables:
+                t.advance(step)
 
     def hint_slots(self, table: int, ids: torch.Tensor) -> None:
         """Look up the slots of ids int64 [N] now, for the next `push` of this very tensor to `table`
@@ -160,7 +159,8 @@ class ShardState:
         """(keys int64 [R] sorted, rows float32 [R, D], per-row state {name: [R] or [R, D]}).
 
         Keys are raw ids for `dynamic` tables and hashed row indices for `hashed` ones; the dict
-        holds the optimizer state plus `count`, `last_seen`, `last_update`.
+        holds the optimizer state plus `count`, `last_seen`, `last_update` (and with global weight
+        decay `decay_step`: the rows come caught up through the latest step seen).
         """
         t = self._table(table)
         with self._lock:
@@ -213,8 +213,10 @@ class ShardState:
         return taken
 
     # ------------------------------------------------------------------ save / load
-    def snapshot(self) -> ShardSnapshot:
+    def snapshot(self, step: int | None = None) -> ShardSnapshot:
         """The state now, to be written later by `ShardSnapshot.write(directory)` from any thread.
+        `step`: the save's step (`advance(step)` first; global decay: rows written caught up
+        through step - 1, else through the latest step seen).
 
         Under the lock (`snapshot_s`, the only pause) it copies the small arrays (id map items, free
         stack, admission counters, eviction log) and freezes every table's slot-major arrays at
@@ -224,6 +226,8 @@ class ShardState:
         such save at a time; `write` (or `close`) ends it.
         """
         t0 = time.perf_counter()
+        if step is not None:
+            self.advance(step)
         with self._lock:
             if self._cow is not None:
                 raise RuntimeError(f"shard {self.shard_index}: a background save is still being written")
@@ -236,8 +240,8 @@ class ShardState:
             bound = bound_bytes(self.config.checkpoint_extra_memory, rows_bytes)
             cow = CowSave(self._cond, [(t.slot_tensors, t.hwm) for t in self.tables], fixed, bound,
                           where=f"shard {self.shard_index}")
-            for snap_table, stream in zip(tables, cow.streams):
-                snap_table.rows = stream
+            for snap_table, stream, t in zip(tables, cow.streams, self.tables):
+                snap_table.rows = t.saved_rows(stream)     # global decay: caught up, chunk by chunk
             self._cow = cow
         snap = ShardSnapshot(self.shard_index, self.config.num_shards, tables, on_close=lambda: self._end_save(cow),
                              stats=cow.stats)
@@ -250,13 +254,16 @@ class ShardState:
             if self._cow is cow:
                 self._cow = None
 
-    def save(self, directory: str) -> dict:
+    def save(self, directory: str, step: int | None = None) -> dict:
         """Write every table's state as checksummed .npy files plus manifest.json; atomic by rename.
+        `step`: the save's step, as for `snapshot`.
 
         The same writer as `snapshot().write(directory)`, but on views of the live arrays with the
         lock held throughout: a blocking save needs no second copy of the shard in memory.
         Returns {"directory", "bytes", "write_s"}.
         """
+        if step is not None:
+            self.advance(step)
         with self._lock:
             return self._snapshot().write(directory)
 
@@ -286,8 +293,8 @@ class ShardState:
         """Views of the live state (valid while the lock is held)."""
         tables = []
         for t in self.tables:
-            arrays, meta = t.to_arrays()
-            tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays))
+            arrays, meta = t.to_arrays(rows=t.decay is None)      # global decay: rows caught up on copies
+            tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays, rows=t.saved_rows()))
         return ShardSnapshot(self.shard_index, self.config.num_shards, tables)
 
     def _open(self, directory: str) -> SavedShard:

@@ -368,7 +368,8 @@ class SavedShard:
     def dump_table(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """What `TableShard.dump` returns, from the files: (keys int64 [R], rows float32 [R, D],
         {optimizer state name: [R] or [R, D], "count": int32 [R], "last_seen": int32 [R]}); no count /
-        last_seen for a table saved without row counters."""
+        last_seen for a table saved without row counters; "decay_step" int32 [R] for one saved with
+        global weight decay."""
         keys, slots = self.live_slots(table)
         # memory-mapped: only the gathered live rows become resident (re-sharding reads every old shard)
         rows = torch.from_numpy(self.array(table, "weights", mmap=True)[slots]).float()
@@ -378,6 +379,8 @@ class SavedShard:
             count, last_seen = unpack_meta(self.array(table, "meta", mmap=True)[slots])
             state["count"] = torch.from_numpy(count).to(torch.int32)
             state["last_seen"] = torch.from_numpy(last_seen).to(torch.int32)
+        if "decay_step" in self.array_names(table):     # global weight decay: the step the rows are decayed through
+            state["decay_step"] = torch.from_numpy(self.array(table, "decay_step", mmap=True)[slots].astype(np.int32))
         return torch.from_numpy(keys), rows, state
 
 

@@ -27,10 +27,15 @@ more than `max_rows` rows evicts the least frequently pushed ones (lowest `count
 `last_seen` is the step of the last push that reached the row; a row is updated exactly when
 it is pushed, so it is also the row's last-update step (`dump` reports it under both names,
 `last_seen` and `last_update`). A pull changes nothing.
+
+Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.decay`): `decay_step` [C] int32
+holds each row's decayed-through step; a pull returns rows caught up to its step, a push catches
+its rows up before the update (which then runs without decay), saves and dumps write caught-up rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -38,6 +43,7 @@ import torch
 
 from embedding_ps import kernels, native
 from embedding_ps.config import TableConfig
+from embedding_ps.decay import CaughtUpRows, GlobalDecay, is_global
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
 from embedding_ps.optim import apply_update, fill_value, native_update, state_specs
@@ -46,7 +52,7 @@ from embedding_ps.sharding import splitmix64_np
 logger = logging.getLogger(__name__)
 
 _ADMIT_SALT = 0x5851F42D4C957F2D
-_COUNTERS = ("meta",)
+_COUNTERS = ("meta", "decay_step")  # slot-major int tensors beside the rows (None where the table has none)
 _LOW32 = 0xFFFFFFFF
 _MAX_SCRATCH = 1 << 24  # floats (64 MB): the largest update buffer a table keeps between pushes
 RESERVED_MAP_LOAD = 0.85
@@ -87,6 +93,11 @@ class TableShard:
         self.state = {s.name: torch.empty((0, cfg.dim) if s.per_coordinate else (0,), dtype=s.dtype) for s in self.specs}
         # count << 32 | last_seen, or None (row_counters = false)
         self.meta = torch.empty(0, dtype=torch.int64) if cfg.row_counters else None
+        # global weight decay: each row's decayed-through step, and the table's clock (else None)
+        self.decay = GlobalDecay(cfg) if is_global(cfg) else None
+        self.decay_step = torch.empty(0, dtype=torch.int32) if self.decay is not None else None
+        # what the torch / fbgemm update runs with: global decay is applied before it (`decay.touch`)
+        self.ucfg = dataclasses.replace(self.cfg, weight_decay=0.0) if self.decay is not None else self.cfg
         self._scratch = torch.empty(0)  # reused [U, D] buffer of the update: no fresh large allocation per push
         self._dupbits = np.zeros(0, dtype=np.uint8)  # native duplicate check: one bit per slot, kept all zero
         self.evlog: list[tuple[np.ndarray, int]] = []
@@ -109,25 +120,30 @@ class TableShard:
         return len(self.map)
 
     # ------------------------------------------------------------------ pull / push
-    def pull(self, keys: torch.Tensor) -> torch.Tensor:
-        """int64 [N] keys (dups ok) -> float32 [N, D]. Missing keys get their init row, or zeros."""
+    def pull(self, keys: torch.Tensor, step: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 [N] keys (dups ok) -> float32 [N, D] (written into `out`, contiguous, when given).
+        Missing keys get their init row, or zeros. `step`: the request's step (global decay: rows
+        caught up through step - 1; None: through the table's clock)."""
         snp = self.map.lookup(keys.numpy())  # int32 [N], -1: no row
-        lib = native.lib()
-        if lib is not None:  # one C pass copies (and widens fp16) the rows that exist
+        target = self.decay.pull_target(step) if self.decay is not None else None
+        if out is None:
             out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
-            if native.gather(lib, self.weights, snp, out, self.threads) == 0:
-                return out
-            miss = torch.from_numpy(snp < 0)
-            self._fill_missing(keys, miss, out)
+        lib = native.lib()
+        if lib is not None:  # one C pass copies (widens fp16, catches up global decay) the rows that exist
+            decay = (self.decay_step, target, self.decay.factor) if target is not None else (None, 0, 1.0)
+            if native.gather(lib, self.weights, snp, out, self.threads, *decay) != 0:
+                self._fill_missing(keys, torch.from_numpy(snp < 0), out)
             return out
         slots = torch.from_numpy(snp)
         hit = slots >= 0
         if bool(hit.all()):
-            return self.weights.index_select(0, slots).float()
-        out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
-        if bool(hit.any()):
-            out[hit] = self.weights.index_select(0, slots[hit]).float()
-        self._fill_missing(keys, ~hit, out)
+            out.copy_(self.weights.index_select(0, slots))
+        else:
+            if bool(hit.any()):
+                out[hit] = self.weights.index_select(0, slots[hit]).float()
+            self._fill_missing(keys, ~hit, out)
+        if target is not None:
+            self.decay.pulled(self.decay_step, snp, out, target)
         return out
 
     def _fill_missing(self, keys: torch.Tensor, miss: torch.Tensor, out: torch.Tensor) -> None:
@@ -141,6 +157,9 @@ class TableShard:
         """Apply grads float32 [N, D] of keys int64 [N] (dups summed) at `step`; `grads` is not modified.
         slots: the int32 [N] slots of `keys`, looked up since the map last changed (taken over), or None."""
         knp = keys.numpy()
+        if self.decay is not None:  # an unset clock counts the rows as of before `step`; step's decay is due
+            self.decay.advance(self.decay_step, self.hwm, step - 1)
+            self.decay.advance(self.decay_step, self.hwm, step)
         slots = self.map.lookup(knp) if slots is None else slots  # int32 [N]
         miss = slots < 0
         if miss.any():
@@ -152,7 +171,9 @@ class TableShard:
                 if n_ok == 0:
                     return
                 slots, grads = slots[ok], grads[torch.from_numpy(ok)]
-        if not self._push_native(slots, grads, step):
+        if not self._push_native(slots, grads, step):  # C: global decay's catch-up in the same pass
+            if self.decay is not None:  # every row decays every step: catch these up through `step` first
+                self.decay.touch(self.weights, self.decay_step, slots, step)
             self._push_torch(slots, grads, step)
         if self.cfg.max_rows and len(self.map) > self.cfg.max_rows:
             self._evict_lfu(len(self.map) - self.cfg.max_rows, step)
@@ -174,7 +195,8 @@ class TableShard:
             self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
         if native.has_duplicates(lib, slots, self._dupbits):   # e.g. sync mode: the step's pushes of all trainers
             slots, grads = native.merge_rows(lib, slots, grads.contiguous())
-        return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step, self.threads)
+        return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step, self.threads,
+                             self.decay_step)
 
     def _push_torch(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> None:
         u, g = _sum_duplicates(slots, grads)
@@ -184,7 +206,7 @@ class TableShard:
                 self._scratch = scratch
         else:
             scratch = self._scratch
-        apply_update(self.cfg, self.weights, self.state, u, g, scratch[: g.numel()].view(g.shape))
+        apply_update(self.ucfg, self.weights, self.state, u, g, scratch[: g.numel()].view(g.shape))
         if self.meta is None:
             return
         meta, un = self.meta.numpy(), u.numpy()
@@ -253,6 +275,9 @@ class TableShard:
         if self.meta is not None:
             self.meta.index_fill_(0, r, step)  # count 0, last_seen = step
             self.meta[lo:hi] = step
+        if self.decay_step is not None:  # its init value at the start of `step`: step's decay applies to it
+            self.decay_step.index_fill_(0, r, step - 1)
+            self.decay_step[lo:hi] = step - 1
         self.map.insert(keys, slots)
         self.totals["admitted"] += k
         return slots
@@ -330,6 +355,7 @@ class TableShard:
         """Bytes of one slot across weights, optimizer state and counters."""
         d = self.cfg.dim
         per = d * self.weights.element_size() + (8 if self.meta is not None else 0)  # + meta
+        per += 4 if self.decay_step is not None else 0  # + decay_step
         for spec in self.specs:
             per += (d if spec.per_coordinate else 1) * torch.empty(0, dtype=spec.dtype).element_size()
         return per
@@ -354,7 +380,8 @@ class TableShard:
         }
 
     def dump(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(keys int64 [R] sorted, rows float32 [R, D], {state name / count / last_seen / last_update: [R, ...]})."""
+        """(keys int64 [R] sorted, rows float32 [R, D], {state name / count / last_seen / last_update: [R, ...]});
+        global decay: rows caught up through the clock, and their `decay_step`."""
         keys, slots = self.map.items()
         order = np.argsort(keys, kind="stable")
         keys, s = keys[order], torch.from_numpy(slots[order]).long()
@@ -364,7 +391,10 @@ class TableShard:
             extra["count"] = (meta >> 32).to(torch.int32)
             extra["last_seen"] = (meta & _LOW32).to(torch.int32)
             extra["last_update"] = extra["last_seen"].clone()
-        return torch.from_numpy(keys), self.weights.index_select(0, s).float(), extra
+        rows = self.weights.index_select(0, s).float()
+        if self.decay is not None:  # caught up through the clock (copies: the table is not changed)
+            extra["decay_step"] = self.decay.caught_up(rows, self.decay_step.index_select(0, s))
+        return torch.from_numpy(keys), rows, extra
 
     def load_rows(self, keys: torch.Tensor, rows: torch.Tensor, extra: dict[str, torch.Tensor], step: int) -> None:
         """Insert or overwrite rows by key (re-sharding): keys int64 [R] distinct, rows [R, D], `dump`'s dict."""
@@ -379,6 +409,8 @@ class TableShard:
         for name, t in self.state.items():
             if name in extra:
                 t.index_copy_(0, s, extra[name].to(t.dtype))
+        if self.decay is not None:
+            self.decay.loaded_rows(self.decay_step, s, extra.get("decay_step"))
         if self.meta is None:
             return
         meta = self.meta.index_select(0, s)
@@ -407,6 +439,8 @@ class TableShard:
         arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
         meta = {"hwm": h, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through, "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
+        if self.decay is not None:
+            meta["decay_clock"] = self.decay.saved_clock()
         return arrays, meta
 
     def write_slots(self, keys: np.ndarray) -> np.ndarray:
@@ -452,6 +486,24 @@ class TableShard:
         self.evlog_lost_through = int(meta["evlog_lost_through"])
         for key in self.totals:
             self.totals[key] = int(meta[key])
+        if self.decay is not None:
+            self.decay.loaded(meta, "decay_step" in arrays)
+
+    # ------------------------------------------------------------------ global decay
+    def advance(self, step: int) -> None:
+        """Requests of `step` are served: global decay is due through step - 1 (a SAVE's step)."""
+        if self.decay is not None:
+            self.decay.advance(self.decay_step, self.hwm, step - 1)
+
+    def saved_rows(self, stream=None):
+        """What a save writes of the slot-major arrays: `stream` (a copy-on-write `cow.RowStream`, or
+        None: the live arrays) with the rows caught up through the clock; for a table without global
+        decay `stream` itself (None: the arrays come from `to_arrays`)."""
+        if self.decay is None:
+            return stream
+        if stream is None:
+            stream = {name: t[: self.hwm].numpy() for name, t in self.slot_tensors().items()}
+        return CaughtUpRows(stream, self.decay, self.decay.clock)
 
 
 def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, int]]:

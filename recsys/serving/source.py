@@ -17,7 +17,8 @@ Steps of rows and evictions: a push in training step t (0-based) stamps its rows
 `last_seen = t`; a model saved after S completed steps holds pushes of steps 0..S-1, and TTL
 sweeps log their evictions with the completed-step count. `since=S` therefore keeps rows with
 `last_seen >= S` and evictions logged at steps >= S: everything that can differ from a model
-saved at step S (a superset when S falls mid-way, never less).
+saved at step S (a superset when S falls mid-way, never less). A table with global weight decay
+(`embedding_ps.decay`) changes every row every step: a delta holds all its rows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from embedding_ps.config import TableConfig
+from embedding_ps.decay import is_global
 from embedding_ps.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.models.replicated import REPLICATED_FILE, load_bytes
@@ -159,6 +161,7 @@ class SavedShards:
         if since is not None:
             tomb = self._evictions(saved, t, since, cfg)
             tomb = tomb[~np.isin(tomb, keys)]                                # evicted, then admitted again
+        if since is not None and not is_global(cfg):    # global weight decay: every row changes every step
             if "meta" not in saved.array_names(t):
                 raise ExportError(f"{saved.directory}/table{t}: table {cfg.name!r} was saved without row counters "
                                   f"(ps.tables[{cfg.name}].row_counters = false): a delta since {since} cannot tell "
