@@ -5,13 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from data.paths import has_date, parse_date
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Where the examples are and how a row of Parquet becomes part of a `Batch`."""
 
+    date: str = ""
+    """The day this job is for, `YYYY-MM-DD` (`recsys train --date`): the `{date}`, `{date-N}`, `{date+N}`
+    placeholders of the `*_paths` below (and of train.run_dir / train.init_from / train.scratch_dir) are
+    filled in with it when the config is loaded (see data/paths.py). "": no date; a placeholder is then
+    an error."""
     train_paths: tuple[str, ...] = ()
-    """Parquet files, directories or glob patterns for training."""
+    """Parquet files, directories (hive partitions `day=.../` included) or glob patterns, local or URIs,
+    for training; may hold date placeholders (`s3://bucket/ctr/day={date-1}/`)."""
     eval_paths: tuple[str, ...] = ()
     """Parquet files, directories or glob patterns for evaluation (validation, with train.validate_every)."""
     test_paths: tuple[str, ...] = ()
@@ -70,6 +78,16 @@ class DataConfig:
     `recsys eval` ranks all of them for every user, `recsys export` writes their vectors."""
 
     def __post_init__(self) -> None:
+        if self.date:
+            try:
+                parse_date(self.date)
+            except ValueError as e:
+                raise ValueError(f"data.date: {e}") from None
+        for key in ("train_paths", "eval_paths", "test_paths", "item_paths"):
+            left = [p for p in getattr(self, key) if has_date(p)]
+            if left:      # the loader fills them in (load_config); a config built in code must too
+                raise ValueError(f"data.{key}: {left[0]!r} holds a date placeholder: fill it in first "
+                                 f"(data.paths.fill_date, done by load_config with data.date)")
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
         if self.batch_size > 1 << 24:

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from data.config import DataConfig
 from data.hashing import hash_strings
+from data.paths import HIDDEN, glob_match
 from data.remote import is_uri, list_files, parquet_file
 from data.rows import ListColumn, Rows, ScalarColumn
 
@@ -40,15 +41,16 @@ class DataError(ValueError):
 def _dir_files(root: str) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
-        out += [os.path.join(dirpath, f) for f in filenames if not f.startswith((".", "_"))]
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(HIDDEN))
+        out += [os.path.join(dirpath, f) for f in filenames if not f.startswith(HIDDEN)]
     return sorted(out)
 
 
 def resolve_paths(paths: tuple[str, ...] | list[str]) -> list[str]:
     """Files named by `paths` (files, directories - recursively, skipping names that start with
-    `.` or `_` - and glob patterns; local paths or URIs, see `data.remote`), in a deterministic
-    order, each file once."""
+    `.` or `_` - and glob patterns, which skip such names too (see `data.paths`); local paths or
+    URIs, see `data.remote`), in a deterministic order (sorted by path within each entry, so the
+    hive partitions `day=YYYY-MM-DD/` of a directory come in date order), each file once."""
     if isinstance(paths, str):
         paths = [paths]
     files: list[str] = []
@@ -65,6 +67,8 @@ def resolve_paths(paths: tuple[str, ...] | list[str]) -> list[str]:
         elif glob.has_magic(p):
             found = []
             for m in sorted(glob.glob(p, recursive=True)):
+                if not glob_match(os.path.normpath(p), os.path.normpath(m)):   # `_SUCCESS`, `_temporary/`
+                    continue
                 found += _dir_files(m) if os.path.isdir(m) else [m]
         else:
             raise DataError(f"data path '{p}' does not exist")

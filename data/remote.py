@@ -1,7 +1,8 @@
 """Data files on a pyarrow filesystem URI (`s3://bucket/data/`, `gs://...`, `hdfs://...`, `file:///...`).
 
-`data.paths` entries that are URIs are listed here (a file, a directory - recursively, skipping
-names that start with `.` or `_`, as for local paths - or a glob in the path part), and each file
+`data.*_paths` entries that are URIs are listed here (a file, a directory - recursively, skipping
+names that start with `.` or `_`, as for local paths - or a glob in the path part, matched name by
+name as a local glob is, see `data.paths.glob_match`), and each file
 is opened through its filesystem. A file's URI keeps the query of the path it came from
 (`?endpoint_override=...&scheme=http`), so it can be opened again on its own. Endpoint and
 credentials are what pyarrow takes (environment variables such as AWS_ACCESS_KEY_ID, or the
@@ -10,12 +11,13 @@ URI's query parameters).
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from urllib.parse import unquote, urlsplit
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from data.paths import HIDDEN, glob_match
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 _MAGIC = re.compile(r"[*?[]")
@@ -41,7 +43,7 @@ def _resolve(uri: str) -> tuple[pafs.FileSystem, str, str, str]:
 
 
 def _visible(rel: str) -> bool:
-    return not any(part.startswith((".", "_")) for part in rel.split("/") if part)
+    return not any(part.startswith(HIDDEN) for part in rel.split("/") if part)
 
 
 def list_files(uri: str) -> list[str]:
@@ -51,7 +53,7 @@ def list_files(uri: str) -> list[str]:
         fs, path, prefix, query = _resolve(uri)
         magic = _MAGIC.search(path)
         if magic is None:
-            info = fs.get_file_info(path)
+            info = fs.get_file_info(path.rstrip("/") or path)     # `.../day=2026-11-26/`: the directory
             if info.type == pafs.FileType.File:
                 return [uri]
             if info.type == pafs.FileType.NotFound:
@@ -71,17 +73,20 @@ def list_files(uri: str) -> list[str]:
             continue
         if pattern is None and not _visible(rel):
             continue
-        if pattern is not None and not (fnmatch.fnmatchcase(i.path, pattern)
-                                        or any(fnmatch.fnmatchcase(d, pattern) for d in _parents(i.path, base))):
+        if pattern is not None and not _glob_names(pattern, i.path, base):
             continue
         found.append(f"{prefix}{i.path}{query}")
     return sorted(found)
 
 
-def _parents(path: str, base: str) -> list[str]:
-    """Directories between `base` and file `path` (a glob may name a directory whose files it means)."""
-    parts = path[len(base):].strip("/").split("/")[:-1]
-    return [f"{base}/{'/'.join(parts[: k + 1])}" for k in range(len(parts))]
+def _glob_names(pattern: str, path: str, base: str) -> bool:
+    """Whether glob `pattern` names file `path`: the file itself, or a directory between `base` and
+    it whose visible files the glob means (as a local glob of a directory), name by name."""
+    if glob_match(pattern, path):
+        return True
+    parts = path[len(base):].strip("/").split("/")
+    return any(glob_match(pattern, f"{base}/{'/'.join(parts[:k])}") and _visible("/".join(parts[k:]))
+               for k in range(1, len(parts)))
 
 
 def parquet_file(path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from data.paths import fill_date, parse_date
 from embedding_ps.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
@@ -47,10 +48,44 @@ def _user_error(e: BaseException) -> bool:
     return False
 
 
+def _date_arg(text: str) -> str:
+    try:
+        parse_date(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+class _SetDate(argparse.Action):
+    """`--date D` is `--set data.date='D'` (where both are given, the later one wins)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, "overrides", [*getattr(namespace, "overrides", []), f"data.date='{values}'"])
+
+
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="job config (TOML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (TOML syntax; repeatable)")
+    p.add_argument("--date", action=_SetDate, type=_date_arg, metavar="YYYY-MM-DD",
+                   help="the day this job is for (data.date): fills {date}, {date-N}, {date+N} in data.*_paths "
+                        "and train.run_dir")
+
+
+def _fill_dates(args: argparse.Namespace) -> None:
+    """eval / predict: `--date` fills the date placeholders of --run, --data and --out, as data.date
+    fills a config's (`recsys eval --run runs/ctr/{date-1} --data s3://b/ctr/day={date}/ --date D`)."""
+    for flag in ("run", "data", "out"):
+        value = getattr(args, flag)
+        filled = []
+        for v in value if isinstance(value, list) else [value]:
+            try:
+                filled.append(v if v is None else fill_date(v, args.date or ""))
+            except ValueError as e:
+                hint = "" if args.date else "; pass --date YYYY-MM-DD"
+                raise ConfigError(f"--{flag} {v!r}: {e}{hint}") from None
+        setattr(args, flag, filled if isinstance(value, list) else filled[0])
 
 
 def _cmd_print_config(args: argparse.Namespace) -> int:
@@ -62,6 +97,13 @@ def _cmd_print_config(args: argparse.Namespace) -> int:
 def _cmd_gen_data(args: argparse.Namespace) -> int:
     from data.synthetic import generate
 
+    if args.preset == "daily":         # day partitions with ids that come and go (data/daily.py)
+        from data.daily import generate_daily
+
+        summary = generate_daily(days=args.days, rows=args.rows, out_dir=args.out, seed=args.seed,
+                                 start=args.start, row_group_rows=args.row_group_rows)
+        logger.info("wrote %s", summary)
+        return 0
     if args.preset == "sequence":      # behavior lists for DIN: its own generator (data/sequence.py)
         from data.sequence import generate_sequence
 
@@ -158,6 +200,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_daily(args: argparse.Namespace) -> int:
+    from recsys.training.daily import run_daily
+
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.data.date:
+        raise ConfigError("recsys daily needs --date YYYY-MM-DD (the day to train on)")
+    record = run_daily(cfg, cfg.data.date, root=args.root, publish=args.publish, keep=args.keep,
+                       source=getattr(args, "from"), next_day=args.next_day)
+    sys.stdout.write(json.dumps(record) + "\n")
+    return 0
+
+
 def _preflight_run_data(run: str, data: list[str]) -> None:
     """The files to score have the run's columns (footers only), before the model is loaded."""
     from recsys.preflight import preflight_data
@@ -174,6 +228,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys import storage
     from recsys.rundir import local_run, run_path
 
+    _fill_dates(args)
     out = args.out or (run_path(args.run, "eval_metrics.json") if storage.is_uri(args.run) else None)
     with local_run(args.run, args.last) as run, contextlib.ExitStack() as stack:   # a URI run / out: staged
         local_out = None if out is None else stack.enter_context(storage.local_output(out, directory=False))
@@ -189,6 +244,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     from recsys import storage
     from recsys.rundir import local_run
 
+    _fill_dates(args)
     with local_run(args.run, args.last) as run, storage.local_output(args.out, directory=False) as out:
         _preflight_run_data(str(run), args.data)
         predict_run(run, args.data, out, last=args.last)
@@ -245,13 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_print_config)
 
     p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet")
-    p.add_argument("--preset", default="criteo-like", choices=["criteo-like", "longtail", "tiny", "retrieval", "sequence"])
+    p.add_argument("--preset", default="criteo-like",
+                   choices=["criteo-like", "longtail", "tiny", "retrieval", "sequence", "daily"])
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--files", type=int, default=1)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--row-group-rows", type=int, default=65536)
     p.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "gzip", "none"])
+    p.add_argument("--days", type=int, default=3, help="--preset daily: day partitions OUT/day=YYYY-MM-DD/ "
+                                                       "of --rows rows each")
+    p.add_argument("--start", default="2026-11-25", help="--preset daily: the first day (YYYY-MM-DD)")
     p.set_defaults(func=_cmd_gen_data)
 
     p = sub.add_parser("convert-criteo", help="Criteo Display Advertising TSV -> Parquet (streaming)")
@@ -285,6 +345,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights; a fresh data position")
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser("daily", help="the daily job: warm-start from yesterday's run, train on day --date, "
+                                     "evaluate on the next day, publish a full export and a delta")
+    _add_config_args(p)
+    p.add_argument("--root", default=None, help="runs live in ROOT/DATE (default: the config's train.run_dir)")
+    p.add_argument("--publish", default=None, help="exports and published.json (default: ROOT/published)")
+    p.add_argument("--keep", type=int, default=3, help="full exports kept for rollback")
+    p.add_argument("--from", default=None, metavar="RUN|CHECKPOINT",
+                   help="warm-start from this instead of ROOT/<the day before>")
+    p.add_argument("--next-day", nargs="+", default=None, metavar="PATH",
+                   help="next-day evaluation data (default: the config's data.eval_paths, e.g. day={date+1})")
+    p.set_defaults(func=_cmd_daily)
+
     p = sub.add_parser("ray-submit", help="submit `recsys train --config X` to a Ray cluster as a Ray job")
     _add_config_args(p)
     p.add_argument("--address", required=True, metavar="http://HOST:8265",
@@ -309,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
     p.add_argument("--out", default=None, help="metrics JSON (default RUN/eval_metrics.json)")
     p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
+    p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
+                   help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("predict", help="score Parquet data with a trained run")
@@ -316,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
     p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns")
     p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
+    p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
+                   help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
     p.set_defaults(func=_cmd_predict)
 
     p = sub.add_parser("export", help="export embeddings + dense model for serving (see recsys/serving/export.py)")

@@ -11,11 +11,14 @@ Every section is a frozen dataclass. The loader checks names, types and `Literal
 itself (torchtitan's `_dict_to_dataclass` only rejected unknown names) and turns the
 dataclasses' own `__post_init__` range checks into `ConfigError`s naming the file.
 `--set section.key=value` overrides are parsed as TOML values and go through the same code.
+Then the `{date}`, `{date-N}`, `{date+N}` placeholders of the data paths and train.run_dir are filled
+in with data.date (`--date`, `fill_dates`), so the resolved config names the day's paths.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import tomllib
 import types
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data.config import DataConfig
+from data.paths import fill_date, parse_date
 from embedding_ps.config import PSConfig, TableConfig
 from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig
@@ -300,6 +304,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     raw: dict[str, Any] = _read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
+    fill_dates(raw, source)
     expand_tables(raw, source)
     return build(JobConfig, raw, source=source, prefix="")
 
@@ -310,6 +315,7 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
     raw = _read_toml(path)
     for item in overrides:
         _apply_override(raw, item)
+    fill_dates(raw, str(path))           # train.run_dir may be dated (runs/ctr/{date})
     expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
     ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
     if not ps.storage_root:              # a shard (`recsys ps`) is confined to the job's run directory
@@ -384,6 +390,42 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
             own = feature_tables.get(column, column)
             if own in pooling and name not in pooling:
                 pooling[name] = pooling[own]
+
+
+DATED_KEYS = (("data", "train_paths"), ("data", "eval_paths"), ("data", "test_paths"), ("data", "item_paths"),
+              ("train", "run_dir"), ("train", "scratch_dir"), ("train", "init_from"))
+"""The values whose `{date}`, `{date-N}`, `{date+N}` placeholders (data/paths.py) load_config fills in
+with data.date."""
+
+
+def fill_dates(raw: dict[str, Any], source: str) -> None:
+    """Fill in the date placeholders of DATED_KEYS with data.date, in place; ConfigError naming the key."""
+    data = raw.get("data", {})
+    date = data.get("date", "") if isinstance(data, dict) else ""
+    if isinstance(date, datetime.date) and not isinstance(date, datetime.datetime):
+        date = data["date"] = date.isoformat()        # TOML's own date: date = 2026-11-26, --set data.date=2026-11-26
+    if not isinstance(date, str):
+        return                                        # `build` names the wrong type
+    if date:
+        try:
+            parse_date(date)
+        except ValueError as e:
+            raise ConfigError(f"{source}: data.date (--date): {e}") from None
+    for section, key in DATED_KEYS:
+        table = raw.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        items = value if isinstance(value, list) else [value]
+        for i, v in enumerate(items):
+            if not isinstance(v, str):
+                continue
+            try:
+                items[i] = fill_date(v, date)
+            except ValueError as e:
+                name = f"{section}.{key}" + (f"[{i}]" if isinstance(value, list) else "")
+                hint = "" if date else "; pass --date YYYY-MM-DD or set data.date"
+                raise ConfigError(f"{source}: {name} = {v!r}: {e}{hint}") from None
+        if isinstance(value, str):
+            table[key] = items[0]
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -488,4 +530,4 @@ def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
 
 
 __all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig", "EvalConfig",
-           "TableConfig", "expand_tables", "load_config", "load_ps_config", "to_dict", "to_toml"]
+           "TableConfig", "expand_tables", "fill_dates", "load_config", "load_ps_config", "to_dict", "to_toml"]

@@ -152,7 +152,7 @@ def resolve_placement(cfg: JobConfig) -> Placement:
 
 
 def _auto_ok(t: TableConfig) -> bool:
-    return t.optimizer != "ftrl" and t.kind == "dynamic" and t.cache_rows == 0
+    return t.optimizer != "ftrl" and t.kind == "dynamic" and t.cache_rows == 0 and not (t.ttl_steps or t.max_rows)
 
 
 def _why_ps(t: TableConfig) -> str:
@@ -164,6 +164,8 @@ def _why_ps(t: TableConfig) -> str:
         return "auto: a hashed table trains on the PS"
     if t.cache_rows:
         return "auto: cache_rows is set (a PS row cache)"
+    if t.ttl_steps or t.max_rows:
+        return "auto: ttl_steps / max_rows age rows out on the PS"
     return "auto: two_tower"
 
 

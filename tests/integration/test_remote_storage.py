@@ -143,3 +143,33 @@ def test_missing_bucket_is_named(s3) -> None:
 
     with pytest.raises(PreflightError, match="train.run_dir = 's3://no-such-bucket/.*bucket does not exist"):
         check_remote_run_dir(bad)
+
+
+def test_dated_hive_partitions_on_s3(s3) -> None:
+    """`{date-1}`, a hive partition directory and a glob over partitions, on s3:// as on local paths:
+    date order, `*` inside one name, Spark's `_SUCCESS` / `_temporary/` skipped."""
+    from data.parquet import resolve_paths
+    from data.remote import parquet_file
+
+    uri, local_data = s3
+    fs, root = pafs.FileSystem.from_uri(uri("hive"))
+    part = sorted(local_data.glob("part-*.parquet"))[0]
+    for day in ("2026-11-20", "2026-11-25", "2026-11-26", "2026-12-01"):
+        for name in ("part-0.parquet", "part-1.parquet", "_SUCCESS"):
+            pafs.copy_files(str(part), f"{root}/day={day}/{name}", destination_filesystem=fs)
+    pafs.copy_files(str(part), f"{root}/day=2026-11-26/_temporary/0/part-9.parquet", destination_filesystem=fs)
+    pafs.copy_files(str(part), f"{root}/day=2026-11-26/sub/part-2.parquet", destination_filesystem=fs)
+
+    def keys(got: list[str]) -> list[str]:
+        return [g.split("/hive/", 1)[1].split("?", 1)[0] for g in got]
+
+    job = ["data.train_paths=['" + uri("hive/day={date-1}/") + "']", "data.eval_paths=[]", "data.date='2026-11-27'"]
+    cfg = load_config(ROOT / "configs" / "tiny.toml", job)
+    assert keys(resolve_paths(cfg.data.train_paths)) == [
+        "day=2026-11-26/part-0.parquet", "day=2026-11-26/part-1.parquet", "day=2026-11-26/sub/part-2.parquet"]
+    assert keys(resolve_paths([uri("hive/day=2026-11-2*/part-*.parquet")])) == [
+        f"day={d}/part-{k}.parquet" for d in ("2026-11-20", "2026-11-25", "2026-11-26") for k in (0, 1)]
+    assert keys(resolve_paths([uri("hive/day=2026-1[12]-*")]))[-3:] == [
+        "day=2026-11-26/sub/part-2.parquet", "day=2026-12-01/part-0.parquet", "day=2026-12-01/part-1.parquet"]
+    with parquet_file(resolve_paths([uri("hive/day=2026-12-01/")])[0]) as pf:     # a listed URI opens on its own
+        assert pf.metadata.num_rows == pq.ParquetFile(part).metadata.num_rows

@@ -23,7 +23,7 @@ def test_defaults_load() -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
-    cfg = load_config(path)
+    cfg = load_config(path, ["data.date='2026-11-26'"])     # a dated config (daily.toml) needs --date
     assert cfg.ps.tables, f"{path.name} defines no tables"
     assert cfg.data.sparse_columns
 
@@ -150,7 +150,7 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_resolved_toml_round_trips(tmp_path: Path, path: Path) -> None:
-    cfg = load_config(path, ["train.dense_lr=0.002"])
+    cfg = load_config(path, ["train.dense_lr=0.002", "data.date='2026-11-26'"])
     again = load_config(write(tmp_path, to_toml(cfg)))
     assert again == cfg
 
