@@ -33,6 +33,7 @@ import shutil
 from pathlib import Path
 
 from recsys.config import ConfigError, JobConfig
+from recsys.rundir import has_best
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,14 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
         raise RuntimeError(f"daily {date}: the training was stopped; continue it with recsys train --resume latest")
 
     record: dict = {"date": date, "run_dir": str(run_dir), "init_from": init or None}
-    if paths:
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    if paths and next_day is None and "auc" in trained and not has_best(run_dir):
+        # the job's final eval already scored the last model on data.eval_paths, the next day: reuse it
+        keys = ("auc", "logloss", "ne", "calibration", "eval_examples", "oracle_auc")
+        trained["next_day"] = {k: trained[k] for k in keys if k in trained}
+        (run_dir / "metrics.json").write_text(json.dumps(trained, indent=1))
+        record["next_day_auc"] = trained["auc"]
+    elif paths:
         try:
             nd = evaluate_run(run_dir, paths, out=str(run_dir / "next_day_metrics.json"))
         except (FileNotFoundError, ValueError) as e:     # tomorrow's data is not there yet
