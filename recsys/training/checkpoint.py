@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -461,7 +462,8 @@ class InitSource:
     step: int                         # completed training steps of the source
     config: JobConfig                 # the source run's resolved config
     checkpoint: bool                  # a checkpoint: trainer/state.pt (dense optimizer state) too
-    manifest: dict[str, Any]          # the checkpoint's manifest ({} for a run's last model)
+    manifest: dict[str, Any]          # the checkpoint's manifest ({} for a run's last model; an export's)
+    export: bool = False              # an fp32 export: rows without optimizer state, dense weights from dense.pt2
 
 
 def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
@@ -474,6 +476,8 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
 
     remote = _is_remote(path)
     root = path if remote else Path(path)
+    if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "tables")):
+        return _export_source(root, verify)
     if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "trainer")):
         manifest = verify_checkpoint(root) if verify else read_manifest(root)
         return InitSource(root, run_path(root, "model"), int(manifest["step"]), _load_config(root), True, manifest)
@@ -491,6 +495,44 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{run_path(root, 'metrics.json')}: no readable step count ({e})") from None
     return InitSource(root, run_path(root, "model"), step, _load_config(root), False, {})
+
+
+def _export_source(root: Path | str, verify: bool) -> InitSource:
+    """An export directory as a warm start's source (fp32 only: quantized rows would not train on)."""
+    from recsys.config import ConfigError
+    from recsys.serving.export import read_manifest as read_export
+
+    if _is_remote(root):
+        raise ConfigError(f"train.init_from = {root}: an export as the source must be local (download it, or "
+                          f"give the run or checkpoint it came from)")
+    manifest = read_export(root, verify=verify)
+    if manifest["kind"] != "full" or manifest["precision"] != "fp32":
+        raise ConfigError(f"train.init_from = {root}: a {manifest['precision']} {manifest['kind']} export; a warm "
+                          f"start needs a full fp32 export (or the run / checkpoint it came from)")
+    return InitSource(root, root, int(manifest["step"]), _load_config(root), False, manifest, export=True)
+
+
+def export_rows(root: Path | str, manifest: dict[str, Any], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids int64 [R], rows float32 [R, D]) of table `name` of an fp32 export, or None when it has none."""
+    from recsys.serving.delta import read_table
+
+    entry = next((e for e in manifest["tables"] if e["name"] == name), None)
+    if entry is None:
+        return None
+    t = read_table(Path(root), entry)
+    return torch.from_numpy(np.array(t["ids"], dtype=np.int64)), torch.from_numpy(np.array(t["weight"], dtype=np.float32))
+
+
+def source_replicated(source: InitSource) -> dict[str, torch.Tensor] | None:
+    """The replicated tables' saved state of a warm start's source (an export: from its table files)."""
+    if not source.export:
+        path = run_path(source.model_dir, REPLICATED_FILE)
+        return load_bytes(storage.read_bytes(path)) if storage.exists(path) else None
+    out = {}
+    for t in source.config.ps.tables:
+        if t.placement == "replicated" and (got := export_rows(source.root, source.manifest, t.name)) is not None:
+            out[f"{t.name}.ids"], out[f"{t.name}.weight"] = got
+    return out
 
 
 def _load_config(root: Path | str) -> JobConfig:
@@ -535,6 +577,12 @@ def warm_start(parts: TrainParts, source: InitSource) -> None:
     optimizer state into `parts`; the data position, LR schedule and early-stopping record stay new."""
     root = source.root
     manifest = source.manifest
+    if source.export:          # the dense program's weights; rows came without optimizer state
+        program = torch.export.load(str(Path(root) / "dense.pt2"))
+        parts.model.load_state_dict({k.removeprefix("model."): v for k, v in program.state_dict.items()})
+        logger.info("warm start from the export %s: rows and dense weights without optimizer state (the "
+                    "optimizers start fresh)", root)
+        return
     read = (lambda rel: read_checked(root, rel, manifest)) if source.checkpoint else \
         (lambda rel: storage.read_bytes(run_path(root, *rel.split("/"))))
     parts.model.load_state_dict(torch.load(io.BytesIO(read("model/dense.pt")), weights_only=True))

@@ -513,7 +513,8 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     try:
         shards, addresses = start_shards(cfg, config_path, run_dir,
                                          None if checkpoint is None else run_path(checkpoint, "model", "ps"),
-                                         None if init is None else run_path(init.model_dir, "ps"))
+                                         None if init is None else
+                                         init.root if init.export else run_path(init.model_dir, "ps"))
         write_processes(run_dir, shards, earlier)
         logger.info("ps shards ready at %s", ", ".join(addresses))
         if stops.requested.is_set():

@@ -22,7 +22,7 @@ from embedding_ps.shard import ShardState
 from embedding_ps.snapshot import SavedShard, saved_shard_dirs, shard_dir
 from recsys import storage
 from recsys.config import load_config, to_toml
-from recsys.training.checkpoint import verify_checkpoint, write_manifest
+from recsys.training.checkpoint import export_rows, resolve_init, verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,15 @@ def init_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardS
     state = ShardState(config, shard_index)
     index = {t.name: i for i, t in enumerate(config.tables)}
     taken = 0
+    if (Path(ps_dir) / "tables").is_dir():        # an fp32 export: rows without optimizer state
+        source = resolve_init(ps_dir, verify=False)
+        for t in source.config.ps.tables:
+            if t.name in index and config.tables[index[t.name]].placement != "replicated" and \
+                    (got := export_rows(ps_dir, source.manifest, t.name)) is not None:
+                taken += state.load_dump(index[t.name], got[0], got[1], {}, step=source.step)
+        logger.info("shard %d/%d: warm start took %d rows (no optimizer state) from the export %s", shard_index,
+                    config.num_shards, taken, ps_dir)
+        return state
     for directory in saved_shard_dirs(ps_dir):
         saved = SavedShard(str(directory))
         for i in range(saved.num_tables):

@@ -32,7 +32,7 @@ from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
 from recsys.models.replicated import REPLICATED_FILE, load_bytes, save_bytes
 from recsys.training import stopping
-from recsys.training.checkpoint import checkpoint_path, read_manifest, resolve_init
+from recsys.training.checkpoint import checkpoint_path, read_manifest, resolve_init, source_replicated
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
 from recsys import storage
@@ -208,7 +208,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         # new data's (shapes fixed before DDP wraps them)
         source = resolve_init(init, verify=False) if init is not None and resume is None else None
         saved = saved_replicated(run_path(resume, "model")) if resume is not None else \
-            saved_replicated(source.model_dir) if source is not None else None
+            source_replicated(source) if source is not None else None
         trainer = Trainer(cfg, store, rank=rank, world_size=world, metric_logger=metric_logger,
                           replicated_state=saved, warm=source is not None)
         store = trainer.store          # the row cache's wrapper when a table caches (a LOAD clears it)

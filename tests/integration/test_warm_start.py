@@ -145,3 +145,35 @@ def test_cli_warm_start_then_a_delta_of_the_new_run_applies_to_the_old_export(so
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "ps.tables[C2].optimizer" in err[0] and "init_from" in err[0], err
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())    # (preflight's write check)
+
+
+def test_warm_start_from_an_fp32_export(source, tmp_path: Path) -> None:
+    """Rows and dense weights come from an fp32 export (no optimizer state); a quantized one is refused."""
+    from recsys.config import ConfigError
+    from recsys.serving.export import export_model
+    from recsys.serving.source import resolve_source
+    from recsys.training.checkpoint import source_replicated
+
+    data, _, trainer, ckpt = source
+    export_model(resolve_source(checkpoint=ckpt), tmp_path / "exp")
+    init = resolve_init(tmp_path / "exp")
+    assert init.export and init.step == 8
+    cfg = _cfg(tmp_path / "b", data / "part-00001.parquet", "ps.num_shards=3", "train.max_steps=2", "train.init_step=8")
+    store = LocalStore(cfg.ps, [init_shard(cfg.ps, i, tmp_path / "exp") for i in range(3)])
+    trained = distinct_ids(cfg.data, [str(data / "part-00000.parquet")], cfg.data.sparse_columns)
+    for t, table in enumerate(cfg.ps.tables):
+        if table.placement != "replicated":
+            ids = torch.from_numpy(trained[table.name])
+            torch.testing.assert_close(store.pull(t, ids), trainer.store.pull(t, ids), atol=0, rtol=0)
+    warm = Trainer(cfg, store, replicated_state=source_replicated(init), warm=True)
+    warm.warm_start(init)
+    for k, v in trainer.model.state_dict().items():
+        torch.testing.assert_close(warm.model.state_dict()[k], v, atol=0, rtol=0, msg=k)
+    pos = torch.searchsorted(warm.replicated.keys["C1"], trainer.replicated.keys["C1"])
+    torch.testing.assert_close(warm.replicated.weight["C1"][pos], trainer.replicated.weight["C1"])
+    warm.train()
+    assert warm.step == 10
+    warm.close()
+    export_model(resolve_source(checkpoint=ckpt), tmp_path / "q", precision="int8")
+    with pytest.raises(ConfigError, match="int8 full export; a warm start needs a full fp32 export"):
+        resolve_init(tmp_path / "q")
