@@ -77,6 +77,10 @@ def _bad_data(world: Path, good: Path) -> None:
     pq.write_table(table.append_column("row_weight", pa.array(["1.0"] * table.num_rows)),
                    bad / "weight_as_text.parquet")
     pq.write_table(table.append_column("row_weight", pa.array([1.0] * table.num_rows)), bad / "weighted.parquet")
+    for name, value in (("negative", -0.5), ("nan", float("nan")), ("inf", float("inf"))):
+        w = [1.0] * table.num_rows
+        w[table.num_rows - 7] = value
+        pq.write_table(table.append_column("row_weight", pa.array(w)), bad / f"weight_{name}.parquet")
     (bad / "not_parquet.parquet").write_text("label,I1\n1,2\n")
     raw = good.read_bytes()
     (bad / "truncated.parquet").write_bytes(raw[: len(raw) // 2])
@@ -192,6 +196,12 @@ CASES: list[Case] = [
     ("example weight column missing", train("data.example_weight_column='row_weight'"), "'row_weight': missing"),
     ("example weight column of a wrong type", train("data.train_paths=['{w}/bad/weight_as_text.parquet']",
                                                     "data.example_weight_column='row_weight'"), "'row_weight'"),
+    ("negative example weight", train("data.train_paths=['{w}/bad/weight_negative.parquet']",
+                                      "data.example_weight_column='row_weight'"), "weight_negative.parquet"),
+    ("NaN example weight", train("data.train_paths=['{w}/bad/weight_nan.parquet']",
+                                 "data.example_weight_column='row_weight'"), "'row_weight'"),
+    ("infinite example weight", train("data.train_paths=['{w}/bad/weight_inf.parquet']",
+                                      "data.example_weight_column='row_weight'"), "weight_inf.parquet"),
     ("eval files with and without the example weight column",
      train("data.train_paths=['{w}/bad/weighted.parquet']", "data.example_weight_column='row_weight'",
            "data.eval_paths=['{w}/bad/weighted.parquet', '{w}/data/part-00001.parquet']"), "'row_weight': missing"),
