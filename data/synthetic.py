@@ -29,7 +29,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -374,32 +374,58 @@ def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:
 
 
 def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
-             row_group_rows: int = 65536, compression: str = "zstd", model_seed: int = 0) -> dict:
+             row_group_rows: int = 65536, compression: str = "zstd", model_seed: int = 0,
+             rows_per_file: Sequence[int] | None = None) -> dict:
     """Writes `rows` rows of `preset` into `num_files` files `out_dir/part-%05d.parquet`.
 
-    File i holds rows [i * rows // num_files, (i + 1) * rows // num_files). `compression` is a
-    Parquet codec name or "none". Returns a summary: rows, files, CTR, mean p_true, oracle AUC
-    (AUC of p_true against the labels, from a 2^20-bin histogram), seconds.
+    File i holds rows [i * rows // num_files, (i + 1) * rows // num_files), or, with `rows_per_file`
+    (e.g. a train / validation / test split; its sum must be `rows`), the next rows_per_file[i] rows.
+    `compression` is a Parquet codec name or "none". Returns a summary: rows, files, CTR, mean
+    p_true, oracle AUC (AUC of p_true against the labels, from a 2^20-bin histogram), seconds.
+    Presets with their own generator: `retrieval` (data.retrieval), `onehot` (data.onehot).
     """
+    if rows_per_file is not None and (len(rows_per_file) != num_files or sum(rows_per_file) != rows):
+        raise ValueError(f"rows_per_file must be {num_files} counts summing to rows={rows}, got {list(rows_per_file)}")
+    if preset == "onehot":               # ten one-hot fields, its own generator (data/onehot.py)
+        from data.onehot import generate_onehot
+
+        split = tuple(rows_per_file) if rows_per_file is not None else _even_split(rows, num_files)
+        return generate_onehot(out_dir=out_dir, seed=seed, split=split, row_group_rows=row_group_rows,
+                               compression=compression, model_seed=model_seed)
     if preset == "retrieval":            # its own generator and files (data/retrieval.py)
         from data.retrieval import generate_retrieval
 
+        if rows_per_file is not None:
+            raise ValueError("preset 'retrieval' writes files of equal rows: rows_per_file is not supported")
         return generate_retrieval(rows=rows, num_files=num_files, out_dir=out_dir, seed=seed,
                                   row_group_rows=row_group_rows, compression=compression, model_seed=model_seed)
     p = get_preset(preset)
     return write_parts(preset, preset_arrow_schema(p), lambda: iter_rows(p, rows, seed, model_seed), rows=rows,
                        num_files=num_files, out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
-                       compression=compression, model_seed=model_seed)
+                       compression=compression, model_seed=model_seed, rows_per_file=rows_per_file)
+
+
+def _even_split(rows: int, num_files: int) -> tuple[int, ...]:
+    if rows < 1 or num_files < 1 or num_files > rows:
+        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
+    return tuple((i + 1) * rows // num_files - i * rows // num_files for i in range(num_files))
 
 
 def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa.Table]], *, rows: int,
                 num_files: int, out_dir: str, seed: int, row_group_rows: int, compression: str,
-                model_seed: int) -> dict:
+                model_seed: int, rows_per_file: Sequence[int] | None = None) -> dict:
     """Writes the generator's tables (rows 0..rows-1, each with `label` and `p_true`) into `num_files`
-    files of `out_dir` and returns generate()'s summary; shared by every preset with an oracle column."""
-    if rows < 1 or num_files < 1 or num_files > rows:
+    files of `out_dir` and returns generate()'s summary; shared by every preset with an oracle column.
+    File i gets rows_per_file[i] rows when given (their sum must be `rows`), else an equal share."""
+    if rows_per_file is not None:
+        if len(rows_per_file) != num_files or sum(rows_per_file) != rows or min(rows_per_file) < 1:
+            raise ValueError(f"rows_per_file must be {num_files} counts >= 1 summing to rows={rows}, "
+                             f"got {list(rows_per_file)}")
+        bounds = [0, *np.cumsum(rows_per_file).tolist()]
+    elif rows < 1 or num_files < 1 or num_files > rows:
         raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
-    bounds = [i * rows // num_files for i in range(num_files + 1)]
+    else:
+        bounds = [i * rows // num_files for i in range(num_files + 1)]
     t0 = time.perf_counter()
     schema = schema.with_metadata(
         {"recsys.synthetic.preset": preset, "recsys.synthetic.seed": str(seed),

@@ -97,6 +97,7 @@ def _cmd_print_config(args: argparse.Namespace) -> int:
 def _cmd_gen_data(args: argparse.Namespace) -> int:
     from data.synthetic import generate
 
+    split = _gen_data_split(args)
     if args.preset == "daily":         # day partitions with ids that come and go (data/daily.py)
         from data.daily import generate_daily
 
@@ -111,10 +112,34 @@ def _cmd_gen_data(args: argparse.Namespace) -> int:
                                     row_group_rows=args.row_group_rows, compression=args.compression)
         logger.info("wrote %s", summary)
         return 0
-    summary = generate(preset=args.preset, rows=args.rows, num_files=args.files, out_dir=args.out,
-                       seed=args.seed, row_group_rows=args.row_group_rows, compression=args.compression)
+    rows, files = (sum(split), len(split)) if split else (args.rows, args.files)
+    summary = generate(preset=args.preset, rows=rows, num_files=files, out_dir=args.out, seed=args.seed,
+                       row_group_rows=args.row_group_rows, compression=args.compression, rows_per_file=split)
     logger.info("wrote %s", summary)
     return 0
+
+
+def _gen_data_split(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """Rows per file of --split (or the onehot preset's default split); None: --rows in --files equal files."""
+    if args.split is not None:
+        if args.rows is not None:
+            raise ConfigError("gen-data: give --rows (and --files) or --split, not both")
+        if args.preset in ("retrieval", "sequence", "daily"):
+            raise ConfigError(f"gen-data --split is not supported by --preset {args.preset} (use --rows, --files)")
+        try:
+            split = tuple(int(x) for x in args.split.split(","))
+        except ValueError:
+            raise ConfigError(f"gen-data --split must be row counts separated by commas, got {args.split!r}") from None
+        if min(split) < 1:
+            raise ConfigError(f"gen-data --split counts must be >= 1, got {args.split!r}")
+        return split
+    if args.rows is None:
+        if args.preset == "onehot":
+            from data.onehot import ONEHOT_SPLIT
+
+            return ONEHOT_SPLIT
+        raise ConfigError(f"gen-data --preset {args.preset} needs --rows (or --split)")
+    return None
 
 
 def _cmd_convert_criteo(args: argparse.Namespace) -> int:
@@ -300,11 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     p.set_defaults(func=_cmd_print_config)
 
-    p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet")
+    p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet",
+                       description="Writes OUT/part-00000.parquet, part-00001, ...: --rows rows in --files files of "
+                                   "equal rows, or --split A,B,C: file i gets the next i-th count of rows (e.g. "
+                                   "train, validation, test). Rows are one i.i.d. stream, the same for a --seed "
+                                   "whatever the split. --preset onehot (ten one-hot fields: user, item, "
+                                   "item_category and context ids; data/onehot.py) without --rows or --split "
+                                   "writes its default split 50000,6000,30000: part-00000 train, part-00001 "
+                                   "validation, part-00002 test.")
     p.add_argument("--preset", default="criteo-like",
-                   choices=["criteo-like", "longtail", "tiny", "retrieval", "sequence", "daily"])
-    p.add_argument("--rows", type=int, required=True)
-    p.add_argument("--files", type=int, default=1)
+                   choices=["criteo-like", "longtail", "onehot", "tiny", "retrieval", "sequence", "daily"])
+    p.add_argument("--rows", type=int, default=None, help="total rows (required unless --split or --preset onehot)")
+    p.add_argument("--files", type=int, default=1, help="files of equal rows (with --rows)")
+    p.add_argument("--split", default=None, metavar="A,B,...",
+                   help="rows of each file, in order, instead of --rows/--files (not for retrieval, sequence, daily)")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--row-group-rows", type=int, default=65536)

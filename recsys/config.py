@@ -215,8 +215,8 @@ class JobConfig:
                 if (t := self.model.feature_tables.get(f, f)) in tables}
         if len(dims) > 1:
             raise ValueError(f"the tables read by data.sparse_columns must share one dim, got {sorted(dims)}")
-        if (self.model.arch == "dlrm" and dims and self.data.dense_columns
-                and self.model.bottom_mlp[-1] != next(iter(dims))):
+        if (self.model.arch == "dlrm" and dims and self.data.dense_columns and self.model.bottom_mlp
+                and self.model.bottom_mlp[-1] != next(iter(dims))):         # empty: derived from the dim
             raise ValueError(f"model.bottom_mlp must end in the tables' dim {next(iter(dims))} for dlrm, "
                              f"got {list(self.model.bottom_mlp)}")
         if self.model.linear_feature_tables and self.model.arch not in ("deepfm", "wide_deep"):

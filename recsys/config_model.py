@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+def default_bottom_mlp(embedding_dim: int) -> tuple[int, int]:
+    """DLRM's bottom MLP when `model.bottom_mlp` is not given: one hidden layer, then the tables' dim D
+    (the bottom output is dotted with the embeddings, so it must end in D)."""
+    return (max(64, 2 * embedding_dim), embedding_dim)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """The CTR model: architecture, feature -> table map and dense tower sizes."""
@@ -23,8 +29,10 @@ class ModelConfig:
     made from `[ps.table_defaults]` (the loader writes them into ps.tables and linear_feature_tables)."""
     table_pooling: dict[str, str] = field(default_factory=dict)
     """PS table name -> `sum` or `mean` (default `sum`)."""
-    bottom_mlp: tuple[int, ...] = (64, 16)
-    """DLRM only: every layer width of the bottom (dense-feature) MLP; the last must equal the tables' dim."""
+    bottom_mlp: tuple[int, ...] = ()
+    """DLRM only: every layer width of the bottom (dense-feature) MLP; the last must equal the tables' dim.
+    Empty (the default): derived from the tables' dim D, `default_bottom_mlp(D)` = [max(64, 2 D), D]
+    ([64, 16] at D = 16), so any dim works without it."""
     top_mlp: tuple[int, ...] = (64, 32)
     """Hidden widths of the top MLP (DLRM) or of the deep tower (DCN, DeepFM, Wide&Deep); the final
     layer down to one logit is added."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from recsys.config import ModelConfig
+from recsys.config_model import default_bottom_mlp
 from recsys.models.mlp import MLP
 
 
@@ -119,7 +120,8 @@ class DLRM(nn.Module):
     """The dense part of DLRM: DenseArch, InteractionArch and OverArch put together.
 
     Args:
-        config: `model.bottom_mlp` (its last width must equal `embedding_dim`), `model.top_mlp`,
+        config: `model.bottom_mlp` (its last width must equal `embedding_dim`; empty: derived from
+            it, `default_bottom_mlp`), `model.top_mlp`,
             `model.dropout`, `model.norm` (in both MLPs).
         num_dense: Dn; 0: no bottom MLP, the embeddings interact among themselves (module docstring).
         num_sparse: F, the number of pooled embeddings per example.
@@ -137,13 +139,13 @@ class DLRM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()
-        if num_dense > 0 and (not config.bottom_mlp or config.bottom_mlp[-1] != embedding_dim):
+        bottom = config.bottom_mlp or default_bottom_mlp(embedding_dim)     # not given: [max(64, 2D), D]
+        if num_dense > 0 and bottom[-1] != embedding_dim:
             raise ValueError(
                 f"model.bottom_mlp must end in the embedding dim {embedding_dim} (the bottom output is dotted "
                 f"with the embeddings), got {list(config.bottom_mlp)}"
             )
-        self.dense_arch = (DenseArch(num_dense, config.bottom_mlp, config.dropout, config.norm)
-                           if num_dense > 0 else None)
+        self.dense_arch = DenseArch(num_dense, bottom, config.dropout, config.norm) if num_dense > 0 else None
         self.inter_arch = InteractionArch(num_sparse, with_dense=num_dense > 0)
         self.over_arch = OverArch(embedding_dim + self.inter_arch.out_features_extra, config.top_mlp,
                                   config.dropout, config.norm)
