@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.mark.parametrize("name, state", [("tiny", False), ("quickstart", False), ("din", False),
-                                         ("dcn", False), ("deepfm", False), ("wide_deep", False),
+                                         ("dcn", False), ("deepfm", True), ("wide_deep", False),
                                          ("two_tower", True)])
 def test_which_shipped_models_have_state_buffers(name: str, state: bool) -> None:
     """DLRM's triu indices and DIN's kept features are derived from the config (non-persistent, equal
-    on every rank): no broadcast. two_tower's frequency counts are state: broadcast, as by default."""
+    on every rank): no broadcast. two_tower's frequency counts and batch norm's running statistics
+    (configs/deepfm.toml sets model.norm = "batch") are state: broadcast, as by default."""
     _, model = build_job_model(load_config(ROOT / "configs" / f"{name}.toml", []))
     assert has_state_buffers(model) is state
     if not state:
