@@ -167,3 +167,68 @@ def move_aside(run_dir: Path) -> Path:
         if child.name != LOCK_FILE:
             child.rename(old / child.name)
     return old
+
+
+URI_LOCK = ".lock.json"
+"""RUN_URI/.lock.json: who holds a URI run directory (object stores have no flock)."""
+
+
+class UriLock:
+    """A lock object RUN_URI/.lock.json ({"run_id", "pid", "host", "since"}) written by the launcher of a
+    URI run directory after its checks and removed when it ends; another launcher that finds it refuses,
+    naming the holder. Object stores offer no atomic create here, so two launchers starting within the
+    same second can both pass: the local flock (`RunLock`) covers one machine, this object the others.
+    A lock left by a launcher that died on this host (its pid is gone) is taken over; one of another
+    host is named, with how to remove it."""
+
+    def __init__(self, run_dir: str) -> None:
+        import json
+        import os
+        import socket
+
+        self.path = str(run_path(run_dir, URI_LOCK))
+        self.held = False
+        if not storage.exists(self.path):
+            return
+        try:
+            holder = json.loads(storage.read_text(self.path))
+        except (ValueError, OSError):
+            holder = {}
+        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+            return                          # its launcher died on this machine: stale
+        raise RunDirError(
+            f"train.run_dir = {run_dir}: held by run {holder.get('run_id', '?')} (pid {holder.get('pid', '?')} on "
+            f"host {holder.get('host', '?')} since {holder.get('since', '?')}; lock object {self.path}): wait for "
+            f"it, or, if that launcher is gone, delete the lock object")
+
+    def announce(self, run_id: str) -> None:
+        import json
+        import os
+        import socket
+        import time
+
+        storage.write_text(self.path, json.dumps({"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(),
+                                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                storage.delete_tree(self.path)
+            except OSError:
+                pass
+            self.held = False
+
+
+def _alive(pid: object) -> bool:
+    import os
+
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -44,7 +44,7 @@ from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
 from recsys.training.checkpoint import InitSource, check_init_tables, resolve_init
-from recsys.rundir import RunDirError, RunLock, existing_run, local_run_dir, move_aside, run_path
+from recsys.rundir import RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +347,10 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
                                                                  init_from=str(init.root)))
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     lock = RunLock(run_dir, cfg.train.run_dir)
+    uri_lock = None
     try:
+        if storage.is_uri(cfg.train.run_dir):      # other machines: a lock object beside the run
+            uri_lock = UriLock(cfg.train.run_dir)
         if overwrite is not None and not resume and (held := existing_run(cfg.train.run_dir)):
             if not overwrite:
                 raise RunDirError(
@@ -359,6 +362,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
             logger.warning("--overwrite: moved the run in %s to %s", run_dir, move_aside(run_dir))
         lock.announce()
         cfg = with_run_id(cfg, checkpoint, resume)
+        if uri_lock is not None:
+            uri_lock.announce(cfg.train.run_id)
         log_placement(placement.report)
         config_path = write_run_dir(cfg, run_dir)
         (run_dir / "placement.json").write_text(json.dumps(placement.report, indent=1))
@@ -376,6 +381,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
                     f", warm-started from {init.root} (step {init.step})" if init is not None else "")
         yield cfg, run_dir, config_path, checkpoint, init
     finally:
+        if uri_lock is not None:
+            uri_lock.release()
         lock.release()
 
 

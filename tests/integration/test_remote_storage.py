@@ -11,6 +11,8 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +175,31 @@ def test_dated_hive_partitions_on_s3(s3) -> None:
         "day=2026-11-26/sub/part-2.parquet", "day=2026-12-01/part-0.parquet", "day=2026-12-01/part-1.parquet"]
     with parquet_file(resolve_paths([uri("hive/day=2026-12-01/")])[0]) as pf:     # a listed URI opens on its own
         assert pf.metadata.num_rows == pq.ParquetFile(part).metadata.num_rows
+
+
+def test_a_uri_run_dir_is_locked_and_a_run_on_s3_warm_starts_another(s3, tmp_path: Path) -> None:
+    """#27: a launcher of an s3 run directory holds a lock object there (another one is refused, naming
+    the holder; one left by a dead launcher of this host is taken over), and a run on s3 is a warm
+    start's source."""
+    import os
+    import socket
+
+    from recsys.rundir import URI_LOCK, RunDirError
+
+    uri, _ = s3
+    run = uri("runs/lock")
+    train(run, uri("data"), tmp_path / "s1", "train.max_steps=6")
+    assert not storage.exists(storage.join(run, URI_LOCK))              # released at the end
+    lock = storage.join(run, URI_LOCK)
+    storage.write_text(lock, json.dumps({"run_id": "abc", "pid": 4242, "host": "elsewhere", "since": "t"}))
+    with pytest.raises(RunDirError, match=r"held by run abc \(pid 4242 on host elsewhere"):
+        train(run, uri("data"), tmp_path / "s2", "train.max_steps=12", resume="latest")
+    assert json.loads(storage.read_text(lock))["host"] == "elsewhere"   # untouched
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    storage.write_text(lock, json.dumps({"run_id": "abc", "pid": dead.pid, "host": socket.gethostname()}))
+    assert train(run, uri("data"), tmp_path / "s3", "train.max_steps=12", resume="latest")["steps"] == 12
+    # warm start from the run on s3 into a local run
+    warm = launch_train(load_config(ROOT / "configs" / "tiny.toml", job(
+        tmp_path / "warm", uri("data"), tmp_path / "s4", "train.max_steps=4", f"train.init_from='{run}'")))
+    assert warm["steps"] == 16 and os.path.exists(tmp_path / "warm" / "model" / "dense.pt")
