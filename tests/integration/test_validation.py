@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def job(tmp_path: Path, data: Path, *extra: str):
-    return load_config(ROOT / "configs" / "deepfm_onehot.toml", [
+    return load_config(ROOT / "tests" / "fixtures" / "deepfm_onehot_lazy_decay.toml", [
         f"data.train_paths=['{data}/part-00000.parquet']", f"data.eval_paths=['{data}/part-00001.parquet']",
         f"data.test_paths=['{data}/part-00002.parquet']", "data.batch_size=128",
         f"train.run_dir='{tmp_path / 'run'}'", "train.num_threads=1", "train.log_every=10", *extra])

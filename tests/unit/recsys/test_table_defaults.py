@@ -77,7 +77,7 @@ def test_bad_defaults_are_named(tmp_path: Path, text: str, message: str) -> None
 
 def test_the_real_data_example_config_loads() -> None:
     cfg = load_config(ROOT / "configs" / "deepfm_onehot.toml")
-    assert len(cfg.ps.tables) == 16 and cfg.data.test_paths and cfg.train.validate_every == "epoch"
+    assert len(cfg.ps.tables) == 20 and cfg.data.test_paths   # 10 columns, each with a linear table and cfg.train.validate_every == "epoch"
     assert not cfg.data.dense_columns
 
 
