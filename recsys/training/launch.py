@@ -345,6 +345,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
         lineage = tuple(dict.fromkeys((*src.lineage, *((src.run_id,) if src.run_id else ()))))
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_step=init.step, lineage=lineage,
                                                                  init_from=str(init.root)))
+    elif checkpoint is not None:  # a resumed run keeps where it was warm-started from (its end step, lineage)
+        cfg = _warm_start_of(cfg, checkpoint)
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     lock = RunLock(run_dir, cfg.train.run_dir)
     uri_lock = None
@@ -384,6 +386,20 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
         if uri_lock is not None:
             uri_lock.release()
         lock.release()
+
+
+def _warm_start_of(cfg: JobConfig, checkpoint: Path | str) -> JobConfig:
+    """`cfg` with train.init_from, init_step and lineage as the checkpoint's run had them."""
+    try:
+        import tomllib
+
+        saved = tomllib.loads(storage.read_text(run_path(checkpoint, "config.toml"))).get("train", {})
+    except (OSError, ValueError):
+        return cfg
+    keep = {k: saved[k] for k in ("init_from", "init_step", "lineage") if k in saved}
+    if "lineage" in keep:
+        keep["lineage"] = tuple(keep["lineage"])
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **keep)) if keep else cfg
 
 
 def with_run_id(cfg: JobConfig, checkpoint: Path | str | None, resume: str | None) -> JobConfig:

@@ -136,6 +136,10 @@ def test_cli_warm_start_then_a_delta_of_the_new_run_applies_to_the_old_export(so
     np.testing.assert_array_equal(Predictor(tmp_path / "base", deltas=[tmp_path / "delta"]).predict(table), full)
     if a_id:
         assert a_id in text
+    # resumed later, the run keeps its warm-start step: max_steps = 8 now ends at 8 + 8
+    longer = [a.replace("train.max_steps=6", "train.max_steps=8") for a in argv]
+    assert cli.main([*longer, "--resume", "latest"]) == 0
+    assert json.loads((b / "metrics.json").read_text())["steps"] == 16
     # a changed table: one error line naming it, nothing written
     capsys.readouterr()
     bad = [a.replace("{name='C2', dim=8, lr=0.05}", "{name='C2', dim=8, lr=0.05, optimizer='sgd'}")
