@@ -33,20 +33,27 @@ ITEMS_PER_DAY = 600          # items born each day
 ITEM_LIFE = (2, 5)           # days an item lives (inclusive range)
 
 
-def _world(seed: int, days: int) -> dict[str, np.ndarray]:
-    """The fixed parts: user effects and affinities, every item's birth, life, quality and category."""
+MAX_DAYS = 1000
+"""Days the preset's item population covers (each day's file is the same whatever --days asks for)."""
+
+
+def _world(seed: int) -> dict[str, np.ndarray]:
+    """The fixed parts: user effects and affinities, every item's birth, life, quality and category
+    (items of all MAX_DAYS days, so that nothing depends on how many days are written)."""
     rng = np.random.default_rng(seed)
-    n_items = ITEMS_PER_DAY * (days + ITEM_LIFE[1])
-    born = np.repeat(np.arange(-ITEM_LIFE[1], days), ITEMS_PER_DAY)[:n_items]         # day of birth
+    n_items = ITEMS_PER_DAY * (MAX_DAYS + ITEM_LIFE[1])
+    index = np.arange(n_items, dtype=np.int64)
     return {
         "user_bias": rng.normal(0.0, 0.5, NUM_USERS),
         "affinity": rng.normal(0.0, 1.0, (NUM_USERS, NUM_CATS)),
         "ctx": rng.normal(0.0, 0.4, NUM_CTX),
-        "born": born,
+        "born": index // ITEMS_PER_DAY - ITEM_LIFE[1],                                   # day of birth
         "life": rng.integers(ITEM_LIFE[0], ITEM_LIFE[1] + 1, n_items),
         "quality": rng.normal(0.0, 0.8, n_items),
         "cat": rng.integers(0, NUM_CATS, n_items),
-        "item_id": rng.choice(np.arange(10_000, 10_000 + 50 * n_items), n_items, replace=False),
+        "drift": rng.normal(0.0, 1.0, n_items),
+        # distinct ids that do not reveal the birth order: an odd multiplier is a bijection mod 2^32
+        "item_id": 10_000 + (index * 2654435761) % (1 << 32),
     }
 
 
@@ -59,9 +66,9 @@ def day_table(world: dict[str, np.ndarray], day: int, rows: int, seed: int) -> p
     """Day `day`'s rows (0-based day index)."""
     rng = np.random.default_rng([seed, day])
     alive = np.flatnonzero((world["born"] <= day) & (day < world["born"] + world["life"]))
-    # popularity drifts: each live item's score takes a new random step every day
-    drift = np.random.default_rng([seed, 7919]).normal(0.0, 1.0, (world["born"].size,))
-    score = world["quality"][alive] + drift[alive] * 0.3 * (day - world["born"][alive]) + rng.normal(0, 0.5, alive.size)
+    # popularity drifts: each live item's score moves a little further every day
+    score = (world["quality"][alive] + world["drift"][alive] * 0.3 * (day - world["born"][alive])
+             + rng.normal(0, 0.5, alive.size))
     order = alive[np.argsort(-score)]
     items = order[_zipf_pick(rng, order.size, rows)]
     users = _zipf_pick(np.random.default_rng([seed, day, 1]), NUM_USERS, rows, 1.05)
@@ -82,10 +89,10 @@ def day_table(world: dict[str, np.ndarray], day: int, rows: int, seed: int) -> p
 def generate_daily(*, days: int, rows: int, out_dir: str, seed: int = 0, start: str = "2026-11-25",
                    row_group_rows: int = 65536) -> dict:
     """Write `days` partitions OUT/day=YYYY-MM-DD/part-00000.parquet of `rows` rows each; returns a summary."""
-    if days < 1 or rows < 1:
-        raise ValueError(f"need days >= 1 and rows >= 1, got days={days}, rows={rows}")
+    if not 1 <= days <= MAX_DAYS or rows < 1:
+        raise ValueError(f"need 1 <= days <= {MAX_DAYS} and rows >= 1, got days={days}, rows={rows}")
     first = dt.date.fromisoformat(start)
-    world = _world(seed, days)
+    world = _world(seed)
     out = {"days": [], "rows_per_day": rows}
     for d in range(days):
         date = (first + dt.timedelta(days=d)).isoformat()
