@@ -31,3 +31,12 @@ def test_gen_data_daily_writes_day_partitions_with_ids_that_come_and_go(tmp_path
     again = tmp_path / "again"
     generate_daily(days=2, rows=3000, out_dir=str(again), seed=5, start=days[0])
     assert pq.read_table(again / f"day={days[1]}").equals(pq.read_table(out / f"day={days[1]}"))
+
+
+def test_gen_data_onehot_through_the_cli(tmp_path: Path) -> None:
+    """The README's `recsys gen-data --preset onehot --out DIR [--split A,B,C]`."""
+    assert cli.main(["gen-data", "--preset", "onehot", "--out", str(tmp_path / "o"), "--split", "300,100,200"]) == 0
+    rows = [pq.read_metadata(tmp_path / "o" / f"part-0000{i}.parquet").num_rows for i in range(3)]
+    assert rows == [300, 100, 200]
+    names = pq.read_schema(tmp_path / "o" / "part-00000.parquet").names
+    assert {"label", "p_true", "user", "item", "item_category"} <= set(names)
