@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from torch import nn
 from data.vocab import distinct_ids
 from embedding_ps.config import TableConfig
 from embedding_ps.init import init_rows
+from embedding_ps.store import done_future
 from recsys.config import ConfigError, JobConfig
 
 logger = logging.getLogger(__name__)
@@ -105,14 +106,6 @@ def resolve_placement(cfg: JobConfig) -> Placement:
     wanted = [t for t in ps.tables if t.placement in ("replicated", "auto")]
     if not wanted:
         return Placement(cfg, {}, {t.name: {"placement": "ps", "why": "placement = 'ps'"} for t in ps.tables})
-    if cfg.model.arch == "two_tower" and any(t.placement == "replicated" for t in wanted):
-        name = next(t.name for t in wanted if t.placement == "replicated")
-        raise ConfigError(f"ps.tables[{name}].placement = 'replicated': model.arch = 'two_tower' trains its "
-                          f"tables on the PS (its item corpus is scored through the shards); set 'ps' or 'auto'")
-    if cfg.model.arch == "two_tower" and any(t.placement == "auto" for t in wanted):
-        # the two towers' item corpus (data.item_paths) may hold ids the training data lacks
-        logger.info("two_tower: placement 'auto' tables stay on the PS unless set to 'replicated'")
-        wanted = [t for t in wanted if t.placement == "replicated"]
     eligible = [t for t in wanted if t.placement == "replicated" or _auto_ok(t)]
     vocab = vocabularies(cfg, [t.name for t in eligible])
     report: dict[str, dict] = {}
@@ -164,9 +157,7 @@ def _why_ps(t: TableConfig) -> str:
         return "auto: a hashed table trains on the PS"
     if t.cache_rows:
         return "auto: cache_rows is set (a PS row cache)"
-    if t.ttl_steps or t.max_rows:
-        return "auto: ttl_steps / max_rows age rows out on the PS"
-    return "auto: two_tower"
+    return "auto: ttl_steps / max_rows age rows out on the PS"
 
 
 def log_placement(report: dict[str, dict]) -> None:
@@ -405,7 +396,8 @@ def total_rows(tables: ReplicatedTables | None) -> int:
     return 0 if tables is None else sum(int(k.numel()) for k in tables.keys.values())
 
 
-__all__ = ["REPLICATED_FILE", "Placement", "ReplicatedTables", "TableOptimizer", "TrainModules", "build_replicated",
+__all__ = ["REPLICATED_FILE", "Placement", "ReplicatedStore", "ReplicatedTables", "TableOptimizer", "TrainModules",
+           "build_replicated",
            "load_bytes", "log_placement", "replicated_configs", "resolve_placement", "save_bytes",
            "table_bytes", "table_columns", "vocabularies"]
 
@@ -422,3 +414,30 @@ class TrainModules(nn.Module):
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 (the dense model's signature)
         return self.model(*args, **kwargs)
+
+
+class ReplicatedStore:
+    """An `EmbeddingStore` view that serves the replicated tables from `tables` (rows as they are, no
+    gradient) and everything else from `inner`: for code that pulls rows by table index rather than
+    through a sparse arch (two-tower's item corpus for retrieval eval and export)."""
+
+    def __init__(self, inner, tables: ReplicatedTables, names: Sequence[str]) -> None:
+        self.inner, self.tables = inner, tables
+        self.local = {i: n for i, n in enumerate(names) if n in tables.configs}
+
+    def _rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            rows, idx = self.tables.rows(self.local[table], ids)
+            return rows.detach().index_select(0, idx.to(rows.device)).cpu()
+
+    def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        return self._rows(table, ids) if table in self.local else self.inner.pull(table, ids, step)
+
+    def pull_many_async(self, tables, ids, step=None, **kwargs):  # noqa: ANN001, ANN003 (the Protocol's)
+        if not any(t in self.local for t in tables):
+            return self.inner.pull_many_async(tables, ids, step, **kwargs)
+        parts = [self.pull(t, x, step) for t, x in zip(tables, ids)]
+        return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def __getattr__(self, name: str):  # push, barrier, save, stats, close, ...: the inner store's
+        return getattr(self.inner, name)

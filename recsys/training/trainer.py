@@ -45,7 +45,8 @@ from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model, sequence_inputs
-from recsys.models.replicated import TableOptimizer, TrainModules, build_replicated, resolve_placement
+from recsys.models.replicated import (ReplicatedStore, TableOptimizer, TrainModules, build_replicated,
+                                      resolve_placement)
 from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, InitSource, TrainParts, restore_trainer, warm_start
 from recsys.training import stopping
@@ -456,8 +457,12 @@ class Trainer:
     def scoring_store(self) -> EmbeddingStore:
         """Where evaluation and prediction pull rows: the shards' current rows, never the row cache's
         (whose rows may be ps.max_staleness steps old), so that a validation pass scores the rows a
-        checkpoint of this step saves. (The caller drains pushes first.)"""
-        return self.store.inner if isinstance(self.store, CachingStore) else self.store
+        checkpoint of this step saves. (The caller drains pushes first.) Replicated tables are read from
+        the trainer's own copy (`ReplicatedStore`: two-tower's item corpus pulls by table)."""
+        store = self.store.inner if isinstance(self.store, CachingStore) else self.store
+        if self.replicated is None:
+            return store
+        return ReplicatedStore(store, self.replicated, [t.name for t in self.cfg.ps.tables])
 
     def evaluate(self, paths: tuple[str, ...]) -> dict[str, float]:
         """`eval_metrics` of the model on `paths` over every rank's part (collective): auc, logloss,

@@ -133,3 +133,27 @@ def test_async_two_trainers_train_and_evaluate(tmp_path: Path, retrieval_data: P
     launch_train(cfg)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["recall@50"] > 1.5 * metrics["popular_recall@50"], metrics
+
+
+def test_replicated_tables_train_evaluate_and_export(tmp_path: Path, retrieval_data: Path) -> None:
+    """item_id and item_cat replicated on the trainer (the item corpus is scored from the trainer's copy,
+    and the export's item vectors from model/replicated.pt): recall as good as with every table on the PS."""
+    tables = ("ps.tables=[{name='user_id', dim=16, optimizer='adagrad', lr=0.1}, "
+              "{name='user_region', dim=16, optimizer='adagrad', lr=0.1}, "
+              "{name='item_id', dim=16, optimizer='adagrad', lr=0.1, placement='replicated'}, "
+              "{name='item_cat', dim=16, optimizer='adagrad', lr=0.1, placement='replicated'}]")
+    cfg = job(tmp_path / "run", retrieval_data, tables)
+    launch_train(cfg)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert json.loads((tmp_path / "run" / "placement.json").read_text())["item_id"]["placement"] == "replicated"
+    assert metrics["items"] == 4000 and metrics["recall@50"] >= 2.0 * metrics["popular_recall@50"], metrics
+    again = evaluate_run(tmp_path / "run", [f"{retrieval_data}/part-00002.parquet"])
+    assert again["recall@50"] == pytest.approx(metrics["recall@50"], abs=1e-6)
+    from recsys.serving.export import export_model
+    from recsys.serving.predictor import Predictor
+    from recsys.serving.source import resolve_source
+
+    export_model(resolve_source(run=tmp_path / "run"), tmp_path / "export")
+    manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
+    assert manifest["retrieval"]["num_items"] == 4000 and manifest["rows"]["item_id"] > 0
+    assert Predictor(tmp_path / "export") is not None
