@@ -42,7 +42,9 @@ from data.vocab import distinct_ids
 from embedding_ps.config import TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.store import done_future
+from recsys import storage
 from recsys.config import ConfigError, JobConfig
+from recsys.rundir import run_path
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +267,12 @@ def load_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+def read_replicated(model_dir) -> dict[str, torch.Tensor] | None:  # noqa: ANN001 (a Path or a URI string)
+    """MODEL_DIR/replicated.pt (a local path or URI) as tensors, or None when the model has none."""
+    path = run_path(model_dir, REPLICATED_FILE)
+    return load_bytes(storage.read_bytes(path)) if storage.is_file(path) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # the optimizer
 
@@ -392,12 +400,8 @@ def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = Non
     return tables
 
 
-def total_rows(tables: ReplicatedTables | None) -> int:
-    return 0 if tables is None else sum(int(k.numel()) for k in tables.keys.values())
-
-
 __all__ = ["REPLICATED_FILE", "Placement", "ReplicatedStore", "ReplicatedTables", "TableOptimizer", "TrainModules",
-           "build_replicated",
+           "build_replicated", "read_replicated",
            "load_bytes", "log_placement", "replicated_configs", "resolve_placement", "save_bytes",
            "table_bytes", "table_columns", "vocabularies"]
 

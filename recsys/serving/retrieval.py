@@ -30,7 +30,7 @@ from torch.export import Dim
 from embedding_ps.local import LocalStore
 from recsys.config import JobConfig
 from recsys.models import build_job_model
-from recsys.models.replicated import REPLICATED_FILE, ReplicatedStore, build_replicated, load_bytes
+from recsys.models.replicated import ReplicatedStore, build_replicated, read_replicated
 from recsys.models.two_tower import TwoTower, item_vectors, tower_data
 from recsys.serving.dense_export import MAX_BATCH, load_dense
 from recsys.serving.tensorfile import ExportError
@@ -105,9 +105,8 @@ def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path) -> dict:
     model.load_state_dict(torch.load(model_dir / "dense.pt", map_location="cpu", weights_only=True))
     model.eval()
     store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
-    if (model_dir / REPLICATED_FILE).exists():        # tables trained on the trainers
-        tables = build_replicated(cfg, load_bytes((model_dir / REPLICATED_FILE).read_bytes()))
-        store = ReplicatedStore(store, tables, [t.name for t in cfg.ps.tables])
+    if (saved := read_replicated(model_dir)) is not None:        # tables trained on the trainers
+        store = ReplicatedStore(store, build_replicated(cfg, saved), [t.name for t in cfg.ps.tables])
     try:
         ids, vectors = item_vectors(cfg, store, model)                     # [I], [I, d]
     finally:

@@ -57,7 +57,8 @@ from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
 from recsys.manifest import check_files, file_entry, parse_manifest, write_json_atomic
-from recsys.models.replicated import REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes, save_bytes
+from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
+                                      read_replicated, save_bytes)
 from recsys.manifest import read_manifest as _read_manifest
 from recsys.rundir import local_run_dir, run_path
 
@@ -526,8 +527,7 @@ def export_rows(root: Path | str, manifest: dict[str, Any], name: str) -> tuple[
 def source_replicated(source: InitSource) -> dict[str, torch.Tensor] | None:
     """The replicated tables' saved state of a warm start's source (an export: from its table files)."""
     if not source.export:
-        path = run_path(source.model_dir, REPLICATED_FILE)
-        return load_bytes(storage.read_bytes(path)) if storage.exists(path) else None
+        return read_replicated(source.model_dir)
     out = {}
     for t in source.config.ps.tables:
         if t.placement == "replicated" and (got := export_rows(source.root, source.manifest, t.name)) is not None:

@@ -30,7 +30,8 @@ from recsys.config import JobConfig, load_config
 from recsys.dist import all_reduce
 from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
-from recsys.models.replicated import REPLICATED_FILE, load_bytes, save_bytes
+from recsys.models.replicated import REPLICATED_FILE, save_bytes
+from recsys.models.replicated import read_replicated as saved_replicated
 from recsys.training import stopping
 from recsys.training.checkpoint import checkpoint_path, read_manifest, resolve_init, source_replicated
 from recsys.training.trainer import Trainer
@@ -63,14 +64,6 @@ def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -
     if trainer.replicated is not None:
         storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(trainer.replicated))
     store.save(ps_dir(model_dir))
-
-
-def saved_replicated(model_dir: Path | str) -> dict | None:
-    """MODEL_DIR/replicated.pt (a path or URI) as tensors, or None when the model has none."""
-    path = run_path(model_dir, REPLICATED_FILE)
-    if not storage.is_file(path):
-        return None
-    return load_bytes(storage.read_bytes(path))
 
 
 def ps_dir(model_dir: Path | str) -> str:
