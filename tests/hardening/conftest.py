@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -73,3 +74,16 @@ def _with_root(config: PSConfig, root: Path) -> PSConfig:
     import dataclasses
 
     return dataclasses.replace(config, storage_root=str(root))
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` by relative path: what a refused command must leave unchanged."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_error_line(capsys: pytest.CaptureFixture) -> str:
+    """The single `error:` line a refused command printed on stderr (asserts there is exactly one)."""
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, err
+    return err[0]

@@ -7,7 +7,6 @@ Real jobs through the CLI entry (`recsys.cli.main`: 1 PS shard process + 1 train
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -19,14 +18,11 @@ import pytest
 
 from recsys import cli
 
+from .conftest import file_hashes, one_error_line
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +40,6 @@ def _train(tmp: Path, data: Path, *sets: str, config: str | None = None) -> int:
     return cli.main(argv)
 
 
-def _one_error_line(capsys: pytest.CaptureFixture) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err) == 1, err
-    return err[0]
-
-
 def test_a_failing_final_eval_keeps_the_trained_model(tmp_path: Path, data: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     """The eval file's footer is fine (preflight passes), a label in its rows is not: the trainer stops
@@ -61,7 +51,7 @@ def test_a_failing_final_eval_keeps_the_trained_model(tmp_path: Path, data: Path
     pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels)), bad)
     rc = _train(tmp_path, data, f"data.eval_paths=['{bad}']")
     assert rc == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "eval_bad.parquet" in line and "label" in line
     model = tmp_path / "run" / "model"
     assert (model / "dense.pt").is_file() and (model / "ps" / "shard0").is_dir()
@@ -79,15 +69,15 @@ def test_resume_latest_with_only_corrupt_checkpoints_is_an_error_that_touches_no
         raw[len(raw) // 2] ^= 0x40
         dense.write_bytes(bytes(raw))
     capsys.readouterr()
-    before = _tree(tmp_path / "run")
+    before = file_hashes(tmp_path / "run")
     argv_resume = ["--resume", "latest"]
     rc = cli.main(["train", "--config", str(ROOT / "configs" / "tiny.toml"), *argv_resume,
                    "--set", f"data.train_paths=['{data}/part-00000.parquet']", "--set", "data.eval_paths=[]",
                    "--set", f"train.run_dir='{tmp_path / 'run'}'", "--set", "train.checkpoint_every=4"])
     assert rc == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "none of the 2 checkpoints" in line and "step-0000000004" in line and "step-0000000008" in line
-    assert _tree(tmp_path / "run") == before
+    assert file_hashes(tmp_path / "run") == before
 
 
 def test_max_steps_past_the_data_says_end_of_data(tmp_path: Path, data: Path,

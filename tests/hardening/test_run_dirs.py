@@ -8,7 +8,6 @@ Real jobs through the CLI entry (`recsys.cli.main`: 1 PS shard process + 1 train
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -19,14 +18,11 @@ import pytest
 
 from recsys import cli
 
+from .conftest import file_hashes, one_error_line
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _argv(run: Path, data: Path, *extra: str) -> list[str]:
@@ -35,12 +31,6 @@ def _argv(run: Path, data: Path, *extra: str) -> list[str]:
             "--set", "data.batch_size=128", "--set", f"train.run_dir='{run}'", "--set", "train.num_threads=1",
             "--set", "train.checkpoint_every=4"]
     return argv + list(extra)
-
-
-def _error(capsys: pytest.CaptureFixture) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err) == 1, err
-    return err[0]
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +62,16 @@ def test_reusing_a_run_dir_is_refused_and_overwrite_moves_it_aside(two_runs, dat
     a, _ = two_runs
     run = tmp_path / "run"
     assert cli.main(_argv(run, data, "--set", "train.max_steps=4")) == 0
-    before = _tree(run)
+    before = file_hashes(run)
     capsys.readouterr()
     assert cli.main(_argv(run, data, "--set", "train.max_steps=4")) == 2
-    line = _error(capsys)
+    line = one_error_line(capsys)
     assert str(run) in line and "--resume" in line and "--overwrite" in line
-    assert _tree(run) == before
+    assert file_hashes(run) == before
     old_id = json.loads((run / "metrics.json").read_text())["run_id"]
     assert cli.main(_argv(run, data, "--set", "train.max_steps=4", "--overwrite")) == 0
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
-    assert len(aside) == 1 and _tree(aside[0]) == {k: v for k, v in before.items() if k != ".lock"}
+    assert len(aside) == 1 and file_hashes(aside[0]) == {k: v for k, v in before.items() if k != ".lock"}
     new_id = json.loads((run / "metrics.json").read_text())["run_id"]
     assert new_id != old_id
     # --resume continues the same run (same id) in the same directory
@@ -101,12 +91,12 @@ def test_a_second_launcher_is_refused_naming_the_holder(tmp_path: Path, data: Pa
         while not (run / "ps-0.ready").exists():          # the first launcher holds the lock and runs
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        before = _tree(run)
+        before = file_hashes(run)
         capsys.readouterr()
         assert cli.main(_argv(run, data, "--resume", "latest")) == 2
-        line = _error(capsys)
+        line = one_error_line(capsys)
         assert f"pid {first.pid}" in line and "host" in line and ".lock" in line
-        after = _tree(run)
+        after = file_hashes(run)
         # the first job keeps writing its own files; none of the refused launcher's appeared or changed
         assert after[".lock"] == before[".lock"] and after["config.toml"] == before["config.toml"]
     finally:
@@ -120,17 +110,17 @@ def test_foreign_deltas_and_exports_of_another_run_are_refused(two_runs, tmp_pat
     for run, name in ((a, "base_a"), (b, "base_b")):
         assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / name)]) == 0
     assert cli.main(["export", "--run", str(b), "--out", str(tmp_path / "delta_b"), "--since", "4"]) == 0
-    before = _tree(tmp_path)
+    before = file_hashes(tmp_path)
     capsys.readouterr()
     # b's delta onto a's base
     assert cli.main(["export-apply", str(tmp_path / "base_a"), str(tmp_path / "delta_b"),
                      "--out", str(tmp_path / "merged")]) == 2
-    line = _error(capsys)
+    line = one_error_line(capsys)
     assert "delta_b" in line and "base_a" in line and "run" in line
     # b's export over a's
     assert cli.main(["export", "--run", str(b), "--out", str(tmp_path / "base_a")]) == 2
-    assert "base_a" in _error(capsys)
-    assert _tree(tmp_path) == before
+    assert "base_a" in one_error_line(capsys)
+    assert file_hashes(tmp_path) == before
     from recsys.serving.predictor import Predictor
     from recsys.serving.tensorfile import ExportError
 
