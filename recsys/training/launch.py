@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -388,14 +389,18 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
         lock.release()
 
 
+def _saved_train(path: Path | str) -> dict:
+    """The [train] section of a saved config.toml ({} when it is missing or unreadable)."""
+    try:
+        train = tomllib.loads(storage.read_text(path)).get("train", {})
+    except (OSError, ValueError):             # (tomllib.TOMLDecodeError is a ValueError)
+        return {}
+    return train if isinstance(train, dict) else {}
+
+
 def _warm_start_of(cfg: JobConfig, checkpoint: Path | str) -> JobConfig:
     """`cfg` with train.init_from, init_step and lineage as the checkpoint's run had them."""
-    try:
-        import tomllib
-
-        saved = tomllib.loads(storage.read_text(run_path(checkpoint, "config.toml"))).get("train", {})
-    except (OSError, ValueError):
-        return cfg
+    saved = _saved_train(run_path(checkpoint, "config.toml"))
     keep = {k: saved[k] for k in ("init_from", "init_step", "lineage") if k in saved}
     if "lineage" in keep:
         keep["lineage"] = tuple(keep["lineage"])
@@ -408,26 +413,12 @@ def with_run_id(cfg: JobConfig, checkpoint: Path | str | None, resume: str | Non
     run_id = ""
     for source in ([run_path(checkpoint, "config.toml")] if checkpoint is not None else []) + \
             ([run_path(cfg.train.run_dir, "config.toml")] if resume else []):
-        run_id = _saved_run_id(source)
+        value = _saved_train(source).get("run_id", "")
+        run_id = value if isinstance(value, str) else ""
         if run_id:
             break
     run_id = run_id or uuid.uuid4().hex[:16]        # a new run: a new id (a copied config.toml's is not kept)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_id=run_id))
-
-
-def _saved_run_id(path: Path | str) -> str:
-    """train.run_id of a saved config.toml ("" when it has none or cannot be read)."""
-    try:
-        text = storage.read_text(path)
-    except (FileNotFoundError, OSError):
-        return ""
-    import tomllib
-
-    try:
-        value = tomllib.loads(text).get("train", {}).get("run_id", "")
-    except tomllib.TOMLDecodeError:
-        return ""
-    return value if isinstance(value, str) else ""
 
 
 def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
