@@ -25,7 +25,7 @@ from torch import nn
 
 from recsys.config import JobConfig, ModelConfig
 from recsys.models.dcn import DCN, CrossNet
-from recsys.models.deepfm import DeepFM, FactorizationMachine
+from recsys.models.deepfm import DeepFM, FactorizationMachine, FieldWeightedFM
 from recsys.models.din import DIN, AttentionUnit
 from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
 from recsys.models.mlp import MLP, LinearTerms
@@ -108,6 +108,6 @@ def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
 
 __all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
            "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
-           "DeepFM", "FactorizationMachine", "WideDeep", "MLP", "LinearTerms", "TwoTower",
+           "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms", "TwoTower",
            "DIN", "AttentionUnit",
            "SequencePlan", "SequenceSparseArch", "plan_sequences", "sequence_feature_tables", "sequence_inputs"]

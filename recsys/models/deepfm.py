@@ -4,6 +4,7 @@
 
     logit = LinearTerms(dense, pooled_linear)          first order: bias + w.dense + sum of dim-1 rows
           + FactorizationMachine(pooled)               second order: sum_{i<j} <v_i, v_j>
+                                                   (FieldWeightedFM: sum_{i<j} r_ij <v_i, v_j>)
           + DNN([dense | flatten(pooled)])             higher order
 """
 
@@ -14,6 +15,31 @@ from torch import nn
 
 from recsys.config import ModelConfig
 from recsys.models.mlp import MLP, LinearTerms
+
+
+class FieldWeightedFM(nn.Module):
+    """Field-weighted FM (Pan et al., 2018): sum_{i<j} r_ij <v_i, v_j>, one learned weight per field pair.
+
+    The weights start at 1, where it equals `FactorizationMachine`. Costs O(F^2 D) per example (a batched
+    Gram matrix; F = 28, D = 16: 12.5k multiply-adds).
+
+    Example::
+
+        fm = FieldWeightedFM(26)
+        out = fm(torch.rand(4, 26, 16))   # [4]
+    """
+
+    def __init__(self, num_fields: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_fields, num_fields, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+        self.pair_weight = nn.Parameter(torch.ones(rows.numel()))
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[B, F, D] -> [B]."""
+        gram = torch.bmm(pooled, pooled.transpose(1, 2))                     # [B, F, F]
+        return gram[:, self.rows, self.cols] @ self.pair_weight              # [B]
 
 
 class FactorizationMachine(nn.Module):
@@ -40,8 +66,8 @@ class DeepFM(nn.Module):
     """DeepFM's dense part: first-order terms + FM + DNN, summed into one logit.
 
     Args:
-        config: `model.top_mlp` (the DNN's hidden widths), `model.dropout`, `model.norm`. `model.bottom_mlp`
-            is not used.
+        config: `model.top_mlp` (the DNN's hidden widths), `model.dropout`, `model.norm`,
+            `model.fm_interaction` ("fm" or "fwfm"). `model.bottom_mlp` is not used.
         num_dense: Dn (0 is allowed).
         num_sparse: F.
         embedding_dim: D.
@@ -59,7 +85,7 @@ class DeepFM(nn.Module):
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()
         self.linear = LinearTerms(num_dense)
-        self.fm = FactorizationMachine()
+        self.fm = FieldWeightedFM(num_sparse) if config.fm_interaction == "fwfm" else FactorizationMachine()
         self.dnn = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout,
                        config.norm)
         self.dnn_out = nn.Linear(self.dnn.out_features, 1)

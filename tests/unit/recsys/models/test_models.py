@@ -12,6 +12,7 @@ from recsys.models import (
     DCN,
     CrossNet,
     FactorizationMachine,
+    FieldWeightedFM,
     InteractionArch,
     build_model,
 )
@@ -187,6 +188,35 @@ def test_factorization_machine_matches_pairwise_dots():
         sum(pooled[b, i] @ pooled[b, j] for i, j in itertools.combinations(range(F), 2)) for b in range(3)
     ])
     torch.testing.assert_close(FactorizationMachine()(pooled), expected)
+
+
+def test_field_weighted_fm_weights_each_pair():
+    """FwFM: weights 1 give the FM; a pair's weight scales exactly that pair's dot product."""
+    torch.manual_seed(0)
+    pooled = torch.randn(3, F, D)
+    fwfm = FieldWeightedFM(F)
+    torch.testing.assert_close(fwfm(pooled), FactorizationMachine()(pooled))
+    pairs = list(itertools.combinations(range(F), 2))
+    weights = torch.randn(len(pairs))
+    with torch.no_grad():
+        fwfm.pair_weight.copy_(weights)
+    expected = torch.stack([sum(w * (pooled[b, i] @ pooled[b, j]) for w, (i, j) in zip(weights, pairs))
+                            for b in range(3)])
+    torch.testing.assert_close(fwfm(pooled), expected)
+
+
+def test_deepfm_fwfm_learns_pair_weights_and_keeps_them_in_the_state_dict():
+    model = make("deepfm", fm_interaction="fwfm")
+    assert model.state_dict()["fm.pair_weight"].shape == (F * (F - 1) // 2,)
+    assert not any(k.startswith("fm.rows") or k.startswith("fm.cols") for k in model.state_dict())
+    dense, pooled, pooled_linear = inputs()
+    model(dense, pooled, pooled_linear).sum().backward()
+    assert model.fm.pair_weight.grad is not None and model.fm.pair_weight.grad.abs().sum() > 0
+
+
+def test_fm_interaction_is_refused_for_other_archs():
+    with pytest.raises(ValueError, match="model.fm_interaction is only used by deepfm, not 'dcn'"):
+        config("dcn", fm_interaction="fwfm")
 
 
 # -- build_model errors ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def data_dir(tiny_dataset) -> Path:
 def test_resume_equals_uninterrupted_with_dense_options(tmp_path: Path, data_dir: Path, arch: str, norm: str) -> None:
     extra = (*OPTIONS, f"model.norm='{norm}'", f"model.arch='{arch}'")
     if arch == "deepfm":
-        extra += ("model.linear_tables=true", "ps.table_defaults.dim=8")
+        extra += ("model.linear_tables=true", "ps.table_defaults.dim=8", "model.fm_interaction='fwfm'")
     full, full_store = train(job(tmp_path / "full", data_dir, "train.max_steps=12", *extra))
     part_cfg = job(tmp_path / "part", data_dir, "train.max_steps=6", *extra)
     train(part_cfg)
@@ -56,9 +56,11 @@ def test_resume_equals_uninterrupted_with_dense_options(tmp_path: Path, data_dir
     assert_same_rows(full_store, resumed_store)
 
 
+@pytest.mark.parametrize("arch", [(), ("model.arch='deepfm'", "model.linear_tables=true", "ps.table_defaults.dim=8",
+                                     "model.fm_interaction='fwfm'")], ids=["dlrm", "deepfm_fwfm"])
 def test_export_of_a_batch_norm_model_scores_like_the_trained_model(tmp_path: Path, data_dir: Path,
-                                                                     train_run) -> None:
-    cfg = job(tmp_path / "run", data_dir, "train.max_steps=10", "model.norm='batch'", *OPTIONS)
+                                                                     train_run, arch) -> None:
+    cfg = job(tmp_path / "run", data_dir, "train.max_steps=10", "model.norm='batch'", *OPTIONS, *arch)
     run = train_run(tmp_path, cfg)[0]
     _, trainer = open_run(run)
     try:
