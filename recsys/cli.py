@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -483,5 +484,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `recsys` command (and `python -m recsys.cli`): `main`, then a quick exit.
+
+    When `main` returns, everything the command wrote is closed; what is left is the interpreter's
+    teardown of the ~3,000 modules torch brings (about 1 s once torch.export or an optimizer has
+    loaded torch._dynamo: a shard, the launcher after an export). So: wait for any non-daemon
+    thread, run the atexit handlers (logging's flush among them), flush stdio, and os._exit."""
+    rc = main()
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,7 +81,29 @@ def local_run(run_dir: str | Path, last: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["BEST_DIR", "best_dir", "has_best", "local_run", "local_run_dir", "model_root", "run_path"]
+READY_TIMEOUT_S = 120.0
+"""How long a launcher or trainer waits for a shard to serve."""
+
+
+def wait_for_shards(ready_files: list[str] | list[Path], timeout_s: float) -> list[str]:
+    """The shards' addresses, read from their ready files (`recsys ps --ready-file`) as they appear.
+
+    The local launcher starts the trainers while its shards start (each side imports torch for ~2 s):
+    a trainer waits here for the shards, and the launcher's `ShardWatchdog` ends the job if a shard
+    dies first. Raises TimeoutError naming the shard and its log after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    addresses = []
+    for shard, ready in enumerate(map(Path, ready_files)):
+        while not ready.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ps shard {shard} not ready after {timeout_s:.0f} s; "
+                                   f"see {ready.parent / f'ps-{shard}.log'}")
+            time.sleep(0.02)
+        addresses.append(ready.read_text().strip())
+    return addresses
+
+
+__all__ = ["BEST_DIR", "best_dir", "has_best", "local_run", "local_run_dir", "model_root", "run_path", "wait_for_shards"]
 
 
 # ---------------------------------------------------------------------------------------------

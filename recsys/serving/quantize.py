@@ -24,7 +24,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+def _fbgemm():
+    """torch.ops.fbgemm, importing fbgemm_gpu (which registers it, ~1 s) on the first int8 / int4 use."""
+    import fbgemm_gpu  # noqa: F401
+
+    return torch.ops.fbgemm
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 QUANTIZED = ("int8", "int4")
@@ -47,12 +52,12 @@ def quantize(rows: torch.Tensor, precision: str) -> np.ndarray:
     if precision == "fp16":
         return rows.to(torch.float16).numpy()
     if precision == "int8":
-        return torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(rows).numpy()
+        return _fbgemm().FloatToFused8BitRowwiseQuantized(rows).numpy()
     if precision == "int4":
         pad = tbe_dim("int4", rows.shape[1]) - rows.shape[1]
         if pad:
             rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], dim=1)    # [R, D + pad]
-        return torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(rows, 4).numpy()
+        return _fbgemm().FloatToFusedNBitRowwiseQuantizedSBHalf(rows, 4).numpy()
     raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 
@@ -66,9 +71,9 @@ def dequantize(matrix: np.ndarray, precision: str, dim: int) -> torch.Tensor:
     if precision == "fp16":
         return m.float()
     if precision == "int8":
-        return torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(m)
+        return _fbgemm().Fused8BitRowwiseQuantizedToFloat(m)
     if precision == "int4":
-        return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(m, 4)[:, :dim].contiguous()
+        return _fbgemm().FusedNBitRowwiseQuantizedSBHalfToFloat(m, 4)[:, :dim].contiguous()
     raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 

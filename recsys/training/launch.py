@@ -45,11 +45,11 @@ from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
 from recsys.training.checkpoint import InitSource, check_init_tables, resolve_init
-from recsys.rundir import RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path
+from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path,
+                           READY_TIMEOUT_S, wait_for_shards)
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:
@@ -203,10 +203,11 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
     return path
 
 
-def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
+def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
                  restore: Path | str | None = None, init: Path | str | None = None
-                 ) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start ps.num_shards shard processes on ephemeral ports; return them and their addresses.
+                 ) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Start ps.num_shards shard processes on ephemeral ports, without waiting for them; return them
+    and their ready files (each holds the shard's address once it serves: `wait_for_shards`).
 
     restore: a saved PS directory (a checkpoint's model/ps) each shard loads its part of first.
     init: a warm start's saved PS directory (its tables taken by name, `reshard.init_shard`).
@@ -227,7 +228,14 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
         procs.append(subprocess.Popen(cmd, env=child_env(1), stdout=log, stderr=subprocess.STDOUT,
                                       preexec_fn=_die_with_parent, start_new_session=True))
         log.close()
-    addresses = []
+    return procs, ready_files
+
+
+def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
+                 restore: Path | str | None = None, init: Path | str | None = None
+                 ) -> tuple[list[subprocess.Popen], list[str]]:
+    """`spawn_shards`, then wait until every shard serves; return them and their addresses."""
+    procs, ready_files = spawn_shards(cfg, config_path, run_dir, restore, init)
     deadline = time.monotonic() + READY_TIMEOUT_S
     for shard, (proc, ready) in enumerate(zip(procs, ready_files)):
         while not ready.exists():
@@ -238,8 +246,7 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
                 raise TimeoutError(f"ps shard {shard} not ready after {READY_TIMEOUT_S:.0f} s; "
                                    f"see {run_dir / f'ps-{shard}.log'}")
             time.sleep(0.05)
-        addresses.append(ready.read_text().strip())
-    return procs, addresses
+    return procs, wait_for_shards(ready_files, 0.0)
 
 
 def write_processes(run_dir: Path, shards: list[subprocess.Popen] | list[dict], earlier: list[dict] = (),
@@ -275,22 +282,28 @@ class ShardWatchdog(threading.Thread):
 
     It signals this process with SIGHUP (SIGTERM is a graceful stop request); torch elastic's agent
     (in the main thread) then tears the trainers down, and `launch_train` raises an error naming
-    the shard and its log.
+    the shard and its log. It watches from the shards' start (the trainers start beside them and wait
+    for their ready files), logs their addresses once all serve, and says whether a dead shard ever did.
     """
 
-    def __init__(self, shards: list[subprocess.Popen], poll_s: float = 0.2) -> None:
+    def __init__(self, shards: list[subprocess.Popen], ready_files: list[Path] = (), poll_s: float = 0.1) -> None:
         super().__init__(name="ps-watchdog", daemon=True)
-        self.shards, self.poll_s = shards, poll_s
-        self.dead: tuple[int, int] | None = None          # (shard, exit code)
+        self.shards, self.ready_files, self.poll_s = shards, list(ready_files), poll_s
+        self.dead: tuple[int, int, bool] | None = None          # (shard, exit code, it had served)
+        self.serving = not self.ready_files
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.poll_s):
+            if not self.serving and all(f.exists() for f in self.ready_files):
+                self.serving = True
+                logger.info("ps shards ready at %s", ", ".join(wait_for_shards(self.ready_files, 0.0)))
             for i, p in enumerate(self.shards):
                 if p.poll() is not None:
-                    self.dead = (i, p.returncode)
-                    logger.error("ps shard %d exited with code %s during training; stopping the job",
-                                 i, p.returncode)
+                    served = not self.ready_files or self.ready_files[i].exists()
+                    self.dead = (i, p.returncode, served)
+                    logger.error("ps shard %d exited with code %s %s; stopping the job", i, p.returncode,
+                                 "during training" if served else "before it was ready")
                     os.kill(os.getpid(), signal.SIGHUP)
                     return
 
@@ -525,12 +538,12 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
     started = time.time()                 # trainer errors written from now on are this attempt's
     shards: list[subprocess.Popen] = []
     try:
-        shards, addresses = start_shards(cfg, config_path, run_dir,
-                                         None if checkpoint is None else run_path(checkpoint, "model", "ps"),
-                                         None if init is None else
-                                         init.root if init.export else run_path(init.model_dir, "ps"))
+        # the trainers start while the shards do (both import torch first) and wait for their ready files
+        shards, ready_files = spawn_shards(cfg, config_path, run_dir,
+                                           None if checkpoint is None else run_path(checkpoint, "model", "ps"),
+                                           None if init is None else
+                                           init.root if init.export else run_path(init.model_dir, "ps"))
         write_processes(run_dir, shards, earlier)
-        logger.info("ps shards ready at %s", ", ".join(addresses))
         if stops.requested.is_set():
             return None              # asked to stop while the shards started: no trainer yet
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -542,16 +555,17 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
             start_method="spawn", local_addr="127.0.0.1",
             signals_to_handle="SIGHUP,SIGQUIT",    # SIGTERM / SIGINT are StopRequests'
         )
-        watchdog = ShardWatchdog(shards)
+        watchdog = ShardWatchdog(shards, ready_files)
         watchdog.start()
         try:
-            elastic_launch(lc, worker_main)(str(config_path), list(addresses), str(run_dir),
+            elastic_launch(lc, worker_main)(str(config_path), [str(f) for f in ready_files], str(run_dir),
                                            None if checkpoint is None else str(checkpoint), False, verbose,
                                            None if init is None else str(init.root))
         except BaseException as e:
             if watchdog.dead is not None:
-                shard, code = watchdog.dead
-                raise JobFailure(f"ps shard {shard} exited with code {code} during training; see "
+                shard, code, served = watchdog.dead
+                raise JobFailure(f"ps shard {shard} exited with code {code} "
+                                 f"{'during training' if served else 'before it was ready'}; see "
                                  f"{run_dir / f'ps-{shard}.log'}", killed=code < 0) from e
             if isinstance(e, ChildFailedError):
                 killed = [f for f in e.failures.values() if f.exitcode < 0]

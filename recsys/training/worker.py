@@ -37,7 +37,7 @@ from recsys.training.checkpoint import checkpoint_path, read_manifest, resolve_i
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
 from recsys import storage
-from recsys.rundir import best_dir, has_best, run_path
+from recsys.rundir import READY_TIMEOUT_S, best_dir, has_best, run_path, wait_for_shards
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +147,11 @@ def _leave_terminal_group() -> None:
         os._exit(1)
 
 
-def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
+def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: str | None = None,
                 load_shards: bool = False, verbose: bool = False, init: str | None = None) -> None:
     """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
-    logging and environment settings, then `recsys.training.worker.run_worker`.
+    logging and environment settings, the shards' addresses (from their ready files: the launcher
+    starts trainers and shards together), then `recsys.training.worker.run_worker`.
 
     SIGUSR1 (the launcher's stop request) ends training after the current step with a checkpoint;
     SIGTERM (torch elastic stopping the workers after a failure) ends the process at once. An error
@@ -163,6 +164,7 @@ def worker_main(config_path: str, addresses: list[str], run_dir: str, resume: st
     setup_logging(verbose, role=f"trainer{rank}", log_file=str(log_path(run_dir, rank)))
     apply_environment()
     try:
+        addresses = wait_for_shards(ready_files, READY_TIMEOUT_S)
         run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards, init=init)
     except Exception as e:
         report_failure(e, run_dir, rank, verbose)

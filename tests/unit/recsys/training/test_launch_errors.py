@@ -2,10 +2,17 @@
 launcher saw after its peers' errors (they only lost their connection to it) is still a kill."""
 
 import json
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
-from recsys.training.launch import silent_ranks
+import pytest
+
+from recsys.rundir import wait_for_shards
+from recsys.training.launch import ShardWatchdog, silent_ranks
 
 GLOO_RESET = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17098: Connection reset "
               "by peer. This is typically caused by a remote worker hanging")
@@ -58,3 +65,48 @@ def test_an_exit_record_that_cannot_be_written_is_no_error(tmp_path: Path) -> No
     (tmp_path / "exits").write_text("a file where the directory should be")
     report_exit(tmp_path, 0)                                       # logged, not raised
     assert silent_ranks(tmp_path, 1, since=0.0) == []
+
+
+# -- shards and trainers start together: the trainers wait for the ready files, the watchdog for deaths
+
+
+def test_trainers_read_the_addresses_as_the_ready_files_appear(tmp_path: Path) -> None:
+    files = [tmp_path / "ps-0.ready", tmp_path / "ps-1.ready"]
+
+    def serve_later() -> None:
+        for i, f in enumerate(files):
+            time.sleep(0.2)
+            f.write_text(f"tcp://127.0.0.1:{5000 + i}\n")
+
+    t = threading.Thread(target=serve_later)
+    t.start()
+    try:
+        assert wait_for_shards(files, timeout_s=30) == ["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"]
+    finally:
+        t.join(timeout=10)
+
+
+def test_a_shard_that_never_serves_is_named_with_its_log(tmp_path: Path) -> None:
+    (tmp_path / "ps-0.ready").write_text("tcp://127.0.0.1:5000")
+    with pytest.raises(TimeoutError, match=r"ps shard 1 not ready after 0 s; see .*ps-1.log"):
+        wait_for_shards([tmp_path / "ps-0.ready", tmp_path / "ps-1.ready"], timeout_s=0.2)
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_the_watchdog_names_a_shard_that_died_and_whether_it_had_served(tmp_path: Path, served: bool) -> None:
+    """A dead shard ends the job through SIGHUP to the launcher (here: this process, caught)."""
+    hups = []
+    old = signal.signal(signal.SIGHUP, lambda *a: hups.append(1))
+    ready = tmp_path / "ps-0.ready"
+    if served:
+        ready.write_text("tcp://127.0.0.1:5000")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    watchdog = ShardWatchdog([proc], [ready], poll_s=0.02)
+    try:
+        watchdog.start()
+        watchdog.join(timeout=30)
+        assert watchdog.dead == (0, 3, served) and hups == [1]
+    finally:
+        watchdog.stop()
+        proc.wait(timeout=10)
+        signal.signal(signal.SIGHUP, old)
