@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.export import Dim
-from torch.export.graph_signature import InputKind, OutputKind
 
 from recsys.config import JobConfig
 from recsys.serving.tensorfile import ExportError
@@ -70,32 +68,78 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
         raise ExportError(f"{state_dict_path}: unreadable dense state ({e})") from None
     model.load_state_dict(state)
     model.eval()
-    pooled_plans = [p for p in sparse.plans if not p.linear]
-    F = sum(len(p.features) for p in pooled_plans)
-    F_lin = sum(len(p.features) for p in sparse.plans if p.linear)
-    D = pooled_plans[0].dim
-    Dn = len(cfg.data.dense_columns)
-    B = Dim("batch", min=1, max=MAX_BATCH)
-    args: tuple[torch.Tensor, ...] = (torch.zeros(2, Dn), torch.zeros(2, F, D))
-    if F_lin:
-        args += (torch.zeros(2, F_lin),)
-    S, L = len(getattr(sparse, "sequences", ())), cfg.model.max_seq_len
-    if S:              # din: the behavior lists' rows per position and their mask (recsys.models.sequence)
-        args += (torch.zeros(2, S, L, D), torch.ones(2, S, L, dtype=torch.bool))
+    info, args = program_inputs(cfg, sparse)
+    S = len(getattr(sparse, "sequences", ()))
     scorer = (SequenceScorer if S else Scorer)(model, cfg.train.autocast).eval()
+    from torch.export import Dim           # torch.export imports torch._dynamo: ~2.5 s, only when tracing
+
+    B = Dim("batch", min=1, max=MAX_BATCH)
     with torch.no_grad():
         program = torch.export.export(scorer, args, dynamic_shapes=tuple({0: B} for _ in args))
     program._example_inputs = None              # saved with torch.save (pickle) otherwise
     with warnings.catch_warnings():             # parameters sharing storage: harmless on CPU
         warnings.filterwarnings("ignore", message="No complete tensor found")
         torch.export.save(program, out_path)
+    return info
+
+
+def save_program(cfg: JobConfig, model_dir: Path) -> None:
+    """A model directory's own program (`train.save_program`): MODEL_DIR/dense.pt2 traced from its
+    dense.pt, and PROGRAM_OF naming that dense.pt by its hash (`dense_program` copies it)."""
+    export_dense(cfg, model_dir / "dense.pt", model_dir / "dense.pt2")
+    (model_dir / PROGRAM_OF).write_text(json.dumps({"dense_sha256": _sha256(model_dir / "dense.pt")}))
+
+
+def program_inputs(cfg: JobConfig, sparse) -> tuple[dict, tuple[torch.Tensor, ...]]:
+    """The manifest's "dense" section and example inputs (batch 2) of the program of `cfg`'s model."""
+    pooled_plans = [p for p in sparse.plans if not p.linear]
+    F = sum(len(p.features) for p in pooled_plans)
+    F_lin = sum(len(p.features) for p in sparse.plans if p.linear)
+    D = pooled_plans[0].dim
+    Dn = len(cfg.data.dense_columns)
+    args: tuple[torch.Tensor, ...] = (torch.zeros(2, Dn), torch.zeros(2, F, D))
+    if F_lin:
+        args += (torch.zeros(2, F_lin),)
+    S, L = len(getattr(sparse, "sequences", ())), cfg.model.max_seq_len
+    if S:              # din: the behavior lists' rows per position and their mask (recsys.models.sequence)
+        args += (torch.zeros(2, S, L, D), torch.ones(2, S, L, dtype=torch.bool))
     inputs = [{"name": "dense", "shape": ["B", Dn]}, {"name": "pooled", "shape": ["B", F, D]}]
     if F_lin:
         inputs.append({"name": "linear", "shape": ["B", F_lin]})
     if S:
         inputs += [{"name": "behaviors", "shape": ["B", S, L, D]}, {"name": "mask", "shape": ["B", S, L], "dtype": "bool"}]
-    return {"file": out_path.name, "arch": cfg.model.arch, "inputs": inputs, "output": "logits [B] float32",
+    info = {"file": "dense.pt2", "arch": cfg.model.arch, "inputs": inputs, "output": "logits [B] float32",
             "max_batch": MAX_BATCH, "autocast_bf16": cfg.train.autocast}
+    return info, args
+
+
+PROGRAM_OF = "dense.pt2.json"
+"""Beside a model directory's dense.pt2 (`train.save_program`): {"dense_sha256"} of the dense.pt it
+was traced from, so a program left from an earlier save of that directory is never taken for this one."""
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def dense_program(cfg: JobConfig, model_dir: Path, out_path: Path) -> dict:
+    """`out_path` = the dense program of `model_dir`: a copy of the one its trainer saved with it
+    (`train.save_program`) when that was traced from this dense.pt, else `export_dense`."""
+    saved, of = model_dir / "dense.pt2", model_dir / PROGRAM_OF
+    try:
+        fresh = saved.is_file() and json.loads(of.read_text())["dense_sha256"] == _sha256(model_dir / "dense.pt")
+    except (OSError, ValueError, KeyError, TypeError):
+        fresh = False
+    if not fresh:
+        return export_dense(cfg, model_dir / "dense.pt", out_path)
+    import shutil
+
+    check_no_pickle(saved)
+    shutil.copyfile(saved, out_path)
+    sparse, _ = build_job_model(cfg)
+    return program_inputs(cfg, sparse)[0]
 
 
 def check_no_pickle(path: Path) -> None:
@@ -139,6 +183,8 @@ class FastScorer:
     @classmethod
     def of(cls, program: torch.export.ExportedProgram) -> "FastScorer | None":
         """A FastScorer for a program of lifted inputs then user inputs and one user output, else None."""
+        from torch.export.graph_signature import InputKind, OutputKind
+
         sig = program.graph_signature
         kinds = [spec.kind for spec in sig.input_specs]
         user = kinds.count(InputKind.USER_INPUT)

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recsys.config import JobConfig, to_toml
-from recsys.serving.dense_export import export_dense
+from recsys.serving.dense_export import dense_program
 from recsys.serving.retrieval import export_retrieval
 from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
 from recsys.serving.source import SavedShards, Source
@@ -230,7 +230,7 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
             logger.info("table %s: %d rows%s", tc.name, part.ids.shape[0],
                         "" if since is None else f", {part.tombstones.shape[0]} tombstones")
             del part, matrix                         # one table in memory at a time
-        dense = export_dense(cfg, source.model_dir / "dense.pt", tmp / "dense.pt2")
+        dense = dense_program(cfg, source.model_dir, tmp / "dense.pt2")      # the trainer's, when it saved one
         # two_tower: item vectors (items.parquet) and the user tower (user_tower.pt2), see retrieval.py
         retrieval = export_retrieval(cfg, source.model_dir, tmp) if cfg.model.arch == "two_tower" else None
         manifest = new_manifest(cfg, tmp, "full" if since is None else "delta", source.step, since,

@@ -81,7 +81,9 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
     init = source or (str(prev) if (prev / "metrics.json").exists() else "")
     if not init:
         logger.info("daily %s: no finished run for %s in %s: training from scratch", date, day_before(date), root_dir)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir), init_from=init))
+    # save_program: the trainer traces the served program with the model; the exports below copy it
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir), init_from=init,
+                                                             save_program=True))
     paths = next_day if next_day is not None else list(cfg.data.eval_paths)
     if cfg.data.eval_paths and not _exists(cfg.data.eval_paths):     # tomorrow's data is not there yet
         logger.warning("daily %s: %s does not exist yet: training without validation, no next-day evaluation",

@@ -63,6 +63,10 @@ def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -
     storage.write_bytes(run_path(model_dir, "dense.pt"), buf.getvalue())      # atomic (tmp + rename locally)
     if trainer.replicated is not None:
         storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(trainer.replicated))
+    if trainer.cfg.train.save_program and not storage.is_uri(model_dir):
+        from recsys.serving.dense_export import save_program   # torch.export: loaded here by the optimizer
+
+        save_program(trainer.cfg, Path(model_dir))
     store.save(ps_dir(model_dir))
 
 
