@@ -21,8 +21,8 @@ embedding_ps/native.py; `both` runs sections 1-2 twice and suffixes every key `_
    a --rows table through ShardState.push. Paths: with the C library loaded, fbgemm's fused CPU
    TBE op (`fbgemm`) and the C update (`native`); without it, fbgemm (`fbgemm_pure`) and vectorized
    torch (`torch`), both with the numpy id map. Ratios fbgemm / native and fbgemm_pure / torch.
-   `kernel = "auto"` reads these figures from embedding_ps/kernels.py::MEASURED (the table of
-   BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch").
+   The product's default is the native update; a table whose machine measures fbgemm faster here
+   sets `kernel = "fbgemm"` (BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch").
 Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
 `pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """
@@ -218,7 +218,7 @@ def _time_paths(state: ShardState, decay: str, id_sets: list[torch.Tensor], grad
     table = state.tables[0]
     base = table.cfg
     # a concrete kernel ("torch" is the native path), as TableShard.__init__ resolves "auto"
-    cfgs = {p: dataclasses.replace(base, kernel="fbgemm" if k == "fbgemm" else "torch", **KERNEL_DECAYS[decay])
+    cfgs = {p: dataclasses.replace(base, kernel="fbgemm" if k == "fbgemm" else "native", **KERNEL_DECAYS[decay])
             for p, (k, _) in KERNEL_PATHS.items()}
     paths = list(KERNEL_PATHS)
     times: dict[str, list[float]] = {p: [] for p in paths}

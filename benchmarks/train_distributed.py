@@ -438,7 +438,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of every trainer / DMP rank")
     p.add_argument("--cap", type=int, default=200_000,
                    help="most rows per baseline table (ids map to id %% min(vocab, cap))")
-    p.add_argument("--ps-kernel", choices=("auto", "native", "torch", "fbgemm"), default="auto",
+    p.add_argument("--ps-kernel", choices=("native", "fbgemm", "auto", "torch"), default="native",
                    help="ps.tables[*].kernel")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--no-warmup", dest="warmup", action="store_false",

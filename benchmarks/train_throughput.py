@@ -534,7 +534,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the trainer / baseline process")
     p.add_argument("--cap", type=int, default=200_000,
                    help="most rows per baseline table (ids map to id %% min(vocab, cap))")
-    p.add_argument("--ps-kernel", choices=("auto", "native", "torch", "fbgemm"), default="auto",
+    p.add_argument("--ps-kernel", choices=("native", "fbgemm", "auto", "torch"), default="native",
                    help="ps.tables[*].kernel")
     p.add_argument("--ps-shared-memory", choices=("auto", "true", "false"), default="auto",
                    help="ps.shared_memory of our runs (auto: the default, the local launcher's shards use /dev/shm)")

@@ -80,11 +80,11 @@ class TableConfig:
     then the touched rows get their update from the plain gradient (fbgemm TBE's DECOUPLED_GLOBAL; the
     decay of a whole-table torch optimizer). Applied lazily (`embedding_ps.decay`): a row untouched for k
     steps is scaled by (1 - lr * weight_decay)^k when it is next pulled, pushed, saved or dumped."""
-    kernel: Literal["auto", "native", "torch", "fbgemm"] = "auto"
+    kernel: Literal["native", "fbgemm", "auto", "torch"] = "native"
     """Optimizer update path. `native`: the shard's own update (C when the library is compiled, else
-    vectorized torch); `torch`: the old name of `native`; `fbgemm`: fbgemm's fused CPU TBE backward
-    (sgd/adagrad/rowwise_adagrad); `auto`: per table the faster of the two by the measurement that
-    embedding_ps/kernels.py cites (its optimizer, weight decay, row dtype and dim)."""
+    vectorized torch); `fbgemm`: fbgemm's fused CPU TBE backward (sgd/adagrad/rowwise_adagrad), for a
+    table that measured faster with it on its machine (`benchmarks/ps_table.py --kernels`); `auto` and
+    `torch`: older names of `native`, still loaded."""
     placement: Literal["ps", "replicated", "auto"] = "ps"
     """Where the table trains. `ps`: hash-sharded on the PS shards, lazy updates of the rows a step
     touches (the path for big vocabularies). `replicated`: a dense [rows, dim] parameter on every

@@ -129,13 +129,13 @@ def native_update(
 
     slots int32 [U] (unique), grads float32 [U, D]; with `meta` (int64 [C], count << 32 |
     last_seen) also the row counters as `TableShard.push` updates them; `threads` C threads split
-    the rows (unique, so each row has one owner). Runs for the torch
-    kernel's sgd / adagrad / rowwise_adagrad on fp32 or fp16 rows when the native library is
+    the rows (unique, so each row has one owner). Runs for the
+    native kernel's sgd / adagrad / rowwise_adagrad on fp32 or fp16 rows when the native library is
     loaded; False otherwise (adam, ftrl, kernel="fbgemm", EMBEDDING_PS_NATIVE=0, no compiler).
     Global weight decay: `decay_steps` (int32 [C], `TableShard.decay_step`) are caught up in the same
     pass (`GlobalDecay.touch`'s math).
     """
-    if cfg.kernel != "torch" or cfg.optimizer not in native.OPTIMIZERS:
+    if cfg.kernel == "fbgemm" or cfg.optimizer not in native.OPTIMIZERS:
         return False
     lib = native.lib()
     if lib is None:

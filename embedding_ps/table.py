@@ -74,7 +74,7 @@ class TableShard:
     def __init__(self, cfg: TableConfig, where: str = "", threads: int = 1, num_shards: int = 1) -> None:
         self.where = where or f"table {cfg.name!r}"
         self.num_shards = num_shards  # the capacity hint is split over this many shards
-        # kernel "auto" / "native" resolved once, to "torch" (the native path) or "fbgemm": all the push path sees
+        # the kernel resolved once, to "native" or "fbgemm": all the push path sees
         first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
         self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
         if first:
@@ -186,7 +186,7 @@ class TableShard:
         `optim.native_update` runs the update and the counters in one pass per row.
         """
         cfg = self.cfg
-        if cfg.kernel != "torch" or cfg.optimizer not in native.OPTIMIZERS:
+        if cfg.kernel == "fbgemm" or cfg.optimizer not in native.OPTIMIZERS:
             return False
         lib = native.lib()
         if lib is None:

@@ -437,8 +437,3 @@ def test_config_accepts_global_and_checks_lr_times_decay() -> None:
         dataclasses.replace(table(), weight_decay=20.0, lr=0.1)
     plain = fresh(dataclasses.replace(table(), weight_decay=0.0))       # no decay: no decay state
     assert plain.tables[0].decay is None and plain.tables[0].decay_step is None
-    # kernel "auto": the update itself runs without decay, so it is chosen by the figures without decay
-    for dtype in ("fp32", "fp16"):
-        auto = dataclasses.replace(table("rowwise_adagrad"), kernel="auto", dtype=dtype, dim=64)
-        assert kernels.resolve(auto, True)[0].kernel == kernels.resolve(
-            dataclasses.replace(auto, weight_decay=0.0), True)[0].kernel
