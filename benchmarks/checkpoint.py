@@ -67,7 +67,7 @@ import torch
 
 from embedding_ps.client import PSClient
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import serve
+from embedding_ps.shardloop import serve
 from embedding_ps.shard import ShardState, release_free_heap, verify_shard
 
 CHUNK = 1 << 18

@@ -77,7 +77,7 @@ from ps_table import bench_map, bench_rss, median_s  # noqa: E402
 from embedding_ps import native  # noqa: E402
 from embedding_ps.client import PSClient  # noqa: E402
 from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
-from embedding_ps.server import serve  # noqa: E402
+from embedding_ps.shardloop import serve  # noqa: E402
 from embedding_ps.shard import ShardState  # noqa: E402
 from embedding_ps.shm import client_uses  # noqa: E402
 

@@ -86,23 +86,14 @@ def kernel_name(cfg: TableConfig) -> str:
 def fbgemm_update(
     cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor
 ) -> None:
-    """The fused update of rows `slots` (int64 [U], unique) of weights [C, D] from grads float32 [U, D]."""
+    """The fused update (without weight decay) of rows `slots` (int64 [U], unique) of weights [C, D] from
+    grads float32 [U, D]."""
     if fbgemm_error() is not None:
         raise RuntimeError(f"table {cfg.name!r}: kernel='fbgemm' but fbgemm_gpu failed to import: {fbgemm_error()}")
     c, d = weights.shape
-    wd = cfg.weight_decay
-    if wd:
-        # around the op, the math of optim.py: L2 into the gradient, or the decoupled shrink of the
-        # touched rows before the op adds its update. Of the CPU ops only rowwise_adagrad takes
-        # weight_decay / weight_decay_mode arguments, and fbgemm-gpu-cpu 1.8.0 ignores them
-        # (measured: rows equal to weight_decay = 0 in both modes), so none is passed.
-        from embedding_ps.optim import decay_factor, l2_grads
-
-        if cfg.weight_decay_mode == "l2":
-            grads = l2_grads(cfg, weights, slots, grads)
-        else:
-            rows = weights.index_select(0, slots).float().mul_(decay_factor(cfg))
-            weights.index_copy_(0, slots, rows.to(weights.dtype))
+    # weight decay is applied by the caller around the op (`optim.apply_update`): of the CPU ops only
+    # rowwise_adagrad takes weight_decay / weight_decay_mode arguments, and fbgemm-gpu-cpu 1.8.0 ignores
+    # them (measured: rows equal to weight_decay = 0 in both modes), so none is passed
     common = dict(
         grad_output=grads.contiguous(),
         host_weights=weights.view(-1),

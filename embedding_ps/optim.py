@@ -93,6 +93,13 @@ def apply_update(
     if cfg.kernel == "fbgemm":
         from embedding_ps import kernels  # the only module that imports fbgemm_gpu
 
+        # around the op, the math below: L2 into the gradient, or the decoupled shrink of the touched
+        # rows before the op adds its update
+        if cfg.weight_decay and cfg.weight_decay_mode == "l2":
+            grads = l2_grads(cfg, weights, slots, grads)
+        elif cfg.weight_decay:
+            rows = weights.index_select(0, slots).float().mul_(decay_factor(cfg))
+            weights.index_copy_(0, slots, rows.to(weights.dtype))
         kernels.fbgemm_update(cfg, weights, state, slots, grads)
         return
     if cfg.weight_decay and cfg.weight_decay_mode == "l2":

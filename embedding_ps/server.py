@@ -2,8 +2,8 @@
 
     recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
 
-(`recsys ps` is the one entry point; it calls `serve`, in `embedding_ps.shardloop` with the socket
-loop and importable from here.) The server only decodes requests and
+(`recsys ps` is the one entry point; it calls `embedding_ps.shardloop.serve`, the socket loop around
+this file's `ShardServer`.) The server only decodes requests and
 encodes replies (wire format: `embedding_ps.protocol`); rows, optimizer state and save/load live in
 `embedding_ps.shard.ShardState`, and the order of pushes and pulls in the mode's gate
 (`embedding_ps.gates`: `SyncGate` or `AsyncGate`, chosen at start). It is one thread and never
@@ -456,12 +456,3 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "item"):        # numpy scalars
         return obj.item()
     return str(obj)
-
-
-def __getattr__(name: str) -> Any:
-    """`serve` and `run_loop` live in `embedding_ps.shardloop` (the socket loop); imported from here too."""
-    if name in ("serve", "run_loop"):
-        from embedding_ps import shardloop
-
-        return getattr(shardloop, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -173,7 +173,7 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
-    from embedding_ps.server import serve
+    from embedding_ps.shardloop import serve
 
     ps = load_ps_config(args.config, args.overrides)     # a shard reads only the [ps] section
     if not 0 <= args.shard < ps.num_shards:

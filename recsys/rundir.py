@@ -206,7 +206,6 @@ class UriLock:
 
     def __init__(self, run_dir: str) -> None:
         import json
-        import os
         import socket
 
         self.path = str(run_path(run_dir, URI_LOCK))

@@ -472,7 +472,7 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
     model, RUN_DIR/best, when it kept one, else RUN_DIR/model with metrics.json's step count).
 
     Raises CorruptCheckpointError or ConfigError naming what is missing or damaged."""
-    from recsys.config import ConfigError, load_config
+    from recsys.config import ConfigError
     from recsys.rundir import model_root
 
     remote = _is_remote(path)

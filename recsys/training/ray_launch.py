@@ -1,7 +1,7 @@
 """Ray engine: `recsys train` with `[cluster] engine = "ray"` places the same job on a Ray cluster.
 
     driver (this process) ──placement group (ps bundles, SPREAD | PACK)──> ShardActor 0..N-1
-                             each runs `embedding_ps.server.serve` (the code behind `recsys ps`) on its
+                             each runs `embedding_ps.shardloop.serve` (the code behind `recsys ps`) on its
                              node's address, ps.auth = "token" with a per-job token handed over by Ray
                           ──ray.train.torch.TorchTrainer(ScalingConfig)──> trainer rank 0..W-1
                              Ray Train sets up torch.distributed (gloo / NCCL); each runs `run_worker`,
@@ -12,7 +12,7 @@ launcher (config.toml, processes.json, metrics.jsonl, metrics.json, checkpoints/
 run directory must be on storage every node sees (a shared file system) when the cluster has more
 than one machine.
 
-Recovery is the local launcher's attempt loop (`launch._run`): when a shard actor or a trainer dies
+Recovery is the local launcher's attempt loop (`job.run_attempts`): when a shard actor or a trainer dies
 (kill -9, OOM, a lost node), every process of the attempt is stopped and a new attempt starts from
 the latest good checkpoint (fresh shards load their part of it), up to `train.max_restarts` times;
 sync mode then ends exactly where an uninterrupted run ends. A trainer's own error (bad data) is not
@@ -44,7 +44,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.rundir import run_path
-from recsys.training.launch import JobFailure, READY_TIMEOUT_S, WorkerError, read_worker_error, write_processes
+from recsys.rundir import READY_TIMEOUT_S
+from recsys.training.job import JobFailure, WorkerError, read_worker_error, write_processes
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class ShardActor:
     """
 
     def __init__(self, config_toml: str, shard: int, token: str, run_dir: str, restore: str | None) -> None:
-        from embedding_ps.server import serve
+        from embedding_ps.shardloop import serve
         from recsys.runtime import apply_environment, setup_logging
 
         setup_logging(role=f"ps{shard}", log_file=str(Path(run_dir) / f"ps-{shard}.log"))
@@ -382,7 +383,7 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
     as `launch_train` returns them. Same run directory, same resume and restart rules."""
     import functools
 
-    from recsys.training.launch import _run, prepared_run
+    from recsys.training.job import prepared_run, run_attempts
 
     cfg = _absolute(cfg)
     if cfg.train.init_from and not resume:
@@ -392,8 +393,8 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
         token = secrets.token_hex(32)       # per job; only Ray carries it (task arguments), never a shared file
         started = connect(cfg)
         try:
-            return _run(cfg, config_path, run_dir, checkpoint, _NoStops(), verbose,   # type: ignore[arg-type]
-                        attempt=functools.partial(_attempt, token))
+            return run_attempts(cfg, config_path, run_dir, checkpoint, _NoStops(), verbose,   # type: ignore[arg-type]
+                                functools.partial(_attempt, token))
         finally:
             if started:
                 ray.shutdown()

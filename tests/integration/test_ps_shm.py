@@ -19,7 +19,7 @@ from embedding_ps import protocol as P
 from embedding_ps import shm
 from embedding_ps.client import PSClient, PSRequestError
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import serve
+from embedding_ps.shardloop import serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not shm.available(), reason="no /dev/shm")]
 

@@ -16,7 +16,7 @@ import torch
 
 from embedding_ps.client import PSClient, SaveFailedError, SaveTimeoutError
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import serve
+from embedding_ps.shardloop import serve
 from embedding_ps.sharding import route
 from embedding_ps.shard import ShardState, verify_shard
 from embedding_ps.snapshot import shard_dir

@@ -1,0 +1,144 @@
+"""What every synthetic generator shares (data.synthetic, data.onehot, data.sequence): the splitmix64
+hashing of ranks to ids and weights, Zipf sampling, the per-chunk RNG and `write_parts`, which writes a
+generator's tables into Parquet parts and summarizes them (CTR, oracle AUC). `data.synthetic`
+re-exports these names."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from data.hashing import GOLDEN, splitmix64_finalize
+from data.writer import PartWriter
+
+logger = logging.getLogger("data.synthetic")
+
+GEN_CHUNK = 32768
+"""Rows per generation chunk; fixed, so the rows do not depend on how they are written."""
+MASK63 = (1 << 63) - 1
+MASK64 = (1 << 64) - 1
+_AUC_BINS = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# hashing
+# ---------------------------------------------------------------------------------------------
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 generator's output for state x: the finalizer (`data.hashing`) of x + GOLDEN,
+    elementwise on uint64 [N] (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        return splitmix64_finalize(x.astype(np.uint64) + np.uint64(GOLDEN))
+
+
+def _mix_scalar(*parts: int) -> int:
+    """A uint64 salt made of several ints (scalar splitmix64 chain)."""
+    s = 0
+    for p in parts:
+        s = int(splitmix64(np.array([s ^ (p & MASK64)], dtype=np.uint64))[0])
+    return s
+
+
+def _name_salt(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def ids_of_ranks(feature: str, ranks: np.ndarray) -> np.ndarray:
+    """int64 [N] non-negative ids of 0-based ranks [N] of `feature` (same for every seed)."""
+    h = splitmix64(ranks.astype(np.uint64) ^ np.uint64(_name_salt(feature)))
+    return (h & np.uint64(MASK63)).astype(np.int64)
+
+
+def _hash_normals(ranks: np.ndarray, salt: int) -> np.ndarray:
+    """float64 [N] standard normals, a function of (salt, rank) only (Box-Muller on one hash)."""
+    h = splitmix64(ranks.astype(np.uint64) ^ np.uint64(salt))
+    u1 = ((h >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0**-32
+    u2 = (h & np.uint64(0xFFFFFFFF)).astype(np.float64) * 2.0**-32
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zipf sampling
+# ---------------------------------------------------------------------------------------------
+def zipf_ranks(u: np.ndarray, vocab: int, s: float) -> np.ndarray:
+    """0-based ranks int64 [N] of uniforms u [N]: x = inverse CDF of a power law x^-s on [1, V+1)."""
+    if abs(s - 1.0) < 1e-9:
+        x = np.exp(u * math.log(vocab + 1.0))
+    else:
+        a = (vocab + 1.0) ** (1.0 - s) - 1.0
+        x = (1.0 + u * a) ** (1.0 / (1.0 - s))
+    return np.clip(x.astype(np.int64) - 1, 0, vocab - 1)
+
+
+def zipf_pmf(vocab: int, s: float) -> np.ndarray:
+    """float64 [V]: the exact probability `zipf_ranks` gives each rank."""
+    x = np.arange(1, vocab + 2, dtype=np.float64)
+    if abs(s - 1.0) < 1e-9:
+        cdf = np.log(x) / math.log(vocab + 1.0)
+    else:
+        cdf = (x ** (1.0 - s) - 1.0) / ((vocab + 1.0) ** (1.0 - s) - 1.0)
+    return np.diff(cdf)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunks and parts
+# ---------------------------------------------------------------------------------------------
+def _rng(seed: int, chunk: int, column: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed & MASK64, chunk, column]))
+
+
+def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:
+    """AUC from histograms of a score over the same bins (ties within a bin count half)."""
+    neg_below = np.cumsum(neg) - neg
+    total = float(pos.sum()) * float(neg.sum())
+    return float(((pos * neg_below).sum() + 0.5 * (pos * neg).sum()) / total) if total else float("nan")
+
+
+def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa.Table]], *, rows: int,
+                num_files: int, out_dir: str, seed: int, row_group_rows: int, compression: str,
+                model_seed: int, rows_per_file: Sequence[int] | None = None) -> dict:
+    """Writes the generator's tables (rows 0..rows-1, each with `label` and `p_true`) into `num_files`
+    files of `out_dir` and returns generate()'s summary; shared by every preset with an oracle column.
+    File i gets rows_per_file[i] rows when given (their sum must be `rows`), else an equal share."""
+    if rows_per_file is not None:
+        if len(rows_per_file) != num_files or sum(rows_per_file) != rows or min(rows_per_file) < 1:
+            raise ValueError(f"rows_per_file must be {num_files} counts >= 1 summing to rows={rows}, "
+                             f"got {list(rows_per_file)}")
+        bounds = [0, *np.cumsum(rows_per_file).tolist()]
+    elif rows < 1 or num_files < 1 or num_files > rows:
+        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
+    else:
+        bounds = [i * rows // num_files for i in range(num_files + 1)]
+    t0 = time.perf_counter()
+    schema = schema.with_metadata(
+        {"recsys.synthetic.preset": preset, "recsys.synthetic.seed": str(seed),
+         "recsys.synthetic.model_seed": str(model_seed)})
+    writer = PartWriter(out_dir, schema, lambda i: bounds[i + 1] - bounds[i],
+                        row_group_rows=row_group_rows, compression=compression)
+    pos_hist = np.zeros(_AUC_BINS, np.int64)
+    neg_hist = np.zeros(_AUC_BINS, np.int64)
+    p_sum = 0.0
+    try:
+        for t in tables():
+            label = t.column("label").to_numpy() > 0.5
+            p_true = t.column("p_true").to_numpy()
+            p_sum += float(p_true.sum(dtype=np.float64))
+            b = np.minimum((p_true * _AUC_BINS).astype(np.int64), _AUC_BINS - 1)
+            pos_hist += np.bincount(b[label], minlength=_AUC_BINS)
+            neg_hist += np.bincount(b[~label], minlength=_AUC_BINS)
+            writer.write(t)
+    finally:
+        files = writer.close()
+    secs = time.perf_counter() - t0
+    summary = {"preset": preset, "rows": rows, "seed": seed, "model_seed": model_seed,
+               "files": [f for f, _ in files], "rows_per_file": [r for _, r in files],
+               "ctr": float(pos_hist.sum() / rows), "mean_p_true": p_sum / rows,
+               "oracle_auc": _binned_auc(pos_hist, neg_hist), "seconds": round(secs, 3)}
+    logger.info("gen-data %s: %d rows in %d files, ctr %.4f, oracle AUC %.4f, %.0f rows/s", preset,
+                rows, num_files, summary["ctr"], summary["oracle_auc"], rows / max(secs, 1e-9))
+    return summary

@@ -1,0 +1,349 @@
+"""What a training job is, whichever engine runs it (the local launcher, `recsys.training.launch`, or
+Ray, `recsys.training.ray_launch`): the run directory prepared and locked (`prepared_run`), the
+attempt loop with its restarts (`run_attempts`), stop requests (`StopRequests`, `StopNow`), and the
+reading of a failed attempt (`JobFailure`, `WorkerError`, `read_worker_error`, `silent_ranks`).
+Both engines import this module; neither imports the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import tomllib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from recsys import storage
+from recsys.config import ConfigError, JobConfig, load_config, to_toml
+from recsys.models.replicated import log_placement, resolve_placement
+from recsys.training.checkpoint import InitSource, check_init_tables, resolve_init
+from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path)
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A trainer raised an error (bad rows, a non-finite loss, ...): its one-line message, naming the
+    file / row group / column, the rank and the log with the traceback."""
+
+
+class StopNow(BaseException):
+    """A second SIGTERM / SIGINT: stop everything at once, without a checkpoint."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}; nothing was saved")
+        self.signum = signum
+
+
+class StopRequests:
+    """The launcher's SIGTERM / SIGINT handling while `launch_train` runs (main thread only).
+
+    First signal: `requested` is set and every trainer that has written its pid file (run_dir/pids)
+    gets SIGUSR1, also those that start later (a thread watches until `close`). Second: StopNow.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.requested = threading.Event()
+        self._done = threading.Event()
+        self._signalled: set[int] = set()
+        self._old: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested.is_set():
+            raise StopNow(signum)
+        self.requested.set()
+        logger.warning("%s: the trainers finish the current step and write a checkpoint, then every "
+                       "process exits (signal again to stop at once)", signal.Signals(signum).name)
+        self._thread = threading.Thread(target=self._forward, name="stop-forward", daemon=True)
+        self._thread.start()
+
+    def _forward(self) -> None:
+        while True:
+            for f in sorted((self.run_dir / "pids").glob("trainer-*.json")):
+                try:
+                    pid = json.loads(f.read_text())["pid"]
+                except (OSError, ValueError, KeyError):
+                    continue          # being written
+                if pid not in self._signalled:
+                    self._signalled.add(pid)
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+            if self._done.wait(0.1):
+                return
+
+
+def read_worker_error(run_dir: Path) -> str | None:
+    """The first (earliest) trainer error of the attempt: the other ranks usually fail because of it."""
+    errors = []
+    for f in (run_dir / "errors").glob("trainer-*.json"):
+        try:
+            errors.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not errors:
+        return None
+    e = min(errors, key=lambda x: x["time"])
+    return f"{e['error']} [trainer rank {e['rank']}; traceback in {e['log']}]"
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
+             "Connection refused")
+"""What a collective (gloo, NCCL) or the rendezvous store says when a peer process is gone."""
+
+
+def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
+    """Trainer ranks that left no error of their own this attempt (errors written after `since`)
+    and did not return from their job either (exits/trainer-R.json, `worker.report_exit`), while
+    every rank that did leave an error only lost its connection to a peer (PEER_LOST): the killed
+    ones, when the launcher saw the others' errors before the kill (torch elastic reports the first
+    failed rank it finds, not every one). [] otherwise: a rank that returned while its peers were
+    still in a collective is a bug in the job, not a kill worth a restart."""
+    def records(kind: str) -> list[dict]:
+        out = []
+        for f in (run_dir / kind).glob("trainer-*.json"):
+            try:
+                e = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if e.get("time", 0.0) >= since:
+                out.append(e)
+        return out
+
+    errors = records("errors")
+    if not errors or not all(any(p in e.get("error", "") for p in PEER_LOST) for e in errors):
+        return []
+    spoke = {int(e["rank"]) for e in errors} | {int(e["rank"]) for e in records("exits")}
+    return sorted(set(range(world)) - spoke)
+
+
+def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
+    """Create the run directory and write the resolved config (atomically); `fresh` forgets a
+    previous run's trainer pids."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "pids").mkdir(exist_ok=True)
+    for old in (run_dir / "pids").glob("trainer-*.json") if fresh else ():
+        old.unlink()
+    for old in (run_dir / "errors").glob("trainer-*.json") if fresh else ():
+        old.unlink()
+    if fresh:
+        (run_dir / "stopped.json").unlink(missing_ok=True)
+    path = run_dir / "config.toml"
+    tmp = run_dir / f"config.toml.{os.getpid()}.tmp"
+    tmp.write_text(to_toml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def write_processes(run_dir: Path, shards: list[subprocess.Popen] | list[dict], earlier: list[dict] = (),
+                    node: dict | None = None) -> list[dict]:
+    """processes.json: this launcher, the current attempt's shards and trainers, then `earlier`
+    attempts' processes. shards: the shard processes, or each shard's fields (a "pid" and where it
+    runs: the Ray engine's actors); node: fields added to the launcher's entry (its Ray node)."""
+    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **(node or {})}]
+    entries += [{"role": "ps", "rank": i, **(p if isinstance(p, dict) else {"pid": p.pid})}
+                for i, p in enumerate(shards)]
+    for f in sorted((run_dir / "pids").glob("trainer-*.json")):
+        entries.append(json.loads(f.read_text()))
+    entries += [e for e in earlier if e["role"] != "launcher"]
+    (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
+    return entries
+
+
+class JobFailure(RuntimeError):
+    """An attempt of the job failed; `killed` when a process died by a signal (worth a restart)."""
+
+    def __init__(self, message: str, killed: bool) -> None:
+        super().__init__(message)
+        self.killed = killed
+
+
+@contextlib.contextmanager
+def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = None
+                 ) -> Iterator[tuple[JobConfig, Path, Path, Path | str | None, InitSource | None]]:
+    """Both engines' start of a job, held for the launcher's life: yields the config with every
+    table's placement decided (`recsys.models.replicated.resolve_placement`; on resume, the
+    checkpoint's) and its run id (new, or the resumed run's), the local run directory (train.run_dir,
+    or this machine's train.scratch_dir when train.run_dir is a URI) with that config and
+    placement.json written, the checkpoint `resume` names (None: start afresh), and the warm
+    start's source (train.init_from, when there is no checkpoint to resume; else None).
+
+    The run directory is locked (`recsys.rundir.RunLock`) until the block ends: a second launcher on
+    it fails naming the holder. `overwrite`: None (library use) takes the directory as it is; False
+    (`recsys train`) refuses one that holds a run unless resuming; True moves that run aside first.
+    Everything that can refuse reads only: nothing is written before the lock is held."""
+    from recsys.training.checkpoint import resolve_resume
+
+    checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
+    init = resolve_init(cfg.train.init_from) if cfg.train.init_from and checkpoint is None else None
+    placement = resolve_placement(placements_of(cfg, checkpoint if init is None else init.root))
+    cfg = placement.config
+    if init is not None:         # a warm start: the source's tables must fit; its run joins the lineage
+        check_init_tables(cfg, init)
+        src = init.config.train
+        lineage = tuple(dict.fromkeys((*src.lineage, *((src.run_id,) if src.run_id else ()))))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_step=init.step, lineage=lineage,
+                                                                 init_from=str(init.root)))
+    elif checkpoint is not None:  # a resumed run keeps where it was warm-started from (its end step, lineage)
+        cfg = _warm_start_of(cfg, checkpoint)
+    run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
+    lock = RunLock(run_dir, cfg.train.run_dir)
+    uri_lock = None
+    try:
+        if storage.is_uri(cfg.train.run_dir):      # other machines: a lock object beside the run
+            uri_lock = UriLock(cfg.train.run_dir)
+        if overwrite is not None and not resume and (held := existing_run(cfg.train.run_dir)):
+            if not overwrite:
+                raise RunDirError(
+                    f"train.run_dir = {cfg.train.run_dir}: holds a run ({', '.join(held)}): continue it with "
+                    f"--resume latest, choose a new train.run_dir, or pass --overwrite (moves it aside)")
+            if storage.is_uri(cfg.train.run_dir):
+                raise RunDirError(f"train.run_dir = {cfg.train.run_dir}: --overwrite cannot move a URI run "
+                                  f"directory aside; choose a new train.run_dir")
+            logger.warning("--overwrite: moved the run in %s to %s", run_dir, move_aside(run_dir))
+        lock.announce()
+        cfg = with_run_id(cfg, checkpoint, resume)
+        if uri_lock is not None:
+            uri_lock.announce(cfg.train.run_id)
+        log_placement(placement.report)
+        config_path = write_run_dir(cfg, run_dir)
+        (run_dir / "placement.json").write_text(json.dumps(placement.report, indent=1))
+        if storage.is_uri(cfg.train.run_dir):
+            logger.info("train.run_dir is %s; this machine's pids, ready files and logs are in %s "
+                        "(train.scratch_dir)", cfg.train.run_dir, run_dir)
+            storage.write_text(run_path(cfg.train.run_dir, "config.toml"), to_toml(cfg))
+            if resume and not (run_dir / "metrics.jsonl").exists() and storage.is_file(
+                    run_path(cfg.train.run_dir, "metrics.jsonl")):        # resumed on another machine
+                (run_dir / "metrics.jsonl").write_bytes(
+                    storage.read_bytes(run_path(cfg.train.run_dir, "metrics.jsonl")))
+        if resume == "latest" and checkpoint is None:
+            logger.warning("--resume latest: %s has no checkpoint yet; starting from step 0", cfg.train.run_dir)
+        logger.info("run %s in %s%s", cfg.train.run_id, cfg.train.run_dir,
+                    f", warm-started from {init.root} (step {init.step})" if init is not None else "")
+        yield cfg, run_dir, config_path, checkpoint, init
+    finally:
+        if uri_lock is not None:
+            uri_lock.release()
+        lock.release()
+
+
+def _saved_train(path: Path | str) -> dict:
+    """The [train] section of a saved config.toml ({} when it is missing or unreadable)."""
+    try:
+        train = tomllib.loads(storage.read_text(path)).get("train", {})
+    except (OSError, ValueError):             # (tomllib.TOMLDecodeError is a ValueError)
+        return {}
+    return train if isinstance(train, dict) else {}
+
+
+def _warm_start_of(cfg: JobConfig, checkpoint: Path | str) -> JobConfig:
+    """`cfg` with train.init_from, init_step and lineage as the checkpoint's run had them."""
+    saved = _saved_train(run_path(checkpoint, "config.toml"))
+    keep = {k: saved[k] for k in ("init_from", "init_step", "lineage") if k in saved}
+    if "lineage" in keep:
+        keep["lineage"] = tuple(keep["lineage"])
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **keep)) if keep else cfg
+
+
+def with_run_id(cfg: JobConfig, checkpoint: Path | str | None, resume: str | None) -> JobConfig:
+    """`cfg` with train.run_id: the resumed run's (its checkpoint's, or with `--resume latest` and no
+    checkpoint yet the run directory's config), else a new random one."""
+    run_id = ""
+    for source in ([run_path(checkpoint, "config.toml")] if checkpoint is not None else []) + \
+            ([run_path(cfg.train.run_dir, "config.toml")] if resume else []):
+        value = _saved_train(source).get("run_id", "")
+        run_id = value if isinstance(value, str) else ""
+        if run_id:
+            break
+    run_id = run_id or uuid.uuid4().hex[:16]        # a new run: a new id (a copied config.toml's is not kept)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_id=run_id))
+
+
+def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
+    """`cfg` whose `auto` tables take the placement they had in `checkpoint` (a resumed run keeps
+    where each table trains, whatever the data says now)."""
+    if checkpoint is None or not any(t.placement == "auto" for t in cfg.ps.tables):
+        return cfg
+    try:
+        path = run_path(checkpoint, "config.toml")
+        if storage.is_uri(str(path)):
+            local = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir) / "resume-config.toml"
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(storage.read_text(path))
+            path = local
+        saved = {t.name: t.placement for t in load_config(path).ps.tables}
+    except (FileNotFoundError, ConfigError) as e:
+        logger.warning("%s: cannot read its table placement (%s); deciding 'auto' from the data", checkpoint, e)
+        return cfg
+    tables = tuple(dataclasses.replace(t, placement=saved[t.name]) if t.placement == "auto" and saved.get(t.name)
+                   in ("ps", "replicated") else t for t in cfg.ps.tables)
+    return dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, tables=tables))
+
+
+def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
+    """The result of a graceful stop, with the line saying how to continue."""
+    from recsys.training.checkpoint import read_manifest
+
+    info = json.loads((run_dir / "stopped.json").read_text()) if (run_dir / "stopped.json").exists() else None
+    if info is None:         # stopped before the trainers ran: the job is where it began
+        info = {"step": read_manifest(checkpoint)["step"] if checkpoint else 0,
+                "checkpoint": str(checkpoint) if checkpoint else None}
+    logger.warning("stopped at step %d (checkpoint %s); continue with: recsys train --config %s --resume latest",
+                   info["step"], info["checkpoint"] or "none: nothing trained yet", config_path)
+    return {"stopped": 1, "step": info["step"], "checkpoint": info["checkpoint"]}
+
+
+def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None, stops: StopRequests,
+                 verbose: bool, attempt, init: InitSource | None = None) -> dict:
+    """The attempt loop (restarts after a kill); `attempt`: one start of the job, `launch._attempt`
+    (local) or the Ray engine's (recsys.training.ray_launch), with launch._attempt's arguments.
+    `init`: a warm start's source, used while the run has no checkpoint of its own."""
+    from recsys.training.checkpoint import resolve_resume
+
+    earlier: list[dict] = []
+    restarts = 0
+    while True:
+        try:
+            extra = {"init": init} if init is not None and checkpoint is None else {}
+            metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose, **extra)
+            return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
+        except JobFailure as e:
+            if stops.requested.is_set():
+                raise RuntimeError(f"{e} while stopping") from e
+            if not e.killed or restarts >= cfg.train.max_restarts:
+                raise RuntimeError(str(e) + ("" if not e.killed else
+                                   f" (after {restarts} restarts; train.max_restarts = {cfg.train.max_restarts})")) from e
+            restarts += 1
+            checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
+            where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
+            logger.warning("%s; restart %d/%d from %s", e, restarts, cfg.train.max_restarts, where)
+            with open(run_dir / "restarts.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "restart": restarts, "reason": str(e),
+                                    "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+            write_run_dir(cfg, run_dir)          # forget the dead attempt's trainer pids
