@@ -190,7 +190,7 @@ def inprocess(args: dict) -> dict[str, float]:
             res[f"inprocess{sfx}_pull_d{dim}_rows_per_s"] = pull
             res[f"inprocess{sfx}_push_d{dim}_rows_per_s"] = push
             res[f"inprocess{sfx}_pull_push_d{dim}_rows_per_s"] = 1.0 / (1.0 / pull + 1.0 / push)
-        del state
+        state = None                                         # the shard's memory, before the next kind
     return res
 
 

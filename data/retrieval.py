@@ -12,7 +12,8 @@ Columns of `out_dir/part-%05d.parquet` (every row a positive, label 1.0): `label
 `user_region` (c_u, replaced by a random cluster with prob. REGION_NOISE), `user_age` (float,
 noise), `item_id`, `item_cat` (c_i), `item_price` (float, log-normal), `row_id`.
 The item corpus `out_dir/items/part-00000.parquet`: one row per item: `item_id`, `item_cat`,
-`item_price` (and a constant `label`, which the Parquet reader requires). Ids: user u -> USER_BASE + u, item i -> ITEM_BASE + i (int64).
+`item_price` (and a constant `label`, which the Parquet reader requires). Ids: user u -> USER_BASE + u, item i ->
+ITEM_BASE + i (int64).
 
 A model that finds the structure ranks a user's cluster's popular items first; the most-popular
 baseline ranks the global popular items, of which only ~1/NUM_CLUSTERS are in the user's cluster.

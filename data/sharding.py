@@ -8,7 +8,8 @@ counts within one of each other, and also when there are fewer files or row grou
 (a unit on a boundary is split into row ranges).
 
 A rank's range, its *stream*, is cut into windows of at most S rows (S = the shuffle buffer),
-made of whole row groups where they fit. The loader decodes one window at a time and shuffles the rows inside it by a permutation seeded with
+made of whole row groups where they fit. The loader decodes one window at a time and shuffles the rows inside it by
+a permutation seeded with
 (seed, epoch, rank, window), so any position (window, offset) can be rebuilt from the files alone:
 that is what makes an exact resume possible without storing rows.
 """

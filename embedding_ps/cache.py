@@ -360,7 +360,8 @@ class _Plan:
                             self.lk.generation)
         if all(inv is None for inv in self.inverse):
             return self.buf
-        out = [self.buf[s:s + u.numel()] if inv is None else self.buf[s:s + u.numel()].index_select(0, inv.to(self.buf.device))
+        out = [self.buf[s:s + u.numel()] if inv is None
+               else self.buf[s:s + u.numel()].index_select(0, inv.to(self.buf.device))
                for s, u, inv in zip(self.starts, self.uniq, self.inverse)]
         return out[0] if len(out) == 1 else torch.cat(out)                          # [sum N_t, D]
 

@@ -237,5 +237,5 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
     return out
 
 
-__all__ = ["ManyPlan", "Plan", "assemble_rows", "combine", "dedup_ids", "frames", "index_frame", "plan_ids", "plan_many",
-           "plans_by_shard"]
+__all__ = ["ManyPlan", "Plan", "assemble_rows", "combine", "dedup_ids", "frames", "index_frame", "plan_ids",
+           "plan_many", "plans_by_shard"]

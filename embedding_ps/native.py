@@ -5,7 +5,8 @@ compiler (`cc`, else `gcc`, else `clang`; `-O3 -shared -fPIC -ffp-contract=off`,
 `-march=native`: the cached library may move between machines) into the directory given to
 `set_cache_dir` (the `recsys` entry points pass `$XDG_CACHE_HOME/recsys-hybrid/`), else
 `~/.cache/recsys-hybrid/`, else a per-user temp directory, named by a hash of the source, the
-flags and the machine, and written atomically (compiled to a temporary name, then renamed). If there is no compiler or anything fails, one
+flags and the machine, and written atomically (compiled to a temporary name, then renamed). If there is no compiler
+or anything fails, one
 warning is logged and `lib()` returns None: every caller then keeps its numpy/torch path,
 which stays the reference (tests compare the two).
 
@@ -209,7 +210,8 @@ def map_find(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, want: str
              threads: int = 1) -> np.ndarray:
     """IdMap._find in C: int64 [N] keys -> int32 values (want="val") or int64 buckets (want="pos"), -1 absent."""
     _check(kv, np.int64, "map keys"), _check(vv, np.int32, "map vals"), _check(keys, np.int64, "keys")
-    _require(kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32, "map_find: keys and values of one size in [1, 2**32)")
+    _require(kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32,
+             "map_find: keys and values of one size in [1, 2**32)")
     n, nb = keys.shape[0], kv.shape[0]
     if want == "val":
         out = np.empty(n, dtype=np.int32)
@@ -230,7 +232,8 @@ def map_place(native, kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, vals: np
     _check(keys, np.int64, "keys"), _check(vals, np.int32, "vals")
     _require(kv.shape[0] == vv.shape[0] and 0 < kv.shape[0] < 1 << 32 and keys.shape == vals.shape,
              "map_place: keys and values of one size in [1, 2**32), as many new keys as values")
-    r = native.ps_map_place(kv.ctypes.data, vv.ctypes.data, kv.shape[0], keys.ctypes.data, vals.ctypes.data, keys.shape[0])
+    r = native.ps_map_place(kv.ctypes.data, vv.ctypes.data, kv.shape[0], keys.ctypes.data, vals.ctypes.data,
+                            keys.shape[0])
     if r < 0:
         raise RuntimeError("IdMap: no free bucket (map full)")
     return int(r)

@@ -171,7 +171,8 @@ def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: to
     _add_rows(w, slots, torch.mul(g, -cfg.lr, out=tmp), decay_factor(cfg))
 
 
-def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
+def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor,
+             tmp: torch.Tensor) -> None:
     h = torch.index_select(st["sum_sq"], 0, slots, out=tmp).addcmul_(g, g)  # [U, D]
     st["sum_sq"].index_copy_(0, slots, h)
     denom = h.sqrt_().add_(cfg.eps)

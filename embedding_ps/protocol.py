@@ -291,7 +291,7 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
         raise ProtocolError(f"{what}: payload is not UTF-8 ({e})", Status.BAD_VALUE) from None
 
 
-__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "FLAG_SHM", "FLAG_GRADS_LATE", "FLAG_NOTIFY", "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header",
-           "ProtocolError", "WIRE_DTYPES", "ITEM_SIZE", "unpack_header", "peek_ids", "check_request",
-           "expect_bytes", "row_dtype", "tensor_frame", "frame_tensor", "to_wire", "text_frame",
-           "frame_text"]
+__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "FLAG_SHM", "FLAG_GRADS_LATE", "FLAG_NOTIFY",
+           "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header", "ProtocolError", "WIRE_DTYPES",
+           "ITEM_SIZE", "unpack_header", "peek_ids", "check_request", "expect_bytes", "row_dtype", "tensor_frame",
+           "frame_tensor", "to_wire", "text_frame", "frame_text"]

@@ -529,6 +529,6 @@ def _root(view: np.ndarray) -> np.ndarray:
     return view
 
 
-__all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY", "trailer", "done_word", "LateGrads",
-           "NotifiedFuture", "ClientSegments", "Mode", "ids_offset", "ShmAttacher", "ShmPool", "available", "client_uses",
-           "is_local", "shard_accepts", "writer_alive"]
+__all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
+           "trailer", "done_word", "LateGrads", "NotifiedFuture", "ClientSegments", "Mode", "ids_offset",
+           "ShmAttacher", "ShmPool", "available", "client_uses", "is_local", "shard_accepts", "writer_alive"]

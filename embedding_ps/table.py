@@ -90,7 +90,8 @@ class TableShard:
         self.free = np.zeros(0, dtype=np.int32)  # stack of reusable slots, top at [nfree - 1]
         self.nfree = 0
         self.weights = torch.empty(0, cfg.dim, dtype=self.wdtype)
-        self.state = {s.name: torch.empty((0, cfg.dim) if s.per_coordinate else (0,), dtype=s.dtype) for s in self.specs}
+        self.state = {s.name: torch.empty((0, cfg.dim) if s.per_coordinate else (0,), dtype=s.dtype)
+                      for s in self.specs}
         # count << 32 | last_seen, or None (row_counters = false)
         self.meta = torch.empty(0, dtype=torch.int64) if cfg.row_counters else None
         # global weight decay: each row's decayed-through step, and the table's clock (else None)
@@ -437,7 +438,8 @@ class TableShard:
             arrays[f"pending.{name}"] = a
         log_keys, log_steps = self.eviction_log()
         arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
-        meta = {"hwm": h, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through, "pending_dropped": self.pending.dropped}
+        meta = {"hwm": h, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through,
+                "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
         if self.decay is not None:
             meta["decay_clock"] = self.decay.saved_clock()
@@ -530,7 +532,8 @@ def _sum_duplicates(slots: np.ndarray, grads: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _merge_duplicates(slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """slots int32 [N] with duplicates, grads [N, D] -> (sorted unique slots int32 [U], grads summed in arrival order)."""
+    """slots int32 [N] with duplicates, grads [N, D] -> (sorted unique slots int32 [U], grads summed in arrival
+    order)."""
     uniq, inv = np.unique(slots, return_inverse=True)
     summed = torch.zeros(uniq.shape[0], grads.shape[1], dtype=torch.float32)
     summed.index_add_(0, torch.from_numpy(inv.astype(np.int64, copy=False).reshape(-1)), grads)

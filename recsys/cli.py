@@ -319,7 +319,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="recsys", description=__doc__)
-    parser.add_argument("-v", "--verbose", "--debug", dest="verbose", action="store_true", help="debug logging and tracebacks")
+    parser.add_argument("-v", "--verbose", "--debug", dest="verbose", action="store_true",
+                        help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("print-config", help="print the resolved job config as TOML")

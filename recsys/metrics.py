@@ -497,5 +497,5 @@ class MemoryMetricLogger:
         pass
 
 
-__all__ = ["retrieval_metrics", "auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics", "eval_metrics",
-           "MetricSink", "MetricLogger", "NullMetricLogger", "MemoryMetricLogger", "EPS"]
+__all__ = ["retrieval_metrics", "auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics",
+           "eval_metrics", "MetricSink", "MetricLogger", "NullMetricLogger", "MemoryMetricLogger", "EPS"]

@@ -103,7 +103,8 @@ def wait_for_shards(ready_files: list[str] | list[Path], timeout_s: float) -> li
     return addresses
 
 
-__all__ = ["BEST_DIR", "best_dir", "has_best", "local_run", "local_run_dir", "model_root", "run_path", "wait_for_shards"]
+__all__ = ["BEST_DIR", "best_dir", "has_best", "local_run", "local_run_dir", "model_root", "run_path",
+           "wait_for_shards"]
 
 
 # ---------------------------------------------------------------------------------------------

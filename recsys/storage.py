@@ -218,5 +218,5 @@ def scratch_dir(run_dir: str, scratch: str = "") -> Path:
 
 
 __all__ = ["StorageError", "delete_tree", "download_dir", "exists", "is_file", "is_uri", "join", "list_dir",
-           "list_files", "local_copy", "local_output", "read_bytes", "read_text", "resolve", "scratch_dir", "upload_dir",
-           "write_bytes", "write_text"]
+           "list_files", "local_copy", "local_output", "read_bytes", "read_text", "resolve", "scratch_dir",
+           "upload_dir", "write_bytes", "write_text"]

@@ -5,7 +5,8 @@ The PS shards run elsewhere (`recsys ps` on the PS hosts); ps.addresses lists th
 rows (same shard count), every rank restores its dense state and data position. When torchrun
 restarts the workers (`--max-restarts`, after a trainer died), they resume from the latest
 checkpoint by themselves. SIGTERM / SIGINT (torchrun forwards them to every worker): the trainers
-finish the current step, write a checkpoint and exit 0; a second signal stops at once. The run directory must be on a filesystem every trainer and shard sees.
+finish the current step, write a checkpoint and exit 0; a second signal stops at once. The run directory must be on
+a filesystem every trainer and shard sees.
 """
 
 from __future__ import annotations

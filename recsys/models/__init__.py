@@ -52,11 +52,13 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
     if num_dense < 0:
         raise ValueError(f"num_dense must be >= 0, got {num_dense}")
     if num_sparse < 1:
-        raise ValueError(f"model.arch = {model_cfg.arch!r} needs at least one sparse feature, got num_sparse={num_sparse}")
+        raise ValueError(f"model.arch = {model_cfg.arch!r} needs at least one sparse feature, "
+                         f"got num_sparse={num_sparse}")
     if embedding_dim < 1:
         raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
     if model_cfg.arch == "two_tower":
-        raise ValueError("model.arch = 'two_tower' splits the columns into towers: build it with build_dense_model(cfg)")
+        raise ValueError("model.arch = 'two_tower' splits the columns into towers: "
+                         "build it with build_dense_model(cfg)")
     cls = ARCHS[model_cfg.arch]   # the config loader already checked the Literal
     if model_cfg.linear_feature_tables and not cls.needs_linear_terms:
         # Otherwise the trainer would pull and push dim-1 rows that never reach the loss.
@@ -77,7 +79,8 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
 def build_sparse_arch(cfg: JobConfig) -> SparseArch:
     """The sparse arch of a job: which features read which table, and how they pool."""
     m = cfg.model
-    feature_tables = sequence_feature_tables(m.feature_tables, m.sequence_features)  # a list reads its candidate's table
+    # a list reads its candidate's table
+    feature_tables = sequence_feature_tables(m.feature_tables, m.sequence_features)
     plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, feature_tables,
                         m.linear_feature_tables, m.table_pooling)
     if m.sequence_features:    # din: the behavior lists also come back per position (sequence.py)
@@ -106,8 +109,8 @@ def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
     return sparse, build_dense_model(cfg, sparse)
 
 
-__all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
-           "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN", "CrossNet",
-           "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms", "TwoTower",
-           "DIN", "AttentionUnit",
-           "SequencePlan", "SequenceSparseArch", "plan_sequences", "sequence_feature_tables", "sequence_inputs"]
+__all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model", "SparseArch",
+           "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN",
+           "CrossNet", "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms",
+           "TwoTower", "DIN", "AttentionUnit", "SequencePlan", "SequenceSparseArch", "plan_sequences",
+           "sequence_feature_tables", "sequence_inputs"]

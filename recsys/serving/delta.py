@@ -39,7 +39,9 @@ def check_applicable(base: dict, delta: dict, base_where: str, delta_where: str)
                           f"(neither that run nor one it was warm-started from): apply deltas of the base's own run")
     if base["precision"] != delta["precision"]:
         raise ExportError(f"{delta_where}: precision {delta['precision']}, {base_where} has {base['precision']}")
-    layout = lambda m: [(t["name"], t["dim"], t["kind"], t["num_embeddings"]) for t in m["tables"]]
+    def layout(m: dict) -> list[tuple]:
+        return [(t["name"], t["dim"], t["kind"], t["num_embeddings"]) for t in m["tables"]]
+
     if layout(base) != layout(delta):
         raise ExportError(f"{delta_where}: tables {layout(delta)} differ from {base_where}'s {layout(base)}")
 

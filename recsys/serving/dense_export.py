@@ -50,7 +50,8 @@ class Scorer(nn.Module):
 
 
 class SequenceScorer(Scorer):
-    """din as served: (dense [B, Dn], pooled [B, F, D], behaviors [B, S, L, D], mask bool [B, S, L]) -> logits [B] f32."""
+    """din as served: (dense [B, Dn], pooled [B, F, D], behaviors [B, S, L, D], mask bool [B, S, L]) -> logits [B]
+    f32."""
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, behaviors: torch.Tensor,   # type: ignore[override]
                 mask: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,8 @@ def program_inputs(cfg: JobConfig, sparse) -> tuple[dict, tuple[torch.Tensor, ..
     if F_lin:
         inputs.append({"name": "linear", "shape": ["B", F_lin]})
     if S:
-        inputs += [{"name": "behaviors", "shape": ["B", S, L, D]}, {"name": "mask", "shape": ["B", S, L], "dtype": "bool"}]
+        inputs += [{"name": "behaviors", "shape": ["B", S, L, D]},
+                   {"name": "mask", "shape": ["B", S, L], "dtype": "bool"}]
     info = {"file": "dense.pt2", "arch": cfg.model.arch, "inputs": inputs, "output": "logits [B] float32",
             "max_batch": MAX_BATCH, "autocast_bf16": cfg.train.autocast}
     return info, args

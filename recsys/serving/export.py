@@ -209,7 +209,8 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
     if precision not in PRECISIONS:
         raise ExportError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if since is not None and not 0 <= since <= source.step:
-        raise ExportError(f"--since {since} must be in [0, {source.step}] (the {source.origin} is at step {source.step})")
+        raise ExportError(f"--since {since} must be in [0, {source.step}] "
+                          f"(the {source.origin} is at step {source.step})")
     cfg, out = source.config, Path(out)
     check_replaceable(out, cfg.train.run_id, overwrite)
     if cfg.model.sequence_features and precision in QUANTIZED:

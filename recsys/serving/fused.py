@@ -145,7 +145,8 @@ class FusedPooling:
                 continue
             base_of[p.table] = size[p.dim]
             m = tables[p.table].matrix
-            parts[p.dim].append(dequantize(np.asarray(m), self.precision, p.dim) if m.shape[0] else torch.zeros(0, p.dim))
+            parts[p.dim].append(dequantize(np.asarray(m), self.precision, p.dim) if m.shape[0]
+                                else torch.zeros(0, p.dim))
             size[p.dim] += m.shape[0]
         self.zero_row = [size[d] for d in dims]           # per width: the all-zero row, then scratch
         self.weights = []

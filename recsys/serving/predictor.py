@@ -21,7 +21,8 @@ Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a r
 `embedding_ps.store.EmbeddingStore` over the export's tables), to the `recsys.models.SparseArch`
 that training uses (unique ids -> rows -> `embedding_bag` per group of tables), so fp32 scores
 equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's
-`IntNBitTableBatchedEmbeddingBagsCodegen` (SUM with per-id weights; mean pooling as weights 1/length); ids without a row point at an
+`IntNBitTableBatchedEmbeddingBagsCodegen` (SUM with per-id weights; mean pooling as weights 1/length); ids without a
+row point at an
 all-zero extra row and their default rows are added in float32. The TBE holds its own copy of
 the quantized rows (its row layout is f16 scale | f16 bias | codes, see quantize.py).
 

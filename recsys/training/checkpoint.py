@@ -521,7 +521,8 @@ def export_rows(root: Path | str, manifest: dict[str, Any], name: str) -> tuple[
     if entry is None:
         return None
     t = read_table(Path(root), entry)
-    return torch.from_numpy(np.array(t["ids"], dtype=np.int64)), torch.from_numpy(np.array(t["weight"], dtype=np.float32))
+    return (torch.from_numpy(np.array(t["ids"], dtype=np.int64)),
+            torch.from_numpy(np.array(t["weight"], dtype=np.float32)))
 
 
 def source_replicated(source: InitSource) -> dict[str, torch.Tensor] | None:

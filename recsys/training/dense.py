@@ -112,5 +112,6 @@ def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))

@@ -337,8 +337,8 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
             if stops.requested.is_set():
                 raise RuntimeError(f"{e} while stopping") from e
             if not e.killed or restarts >= cfg.train.max_restarts:
-                raise RuntimeError(str(e) + ("" if not e.killed else
-                                   f" (after {restarts} restarts; train.max_restarts = {cfg.train.max_restarts})")) from e
+                raise RuntimeError(str(e) + ("" if not e.killed else f" (after {restarts} restarts; "
+                                   f"train.max_restarts = {cfg.train.max_restarts})")) from e
             restarts += 1
             checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
             where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"

@@ -340,7 +340,8 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
     (run_dir / "metrics.json").unlink(missing_ok=True)
     actors, infos, pg = [], [], None
     try:
-        actors, infos, pg = start_shards(cfg, token, None if checkpoint is None else run_path(checkpoint, "model", "ps"))
+        restore = None if checkpoint is None else run_path(checkpoint, "model", "ps")
+        actors, infos, pg = start_shards(cfg, token, restore)
         _write_processes(run_dir, infos, earlier)
         logger.info("ps shards ready at %s", ", ".join(f"{i['address']} (node {i['node_id'][:12]})" for i in infos))
         bundle, strategy = cfg.cluster.trainer_bundle(), STRATEGY[cfg.cluster.placement]

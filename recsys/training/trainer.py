@@ -509,7 +509,9 @@ class Trainer:
                     extras.setdefault(name, []).append(np.asarray(col))
                 batch, lookup = nxt, nxt_lookup
         self.model.train()
-        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
+        def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(xs) if xs else torch.zeros(0)
+
         return (cat(labels), cat(scores), cat(weights) if data_cfg.example_weight_column else None,
                 {k: np.concatenate(v) for k, v in extras.items()})
 

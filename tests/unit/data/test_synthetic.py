@@ -142,7 +142,7 @@ def test_files_row_groups_and_determinism(tmp_path: Path) -> None:
                             row_group_rows=1000, compression="none")
     md = pq.ParquetFile(other_layout["files"][0]).metadata
     assert md.row_group(0).column(0).compression == "UNCOMPRESSED"
-    prefix = generate(preset="tiny", rows=1234, num_files=1, out_dir=str(tmp_path / "d"), seed=7)
+    generate(preset="tiny", rows=1234, num_files=1, out_dir=str(tmp_path / "d"), seed=7)
     other_seed = generate(preset="tiny", rows=n, num_files=1, out_dir=str(tmp_path / "e"), seed=8)
     ta = read_dir(tmp_path / "a")
     assert ta.equals(read_dir(tmp_path / "b"))

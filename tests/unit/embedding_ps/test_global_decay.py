@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import kernels, native
+from embedding_ps import native
 from embedding_ps import protocol as P
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.decay import GlobalDecay

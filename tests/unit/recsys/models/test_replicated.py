@@ -18,7 +18,7 @@ from data.vocab import distinct_ids
 from embedding_ps.config import TableConfig
 from embedding_ps.init import init_rows
 from recsys.config import ConfigError, load_config
-from recsys.models.replicated import (ReplicatedTables, TableOptimizer, build_replicated, resolve_placement,
+from recsys.models.replicated import (ReplicatedTables, TableOptimizer, resolve_placement,
                                       table_bytes)
 from recsys.models.sparse_arch import SparseArch, plan_tables
 
