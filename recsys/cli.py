@@ -233,7 +233,8 @@ def _cmd_daily(args: argparse.Namespace) -> int:
     if not cfg.data.date:
         raise ConfigError("recsys daily needs --date YYYY-MM-DD (the day to train on)")
     record = run_daily(cfg, cfg.data.date, root=args.root, publish=args.publish, keep=args.keep,
-                       source=getattr(args, "from"), next_day=args.next_day)
+                       source=getattr(args, "from"), next_day=args.next_day, resume=args.resume,
+                       overwrite=args.overwrite)
     sys.stdout.write(json.dumps(record) + "\n")
     return 0
 
@@ -389,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=3, help="full exports kept for rollback")
     p.add_argument("--from", default=None, metavar="RUN|CHECKPOINT",
                    help="warm-start from this instead of ROOT/<the day before>")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="the day's run was cut short: continue it from its latest checkpoint, then evaluate "
+                            "and publish (replacing that day's publication, if any)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="train the day again: its run moves aside (ROOT/DATE.old-TIME) and that day's "
+                            "publication is replaced")
     p.add_argument("--next-day", nargs="+", default=None, metavar="PATH",
                    help="next-day evaluation data (default: the config's data.eval_paths, e.g. day={date+1})")
     p.set_defaults(func=_cmd_daily)

@@ -19,6 +19,10 @@ day D the job:
    PUBLISH/published.json (date, run id, step, since, paths, bytes); keeps the newest --keep full
    exports for rollback (older ones are deleted; deltas stay, they are small).
 
+A day that ran already is refused (its run directory holds a run): `--resume` continues a run that was
+cut short from its latest checkpoint, `--overwrite` moves the day's run aside and trains it again;
+both then replace the day's publication (its record in published.json, full-D and delta-D).
+
 The steps are the existing commands' functions (train with --init-from, eval, export --since), so a
 cron line is one command, and each step can also be run by hand.
 """
@@ -58,8 +62,13 @@ def _bytes(path: Path) -> int:
 
 
 def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: str | None = None,
-              keep: int = 3, source: str | None = None, next_day: list[str] | None = None) -> dict:
-    """Train, evaluate and publish day `date` (see the module docstring); returns the day's record."""
+              keep: int = 3, source: str | None = None, next_day: list[str] | None = None,
+              resume: bool = False, overwrite: bool = False) -> dict:
+    """Train, evaluate and publish day `date` (see the module docstring); returns the day's record.
+
+    A day whose run exists already is refused (the run directory's rule), unless `resume` (the run was
+    cut short: continue it from its latest checkpoint) or `overwrite` (move it aside, train again);
+    either replaces that day's publication."""
     from recsys.preflight import preflight_train
     from recsys.serving.export import export_model
     from recsys.serving.source import resolve_source
@@ -91,7 +100,7 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_paths=()))
         paths = paths if next_day is not None else []
     preflight_train(cfg)
-    metrics = launch_train(cfg, overwrite=False)
+    metrics = launch_train(cfg, resume="latest" if resume else None, overwrite=overwrite)
     if "stopped" in metrics and metrics.get("stopped") == 1:
         raise RuntimeError(f"daily {date}: the training was stopped; continue it with recsys train --resume latest")
 
@@ -117,9 +126,12 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
     pub = Path(publish) if publish else root_dir / "published"
     pub.mkdir(parents=True, exist_ok=True)
     log = json.loads((pub / PUBLISHED).read_text()) if (pub / PUBLISHED).exists() else []
+    again = resume or overwrite                      # this day's earlier publication is replaced
+    if again:
+        log = [e for e in log if e.get("date") != date]
     src = resolve_source(run=run_dir)
     full = pub / f"full-{date}"
-    manifest = export_model(src, full)
+    manifest = export_model(src, full, overwrite=again)
     record.update(run_id=manifest["run_id"], step=manifest["step"], full=str(full), full_bytes=_bytes(full))
     last = log[-1] if log else None
     if last is not None and last["step"] <= manifest["step"] and (

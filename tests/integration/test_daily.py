@@ -45,9 +45,9 @@ def _sets(data: Path, *extra: str) -> list[str]:
     return out
 
 
-def _daily(root: Path, data: Path, date: str, *extra: str) -> dict:
+def _daily(root: Path, data: Path, date: str, *extra: str, flags: tuple[str, ...] = ()) -> dict:
     argv = ["daily", "--config", str(ROOT / "configs" / "daily.toml"), "--date", date, "--root", str(root),
-            *_sets(data, *extra)]
+            *flags, *_sets(data, *extra)]
     assert cli.main(argv) == 0
     return json.loads((root / "published" / "published.json").read_text())[-1]
 
@@ -69,11 +69,13 @@ def _tables(export: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def _assert_chain_equals_full(pub: Path, tmp: Path) -> dict:
-    """full-day1 + delta-day2 + delta-day3 == full-day3, table by table, bit for bit."""
-    apply_delta(pub / f"full-{DAYS[0]}", pub / f"delta-{DAYS[1]}", tmp / "applied2")
-    apply_delta(tmp / "applied2", pub / f"delta-{DAYS[2]}", tmp / "applied3")
-    got, want = _tables(tmp / "applied3"), _tables(pub / f"full-{DAYS[2]}")
+def _assert_chain_equals_full(pub: Path, tmp: Path, days: list[str] = DAYS) -> dict:
+    """full-day1 + delta-day2 (+ delta-day3) == the last day's full export, table by table, bit for bit."""
+    base = pub / f"full-{days[0]}"
+    for i, day in enumerate(days[1:]):
+        apply_delta(base, pub / f"delta-{day}", tmp / f"applied{i}")
+        base = tmp / f"applied{i}"
+    got, want = _tables(base), _tables(pub / f"full-{days[-1]}")
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name][0], want[name][0], err_msg=name)
@@ -118,3 +120,29 @@ def test_three_days_with_two_trainers_and_two_shards_in_sync(data: Path, tmp_pat
     _assert_chain_equals_full(root / "published", tmp_path)
     m = json.loads((root / DAYS[2] / "metrics.json").read_text())
     assert "next_day" in m and m["next_day"]["auc"] > 0.6
+
+
+def test_a_day_again_is_refused_then_overwritten_or_resumed_and_republished(data: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    """cron ran a day twice: refused, nothing touched; --overwrite trains it again (the old run moved
+    aside) and replaces its publication; --resume continues it and publishes again; the chain holds."""
+    root = tmp_path / "daily"
+    first = [_daily(root, data, d) for d in DAYS[:2]]
+    before = (root / "published" / "published.json").read_text()
+    argv = ["daily", "--config", str(ROOT / "configs" / "daily.toml"), "--date", DAYS[1], "--root", str(root),
+            *_sets(data)]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "--resume" in err, err
+    assert (root / "published" / "published.json").read_text() == before
+    again = _daily(root, data, DAYS[1], flags=("--overwrite",))
+    log = json.loads((root / "published" / "published.json").read_text())
+    assert [e["date"] for e in log] == DAYS[:2] and log[-1] == again
+    assert again["run_id"] != first[1]["run_id"] and again["since"] == first[0]["step"]
+    assert [p.name for p in root.glob(f"{DAYS[1]}.old-*")]                      # the first run, moved aside
+    assert read_manifest(root / "published" / f"full-{DAYS[1]}")["run_id"] == again["run_id"]
+    resumed = _daily(root, data, DAYS[1], flags=("--resume",))
+    assert resumed["run_id"] == again["run_id"]
+    assert [e["date"] for e in json.loads((root / "published" / "published.json").read_text())] == DAYS[:2]
+    _assert_chain_equals_full(root / "published", tmp_path, DAYS[:2])
