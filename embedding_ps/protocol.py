@@ -36,9 +36,8 @@ outcome (an error, NO_SHM) comes by the reply.
 
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (copy-on-write, bounded extra
 memory), replies at once and writes it on a thread; SAVE_STATUS reports how that write went
-(`embedding_ps.saver`). Without the flag, SAVE replies once the files are written. SAVE with
-``flags & FLAG_PREPARE`` replies at once and does nothing (nothing to prepare ahead any more; kept
-so that older clients keep working).
+(`embedding_ps.saver`). Without the flag, SAVE replies once the files are written. (Flag 2 was
+FLAG_PREPARE, a no-op kept for clients older than protocol v3, which the version check refuses.)
 
 There is one row path: a PULL or PUSH carries T parts (tables) in one message, so a trainer's
 step costs one request per shard, not one per table; a single table is a request with one part.
@@ -100,8 +99,6 @@ class Op(enum.IntEnum):
 
 FLAG_BACKGROUND = 1
 """SAVE request flag: snapshot now, reply at once, write the files on a background thread."""
-FLAG_PREPARE = 2
-"""SAVE request flag: fault in the memory of the next background snapshot, reply at once."""
 FLAG_SHM = 4
 """PULL / PUSH request flag: the rows are in the client's shared-memory segment named by the last frame."""
 FLAG_GRADS_LATE = 8
@@ -291,7 +288,7 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
         raise ProtocolError(f"{what}: payload is not UTF-8 ({e})", Status.BAD_VALUE) from None
 
 
-__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_PREPARE", "FLAG_SHM", "FLAG_GRADS_LATE", "FLAG_NOTIFY",
+__all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_SHM", "FLAG_GRADS_LATE", "FLAG_NOTIFY",
            "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header", "ProtocolError", "WIRE_DTYPES",
            "ITEM_SIZE", "unpack_header", "peek_ids", "check_request", "expect_bytes", "row_dtype", "tensor_frame",
            "frame_tensor", "to_wire", "text_frame", "frame_text"]

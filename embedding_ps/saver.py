@@ -55,10 +55,6 @@ class BackgroundSaver:
         """True while a write runs (its status is not final yet)."""
         return self.phase == "writing"
 
-    def prepare(self, state: Any) -> bool:
-        """Nothing to prepare (the snapshot is copy-on-write); False: nothing was started."""
-        return False
-
     def start(self, state: Any, directory: str, step: int) -> dict:
         """Snapshot `state` now, write it to `directory` on a thread; returns the SAVE reply body.
 

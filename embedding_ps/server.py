@@ -377,11 +377,7 @@ class ShardServer:
 
     def _save(self, h: P.Header, payload: list) -> Any:
         path = shard_dir(self._path(h, payload), self.shard)
-        if not h.flags & P.FLAG_PREPARE:      # a prepare names no directory it writes to
-            self._confined(h, path)
-        if h.flags & P.FLAG_PREPARE:    # nothing to prepare: the snapshot is copy-on-write (kept for old clients)
-            prepared = self.saver.prepare(self.state)
-            return self._json(h, {"shard": self.shard, "prepared": prepared, "phase": self.saver.phase})
+        self._confined(h, path)
         if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the write ends
             return DEFERRED
         advance = getattr(self.state, "advance", None)

@@ -190,9 +190,9 @@ def test_sync_mode_background_save_is_the_state_after_the_steps_before_it(tmp_pa
         server.close(TIMEOUT_S)
 
 
-def test_prepare_does_nothing_and_the_status_reports_the_bounded_memory(tmp_path):
-    """SAVE with FLAG_PREPARE (old clients) replies at once and starts nothing; a background SAVE then
-    replies at once, and its status reports the save's accounted extra memory and its bound."""
+def test_the_status_reports_the_bounded_memory(tmp_path):
+    """A background SAVE replies at once, and its status reports the save's accounted extra memory and
+    its bound."""
     cfg = PSConfig(mode="async", tables=(TableConfig(name="t", dim=64, optimizer="rowwise_adagrad"),))
     state, replica = ShardState(cfg, 0), ShardState(cfg, 0)
     server = ShardServer(cfg, 0, state)
@@ -200,8 +200,6 @@ def test_prepare_does_nothing_and_the_status_reports_the_bounded_memory(tmp_path
     try:
         state.push(0, torch.arange(4000), torch.ones(4000, 64), step=0)
         replica.push(0, torch.arange(4000), torch.ones(4000, 64), step=0)
-        reply = body(server.handle(request(P.Op.SAVE, "prepare", flags=P.FLAG_PREPARE, request=1)))
-        assert reply == {"shard": 0, "prepared": False, "phase": "idle"}
         reply = save_bg(server, path, step=1, request=4)
         assert reply is not DEFERRED and body(reply)["background"] is True
         server.close(TIMEOUT_S)
