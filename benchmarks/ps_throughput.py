@@ -151,8 +151,8 @@ def client_main(config: PSConfig, addresses: list[str], worker: int, args: dict,
     """One client process: per id stream and dim, a pull phase then a push phase; writes median seconds as JSON."""
     torch.set_num_threads(1)
     out = {}
-    with PSClient(config, addresses, worker_id=worker, dedup=args["dedup"]) as client:
-        client.late_grads = client.notify = args["late_grads"]
+    with PSClient(config, addresses, worker_id=worker, dedup=args["dedup"], late_grads=args["late_grads"],
+                  notify=args["late_grads"]) as client:
         for kind in args["kinds"]:
             for t, (dim, (batches, grads)) in enumerate(zip(DIMS, workload(kind, worker, args))):
                 barrier.wait(timeout=READY_TIMEOUT_S)       # all clients start each stream and dim together

@@ -77,8 +77,9 @@ class TableShard:
         # the kernel resolved once, to "native" or "fbgemm": all the push path sees
         first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
         self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
-        if first:
-            logger.info("%s: update kernel %s", self.where, why)
+        if first:      # the default, native, at debug level: a job or an eval with many tables logs one line each
+            logger.log(logging.INFO if self.cfg.kernel == "fbgemm" else logging.DEBUG, "%s: update kernel %s",
+                       self.where, why)
         self.threads = threads  # ps.threads: C threads of native lookups, gathers and updates
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)

@@ -40,7 +40,7 @@ def open_run(run_dir: str | Path, last: bool = False) -> tuple[JobConfig, Traine
     logger.info("using the %s model of %s", "best" if run != Path(run_dir) else "last", run_dir)
     cfg = load_config(run / "config.toml")
     store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
-    trainer = Trainer(cfg, store, replicated_state=saved_replicated(model_dir))
+    trainer = Trainer(cfg, store, replicated_state=saved_replicated(model_dir), scoring_only=True)
     trainer.model.load_state_dict(torch.load(model_dir / "dense.pt", weights_only=True))
     return cfg, trainer
 

@@ -124,10 +124,12 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, store: EmbeddingStore, *, rank: int = 0, world_size: int = 1,
                  metric_logger: MetricSink | None = None, replicated_state: dict | None = None,
-                 warm: bool = False) -> None:
+                 warm: bool = False, scoring_only: bool = False) -> None:
         """`replicated_state`: saved replicated tables (model/replicated.pt) to start from; without it
         their vocabularies are read from data.train_paths (recsys.models.replicated); with `warm` (a
-        warm start) both, joined (`build_replicated(grow=True)`)."""
+        warm start) both, joined (`build_replicated(grow=True)`). `scoring_only` (eval, predict): no
+        optimizers and no LR schedule (a torch optimizer's first use imports torch._dynamo, ~2 s);
+        `train` and `train_step` are then refused."""
         if any(t.placement == "auto" for t in cfg.ps.tables):    # the launcher resolves it; library use here
             cfg = resolve_placement(cfg).config
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -142,8 +144,10 @@ class Trainer:
             self.replicated.to(self.device)
             self.sparse.use_replicated(self.replicated)
         self.ddp = wrap_ddp(TrainModules(self.model, self.replicated), cfg.train, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.train)
-        self.table_optimizer = TableOptimizer(self.replicated) if self.replicated is not None else None
+        self.scoring_only = scoring_only
+        self.optimizer = None if scoring_only else build_optimizer(self.model, cfg.train)
+        self.table_optimizer = TableOptimizer(self.replicated) \
+            if self.replicated is not None and not scoring_only else None
         # two_tower: in-batch softmax over the (global) batch's items, on logits [B, B_g]
         self._in_batch = bool(getattr(model, "in_batch_softmax", False))
         self.loss_fn = model.loss_fn if self._in_batch else nn.BCEWithLogitsLoss()
@@ -157,7 +161,7 @@ class Trainer:
         self._any_step_uneven = cfg.data.on_bad_rows == "skip"
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
-        self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
+        self.scheduler = None if scoring_only else build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
         self.checkpointer = Checkpointer(cfg, rank=rank, world_size=world_size)
         self.validation = Validation(cfg)
         self.start_step = 0
@@ -279,6 +283,8 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
+        if self.scoring_only:
+            raise RuntimeError("this Trainer was built with scoring_only=True (eval / predict): it has no optimizer")
         run = self._start_run()
         agreement = stopping.StopAgreement(self.world_size)
         self._train_loop(run, agreement)

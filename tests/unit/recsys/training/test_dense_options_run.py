@@ -64,6 +64,10 @@ def test_export_of_a_batch_norm_model_scores_like_the_trained_model(tmp_path: Pa
     run = train_run(tmp_path, cfg)[0]
     _, trainer = open_run(run)
     try:
+        # eval / predict build no optimizer (a torch optimizer's first use imports torch._dynamo, ~2 s)
+        assert trainer.scoring_only and trainer.optimizer is None and trainer.scheduler is None
+        with pytest.raises(RuntimeError, match="scoring_only"):
+            trainer.train()
         eval_file = str(data_dir / "part-00001.parquet")
         _, offline, _ = trainer.predict((eval_file,))              # eval mode: running statistics
         bn = next(m for m in trainer.model.modules() if isinstance(m, nn.BatchNorm1d))
