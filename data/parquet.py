@@ -302,7 +302,7 @@ def _ids(arr: pa.Array) -> tuple[np.ndarray, bool]:
     """(int64 [n] ids (any value at nulls), whether they may be negative) of a flat id array.
 
     A view of Arrow memory for int64 (read-only); integers are not range-checked here, uint64 ids
-    of 2**63 or more come out negative (and are then flagged as negative ids).
+    of 2**63 or more come out negative (and are then flagged, shown unsigned: `_negative_id`).
     """
     t = arr.type
     if pa.types.is_dictionary(t):
@@ -315,6 +315,16 @@ def _ids(arr: pa.Array) -> tuple[np.ndarray, bool]:
     if x.dtype != np.int64:
         x = x.view(np.int64) if x.dtype == np.uint64 else x.astype(np.int64)
     return x, pa.types.is_signed_integer(t) or pa.types.is_uint64(t)
+
+
+def _negative_id(arr: pa.Array, values: np.ndarray, in_list: bool = False) -> tuple[str, np.ndarray]:
+    """What to call a negative id of `arr` and the values to show: a uint64 column's are ids of 2**63
+    or more (shown unsigned; ids are int64), a signed column's are negative."""
+    t = arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type
+    if pa.types.is_uint64(t):
+        return (f"uint64 id of 2**63 or more{' in a list' if in_list else ''} (ids are int64 in [0, 2**63): "
+                f"hash or remap them)"), values.view(np.uint64)
+    return ("negative id in a list" if in_list else "negative id"), values
 
 
 def _row_of_value(offsets: np.ndarray) -> np.ndarray:
@@ -383,7 +393,8 @@ class Decoder:
         valid = _valid(arr) if arr.null_count else None
         if signed:
             neg = ids < 0
-            chk.flag(col, neg if valid is None else neg & valid, "negative id", ids)
+            what, shown = _negative_id(arr, ids)
+            chk.flag(col, neg if valid is None else neg & valid, what, shown)
         weights = None
         if col in self.cfg.weight_columns:
             weights = np.ones(len(arr), np.float32)
@@ -467,7 +478,8 @@ class Decoder:
             if neg.any():
                 first = np.zeros(lens.size, np.int64)          # first negative id of each row
                 first[_row_of_value(offsets)[neg][::-1]] = values[neg][::-1]
-                chk.flag(col, _rows_with(offsets, neg), "negative id in a list", first)
+                what, shown = _negative_id(child, first, in_list=True)
+                chk.flag(col, _rows_with(offsets, neg), what, shown)
         weights = None
         if col in self.cfg.weight_columns:
             weights = self._list_weights(table, col, offsets, chk)

@@ -57,6 +57,17 @@ def _date_arg(text: str) -> str:
     return text
 
 
+def _port_arg(text: str) -> int:
+    """A TCP port: 0 (an ephemeral one) .. 65535 (#28: 70000 was taken and served on 70000 % 65536)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535 (0: an ephemeral port)")
+    return port
+
+
 class _SetDate(argparse.Action):
     """`--date D` is `--set data.date='D'` (where both are given, the later one wins)."""
 
@@ -363,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--shard", type=int, required=True, help="shard index in 0..ps.num_shards-1")
     p.add_argument("--bind", default=None, help="address to bind (default ps.bind, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="TCP port (0: an ephemeral one)")
+    p.add_argument("--port", type=_port_arg, default=0, help="TCP port (0: an ephemeral one)")
     p.add_argument("--ready-file", default=None, help="write the shard's address here once it serves")
     p.add_argument("--restore", default=None, metavar="PS_DIR",
                    help="first load this shard's part of a saved PS (a checkpoint's model/ps; any shard count)")

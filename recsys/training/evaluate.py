@@ -69,6 +69,8 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
 def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = False) -> int:
     """Write `score` (click probabilities, calibrated for data.negative_sampling_rate) plus the
     configured passthrough columns to the Parquet file `out`."""
+    if not Path(out).parent.is_dir():        # before any work, and naming --out (not the .tmp written first)
+        raise ConfigError(f"--out {out}: the directory {Path(out).parent} does not exist")
     cfg, trainer = open_run(run_dir, last)
     try:
         _, scores, extras = trainer.predict(tuple(data))

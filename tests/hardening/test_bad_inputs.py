@@ -216,6 +216,8 @@ CASES: list[Case] = [
     ("--run and --checkpoint", args("export", "--run", "{w}/run", "--checkpoint", "{ckpt}", "--out", "{w}/new"),
      "--checkpoint"),
     ("shard index out of range", args("ps", "--config", "{w}/job.toml", "--shard", "7"), "--shard 7"),
+    ("port outside 0..65535", args("ps", "--config", "{w}/job.toml", "--shard", "0", "--port", "70000"),
+     "--port: 70000 is outside 0..65535"),
     ("gen-data without --rows", args("gen-data", "--out", "{w}/new"), "--rows"),
     # -- checkpoints --------------------------------------------------------------------------
     ("resume from a missing path", train("train.max_steps=12") , None),   # placeholder, replaced below
@@ -240,6 +242,9 @@ CASES: list[Case] = [
     ("eval: data without a column", args("eval", "--run", "{w}/run", "--data", "{w}/bad/no_I2.parquet"), "I2"),
     ("predict: missing data", args("predict", "--run", "{w}/run", "--data", "{w}/nope.parquet", "--out",
                                    "{w}/new.parquet"), "nope.parquet"),
+    ("predict: --out into a missing directory", args("predict", "--run", "{w}/run", "--data",
+                                                      "{w}/data/part-00001.parquet", "--out", "{w}/no_dir/p.parquet"),
+     "no_dir/p.parquet: the directory"),
     ("eval: an empty directory", args("eval", "--run", "{w}/run", "--data", "{w}/bad/empty_dir"), "empty_dir"),
 ]
 RESUME = {

@@ -90,12 +90,20 @@ def test_skip_mode_with_shuffle_and_several_problems_in_one_row(h, tmp_path):
     assert bad == 3
 
 
-def test_uint64_ids_past_int64_are_negative_ids(h, tmp_path):
+def test_uint64_ids_past_int64_are_named_as_such_and_shown_unsigned(h, tmp_path):
+    """#28: a uint64 id of 2**63 or more was "negative id (value -9223372036854775807)"."""
     t = h.make_table(N, seed=1)
     t = with_column(t, "u", pa.array([5] * 12 + [2 ** 63 + 1] + [6] * 17, pa.uint64()))
+    t = with_column(t, "ul", pa.array([[1]] * 20 + [[3, 2 ** 64 - 1]] + [[2]] * 9, pa.list_(pa.uint64())))
     path = h.write(tmp_path / "u.parquet", t, row_group_rows=RG)
-    with pytest.raises(DataError, match="row group 1, column 'u': negative id at row 2"):
+    with pytest.raises(DataError, match=re.escape(f"row group 1, column 'u': uint64 id of 2**63 or more (ids are "
+                                                  f"int64 in [0, 2**63): hash or remap them) at row 2 (value "
+                                                  f"{2 ** 63 + 1})")):
         read(h, path, sparse_columns=("u",), weight_columns={})
+    with pytest.raises(DataError, match=re.escape(f"column 'ul': uint64 id of 2**63 or more in a list (ids are "
+                                                  f"int64 in [0, 2**63): hash or remap them) at row 0 (value "
+                                                  f"{2 ** 64 - 1})")):
+        read(h, path, sparse_columns=("ul",), weight_columns={})
 
 
 def test_missing_column_names_file_and_column(h, tmp_path):
