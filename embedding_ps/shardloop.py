@@ -113,6 +113,11 @@ def _prime_malloc() -> None:
     del block
 
 
+class BindError(OSError):
+    """The shard's address cannot be bound (a port in use, a host that is not this machine's); the
+    message names the endpoint."""
+
+
 def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: int = 0,
           ready_file: str | None = None, state_factory: StateFactory | None = None,
           stop: threading.Event | None = None) -> None:
@@ -144,7 +149,11 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
         sock.ipv6 = ":" in host
         if config.auth == "curve":
             authenticator = setup_server_curve(ctx, sock, config)
-        sock.bind(_endpoint(host, port))
+        try:
+            sock.bind(_endpoint(host, port))
+        except zmq.ZMQError as e:      # e.g. "Address already in use": one line naming it, not a traceback
+            raise BindError(f"ps shard {shard_index}: cannot bind {_endpoint(host, port)}: {e} "
+                            f"(--port / --bind, ps.bind)") from None
         address = _advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), host)
         if own_stop and threading.current_thread() is threading.main_thread():
             old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -164,4 +173,4 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
         ctx.term()
 
 
-__all__ = ["BUSY_POLL_MS", "POLL_MS", "run_loop", "serve"]
+__all__ = ["BUSY_POLL_MS", "POLL_MS", "BindError", "run_loop", "serve"]

@@ -30,7 +30,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.launch", "WorkerError"),
+USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.job", "WorkerError"),
+               ("embedding_ps.shardloop", "BindError"),
                ("recsys.training.checkpoint", "CorruptCheckpointError"), ("embedding_ps.snapshot", "CorruptShardError"),
                ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
                ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"))

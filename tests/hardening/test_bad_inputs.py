@@ -284,3 +284,28 @@ def test_bad_input_fails_in_one_line_and_changes_nothing(world: World, capsys: p
     assert names in lines[0], f"{name}: {names!r} not in {lines[0]!r}"
     assert "Traceback" not in err
     assert tree_hash(world.root) == before, f"{name} changed files of the world"
+
+
+def test_a_port_in_use_is_one_line_naming_it(world: World, capsys: pytest.CaptureFixture) -> None:
+    """#28: `recsys ps --port P` with P taken was a raw ZMQError traceback."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers.clear()
+    try:
+        capsys.readouterr()
+        code = cli.main(["ps", "--config", str(world / "job.toml"), "--shard", "0", "--port", str(port)])
+    finally:
+        root.handlers[:], root.level = saved
+        taken.close()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip() and x.startswith("error: ")]
+    assert code == 2, err[-2000:]
+    assert len(lines) == 1 and f"cannot bind tcp://127.0.0.1:{port}" in lines[0], err[-2000:]
+    assert "Traceback" not in err
+
