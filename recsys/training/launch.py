@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,8 +124,9 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
     for shard, (proc, ready) in enumerate(zip(procs, ready_files)):
         while not ready.exists():
             if proc.poll() is not None:
+                log = run_dir / f"ps-{shard}.log"
                 raise RuntimeError(f"ps shard {shard} exited with code {proc.returncode} before it was "
-                                   f"ready; see {run_dir / f'ps-{shard}.log'}")
+                                   f"ready{shard_error(log)}; see {log}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ps shard {shard} not ready after {READY_TIMEOUT_S:.0f} s; "
                                    f"see {run_dir / f'ps-{shard}.log'}")
@@ -132,6 +134,25 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
     return procs, wait_for_shards(ready_files, 0.0)
 
 
+
+
+def shard_error(log: Path) -> str:
+    """": <the shard's own error line>" from its log (the `error: ...` line `recsys ps` writes, or the
+    last line of a traceback), or "" when it has none: so that the launcher's line names the cause
+    (a changed table dim on resume, a port in use) and not only the log."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines()[-200:] if x.strip()]
+    except OSError:
+        return ""
+    mine = [x for x in lines if x.startswith("error: ")]
+    if mine:
+        return ": " + mine[-1].removeprefix("error: ")
+    logged = [m.group(1) for x in lines if (m := re.search(r" ERROR [\w.]+: (.*)$", x))]
+    if logged:                                   # `recsys ps`'s own report of an unexpected error
+        return ": " + logged[-1]
+    if lines and "Error" in lines[-1].split(":", 1)[0]:
+        return ": " + lines[-1]
+    return ""
 
 
 def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -275,9 +296,10 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
         except BaseException as e:
             if watchdog.dead is not None:
                 shard, code, served = watchdog.dead
+                log = run_dir / f"ps-{shard}.log"
                 raise JobFailure(f"ps shard {shard} exited with code {code} "
-                                 f"{'during training' if served else 'before it was ready'}; see "
-                                 f"{run_dir / f'ps-{shard}.log'}", killed=code < 0) from e
+                                 f"{'during training' if served else 'before it was ready'}"
+                                 f"{'' if code < 0 else shard_error(log)}; see {log}", killed=code < 0) from e
             if isinstance(e, ChildFailedError):
                 killed = [f for f in e.failures.values() if f.exitcode < 0]
                 if killed:            # the cause (others then fail on the dead peer): worth a restart

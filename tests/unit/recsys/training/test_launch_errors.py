@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recsys.rundir import wait_for_shards
-from recsys.training.launch import ShardWatchdog, silent_ranks
+from recsys.training.launch import ShardWatchdog, shard_error, silent_ranks
 
 GLOO_RESET = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17098: Connection reset "
               "by peer. This is typically caused by a remote worker hanging")
@@ -110,3 +110,19 @@ def test_the_watchdog_names_a_shard_that_died_and_whether_it_had_served(tmp_path
         watchdog.stop()
         proc.wait(timeout=10)
         signal.signal(signal.SIGHUP, old)
+
+
+def test_the_launcher_line_carries_the_shard_s_own_error(tmp_path: Path) -> None:
+    """#28: a shard that refused to start (a changed table dim on resume) was named only in ps-0.log."""
+    log = tmp_path / "ps-0.log"
+    log.write_text("2026-11-28 INFO ps shard 0/1 restoring\n"
+                   "error: /ckpt/model/ps/shard0: table 'C1' has dim 8 there, 16 in ps.tables\n")
+    assert shard_error(log) == ": /ckpt/model/ps/shard0: table 'C1' has dim 8 there, 16 in ps.tables"
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\nMemoryError: cannot allocate\n")
+    assert shard_error(log) == ": MemoryError: cannot allocate"
+    log.write_text("2026-11-28 00:24:56,116 ERROR recsys: ValueError: /ckpt/shard0/manifest.json: table 0 saved "
+                   "with dim=8, config has dim=16\n")
+    assert shard_error(log) == ": ValueError: /ckpt/shard0/manifest.json: table 0 saved with dim=8, config has dim=16"
+    log.write_text("2026-11-28 INFO ps shard 0 stopping\n")
+    assert shard_error(log) == "" and shard_error(tmp_path / "none.log") == ""
+
