@@ -318,13 +318,12 @@ def _ids(arr: pa.Array) -> tuple[np.ndarray, bool]:
 
 
 def _negative_id(arr: pa.Array, values: np.ndarray, in_list: bool = False) -> tuple[str, np.ndarray]:
-    """What to call a negative id of `arr` and the values to show: a uint64 column's are ids of 2**63
-    or more (shown unsigned; ids are int64), a signed column's are negative."""
-    t = arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type
-    if pa.types.is_uint64(t):
-        return (f"uint64 id of 2**63 or more{' in a list' if in_list else ''} (ids are int64 in [0, 2**63): "
-                f"hash or remap them)"), values.view(np.uint64)
-    return ("negative id in a list" if in_list else "negative id"), values
+    """(what to call a negative id of `arr`, the values to show): uint64 ids of 2**63 or more, unsigned."""
+    where = " in a list" if in_list else ""
+    if pa.types.is_uint64(arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type):
+        return f"uint64 id of 2**63 or more{where} (ids are int64 in [0, 2**63): hash or remap them)", \
+            values.view(np.uint64)
+    return f"negative id{where}", values
 
 
 def _row_of_value(offsets: np.ndarray) -> np.ndarray:

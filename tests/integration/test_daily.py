@@ -4,8 +4,9 @@ the 4th is day 3's next day), then against models trained from scratch.
 Asserts: day 3's warm-started next-day AUC is at least that of a model trained from scratch on day 3
 alone, and within 0.005 of one trained from scratch on days 1..3; the published full export of day 1
 plus the deltas of days 2 and 3 equals day 3's full export bit for bit (ids, rows, tombstones); an id
-that aged out (TTL) is gone from the export. The same recipe with 2 trainers + 2 shards in sync mode
-publishes a chain that applies exactly too.
+that aged out (TTL) is gone from the export; the last day run again is refused, then overwritten and
+resumed, its publication replaced. The same recipe with 2 trainers + 2 shards in sync mode publishes a
+chain that applies exactly too.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _assert_chain_equals_full(pub: Path, tmp: Path, days: list[str] = DAYS) -> d
     return want
 
 
-def test_three_days_warm_started_published_and_aged_out(data: Path, tmp_path: Path) -> None:
+def test_three_days_warm_started_published_and_aged_out(data: Path, tmp_path: Path, capsys) -> None:
     root = tmp_path / "daily"
     records = [_daily(root, data, d) for d in DAYS]
     assert records[0]["init_from"] is None and "delta" not in records[0]
@@ -111,6 +112,31 @@ def test_three_days_warm_started_published_and_aged_out(data: Path, tmp_path: Pa
     assert gone & set(tomb.tolist())
     # rollback: --keep 3 keeps all three full exports here
     assert all(Path(r["full"]).is_dir() for r in records)
+    _day_again(root, data, records, tmp_path, capsys)
+
+
+def _day_again(root: Path, data: Path, records: list[dict], tmp_path: Path, capsys) -> None:
+    """cron ran the last day twice: refused, nothing touched; --overwrite trains it again (the old run
+    moved aside) and replaces its publication; --resume continues it and publishes again; the chain of
+    deltas still equals the full export."""
+    before = (root / "published" / "published.json").read_text()
+    argv = ["daily", "--config", str(ROOT / "configs" / "daily.toml"), "--date", DAYS[2], "--root", str(root),
+            *_sets(data)]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "--resume" in err, err
+    assert (root / "published" / "published.json").read_text() == before
+    again = _daily(root, data, DAYS[2], flags=("--overwrite",))
+    log = json.loads((root / "published" / "published.json").read_text())
+    assert [e["date"] for e in log] == DAYS and log[-1] == again
+    assert again["run_id"] != records[2]["run_id"] and again["since"] == records[1]["step"]
+    assert [p.name for p in root.glob(f"{DAYS[2]}.old-*")]                      # the first run, moved aside
+    assert read_manifest(root / "published" / f"full-{DAYS[2]}")["run_id"] == again["run_id"]
+    resumed = _daily(root, data, DAYS[2], flags=("--resume",))
+    assert resumed["run_id"] == again["run_id"]
+    assert [e["date"] for e in json.loads((root / "published" / "published.json").read_text())] == DAYS
+    _assert_chain_equals_full(root / "published", tmp_path / "again")
 
 
 def test_three_days_with_two_trainers_and_two_shards_in_sync(data: Path, tmp_path: Path) -> None:
@@ -120,29 +146,3 @@ def test_three_days_with_two_trainers_and_two_shards_in_sync(data: Path, tmp_pat
     _assert_chain_equals_full(root / "published", tmp_path)
     m = json.loads((root / DAYS[2] / "metrics.json").read_text())
     assert "next_day" in m and m["next_day"]["auc"] > 0.6
-
-
-def test_a_day_again_is_refused_then_overwritten_or_resumed_and_republished(data: Path, tmp_path: Path,
-                                                                          capsys) -> None:
-    """cron ran a day twice: refused, nothing touched; --overwrite trains it again (the old run moved
-    aside) and replaces its publication; --resume continues it and publishes again; the chain holds."""
-    root = tmp_path / "daily"
-    first = [_daily(root, data, d) for d in DAYS[:2]]
-    before = (root / "published" / "published.json").read_text()
-    argv = ["daily", "--config", str(ROOT / "configs" / "daily.toml"), "--date", DAYS[1], "--root", str(root),
-            *_sets(data)]
-    capsys.readouterr()
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--overwrite" in err and "--resume" in err, err
-    assert (root / "published" / "published.json").read_text() == before
-    again = _daily(root, data, DAYS[1], flags=("--overwrite",))
-    log = json.loads((root / "published" / "published.json").read_text())
-    assert [e["date"] for e in log] == DAYS[:2] and log[-1] == again
-    assert again["run_id"] != first[1]["run_id"] and again["since"] == first[0]["step"]
-    assert [p.name for p in root.glob(f"{DAYS[1]}.old-*")]                      # the first run, moved aside
-    assert read_manifest(root / "published" / f"full-{DAYS[1]}")["run_id"] == again["run_id"]
-    resumed = _daily(root, data, DAYS[1], flags=("--resume",))
-    assert resumed["run_id"] == again["run_id"]
-    assert [e["date"] for e in json.loads((root / "published" / "published.json").read_text())] == DAYS[:2]
-    _assert_chain_equals_full(root / "published", tmp_path, DAYS[:2])
