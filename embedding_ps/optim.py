@@ -90,20 +90,16 @@ def apply_update(
     """
     if slots.numel() == 0:
         return
+    if cfg.weight_decay and cfg.weight_decay_mode == "l2":
+        grads = l2_grads(cfg, weights, slots, grads)
     if cfg.kernel == "fbgemm":
         from embedding_ps import kernels  # the only module that imports fbgemm_gpu
 
-        # around the op, the math below: L2 into the gradient, or the decoupled shrink of the touched
-        # rows before the op adds its update
-        if cfg.weight_decay and cfg.weight_decay_mode == "l2":
-            grads = l2_grads(cfg, weights, slots, grads)
-        elif cfg.weight_decay:
+        if cfg.weight_decay and cfg.weight_decay_mode != "l2":   # the decoupled shrink, before the op's update
             rows = weights.index_select(0, slots).float().mul_(decay_factor(cfg))
             weights.index_copy_(0, slots, rows.to(weights.dtype))
         kernels.fbgemm_update(cfg, weights, state, slots, grads)
         return
-    if cfg.weight_decay and cfg.weight_decay_mode == "l2":
-        grads = l2_grads(cfg, weights, slots, grads)
     if scratch is None:
         scratch = torch.empty_like(grads)
     _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)

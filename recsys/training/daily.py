@@ -102,7 +102,8 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
     preflight_train(cfg)
     metrics = launch_train(cfg, resume="latest" if resume else None, overwrite=overwrite)
     if "stopped" in metrics and metrics.get("stopped") == 1:
-        raise RuntimeError(f"daily {date}: the training was stopped; continue it with recsys train --resume latest")
+        raise RuntimeError(f"daily {date}: the training was stopped; continue it with recsys daily --date {date} "
+                           f"--resume")
 
     record: dict = {"date": date, "run_dir": str(run_dir), "init_from": init or None}
     trained = json.loads((run_dir / "metrics.json").read_text())

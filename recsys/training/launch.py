@@ -41,34 +41,19 @@ from pathlib import Path
 
 from recsys.config import JobConfig
 from recsys.training.checkpoint import InitSource
-from recsys.rundir import (run_path,
-                           READY_TIMEOUT_S, wait_for_shards)
-
+from recsys.rundir import READY_TIMEOUT_S, run_path, wait_for_shards
 # the job's life, shared with the Ray engine (also importable from here)
-from recsys.training.job import (PEER_LOST, JobFailure, StopNow, StopRequests, WorkerError,  # noqa: E402,F401
+from recsys.training.job import (PEER_LOST, JobFailure, StopNow, StopRequests, WorkerError,  # noqa: F401
                                  placements_of, prepared_run, read_worker_error, run_attempts, silent_ranks,
                                  with_run_id, write_processes, write_run_dir)
 
 logger = logging.getLogger(__name__)
 
 
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _die_with_parent() -> None:
@@ -83,8 +68,6 @@ def child_env(threads: int) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(threads)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts hang without it
     return env
-
-
 
 
 def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
@@ -132,8 +115,6 @@ def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
                                    f"see {run_dir / f'ps-{shard}.log'}")
             time.sleep(0.05)
     return procs, wait_for_shards(ready_files, 0.0)
-
-
 
 
 def shard_error(log: Path) -> str:
@@ -216,18 +197,6 @@ def check_devices(cfg: JobConfig) -> None:
                          f"<= {gpus}, or train.device = 'cpu')")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = False,
                  overwrite: bool | None = None) -> dict:
     """Run a whole training job locally; returns the final metrics (also in run_dir/metrics.json),
@@ -251,10 +220,6 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init), \
             StopRequests(run_dir) as stops:
         return run_attempts(cfg, config_path, run_dir, checkpoint, stops, verbose, _attempt, init=init)
-
-
-
-
 
 
 def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,

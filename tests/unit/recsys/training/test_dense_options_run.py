@@ -83,7 +83,6 @@ def test_export_of_a_batch_norm_model_scores_like_the_trained_model(tmp_path: Pa
     np.testing.assert_allclose(one, offline.numpy()[7:8], atol=1e-5, rtol=0)
 
 
-
 def test_scoring_keeps_the_short_last_batch_when_training_drops_it(tmp_path: Path, data_dir: Path) -> None:
     # norm = "batch" needs data.drop_last = true for training; validation, eval and test scoring still
     # score every row (1280 rows in the eval file, batches of 100: 12 full ones and one of 80)
