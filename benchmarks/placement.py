@@ -10,7 +10,7 @@ distinct ids a batch can touch), timed on one thread, median of --steps after 3 
   sum pooling from the [R, D] parameter, backward (a dense [R, D] gradient), `TableOptimizer.step`
   (every row), zero_grad. DDP's all-reduce of the gradient (R x D x 4 bytes a step, ~1 GB/s on
   gloo here) is not included: it adds with more than one trainer.
-- `ps`: the trainer's and the shard's work for the same batch: dedup (`native.unique_ids`), pull of
+- `ps`: the trainer's and the shard's work for the same batch: dedup (`native.unique`), pull of
   the distinct rows, pooling, backward, push (the shard's lazy update of the touched rows), on an
   in-process `LocalStore` (no transport: a launched shard adds the socket or shared-memory copy).
 
@@ -71,7 +71,7 @@ def time_ps(R: int, opt: str, args: argparse.Namespace) -> float:
     for _ in range(args.steps + 3):
         ids = torch.randint(0, R, (args.batch,), generator=g)
         t0 = time.perf_counter()
-        uniq, inverse, _ = native.unique_ids(ids, False)
+        uniq, inverse, _ = native.unique(ids, False)
         rows = store.pull(0, uniq).requires_grad_(True)
         _pool(rows, inverse).sum().backward()
         store.push(0, uniq, rows.grad)

@@ -407,14 +407,14 @@ def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list
 
 def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
-    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]) by `native.unique_ids`:
+    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]) by `native.unique`:
     inverse None when `ids` [N] already are distinct (what the sparse arch sends) and come back in
     their own order (always with the C pass), which keeps the caller's order; the occurrences are
     `counts` then (None when not given)."""
     given = None if counts is None else counts.to("cpu", torch.int64)
     if ids.numel() < 2:
         return ids, None, None if given is None else given.numpy()
-    u, inv, c = native.unique_ids(ids, counts=True)
+    u, inv, c = native.unique(ids, counts=True)
     if u.numel() == ids.numel() and torch.equal(u, ids):
         return ids, None, None if given is None else given.numpy()
     if given is not None:   # occurrences of the given ids summed per distinct id

@@ -134,7 +134,7 @@ class PSClient:
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
             return combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
         reqs, segs, fallbacks, words = [], {}, {}, []
-        notify = self.notify and native.lib() is not None
+        notify = self.notify and native.available()
         for shard, parts in shards.items():
             m = sum(c.numel() for _, c in parts)
             rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
@@ -198,9 +198,9 @@ class PSClient:
                             lambda _: None)
         grad_parts = many.by_shard(many.to_sent(grads)) if many is not None else plans_by_shard(list(zip(plans, sent)))
         reqs, segs, fallbacks, words = [], {}, {}, []
-        lib = native.lib()
-        late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and lib is not None else None
-        notify = self.notify and lib is not None
+        fast = native.available()         # late grads and done words wait on C's futexes
+        late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and fast else None
+        notify = self.notify and fast
         for shard, parts in shards.items():
             g = [c for _, c in grad_parts[shard]]
             m = sum(c.shape[0] for c in g)

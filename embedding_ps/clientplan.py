@@ -67,9 +67,9 @@ def plan_ids(config: PSConfig, dedup: bool, table: int, ids: torch.Tensor) -> Pl
 
 def dedup_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids) by
-    `native.unique_ids`; inverse None when the ids are distinct already and come back in their own
+    `native.unique`; inverse None when the ids are distinct already and come back in their own
     order (then `ids` itself comes back): always with the C pass, which keeps first appearances."""
-    uniq, inverse, _ = native.unique_ids(ids)
+    uniq, inverse, _ = native.unique(ids)
     return (ids, None) if uniq.numel() == ids.numel() and torch.equal(uniq, ids) else (uniq, inverse)
 
 

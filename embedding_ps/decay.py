@@ -12,7 +12,7 @@ step s: s - 1, as step s's own decay comes with step s's push). A row k steps be
 f^k (f rounded to float32 first, as the eager fp32 loop multiplies by it):
 
     pull of step s     rows returned scaled through s - 1 (a copy: a pull writes nothing), in
-                       the C gather's pass (`native.gather` with decay steps) or `pulled`
+                       one pass of `native.gather` with decay steps
     push of step s     the touched rows are caught up through s in place, then updated without
                        decay: in the C update's pass (`native.update`, wd_mode "global"), or by
                        `touch` before the torch / fbgemm update (`TableShard.ucfg`: wd = 0)
@@ -125,18 +125,6 @@ class GlobalDecay:
         target = self.clock if step is None else step - 1
         self.clock = max(self.clock, target)
         return target
-
-    def pulled(self, dstep: torch.Tensor, snp: np.ndarray, out: torch.Tensor, target: int) -> None:
-        """Scale pulled rows out float32 [N, D] (slots snp int32 [N], -1: no row) through `target`;
-        nothing is written back (the torch reference of `native.gather` with decay steps)."""
-        k = target - dstep.numpy()[np.maximum(snp, 0)].astype(np.int64)       # [N]
-        k[snp < 0] = 0
-        late = np.flatnonzero(k > 0)
-        if late.shape[0] == k.shape[0]:
-            out.mul_(self.scales(k).unsqueeze(1))
-        elif late.shape[0]:
-            i = torch.from_numpy(late)
-            out.index_copy_(0, i, out.index_select(0, i).mul_(self.scales(k[late]).unsqueeze(1)))
 
     def caught_up(self, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """Scale copies rows float32 [R, D] with decay steps int32 [R] through the clock, in place;

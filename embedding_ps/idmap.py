@@ -18,9 +18,9 @@ scatter-then-verify: all candidates write their key (the last write wins), read 
 the losers probe on. The map grows (rehashes into twice the buckets) when live entries plus
 tombstones pass `max_load`, and rehashes in place when tombstones crowd it.
 
-With the native library (`native.py`, `_native.c`) lookups, deletes' probes and inserts run
-one key at a time in C on the same arrays (inserts then simply take the first free bucket of
-the chain, in order); `EMBEDDING_PS_NATIVE=0` keeps the numpy rounds, which stay the reference.
+Probes and inserts are `native.map_find` / `native.map_place`: one key at a time in C on the same
+arrays (inserts then simply take the first free bucket of the chain, in order), or the numpy
+rounds above (`embedding_ps.reference`) where the library does not load.
 
 `BoundedCounter` (at the end) counts sightings of ids that are not admitted yet, with a hard
 bound on how many ids it remembers.
@@ -31,22 +31,10 @@ from __future__ import annotations
 import numpy as np
 
 from embedding_ps import native
-from embedding_ps.sharding import GOLDEN, splitmix64_np
+from embedding_ps.reference import EMPTY, TOMBSTONE
 
-EMPTY = -1
-TOMBSTONE = -2
 MAX_LOAD = 0.95
 """Highest `max_load` an IdMap accepts (linear probing's chains grow like 1 / (1 - load)**2 past it)."""
-_GOLDEN = np.uint64(GOLDEN)
-
-
-def _home(keys: np.ndarray, buckets: int) -> np.ndarray:
-    """int64 [N] -> int64 [N] in [0, buckets): the first bucket probed for each key (buckets < 2**32)."""
-    z = splitmix64_np(keys.view(np.uint64) + _GOLDEN, copy=False)     # the sum is a new array
-    z >>= np.uint64(32)
-    z *= np.uint64(buckets)                                           # < 2**64: no overflow
-    z >>= np.uint64(32)
-    return z.view(np.int64)
 
 
 class IdMap:
@@ -83,11 +71,7 @@ class IdMap:
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """int64 [N] -> int32 [N]: the value of each key, -1 where absent. Duplicates are fine."""
-        lib = native.lib()
-        if lib is not None:
-            return native.map_find(lib, self._keys, self._vals, np.ascontiguousarray(keys, dtype=np.int64), "val",
-                                   self.threads)
-        return self._find(np.ascontiguousarray(keys, dtype=np.int64), want="val").astype(np.int32, copy=False)
+        return native.map_find(self._keys, self._vals, np.ascontiguousarray(keys, dtype=np.int64), "val", self.threads)
 
     def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
         """Insert keys int64 [N] -> vals int32 [N] (>= 0).
@@ -169,59 +153,11 @@ class IdMap:
 
     def _find(self, keys: np.ndarray, want: str = "pos") -> np.ndarray:
         """int64 [N] -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1 where absent."""
-        lib = native.lib()
-        if lib is not None:
-            return native.map_find(lib, self._keys, self._vals, keys, want, self.threads)
-        nb = self.num_buckets
-        kv, vv = self._keys, self._vals
-        pos = _home(keys, nb)
-        v = vv[pos]
-        hit = kv[pos] == keys
-        hit &= v >= 0
-        out = np.where(hit, pos if want == "pos" else v, -1)
-        idx = np.flatnonzero((v != EMPTY) ^ hit)  # still searching: occupied by another key, or tombstone
-        p = pos[idx]
-        k = keys[idx]
-        while idx.shape[0]:  # later rounds carry (idx, bucket, key) compressed, sequential reads only
-            p += 1
-            p[p == nb] = 0
-            v = vv[p]
-            hit = kv[p] == k
-            hit &= v >= 0
-            out[idx[hit]] = p[hit] if want == "pos" else v[hit]
-            keep = (v != EMPTY) ^ hit
-            idx, p, k = idx[keep], p[keep], k[keep]
-        return out
+        return native.map_find(self._keys, self._vals, keys, want, self.threads)
 
     def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
-        """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE), scatter-then-verify."""
-        lib = native.lib()
-        if lib is not None:
-            self._tombs -= native.map_place(lib, self._keys, self._vals, keys, vals)
-            return
-        nb = self.num_buckets
-        kv, vv = self._keys, self._vals
-        pos = _home(keys, nb)
-        idx = None  # None: all keys (round one, without an arange)
-        while idx is None or idx.shape[0]:
-            p = pos if idx is None else pos[idx]
-            k = keys if idx is None else keys[idx]
-            v = vv[p]
-            free = np.flatnonzero(v < 0)
-            fp = p[free]
-            fk = k[free]
-            kv[fp] = fk  # several keys on one free bucket: the last write wins ...
-            won = kv[fp] == fk  # ... and only that key reads itself back
-            wi = free[won]
-            if self._tombs:
-                self._tombs -= int(np.count_nonzero(v[wi] == TOMBSTONE))
-            vv[p[wi]] = vals[wi] if idx is None else vals[idx[wi]]
-            left = np.ones(p.shape[0], dtype=bool)
-            left[wi] = False
-            idx = np.flatnonzero(left) if idx is None else idx[left]
-            nxt = pos[idx] + 1
-            nxt[nxt == nb] = 0
-            pos[idx] = nxt
+        """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE)."""
+        self._tombs -= native.map_place(self._keys, self._vals, keys, vals)
 
 
 class BoundedCounter:

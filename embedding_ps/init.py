@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from embedding_ps import native
-from embedding_ps.sharding import splitmix64_np, splitmix64_reference
+from embedding_ps.reference import seed_mix
+from embedding_ps.sharding import splitmix64_reference
 
 
 def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) -> torch.Tensor:
@@ -37,45 +38,9 @@ def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) 
 
 
 def _symmetric_bits(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
-    """int64 [N] -> float32 [N, D] in (-1, 1), per the module docstring: one C pass when the native
-    library loads (a shard initialises every new id's row, on its pull and again when admitted on its
-    push; the numpy passes below cost several times more: BENCHMARKS.md, section "The shard's
-    first-epoch and sync-mode work in C"), else numpy."""
-    lib = native.lib()
-    if lib is not None:
-        return native.init_bits(lib, np.ascontiguousarray(keys, dtype=np.int64), dim, seed_mix(seed))
-    return _symmetric_bits_np(keys, dim, seed)
-
-
-def seed_mix(seed: int) -> int:
-    """splitmix64(uint64(seed)): what every key of a table with this seed is xor-ed with."""
-    return int(splitmix64_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
-
-
-def _symmetric_bits_np(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
-    """The numpy reference of `_symmetric_bits` (and its path without the native library)."""
-    stream = splitmix64_np(keys.view(np.uint64) ^ np.uint64(seed_mix(seed)))  # uint64 [N]
-    a = stream.astype(np.uint32)  # low 32 bits
-    b = (stream >> np.uint64(32)).astype(np.uint32)
-    steps = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0x9E3779B9)).astype(np.uint32)  # [D]
-    x = np.add(a[:, None], steps[None, :])  # uint32 [N, D], wraps
-    x ^= b[:, None]
-    t = np.empty_like(x)
-    np.right_shift(x, np.uint32(16), out=t)
-    x ^= t
-    x *= np.uint32(0x85EBCA6B)
-    np.right_shift(x, np.uint32(13), out=t)
-    x ^= t
-    x *= np.uint32(0xC2B2AE35)
-    np.right_shift(x, np.uint32(16), out=t)
-    x ^= t
-    x >>= np.uint32(8)
-    x <<= np.uint32(1)
-    v = x.view(np.int32)
-    v -= np.int32((1 << 24) - 1)  # odd integers in (-2**24, 2**24): exact in float32
-    out = v.astype(np.float32)
-    out *= np.float32(2.0**-24)
-    return out
+    """int64 [N] -> float32 [N, D] in (-1, 1), per the module docstring (`native.init_bits`: a
+    shard initialises every new id's row, on its pull and again when admitted on its push)."""
+    return native.init_bits(keys, dim, seed_mix(seed))
 
 
 def init_row_reference(key: int, dim: int, seed: int, init: str, scale: float) -> list[float]:

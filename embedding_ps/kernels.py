@@ -2,7 +2,7 @@
 
 Kernels (`TableConfig.kernel`):
 
-    native   (default) the shard's own update: `_native.c`'s ps_update (sgd, adagrad, rowwise_adagrad)
+    native   (default) the shard's own update: `csrc/ps.c`'s ps_update (sgd, adagrad, rowwise_adagrad)
              when the C library is loaded, else the vectorized torch of `optim.py` (always for adam, ftrl)
     fbgemm   fbgemm's fused CPU TBE backward (sgd, adagrad, rowwise_adagrad), `fbgemm_update` below,
              only when a table asks for it

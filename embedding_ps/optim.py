@@ -35,10 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from embedding_ps import native
 from embedding_ps.config import TableConfig
 
 
@@ -115,38 +113,6 @@ def decay_factor(cfg: TableConfig) -> float:
     if cfg.weight_decay and cfg.weight_decay_mode == "decoupled":
         return 1.0 - cfg.lr * cfg.weight_decay
     return 1.0
-
-
-def native_update(
-    cfg: TableConfig,
-    weights: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    slots: np.ndarray,
-    grads: torch.Tensor,
-    meta: torch.Tensor | None = None,
-    step: int = 0,
-    threads: int = 1,
-    decay_steps: torch.Tensor | None = None,
-) -> bool:
-    """`apply_update` in C (`_native.c` ps_update), one pass per row, if it applies; returns whether it ran.
-
-    slots int32 [U] (unique), grads float32 [U, D]; with `meta` (int64 [C], count << 32 |
-    last_seen) also the row counters as `TableShard.push` updates them; `threads` C threads split
-    the rows (unique, so each row has one owner). Runs for the
-    native kernel's sgd / adagrad / rowwise_adagrad on fp32 or fp16 rows when the native library is
-    loaded; False otherwise (adam, ftrl, kernel="fbgemm", EMBEDDING_PS_NATIVE=0, no compiler).
-    Global weight decay: `decay_steps` (int32 [C], `TableShard.decay_step`) are caught up in the same
-    pass (`GlobalDecay.touch`'s math).
-    """
-    if cfg.kernel == "fbgemm" or cfg.optimizer not in native.OPTIMIZERS:
-        return False
-    lib = native.lib()
-    if lib is None:
-        return False
-    st = state.get("sum_sq")
-    native.update(lib, cfg.optimizer, weights, st, slots, grads, cfg.lr, cfg.eps, meta, step,
-                  cfg.weight_decay, cfg.weight_decay_mode, threads, decay_steps=decay_steps)
-    return True
 
 
 def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, decay: float = 1.0) -> None:

@@ -13,7 +13,6 @@ Both run before any row changes, so a refused push applies nothing (`embedding_p
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -45,16 +44,10 @@ def wait_late(request: int, trailer: np.ndarray, timeout_s: float,
         raise P.ProtocolError(f"PUSH with late grads: request id {request} out of range", P.Status.BAD_VALUE)
     wait = min(timeout_s, GRADS_WAIT_S)
     deadline = time.monotonic() + wait
-    lib = native.lib()
     while True:
         left = deadline - time.monotonic()
         slice_s = max(0.0, min(left, WRITER_CHECK_S if alive is not None else left))
-        if lib is not None:
-            got = native.wait_flag(lib, trailer[0:1], request, slice_s)
-        else:     # numpy reads: ordered after the client's release store on x86 (TSO)
-            end = time.monotonic() + slice_s
-            while (got := int(trailer[0])) not in (request, -request) and time.monotonic() < end:
-                os.sched_yield()
+        got = native.wait_flag(trailer[0:1], request, slice_s)
         if got in (request, -request) or left <= slice_s:
             break
         if alive is not None and not alive():

@@ -429,11 +429,7 @@ def _seg_bytes(h: P.Header, rows_bytes: int, m: int, ids_in_seg: bool) -> int:
 
 def _notify(word: np.ndarray) -> None:
     """Tell the client waiting on done word int32 [1] that its request was served (protocol.FLAG_NOTIFY)."""
-    lib = native.lib()
-    if lib is not None:
-        native.notify(lib, word, DONE_OK)
-    else:               # no futex wake: the client wakes on the reply
-        word[0] = DONE_OK
+    native.notify(word, DONE_OK)
 
 
 def _buf(frame: Any) -> memoryview:

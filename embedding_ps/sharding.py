@@ -36,7 +36,7 @@ GOLDEN = 0x9E3779B97F4A7C15
 
 def splitmix64_np(keys: np.ndarray, *, copy: bool = True) -> np.ndarray:
     """uint64 [N] -> uint64 [N]: the SplitMix64 finalizer (the one Python copy in embedding_ps;
-    `_native.c` has the C one, pinned by tests/unit/test_splitmix64.py). `keys` may be int64 or
+    `csrc/native.h` has the C one, pinned by tests/unit/test_splitmix64.py). `keys` may be int64 or
     uint64 and is not modified, unless `copy=False` and it is a uint64 array: then it is mixed in place."""
     if keys.dtype != np.uint64:
         z = np.array(keys, dtype=np.int64, copy=True).view(np.uint64)

@@ -357,24 +357,23 @@ class LateGrads:
         copy did not happen (an exception: the shard applies nothing and answers an error).
         wake_fd: written to by the first copy's C call (the I/O thread's wake-up); `wake()` is called
         instead if no copy got to do it."""
-        lib = native.lib()
         published = 0
         try:
             for request, grads, dst, trailer in self.items:
                 finite, start = True, 0
                 for g in grads:
-                    finite &= native.copy_finite(lib, g.contiguous(), dst[start:start + g.shape[0]], wake_fd)
+                    finite &= native.copy_finite(g.contiguous(), dst[start:start + g.shape[0]], wake_fd)
                     wake_fd, wake = -1, None
                     start += g.shape[0]
                 trailer[1] = int(finite)
-                native.publish(lib, trailer[0:1], request)
+                native.publish(trailer[0:1], request)
                 published += 1
             self.ok = True
         finally:
             if wake is not None:
                 wake()
             for request, _, _, trailer in self.items[published:]:
-                native.publish(lib, trailer[0:1], -request)
+                native.publish(trailer[0:1], -request)
             self.done.set()
 
     def wait(self, timeout_s: float) -> bool:
@@ -394,13 +393,12 @@ class NotifiedFuture(Future):
         self.add_done_callback(_wake)      # a function, not a bound method: no cycle through self
 
     def result(self, timeout: float | None = None):
-        lib = native.lib()
         words, fast = self.words, self.fast     # _wake lets go of them once the reply is in
-        if lib is not None and fast is not None and not self.done():
+        if fast is not None and not self.done():
             deadline = None if timeout is None else time.monotonic() + timeout
             for word in words:
                 left = 1e9 if deadline is None else deadline - time.monotonic()
-                if native.wait_word(lib, word, left) != DONE_OK:
+                if native.wait_word(word, left) != DONE_OK:
                     break
             else:
                 out = fast()
@@ -414,10 +412,9 @@ class NotifiedFuture(Future):
 
 def _wake(fut: NotifiedFuture) -> None:
     """The reply is in: wake a caller still waiting on the done words, and let go of the segments."""
-    lib = native.lib()
     for word in fut.words:
-        if lib is not None and word[0] == 0:
-            native.notify(lib, word, DONE_REPLY)
+        if word[0] == 0:
+            native.notify(word, DONE_REPLY)
     fut.words, fut.fast, fut.on_fast = [], None, None
 
 

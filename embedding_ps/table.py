@@ -46,7 +46,7 @@ from embedding_ps.config import TableConfig
 from embedding_ps.decay import CaughtUpRows, GlobalDecay, is_global
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
-from embedding_ps.optim import apply_update, fill_value, native_update, state_specs
+from embedding_ps.optim import apply_update, fill_value, state_specs
 from embedding_ps.sharding import splitmix64_np
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class TableShard:
         self.num_shards = num_shards  # the capacity hint is split over this many shards
         # the kernel resolved once, to "native" or "fbgemm": all the push path sees
         first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
-        self.cfg, why = kernels.resolve(cfg, native.lib() is not None)
+        self.cfg, why = kernels.resolve(cfg, native.available())
         if first:      # the default, native, at debug level: a job or an eval with many tables logs one line each
             logger.log(logging.INFO if self.cfg.kernel == "fbgemm" else logging.DEBUG, "%s: update kernel %s",
                        self.where, why)
@@ -130,22 +130,10 @@ class TableShard:
         target = self.decay.pull_target(step) if self.decay is not None else None
         if out is None:
             out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
-        lib = native.lib()
-        if lib is not None:  # one C pass copies (widens fp16, catches up global decay) the rows that exist
-            decay = (self.decay_step, target, self.decay.factor) if target is not None else (None, 0, 1.0)
-            if native.gather(lib, self.weights, snp, out, self.threads, *decay) != 0:
-                self._fill_missing(keys, torch.from_numpy(snp < 0), out)
-            return out
-        slots = torch.from_numpy(snp)
-        hit = slots >= 0
-        if bool(hit.all()):
-            out.copy_(self.weights.index_select(0, slots))
-        else:
-            if bool(hit.any()):
-                out[hit] = self.weights.index_select(0, slots[hit]).float()
-            self._fill_missing(keys, ~hit, out)
-        if target is not None:
-            self.decay.pulled(self.decay_step, snp, out, target)
+        # one pass copies (widens fp16, catches up global decay) the rows that exist
+        decay = (self.decay_step, target, self.decay.factor) if target is not None else (None, 0, 1.0)
+        if native.gather(self.weights, snp, out, self.threads, *decay) != 0:
+            self._fill_missing(keys, torch.from_numpy(snp < 0), out)
         return out
 
     def _fill_missing(self, keys: torch.Tensor, miss: torch.Tensor, out: torch.Tensor) -> None:
@@ -173,35 +161,30 @@ class TableShard:
                 if n_ok == 0:
                     return
                 slots, grads = slots[ok], grads[torch.from_numpy(ok)]
-        if not self._push_native(slots, grads, step):  # C: global decay's catch-up in the same pass
+        slots, grads = self._merged(slots, grads)
+        cfg = self.cfg
+        # C, if it runs this optimizer: the update, the counters and global decay's catch-up in one pass per row
+        if cfg.kernel == "fbgemm" or not native.update(
+                cfg.optimizer, self.weights, self.state.get("sum_sq"), slots, grads, cfg.lr, cfg.eps, self.meta, step,
+                cfg.weight_decay, cfg.weight_decay_mode, self.threads, decay_steps=self.decay_step):
             if self.decay is not None:  # every row decays every step: catch these up through `step` first
                 self.decay.touch(self.weights, self.decay_step, slots, step)
-            self._push_torch(slots, grads, step)
+            self._push_torch(torch.from_numpy(slots).long(), grads, step)
         if self.cfg.max_rows and len(self.map) > self.cfg.max_rows:
             self._evict_lfu(len(self.map) - self.cfg.max_rows, step)
 
-    def _push_native(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> bool:
-        """The optimizer update and counters of existing rows `slots` int32 [N] in C, if it applies.
-
-        Duplicates are detected with a bitmap over the slots (no sort) and summed in one C pass
-        (`native.merge_rows`) exactly as `_sum_duplicates` does (index_add_ in arrival order), then
-        `optim.native_update` runs the update and the counters in one pass per row.
-        """
-        cfg = self.cfg
-        if cfg.kernel == "fbgemm" or cfg.optimizer not in native.OPTIMIZERS:
-            return False
-        lib = native.lib()
-        if lib is None:
-            return False
+    def _merged(self, slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """Each of slots int32 [N] once, its grads [N, D] summed in arrival order (`native.merge_rows`);
+        duplicates (e.g. sync mode: the step's pushes of all trainers) are found with a bitmap over
+        the slots, kept all zero between calls (`native.has_duplicates`)."""
         if self._dupbits.shape[0] * 8 < self.cap:
             self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
-        if native.has_duplicates(lib, slots, self._dupbits):   # e.g. sync mode: the step's pushes of all trainers
-            slots, grads = native.merge_rows(lib, slots, grads.contiguous())
-        return native_update(cfg, self.weights, self.state, slots, grads, self.meta, step, self.threads,
-                             self.decay_step)
+        if native.has_duplicates(slots, self._dupbits):
+            return native.merge_rows(slots, grads.contiguous())
+        return slots, grads
 
-    def _push_torch(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> None:
-        u, g = _sum_duplicates(slots, grads)
+    def _push_torch(self, u: torch.Tensor, g: torch.Tensor, step: int) -> None:
+        """`optim.apply_update` of unique slots u int64 [U] and the row counters (adam, ftrl, fbgemm)."""
         if self._scratch.numel() < g.numel():
             scratch = torch.empty(g.numel())
             if g.numel() <= _MAX_SCRATCH:  # keep it for the next push unless it is huge
@@ -515,30 +498,6 @@ def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, in
         return []
     cut = np.flatnonzero(np.diff(steps)) + 1
     return [(k, int(s[0])) for k, s in zip(np.split(keys, cut), np.split(steps, cut))]
-
-
-def _sum_duplicates(slots: np.ndarray, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """slots int32 [N], grads [N, D] -> (unique slots int64 [U], summed grads [U, D]).
-
-    Without duplicates (the usual request: the trainer sends unique ids) nothing is copied:
-    one int32 sort detects them (numpy's vectorized sort, faster than torch.sort here: BENCHMARKS.md,
-    "Figures moved here from the code").
-    With duplicates the sums run in arrival order (index_add_).
-    """
-    srt = np.sort(slots)
-    if srt.shape[0] < 2 or not (srt[1:] == srt[:-1]).any():
-        return torch.from_numpy(slots).long(), grads
-    uniq, summed = _merge_duplicates(slots, grads)
-    return torch.from_numpy(uniq).long(), summed
-
-
-def _merge_duplicates(slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """slots int32 [N] with duplicates, grads [N, D] -> (sorted unique slots int32 [U], grads summed in arrival
-    order)."""
-    uniq, inv = np.unique(slots, return_inverse=True)
-    summed = torch.zeros(uniq.shape[0], grads.shape[1], dtype=torch.float32)
-    summed.index_add_(0, torch.from_numpy(inv.astype(np.int64, copy=False).reshape(-1)), grads)
-    return uniq, summed
 
 
 def admission_coin(keys: np.ndarray, step: int, key: int) -> np.ndarray:

@@ -216,22 +216,7 @@ def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
         if weights is not None:
             weights = weights.view(F_, B).t().reshape(-1)
         return out, em_offsets, lengths, weights
-    lib = native.lib()
-    if (lib is not None and indices.device.type == "cpu" and indices.dtype == lengths.dtype == torch.int64
-            and (weights is None or weights.dtype == torch.float32)):
-        # one C pass, the same values: 26 features x 4096 bags of 0-2 ids, 0.85 against 1.9 ms on
-        # one thread (BENCHMARKS.md, "The trainer's dedup in one hash pass")
-        return native.to_example_major(lib, indices.contiguous(), lengths.contiguous(), B,
-                                       None if weights is None else weights.contiguous())
-    em_lengths = lengths.view(F_, B).t().reshape(-1)                        # [B * F]
-    em_offsets = torch.cumsum(em_lengths, 0) - em_lengths                  # [B * F]
-    fm_offsets = torch.cumsum(lengths, 0) - lengths                        # [F * B]
-    shift = em_offsets.view(B, F_).t().reshape(-1) - fm_offsets            # [F * B]: new start - old start
-    dest = torch.arange(N) + torch.repeat_interleave(shift, lengths, output_size=N)   # [N]
-    out = torch.empty_like(indices).index_copy_(0, dest, indices)
-    if weights is not None:
-        weights = torch.empty_like(weights).index_copy_(0, dest, weights)
-    return out, em_offsets, em_lengths, weights
+    return native.to_example_major(indices, lengths, B, weights)
 
 
 class _SumPool(torch.autograd.Function):
@@ -339,7 +324,7 @@ class SparseArch:
                 # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
                 # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
                 # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
-                uniq, inverse, counts = native.unique_ids(values, look.counts is not None)   # [U], [N_t], [U] | None
+                uniq, inverse, counts = native.unique(values, look.counts is not None)   # [U], [N_t], [U] | None
             if look.counts is not None:
                 look.counts.append(counts)
             if batch.weights is not None:

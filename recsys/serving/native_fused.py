@@ -1,4 +1,4 @@
-"""NativePooling: FusedPooling's results from one call of a C kernel (`_pool.c`), no reorder copies.
+"""NativePooling: FusedPooling's results from one call of a C kernel (`embedding_ps/csrc/pool.c`), no reorder copies.
 
     pooling = make_pooling(plans, tables, precision)   # NativePooling, or FusedPooling without a compiler
     pooled, linear = pooling.pool(batch)                # [B, F, D], [B, F_lin] | None
@@ -23,7 +23,7 @@ planning this class inherits):
    Default rows: fp32 / fp16 sum them in id order among the bag's rows (as `F.embedding_bag`
    over FusedPooling's scratch rows); int8 / int4 sum them (weighted) apart and add that to the
    bag (as FusedPooling adds them after fbgemm's TBE). Same float formulas as embedding_bag /
-   fbgemm (see `_pool.c`), so the results are bit-equal to FusedPooling's
+   fbgemm (see `embedding_ps/csrc/pool.c`), so the results are bit-equal to FusedPooling's
    (tests/unit/recsys/serving/test_fused.py, test_native_half.py).
    When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
    are looked up before it is pooled, their hash buckets prefetched while the block before is
@@ -106,7 +106,7 @@ class NativePooling(FusedPooling):
         else:
             self._build_matrices(slots, tables)          # FusedPooling's float32 matrices (+ zero, scratch rows)
         self._build_maps(slots, tables)
-        # -- slot descriptors (see _pool.c) --------------------------------------------------------
+        # -- slot descriptors (see embedding_ps/csrc/pool.c) --------------------------------------------------------
         desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
         for s, (p, _) in enumerate(slots):
             desc[s, 0], desc[s, 1] = self.map_at[p.table]

@@ -1,47 +1,22 @@
-"""Loader of the native serving kernel (`_pool.c`), compiled on first use and called with ctypes.
-
-Compiled and cached like `embedding_ps.native` (same compiler search and cache directories,
-imported from there; `embedding_ps.native.set_cache_dir` applies here too), under its own name:
-`_pool-<hash of source, flags, machine>.so`, written atomically. No compiler or a failed build:
-one warning is logged and `lib()` returns None; `fused.make_pooling` then keeps `FusedPooling`.
-`set_enabled(False)` forces that fallback (tests use it; `EMBEDDING_PS_NATIVE=0`, through
-`embedding_ps.native.set_enabled(False)`, turns this off too).
-
-Wrappers here check dtypes, contiguity and sizes before passing raw pointers.
+"""The serving kernel's wrappers (`embedding_ps/csrc/pool.c`, part of the one native library that
+`embedding_ps.native` builds, caches and loads): each checks dtypes, contiguity and sizes, then
+calls the C with raw pointers. The kernel has no per-operation torch twin: `fused.FusedPooling` is
+its reference as a whole, and `native_fused.make_pooling` chooses between the two once, when a
+predictor is built (FusedPooling where the library does not load or the layout is unsupported).
+`set_enabled(False)` forces that choice here (tests use it); `EMBEDDING_PS_NATIVE=0`, through
+`embedding_ps.native.set_enabled(False)`, turns the kernel off too.
 """
 
 from __future__ import annotations
-
-import ctypes
-import logging
-import threading
-from pathlib import Path
 
 import torch
 
 from embedding_ps import native as ps_native
 
-logger = logging.getLogger(__name__)
-
-_SRC = Path(__file__).with_name("_pool.c")
-_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_LIBS = ("-lm",)
-_ABI = 5
-SLOT_FIELDS = 16            # columns of the slot descriptor (see _pool.c)
+SLOT_FIELDS = 16            # columns of the slot descriptor (see pool.c)
 MAX_DIM = 1024             # widest row the kernel pools (SV_DMAX)
 
-_lock = threading.Lock()
-_state: dict = {"loaded": False, "lib": None, "enabled": True}
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_SIGS = {
-    "sv_abi_version": ([], ctypes.c_int),
-    "sv_map_build": ([_P, _I64, _P, _I64], _I64),
-    "sv_lookup": ([_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int], _I64),
-    "sv_misses": ([_P, _P, _I64, _P, _P], _I64),
-    "sv_pool": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
-}
+_state: dict = {"enabled": True}
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -52,30 +27,14 @@ def set_enabled(enabled: bool) -> bool:
 
 
 def lib():
-    """The loaded ctypes library, or None (disabled here or in embedding_ps.native, no compiler, failed build)."""
-    if not _state["enabled"] or not ps_native._state["enabled"]:
-        return None
-    if not _state["loaded"]:
-        with _lock:
-            if not _state["loaded"]:
-                _state["lib"] = _load()
-                _state["loaded"] = True
-    return _state["lib"]
+    """The native library, or None (disabled here or in embedding_ps.native, no compiler, failed build)."""
+    return ps_native.lib() if _state["enabled"] else None
 
 
 def build(extra_flags: tuple[str, ...] = ()):
-    """Compile (cached) and load the kernel, with `extra_flags` added to the compiler's, e.g.
-    ("-DSV_PORTABLE",): the build without the AVX2 / F16C path, as on a CPU other than x86 (tests
-    compare the two). Raises on any failure; `lib()` is the process's build."""
-    return ps_native.load_library(_SRC, "_pool", _FLAGS + tuple(extra_flags), _SIGS, "sv_abi_version", _ABI, _LIBS)
-
-
-def _load():
-    try:
-        return build()
-    except Exception as e:  # noqa: BLE001 - any failure means: keep FusedPooling
-        logger.warning("recsys.serving: native pooling kernel unavailable, using FusedPooling (%s)", e)
-        return None
+    """The library built with `extra_flags` added (`embedding_ps.native.build`), e.g. ("-DSV_PORTABLE",):
+    the kernel without its AVX2 / F16C path, as on a CPU other than x86 (tests compare the two)."""
+    return ps_native.build(tuple(extra_flags))
 
 
 # ---------------------------------------------------------------------------- checked wrappers

@@ -3,7 +3,7 @@
 data/ and embedding_ps/ may not import each other, so each keeps one Python copy
 (`data.hashing.splitmix64_finalize`: the string-id hash and the synthetic ids;
 `embedding_ps.sharding.splitmix64_np`: shards, hashed rows, row init, admission, the id map), and
-`embedding_ps/_native.c` has the C one (the id map's probe start). All three must agree.
+`embedding_ps/csrc/ps.c` has the C one (the id map's probe start). All three must agree.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from data.hashing import GOLDEN as DATA_GOLDEN
 from data.hashing import splitmix64_finalize
 from data.synthetic import splitmix64 as splitmix64_next
 from embedding_ps import native
-from embedding_ps.idmap import EMPTY, _home
+from embedding_ps.idmap import EMPTY
+from embedding_ps.reference import home as _home
 from embedding_ps.sharding import GOLDEN, splitmix64_np, splitmix64_reference
 
 # SplitMix64 seeded with 0 outputs finalizer(k * GOLDEN): e220a8397b1dcdaf, 6e789e6aa1b965f4, ...
@@ -43,13 +44,13 @@ def test_both_python_copies_agree_everywhere() -> None:
 @pytest.mark.skipif(not native.available(), reason="native library off or unavailable (no C compiler?)")
 @pytest.mark.parametrize("key", [0, 1, -3, 2**63 - 1, -(2**63), 0x0123456789ABCDEF])   # -1, -2: EMPTY, TOMBSTONE
 def test_the_c_copy_agrees(key: int) -> None:
-    """`_native.c` ps_home(key) = splitmix64(key + GOLDEN) >> (64 - bits) for 2**bits buckets: one
+    """`csrc/ps.c` ps_home(key) = splitmix64(key + GOLDEN) >> (64 - bits) for 2**bits buckets: one
     key placed into an empty map lands in its home bucket."""
     bits = 16
     kv = np.full(1 << bits, EMPTY, dtype=np.int64)
     vv = np.full(1 << bits, -1, dtype=np.int32)
     keys = np.array([key], dtype=np.int64)
-    native.map_place(native.lib(), kv, vv, keys, np.array([0], dtype=np.int32))
+    native.map_place(kv, vv, keys, np.array([0], dtype=np.int32))
     (pos,) = np.flatnonzero(kv == key)
     with np.errstate(over="ignore"):
         want = int(splitmix64_np(np.array([key], dtype=np.int64).view(np.uint64) + np.uint64(GOLDEN))[0] >> (64 - bits))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import native
+from embedding_ps import native, reference
 from embedding_ps import protocol as P
 from embedding_ps.config import PSConfig, TableConfig
 from embedding_ps.decay import GlobalDecay
@@ -130,7 +130,7 @@ def test_without_the_catch_up_the_eager_check_fails(monkeypatch) -> None:
     """The check above sees the catch-up: with it turned off (torch path), untouched rows stay behind."""
     cfg = table("sgd", "torch")
     g = torch.Generator().manual_seed(3)
-    monkeypatch.setattr(GlobalDecay, "pulled", lambda self, *a: None)
+    monkeypatch.setattr(reference, "decay_scales", lambda decay, k: torch.ones(len(k)))    # the pull's catch-up
     monkeypatch.setattr(GlobalDecay, "touch", lambda self, *a: None)
     with _Native("torch"):
         state = fresh(cfg)

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from embedding_ps.idmap import BoundedCounter, IdMap, _home
+from embedding_ps.idmap import BoundedCounter, IdMap
+from embedding_ps.reference import home as _home
 
 EXTREMES = np.array([0, -1, 1, -(2**63), 2**63 - 1, -(2**63) + 1, 2**63 - 2], dtype=np.int64)
 

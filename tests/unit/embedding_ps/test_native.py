@@ -1,4 +1,4 @@
-"""The native fast path (embedding_ps/_native.c via native.py) against the numpy/torch paths it replaces.
+"""The native fast path (embedding_ps/csrc via native.py) against the numpy/torch paths it replaces.
 
 Every test runs the same operations twice, once with the native library and once with
 `native.set_enabled(False)`, and compares. Also: the fallback when no compiler is found.
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import native
+from embedding_ps import native, reference
 from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.idmap import BoundedCounter, IdMap, _home
+from embedding_ps.idmap import BoundedCounter, IdMap
+from embedding_ps.reference import home as _home
 from embedding_ps.shard import ShardState
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native library off or unavailable (no C compiler?)")
@@ -142,7 +143,7 @@ def test_fallback_without_compiler(monkeypatch, tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="embedding_ps.native"):
         assert native.lib() is None
         assert native.lib() is None  # one warning, not one per call
-    assert sum("native fast path unavailable" in r.message for r in caplog.records) == 1
+    assert sum("native library unavailable" in r.message for r in caplog.records) == 1
     m = IdMap()
     m.insert(np.array([5, -5], dtype=np.int64), np.array([1, 2], dtype=np.int32))
     assert m.lookup(np.array([-5, 5, 6])).tolist() == [2, 1, -1]
@@ -242,14 +243,13 @@ def test_native_update_is_used_and_counts_saturate() -> None:
             state.push(0, torch.tensor([1, 2, 2]), torch.ones(3, 4), step=5)
             assert (t.meta[0] >> 32).item() == 2**31 - 1 and (t.meta[0] & 0xFFFFFFFF).item() == 5
             assert (t.meta[1] >> 32).item() == 2 and (t.meta[1] & 0xFFFFFFFF).item() == 5
-            assert t._dupbits.shape[0] == (((t.cap + 7) // 8) if use_native else 0)
+            assert t._dupbits.shape[0] == (t.cap + 7) // 8
             assert not t._dupbits.any()
-    lib = native.lib()
     w = torch.zeros(3, 4)
-    native.update(lib, "sgd", w, None, np.array([2], dtype=np.int32), torch.ones(1, 4), 0.5, 1e-8, None, 0)
+    assert native.update("sgd", w, None, np.array([2], dtype=np.int32), torch.ones(1, 4), 0.5, 1e-8, None, 0)
     assert w[2].tolist() == [-0.5] * 4 and w[:2].abs().sum() == 0
     with pytest.raises(TypeError):
-        native.update(lib, "sgd", w, None, np.array([2], dtype=np.int64), torch.ones(1, 4), 0.5, 1e-8, None, 0)
+        native.update("sgd", w, None, np.array([2], dtype=np.int64), torch.ones(1, 4), 0.5, 1e-8, None, 0)
 
 
 @needs_native
@@ -295,12 +295,11 @@ def test_sorted_update_matches_arrival_order_and_torch(optimizer: str, dtype: st
           "rowwise_adagrad": torch.rand(rows, generator=gen)}[optimizer]
     slots = torch.randperm(rows, generator=gen)[:n].to(torch.int32).numpy()      # unique, arrival order random
     grads = torch.randn(n, cfg.dim, generator=gen)
-    lib = native.lib()
     seen = []
     for sort, threads in ((False, 1), (True, 1), (True, 2)):
         w, st, meta = w0.clone(), None if s0 is None else s0.clone(), torch.zeros(rows, dtype=torch.int64)
-        native.update(lib, optimizer, w, st, slots, grads, cfg.lr, cfg.eps, meta, 7, cfg.weight_decay,
-                      cfg.weight_decay_mode, threads=threads, sort=sort)
+        assert native.update(optimizer, w, st, slots, grads, cfg.lr, cfg.eps, meta, 7, cfg.weight_decay,
+                             cfg.weight_decay_mode, threads=threads, sort=sort)
         seen.append((w, st, meta))
     for w, st, meta in seen[1:]:
         torch.testing.assert_close(w, seen[0][0], atol=0, rtol=0)
@@ -329,8 +328,8 @@ def test_init_bits_native_equals_numpy_bit_for_bit(dim: int, threads: int) -> No
     keys = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 9000, dtype=np.int64),
                            np.array([-1, 0, 1, -(2**63), 2**63 - 1], dtype=np.int64)])
     for seed in (0, 1, -5, 2**63 + 7, 12345):
-        got = native.init_bits(native.lib(), keys, dim, init.seed_mix(seed), threads)
-        want = init._symmetric_bits_np(keys, dim, seed)
+        got = native.init_bits(keys, dim, reference.seed_mix(seed), threads)
+        want = reference.init_bits(keys, dim, reference.seed_mix(seed))
         assert got.dtype == np.float32 and got.shape == (keys.shape[0], dim)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), seed
         assert float(np.abs(got).max()) < 1.0
@@ -347,9 +346,9 @@ def test_init_bits_native_equals_numpy_bit_for_bit(dim: int, threads: int) -> No
 @needs_native
 @pytest.mark.parametrize("dim", [1, 7, 16, 64, 136])
 def test_merge_rows_equals_index_add_in_arrival_order(dim: int) -> None:
-    """The C merge of duplicate slots gives _merge_duplicates' sums bit for bit (signed zeros too),
-    its unique slots in order of first arrival; no duplicates and one row are fine too."""
-    from embedding_ps.table import _merge_duplicates
+    """The C merge of duplicate slots gives the reference's sums (index_add_ in arrival order) bit for
+    bit (signed zeros too), its unique slots in order of first arrival; no duplicates and one row are
+    fine too."""
 
     rng = np.random.default_rng(dim)
     for n, high in ((5000, 700), (3000, 1 << 30), (1, 10), (64, 3)):
@@ -357,15 +356,14 @@ def test_merge_rows_equals_index_add_in_arrival_order(dim: int) -> None:
         scale = 10 ** rng.uniform(-8, 3, (n, 1)).astype(np.float32)                # rows of very different sizes
         grads = torch.from_numpy(rng.standard_normal((n, dim), dtype=np.float32) * scale)
         grads[rng.random(n) < 0.05] = -0.0
-        got_slots, got = native.merge_rows(native.lib(), slots, grads)
-        want_slots, want = _merge_duplicates(slots, grads)
+        got_slots, got = native.merge_rows(slots, grads)
+        want_slots, want = reference.merge_rows(slots, grads)
         first = {}
         for i, s in enumerate(slots.tolist()):
             first.setdefault(s, i)
         assert got_slots.tolist() == sorted(first, key=first.get)               # first-arrival order
-        order = np.argsort(got_slots)
-        assert np.array_equal(got_slots[order], want_slots)
-        assert np.array_equal(got[torch.from_numpy(order)].numpy().view(np.uint32), want.numpy().view(np.uint32))
+        assert np.array_equal(got_slots, want_slots)
+        assert np.array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
 
 
 @needs_native
@@ -375,7 +373,7 @@ def test_merge_rows_equals_index_add_in_arrival_order(dim: int) -> None:
 ])
 def test_unique_matches_torch_unique_up_to_order(ids) -> None:
     x = torch.tensor(ids, dtype=torch.int64)
-    uniq, inverse, counts = native.unique(native.lib(), x, counts=True)
+    uniq, inverse, counts = native.unique(x, counts=True)
     assert torch.equal(uniq[inverse], x)                            # inverse maps back
     first = {}
     for i, v in enumerate(ids):
@@ -384,7 +382,7 @@ def test_unique_matches_torch_unique_up_to_order(ids) -> None:
     tu, tc = torch.unique(x, return_counts=True)
     order = torch.argsort(uniq)
     assert torch.equal(uniq[order], tu) and torch.equal(counts[order], tc)
-    u2, inv2, c2 = native.unique(native.lib(), x)                    # without counts
+    u2, inv2, c2 = native.unique(x)                    # without counts
     assert torch.equal(u2, uniq) and torch.equal(inv2, inverse) and c2 is None
 
 
@@ -392,6 +390,6 @@ def test_unique_matches_torch_unique_up_to_order(ids) -> None:
 def test_unique_of_random_ids_with_collisions() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 5000, (20000,), generator=g) * 4096     # ids sharing low bits
-    uniq, inverse, counts = native.unique(native.lib(), x, counts=True)
+    uniq, inverse, counts = native.unique(x, counts=True)
     assert torch.equal(uniq[inverse], x) and int(counts.sum()) == x.numel()
     assert torch.equal(torch.sort(uniq).values, torch.unique(x))

@@ -29,10 +29,6 @@ N = 300
 IDS = torch.arange(N, dtype=torch.int64) * 7 + 3
 
 
-def lib():
-    return native.lib()
-
-
 # ---------------------------------------------------------------------------- the C helpers
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", [0, 517, 4095])
@@ -43,7 +39,7 @@ def test_copy_finite_copies_the_bits_and_finds_any_non_finite(bad, where) -> Non
     if bad is not None:
         src[where] = bad
     dst = torch.full_like(src, 5.0)
-    finite = native.copy_finite(lib(), src, dst)
+    finite = native.copy_finite(src, dst)
     assert finite == bool(torch.isfinite(src).all())
     assert torch.equal(dst.view(torch.int32), src.view(torch.int32))      # NaN payloads and -0.0 too
 
@@ -52,7 +48,7 @@ def test_copy_finite_wakes_the_fd_first() -> None:
     r, w = os.pipe()
     try:
         src, dst = torch.randn(1000), torch.empty(1000)
-        assert native.copy_finite(lib(), src, dst, w) and torch.equal(src, dst)
+        assert native.copy_finite(src, dst, w) and torch.equal(src, dst)
         assert os.read(r, 10) == b"x"
     finally:
         os.close(r), os.close(w)
@@ -61,20 +57,20 @@ def test_copy_finite_wakes_the_fd_first() -> None:
 def test_publish_and_wait_flag() -> None:
     flag = np.zeros(1, dtype=np.int64)
     t0 = time.monotonic()
-    assert native.wait_flag(lib(), flag, 42, 0.05) == 0                  # times out: the value last read
+    assert native.wait_flag(flag, 42, 0.05) == 0                  # times out: the value last read
     assert time.monotonic() - t0 >= 0.04
-    threading.Timer(0.02, lambda: native.publish(lib(), flag, 42)).start()
-    assert native.wait_flag(lib(), flag, 42, 5.0) == 42
-    native.publish(lib(), flag, -43)
-    assert native.wait_flag(lib(), flag, 43, 5.0) == -43                 # the writer gave up
+    threading.Timer(0.02, lambda: native.publish(flag, 42)).start()
+    assert native.wait_flag(flag, 42, 5.0) == 42
+    native.publish(flag, -43)
+    assert native.wait_flag(flag, 43, 5.0) == -43                 # the writer gave up
 
 
 def test_notify_wakes_a_waiting_thread() -> None:
     word = np.zeros(1, dtype=np.int32)
-    assert native.wait_word(lib(), word, 0.02) == 0
-    threading.Timer(0.02, lambda: native.notify(lib(), word, shm.DONE_OK)).start()
+    assert native.wait_word(word, 0.02) == 0
+    threading.Timer(0.02, lambda: native.notify(word, shm.DONE_OK)).start()
     t0 = time.monotonic()
-    assert native.wait_word(lib(), word, 5.0) == shm.DONE_OK
+    assert native.wait_word(word, 5.0) == shm.DONE_OK
     assert time.monotonic() - t0 < 4.0
 
 
@@ -102,8 +98,8 @@ class Client:
 
     def write(self, grads: torch.Tensor, give_up: bool = False) -> None:
         """What LateGrads.write does for one shard."""
-        self.trailer[1] = int(native.copy_finite(lib(), grads, self.grads))
-        native.publish(lib(), self.trailer[0:1], -self.request if give_up else self.request)
+        self.trailer[1] = int(native.copy_finite(grads, self.grads))
+        native.publish(self.trailer[0:1], -self.request if give_up else self.request)
 
     def close(self) -> None:
         self.pool.close()
@@ -258,7 +254,7 @@ def test_notified_pull_sets_the_done_word_after_the_rows() -> None:
 def test_notified_future_returns_once_the_word_is_set_and_lets_go_of_it() -> None:
     word = np.zeros(1, dtype=np.int32)
     fut = shm.NotifiedFuture([word], lambda: "fast")
-    threading.Timer(0.02, lambda: native.notify(lib(), word, shm.DONE_OK)).start()
+    threading.Timer(0.02, lambda: native.notify(word, shm.DONE_OK)).start()
     assert fut.result(timeout=5) == "fast" and not fut.done()
     fut.set_result("reply")
     assert fut.result() == "reply" and fut.words == [] and fut.fast is None

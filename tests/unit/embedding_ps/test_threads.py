@@ -113,13 +113,12 @@ def test_threaded_lookup_and_gather_match_one_thread() -> None:
     np.testing.assert_array_equal(slots, m1.lookup(probe))
     with pure():
         np.testing.assert_array_equal(slots, m1.lookup(probe))
-    lib = native.lib()
     for dtype in (torch.float32, torch.float16):
         w = torch.randn(keys.shape[0], 24).to(dtype)
         outs = []
         for threads in (1, 4):
             out = torch.full((probe.shape[0], 24), 7.0)
-            missing = native.gather(lib, w, slots, out, threads)
+            missing = native.gather(w, slots, out, threads)
             assert missing == int(np.count_nonzero(slots < 0))
             outs.append(out)
         torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)

@@ -252,13 +252,13 @@ def test_example_major_in_c_equals_the_torch_ops(F_: int, B: int, high: int, wei
     for a, b in zip(got, ref):
         assert (a is None and b is None) or torch.equal(a, b)
     with pytest.raises(ValueError, match="lengths"):
-        native.to_example_major(native.lib(), indices, lengths + 1, B)
+        native.to_example_major(indices, lengths + 1, B)
     if F_ * B >= 4:         # lengths whose int64 sum wraps around to n: refused, not written out of bounds
         huge = torch.zeros(F_ * B, dtype=torch.int64)
         huge[:4] = 2**62
         huge[3] += n
         assert int(huge.sum()) == n
         with pytest.raises(ValueError, match="lengths"):
-            native.to_example_major(native.lib(), indices, huge, B)
+            native.to_example_major(indices, huge, B)
     with pytest.raises(ValueError, match="weights"):
-        native.to_example_major(native.lib(), indices, lengths, B, torch.rand(n + 1))
+        native.to_example_major(indices, lengths, B, torch.rand(n + 1))

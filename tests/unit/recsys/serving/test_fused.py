@@ -1,5 +1,5 @@
 """FusedPooling (one lookup + one pooling call over all tables) and NativePooling (the same in two
-calls of the C kernel, recsys/serving/_pool.c) against the per-table serving paths.
+calls of the C kernel, embedding_ps/csrc/pool.c) against the per-table serving paths.
 
 fp32 / fp16 must be bit-equal to the training path (SparseArch over the ExportStore), int8 / int4
 bit-equal to tbe_pool.QuantizedPooling, on random batches with unseen ids, multi-hot bags, empty

@@ -1,4 +1,4 @@
-"""fp16 rows held as float16 by NativePooling (row kind 1 of `_pool.c`), widened in the kernel.
+"""fp16 rows held as float16 by NativePooling (row kind 1 of `embedding_ps/csrc/pool.c`), widened in the kernel.
 
 The reference: the fp32 path over the widened matrix (FusedPooling: fp16 -> float32 once at load,
 then `F.embedding_bag`; SparseArch over the ExportStore for the per-table path), bit for bit, with

@@ -107,14 +107,14 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) 
     """No cached library and no compiler: one warning, then FusedPooling (same results, tested in test_fused)."""
     monkeypatch.setattr(ps_native, "_compiler", lambda: None)
     monkeypatch.setattr(ps_native, "_cache_dirs", lambda: [tmp_path])
-    monkeypatch.setitem(native_pool._state, "loaded", False)
-    monkeypatch.setitem(native_pool._state, "lib", None)
+    monkeypatch.setitem(ps_native._state, "loaded", False)
+    monkeypatch.setitem(ps_native._state, "lib", None)
     plans, views = _plans_views()
-    with caplog.at_level(logging.WARNING, logger="recsys.serving.native_pool"):
+    with caplog.at_level(logging.WARNING, logger="embedding_ps.native"):
         first = make_pooling(plans, views, "fp32")
         second = make_pooling(plans, views, "fp32")
     assert type(first) is FusedPooling and type(second) is FusedPooling
-    warnings = [r for r in caplog.records if "native pooling kernel unavailable" in r.getMessage()]
+    warnings = [r for r in caplog.records if "native library unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
 
 

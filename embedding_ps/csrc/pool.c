@@ -2,14 +2,14 @@
  * every slot straight into the model's output layout, fp32 and int8 / int4 rows dequantized in
  * the loop, fp16 rows widened to float32 in the loop (F16C 8 at a time where the CPU has it).
  *
- * Plain C99, no Python or torch headers: `recsys/serving/native_pool.py` compiles this file with
- * the system C compiler (-O3 -ffp-contract=off, never -march=native) on first use and calls it
- * through ctypes with raw pointers (the caller checks dtypes, contiguity and sizes).
+ * Part of the one native library (with ps.c; shared pieces in native.h), compiled by
+ * `embedding_ps/native.py` on first use; `recsys/serving/native_pool.py` calls it through ctypes
+ * with raw pointers (after checking dtypes, contiguity and sizes).
  * `recsys/serving/fused.py` (FusedPooling) stays the reference; tests compare the two bit for bit.
  *
  * Hash map of one table: int64 [C, 2] buckets (key, value), C = 2**bits, value -1 = empty (so any
  * int64 key, -1 included, can be stored). Linear probing from
- * home = splitmix64(key + GOLDEN) >> (64 - bits). Values are the table's local rows.
+ * home = splitmix64(key + PS_GOLDEN) >> (64 - bits). Values are the table's local rows.
  *
  * Slot descriptor, int64 [S, SV_K] (a slot is one (table, feature) pair, in the batch's slot order):
  *   0 map offset (buckets)   1 map bits          2 hashed: num_embeddings (0: the id is the key)
@@ -33,77 +33,20 @@
  *   a default row the caller computed (see sv_bag).
  *
  * Threads: lookups split the ids, pooling splits the examples into contiguous chunks, one per thread
- * (threads 1..T-1 started per call, chunk 0 on the caller); every item's math is the same whatever
+ * (`ps_parallel`, native.h); every item's math is the same whatever
  * the chunking, so results do not depend on the thread count.
  */
-#include <math.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <string.h>
+#include "native.h"
 
 #define SV_K 16
 #define SV_PF 8             /* ids ahead to prefetch */
-#define SV_MAX_THREADS 64
 #define SV_MIN_IDS 8192     /* ids per thread below which a thread costs more than it saves */
 #define SV_MIN_BAGS 1024    /* bags per thread, likewise */
-#define GOLDEN 0x9E3779B97F4A7C15ULL
-
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch((const void *)(p))
-#define ATOMIC_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
-#else
-#define PREFETCH(p) ((void)0)
-#define ATOMIC_ADD(p, v) (*(p) += (v))
-#endif
-
-int sv_abi_version(void) { return 5; }
-
-/* ------------------------------------------------------------------ parallel for */
-typedef void (*sv_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
-struct sv_job { sv_chunk_fn fn; void *ctx; int64_t lo, hi; };
-
-static void *sv_job_run(void *p) {
-    struct sv_job *j = (struct sv_job *)p;
-    j->fn(j->ctx, j->lo, j->hi);
-    return NULL;
-}
-
-/* fn(ctx, lo, hi) over [0, n) in min(nthreads, n / min_chunk) contiguous chunks, in parallel. */
-static void sv_parallel(sv_chunk_fn fn, void *ctx, int64_t n, int nthreads, int64_t min_chunk) {
-    int64_t t = nthreads < SV_MAX_THREADS ? nthreads : SV_MAX_THREADS;
-    if (t > n / min_chunk) t = n / min_chunk;
-    if (t <= 1) {
-        fn(ctx, 0, n);
-        return;
-    }
-    struct sv_job jobs[SV_MAX_THREADS];
-    pthread_t tid[SV_MAX_THREADS];
-    int started[SV_MAX_THREADS];
-    for (int64_t i = 0; i < t; i++) {
-        jobs[i].fn = fn;
-        jobs[i].ctx = ctx;
-        jobs[i].lo = n * i / t;
-        jobs[i].hi = n * (i + 1) / t;
-    }
-    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, sv_job_run, &jobs[i]) == 0;
-    fn(ctx, jobs[0].lo, jobs[0].hi);
-    for (int64_t i = 1; i < t; i++) {
-        if (started[i]) pthread_join(tid[i], NULL);
-        else fn(ctx, jobs[i].lo, jobs[i].hi);
-    }
-}
 
 /* ------------------------------------------------------------------ hash map */
-static inline uint64_t sv_mix(uint64_t z) {
-    z ^= z >> 30;
-    z *= 0xBF58476D1CE4E5B9ULL;
-    z ^= z >> 27;
-    z *= 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    return z;
+static inline uint64_t sv_home(int64_t key, int64_t bits) {
+    return ps_splitmix64((uint64_t)key + PS_GOLDEN) >> (64 - bits);
 }
-
-static inline uint64_t sv_home(int64_t key, int64_t bits) { return sv_mix((uint64_t)key + GOLDEN) >> (64 - bits); }
 
 /* Insert keys[i] -> i (i < n) into one table's map (2**bits buckets, values -1). Returns the number
  * of keys already present (left as they were), or -1 when the map is full. */
@@ -133,7 +76,7 @@ struct sv_lookup_ctx {
 };
 
 static inline int64_t sv_key(int64_t id, uint64_t hashed) {
-    return hashed ? (int64_t)(sv_mix((uint64_t)id) % hashed) : id;
+    return hashed ? (int64_t)(ps_splitmix64((uint64_t)id) % hashed) : id;
 }
 
 /* ids [lo, hi) of one slot */
@@ -177,7 +120,7 @@ static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
         misses += sv_lookup_slot(c->slots + SV_K * s, c->map, c->values, lo, e, c->rows);
         lo = e;
     }
-    ATOMIC_ADD(&c->misses, misses);
+    PS_ADD(&c->misses, misses);
 }
 
 /* rows[i] = the row of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
@@ -185,7 +128,7 @@ static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
 int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B, const int64_t *values,
                   const int64_t *offsets, int32_t *rows, int nthreads) {
     struct sv_lookup_ctx c = {map, slots, values, offsets, S, B, 0, rows};
-    sv_parallel(sv_lookup_chunk, &c, offsets[S * B], nthreads, SV_MIN_IDS);
+    ps_parallel(sv_lookup_chunk, &c, offsets[S * B], nthreads, SV_MIN_IDS);
     return c.misses;
 }
 
@@ -202,25 +145,12 @@ int64_t sv_misses(const int32_t *rows, const int64_t *offsets, int64_t nbags, in
     return m;
 }
 
-/* The uniform default row of a key (embedding_ps/init.py `_symmetric_bits` times the scale):
- * odd integers in (-2**24, 2**24), exact in float32, times 2**-24, times the float32 scale. */
+/* The uniform default row of a key: `ps_bits_row` (init.py's symmetric bits) times the slot's scale. */
 static inline void sv_uniform(float *x, int64_t key, const int64_t *sl, int64_t d) {
-    const uint64_t stream = sv_mix((uint64_t)key ^ (uint64_t)sl[13]);
-    const uint32_t a = (uint32_t)stream, b = (uint32_t)(stream >> 32);
     float scale;
     const uint32_t bits = (uint32_t)sl[14];
     memcpy(&scale, &bits, sizeof scale);
-    for (int64_t j = 0; j < d; j++) {
-        uint32_t x32 = (a + (uint32_t)(j + 1) * 0x9E3779B9u) ^ b;
-        x32 ^= x32 >> 16;
-        x32 *= 0x85EBCA6Bu;
-        x32 ^= x32 >> 13;
-        x32 *= 0xC2B2AE35u;
-        x32 ^= x32 >> 16;
-        x32 = (x32 >> 8) << 1;
-        const int32_t v = (int32_t)x32 - ((1 << 24) - 1);
-        x[j] = ((float)v * 0x1p-24f) * scale;
-    }
+    ps_bits_row(x, key, (uint64_t)sl[13], d, scale);
 }
 
 /* ------------------------------------------------------------------ row ops
@@ -237,32 +167,16 @@ static inline __attribute__((always_inline)) void sv_fma_c(float *restrict acc, 
     for (int64_t j = 0; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
 }
 
-/* IEEE half -> float, exact (every half is a float): normal, subnormal (man * 2**-24), zero, inf,
- * NaN (quieted, as F16C's vcvtph2ps does). */
-static inline float sv_h2f(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t bits;
-    float f;
-    if (exp == 0x1F) bits = sign | 0x7F800000u | (man ? 0x400000u | (man << 13) : 0u);
-    else if (exp) bits = sign | ((exp + 112u) << 23) | (man << 13);
-    else {
-        f = (float)man * 0x1p-24f;                  /* 0 or a subnormal half: exact in float32 */
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* fp16 rows, from element j on: acc += (float)x or acc = fma(w, (float)x, acc) */
 static inline __attribute__((always_inline)) void sv_addh_c(float *restrict acc, const uint16_t *restrict x,
                                                             int64_t j, int64_t d) {
-    for (; j < d; j++) acc[j] += sv_h2f(x[j]);
+    for (; j < d; j++) acc[j] += ps_h2f(x[j]);
 }
 
 static inline __attribute__((always_inline)) void sv_fmah_c(float *restrict acc, float w,
                                                             const uint16_t *restrict x, int64_t j, int64_t d) {
-    for (; j < d; j++) acc[j] = fmaf(w, sv_h2f(x[j]), acc[j]);
+    for (; j < d; j++) acc[j] = fmaf(w, ps_h2f(x[j]), acc[j]);
 }
 
 /* int8 codes: acc = fma(scale, code, acc + bias) */
@@ -548,10 +462,10 @@ void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const flo
              const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
              int nthreads) {
     struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
-    sv_chunk_fn fn = sv_pool_chunk_generic;
+    ps_chunk_fn fn = sv_pool_chunk_generic;
 #ifdef SV_FMA_DISPATCH
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         fn = sv_pool_chunk_fma;
 #endif
-    sv_parallel(fn, &c, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);   /* split the examples */
+    ps_parallel(fn, &c, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);   /* split the examples */
 }

@@ -1,10 +1,11 @@
-/* Native fast path of one PS shard: id -> slot map probes and fused sparse optimizer updates.
+/* The hot operations of shards and clients: id -> slot map probes, gathers, fused sparse optimizer
+ * updates, dedup, row init and the shared-memory handshakes.
  *
- * Plain C99, no Python or torch headers: `embedding_ps/native.py` compiles this file with the
- * system C compiler (-O3 -ffp-contract=off, never -march=native) on first use and calls it
- * through ctypes with raw pointers into numpy arrays / torch tensors (the caller checks dtype,
- * contiguity and bounds). Every function has a numpy/torch twin (idmap.py, optim.py,
- * table.py) that stays the reference; tests compare the two.
+ * Part of the one native library (with pool.c; shared pieces in native.h), compiled by
+ * `embedding_ps/native.py` (-O3 -ffp-contract=off, never -march=native) on first use and called
+ * through ctypes with raw pointers into numpy arrays / torch tensors (native.py checks dtype,
+ * contiguity and bounds). Every function has a numpy/torch twin in `embedding_ps/reference.py`
+ * that runs where the library does not load and that tests compare it with.
  *
  * Map layout (idmap.py): keys int64 [C], vals int32 [C], any C in [1, 2**32); vals >= 0 occupied,
  * -1 EMPTY (ends a probe chain), -2 TOMBSTONE (probed past, reusable by inserts). Linear
@@ -16,18 +17,15 @@
  * rowwise_adagrad's mean of g*g is a reduction whose order differs from torch's (~1 ulp).
  *
  * Threads (ps.threads): lookups, gathers and updates take `nthreads` and split
- * their n items into contiguous chunks, one per thread (`ps_parallel`: threads 1..T-1 are
- * started per call, chunk 0 runs on the caller; a thread that cannot be started runs inline).
+ * their n items into contiguous chunks, one per thread (`ps_parallel`, native.h).
  * Updates get unique slots (the caller merged duplicates), so two threads never touch one row;
  * every row's math is the same whatever the chunking, so results do not depend on nthreads.
  * Inserts (ps_map_place) stay on one thread.
  */
-#include <math.h>
-#include <pthread.h>
+#include "native.h"
+
 #include <sched.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef __linux__
@@ -40,80 +38,13 @@
 #define PS_TOMB (-2)
 #define PF 8   /* keys ahead to prefetch in map probes */
 #define PFU 16 /* rows ahead to prefetch in gathers and updates */
-
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch((const void *)(p))
-#define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1)
-#else
-#define PREFETCH(p) ((void)0)
-#define PREFETCH_W(p) ((void)0)
-#endif
-
-int ps_abi_version(void) { return 8; }
-
-/* ------------------------------------------------------------------ parallel for */
-#define PS_MAX_THREADS 64
 #define PS_MIN_CHUNK 4096 /* items per thread below which starting a thread costs more than it saves */
 
-typedef void (*ps_chunk_fn)(void *ctx, int64_t lo, int64_t hi);
-
-struct ps_job {
-    ps_chunk_fn fn;
-    void *ctx;
-    int64_t lo, hi;
-};
-
-static void *ps_job_run(void *p) {
-    struct ps_job *j = (struct ps_job *)p;
-    j->fn(j->ctx, j->lo, j->hi);
-    return NULL;
-}
-
-/* fn(ctx, lo, hi) over [0, n) in min(nthreads, n / PS_MIN_CHUNK) contiguous chunks, in parallel. */
-static void ps_parallel(ps_chunk_fn fn, void *ctx, int64_t n, int nthreads) {
-    int64_t t = nthreads < PS_MAX_THREADS ? nthreads : PS_MAX_THREADS;
-    if (t > n / PS_MIN_CHUNK) t = n / PS_MIN_CHUNK;
-    if (t <= 1) {
-        fn(ctx, 0, n);
-        return;
-    }
-    struct ps_job jobs[PS_MAX_THREADS];
-    pthread_t tid[PS_MAX_THREADS];
-    int started[PS_MAX_THREADS];
-    for (int64_t i = 0; i < t; i++) {
-        jobs[i].fn = fn;
-        jobs[i].ctx = ctx;
-        jobs[i].lo = n * i / t;
-        jobs[i].hi = n * (i + 1) / t;
-    }
-    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, ps_job_run, &jobs[i]) == 0;
-    fn(ctx, jobs[0].lo, jobs[0].hi);
-    for (int64_t i = 1; i < t; i++) {
-        if (started[i])
-            pthread_join(tid[i], NULL);
-        else
-            fn(ctx, jobs[i].lo, jobs[i].hi); /* no thread: run its chunk here */
-    }
-}
-
-#if defined(__GNUC__) || defined(__clang__)
-#define PS_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
-#else
-#define PS_ADD(p, v) (*(p) += (v)) /* single-threaded builds only */
-#endif
-
-/* the SplitMix64 finalizer (embedding_ps.sharding.splitmix64_np is its numpy copy) */
-static inline uint64_t ps_splitmix64(uint64_t z) {
-    z ^= z >> 30;
-    z *= 0xBF58476D1CE4E5B9ULL;
-    z ^= z >> 27;
-    z *= 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    return z;
-}
+/* the ABI of the whole library (ps.c and pool.c): native.py refuses a cached build of another one */
+int ps_abi_version(void) { return 9; }
 
 static inline uint64_t ps_home(int64_t key, uint64_t nb) {
-    const uint64_t z = ps_splitmix64((uint64_t)key + 0x9E3779B97F4A7C15ULL);
+    const uint64_t z = ps_splitmix64((uint64_t)key + PS_GOLDEN);
     return ((z >> 32) * nb) >> 32;
 }
 
@@ -179,7 +110,7 @@ static void ps_find_chunk(void *p, int64_t lo, int64_t hi) {
 int ps_map_find(const int64_t *kv, const int32_t *vv, int64_t nbuckets, const int64_t *keys, int64_t n,
                 int32_t *out_val, int64_t *out_pos, int nthreads) {
     struct ps_find_ctx c = {kv, vv, nbuckets, keys, out_val, out_pos, 0};
-    ps_parallel(ps_find_chunk, &c, n, nthreads);
+    ps_parallel(ps_find_chunk, &c, n, nthreads, PS_MIN_CHUNK);
     return c.failed ? -1 : 0;
 }
 
@@ -317,7 +248,7 @@ int64_t ps_merge_rows(const int32_t *slots, const float *grads, int64_t n, int64
     int64_t u = 0;
     for (int64_t i = 0; i < n; i++) {
         const int32_t s = slots[i];
-        uint64_t b = ((uint64_t)(uint32_t)s * 0x9E3779B97F4A7C15ULL >> 32) & mask;
+        uint64_t b = ((uint64_t)(uint32_t)s * PS_GOLDEN >> 32) & mask;
         while (keys[b] != -1 && keys[b] != s) b = (b + 1) & mask;
         const float *restrict g = grads + i * d;
         if (keys[b] == -1) {
@@ -337,59 +268,7 @@ int64_t ps_merge_rows(const int32_t *slots, const float *grads, int64_t n, int64
     return u;
 }
 
-/* ------------------------------------------------------------------ fp16 <-> fp32 (IEEE, RNE) */
-static inline float ps_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1F;
-    uint32_t man = h & 0x3FF;
-    uint32_t bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while ((man & 0x400) == 0);
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t ps_f2h(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000;
-    uint32_t ax = x & 0x7FFFFFFFu;
-    if (ax >= 0x7F800000u) { /* inf or nan */
-        return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? (0x200 | ((ax >> 13) & 0x3FF)) : 0));
-    }
-    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds to >= 65520: inf */
-    if (ax < 0x38800000u) {                                   /* below the smallest normal half */
-        if (ax < 0x33000000u) return (uint16_t)sign;          /* < 2**-25: rounds to zero */
-        uint32_t e = ax >> 23;
-        uint32_t man = (ax & 0x7FFFFF) | 0x800000;
-        uint32_t shift = 126 - e; /* 14 + (113 - e) - 1 + 1 */
-        uint32_t r = man >> shift;
-        uint32_t rem = man & ((1u << shift) - 1);
-        uint32_t half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ((ax - 0x38000000u) >> 13); /* rebias exponent 127 -> 15 */
-    uint32_t rem = ax & 0x1FFF;
-    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
-    return (uint16_t)(sign | r);
-}
-
+/* ------------------------------------------------------------------ fp16 arrays */
 void ps_f2h_array(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = ps_f2h(src[i]);
 }
@@ -558,7 +437,7 @@ static void ps_gather_chunk(void *p, int64_t lo, int64_t hi) {
 /* ps_gather_range over nthreads threads (rows are only read; each thread writes its rows of out). */
 int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out, int nthreads) {
     struct ps_gather_ctx c = {w, half, d, slots, out, 0, NULL, 0, 1.0f};
-    ps_parallel(ps_gather_chunk, &c, n, nthreads);
+    ps_parallel(ps_gather_chunk, &c, n, nthreads, PS_MIN_CHUNK);
     return c.missing;
 }
 
@@ -566,7 +445,7 @@ int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int6
 int64_t ps_gather_decayed(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out,
                           const int32_t *dstep, int64_t target, float decay, int nthreads) {
     struct ps_gather_ctx c = {w, half, d, slots, out, 0, dstep, target, decay};
-    ps_parallel(ps_gather_chunk, &c, n, nthreads);
+    ps_parallel(ps_gather_chunk, &c, n, nthreads, PS_MIN_CHUNK);
     return c.missing;
 }
 
@@ -765,14 +644,12 @@ void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_
     int32_t *order = sort && n >= PS_SORT_MIN ? ps_slot_order(slots, n) : NULL;
     struct ps_update_ctx c = {opt, w, half, state, d, slots, order, g, neg_lr, eps, meta, step, wd_mode, wd, decay,
                               dstep};
-    ps_parallel(ps_update_chunk, &c, n, nthreads);
+    ps_parallel(ps_update_chunk, &c, n, nthreads, PS_MIN_CHUNK);
     free(order);
 }
 
 /* ------------------------------------------------------------------ row init (init.py) */
-/* out [n, d] float32 = init.py's symmetric bits in (-1, 1): for key k, s = splitmix64(uint64(k) ^
- * seed_mix), a / b its low / high 32 bits, column c = (2 * (fmix32((a + (c + 1) * 0x9E3779B9) ^ b)
- * >> 8) + 1 - 2**24) / 2**24, exact in fp32 (numpy's `_symmetric_bits` is the reference). */
+/* out [n, d] float32 = init.py's symmetric bits in (-1, 1) of each key (`ps_bits_row`) */
 struct ps_init_ctx {
     const int64_t *keys;
     int64_t d;
@@ -782,25 +659,10 @@ struct ps_init_ctx {
 
 static void ps_init_chunk(void *p, int64_t lo, int64_t hi) {
     const struct ps_init_ctx *c = (const struct ps_init_ctx *)p;
-    const int64_t d = c->d;
-    for (int64_t i = lo; i < hi; i++) {
-        const uint64_t s = ps_splitmix64((uint64_t)c->keys[i] ^ c->seed_mix);
-        const uint32_t a = (uint32_t)s, b = (uint32_t)(s >> 32);
-        float *restrict o = c->out + i * d;
-        for (int64_t j = 0; j < d; j++) { /* independent lanes: vectorizes */
-            uint32_t x = (a + (uint32_t)(j + 1) * 0x9E3779B9u) ^ b;
-            x ^= x >> 16;
-            x *= 0x85EBCA6Bu;
-            x ^= x >> 13;
-            x *= 0xC2B2AE35u;
-            x ^= x >> 16;
-            const int32_t v = (int32_t)((x >> 8) << 1) - ((1 << 24) - 1);
-            o[j] = (float)v * 0x1p-24f;
-        }
-    }
+    for (int64_t i = lo; i < hi; i++) ps_bits_row(c->out + i * c->d, c->keys[i], c->seed_mix, c->d, 1.0f);
 }
 
 void ps_init_bits(const int64_t *keys, int64_t n, int64_t d, uint64_t seed_mix, float *out, int nthreads) {
     struct ps_init_ctx c = {keys, d, seed_mix, out};
-    ps_parallel(ps_init_chunk, &c, n, nthreads);
+    ps_parallel(ps_init_chunk, &c, n, nthreads, PS_MIN_CHUNK);
 }
