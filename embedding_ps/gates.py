@@ -8,6 +8,9 @@ mode itself. Both have the same small interface:
     push(worker, step, parts)        parts [(table, ids [N], grads float32 [N, D])] of one request
     barrier(worker, step)            "worker is done with step"
     stats()                          the mode's part of the shard's STATS / HEALTH
+    holds_pushes                     pushes outlive their request (sync: until the step's last
+                                     barrier): the server copies them out of the client's shared
+                                     memory, and does not look their slots up ahead
 
 Sync contract (W = ps.num_workers), per worker and step t = 0, 1, 2, ...: pulls for t wait until no
 step < t is pending; pushes for t are buffered (any number, every table); when all W workers sent
@@ -41,6 +44,8 @@ class RowSink(Protocol):
 
 
 class Gate(Protocol):
+    holds_pushes: bool
+
     def must_wait(self, step: int) -> bool: ...
 
     def pulled(self, step: int) -> None: ...
@@ -109,6 +114,8 @@ class StepBuffer:
 class SyncGate:
     """ps.mode = "sync": a step's pushes are summed and applied once, at its last barrier."""
 
+    holds_pushes = True
+
     def __init__(self, config: PSConfig, state: RowSink) -> None:
         self.config, self.state = config, state
         self.buffer = StepBuffer(config.num_workers)
@@ -143,6 +150,8 @@ class SyncGate:
 
 class AsyncGate:
     """ps.mode = "async": pushes apply on arrival; pulls are held to ps.max_staleness."""
+
+    holds_pushes = False
 
     def __init__(self, config: PSConfig, state: RowSink) -> None:
         self.config, self.state = config, state

@@ -90,6 +90,17 @@ class ShardStateLike(Protocol):
 
     def snapshot(self) -> ShardSnapshot: ...
 
+    def advance(self, step: int) -> None:
+        """Before a SAVE of `step`: bring every table's clock (global weight decay) to step - 1."""
+        ...
+
+    def hint_slots(self, table: int, ids: torch.Tensor) -> None:
+        """Look the slots of ids up now (a PUSH whose grads are still being written); the push of
+        these very id tensors takes them over."""
+        ...
+
+    def clear_hints(self) -> None: ...
+
 
 StateFactory = Callable[[PSConfig, int], ShardStateLike]
 
@@ -309,8 +320,8 @@ class ShardServer:
         if ids is None:
             start = ids_offset(nbytes)
             ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
-            if self.config.mode == "sync":
-                ids = ids.clone()          # the sync gate keeps them past the reply: not the client's memory
+            if self.gate.holds_pushes:
+                ids = ids.clone()          # kept past the reply: not the client's memory
         bounds = list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts))     # (table, start, n)
         part_ids = [ids[a:a + n] for _, a, n in bounds]
         try:
@@ -321,7 +332,7 @@ class ShardServer:
                                          functools.partial(writer_alive, bytes(payload[2])))
             self.gate.push(h.worker, h.step, self._push_parts(h, bounds, part_ids, seg, payload, checked))
         finally:
-            if late and hasattr(self.state, "clear_hints"):
+            if late:
                 self.state.clear_hints()
         if shm and h.flags & P.FLAG_NOTIFY and ids_in_seg:
             _notify(done_word(trailer(seg, nbytes, total)))     # the caller may go on now
@@ -334,8 +345,8 @@ class ShardServer:
         total = sum(n for *_, n in bounds)
         raw = memoryview(seg[:total * h.dim * P.ITEM_SIZE[dtype]]) if seg is not None else payload[2]
         grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
-        if seg is not None and self.config.mode == "sync" and dtype == P.DType.FP32:
-            grads = grads.clone()          # the sync gate keeps them past the reply: not the client's memory
+        if seg is not None and self.gate.holds_pushes and dtype == P.DType.FP32:
+            grads = grads.clone()          # kept past the reply: not the client's memory
         keep = None if checked else finite_rows(self.config, [t for t, *_ in bounds], [n for *_, n in bounds], grads)
         if keep is not None:               # None: all finite
             self.nonfinite_skipped += int((~keep).sum())
@@ -349,14 +360,13 @@ class ShardServer:
         return parts
 
     def _hint_slots(self, tables: list[int], part_ids: list[torch.Tensor]) -> None:
-        """Async mode, each table once in the request: the state looks up the parts' slots now
-        (`ShardState.hint_slots`; the push of these very id tensors takes them over)."""
-        hint = getattr(self.state, "hint_slots", None)
-        if hint is None or self.config.mode != "async" or len(set(tables)) != len(tables):
+        """A gate that applies pushes on arrival, each table once in the request: the state looks up
+        the parts' slots now (`ShardState.hint_slots`; the push of these very id tensors takes them over)."""
+        if self.gate.holds_pushes or len(set(tables)) != len(tables):
             return
         for t, i in zip(tables, part_ids):
             if i.numel():
-                hint(t, i)
+                self.state.hint_slots(t, i)
 
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)
@@ -380,9 +390,7 @@ class ShardServer:
         self._confined(h, path)
         if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the write ends
             return DEFERRED
-        advance = getattr(self.state, "advance", None)
-        if advance is not None:    # global weight decay: the save writes rows decayed through step - 1
-            advance(h.step)
+        self.state.advance(h.step)    # global weight decay: the save writes rows decayed through step - 1
         if h.flags & P.FLAG_BACKGROUND:
             return self._json(h, self.saver.start(self.state, path, h.step))
         reply = self.saver.save(self.state, path, h.step)

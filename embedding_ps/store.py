@@ -4,10 +4,12 @@
     store.push_many_async([0, 1], [ids0, ids1], grads, step)            # grads float32 [N0 + N1, D]
     store.barrier(step)                                                  # sync: the step is applied
 
-Three implementations, and nothing else is used at these seams (no `getattr` probing, no private
-members): `embedding_ps.client.PSClient` (the shards over the network), `embedding_ps.local.LocalStore`
-(the shards' states in this process: offline eval, tests) and the export-backed store of
-`recsys.serving` (read-only rows of an export). Test doubles implement this Protocol too.
+Two Protocols, and nothing else is used at these seams (no `getattr` probing, no private
+members): `EmbeddingStore`, implemented by `embedding_ps.client.PSClient` (the shards over the
+network), `embedding_ps.local.LocalStore` (the shards' states in this process: offline eval, tests)
+and `embedding_ps.cache.CachingStore` (a row cache in front of either); and its read-only half
+`RowSource`, all that the export-backed store of `recsys.serving` (the rows of an export) is.
+Test doubles implement these Protocols too.
 
 Rows are addressed by table index (into `ps.tables`) and int64 ids; the tables of one multi-table
 call share the embedding dim D; rows and gradients are in the caller's order, table after table.
@@ -24,34 +26,21 @@ import torch
 
 
 @runtime_checkable
-class EmbeddingStore(Protocol):
-    """Multi-table pull/push (blocking and async), steps, save/load, stats, close."""
+class RowSource(Protocol):
+    """The read-only half: pulls, steps, stats, close. What scoring needs (the sparse arch's
+    lookups); an export's rows (`recsys.serving.export_store.ExportStore`) are only this."""
 
     step: int
     """The training step requests carry when none is given; `barrier(t)` sets it to t + 1."""
-
-    # -- rows -------------------------------------------------------------------------------------
 
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> "Future[torch.Tensor]":
         """A Future of float32 rows [sum N_t, D] of every table's int64 ids [N_t], in order."""
         ...
 
-    def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
-                        step: int | None = None) -> "Future[None]":
-        """Send float32 grads [sum N_t, D] (rows in pull_many_async's order); the store applies each
-        table's optimizer (sync mode: at the step's barrier). Duplicate ids get the sum."""
-        ...
-
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """float32 rows [N, D] of one table's int64 ids [N] (a one-part pull, blocking)."""
         ...
-
-    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
-        """Send one table's grads [N, D] of ids [N] and wait for the acknowledgement."""
-        ...
-
-    # -- steps ------------------------------------------------------------------------------------
 
     def barrier(self, step: int) -> None:
         """Wait for this worker's pushes, then tell the store it is done with `step` (sync mode: the
@@ -62,11 +51,32 @@ class EmbeddingStore(Protocol):
         """`barrier` without waiting (async mode: a progress report for ps.max_staleness)."""
         ...
 
+    def stats(self) -> list[dict]:
+        """Per shard: row counts, memory, request counters (whatever the store knows)."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets / threads. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingStore(RowSource, Protocol):
+    """`RowSource` plus what training needs: pushes, TTL sweeps, save and load."""
+
+    def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
+                        step: int | None = None) -> "Future[None]":
+        """Send float32 grads [sum N_t, D] (rows in pull_many_async's order); the store applies each
+        table's optimizer (sync mode: at the step's barrier). Duplicate ids get the sum."""
+        ...
+
+    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
+        """Send one table's grads [N, D] of ids [N] and wait for the acknowledgement."""
+        ...
+
     def sweep(self, step: int) -> list[dict]:
         """Every shard drops rows unseen for their table's ttl_steps as of `step`; per-shard counts."""
         ...
-
-    # -- state ------------------------------------------------------------------------------------
 
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
         """Every shard saves its part under `directory` (one `embedding_ps.snapshot` directory each)."""
@@ -78,14 +88,6 @@ class EmbeddingStore(Protocol):
 
     def load(self, directory: str) -> list[dict]:
         """Every shard loads its part of a save under `directory`."""
-        ...
-
-    def stats(self) -> list[dict]:
-        """Per shard: row counts, memory, request counters (whatever the store knows)."""
-        ...
-
-    def close(self) -> None:
-        """Release sockets / threads. Idempotent."""
         ...
 
 

@@ -279,6 +279,9 @@ class SparseArch:
         self.plans = plans
         self.groups = _groups(plans)
         self.replicated = None
+        self.count_lookups = False
+        """Pass each unique id's occurrences to `pull_many_async(counts=)`: the trainer sets it when
+        its store is a row cache (`embedding_ps.cache.CachingStore`, whose per-lookup hit rate needs them)."""
         """The trainer's `ReplicatedTables` (`use_replicated`); None: every table comes from the store
         (serving and export read replicated tables from the export like any other)."""
         self.device: torch.device | None = None
@@ -302,7 +305,7 @@ class SparseArch:
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
         bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
         look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device)
-        if getattr(store, "counts_lookups", False):     # a row cache: per-lookup hit rate
+        if self.count_lookups:     # a row cache: per-lookup hit rate
             look.counts = []
         t0 = time.perf_counter()
         local_of = {}              # plan index -> its group, for the replicated plans

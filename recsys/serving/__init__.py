@@ -1,5 +1,5 @@
 """Serving: export for serving (export.py, delta.py, dense_export.py), the `Predictor` over an
-export (predictor.py) and its rows as a read-only EmbeddingStore (export_store.py). Imports
+export (predictor.py) and its rows as a read-only RowSource (export_store.py). Imports
 the models package, never the training one (offline evaluation of a run lives there, in evaluate.py)."""
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""The export's rows as an `embedding_ps.store.EmbeddingStore`: what the predictor's SparseArch pulls from.
+"""The export's rows as an `embedding_ps.store.RowSource`: what the predictor's SparseArch pulls from.
 
     store = ExportStore([TableView(cfg, ids, matrix, "fp32"), ...])   # one view per ps.tables entry
     rows = store.pull_many_async([0, 1], [ids0, ids1]).result()      # float32 [N0 + N1, D]
-    store.push_many_async(...)                                        # ReadOnlyExportError
 
 Lookup: raw ids -> keys (`keys_of`: hashed tables map ids to rows) -> `np.searchsorted` on the
 sorted ids; an id the table lacks gets the table's default (its deterministic init row, or zeros
 under `unadmitted = "zeros"`), exactly what a PS pull returns in training and eval. The store is
-read-only: every call that would change or save rows raises `ReadOnlyExportError`.
+read-only: it has no push, save, load or sweep (a `RowSource`, not an `EmbeddingStore`).
 """
 
 from __future__ import annotations
@@ -23,11 +22,6 @@ from embedding_ps.init import init_rows
 from embedding_ps.sharding import keys_of
 from embedding_ps.store import done_future
 from recsys.serving.quantize import dequantize
-from recsys.serving.tensorfile import ExportError
-
-
-class ReadOnlyExportError(ExportError):
-    """A push, save, load or sweep on the rows of an export (a read-only store)."""
 
 
 class TableView:
@@ -80,7 +74,7 @@ class TableView:
 
 
 class ExportStore:
-    """`EmbeddingStore` over an export's tables (indexed like `ps.tables`): pulls only.
+    """`RowSource` over an export's tables (indexed like `ps.tables`): pulls only.
 
     Pulls are answered at once (the Futures are done); `barrier` only advances `step`.
     """
@@ -88,10 +82,6 @@ class ExportStore:
     def __init__(self, tables: Sequence[TableView]) -> None:
         self.tables = list(tables)
         self.step = 0
-
-    def _read_only(self, what: str) -> ReadOnlyExportError:
-        return ReadOnlyExportError(f"{what}: the rows of an export are read-only (train a run, then export it "
-                                   f"again, or apply a delta export)")
 
     # -- rows -------------------------------------------------------------------------------------
 
@@ -103,13 +93,6 @@ class ExportStore:
         parts = [self.tables[t].rows(x) for t, x in zip(tables, ids)]
         return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
 
-    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
-        raise self._read_only("push")
-
-    def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
-                        step: int | None = None) -> "Future[None]":
-        raise self._read_only("push_many_async")
-
     # -- steps ------------------------------------------------------------------------------------
 
     def barrier(self, step: int) -> None:
@@ -118,20 +101,6 @@ class ExportStore:
     def barrier_async(self, step: int) -> Future:
         self.barrier(step)
         return done_future(None)
-
-    def sweep(self, step: int) -> list[dict]:
-        raise self._read_only("sweep")
-
-    # -- state ------------------------------------------------------------------------------------
-
-    def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
-        raise self._read_only(f"save to {directory}")
-
-    def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
-        raise self._read_only(f"wait_saved {directory}")
-
-    def load(self, directory: str) -> list[dict]:
-        raise self._read_only(f"load {directory}")
 
     def stats(self) -> list[dict]:
         """One entry: every table's name, row count and precision."""

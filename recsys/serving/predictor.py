@@ -18,7 +18,7 @@ per-table path below, which `Predictor.fused = False` selects. Latency and throu
 BENCHMARKS.md ("Serving").
 
 Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
-`embedding_ps.store.EmbeddingStore` over the export's tables), to the `recsys.models.SparseArch`
+`embedding_ps.store.RowSource` over the export's tables), to the `recsys.models.SparseArch`
 that training uses (unique ids -> rows -> `embedding_bag` per group of tables), so fp32 scores
 equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's
 `IntNBitTableBatchedEmbeddingBagsCodegen` (SUM with per-id weights; mean pooling as weights 1/length); ids without a

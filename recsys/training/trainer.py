@@ -136,6 +136,7 @@ class Trainer:
         self.device = torch.device(cfg.train.device)
         self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
         self.sparse, model = build_job_model(cfg)
+        self.sparse.count_lookups = self.store is not store     # a row cache: its per-lookup hit rate
         if self.device.type != "cpu":
             self.sparse.device = self.device     # pool on the GPU (SparseArch.device)
         self.model = model.to(self.device)

@@ -56,6 +56,15 @@ class GatedState:
     def stats(self):
         return {}
 
+    def advance(self, step):
+        pass
+
+    def hint_slots(self, table, ids):
+        pass
+
+    def clear_hints(self):
+        pass
+
 
 def request(op, text=None, step=0, request=1, flags=0, worker=0):
     payload = [] if text is None else [text.encode()]

@@ -25,7 +25,7 @@ def store_of(num_shards: int) -> LocalStore:
 
 def protocol_members() -> list[str]:
     return sorted(n for n in dir(EmbeddingStore) if not n.startswith("_")) + sorted(
-        n for n in EmbeddingStore.__annotations__ if not n.startswith("_"))
+        n for c in EmbeddingStore.__mro__ for n in vars(c).get("__annotations__", {}) if not n.startswith("_"))
 
 
 def test_local_store_satisfies_the_protocol() -> None:

@@ -58,6 +58,15 @@ class DictState:
     def load(self, directory):
         self.loaded = directory
 
+    def advance(self, step):
+        pass
+
+    def hint_slots(self, table, ids):
+        pass
+
+    def clear_hints(self):
+        pass
+
 
 def make(mode="async", workers=1, token=None, **kw) -> tuple[ShardServer, DictState]:
     cfg = PSConfig(mode=mode, num_workers=workers, tables=(TableConfig(name="a", dim=D),

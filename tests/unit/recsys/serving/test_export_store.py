@@ -1,16 +1,15 @@
-"""recsys.serving.export_store.ExportStore implements embedding_ps.store.EmbeddingStore (read-only)."""
+"""recsys.serving.export_store.ExportStore implements embedding_ps.store.RowSource (the read-only half)."""
 
 from __future__ import annotations
 
 import inspect
 
 import numpy as np
-import pytest
 import torch
 
 from embedding_ps.config import TableConfig
-from embedding_ps.store import EmbeddingStore
-from recsys.serving.export_store import ExportStore, ReadOnlyExportError, TableView
+from embedding_ps.store import EmbeddingStore, RowSource
+from recsys.serving.export_store import ExportStore, TableView
 
 TABLES = (TableConfig(name="a", dim=4), TableConfig(name="b", dim=4, unadmitted="zeros"))
 
@@ -23,16 +22,16 @@ def make_store() -> ExportStore:
 
 
 def protocol_members() -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(member) for name, member in vars(EmbeddingStore).items()
+    return {name: inspect.signature(member) for name, member in vars(RowSource).items()
             if callable(member) and not name.startswith("_")}
 
 
 def test_conforms_to_the_protocol() -> None:
     store = make_store()
-    assert isinstance(store, EmbeddingStore)
+    assert isinstance(store, RowSource) and not isinstance(store, EmbeddingStore)
     assert isinstance(store.step, int)
     members = protocol_members()
-    assert {"pull_many_async", "push_many_async", "barrier", "save", "load", "stats", "close"} <= set(members)
+    assert {"pull_many_async", "pull", "barrier", "stats", "close"} <= set(members)
     for name, want in members.items():
         got = inspect.signature(getattr(ExportStore, name))
         assert list(got.parameters) == list(want.parameters), name     # same names, same order
@@ -54,12 +53,9 @@ def test_pulls_rows_and_defaults_in_order() -> None:
 def test_is_read_only() -> None:
     store = make_store()
     ids = torch.tensor([0, 2])
-    for call in (lambda: store.push(0, ids, torch.zeros(2, 4)),
-                 lambda: store.push_many_async([0], [ids], torch.zeros(2, 4)),
-                 lambda: store.save("/tmp/x"), lambda: store.load("/tmp/x"), lambda: store.sweep(1),
-                 lambda: store.wait_saved("/tmp/x", 1.0)):
-        with pytest.raises(ReadOnlyExportError, match="read-only"):
-            call()
+    for name in ("push", "push_many_async", "save", "load", "sweep", "wait_saved"):
+        assert not hasattr(store, name), name          # no writes to offer
+    assert torch.equal(store.pull(0, ids), store.pull(0, ids))
     store.barrier(4)
     assert store.step == 5 and store.barrier_async(5).result() is None
     assert store.stats()[0]["tables"][0] == {"name": "a", "rows": 10, "precision": "fp32"}
