@@ -329,8 +329,8 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     out["baseline_with_id_map_per_s_b4096"] = round(rate(lambda b: base(base.inputs(b)), bigs, BIG))
     out["ratio_b4096_vs_baseline_with_id_map"] = round(
         out["pooled_per_s_b4096"] / out["baseline_with_id_map_per_s_b4096"], 3)
-    p.fused = False                                                          # the per-table path, same requests
-    lat = latencies(p.predict, ones[:max(200, requests // 5)], warmup=20)
+    per_table = Predictor(export, fused=False)                               # the per-table path, same requests
+    lat = latencies(per_table.predict, ones[:max(200, requests // 5)], warmup=20)
     out["per_table_p50_ms_b1"] = ms(lat, 0.5)
     return out, base.label, calls
 

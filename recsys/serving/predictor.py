@@ -14,7 +14,7 @@ Pooling (the hot path): `native_fused.make_pooling`, called when the Predictor o
 [B, F, D] in one or two calls) or, without a C compiler, `fused.FusedPooling` (one fbgemm
 hash-map lookup of every (table, id), one `embedding_bag` per pooling group or one TBE call);
 both look a request up across all tables at once, with the same results (bit for bit) as the
-per-table path below, which `Predictor.fused = False` selects. Latency and throughput:
+per-table path below, which `Predictor(..., fused=False)` selects. Latency and throughput:
 BENCHMARKS.md ("Serving").
 
 Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
@@ -65,7 +65,11 @@ _CHUNK_ROWS = 65536
 class Predictor:
     """Scores of a full export (optionally with deltas applied). Not thread-safe."""
 
-    def __init__(self, export_dir: str | Path, deltas: list[str | Path] | tuple = (), verify: bool = True) -> None:
+    def __init__(self, export_dir: str | Path, deltas: list[str | Path] | tuple = (), verify: bool = True,
+                 fused: bool = True) -> None:
+        """`fused` False: pool through the per-table path (the training SparseArch over the export's
+        rows, or fbgemm's per-table TBE for int8 / int4), the reference that tests and
+        benchmarks/serving.py compare the fused pooling with."""
         self.root = Path(export_dir)
         self.verify = verify
         self.manifest = read_manifest(self.root, verify)
@@ -92,11 +96,12 @@ class Predictor:
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
         if "retrieval" in self.manifest:
             self._open_retrieval(self.manifest["retrieval"])
-        self.fused = True               # pooled() through NativePooling / FusedPooling (False: the per-table path)
+        self.fused = fused              # pooled() through NativePooling / FusedPooling (False: the per-table path)
         self._fused: FusedPooling | None = None
         for d in deltas:
             self.apply_delta(d)
-        self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
+        if fused:
+            self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""

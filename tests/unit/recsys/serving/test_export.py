@@ -235,18 +235,15 @@ def test_deepfm_with_linear_tables(tmp_path, export_data, tiny_config, train_run
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
 def test_fused_lookup_scores_equal_per_table_path(exports, export_data, precision: str) -> None:
     """Predictor's fused lookup (recsys/serving/fused.py) against its per-table path, bit for bit."""
-    predictor = Predictor(exports[precision])
+    predictor, reference = Predictor(exports[precision]), Predictor(exports[precision], fused=False)
     table = pq.read_table(export_data / "part-00001.parquet").slice(0, 3000)
     fused = predictor.predict(table)
-    predictor.fused = False
-    per_table = predictor.predict(table)
+    per_table = reference.predict(table)
     assert fused.shape == (3000,)
     np.testing.assert_array_equal(fused, per_table)
     for B in (1, 2, 17):                       # small requests too
-        predictor.fused = True
         one = predictor.predict(table.slice(5, B))
-        predictor.fused = False
-        np.testing.assert_array_equal(one, predictor.predict(table.slice(5, B)))
+        np.testing.assert_array_equal(one, reference.predict(table.slice(5, B)))
 
 
 class _Tiny(torch.nn.Module):
