@@ -65,10 +65,10 @@ import time
 import numpy as np
 import torch
 
-from embedding_ps.client import PSClient
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shardloop import serve
-from embedding_ps.shard import ShardState, release_free_heap, verify_shard
+from embedding_ps.client.client import PSClient
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.loop import serve
+from embedding_ps.shard.state import ShardState, release_free_heap, verify_shard
 
 CHUNK = 1 << 18
 

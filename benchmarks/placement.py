@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedding_ps import native  # noqa: E402
-from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
+from embedding_ps.wire.config import PSConfig, TableConfig  # noqa: E402
 from embedding_ps.local import LocalStore  # noqa: E402
 from recsys.models.replicated import ReplicatedTables, TableOptimizer  # noqa: E402
 from recsys.models.sparse_arch import _SumPool  # noqa: E402

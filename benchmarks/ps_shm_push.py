@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ps_throughput as T  # noqa: E402
 
-from embedding_ps.client import PSClient  # noqa: E402
-from embedding_ps.shard import ShardState  # noqa: E402
+from embedding_ps.client.client import PSClient  # noqa: E402
+from embedding_ps.shard.state import ShardState  # noqa: E402
 
 ORDERS = {"copy_first": (False, False), "late_notify": (True, True)}
 TABLE = 1        # the d64 table of ps_throughput.make_config

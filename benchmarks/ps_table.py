@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from embedding_ps import native
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.idmap import IdMap
-from embedding_ps.shard import ShardState, release_free_heap
+from embedding_ps.shard.state import ShardState, release_free_heap
 
 
 CPU_CLOCK = [False]  # --clock cpu: time.process_time (robust on a shared, overloaded machine)
@@ -181,7 +181,7 @@ def bench_kernels(rows: int, batch: int, repeats: int, dims: tuple[int, ...] = (
     `push_<optimizer>_<decay>_<dtype>_d<dim>_<path>_rows_per_s` and the ratios of fbgemm to
     native (C library loaded) and of fbgemm_pure to torch (without it).
     """
-    from embedding_ps import kernels
+    from embedding_ps.shard import kernels
 
     if not kernels.fbgemm_available():
         raise RuntimeError(f"--kernels: fbgemm_gpu does not import: {kernels.fbgemm_error()}")

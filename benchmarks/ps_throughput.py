@@ -18,7 +18,7 @@ client sends them as they are and the shard merges their gradients; keys `*_zipf
 the client sends each id once, sums their gradients itself and expands the rows: the in-process
 bound does not dedup, so its ratio is not the same op mix's); `both`
 (default) runs the two. --threads: ps.threads of the shards (default 0: the config's default).
---shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.shm);
+--shared-memory: ps.shared_memory of shards and clients (rows through /dev/shm, embedding_ps.wire.shm);
 `both` (default) runs each configuration over the socket and again with it (keys `*_shm*`).
 
 The in-process bound of the same op mix, in the same run (`inprocess_*`): a ShardState with the
@@ -75,11 +75,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ps_table import bench_map, bench_rss, median_s  # noqa: E402
 
 from embedding_ps import native  # noqa: E402
-from embedding_ps.client import PSClient  # noqa: E402
-from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
-from embedding_ps.shardloop import serve  # noqa: E402
-from embedding_ps.shard import ShardState  # noqa: E402
-from embedding_ps.shm import client_uses  # noqa: E402
+from embedding_ps.client.client import PSClient  # noqa: E402
+from embedding_ps.wire.config import PSConfig, TableConfig  # noqa: E402
+from embedding_ps.shard.loop import serve  # noqa: E402
+from embedding_ps.shard.state import ShardState  # noqa: E402
+from embedding_ps.wire.shm import client_uses  # noqa: E402
 
 DIMS = (16, 64)
 READY_TIMEOUT_S = 120.0
@@ -301,7 +301,7 @@ def main() -> None:
     p.add_argument("--wire", choices=["fp32", "fp16", "bf16"], default="fp32", help="ps.wire_dtype")
     p.add_argument("--dedup", action="store_true",
                    help="let the client deduplicate (PSClient's default: one hash pass per request, "
-                        "clientplan.dedup_ids; uniform ids are unique already, Zipf ids repeat)")
+                        "client.plan.dedup_ids; uniform ids are unique already, Zipf ids repeat)")
     p.add_argument("--skip-core", action="store_true", help="skip the map and RSS measurements")
     p.add_argument("--native", choices=("on", "off"), default="on",
                    help="the shard's C fast path (embedding_ps/native.py); off = EMBEDDING_PS_NATIVE=0 everywhere")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ps_throughput as T  # noqa: E402
 
-from embedding_ps.client import PSClient  # noqa: E402
+from embedding_ps.client.client import PSClient  # noqa: E402
 
 
 def main() -> None:

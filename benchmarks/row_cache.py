@@ -1,4 +1,4 @@
-"""Hot-row cache (embedding_ps.cache): hit rates, eviction policies, refresh ahead, the cache's own cost.
+"""Hot-row cache (embedding_ps.client.cache): hit rates, eviction policies, refresh ahead, the cache's own cost.
 
     python benchmarks/row_cache.py [--json] [--vocab 100000 1000000] [--steps 300] [--batch 4096]
     python benchmarks/row_cache.py --criteo [--steps 100]      # 26 criteo-like tables, one call a step
@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.hashing import splitmix64_finalize  # noqa: E402
 from data.synthetic import PRESETS, zipf_ranks  # noqa: E402
-from embedding_ps.cache import CachingStore  # noqa: E402
-from embedding_ps.config import PSConfig, TableConfig  # noqa: E402
+from embedding_ps.client.cache import CachingStore  # noqa: E402
+from embedding_ps.wire.config import PSConfig, TableConfig  # noqa: E402
 from embedding_ps.store import done_future  # noqa: E402
 
 

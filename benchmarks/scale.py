@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embedding_ps.client import PSClient
+from embedding_ps.client.client import PSClient
 from recsys.config import JobConfig, load_config
 from recsys.training import launch
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ps_throughput as T  # noqa: E402
 
-from embedding_ps import shm  # noqa: E402
-from embedding_ps.client import PSClient  # noqa: E402
+from embedding_ps.wire import shm  # noqa: E402
+from embedding_ps.client.client import PSClient  # noqa: E402
 
 TABLE = 1        # the d64 table of ps_throughput.make_config
 WAYS = {"settle": shm.SETTLE_S, "no_settle": 0.0}

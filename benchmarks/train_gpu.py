@@ -11,7 +11,7 @@ Adam lr 1e-3, row-wise Adagrad lr 0.05 on the embeddings) on its Zipf(1.05) crit
 - `ours_gpu_cache`: `launch_train` with train.device = "cuda", 1 trainer, --shards PS shard processes
   on the host's cores (ps.mode async, ps.max_staleness --cache-staleness), and a trainer-side row
   cache of --cache-frac (5%) of each feature's vocabulary per table, held on the GPU
-  (`embedding_ps.cache`, rows pooled there).
+  (`embedding_ps.client.cache`, rows pooled there).
 - `ours_gpu`: the same job without the cache (every row pulled from the shards each step, pooled
   on the host, the pooled [B, F, D] copied to the GPU).
 - `torchrec_gpu`: the same DLRM in this process, embeddings in torchrec's FusedEmbeddingBagCollection

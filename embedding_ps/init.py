@@ -21,7 +21,7 @@ import torch
 
 from embedding_ps import native
 from embedding_ps.reference import seed_mix
-from embedding_ps.sharding import splitmix64_reference
+from embedding_ps.wire.sharding import splitmix64_reference
 
 
 def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) -> torch.Tensor:

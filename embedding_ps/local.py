@@ -6,7 +6,7 @@
     store.barrier(step)
 
 For offline evaluation, tests and benchmarks: no sockets, no threads. Ids go to the shard states
-exactly as `PSClient` sends them over the network (`embedding_ps.sharding.route`), so a run's saved
+exactly as `PSClient` sends them over the network (`embedding_ps.wire.sharding.route`), so a run's saved
 shards load here unchanged, and `num_shards` states give the same rows as one state would.
 
 One worker, so the two modes coincide: a push is applied when it is made (sync mode would apply it
@@ -24,10 +24,10 @@ from concurrent.futures import Future
 
 import torch
 
-from embedding_ps.config import PSConfig
-from embedding_ps.shard import ShardState
-from embedding_ps.sharding import route
-from embedding_ps.snapshot import shard_dir
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.shard.state import ShardState
+from embedding_ps.wire.sharding import route
+from embedding_ps.shard.snapshot import shard_dir
 from embedding_ps.store import done_future
 
 

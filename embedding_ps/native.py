@@ -349,7 +349,7 @@ def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads:
     """out float32 [N, D] = weights[slots] (fp32 or fp16 weights), slots int32 [N] < len(weights);
     rows with slot < 0 are left untouched. Returns how many there were.
 
-    decay_steps (int32 [C], global weight decay, `embedding_ps.decay`): a row k = target -
+    decay_steps (int32 [C], global weight decay, `embedding_ps.shard.decay`): a row k = target -
     decay_steps[slot] > 0 steps behind comes scaled by decay^k (`GlobalDecay.pulled`'s math)."""
     _check(slots, np.int32, "slots"), _check(out, torch.float32, "out")
     half = weights.dtype == torch.float16

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from embedding_ps.sharding import GOLDEN, splitmix64_np
+from embedding_ps.wire.sharding import GOLDEN, splitmix64_np
 
 EMPTY = -1
 """An id map's free bucket that ends a probe chain (`idmap.IdMap`'s layout)."""

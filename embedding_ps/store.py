@@ -5,9 +5,9 @@
     store.barrier(step)                                                  # sync: the step is applied
 
 Two Protocols, and nothing else is used at these seams (no `getattr` probing, no private
-members): `EmbeddingStore`, implemented by `embedding_ps.client.PSClient` (the shards over the
+members): `EmbeddingStore`, implemented by `embedding_ps.client.client.PSClient` (the shards over the
 network), `embedding_ps.local.LocalStore` (the shards' states in this process: offline eval, tests)
-and `embedding_ps.cache.CachingStore` (a row cache in front of either); and its read-only half
+and `embedding_ps.client.cache.CachingStore` (a row cache in front of either); and its read-only half
 `RowSource`, all that the export-backed store of `recsys.serving` (the rows of an export) is.
 Test doubles implement these Protocols too.
 
@@ -79,7 +79,7 @@ class EmbeddingStore(RowSource, Protocol):
         ...
 
     def save(self, directory: str, step: int | None = None, background: bool = False) -> list[dict]:
-        """Every shard saves its part under `directory` (one `embedding_ps.snapshot` directory each)."""
+        """Every shard saves its part under `directory` (one `embedding_ps.shard.snapshot` directory each)."""
         ...
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:

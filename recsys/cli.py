@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data.paths import fill_date, parse_date
-from embedding_ps.auth import AuthConfigError
+from embedding_ps.wire.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
 from recsys.training.launch import StopNow
@@ -31,8 +31,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.job", "WorkerError"),
-               ("embedding_ps.shardloop", "BindError"),
-               ("recsys.training.checkpoint", "CorruptCheckpointError"), ("embedding_ps.snapshot", "CorruptShardError"),
+               ("embedding_ps.shard.loop", "BindError"),
+               ("recsys.training.checkpoint", "CorruptCheckpointError"),
+               ("embedding_ps.shard.snapshot", "CorruptShardError"),
                ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
                ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"))
 """(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,
@@ -185,7 +186,7 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
-    from embedding_ps.shardloop import serve
+    from embedding_ps.shard.loop import serve
 
     ps = load_ps_config(args.config, args.overrides)     # a shard reads only the [ps] section
     if not 0 <= args.shard < ps.num_shards:

@@ -3,7 +3,7 @@
 A job config is a TOML file with one section per package::
 
     [data]    -> data.config.DataConfig
-    [ps]      -> embedding_ps.config.PSConfig   ([[ps.tables]] -> TableConfig)
+    [ps]      -> embedding_ps.wire.config.PSConfig   ([[ps.tables]] -> TableConfig)
     [model]   -> ModelConfig (recsys/config_model.py)
     [train]   -> TrainConfig
 
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from data.config import DataConfig
 from data.paths import fill_date, parse_date
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig
 from recsys.config_retrieval import EvalConfig, check_two_tower

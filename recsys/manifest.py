@@ -44,7 +44,7 @@ def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format
     """`root/manifest.json` of a checkpoint or export: a JSON object of `format` whose `version[0]`
     key is `version[1]`, holding the `required` keys and a `files` table. Raises `error` naming the
     file: missing ("not {kind}"), not JSON, of another format or version, or without a key. The
-    one reader of recsys' manifests (a saved PS shard's is `embedding_ps.snapshot`'s)."""
+    one reader of recsys' manifests (a saved PS shard's is `embedding_ps.shard.snapshot`'s)."""
     path = Path(root) / "manifest.json"
     try:
         text = path.read_text()

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from data.vocab import distinct_ids
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.store import done_future
 from recsys import storage

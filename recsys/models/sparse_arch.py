@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from data.batch import Batch
 from embedding_ps import native
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from embedding_ps.store import EmbeddingStore
 
 
@@ -177,7 +177,7 @@ class SparseLookup:
         if example_major:
             idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w)
         dev = self.rows[g].device
-        if dev.type != "cpu":         # a row cache on the GPU (embedding_ps.cache): pool there
+        if dev.type != "cpu":         # a row cache on the GPU (embedding_ps.client.cache): pool there
             idx, offs, lens = idx.to(dev), offs.to(dev), lens.to(dev)
             w = None if w is None else w.to(dev)
         if mode == "sum":
@@ -281,7 +281,7 @@ class SparseArch:
         self.replicated = None
         self.count_lookups = False
         """Pass each unique id's occurrences to `pull_many_async(counts=)`: the trainer sets it when
-        its store is a row cache (`embedding_ps.cache.CachingStore`, whose per-lookup hit rate needs them)."""
+        its store is a row cache (`embedding_ps.client.cache.CachingStore`, whose per-lookup hit rate needs them)."""
         """The trainer's `ReplicatedTables` (`use_replicated`); None: every table comes from the store
         (serving and export read replicated tables from the export like any other)."""
         self.device: torch.device | None = None

@@ -16,7 +16,7 @@ fused rows uint8 (int8: D codes | f32 scale | f32 bias; int4: packed nibbles | f
 bias). The Parquet file splits the quantized rows into `vector` (the codes: fixed_size_list<uint8>,
 int4 packed two per byte, low nibble first), `scale` and `bias` (value = code * scale + bias); for
 fp32/fp16 `vector` is fixed_size_list<float>/<halffloat>[D]. Ids are raw ids for `dynamic` tables
-and hashed row indices (`embedding_ps.sharding.keys_of`) for `hashed` ones. An id a table lacks
+and hashed row indices (`embedding_ps.wire.sharding.keys_of`) for `hashed` ones. An id a table lacks
 serves the table's `unadmitted` default: the deterministic init row of (seed, key) or zeros,
 exactly what a PS pull returns. The manifest's "calibration" ({"negative_sampling_rate": r,
 "correction": ...}) says how the Predictor turns the dense model's logits into calibrated click

@@ -17,9 +17,9 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
-from embedding_ps.sharding import keys_of
+from embedding_ps.wire.sharding import keys_of
 from embedding_ps.store import done_future
 from recsys.serving.quantize import dequantize
 

@@ -46,7 +46,7 @@ from fbgemm_gpu.tbe.config.embedding_config import BoundsCheckMode, EmbeddingLoc
 
 from data.batch import Batch
 from embedding_ps.init import init_rows
-from embedding_ps.sharding import splitmix64_np
+from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
 from recsys.serving.export_store import TableView
 from recsys.serving.quantize import QUANTIZED, dequantize, tbe_dim, tbe_rows

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from embedding_ps.init import init_rows
-from embedding_ps.sharding import splitmix64_np
+from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView

@@ -8,7 +8,7 @@ Both inputs hold `config.toml`, `model/dense.pt` and `model/ps/shard{i}/` (one s
 per shard: manifest.json + table{t}/*.npy); a run's step is `metrics.json["steps"]`, a
 checkpoint's `manifest.json["step"]`. Both count completed training steps.
 
-Every saved file is read through `embedding_ps.snapshot.SavedShard`, so its size and SHA-256 are
+Every saved file is read through `embedding_ps.shard.snapshot.SavedShard`, so its size and SHA-256 are
 checked against the shard's manifest before use. A table is read shard by shard: `weights` and
 `meta` memory-mapped (hashed once through the mapping: one sequential read of each file; only the
 live rows `weights[map_slots]` are then copied), so one process never holds more than one table's rows.
@@ -18,7 +18,7 @@ Steps of rows and evictions: a push in training step t (0-based) stamps its rows
 sweeps log their evictions with the completed-step count. `since=S` therefore keeps rows with
 `last_seen >= S` and evictions logged at steps >= S: everything that can differ from a model
 saved at step S (a superset when S falls mid-way, never less). A table with global weight decay
-(`embedding_ps.decay`) changes every row every step: a delta holds all its rows.
+(`embedding_ps.shard.decay`) changes every row every step: a delta holds all its rows.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from embedding_ps.config import TableConfig
-from embedding_ps.decay import is_global
-from embedding_ps.snapshot import SavedShard, shard_dir, unpack_meta
+from embedding_ps.wire.config import TableConfig
+from embedding_ps.shard.decay import is_global
+from embedding_ps.shard.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.models.replicated import REPLICATED_FILE, load_bytes
 from recsys.rundir import model_root

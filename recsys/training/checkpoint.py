@@ -19,7 +19,7 @@ The cut (`Checkpointer.save` at step t, called by every rank between steps):
   continues from that state; it does not replay the same staleness pattern (no async run does).
 
 With `train.checkpoint_background` the shards take a copy-on-write snapshot (the only pause; extra
-memory within `ps.checkpoint_extra_memory`, `embedding_ps.cow`) and write it while training goes
+memory within `ps.checkpoint_extra_memory`, `embedding_ps.shard.cow`) and write it while training goes
 on. A thread of rank 0 waits for the writes, writes the manifest and
 renames the temporary directory into place, so a directory named `step-*` is always complete.
 `resolve_resume` verifies checksums and, for `latest`, falls back to the newest good checkpoint.
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from data.loader import ParquetLoader
-from embedding_ps.snapshot import saved_file_checksums
+from embedding_ps.shard.snapshot import saved_file_checksums
 from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml

@@ -1,7 +1,7 @@
 """Ray engine: `recsys train` with `[cluster] engine = "ray"` places the same job on a Ray cluster.
 
     driver (this process) ──placement group (ps bundles, SPREAD | PACK)──> ShardActor 0..N-1
-                             each runs `embedding_ps.shardloop.serve` (the code behind `recsys ps`) on its
+                             each runs `embedding_ps.shard.loop.serve` (the code behind `recsys ps`) on its
                              node's address, ps.auth = "token" with a per-job token handed over by Ray
                           ──ray.train.torch.TorchTrainer(ScalingConfig)──> trainer rank 0..W-1
                              Ray Train sets up torch.distributed (gloo / NCCL); each runs `run_worker`,
@@ -94,7 +94,7 @@ class ShardActor:
     """
 
     def __init__(self, config_toml: str, shard: int, token: str, run_dir: str, restore: str | None) -> None:
-        from embedding_ps.shardloop import serve
+        from embedding_ps.shard.loop import serve
         from recsys.runtime import apply_environment, setup_logging
 
         setup_logging(role=f"ps{shard}", log_file=str(Path(run_dir) / f"ps-{shard}.log"))

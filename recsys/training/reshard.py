@@ -1,7 +1,7 @@
 """Re-sharding N -> M: a checkpoint's shards restore into any number of shards by re-hashing ids.
 
 Every old shard directory is read by every new shard, which keeps the rows whose id hashes to it
-(`embedding_ps.sharding.shard_of`): rows, optimizer state, counts and last-seen steps move.
+(`embedding_ps.wire.sharding.shard_of`): rows, optimizer state, counts and last-seen steps move.
 Admission counts of ids still waiting and eviction logs stay behind (they are per old shard).
 
 - at resume: each new shard process loads its own part at start-up (`restore_shard`), in parallel;
@@ -17,9 +17,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from embedding_ps.config import PSConfig
-from embedding_ps.shard import ShardState
-from embedding_ps.snapshot import SavedShard, saved_shard_dirs, shard_dir
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.shard.state import ShardState
+from embedding_ps.shard.snapshot import SavedShard, saved_shard_dirs, shard_dir
 from recsys import storage
 from recsys.config import load_config, to_toml
 from recsys.training.checkpoint import export_rows, resolve_init, verify_checkpoint, write_manifest

@@ -38,7 +38,7 @@ from torch import nn
 from data.batch import Batch
 from data.loader import ParquetLoader
 from data.parquet import scoring_config
-from embedding_ps.cache import CachingStore, cache_metrics
+from embedding_ps.client.cache import CachingStore, cache_metrics
 from embedding_ps.store import EmbeddingStore
 from recsys.calibration import data_score_rate, probabilities
 from recsys.config import JobConfig

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from data.parquet import DataError
-from embedding_ps.client import PSClient
+from embedding_ps.client.client import PSClient
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
 from recsys.dist import all_reduce

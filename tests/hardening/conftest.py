@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from embedding_ps.config import PSConfig
+from embedding_ps.wire.config import PSConfig
 from recsys.config import JobConfig, to_toml
 
 READY_TIMEOUT_S = 60.0

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from recsys.config import load_config
 from recsys.training.checkpoint import list_checkpoints
 from recsys.training.launch import launch_train

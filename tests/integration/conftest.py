@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedding_ps.config import PSConfig
+from embedding_ps.wire.config import PSConfig
 from embedding_ps.local import LocalStore
 from recsys.config import JobConfig, load_config, to_toml
 

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from embedding_ps.cache import CachingStore
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.client.cache import CachingStore
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.local import LocalStore
 from recsys.config import JobConfig, load_config

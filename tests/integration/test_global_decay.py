@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from embedding_ps.client import PSClient
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.optim import reference_update
-from embedding_ps.snapshot import SavedShard, saved_shard_dirs
+from embedding_ps.client.client import PSClient
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.optim import reference_update
+from embedding_ps.shard.snapshot import SavedShard, saved_shard_dirs
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from embedding_ps.auth import create_curve_keys
-from embedding_ps.client import PSClient, PSRequestError, ShardUnavailableError
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.auth import create_curve_keys
+from embedding_ps.client.client import PSClient, PSRequestError, ShardUnavailableError
+from embedding_ps.wire.config import PSConfig, TableConfig
 
 from .conftest import child_env, ps_toml
 

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from embedding_ps.client import PSClient
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.client.client import PSClient
+from embedding_ps.wire.config import PSConfig, TableConfig
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import zmq
 
-from embedding_ps import protocol as P
-from embedding_ps.client import PSClient, PSRequestError, ShardUnavailableError
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire import protocol as P
+from embedding_ps.client.client import PSClient, PSRequestError, ShardUnavailableError
+from embedding_ps.wire.config import PSConfig, TableConfig
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from embedding_ps.client import PSClient
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
+from embedding_ps.client.client import PSClient
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import ShardState
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 import zmq
 
-from embedding_ps import protocol as P
-from embedding_ps import shm
-from embedding_ps.client import PSClient, PSRequestError
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shardloop import serve
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire import shm
+from embedding_ps.client.client import PSClient, PSRequestError
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.loop import serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not shm.available(), reason="no /dev/shm")]
 
@@ -114,7 +114,7 @@ def test_shard_without_shared_memory_falls_back_to_the_socket(shard_processes, c
     with PSClient(config, shards.addresses) as plain:
         want = plain.pull(0, ids).clone()
     with PSClient(dataclasses.replace(config, shared_memory="auto"), shards.addresses) as c:
-        with caplog.at_level("WARNING", logger="embedding_ps.shm"):
+        with caplog.at_level("WARNING", logger="embedding_ps.wire.shm"):
             torch.testing.assert_close(c.pull(0, ids), want, atol=0, rtol=0)
             c.push(0, ids, torch.ones(ROWS, D))
             c.pull(0, ids)

@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from embedding_ps.client import PSClient, SaveFailedError, SaveTimeoutError
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shardloop import serve
-from embedding_ps.sharding import route
-from embedding_ps.shard import ShardState, verify_shard
-from embedding_ps.snapshot import shard_dir
+from embedding_ps.client.client import PSClient, SaveFailedError, SaveTimeoutError
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.loop import serve
+from embedding_ps.wire.sharding import route
+from embedding_ps.shard.state import ShardState, verify_shard
+from embedding_ps.shard.snapshot import shard_dir
 
 pytestmark = pytest.mark.integration
 

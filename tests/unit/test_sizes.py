@@ -13,14 +13,14 @@ MAX_FUNCTION_LINES = 60
 
 KNOWN_FILES = {
     "recsys/cli.py", "recsys/config.py", "recsys/metrics.py", "recsys/training/checkpoint.py",
-    "recsys/training/trainer.py", "embedding_ps/shm.py", "embedding_ps/table.py",
+    "recsys/training/trainer.py", "embedding_ps/wire/shm.py", "embedding_ps/shard/table.py",
 }
 KNOWN_FUNCTIONS = {
     "recsys/cli.py::build_parser",              # one add_argument per flag: a table, not logic
     "recsys/config.py::expand_tables", "recsys/config.py::__post_init__",
     "recsys/training/daily.py::run_daily", "recsys/training/job.py::prepared_run",
     "recsys/training/launch.py::_attempt", "recsys/training/worker.py::run_worker",
-    "embedding_ps/client.py::push_many_async",
+    "embedding_ps/client/client.py::push_many_async",
 }
 
 

@@ -8,11 +8,11 @@ import threading
 
 import torch
 
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import DEFERRED, ShardServer
-from embedding_ps.shard import ShardState, verify_shard
-from embedding_ps.snapshot import shard_dir
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.server import DEFERRED, ShardServer
+from embedding_ps.shard.state import ShardState, verify_shard
+from embedding_ps.shard.snapshot import shard_dir
 
 D = 4
 TIMEOUT_S = 20.0

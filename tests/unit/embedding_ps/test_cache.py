@@ -11,8 +11,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from embedding_ps.cache import CachingStore, cache_metrics
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.client.cache import CachingStore, cache_metrics
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.local import LocalStore
 from embedding_ps.store import EmbeddingStore
 

@@ -1,4 +1,4 @@
-"""The fused row cache (embedding_ps.rowcache behind CachingStore): one call over many tables
+"""The fused row cache (embedding_ps.client.rowcache behind CachingStore): one call over many tables
 equals one call per table, served rows stay within the staleness bound on a hand-built stream with
 pushes, refresh-ahead keeps hot rows hitting without breaking the bound, per-lookup counts, and
 combined-key collisions between tables."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps.cache import CachingStore
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.client.cache import CachingStore
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.local import LocalStore
-from embedding_ps.rowcache import FusedRowCache
+from embedding_ps.client.rowcache import FusedRowCache
 
 CFG = PSConfig(num_shards=2, tables=(
     TableConfig(name="a", dim=4, lr=0.1, seed=1, cache_rows=6),      # small: evicts every step

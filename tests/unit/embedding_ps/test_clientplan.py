@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embedding_ps import protocol as P
-from embedding_ps.clientplan import assemble_rows, plan_ids, plan_many, plans_by_shard
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.sharding import route
+from embedding_ps.wire import protocol as P
+from embedding_ps.client.plan import assemble_rows, plan_ids, plan_many, plans_by_shard
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.wire.sharding import route
 
 D = 3
 

@@ -1,4 +1,4 @@
-"""The copy-on-write background save (`embedding_ps.cow`): updates while the writer runs never reach
+"""The copy-on-write background save (`embedding_ps.shard.cow`): updates while the writer runs never reach
 the files (they equal a blocking save at the snapshot, byte for byte) but do reach the live state;
 a full side buffer makes updates wait for the writer; the accounted extra memory stays within
 `ps.checkpoint_extra_memory` of the rows' bytes."""
@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.cow import SIDE_FLOOR
-from embedding_ps.shard import ShardState
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.cow import SIDE_FLOOR
+from embedding_ps.shard.state import ShardState
 
 JOIN_S = 60.0
 TABLES = (
@@ -98,7 +98,7 @@ def test_rows_too_small_for_the_bound_get_a_floor_side_buffer(tmp_path, caplog):
     state = ShardState(cfg, 0)
     state.push(0, torch.arange(5000), torch.ones(5000, 4), step=0)
     state.save(str(tmp_path / "blocking"))
-    with caplog.at_level("WARNING", logger="embedding_ps.cow"):
+    with caplog.at_level("WARNING", logger="embedding_ps.shard.cow"):
         snap = state.snapshot()
     assert "more than the bound" in caplog.text
     stream = state._cow.streams[0]

@@ -1,4 +1,4 @@
-"""Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.decay`) against an eager table.
+"""Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.shard.decay`) against an eager table.
 
 The reference (`Eager`) holds every row that exists densely and, at each step s, scales EVERY row by
 (1 - lr * wd), then applies the optimizer without decay (`optim.reference_update`) to the rows the step
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from embedding_ps import native, reference
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.decay import GlobalDecay
-from embedding_ps.gates import make_gate
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.decay import GlobalDecay
+from embedding_ps.shard.gates import make_gate
 from embedding_ps.local import LocalStore
-from embedding_ps.optim import fill_value, reference_update, state_specs
-from embedding_ps.server import ShardServer
-from embedding_ps.shard import ShardState
-from embedding_ps.sharding import shard_of
-from embedding_ps.snapshot import SavedShard, shard_dir
+from embedding_ps.shard.optim import fill_value, reference_update, state_specs
+from embedding_ps.shard.server import ShardServer
+from embedding_ps.shard.state import ShardState
+from embedding_ps.wire.sharding import shard_of
+from embedding_ps.shard.snapshot import SavedShard, shard_dir
 
 LR, WD, D, V = 0.05, 0.4, 8, 60          # factor 0.98 a step
 ATOL = 1e-5

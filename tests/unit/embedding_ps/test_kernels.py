@@ -11,9 +11,11 @@ import logging
 import pytest
 import torch
 
-from embedding_ps import kernels, native
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
+from embedding_ps import native
+
+from embedding_ps.shard import kernels
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import ShardState
 
 
 def test_native_is_the_default_and_the_old_names_load_as_it() -> None:
@@ -43,7 +45,7 @@ def test_shard_resolves_once_per_table_and_names_the_kernel(monkeypatch, caplog)
     tables = (TableConfig(name="fast", dim=16, optimizer="rowwise_adagrad", kernel="fbgemm"),
               TableConfig(name="slow", dim=16, optimizer="adagrad"),
               TableConfig(name="adam", dim=16, optimizer="adam"))
-    with caplog.at_level(logging.DEBUG, logger="embedding_ps.table"):
+    with caplog.at_level(logging.DEBUG, logger="embedding_ps.shard.table"):
         state = ShardState(PSConfig(tables=tables), 0)
     g = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -84,7 +86,7 @@ def test_a_table_runs_the_path_it_names(monkeypatch, kernel: str) -> None:
 def test_a_loaded_table_keeps_its_kernel(tmp_path, caplog) -> None:
     """load() re-initialises each table from the save: same kernel, no second log line."""
     cfg = PSConfig(tables=(TableConfig(name="t", dim=16, optimizer="rowwise_adagrad", kernel="fbgemm"),))
-    with caplog.at_level(logging.INFO, logger="embedding_ps.table"):
+    with caplog.at_level(logging.INFO, logger="embedding_ps.shard.table"):
         state = ShardState(cfg, 0)
         state.push(0, torch.arange(10), torch.ones(10, 16), 0)
         state.save(str(tmp_path / "s"))

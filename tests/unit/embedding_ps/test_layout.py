@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
-from embedding_ps.sharding import shard_of
-from embedding_ps.snapshot import SavedShard, shard_dir
-from embedding_ps.table import RESERVED_MAP_LOAD, reserve_rows
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import ShardState
+from embedding_ps.wire.sharding import shard_of
+from embedding_ps.shard.snapshot import SavedShard, shard_dir
+from embedding_ps.shard.table import RESERVED_MAP_LOAD, reserve_rows
 
 BASE = TableConfig(name="t", dim=4, optimizer="rowwise_adagrad", lr=0.1)
 

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.local import LocalStore
 from embedding_ps.store import EmbeddingStore
 

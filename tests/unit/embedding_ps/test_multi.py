@@ -4,9 +4,9 @@ order, every part is validated before any is applied, and a bad request leaves t
 import pytest
 import torch
 
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import DEFERRED, ShardServer
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.server import DEFERRED, ShardServer
 
 from tests.unit.embedding_ps.test_protocol import DictState, barrier_req, pull_req, push_req, rows_of, status_of
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from embedding_ps import native, reference
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.reference import home as _home
-from embedding_ps.shard import ShardState
+from embedding_ps.shard.state import ShardState
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native library off or unavailable (no C compiler?)")
 
@@ -283,7 +283,7 @@ def test_fp16_conversions_match_torch() -> None:
 def test_sorted_update_matches_arrival_order_and_torch(optimizer: str, dtype: str, decay: str) -> None:
     """ps_update sorts >= 2048 rows by slot before updating: the same bits as arrival order (1 and 2
     threads), and the rows of optim.apply_update (the torch path)."""
-    from embedding_ps.optim import apply_update
+    from embedding_ps.shard.optim import apply_update
 
     cfg = TableConfig(name="t", dim=24, optimizer=optimizer, dtype=dtype, lr=0.05, kernel="native",
                       weight_decay=0.0 if decay == "none" else 0.3,

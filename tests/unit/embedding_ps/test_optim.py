@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from embedding_ps import native
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.init import init_rows
-from embedding_ps.optim import ReferenceTable
-from embedding_ps.shard import ShardState
+from embedding_ps.shard.optim import ReferenceTable
+from embedding_ps.shard.state import ShardState
 
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedding_ps import protocol as P
-from embedding_ps import shm
-from embedding_ps.auth import AuthConfigError, check_bind_auth, is_loopback
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.gates import StepBuffer
-from embedding_ps.server import DEFERRED, ShardServer
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire import shm
+from embedding_ps.wire.auth import AuthConfigError, check_bind_auth, is_loopback
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.gates import StepBuffer
+from embedding_ps.shard.server import DEFERRED, ShardServer
 
 ROOT = Path(__file__).resolve().parents[3]
 D = 4
@@ -318,7 +318,7 @@ def test_psclient_implements_the_store_protocol():
     """PSClient is an EmbeddingStore: every Protocol member, with the Protocol's parameters."""
     import inspect
 
-    from embedding_ps.client import PSClient
+    from embedding_ps.client.client import PSClient
     from embedding_ps.store import EmbeddingStore
 
     cfg = PSConfig(tables=(TableConfig(name="a", dim=D),))
@@ -336,7 +336,7 @@ def test_psclient_implements_the_store_protocol():
 
 
 def test_gates_are_chosen_once_by_mode():
-    from embedding_ps.gates import AsyncGate, SyncGate
+    from embedding_ps.shard.gates import AsyncGate, SyncGate
 
     assert isinstance(make(mode="sync")[0].gate, SyncGate)
     assert isinstance(make(mode="async")[0].gate, AsyncGate)
@@ -365,7 +365,7 @@ def test_save_and_load_stay_under_the_storage_root(tmp_path):
 
 
 def test_a_token_file_readable_by_others_is_refused(tmp_path):
-    from embedding_ps.auth import load_token
+    from embedding_ps.wire.auth import load_token
 
     token = tmp_path / "ps.token"
     token.write_text("correct-horse-battery-staple\n")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import FORMAT_VERSION, CorruptShardError, ShardState, verify_shard
-from embedding_ps.snapshot import SavedShard, saved_file_checksums, saved_shard_dirs, shard_dir
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import FORMAT_VERSION, CorruptShardError, ShardState, verify_shard
+from embedding_ps.shard.snapshot import SavedShard, saved_file_checksums, saved_shard_dirs, shard_dir
 
 TABLES = (
     TableConfig(name="rw", dim=4, optimizer="rowwise_adagrad", min_count=2, max_rows=60, ttl_steps=2),

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from embedding_ps.config import PSConfig, TableConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.init import init_row_reference, init_rows
 from embedding_ps.local import LocalStore
-from embedding_ps.optim import ReferenceTable, state_specs
-from embedding_ps.sharding import hashed_row
-from embedding_ps.shard import ShardState
+from embedding_ps.shard.optim import ReferenceTable, state_specs
+from embedding_ps.wire.sharding import hashed_row
+from embedding_ps.shard.state import ShardState
 
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
 

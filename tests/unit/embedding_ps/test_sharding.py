@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps.config import TableConfig
-from embedding_ps.sharding import (
+from embedding_ps.wire.config import TableConfig
+from embedding_ps.wire.sharding import (
     hashed_row,
     keys_of,
     route,

@@ -1,4 +1,4 @@
-"""embedding_ps.shm: the client's segment pool (reuse only when idle, discard, cleanup) and the
+"""embedding_ps.wire.shm: the client's segment pool (reuse only when idle, discard, cleanup) and the
 shard's checks before it maps a segment a request names."""
 
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import shm
+from embedding_ps.wire import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
 
@@ -114,7 +114,7 @@ def test_full_shm_falls_back_to_the_socket(monkeypatch) -> None:
 
 
 def test_auto_is_the_default_and_tries_loopback_shards_only() -> None:
-    from embedding_ps.config import PSConfig
+    from embedding_ps.wire.config import PSConfig
 
     assert PSConfig().shared_memory == "auto"
     local, remote = "tcp://127.0.0.1:5555", "tcp://10.0.0.7:5555"
@@ -136,7 +136,7 @@ def test_auto_is_the_default_and_tries_loopback_shards_only() -> None:
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_shared_memory_setting_is_validated(value) -> None:
-    from embedding_ps.config import PSConfig
+    from embedding_ps.wire.config import PSConfig
 
     with pytest.raises(ValueError, match=r"ps.shared_memory must be true, false or 'auto', got"):
         PSConfig(shared_memory=value)
@@ -145,7 +145,7 @@ def test_shared_memory_setting_is_validated(value) -> None:
 def test_refused_shard_falls_back_once_with_one_warning(caplog) -> None:
     segs = shm.ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
     try:
-        with caplog.at_level("WARNING", logger="embedding_ps.shm"):
+        with caplog.at_level("WARNING", logger="embedding_ps.wire.shm"):
             segs.refused(0, "segment not opened here")
             segs.refused(0, "segment not opened here")
         assert len(caplog.records) == 1 and "ps shard 0 at tcp://127.0.0.1:1" in caplog.text

@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import native, shm
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.server import ShardServer
-from embedding_ps.shard import ShardState
+from embedding_ps import native
+
+from embedding_ps.wire import shm
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.server import ShardServer
+from embedding_ps.shard.state import ShardState
 
 pytestmark = [pytest.mark.skipif(not shm.available(), reason="no /dev/shm"),
               pytest.mark.skipif(not native.available(), reason="no C compiler for the native path")]
@@ -304,7 +306,7 @@ def test_hinted_pushes_during_a_background_save_keep_save_and_state_right(tmp_pa
 # ---------------------------------------------------------------------------- a client that dies
 _CHILD = """
 import sys, time
-from embedding_ps import shm
+from embedding_ps.wire import shm
 pool = shm.ShmPool(1 << 26)
 name, seg = pool.take(int(sys.argv[1]))
 start = shm.ids_offset(int(sys.argv[2]))
@@ -386,7 +388,7 @@ def test_late_push_of_a_client_killed_before_its_grads_is_refused_at_once() -> N
 
 _FORKING_CHILD = """
 import os, sys, time
-from embedding_ps import shm
+from embedding_ps.wire import shm
 pool = shm.ShmPool(1 << 26)
 name, seg = pool.take(2 << 20)
 pid = os.fork()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from embedding_ps import native
-from embedding_ps.config import MAX_THREADS, PSConfig, TableConfig, shard_threads
+from embedding_ps.wire.config import MAX_THREADS, PSConfig, TableConfig, shard_threads
 from embedding_ps.idmap import IdMap
-from embedding_ps.shard import ShardState
+from embedding_ps.shard.state import ShardState
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native library off or unavailable (no C compiler?)")
 THREADS = 3

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from embedding_ps import native
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import ShardState
 
 LR, WD, D, STEPS = 0.05, 0.3, 8, 6
 IDS = list(range(100, 140))

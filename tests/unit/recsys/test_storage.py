@@ -18,9 +18,9 @@ import torch
 from data import remote as data_remote
 from data.parquet import DataError, resolve_paths
 from embedding_ps import remote
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
-from embedding_ps.snapshot import SavedShard, shard_dir
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import ShardState
+from embedding_ps.shard.snapshot import SavedShard, shard_dir
 from recsys import storage
 from recsys.rundir import local_run_dir, run_path
 from recsys.training.checkpoint import checkpoint_path, list_checkpoints, prune

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from data.batch import Batch, KeyedJagged
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from recsys.config import ConfigError, ModelConfig, load_config
 from recsys.models import (DIN, AttentionUnit, SequenceSparseArch, build_model, plan_sequences, plan_tables,
                            sequence_inputs)

@@ -15,7 +15,7 @@ from torch import nn
 from data.config import DataConfig
 from data.hashing import hash_strings
 from data.vocab import distinct_ids
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
 from recsys.config import ConfigError, load_config
 from recsys.models.replicated import (ReplicatedTables, TableOptimizer, resolve_placement,
@@ -185,7 +185,7 @@ def test_placement_config_checks() -> None:
 def test_sparse_arch_pools_replicated_tables_from_their_parameter() -> None:
     """A job mixing PS and replicated tables pools each feature from the right rows; gradients of the
     replicated rows land on the parameter, only the PS group is pushed."""
-    from embedding_ps.config import PSConfig
+    from embedding_ps.wire.config import PSConfig
     from embedding_ps.local import LocalStore
     from data.batch import Batch, KeyedJagged
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from data.batch import Batch, KeyedJagged
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import SparseArch, plan_tables
 
 V = 50  # ids are 0..V-1 so a dense [V, D] table is the reference

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from data.loader import ParquetLoader
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from embedding_ps.local import LocalStore
 from recsys.metrics import CTRMetrics
 from recsys.serving import Predictor

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data.batch import Batch, KeyedJagged
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.quantize import dequantize, quantize
 from recsys.serving.tbe_pool import QuantizedPooling

@@ -7,7 +7,7 @@ import inspect
 import numpy as np
 import torch
 
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from embedding_ps.store import EmbeddingStore, RowSource
 from recsys.serving.export_store import ExportStore, TableView
 

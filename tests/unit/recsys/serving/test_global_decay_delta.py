@@ -1,5 +1,5 @@
 """A delta export of a table with global weight decay holds every row: each one decays every step,
-touched or not (`embedding_ps.decay`); a table with touched-rows decay keeps only the rows pushed since."""
+touched or not (`embedding_ps.shard.decay`); a table with touched-rows decay keeps only the rows pushed since."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
-from embedding_ps.config import PSConfig, TableConfig
-from embedding_ps.shard import ShardState
-from embedding_ps.snapshot import shard_dir
+from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.shard.state import ShardState
+from embedding_ps.shard.snapshot import shard_dir
 from recsys.serving.source import SavedShards
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from data.batch import Batch, KeyedJagged
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import plan_tables
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from embedding_ps import native as ps_native
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import plan_tables
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
@@ -61,7 +61,7 @@ def test_map_lookup_equals_a_dict(native) -> None:
 
 def test_map_hashed_keys(native) -> None:
     """A hashed table: the key of id x is splitmix64(x) % num_embeddings (as TableView.keys)."""
-    from embedding_ps.sharding import splitmix64_np
+    from embedding_ps.wire.sharding import splitmix64_np
     stored = np.arange(0, 13, 2, dtype=np.int64)                        # keys 0, 2, ..., 12 of 13
     buckets = torch.full((16, 2), -1, dtype=torch.int64)
     native_pool.map_build(native, buckets, torch.from_numpy(stored))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from embedding_ps.local import LocalStore
-from embedding_ps.sharding import shard_of
+from embedding_ps.wire.sharding import shard_of
 from recsys.config import JobConfig, load_config
 from recsys.training.checkpoint import (CorruptCheckpointError, list_checkpoints, resolve_resume,
                                         verify_checkpoint)

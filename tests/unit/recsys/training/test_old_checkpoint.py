@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from embedding_ps.local import LocalStore
-from embedding_ps.shard import ShardState
-from embedding_ps.snapshot import saved_shard_dirs, shard_dir
+from embedding_ps.shard.state import ShardState
+from embedding_ps.shard.snapshot import saved_shard_dirs, shard_dir
 from recsys.config import JobConfig, load_config
 from recsys.serving import Predictor
 from recsys.serving.export import export_model

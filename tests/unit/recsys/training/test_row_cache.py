@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedding_ps.cache import CachingStore
+from embedding_ps.client.cache import CachingStore
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.metrics import MemoryMetricLogger

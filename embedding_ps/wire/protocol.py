@@ -10,7 +10,7 @@ A message is a list of ZeroMQ frames. A request is::
         SAVE/LOAD directory, UTF-8                   (dtype BYTES, count = byte length)
         others    nothing
 
-PULL / PUSH with ``flags & FLAG_SHM`` (a client and shard on one host, `embedding_ps.shm`): the rows
+PULL / PUSH with ``flags & FLAG_SHM`` (a client and shard on one host, `embedding_ps.wire.shm`): the rows
 do not travel in a frame. PUSH's third payload frame is then the name (ASCII) of a shared-memory
 segment holding the grads dtype [M, D] from its first byte; PULL has a third payload frame, the
 name of the segment the shard writes the reply rows dtype [M, D] into, and the reply has no payload.
@@ -20,7 +20,7 @@ request again with the rows in a frame.
 
 PUSH with ``flags & FLAG_SHM | FLAG_GRADS_LATE`` (fp32 grads, ids in the segment): the client sends
 the request first and then writes the grads into the segment, so the request's hand-off to the
-shard overlaps that copy; the segment's 16-byte trailer after the ids (`embedding_ps.shm`) holds
+shard overlaps that copy; the segment's 16-byte trailer after the ids (`embedding_ps.wire.shm`) holds
 `ready` (int64: the request id once the grads are written, minus it if the client gave up) and
 `finite` (int64: 1 if the client's copy found every grad finite). The shard waits for `ready`
 before it reads a grad (bounded: an error reply if it does not come, or at once if the client's
@@ -36,7 +36,7 @@ outcome (an error, NO_SHM) comes by the reply.
 
 SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (copy-on-write, bounded extra
 memory), replies at once and writes it on a thread; SAVE_STATUS reports how that write went
-(`embedding_ps.saver`). Without the flag, SAVE replies once the files are written. (Flag 2 was
+(`embedding_ps.shard.saver`). Without the flag, SAVE replies once the files are written. (Flag 2 was
 FLAG_PREPARE, a no-op kept for clients older than protocol v3, which the version check refuses.)
 
 There is one row path: a PULL or PUSH carries T parts (tables) in one message, so a trainer's
@@ -75,7 +75,7 @@ from dataclasses import dataclass, replace
 import torch
 
 if sys.byteorder != "little":  # tensors go on the wire as their native bytes
-    raise ImportError("embedding_ps.protocol needs a little-endian machine (the wire is little-endian)")
+    raise ImportError("embedding_ps.wire.protocol needs a little-endian machine (the wire is little-endian)")
 
 MAGIC = 0x31535045  # b"EPS1" read as a little-endian u32
 VERSION = 3
@@ -103,7 +103,7 @@ FLAG_SHM = 4
 """PULL / PUSH request flag: the rows are in the client's shared-memory segment named by the last frame."""
 FLAG_GRADS_LATE = 8
 """PUSH request flag (with FLAG_SHM, ids in the segment): sent while the client still writes the grads
-into the segment; the shard waits for the segment's trailer (`embedding_ps.shm.Trailer`) to say they
+into the segment; the shard waits for the segment's trailer (`embedding_ps.wire.shm.Trailer`) to say they
 are written, and skips its finite check when the trailer says the client found every grad finite."""
 FLAG_NOTIFY = 16
 """PULL / PUSH request flag (with FLAG_SHM, ids in the segment): once the request succeeded, the shard

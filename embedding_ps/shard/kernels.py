@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 
 FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 """The optimizers fbgemm's CPU TBE backward updates (no Adam, LAMB or FTRL on CPU); also those the C

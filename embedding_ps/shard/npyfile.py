@@ -4,7 +4,7 @@
     with NpyWriter(path, shape, dtype) as w: w.write(rows_part) ...   # the same, streamed
     a = parse_npy(path, read_checked(path, info))      # or map_checked: memory-mapped, no copy
 
-`embedding_ps.snapshot` (the saved shard's format and manifest) writes and reads its data files
+`embedding_ps.shard.snapshot` (the saved shard's format and manifest) writes and reads its data files
 through these; any mismatch raises `CorruptShardError` naming the file. No pickle: arrays of
 Python objects are refused both ways.
 """

@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig
 
 Part = tuple[int, torch.Tensor, torch.Tensor]
 """(table, ids int64 [N], grads float32 [N, D]) of one push."""

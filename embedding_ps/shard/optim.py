@@ -21,7 +21,7 @@ Weight decay (`weight_decay` wd > 0; sgd, adagrad, rowwise_adagrad, adam), on th
                      fbgemm TBE's WeightDecayMode.L2)
     decoupled        w = (1 - lr * wd) * w, then the update above with the plain g
                      (AdamW; fbgemm TBE's WeightDecayMode.DECOUPLED)
-    global           every row, touched or not, decays as in decoupled every step: `embedding_ps.decay`
+    global           every row, touched or not, decays as in decoupled every step: `embedding_ps.shard.decay`
                      catches the rows up before the update, which then runs with wd = 0 (`TableShard.ucfg`;
                      `reference_update` leaves it to its caller too)
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ def apply_update(
     if cfg.weight_decay and cfg.weight_decay_mode == "l2":
         grads = l2_grads(cfg, weights, slots, grads)
     if cfg.kernel == "fbgemm":
-        from embedding_ps import kernels  # the only module that imports fbgemm_gpu
+        from embedding_ps.shard import kernels  # the only module that imports fbgemm_gpu
 
         if cfg.weight_decay and cfg.weight_decay_mode != "l2":   # the decoupled shrink, before the op's update
             rows = weights.index_select(0, slots).float().mul_(decay_factor(cfg))

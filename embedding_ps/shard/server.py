@@ -2,11 +2,11 @@
 
     recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
 
-(`recsys ps` is the one entry point; it calls `embedding_ps.shardloop.serve`, the socket loop around
+(`recsys ps` is the one entry point; it calls `embedding_ps.shard.loop.serve`, the socket loop around
 this file's `ShardServer`.) The server only decodes requests and
-encodes replies (wire format: `embedding_ps.protocol`); rows, optimizer state and save/load live in
-`embedding_ps.shard.ShardState`, and the order of pushes and pulls in the mode's gate
-(`embedding_ps.gates`: `SyncGate` or `AsyncGate`, chosen at start). It is one thread and never
+encodes replies (wire format: `embedding_ps.wire.protocol`); rows, optimizer state and save/load live in
+`embedding_ps.shard.state.ShardState`, and the order of pushes and pulls in the mode's gate
+(`embedding_ps.shard.gates`: `SyncGate` or `AsyncGate`, chosen at start). It is one thread and never
 blocks: a request that must wait (a sync-mode pull for a step whose predecessor is not applied yet,
 an async pull too far ahead) is parked and answered when a later barrier unblocks it. Every request
 is validated and a bad one gets an error reply; the loop never dies on input.
@@ -18,11 +18,11 @@ A LOAD forgets every step (trainers restarted from a checkpoint count again from
 Saves: SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files
 before replying; with protocol.FLAG_BACKGROUND the shard takes a copy-on-write snapshot (its only
 pause; `ShardState.snapshot`), replies, and a thread writes it while the loop keeps serving
-(`embedding_ps.saver`; SAVE_STATUS reports the write). While a save is written, new SAVE and LOAD
+(`embedding_ps.shard.saver`; SAVE_STATUS reports the write). While a save is written, new SAVE and LOAD
 requests are parked and retried when that ends.
 
 With ps.shared_memory a client on the same host passes PULL / PUSH rows in its shared-memory
-segments (`embedding_ps.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
+segments (`embedding_ps.wire.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
 gradients from, the segment the request names (sync mode copies them: the gate keeps them). A
 shard that does not take shared memory, or cannot open the segment (no /dev/shm shared with the
 client), answers status NO_SHM before applying anything; the client resends through the socket.
@@ -47,17 +47,17 @@ import torch
 import zmq
 
 from embedding_ps import native
-from embedding_ps import protocol as P
+from embedding_ps.wire import protocol as P
 from embedding_ps import remote
-from embedding_ps.auth import token_matches
-from embedding_ps.config import PSConfig
-from embedding_ps.gates import Gate, make_gate
-from embedding_ps.replybuffers import ReplyBuffers
-from embedding_ps.pushgrads import finite_rows, wait_late
-from embedding_ps.saver import BackgroundSaver
-from embedding_ps.shm import (DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer,
+from embedding_ps.wire.auth import token_matches
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.shard.gates import Gate, make_gate
+from embedding_ps.shard.replybuffers import ReplyBuffers
+from embedding_ps.shard.pushgrads import finite_rows, wait_late
+from embedding_ps.shard.saver import BackgroundSaver
+from embedding_ps.wire.shm import (DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer,
                                writer_alive)
-from embedding_ps.snapshot import ShardSnapshot, shard_dir
+from embedding_ps.shard.snapshot import ShardSnapshot, shard_dir
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ _NOT_IDEMPOTENT = (P.Op.PUSH, P.Op.BARRIER)
 
 
 class ShardStateLike(Protocol):
-    """What the server needs of a shard's state: `embedding_ps.shard.ShardState`, or a test double."""
+    """What the server needs of a shard's state: `embedding_ps.shard.state.ShardState`, or a test double."""
 
     def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 rows [N, D] of ids [N], written into `out` when given."""
@@ -112,6 +112,7 @@ class ShardServer:
                  bind: str | None = None) -> None:
         """bind: the host this shard is bound to (`serve`), for ps.shared_memory = "auto" (None: ps.bind)."""
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
+        self.save_root: str | None = None
         self.gate: Gate = make_gate(config, state)
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.counts: dict[str, int] = {op.name.lower(): 0 for op in P.Op}
@@ -386,10 +387,12 @@ class ShardServer:
                               "last_applied_step": self.gate.stats().get("last_applied_step")})
 
     def _save(self, h: P.Header, payload: list) -> Any:
-        path = shard_dir(self._path(h, payload), self.shard)
+        root = self._path(h, payload)
+        path = shard_dir(root, self.shard)
         self._confined(h, path)
         if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the write ends
             return DEFERRED
+        self.save_root = root     # the directory the client named (SAVE_STATUS: "root")
         self.state.advance(h.step)    # global weight decay: the save writes rows decayed through step - 1
         if h.flags & P.FLAG_BACKGROUND:
             return self._json(h, self.saver.start(self.state, path, h.step))
@@ -398,7 +401,7 @@ class ShardServer:
         return self._json(h, reply)
 
     def _save_status(self, h: P.Header, payload: list) -> list:
-        return self._json(h, self.saver.status())
+        return self._json(h, {**self.saver.status(), "root": self.save_root})
 
     def wakeup(self) -> bool:
         """True once after a background write ended: parked SAVE / LOAD requests may go on now."""
@@ -429,7 +432,7 @@ class ShardServer:
 
 
 def _seg_bytes(h: P.Header, rows_bytes: int, m: int, ids_in_seg: bool) -> int:
-    """The bytes a FLAG_SHM request's segment must have: rows [| ids int64 [m] [| trailer]] (embedding_ps.shm)."""
+    """The bytes a FLAG_SHM request's segment must have: rows [| ids int64 [m] [| trailer]] (embedding_ps.wire.shm)."""
     if not ids_in_seg:
         return rows_bytes
     return ids_offset(rows_bytes) + 8 * m + (TRAILER_BYTES if h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY) else 0)

@@ -78,7 +78,7 @@ class TableConfig:
     `decoupled`: a touched row is scaled by (1 - lr * weight_decay) before its update (AdamW-style);
     `global`: every row of the table is scaled by (1 - lr * weight_decay) every step, touched or not,
     then the touched rows get their update from the plain gradient (fbgemm TBE's DECOUPLED_GLOBAL; the
-    decay of a whole-table torch optimizer). Applied lazily (`embedding_ps.decay`): a row untouched for k
+    decay of a whole-table torch optimizer). Applied lazily (`embedding_ps.shard.decay`): a row untouched for k
     steps is scaled by (1 - lr * weight_decay)^k when it is next pulled, pushed, saved or dumped."""
     kernel: Literal["native", "fbgemm", "auto", "torch"] = "native"
     """Optimizer update path. `native`: the shard's own update (C when the library is compiled, else
@@ -96,7 +96,7 @@ class TableConfig:
     ps.replicate_max_bytes, else ps (the choice per table is logged and written to the run dir)."""
     cache_rows: int = 0
     """Trainer-side hot-row cache: each trainer keeps up to this many of the table's rows in memory
-    (on its GPU with train.device = "cuda") and pulls only the misses (`embedding_ps.cache`); async
+    (on its GPU with train.device = "cuda") and pulls only the misses (`embedding_ps.client.cache`); async
     mode only, a cached row is at most ps.max_staleness steps old. 0: off. The shards ignore it."""
 
     capacity: int = 0
@@ -205,7 +205,7 @@ class PSConfig:
     built in code with it empty does not confine (library use, tests)."""
     shared_memory: bool | Literal["auto"] = "auto"
     """PULL / PUSH rows of 1 MB or more between a client and a shard on one host go through
-    shared-memory segments in /dev/shm (`embedding_ps.shm`) instead of the socket: the shard writes
+    shared-memory segments in /dev/shm (`embedding_ps.wire.shm`) instead of the socket: the shard writes
     pulled rows into the client's segment, which the client returns without a copy, and reads pushed
     gradients from it. "auto" (default): with the shards whose address is loopback (127.x,
     localhost, ::1: the local launcher's), and a shard takes it when bound to loopback; true: tried
@@ -232,7 +232,7 @@ class PSConfig:
     checkpoint_extra_memory: float = 0.1
     """Most extra memory a shard's background save holds, as a fraction of its rows' bytes (weights,
     optimizer state and counters of every table), in (0, 1]. The save is copy-on-write
-    (`embedding_ps.cow`): it copies the id map and the other small arrays (about 12 bytes a row) and
+    (`embedding_ps.shard.cow`): it copies the id map and the other small arrays (about 12 bytes a row) and
     keeps pre-images of rows updated before the writer reached them in a side buffer sized from
     what is left; when that is full, updates wait for the writer. Larger: fewer waits under heavy
     pushing during a save; smaller: less memory. Rows of fewer than ~130 bytes (e.g. row-wise Adagrad

@@ -28,7 +28,7 @@ more than `max_rows` rows evicts the least frequently pushed ones (lowest `count
 it is pushed, so it is also the row's last-update step (`dump` reports it under both names,
 `last_seen` and `last_update`). A pull changes nothing.
 
-Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.decay`): `decay_step` [C] int32
+Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.shard.decay`): `decay_step` [C] int32
 holds each row's decayed-through step; a pull returns rows caught up to its step, a push catches
 its rows up before the update (which then runs without decay), saves and dumps write caught-up rows.
 """
@@ -41,13 +41,15 @@ import logging
 import numpy as np
 import torch
 
-from embedding_ps import kernels, native
-from embedding_ps.config import TableConfig
-from embedding_ps.decay import CaughtUpRows, GlobalDecay, is_global
+from embedding_ps import native
+
+from embedding_ps.shard import kernels
+from embedding_ps.wire.config import TableConfig
+from embedding_ps.shard.decay import CaughtUpRows, GlobalDecay, is_global
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
-from embedding_ps.optim import apply_update, fill_value, state_specs
-from embedding_ps.sharding import splitmix64_np
+from embedding_ps.shard.optim import apply_update, fill_value, state_specs
+from embedding_ps.wire.sharding import splitmix64_np
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +414,7 @@ class TableShard:
         copy=False: the slot-major arrays and the free stack view the live state (valid until the
         next push); copy=True: the free stack is copied too (the others are new arrays anyway).
         rows=False leaves the slot-major arrays (`slot_tensors`) out: a copy-on-write snapshot
-        streams them (`embedding_ps.cow`).
+        streams them (`embedding_ps.shard.cow`).
         """
         h = self.hwm
         arrays = {name: t[:h].numpy() for name, t in self.slot_tensors().items()} if rows else {}

@@ -31,7 +31,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from embedding_ps.config import PSConfig
+from embedding_ps.wire.config import PSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _curve_file(config: PSConfig, name: str) -> Path:
     path = Path(config.curve_keys_dir) / name
     if not path.is_file():
         raise AuthConfigError(f"ps.auth = 'curve': {str(path)!r} is missing (ps.curve_keys_dir = "
-                              f"{config.curve_keys_dir!r}); make keys with embedding_ps.auth.create_curve_keys")
+                              f"{config.curve_keys_dir!r}); make keys with embedding_ps.wire.auth.create_curve_keys")
     return path
 
 

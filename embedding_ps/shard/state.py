@@ -15,10 +15,10 @@ Steps are int32 counters on the rows: 0 <= step < 2**31.
 
 Checkpoints: `save(dir)` / `load(dir)`, or `snapshot()` (under the lock: the only pause) then
 `ShardSnapshot.write(dir)` from any thread while the shard serves. The snapshot copies the small
-arrays and keeps the rows copy-on-write (`embedding_ps.cow`): its extra memory stays within
+arrays and keeps the rows copy-on-write (`embedding_ps.shard.cow`): its extra memory stays within
 `ps.checkpoint_extra_memory` of the rows' bytes, and updates wait for the writer when that is
 used up. Files are checksummed; the format, `verify_shard` and `CorruptShardError` live in
-`embedding_ps.snapshot` and are exported here.
+`embedding_ps.shard.snapshot` and are exported here.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import time
 import numpy as np
 import torch
 
-from embedding_ps.config import PSConfig, shard_threads
-from embedding_ps.cow import CowSave, bound_bytes
-from embedding_ps.sharding import keys_of, shard_of
-from embedding_ps.snapshot import (FORMAT_VERSION, CorruptShardError, SavedShard, ShardSnapshot, TableSnapshot,
+from embedding_ps.wire.config import PSConfig, shard_threads
+from embedding_ps.shard.cow import CowSave, bound_bytes
+from embedding_ps.wire.sharding import keys_of, shard_of
+from embedding_ps.shard.snapshot import (FORMAT_VERSION, CorruptShardError, SavedShard, ShardSnapshot, TableSnapshot,
                                    table_layout, verify_shard)
-from embedding_ps.table import TableShard
+from embedding_ps.shard.table import TableShard
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class ShardState:
         Ids without a row (never pushed, not admitted yet, evicted) get their deterministic init
         row, or zeros if the table says `unadmitted = "zeros"`. `step`: the request's step; a pull
         does not change last-seen, and a table with global weight decay returns its rows caught up
-        through step - 1 (`embedding_ps.decay`). `out`: a float32 [N, D] contiguous tensor
+        through step - 1 (`embedding_ps.shard.decay`). `out`: a float32 [N, D] contiguous tensor
         to write the rows into and return (the server reuses reply buffers: a fresh [N, D]
         allocation per request costs page faults); default a new tensor.
         """
@@ -90,7 +90,7 @@ class ShardState:
         gives admitted ids their init row, runs the table's optimizer on the rows that exist,
         updates count / last-seen / last-update and evicts past `max_rows`. Gradients of ids
         that are not admitted are dropped. While a background save is written, the rows it has not
-        reached keep their pre-images first, or the push waits for the writer (`embedding_ps.cow`).
+        reached keep their pre-images first, or the push waits for the writer (`embedding_ps.shard.cow`).
         """
         t = self._table(table)
         ids = self._ids(table, ids)
@@ -113,7 +113,7 @@ class ShardState:
     def advance(self, step: int) -> None:
         """Requests of `step` are served from now on (a SAVE of `step`): every table with global
         weight decay owes its rows the decay of the steps through step - 1, which a save or dump then
-        writes (`embedding_ps.decay`). Pushes and pulls carry their own step."""
+        writes (`embedding_ps.shard.decay`). Pushes and pulls carry their own step."""
         self._check_step(step)
         with self._lock:
             for t in self.tables:

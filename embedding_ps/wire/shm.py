@@ -64,7 +64,7 @@ from typing import Literal
 import numpy as np
 
 from embedding_ps import native
-from embedding_ps.auth import is_loopback
+from embedding_ps.wire.auth import is_loopback
 
 logger = logging.getLogger(__name__)
 

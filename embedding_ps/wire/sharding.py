@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _C1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -16,7 +16,7 @@ naming the file. Format 1 saves (no "files") still load, unchecked.
 Writing: a save is atomic: everything is written (and fsynced) into `<dir>.tmp-<pid>`, which is
 renamed into place; an older save at `<dir>` is replaced only then. A failed write removes its tmp dir.
 `ShardSnapshot` (from `ShardState.snapshot()`) holds copies of the small arrays and, per table, a
-`RowStream` (`embedding_ps.cow`) that hands the slot-major arrays over chunk by chunk as they were
+`RowStream` (`embedding_ps.shard.cow`) that hands the slot-major arrays over chunk by chunk as they were
 at the snapshot (copy-on-write: bounded extra memory), so `write` runs without the lock, e.g. on a
 background thread while the shard serves. The files are the same bytes either way.
 
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from embedding_ps import remote
-from embedding_ps.config import TableConfig
-from embedding_ps.npyfile import (CHUNK, CorruptShardError, check_size, fsync_dir, map_checked, parse_npy, read_checked,
-                                   write_array, write_streamed)
+from embedding_ps.wire.config import TableConfig
+from embedding_ps.shard.npyfile import (CHUNK, CorruptShardError, check_size, fsync_dir, map_checked, parse_npy,
+                                        read_checked, write_array, write_streamed)
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def table_layout(cfg: TableConfig) -> dict:
 
 def unpack_meta(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(count, last_seen), int64 each, of saved `meta` int64 [R] (`count << 32 | last_seen`, as
-    `embedding_ps.table` packs its counters)."""
+    `embedding_ps.shard.table` packs its counters)."""
     return meta >> 32, meta & _LOW32
 
 
@@ -134,7 +134,7 @@ class TableSnapshot:
 
     `rows`: where the slot-major arrays come from instead, when they are not in `arrays`: an object
     with `specs` {name: (shape, dtype)} and `chunks()` yielding {name: ndarray [n, ...]} for
-    consecutive row ranges (`embedding_ps.cow.RowStream`).
+    consecutive row ranges (`embedding_ps.shard.cow.RowStream`).
     """
 
     layout: dict

@@ -8,16 +8,16 @@
 
 `PSClient` implements `embedding_ps.store.EmbeddingStore`. A trainer's step touches every table:
 each shard gets one PULL / PUSH whose parts are the tables' ids routed to it (wire:
-`embedding_ps.protocol`). The tables of one call must share the embedding dim D. Rows and gradients
+`embedding_ps.wire.protocol`). The tables of one call must share the embedding dim D. Rows and gradients
 are in the caller's order: table by table, each table's ids in the order given. A shard request
 over ps.max_frame_bytes is sent as one request per table instead (and one table's request over it
 is refused: split the ids).
 
-The caller's thread deduplicates (when `dedup`: `clientplan.dedup_ids`), routes (`sharding.route`, argsort +
-bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.transport`) sends, matches
+The caller's thread deduplicates (when `dedup`: `plan.dedup_ids`), routes (`sharding.route`, argsort +
+bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.client.transport`) sends, matches
 replies by request id, retries and assembles the result. Rows and gradients travel as
 ps.wire_dtype (fp32, fp16 or bf16); with ps.shared_memory, those of a shard on this host (1 MB or
-more) go through shared-memory segments instead (`embedding_ps.shm`), and a pull from one shard
+more) go through shared-memory segments instead (`embedding_ps.wire.shm`), and a pull from one shard
 returns a tensor viewing its segment (reused for another request only once that tensor is gone).
 
 Timeouts and retries: a request unanswered for ps.timeout_s is sent again, up to ps.retries
@@ -28,7 +28,7 @@ so it is never applied twice. A shard's error reply fails the future with PSRequ
 ps.timeout_s above the longest step of the slowest worker.
 
 Step: every request carries the client's step (`step`, default 0); `barrier(t)` sets it to t + 1,
-so a trainer that calls pull/push/barrier in order needs no step arguments (see embedding_ps.gates
+so a trainer that calls pull/push/barrier in order needs no step arguments (see embedding_ps.shard.gates
 for the sync contract).
 """
 
@@ -48,16 +48,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedding_ps import protocol as P
-from embedding_ps import native, shm
-from embedding_ps.auth import load_token
-from embedding_ps.config import PSConfig
-from embedding_ps.clientplan import (assemble_rows, combine, frames, index_frame, plan_ids, plan_many,
+from embedding_ps.wire import protocol as P
+from embedding_ps import native
+from embedding_ps.wire import shm
+from embedding_ps.wire.auth import load_token
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.client.plan import (assemble_rows, combine, frames, index_frame, plan_ids, plan_many,
                                      plans_by_shard)
-from embedding_ps.shm import LateGrads
-from embedding_ps.snapshot import shard_dir
+from embedding_ps.wire.shm import LateGrads
 from embedding_ps.store import done_future
-from embedding_ps.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
+from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class PSClient:
         self._ids = itertools.count(1)
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
-        # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.shm)
+        # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.wire.shm)
         self._shm = shm.ClientSegments(self.addresses, config.shared_memory)
         self._io = IOThread(config, self.addresses, torch.get_num_threads())
         self._io.start()
@@ -308,9 +308,10 @@ class PSClient:
         return self._broadcast(P.Op.SAVE, step=step, text=directory, flags=flags)
 
     def save_status(self) -> list[dict]:
-        """Per shard, the last save: {"shard", "directory", "state": "none" | "writing" | "done" |
+        """Per shard, the last save: {"shard", "root" (the directory a client named), "directory" (the
+        shard's part under it), "state": "none" | "writing" | "done" |
         "failed", "error", "write_s", "bytes", "snapshot_s", "prepare_s", "background", "step",
-        "extra_bytes_peak", "extra_bytes_bound", "push_wait_s"} (`embedding_ps.saver`)."""
+        "extra_bytes_peak", "extra_bytes_bound", "push_wait_s"} (`embedding_ps.shard.saver`)."""
         return self._broadcast(P.Op.SAVE_STATUS)
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
@@ -325,12 +326,11 @@ class PSClient:
             statuses = self.save_status()
             writing = []
             for s, st in enumerate(statuses):
-                want = shard_dir(directory, s)
-                if st["directory"] != want:
+                if st["root"] != directory:
                     raise SaveFailedError(s, self.addresses[s], f"its last save is {st['directory']!r} "
-                                          f"({st['state']}), not {want!r}")
+                                          f"({st['state']}), not one under {directory!r}")
                 if st["state"] == "failed":
-                    raise SaveFailedError(s, self.addresses[s], f"save to {want} failed: {st['error']}")
+                    raise SaveFailedError(s, self.addresses[s], f"save to {st['directory']} failed: {st['error']}")
                 if st["state"] != "done":
                     writing.append(s)
             if not writing:
@@ -338,7 +338,7 @@ class PSClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 s = writing[0]
-                raise SaveTimeoutError(s, self.addresses[s], f"save to {shard_dir(directory, s)} still "
+                raise SaveTimeoutError(s, self.addresses[s], f"save to {statuses[s]['directory']} still "
                                        f"{statuses[s]['state']} after {timeout_s:g} s")
             time.sleep(min(delay, left))
             delay = min(2 * delay, 0.25)

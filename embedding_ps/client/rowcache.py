@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from embedding_ps.idmap import IdMap
-from embedding_ps.sharding import splitmix64_np
+from embedding_ps.wire.sharding import splitmix64_np
 
 NEVER = np.iinfo(np.int64).min // 2
 """`pulled` of a slot whose row has not arrived yet: older than any max_age allows."""

@@ -1,4 +1,4 @@
-"""The PS client's bookkeeping around a request (`embedding_ps.client`): how its ids travel and
+"""The PS client's bookkeeping around a request (`embedding_ps.client.client`): how its ids travel and
 how the rows come back.
 
     plan_ids       ids [N] -> Plan: deduplicated (optional) and grouped by shard (argsort + bincount)
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from embedding_ps import native
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig
-from embedding_ps.sharding import keys_of, route, shard_of
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.wire.sharding import keys_of, route, shard_of
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """A PUSH's gradients on the shard: waiting for those a client writes late, and the finite check.
 
-Both run before any row changes, so a refused push applies nothing (`embedding_ps.server`):
+Both run before any row changes, so a refused push applies nothing (`embedding_ps.shard.server`):
 
     wait_late     FLAG_GRADS_LATE (protocol): the client sent the request before writing the grads
                   into its shared-memory segment; wait for the trailer's ready word (bounded), and
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from embedding_ps import native
-from embedding_ps import protocol as P
-from embedding_ps.config import PSConfig
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.config import PSConfig
 
 GRADS_WAIT_S = 10.0
 """Longest a shard waits for a FLAG_GRADS_LATE push's grads (the copy takes ~5 ms per 100k d64

@@ -6,7 +6,7 @@
 
 Per table with `cache_rows > 0` (`TableConfig.cache_rows`) the wrapper keeps up to that many rows,
 each with the step it was pulled for; the tables of one dim share one `FusedRowCache` (one lookup
-for all of a call's parts, `embedding_ps.rowcache`). A pull for step t serves a cached row when the
+for all of a call's parts, `embedding_ps.client.rowcache`). A pull for step t serves a cached row when the
 row was pulled for a step s with 0 <= t - s <= max_age; an older row (or one whose pull is still
 in flight) is a miss and is pulled again, refreshing the cached copy in place. Only misses go to
 the wrapped store, in one multi-table call, so the shards see fewer rows per request. Pushes are
@@ -65,8 +65,8 @@ import numpy as np
 import torch
 
 from embedding_ps import native
-from embedding_ps.config import PSConfig
-from embedding_ps.rowcache import FusedRowCache, move_rows
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.client.rowcache import FusedRowCache, move_rows
 from embedding_ps.store import EmbeddingStore
 
 logger = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """The shard's socket loop: `serve` binds a ZeroMQ ROUTER socket and runs `run_loop` over a
-`embedding_ps.server.ShardServer` (which decodes requests and encodes replies; no sockets there).
+`embedding_ps.shard.server.ShardServer` (which decodes requests and encodes replies; no sockets there).
 
     recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
 
-(`recsys ps` is the one entry point; it calls `serve`, also importable from embedding_ps.server.)
+(`recsys ps` is the one entry point; it calls `serve`, also importable from embedding_ps.shard.server.)
 The loop is one thread and never blocks on a request: one that must wait (a sync-mode pull for a
 step whose predecessor is not applied yet, a SAVE / LOAD during a background write) is parked and
 handled again after a barrier or once the write ended.
@@ -20,12 +20,12 @@ import threading
 import torch
 import zmq
 
-from embedding_ps import protocol as P
-from embedding_ps.auth import check_bind_auth, load_token, setup_server_curve
-from embedding_ps.config import PSConfig
-from embedding_ps.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.auth import check_bind_auth, load_token, setup_server_curve
+from embedding_ps.wire.config import PSConfig
+from embedding_ps.shard.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
 
-logger = logging.getLogger("embedding_ps.server")
+logger = logging.getLogger("embedding_ps.shard.server")
 
 POLL_MS = 200
 """The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
@@ -95,7 +95,7 @@ def _write_ready(path: str, address: str) -> None:
 
 
 def _default_state(config: PSConfig, shard_index: int) -> ShardStateLike:
-    from embedding_ps.shard import ShardState
+    from embedding_ps.shard.state import ShardState
 
     return ShardState(config, shard_index)
 

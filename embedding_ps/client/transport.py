@@ -1,6 +1,6 @@
 """The PS client's transport: one I/O thread owning a DEALER socket per shard.
 
-The caller's thread builds the requests (`embedding_ps.client.PSClient`); `IOThread` sends them,
+The caller's thread builds the requests (`embedding_ps.client.client.PSClient`); `IOThread` sends them,
 matches replies by request id, retries a request unanswered for ps.timeout_s up to ps.retries
 times (then fails its future with ShardUnavailableError naming the shard and address), fails a
 future with PSRequestError on an error reply, and completes a `Call` (one future over requests to
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import zmq
 
-from embedding_ps import protocol as P
-from embedding_ps.auth import setup_client_curve
-from embedding_ps.config import PSConfig
+from embedding_ps.wire import protocol as P
+from embedding_ps.wire.auth import setup_client_curve
+from embedding_ps.wire.config import PSConfig
 
-logger = logging.getLogger("embedding_ps.client")
+logger = logging.getLogger("embedding_ps.client.client")
 
 
 class ShardUnavailableError(ConnectionError):

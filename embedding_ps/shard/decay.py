@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from embedding_ps.config import TableConfig
+from embedding_ps.wire.config import TableConfig
 
 CHUNK_ROWS = 1 << 16
 """Rows per chunk a blocking save catches up on a copy (the copy-on-write save uses its own chunks)."""
