@@ -41,7 +41,7 @@ class DataConfig:
     example_weight_column: str = ""
     """Column of a per-row loss weight (a number >= 0, finite), carried into `Batch.example_weights`
     [B]; "" for none. Not `weight_columns` (per-id pooling weights). Training weighs each row's loss
-    by it; eval metrics are weighted by it (README "Example weights and negative downsampling")."""
+    by it; eval metrics are weighted by it (docs/models.md, "Example weights and negative downsampling")."""
     negative_sampling_rate: float = 1.0
     """r in (0, 1]: the training data's negatives (label 0) were kept with probability r. 1.0: not
     downsampled. How it is corrected: `negative_sampling_correction`."""

@@ -101,7 +101,7 @@ class TrainConfig:
     saved: the trainer has torch.export's imports loaded already (~0.5 s to trace), and an export of
     this model then copies it instead of importing and tracing again (~3 s). `recsys daily` sets it."""
     scratch_dir: str = ""
-    """When `run_dir` is a URI (`s3://...`, see README "Remote storage"): the local directory for what
+    """When `run_dir` is a URI (`s3://...`, see docs/storage.md): the local directory for what
     only this machine's processes need (pid and ready files, logs, errors, processes.json, checkpoint
     staging); "": <system temp>/recsys-scratch/<name>-<hash of run_dir>. Unused for a local run_dir."""
     num_threads: int = 0

@@ -161,7 +161,7 @@ def check_remote_run_dir(run_dir: str) -> None:
         storage.delete_tree(probe)
     except OSError as e:
         raise PreflightError(f"train.run_dir = {run_dir!r}: not writable: {e} (check the bucket, credentials "
-                             f"and endpoint; README 'Remote storage')") from None
+                             f"and endpoint; docs/storage.md)") from None
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -373,7 +373,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
 
 
 class _NoStops:
-    """The Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see README)."""
+    """The Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see docs/cluster.md)."""
 
     requested = threading.Event()
 

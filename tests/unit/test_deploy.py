@@ -21,7 +21,7 @@ SAMPLE = DEPLOY / "cluster.toml"
 RAYJOB = DEPLOY / "kuberay" / "rayjob.yaml"
 SBATCH = DEPLOY / "slurm" / "recsys.sbatch"
 DOCKERFILE = DEPLOY / "Dockerfile"
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "README.md").read_text() + "\n" + (ROOT / "docs" / "cluster.md").read_text()   # the guide and its cluster page
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
