@@ -103,6 +103,15 @@ def _fill_dates(args: argparse.Namespace) -> None:
 
 
 def _cmd_print_config(args: argparse.Namespace) -> int:
+    if args.explain:               # the reference of a key or a section (recsys.config_doc), no config needed
+        from recsys import config_doc
+
+        try:
+            text = config_doc.section(args.explain) if "." not in args.explain else config_doc.explain(args.explain)
+        except ValueError as e:
+            raise ConfigError(f"--explain: {e}") from None
+        sys.stdout.write(text + "\n")
+        return 0
     cfg = load_config(args.config, args.overrides)
     sys.stdout.write(to_toml(cfg))
     return 0
@@ -339,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("print-config", help="print the resolved job config as TOML")
     _add_config_args(p, required=False)
+    p.add_argument("--explain", metavar="KEY", help="what a config key means (type, default, valid values), "
+                   "e.g. ps.table_defaults.lr, or every key of a section (train); docs/config.md has them all")
     p.set_defaults(func=_cmd_print_config)
 
     p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet",

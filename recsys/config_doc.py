@@ -1,0 +1,144 @@
+"""The config reference, read from the config dataclasses themselves: every key with its type,
+default, meaning (the field's docstring) and valid values.
+
+    recsys print-config --explain ps.table_defaults.lr     # one key
+    python -m recsys.config_doc > docs/config.md           # the whole reference (a test checks it)
+
+The docstrings are read from the source with `ast` (dataclasses keep none at runtime); types are
+the annotations as written, defaults the dataclasses' own.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from functools import cache
+
+from data.config import DataConfig
+from embedding_ps.wire.config import PSConfig, TableConfig
+from recsys.config import TrainConfig
+from recsys.config_cluster import ClusterConfig
+from recsys.config_model import ModelConfig
+from recsys.config_retrieval import EvalConfig
+
+SECTIONS: tuple[tuple[str, type, str], ...] = (
+    ("data", DataConfig, "Input pipeline: Parquet files, columns, shuffling."),
+    ("ps", PSConfig, "Parameter-server shards: mode, transport, auth, storage."),
+    ("ps.tables", TableConfig, "One embedding table: `[[ps.tables]]` entries; `[ps.table_defaults]` takes any of "
+                               "these keys for every table (auto-created tables included)."),
+    ("model", ModelConfig, "The CTR model: architecture and its options."),
+    ("train", TrainConfig, "The training loop and the launcher."),
+    ("eval", EvalConfig, "Offline evaluation (retrieval metrics)."),
+    ("cluster", ClusterConfig, "Which engine places the processes: the local launcher or a Ray cluster."),
+)
+_SKIP = {("ps", "tables"), ("ps", "table_defaults")}     # documented as their own section
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    type: str
+    default: str
+    doc: str
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def summary(self) -> str:
+        """The docstring's first sentence, on one line."""
+        text = " ".join(self.doc.split())
+        end = text.find(". ")
+        return text if end < 0 else text[:end + 1]
+
+
+@cache
+def _docstrings(cls: type) -> dict[str, tuple[str, str]]:
+    """{field: (annotation source, docstring)} from `cls`'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    out = {}
+    for node, nxt in zip(body, [*body[1:], None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            doc = ""
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                doc = inspect.cleandoc(nxt.value.value)
+            out[node.target.id] = (ast.unparse(node.annotation), doc)
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(value):
+        return "(see its section)"
+    return repr(value) if not isinstance(value, tuple) else repr(list(value))
+
+
+def keys() -> list[Key]:
+    """Every config key, section by section, in declaration order."""
+    out = []
+    for section, cls, _ in SECTIONS:
+        docs = _docstrings(cls)
+        for f in dataclasses.fields(cls):
+            if f.name.startswith("_") or (section, f.name) in _SKIP:
+                continue
+            annotation, doc = docs.get(f.name, (str(f.type), ""))
+            out.append(Key(section, f.name, annotation, _default(f), doc))
+    return out
+
+
+def explain(dotted: str) -> str:
+    """The reference of one key (`ps.table_defaults.X` and `ps.tables.X` name a table key);
+    ValueError naming close matches when there is no such key."""
+    name = dotted.replace("ps.table_defaults.", "ps.tables.")
+    for k in keys():
+        if k.dotted == name:
+            lines = [f"{dotted}: {k.type} = {k.default}", ""]
+            lines += textwrap.wrap(" ".join(k.doc.split()) or "(no description)", 100)
+            return "\n".join(lines)
+    import difflib
+    close = difflib.get_close_matches(name, [k.dotted for k in keys()], n=4)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ValueError(f"no config key {dotted!r}{hint}; `recsys print-config --explain SECTION` lists a section")
+
+
+def section(name: str) -> str:
+    """Every key of one section, one line each."""
+    rows = [k for k in keys() if k.section == name]
+    if not rows:
+        raise ValueError(f"no config section {name!r}: one of {', '.join(s for s, _, _ in SECTIONS)}")
+    return "\n".join(f"{k.dotted} = {k.default}    # {k.summary}" for k in rows)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown() -> str:
+    """docs/config.md."""
+    out = ["# Config reference", "",
+           "Generated from the config dataclasses by `python -m recsys.config_doc > docs/config.md` "
+           "(`tests/unit/recsys/test_config_doc.py` checks it is current). One key: "
+           "`recsys print-config --explain KEY`; the resolved config of a job: `recsys print-config --config X`.",
+           "", f"{len(keys())} keys. Every key can be set in the TOML file or with `--set section.key=value`.", ""]
+    for name, _, about in SECTIONS:
+        out += [f"## [{name}]", "", about, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for k in keys():
+            if k.section == name:
+                doc = " ".join(k.doc.split()) or "-"
+                out.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(doc)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
