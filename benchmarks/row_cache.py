@@ -8,7 +8,7 @@ criteo-like preset, each its own vocabulary, all pulled in one call a step as th
 every step looks up the distinct ids of `batch` draws per table of a Zipf(--zipf) rank
 (data.synthetic.zipf_ranks, the generator's sampler) mapped to 64-bit ids; the cache holds
 --cache-frac of each vocabulary and serves a row for --max-age steps after its pull (the trainer's
-max_age = ps.max_staleness - train.prefetch_batches), with refresh ahead (the trainer's default,
+max_age = ps.max_staleness - train.pull_ahead_batches), with refresh ahead (the trainer's default,
 `refresh_ahead` 1) and without (0). The wrapped store is a stub that returns zero rows at once, so
 what is timed is the cache's own work per step (lookup, eviction, row copies: `cache_ms_per_step`,
 median over the steps after --warmup) and what is counted is, over the steps after --warmup:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import math
 import tomllib
 import types
@@ -29,12 +30,13 @@ from typing import Any, Literal
 
 from data.config import DataConfig
 from data.paths import fill_date, parse_date
-from embedding_ps.wire.config import PSConfig, TableConfig
+from embedding_ps.wire.config import OPTIMIZER_KEYS, PSConfig, TableConfig
 from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig
 from recsys.config_retrieval import EvalConfig, check_two_tower
 from recsys.config_toml import to_dict, to_toml
 
+logger = logging.getLogger(__name__)
 
 MAX_LOCAL_TRAINERS = 1024
 """Most trainer processes the local launcher starts."""
@@ -141,7 +143,7 @@ class TrainConfig:
     keep_best: bool = True
     """With validation: keep the best pass's model as a checkpoint in `run_dir/best/`, which
     `recsys eval`, `predict` and `export` of the run use by default, and which scores data.test_paths."""
-    prefetch_batches: int = 1
+    pull_ahead_batches: int = 1
     """Async mode: the rows of this many next batches are pulled while the current batch computes
     (at most ps.max_staleness: a row pulled K batches ahead misses K steps of updates). Sync mode
     pulls nothing ahead (a step's rows exist only after the previous step's barrier): 0 or 1 there."""
@@ -183,8 +185,8 @@ class TrainConfig:
             raise ValueError(f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
         if self.lr_decay in ("linear", "cosine") and self.max_steps == 0:
             raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
-        if self.prefetch_batches < 0:
-            raise ValueError(f"train.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        if self.pull_ahead_batches < 0:
+            raise ValueError(f"train.pull_ahead_batches must be >= 0, got {self.pull_ahead_batches}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,7 +274,7 @@ class JobConfig:
 
     def _check_cache_and_prefetch(self) -> None:
         """The trainer-side row cache and prefetch depth against ps.mode and ps.max_staleness."""
-        ps, k = self.ps, self.train.prefetch_batches
+        ps, k = self.ps, self.train.pull_ahead_batches
         if ps.mode == "sync":
             for t in ps.tables:
                 if t.cache_rows > 0:
@@ -280,10 +282,10 @@ class JobConfig:
                                      f"sync mode applies every step before the next pull, which cached rows "
                                      f"would not see (set cache_rows = 0, or ps.mode = 'async')")
             if k > 1:
-                raise ValueError(f"train.prefetch_batches = {k} needs ps.mode = 'async' (sync mode cannot pull "
+                raise ValueError(f"train.pull_ahead_batches = {k} needs ps.mode = 'async' (sync mode cannot pull "
                                  f"a step's rows before the previous step's barrier)")
         elif k > ps.max_staleness:
-            raise ValueError(f"train.prefetch_batches = {k} must be <= ps.max_staleness ({ps.max_staleness}): "
+            raise ValueError(f"train.pull_ahead_batches = {k} must be <= ps.max_staleness ({ps.max_staleness}): "
                              f"rows pulled {k} batches ahead miss {k} steps of updates")
 
 
@@ -309,6 +311,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         _apply_override(raw, item)
     fill_dates(raw, source)
+    rename_keys(raw, source)
+    group_optimizers(raw, source)
     expand_tables(raw, source)
     return build(JobConfig, raw, source=source, prefix="")
 
@@ -320,6 +324,7 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
     for item in overrides:
         _apply_override(raw, item)
     fill_dates(raw, str(path))           # train.run_dir may be dated (runs/ctr/{date})
+    group_optimizers(raw, str(path))
     expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
     ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
     if not ps.storage_root:              # a shard (`recsys ps`) is confined to the job's run directory
@@ -327,6 +332,60 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
         run_dir = train.get("run_dir") if isinstance(train, dict) else None
         ps = dataclasses.replace(ps, storage_root=run_dir if isinstance(run_dir, str) else TrainConfig().run_dir)
     return ps
+
+
+RENAMED_KEYS = {("train", "prefetch_batches"): "pull_ahead_batches"}
+"""Old key -> its new name in the same section: the old one still loads, with a one-line note
+(train.prefetch_batches shared its name with data.prefetch_batches, which means decoding ahead)."""
+
+
+def rename_keys(raw: dict[str, Any], source: str) -> None:
+    """Old key names (RENAMED_KEYS) to the new ones, in place, with a one-line note each; ConfigError
+    when a section sets both."""
+    for (section, old), new in RENAMED_KEYS.items():
+        table = raw.get(section)
+        if not isinstance(table, dict) or old not in table:
+            continue
+        if new in table:
+            raise ConfigError(f"{source}: {section}.{old} and {section}.{new} are both set: {old} is the old "
+                              f"name of {new}; keep {new}")
+        table[new] = table.pop(old)
+        logger.warning("%s: %s.%s is now %s.%s (the old name still loads; print-config shows the new one)",
+                       source, section, old, section, new)
+
+
+def group_optimizers(raw: dict[str, Any], source: str) -> None:
+    """A table's `optimizer = { name = "adam", lr = 0.01, beta1 = 0.9 }` (in `[[ps.tables]]` or
+    `[ps.table_defaults]`) into the flat keys TableConfig holds, in place; ConfigError naming the key
+    when `name` is missing, a key does not apply to that optimizer, or a flat key says otherwise.
+    The flat form (`optimizer = "adam"`, `lr = 0.01` beside it) loads as before."""
+    ps = raw.get("ps")
+    if not isinstance(ps, dict):
+        return
+    tables = ps.get("tables") if isinstance(ps.get("tables"), list) else []
+    places = [(f"ps.tables[{i}]", t) for i, t in enumerate(tables) if isinstance(t, dict)]
+    if isinstance(ps.get("table_defaults"), dict):
+        places.append(("ps.table_defaults", ps["table_defaults"]))
+    for where, table in places:
+        grouped = table.get("optimizer")
+        if not isinstance(grouped, dict):
+            continue
+        key = f"{where}.optimizer"
+        name = grouped.get("name")
+        if name not in OPTIMIZER_KEYS:
+            raise ConfigError(f"{source}: {key}.name must be one of {', '.join(map(repr, OPTIMIZER_KEYS))}, "
+                              f"got {name!r}")
+        flat = {"optimizer": name}
+        for k, v in grouped.items():
+            if k == "name":
+                continue
+            if k not in OPTIMIZER_KEYS[name]:
+                raise ConfigError(f"{source}: {key}.{k} does not apply to optimizer {name!r} (it takes "
+                                  f"{', '.join(OPTIMIZER_KEYS[name])})")
+            if k in table and table[k] != v:
+                raise ConfigError(f"{source}: {where}: {k} is set twice, {table[k]!r} and {key}.{k} = {v!r}")
+            flat[k] = v
+        table.update(flat)
 
 
 def expand_tables(raw: dict[str, Any], source: str) -> None:

@@ -1,11 +1,17 @@
 """A resolved config written back as TOML: `to_toml(cfg)` is text that `recsys.config.load_config`
 reads into an equal config (the run directory's config.toml, the configs the launchers hand to
-shard and trainer processes). `to_dict`: the config as plain TOML-able values."""
+shard and trainer processes). `to_dict`: the config as plain TOML-able values. A table's optimizer
+is written grouped, `optimizer = { name = "adam", lr = 0.01, ... }`, with the keys that optimizer
+reads (`OPTIMIZER_KEYS`); another optimizer's keys are left out at their defaults."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from embedding_ps.wire.config import OPTIMIZER_KEYS, TableConfig
+
+_OPTIMIZER_FIELDS = {k for keys in OPTIMIZER_KEYS.values() for k in keys}
 
 
 def to_dict(cfg: Any) -> Any:
@@ -29,9 +35,24 @@ def to_toml(cfg: Any) -> str:
         lines += _toml_items({k: v for k, v in body.items() if k not in arrays})
         for name, items in arrays.items():
             for item in items:
+                if (section, name) == ("ps", "tables"):
+                    item = _grouped(item)
                 lines += ["", f"[[{section}.{name}]]"] + _toml_items(item)
         lines.append("")
     return "\n".join(lines)
+
+
+def _grouped(table: dict[str, Any]) -> dict[str, Any]:
+    """A table's fields with its optimizer's keys under `optimizer` (the others dropped where default)."""
+    default = to_dict(TableConfig(name="_", dim=1))
+    mine = OPTIMIZER_KEYS[table["optimizer"]]
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        if k == "optimizer":
+            out[k] = {"name": v, **{o: table[o] for o in mine}}
+        elif k not in _OPTIMIZER_FIELDS or (k not in mine and v != default[k]):
+            out[k] = v
+    return out
 
 
 def _toml_items(body: dict[str, Any]) -> list[str]:

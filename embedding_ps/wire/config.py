@@ -8,6 +8,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]
+_DECAY = ("weight_decay", "weight_decay_mode")
+OPTIMIZER_KEYS: dict[str, tuple[str, ...]] = {
+    "sgd": ("lr", *_DECAY),
+    "adagrad": ("lr", "eps", "initial_accumulator", *_DECAY),
+    "rowwise_adagrad": ("lr", "eps", "initial_accumulator", *_DECAY),
+    "adam": ("lr", "eps", "beta1", "beta2", *_DECAY),
+    "ftrl": ("lr", "ftrl_beta", "ftrl_l1", "ftrl_l2"),
+}
+"""The TableConfig fields each optimizer reads: what a table's grouped form takes,
+`optimizer = { name = "adam", lr = 0.01, beta1 = 0.9 }` (`recsys.config` flattens it)."""
 
 MAX_SHARDS = 4096
 """Most PS shards of a job (each is a process)."""

@@ -336,7 +336,7 @@ class Trainer:
 
     def _prepared_steps(self, run: _Run) -> Iterator[PreparedStep]:
         """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
-        (async) the pulls of the next train.prefetch_batches batches (steps t + 1 .. t + K, not past
+        (async) the pulls of the next train.pull_ahead_batches batches (steps t + 1 .. t + K, not past
         max_steps) are issued before step t is handed out; sync mode pulls nothing ahead."""
         batches = self._batches()
 
@@ -349,7 +349,7 @@ class Trainer:
             return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position, end_of_epoch)
 
         max_steps = self._last_step
-        depth = self.cfg.train.prefetch_batches if self.strategy.prefetch else 0
+        depth = self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0
         ahead: deque[PreparedStep] = deque()      # steps self.step + 1, ... with their pulls in flight
         while not max_steps or self.step < max_steps:
             current = ahead.popleft() if ahead else prepare(self.step)
@@ -537,11 +537,11 @@ class Trainer:
 
 def cached_store(store: EmbeddingStore, cfg: JobConfig, device: torch.device) -> EmbeddingStore:
     """`store` behind a `CachingStore` when some table has cache_rows > 0 (async mode: JobConfig
-    refuses it in sync mode), else `store` itself. Rows pulled K = train.prefetch_batches batches
+    refuses it in sync mode), else `store` itself. Rows pulled K = train.pull_ahead_batches batches
     ahead already miss K steps of updates, so cached rows may be ps.max_staleness - K steps older."""
     if not any(t.cache_rows > 0 for t in cfg.ps.tables):
         return store
-    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.prefetch_batches, device=device,
+    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.pull_ahead_batches, device=device,
                         background=True)
 
 

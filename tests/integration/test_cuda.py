@@ -111,7 +111,7 @@ def test_sync_training_on_the_gpu_ends_where_the_cpu_run_ends(tmp_path: Path, ti
 
 def test_async_training_with_the_row_cache_on_the_gpu_learns(tmp_path: Path, tiny_dataset) -> None:
     data = tiny_dataset(rows=20000, files=2, seed=4)
-    cfg = job(tmp_path, data, "cuda", "run", ("ps.mode='async'", "ps.max_staleness=3", "train.prefetch_batches=2",
+    cfg = job(tmp_path, data, "cuda", "run", ("ps.mode='async'", "ps.max_staleness=3", "train.pull_ahead_batches=2",
                                                "ps.table_defaults.cache_rows=64", "train.max_steps=150",
                                                "train.log_every=15"))
     assert dataclasses.asdict(cfg.ps)["tables"][0]["cache_rows"] == 64

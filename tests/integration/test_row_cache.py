@@ -22,7 +22,7 @@ def test_cached_async_training_learns_and_logs_hit_rates(tmp_path: Path, tiny_da
         f"data.train_paths=['{data}/part-00000.parquet']", f"data.eval_paths=['{data}/part-00001.parquet']",
         f"data.test_paths=['{data}/part-00002.parquet']", "train.validate_every=20",
         f"train.run_dir='{tmp_path / 'run'}'", "ps.mode='async'", "ps.max_staleness=3",
-        "train.prefetch_batches=2", "ps.table_defaults.cache_rows=64", "train.num_trainers=2",
+        "train.pull_ahead_batches=2", "ps.table_defaults.cache_rows=64", "train.num_trainers=2",
         "ps.num_shards=2", "train.epochs=2", "train.log_every=5",
     ])
     assert all(t.cache_rows == 64 for t in cfg.ps.tables)

@@ -282,3 +282,43 @@ def test_config_floats_must_be_finite(tmp_path: Path, value: str) -> None:
 def test_counts_that_start_processes_or_allocate_are_bounded(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+# ---------------------------------------------------------------------------- grouped optimizer keys (#29 item 7)
+def test_grouped_optimizer_equals_the_flat_keys(tmp_path: Path) -> None:
+    flat = load_config(write(tmp_path, '[ps]\ntables = [{ name = "a", dim = 4, optimizer = "adam", lr = 0.02, '
+                                       'beta1 = 0.8, weight_decay = 0.001 }]\n'))
+    grouped = load_config(write(tmp_path, '[ps]\ntables = [{ name = "a", dim = 4, optimizer = { name = "adam", '
+                                          'lr = 0.02, beta1 = 0.8, weight_decay = 0.001 } }]\n'))
+    assert grouped == flat and grouped.ps.tables[0].beta1 == 0.8
+    defaults = load_config(write(tmp_path, '[data]\nsparse_columns = ["c"]\n[ps.table_defaults]\ndim = 4\n'
+                                           'optimizer = { name = "ftrl", lr = 0.1, ftrl_l1 = 0.5 }\n'))
+    t = defaults.ps.tables[0]
+    assert (t.name, t.optimizer, t.lr, t.ftrl_l1) == ("c", "ftrl", 0.1, 0.5)
+    text = to_toml(flat)                                             # print-config writes the grouped form
+    assert 'optimizer = {name = "adam", lr = 0.02, eps = 1e-08, beta1 = 0.8, beta2 = 0.999' in text
+    assert "ftrl_beta" not in text and load_config(write(tmp_path, text)) == flat
+
+
+@pytest.mark.parametrize("table, match", [
+    ('optimizer = { name = "adagrad", beta1 = 0.8 }', r"ps.tables\[0\].optimizer.beta1 does not apply to "
+                                                      r"optimizer 'adagrad' \(it takes lr, eps"),
+    ('optimizer = { lr = 0.1 }', r"ps.tables\[0\].optimizer.name must be one of 'sgd'"),
+    ('lr = 0.5, optimizer = { name = "sgd", lr = 0.1 }', r"ps.tables\[0\]: lr is set twice"),
+])
+def test_grouped_optimizer_errors_name_the_key(tmp_path: Path, table: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, f'[ps]\ntables = [{{ name = "a", dim = 4, {table} }}]\n'))
+
+
+def test_renamed_key_still_loads_with_a_note(tmp_path: Path, caplog) -> None:
+    """train.prefetch_batches (a name data.prefetch_batches shares with another meaning) is now
+    train.pull_ahead_batches: the old name loads, says so once, and print-config writes the new one."""
+    text = '[ps]\nmode = "async"\nmax_staleness = 4\n[train]\nprefetch_batches = 3\n'
+    with caplog.at_level("WARNING", logger="recsys.config"):
+        cfg = load_config(write(tmp_path, text))
+    assert cfg.train.pull_ahead_batches == 3
+    assert [r.getMessage() for r in caplog.records if "is now train.pull_ahead_batches" in r.getMessage()]
+    assert "pull_ahead_batches = 3" in to_toml(cfg) and "\nprefetch_batches = 3" not in to_toml(cfg)
+    with pytest.raises(ConfigError, match="prefetch_batches and train.pull_ahead_batches are both set"):
+        load_config(write(tmp_path, text + "pull_ahead_batches = 1\n"))

@@ -1,4 +1,4 @@
-"""The trainer with a row cache (ps.tables[*].cache_rows) and a prefetch depth (train.prefetch_batches),
+"""The trainer with a row cache (ps.tables[*].cache_rows) and a prefetch depth (train.pull_ahead_batches),
 in one process on LocalStores: exact where it must be, metrics keys, config rules."""
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_prefetch_depth_issues_each_steps_pulls_k_steps_ahead(tmp_path: Path, da
         rec.append(Recorder(inner))
         return rec[0]
 
-    cfg = job(tmp_path / f"{mode}{k}", data_dir, 0, f"ps.mode='{mode}'", f"train.prefetch_batches={k}",
+    cfg = job(tmp_path / f"{mode}{k}", data_dir, 0, f"ps.mode='{mode}'", f"train.pull_ahead_batches={k}",
               f"ps.max_staleness={staleness}", "train.max_steps=10")
     train(cfg, store=wrap)
     want_k = k if mode == "async" else 0
@@ -162,9 +162,9 @@ def test_sync_mode_refuses_a_row_cache() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["ps.mode='async'", "train.prefetch_batches=2"], r"train\.prefetch_batches = 2 must be <= ps\.max_staleness \(1\)"),
-    (["ps.mode='sync'", "train.prefetch_batches=2"], r"train\.prefetch_batches = 2 needs ps\.mode = 'async'"),
-    (["train.prefetch_batches=-1"], r"train\.prefetch_batches must be >= 0, got -1"),
+    (["ps.mode='async'", "train.pull_ahead_batches=2"], r"train\.pull_ahead_batches = 2 must be <= ps\.max_staleness \(1\)"),
+    (["ps.mode='sync'", "train.pull_ahead_batches=2"], r"train\.pull_ahead_batches = 2 needs ps\.mode = 'async'"),
+    (["train.pull_ahead_batches=-1"], r"train\.pull_ahead_batches must be >= 0, got -1"),
     (["ps.table_defaults.cache_rows=-2"], r"cache_rows must be >= 0, got -2"),
 ])
 def test_prefetch_and_cache_config_rules(overrides: list[str], message: str) -> None:
@@ -175,4 +175,4 @@ def test_prefetch_and_cache_config_rules(overrides: list[str], message: str) -> 
 def test_table_defaults_carry_cache_rows() -> None:
     cfg = load_config(ROOT / "configs" / "tiny.toml", ["ps.mode='async'", "ps.table_defaults.cache_rows=128"])
     assert [t.cache_rows for t in cfg.ps.tables] == [128] * len(cfg.ps.tables)
-    assert cfg.train.prefetch_batches == 1
+    assert cfg.train.pull_ahead_batches == 1
