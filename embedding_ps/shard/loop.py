@@ -16,12 +16,14 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import torch
 import zmq
 
 from embedding_ps.wire import protocol as P
 from embedding_ps.wire.auth import check_bind_auth, load_token, setup_server_curve
+from embedding_ps.wire.shm import REAP_S
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
 
@@ -38,11 +40,16 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     deferred: list[list] = []
+    reaped = time.monotonic()
     while not (server.stopping or stop.is_set()):
         if deferred and server.wakeup():      # the saver's phase ended: a parked SAVE / LOAD goes on
             deferred = _retry(server, sock, deferred)
         # while the saver works, wake often to notice the end of its phase
         if not poller.poll(BUSY_POLL_MS if server.saver.busy else POLL_MS):
+            if server.shm is not None and time.monotonic() - reaped > REAP_S:   # idle: segments of dead clients
+                reaped = time.monotonic()
+                if n := server.shm.reap():
+                    logger.info("%s: removed %d shared-memory segments of clients that are gone", server.name, n)
             continue
         while not server.stopping:
             try:

@@ -427,6 +427,16 @@ class ShmAttacher:
         self.max_entries = max_entries
         self.maps: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
+    def reap(self) -> int:
+        """Unlink and forget the mapped segments whose client is gone (`writer_alive`: it died, or
+        closed without unlinking); the shard's loop calls this when idle, at most every REAP_S.
+        Returns how many."""
+        gone = [name for name in self.maps if not writer_alive(name)]
+        for name in gone:
+            del self.maps[name]
+            _unlink(name)
+        return len(gone)
+
     def attach(self, name: bytes, nbytes: int) -> np.ndarray:
         """uint8 [nbytes] view of segment `name`; ValueError naming what is wrong."""
         a = self.maps.get(name)
@@ -451,13 +461,14 @@ def _create(size: int) -> tuple[bytes, np.ndarray, int]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     lock = -1
     try:
+        # the lock first (`sweep_dead` spares unlocked segments only while they are young), on an
+        # open file description of its own: the mapping keeps a dup of `fd`, which a forked child
+        # inherits, and closing the lock's fd must drop the lock (`_forget_in_child`)
+        lock = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_SH)
         # reserve the pages now: on a full tmpfs a sparse segment would SIGBUS at first touch instead
         os.posix_fallocate(fd, 0, size)
         m = mmap.mmap(fd, size)
-        # the lock on an open file description of its own: the mapping keeps a dup of `fd`, which a
-        # forked child inherits, and closing the lock's fd must drop the lock (`_forget_in_child`)
-        lock = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        fcntl.flock(lock, fcntl.LOCK_SH)
     except BaseException:
         os.unlink(path)
         if lock >= 0:
@@ -495,6 +506,39 @@ def writer_alive(name: bytes) -> bool:
         os.close(fd)
 
 
+REAP_S = 5.0
+"""How often an idle shard looks for segments of clients that are gone (`ShmAttacher.reap`)."""
+SWEEP_MIN_AGE_S = 10.0
+"""`sweep_dead` leaves younger segments alone (one being created has no lock for a moment)."""
+
+
+def sweep_dead(min_age_s: float = SWEEP_MIN_AGE_S) -> tuple[int, int]:
+    """Remove every segment of this user whose client is gone (its shared flock was dropped: the
+    process died, by kill -9 too, or closed it without unlinking) and that is at least `min_age_s`
+    old; returns (segments, bytes) removed. `recsys train` runs it at start, before each restart
+    and at exit, so a killed trainer, shard or launcher leaves nothing in /dev/shm for long."""
+    if not available():
+        return 0, 0
+    count = size = 0
+    now = time.time()
+    for entry in os.scandir(SHM_DIR):
+        if not NAME_RE.fullmatch(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or now - st.st_mtime < min_age_s
+                or writer_alive(entry.name.encode())):
+            continue
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        count, size = count + 1, size + st.st_size
+    return count, size
+
+
 def _open(name: bytes) -> np.ndarray:
     text = name.decode("ascii", "replace")
     if not NAME_RE.fullmatch(text):
@@ -530,4 +574,5 @@ def _root(view: np.ndarray) -> np.ndarray:
 
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
            "trailer", "done_word", "LateGrads", "NotifiedFuture", "ClientSegments", "Mode", "ids_offset",
-           "ShmAttacher", "ShmPool", "available", "client_uses", "is_local", "shard_accepts", "writer_alive"]
+           "ShmAttacher", "ShmPool", "available", "client_uses", "is_local", "shard_accepts", "sweep_dead",
+           "writer_alive"]

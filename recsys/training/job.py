@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
@@ -324,26 +325,47 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
     """The attempt loop (restarts after a kill); `attempt`: one start of the job, `launch._attempt`
     (local) or the Ray engine's (recsys.training.ray_launch), with launch._attempt's arguments.
     `init`: a warm start's source, used while the run has no checkpoint of its own."""
-    from recsys.training.checkpoint import resolve_resume
-
     earlier: list[dict] = []
     restarts = 0
-    while True:
-        try:
-            extra = {"init": init} if init is not None and checkpoint is None else {}
-            metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose, **extra)
-            return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
-        except JobFailure as e:
-            if stops.requested.is_set():
-                raise RuntimeError(f"{e} while stopping") from e
-            if not e.killed or restarts >= cfg.train.max_restarts:
-                raise RuntimeError(str(e) + ("" if not e.killed else f" (after {restarts} restarts; "
-                                   f"train.max_restarts = {cfg.train.max_restarts})")) from e
-            restarts += 1
-            checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
-            where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
-            logger.warning("%s; restart %d/%d from %s", e, restarts, cfg.train.max_restarts, where)
-            with open(run_dir / "restarts.jsonl", "a") as f:
-                f.write(json.dumps({"time": time.time(), "restart": restarts, "reason": str(e),
-                                    "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
-            write_run_dir(cfg, run_dir)          # forget the dead attempt's trainer pids
+    sweep_segments("left by processes that are gone")
+    try:
+        while True:
+            try:
+                extra = {"init": init} if init is not None and checkpoint is None else {}
+                metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose, **extra)
+                return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
+            except JobFailure as e:
+                checkpoint = _before_restart(cfg, run_dir, checkpoint, stops, e, restarts)
+                restarts += 1
+                sweep_segments("of the failed attempt")
+    finally:
+        sweep_segments("at exit")
+
+
+def sweep_segments(what: str) -> None:
+    """Remove this user's shared-memory segments (/dev/shm/recsys-ps-*) whose process is gone
+    (`embedding_ps.wire.shm.sweep_dead`: a trainer killed with -9 leaves its own) and say so."""
+    count, size = sweep_dead()
+    if count:
+        logger.info("removed %d shared-memory segments (%.1f MiB) %s", count, size / 2**20, what)
+
+
+def _before_restart(cfg: JobConfig, run_dir: Path, checkpoint: Path | None, stops: StopRequests, e: JobFailure,
+                    restarts: int) -> Path | None:
+    """After a failed attempt: raise unless it is worth a restart, else log and record the restart and
+    return the checkpoint it starts from."""
+    from recsys.training.checkpoint import resolve_resume
+
+    if stops.requested.is_set():
+        raise RuntimeError(f"{e} while stopping") from e
+    if not e.killed or restarts >= cfg.train.max_restarts:
+        raise RuntimeError(str(e) + ("" if not e.killed else f" (after {restarts} restarts; "
+                           f"train.max_restarts = {cfg.train.max_restarts})")) from e
+    checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
+    where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
+    logger.warning("%s; restart %d/%d from %s", e, restarts + 1, cfg.train.max_restarts, where)
+    with open(run_dir / "restarts.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "restart": restarts + 1, "reason": str(e),
+                            "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+    write_run_dir(cfg, run_dir)          # forget the dead attempt's trainer pids
+    return checkpoint

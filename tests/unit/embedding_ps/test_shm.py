@@ -249,3 +249,52 @@ def test_a_taken_segment_is_no_longer_waited_for() -> None:
         assert other != name and time.monotonic() - t0 < NO_WAIT_S
     finally:
         segs.close()
+
+
+# ---------------------------------------------------------------------------- segments of dead processes (#28 item 3)
+_MAKER = ("import sys, time; from embedding_ps.wire import shm; "
+          "name, view, lock = shm._create(1 << 20); print(name.decode(), flush=True); time.sleep(60)")
+
+
+def _dead_segment() -> str:
+    """The name of a 1 MiB segment whose maker was killed with SIGKILL (it never unlinked it)."""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", _MAKER], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+        assert shm.NAME_RE.fullmatch(name), name
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert os.path.exists(os.path.join(shm.SHM_DIR, name))      # left behind by the kill
+    return name
+
+
+def test_sweep_removes_only_segments_of_dead_processes() -> None:
+    dead = _dead_segment()
+    mine, _view, lock = shm._create(1 << 20)                    # a live one: kept
+    try:
+        assert shm.sweep_dead(min_age_s=3600) == (0, 0)       # too young to tell from one being made
+        count, size = shm.sweep_dead(min_age_s=0)
+        assert count >= 1 and size >= 1 << 20
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, dead))
+        assert os.path.exists(os.path.join(shm.SHM_DIR, mine.decode()))
+    finally:
+        os.close(lock)
+        shm._unlink(mine)
+
+
+def test_an_idle_shard_reaps_the_segments_of_clients_that_are_gone() -> None:
+    dead = _dead_segment()
+    attacher = shm.ShmAttacher()
+    attacher.attach(dead.encode(), 1 << 20)
+    mine, _view, lock = shm._create(1 << 20)
+    try:
+        attacher.attach(mine, 1 << 20)
+        assert attacher.reap() == 1
+        assert list(attacher.maps) == [mine] and not os.path.exists(os.path.join(shm.SHM_DIR, dead))
+    finally:
+        os.close(lock)
+        shm._unlink(mine)
