@@ -34,6 +34,7 @@ was not trained with negatives weighted by 1 / r); `logits` stay the dense model
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,7 @@ from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
 from recsys.serving.tensorfile import ExportError
+from recsys.storage import download_dir, exists, is_uri, join
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,12 @@ class Predictor:
                  fused: bool = True) -> None:
         """`fused` False: pool through the per-table path (the training SparseArch over the export's
         rows, or fbgemm's per-table TBE for int8 / int4), the reference that tests and
-        benchmarks/serving.py compare the fused pooling with."""
-        self.root = Path(export_dir)
+        benchmarks/serving.py compare the fused pooling with. `export_dir` and `deltas` may be URIs
+        (`s3://...`, as `recsys.storage` reads them): they are fetched into a temporary directory
+        that lives as long as the Predictor (its tables are memory-mapped from there)."""
+        self._fetched: tempfile.TemporaryDirectory | None = None
+        self.uri = str(export_dir)
+        self.root = self._local(export_dir)
         self.verify = verify
         self.manifest = read_manifest(self.root, verify)
         if self.manifest["kind"] != "full":
@@ -105,7 +111,7 @@ class Predictor:
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""
-        delta_dir = Path(delta_dir)
+        delta_dir = self._local(delta_dir)
         delta = read_manifest(delta_dir, self.verify)
         mine = dict(self.manifest, step=self.step)
         check_applicable(mine, delta, f"{self.root} (at step {self.step})", str(delta_dir))
@@ -123,6 +129,19 @@ class Predictor:
             self._open_retrieval(delta["retrieval"], delta_dir)
         self._fused = None
         logger.info("applied delta %s: now at step %d", delta_dir, self.step)
+
+    def _local(self, path: str | Path) -> Path:
+        """`path` itself, or a URI's export fetched into this Predictor's temporary directory."""
+        if not is_uri(path):
+            return Path(path)
+        if self._fetched is None:
+            self._fetched = tempfile.TemporaryDirectory(prefix="recsys-export-")
+        local = Path(self._fetched.name) / str(len(list(Path(self._fetched.name).iterdir())))
+        if not exists(join(str(path), "manifest.json")):
+            raise ExportError(f"{path}: no manifest.json (not an export, or not written yet)")
+        download_dir(path, local)
+        logger.info("fetched %s into %s", path, local)
+        return local
 
     # -- lookups ----------------------------------------------------------------------------------
 

@@ -118,6 +118,15 @@ def test_train_resume_export_on_s3(s3, tmp_path: Path) -> None:
             assert sorted(ids.tolist()) == sorted(want) and len(ids) > 0
             np.testing.assert_array_equal(vectors, np.stack([want[k].numpy() for k in ids.tolist()]))
 
+    from recsys.serving import Predictor                                # a Predictor opens the export on s3
+    from recsys.serving.tensorfile import ExportError
+    rows_in = pq.read_table(sorted(Path(local_data).glob("part-*.parquet"))[0]).slice(0, 200)
+    with storage.local_copy(out) as export:
+        want = Predictor(export).predict(rows_in)
+    np.testing.assert_array_equal(Predictor(out).predict(rows_in), want)
+    with pytest.raises(ExportError, match="exports/none: no manifest.json"):
+        Predictor(uri("exports/none"))
+
 
 def test_incomplete_checkpoint_on_s3_is_skipped(s3, tmp_path: Path) -> None:
     """A checkpoint whose manifest never arrived is not `latest`; a damaged one is skipped with a warning."""
