@@ -88,10 +88,29 @@ def _endpoint(host: str, port: int) -> str:
 
 
 def _advertised(endpoint: str, host: str) -> str:
-    """The address clients use: a wildcard bind is advertised under this machine's name."""
-    if host in ("0.0.0.0", "*", "::"):
-        return f"tcp://{socket.getfqdn()}:{endpoint.rsplit(':', 1)[1]}"
-    return endpoint
+    """The address clients use: a wildcard bind is advertised under a name of this machine that is
+    not a loopback one (its FQDN, else its host name, else an address its name resolves to), as
+    clients on other hosts must reach it (a host whose FQDN is `localhost` advertised that before)."""
+    if host not in ("0.0.0.0", "*", "::"):
+        return endpoint
+    port = endpoint.rsplit(":", 1)[1]
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and not _loopback_name(name):
+            return f"tcp://{name}:{port}"
+    try:
+        addrs = [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        addrs = []
+    for addr in addrs:
+        if not _loopback_name(addr):
+            return f"tcp://{addr}:{port}"
+    logger.warning("bound to %s, but this machine has no name or address other than a loopback one: clients "
+                   "on other hosts cannot reach %s (bind a routable address instead)", host, endpoint)
+    return f"tcp://127.0.0.1:{port}"
+
+
+def _loopback_name(name: str) -> bool:
+    return name.split(".")[0] in ("localhost", "ip6-localhost") or name.startswith("127.") or name == "::1"
 
 
 def _write_ready(path: str, address: str) -> None:
