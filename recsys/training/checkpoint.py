@@ -573,6 +573,24 @@ def check_init_tables(cfg: JobConfig, source: InitSource) -> list[str]:
     return taken
 
 
+def check_resume_tables(cfg: JobConfig, checkpoint: Path | str) -> None:
+    """Before any process starts: ConfigError naming a table whose saved layout (the fields a shard
+    checks when it loads, `snapshot.LAYOUT_FIELDS`) differs in `cfg` from the checkpoint's config,
+    e.g. a changed dim (a shard would refuse to load it, after the job had started)."""
+    from embedding_ps.shard.snapshot import LAYOUT_FIELDS
+    from recsys.config import ConfigError
+
+    saved = {t.name: t for t in _load_config(checkpoint).ps.tables}
+    for t in cfg.ps.tables:
+        old = saved.get(t.name)
+        for key in LAYOUT_FIELDS if old is not None else ():
+            if getattr(old, key) != getattr(t, key):
+                raise ConfigError(
+                    f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but the checkpoint {checkpoint} saved it with "
+                    f"{key} = {getattr(old, key)!r}: --resume continues the same tables (set {key} back, or start "
+                    f"a new run from it with --init-from and a renamed table)")
+
+
 def warm_start(parts: TrainParts, source: InitSource) -> None:
     """Put the source's dense weights, replicated tables and (from a checkpoint) dense and table
     optimizer state into `parts`; the data position, LR schedule and early-stopping record stay new."""

@@ -25,7 +25,7 @@ from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
-from recsys.training.checkpoint import InitSource, check_init_tables, resolve_init
+from recsys.training.checkpoint import InitSource, check_init_tables, check_resume_tables, resolve_init
 from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path)
 
 logger = logging.getLogger(__name__)
@@ -212,6 +212,7 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_step=init.step, lineage=lineage,
                                                                  init_from=str(init.root)))
     elif checkpoint is not None:  # a resumed run keeps where it was warm-started from (its end step, lineage)
+        check_resume_tables(cfg, checkpoint)
         cfg = _warm_start_of(cfg, checkpoint)
     run_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)
     lock = RunLock(run_dir, cfg.train.run_dir)

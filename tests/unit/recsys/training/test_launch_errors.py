@@ -1,6 +1,7 @@
 """The launcher's reading of trainer errors after a failed attempt: a killed trainer whose death the
 launcher saw after its peers' errors (they only lost their connection to it) is still a kill."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -126,3 +127,23 @@ def test_the_launcher_line_carries_the_shard_s_own_error(tmp_path: Path) -> None
     log.write_text("2026-11-28 INFO ps shard 0 stopping\n")
     assert shard_error(log) == "" and shard_error(tmp_path / "none.log") == ""
 
+
+
+def test_a_changed_table_layout_on_resume_is_refused_before_any_process(tmp_path: Path) -> None:
+    """#28 item 4: a changed table dim on resume is one ConfigError (exit 2) naming the table and key,
+    from the checkpoint's own config, before a shard starts (it was only the shard's refusal)."""
+    from recsys.config import ConfigError, load_config, to_toml
+    from recsys.training.checkpoint import check_resume_tables
+
+    ckpt = tmp_path / "step-0000000010"
+    ckpt.mkdir()
+    saved = load_config(Path(__file__).resolve().parents[4] / "configs" / "tiny.toml")
+    (ckpt / "config.toml").write_text(to_toml(saved))
+    check_resume_tables(saved, ckpt)                                             # the same tables: fine
+    tables = tuple(dataclasses.replace(t, dim=2 * t.dim) for t in saved.ps.tables)     # every table (one dim)
+    t0 = tables[0]
+    model = dataclasses.replace(saved.model, bottom_mlp=(*saved.model.bottom_mlp[:-1], t0.dim))   # DLRM: ends in dim
+    changed = dataclasses.replace(saved, ps=dataclasses.replace(saved.ps, tables=tables), model=model)
+    with pytest.raises(ConfigError, match=rf"ps.tables\[{t0.name}\].dim = {t0.dim}, but the checkpoint "
+                                          rf".*step-0000000010 saved it with dim = {t0.dim // 2}"):
+        check_resume_tables(changed, ckpt)
