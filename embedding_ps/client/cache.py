@@ -48,7 +48,7 @@ Counting (`cache_counts()`, per table, since the last call): `hits` and `misses`
 of each call (a hit: served from the cache without waiting for the store; what `cache/hit_rate`
 reports), `refreshes` (hits also pulled ahead: rows the shard still sends, off the critical path),
 and `lookups` / `lookup_hits`: the same weighted by each id's occurrences in the batch, when the
-caller passes `counts` (the sparse arch does: `SparseArch.count_lookups`). Rows live on `device` (the
+caller passes `counts` (the trainer's sparse arch does: `SparseArch.lookup(counts=True)`). Rows live on `device` (the
 trainer's GPU when it trains on one): hits are gathered there and misses copied there, so a pull's
 rows come back on `device`; gradients go to the wrapped store on the CPU.
 """

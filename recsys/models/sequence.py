@@ -133,10 +133,11 @@ class SequenceSparseArch(SparseArch):
         self.sequences = sequences
         self.max_len = max_len
 
-    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
+    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None, counts: bool = False
+               ) -> SparseLookup:
         """SparseArch.lookup of the batch with its behavior lists cut to their last `max_len` ids."""
         cut = truncate_batch(batch, [s.feature for s in self.sequences], self.max_len)
-        return super().lookup(cut, store, step)
+        return super().lookup(cut, store, step, counts)
 
     def behaviors(self, lookup: SparseLookup) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [B, S, L, D] and mask [B, S, L] of the S behavior lists (after `lookup.wait()`)."""

@@ -279,9 +279,6 @@ class SparseArch:
         self.plans = plans
         self.groups = _groups(plans)
         self.replicated = None
-        self.count_lookups = False
-        """Pass each unique id's occurrences to `pull_many_async(counts=)`: the trainer sets it when
-        its store is a row cache (`embedding_ps.client.cache.CachingStore`, whose per-lookup hit rate needs them)."""
         """The trainer's `ReplicatedTables` (`use_replicated`); None: every table comes from the store
         (serving and export read replicated tables from the export like any other)."""
         self.device: torch.device | None = None
@@ -295,7 +292,11 @@ class SparseArch:
         self.replicated = tables
         self.groups = _groups(self.plans, replicated=tables is not None)
 
-    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None) -> SparseLookup:
+    def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None, counts: bool = False
+               ) -> SparseLookup:
+        """Issue the pulls of `batch`'s unique ids (async, all in flight). `counts`: pass each unique
+        id's occurrences to `store.pull_many_async(counts=)`, which a row cache
+        (`embedding_ps.client.cache.CachingStore`) takes for its per-lookup hit rate."""
         kj = batch.sparse
         B = batch.batch_size
         F_all = len(kj.keys)
@@ -305,7 +306,7 @@ class SparseArch:
         starts_l, counts_l = starts.tolist(), per_feature.tolist()
         bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
         look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device)
-        if self.count_lookups:     # a row cache: per-lookup hit rate
+        if counts:     # a row cache: per-lookup hit rate
             look.counts = []
         t0 = time.perf_counter()
         local_of = {}              # plan index -> its group, for the replicated plans

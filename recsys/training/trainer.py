@@ -136,7 +136,7 @@ class Trainer:
         self.device = torch.device(cfg.train.device)
         self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
         self.sparse, model = build_job_model(cfg)
-        self.sparse.count_lookups = self.store is not store     # a row cache: its per-lookup hit rate
+        self._cached = self.store is not store     # a row cache: train lookups pass it the ids' counts
         if self.device.type != "cpu":
             self.sparse.device = self.device     # pool on the GPU (SparseArch.device)
         self.model = model.to(self.device)
@@ -346,7 +346,8 @@ class Trainer:
                 return None
             batch, wait_s, position, end_of_epoch = nxt
             run.window.data += wait_s
-            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step), wait_s, position, end_of_epoch)
+            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), wait_s,
+                                position, end_of_epoch)
 
         max_steps = self._last_step
         depth = self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0

@@ -125,6 +125,15 @@ class _GatedState:
     def stats(self):
         return {}
 
+    def advance(self, step):
+        pass
+
+    def hint_slots(self, table, ids):
+        pass
+
+    def clear_hints(self):
+        pass
+
 
 def test_parked_save_resumes_after_the_write_and_wait_saved_names_the_shard(tmp_path):
     cfg = PSConfig(num_shards=1, mode="async", timeout_s=TIMEOUT_S, retries=0,
