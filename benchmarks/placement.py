@@ -16,7 +16,7 @@ distinct ids a batch can touch), timed on one thread, median of --steps after 3 
 
 It prints `ratio_replicated_vs_ps` (step time replicated / ps) per R: below 1 the replicated table is
 cheaper. `ps.replicate_max_rows`'s default (10,000) is the crossover measured here (BENCHMARKS.md,
-"Table placement").
+"benchmarks/placement.py").
 """
 
 from __future__ import annotations

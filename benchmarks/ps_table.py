@@ -22,7 +22,7 @@ embedding_ps/native.py; `both` runs sections 1-2 twice and suffixes every key `_
    TBE op (`fbgemm`) and the C update (`native`); without it, fbgemm (`fbgemm_pure`) and vectorized
    torch (`torch`), both with the numpy id map. Ratios fbgemm / native and fbgemm_pure / torch.
    The product's default is the native update; a table whose machine measures fbgemm faster here
-   sets `kernel = "fbgemm"` (BENCHMARKS.md, "Update kernels: fbgemm vs native C vs torch").
+   sets `kernel = "fbgemm"` (BENCHMARKS.md, "benchmarks/ps_table.py").
 Every timing is the median of --repeats runs after one warm-up; rows/s count unique rows, and
 `pull_push_*` counts pulled plus pushed rows: 2 * N / (t_pull + t_push).
 """

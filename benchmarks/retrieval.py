@@ -14,7 +14,7 @@ run fails otherwise). Prints queries/s and ms per batch (median over --repeats a
 and the ratio of each to exact_index ("speedup_of_exact_index": the method's ms / exact_index's ms).
 
 Measured figures, and how often the methods' ids agree (near-ties round differently in the two
-matmul shapes): BENCHMARKS.md, "Figures moved here from the code". What exact_index buys is memory:
+matmul shapes): BENCHMARKS.md, "benchmarks/retrieval.py". What exact_index buys is memory:
 a 64 MB score block where the baselines hold the 1 GB [B, I] matrix.
 """
 

@@ -6,7 +6,7 @@
                                [--save background|blocking] [--workdir DIR] [--out FILE]
 
 Not in CI or `make bench` (1e8 rows need ~9 GB of RAM, up to ~19 GB during the background save,
-and 8 GB of disk; ~6 minutes on the shared 2-core machine, BENCHMARKS.md "Scale run");
+and 8 GB of disk; ~6 minutes on the shared 2-core machine, BENCHMARKS.md, "benchmarks/scale.py");
 `--rows 1e6 --points ''` is a quick check. One table `ids` of `--rows` rows, row-wise Adagrad
 (the sparse optimizer state is 4 bytes a row), `capacity = --rows` (the per-table hint: each shard
 reserves its share up front; `--no-hint` grows as without it) and `row_counters = false` (no TTL, LFU

@@ -43,7 +43,7 @@ precisions), `ratio_b4096_vs_baseline` (the lowest over the precisions of our po
 the baseline's at B = 4096), `baseline`, and everything else under `detail`. `--latencies FILE`
 also writes every timed batch-1 call, per precision (`predict_latency_ms_b1`, ours end to end, and
 `baseline_latency_ms_b1`), as JSON: `benchmarks/plots.py --serving FILE` draws their histogram.
-Measured figures: BENCHMARKS.md ("Serving").
+Measured figures: BENCHMARKS.md, "benchmarks/serving.py".
 """
 
 from __future__ import annotations

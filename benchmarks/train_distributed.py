@@ -23,7 +23,7 @@ I1..I13 (log1p), embedding dim D = 64, DLRM with bottom_mlp [128, 64] and top_ml
   kernel), table_wise, column_wise and table_column_wise (`fused` kernel: fbgemm's CPU TBE);
   row_wise, table_row_wise and grid_shard are CUDA-only there (`sharding_types("cpu")`). Both DMP
   variants ran here with gloo + fbgemm-gpu-cpu 1.8.0; the planner chose table_wise/fused for all
-  26 tables (see BENCHMARKS.md).
+  26 tables (BENCHMARKS.md, "benchmarks/train_distributed.py").
 
 The baselines map each 64-bit id to `id % min(vocab, --cap)` inside the timed step; our PS keeps a
 collisionless id -> row map that grows instead. DMP sums the two ranks' row gradients of a table

@@ -129,7 +129,7 @@ _CRITEO_SPARSE = tuple(Sparse(f"C{i + 1}", *a) for i, a in enumerate([
 # criteo-like tuning: the signal sits on the seven 10-27-id features, their pairs and the dense
 # columns; the bigger vocabularies carry little (signal spread over 300-1500-id or 10^5+-id columns
 # could not be learned from 300k rows). The CTR, oracle AUC and the AUC a DLRM and a logistic
-# regression reach on it: BENCHMARKS.md, "Figures moved here from the code".
+# regression reach on it: benchmarks/history/figures-from-the-code.md.
 PRESETS: dict[str, Preset] = {
     "criteo-like": Preset(
         name="criteo-like", bias=-2.0, dim=2, dense=_CRITEO_DENSE, sparse=_CRITEO_SPARSE,

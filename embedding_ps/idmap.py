@@ -137,8 +137,8 @@ class IdMap:
 
     def _alloc(self, buckets: int) -> None:
         # Keys are only read where vals says occupied or tombstone, but their pages are written
-        # now: random inserts would fault them in one by one (slower inserts: BENCHMARKS.md, "Figures
-        # moved here from the code"), and a map at
+        # now: random inserts would fault them in one by one (slower inserts:
+        # benchmarks/history/figures-from-the-code.md), and a map at
         # load >= 3/8 touches every page anyway.
         self._keys = np.full(buckets, 0, dtype=np.int64)
         self._vals = np.full(buckets, EMPTY, dtype=np.int32)

@@ -6,7 +6,7 @@
 
 where fmix32 is MurmurHash3's 32-bit finalizer (a bijection). The per-column hash is 32-bit
 because it runs on N x D elements: numpy uint32 is several times faster than a 64-bit
-splitmix64 per element (BENCHMARKS.md, "Figures moved here from the code"). A row's first value does
+splitmix64 per element (benchmarks/history/figures-from-the-code.md). A row's first value does
 not depend on the number of shards, the order ids arrive in, or restarts.
 `uniform`: v * init_scale; `normal`: sqrt(2) * erfinv(v) * init_scale; `zeros`: 0.
 For a `hashed` table the key is the hashed row index, so every id sharing a row shares its init.

@@ -23,7 +23,7 @@ without). The bound is unchanged: a row is never served for a step more than max
 the step it was pulled for. The shard sends such a row more often than without (once every
 max_age - R steps instead of every max_age + 1), and rows refreshed but not looked up again before
 they expire are sent for nothing: refresh ahead hides latency, it does not save shard work
-(BENCHMARKS.md, "Row cache: fused lookup").
+(BENCHMARKS.md, "benchmarks/row_cache.py").
 
 Background (`background=True`, what the trainer uses): every call runs on one thread of the
 cache's own, in the order made (pulls, pushes, barriers, saves, loads), so the caller's thread only
@@ -40,8 +40,8 @@ Eviction when a table's cache is full: `lfu` (fewest lookups while cached, ties:
 used) or `lru` (least recently used). Rows looked up at the current step are never evicted;
 misses beyond the free and evictable slots are pulled but not cached. When a table cannot take all
 of a call's misses, the slots go to the misses that occur most often in the batch (`counts`, which
-the sparse arch passes), not to the first ones to arrive (BENCHMARKS.md, "Row cache: the hottest
-misses first"). `benchmarks/row_cache.py`
+the sparse arch passes), not to the first ones to arrive (BENCHMARKS.md,
+"benchmarks/row_cache.py"). `benchmarks/row_cache.py`
 measures both on Zipf(1.05) streams: DEFAULT_POLICY is its pick.
 
 Counting (`cache_counts()`, per table, since the last call): `hits` and `misses` per distinct id
@@ -75,7 +75,8 @@ Policy = Literal["lfu", "lru"]
 
 DEFAULT_POLICY: Policy = "lfu"
 """The eviction policy the trainer uses. `benchmarks/row_cache.py` (Zipf(1.05), B = 4096, 5% of a
-100k / 1M / 10M vocabulary, max_age 3 / 7 / no expiry; BENCHMARKS.md): hit rates equal in 5 of the
+100k / 1M / 10M vocabulary, max_age 3 / 7 / no expiry; BENCHMARKS.md, "benchmarks/row_cache.py"):
+hit rates equal in 5 of the
 9 settings, LFU 1.6-10 points higher in the 2 without expiry, LRU 0.7-2.3 points higher in 2 (100k)."""
 
 COUNTS = ("hits", "misses", "refreshes", "lookups", "lookup_hits")

@@ -11,7 +11,7 @@ Layout: table k owns slots [base[k], base[k] + cap[k]) (`TableConfig.cache_rows`
 for (`pulled`), lookups while cached (`count`), last step looked up (`last`) and the step a
 refresh-ahead pull was requested for (`refreshing`). `rows` is zeroed when the cache is built
 (sum cap x D x 4 bytes, at once): first touches of fresh pages while the cache fills cost the
-steps ~4 ms each on 26 criteo-like tables (BENCHMARKS.md, "Row cache: fused lookup").
+steps ~4 ms each on 26 criteo-like tables (benchmarks/history/2026-11-25.md).
 
 Combined key: splitmix64(id ^ splitmix64(k + 1)), a bijection of the id for one table, so two ids
 of one table never share a key; two tables' ids may (probability ~ n^2 / 2^64), which the slot's
@@ -291,7 +291,7 @@ def move_rows(dst: torch.Tensor, at: np.ndarray, src: torch.Tensor, rows: np.nda
 
     On the CPU through numpy: single-threaded copies of a few thousand rows, where torch's
     index_select / index_copy_ open parallel regions whose threads, on busy cores, cost more than the
-    copy (BENCHMARKS.md, "Figures moved here from the code")."""
+    copy (benchmarks/history/figures-from-the-code.md)."""
     if dst.device.type == "cpu":
         s = src.numpy()
         dst.numpy()[at] = s if rows is None else s[rows]

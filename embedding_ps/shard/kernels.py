@@ -11,7 +11,7 @@ Kernels (`TableConfig.kernel`):
 `resolve` turns a table's config into a concrete one once, when the table is made
 (`TableShard.__init__`): kernel "native" or "fbgemm", so the push path only sees those two. Which
 path is faster depends on the CPU (fbgemm-gpu-cpu 1.8.0's row-wise Adagrad won on one machine and lost
-by several times on the next: `benchmarks/ps_table.py --kernels`, BENCHMARKS.md "Update kernels"), so
+by several times on the next: `benchmarks/ps_table.py --kernels`, BENCHMARKS.md, "benchmarks/ps_table.py"), so
 the product keeps one default, the native update, and a table that measured faster with fbgemm on its
 machine can ask for it.
 

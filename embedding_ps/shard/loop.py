@@ -131,8 +131,8 @@ def _prime_malloc() -> None:
 
     Below that threshold, request-sized blocks (zmq's receive buffers, push temporaries) come
     from the heap and are reused; above it each is a fresh mmap whose every page faults in again
-    (the faults and time it costs a 100k-row d64 push: BENCHMARKS.md, "Figures moved here from the
-    code"). glibc raises the threshold
+    (the faults and time it costs a 100k-row d64 push: benchmarks/history/figures-from-the-code.md).
+    glibc raises the threshold
     itself after the first such free, but only if one happens to come along.
     """
     block = torch.empty(30 << 20, dtype=torch.uint8)

@@ -12,7 +12,7 @@ class ReplyBuffers:
     """Reusable byte buffers for PULL replies, which zmq sends without a copy.
 
     A fresh [N, D] allocation per pull is a fresh mmap on glibc: every page faults again (the cost
-    for a 25 MB reply: BENCHMARKS.md, "Figures moved here from the code"). A buffer is free again
+    for a 25 MB reply: benchmarks/history/figures-from-the-code.md). A buffer is free again
     once zmq has released the frame viewing it (CPython
     reference counts: only this pool still refers to it). Sizes are rounded up to a power of two
     so that requests of similar sizes share buffers; at most `max_bytes` are kept.

@@ -204,7 +204,7 @@ class TableShard:
         m <<= 32
         m |= step
         meta[un] = m  # count += 1, last_seen = step (numpy 1-D gather/scatter: faster than torch index
-        # ops here, BENCHMARKS.md, "Figures moved here from the code")
+        # ops here, benchmarks/history/figures-from-the-code.md)
 
     # ------------------------------------------------------------------ admission / allocation
     def _admit_missing(self, knp: np.ndarray, slots: np.ndarray, miss: np.ndarray, step: int) -> None:

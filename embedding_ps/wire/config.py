@@ -298,8 +298,8 @@ def shard_threads(threads: int) -> int:
 
     Half, because the other half runs trainers, the data pipeline and other shards: a thread of a
     request's fork-join that loses its core makes the whole request wait. On the shared 2-core
-    machine 2 threads made the in-process op mix slower (BENCHMARKS.md, "A shard's pull+push against
-    the in-process bound"), so 0 means 1 there.
+    machine 2 threads made the in-process op mix slower (BENCHMARKS.md, "benchmarks/ps_throughput.py"),
+    so 0 means 1 there.
     """
     if threads > 0:
         return threads

@@ -1,7 +1,7 @@
 """Shared-memory row frames between a client and a shard on the same host (ps.shared_memory).
 
 On loopback TCP a 100k-row d64 PULL reply or PUSH (25.6 MB) costs two kernel copies each way
-(measured: BENCHMARKS.md, "A shard's pull+push against the in-process bound"; `ipc://` was slower
+(measured: BENCHMARKS.md, "benchmarks/ps_transport.py"; `ipc://` was slower
 still). With shared memory the rows are not
 sent at all: the client owns segments in /dev/shm, names one in the request (a small frame), and
 the shard reads the gradients from it (PUSH) or gathers the rows into it (PULL) in place. The
@@ -284,7 +284,7 @@ class ClientSegments:
     def _settle(self, nbytes: int) -> None:
         """Wait (bounded) while no segment of nbytes or more is idle but one is settling: back-to-back
         requests then reuse one segment, whose memory is still in the CPU's cache, instead of
-        alternating between two (BENCHMARKS.md, "One segment for back-to-back requests")."""
+        alternating between two (BENCHMARKS.md, "benchmarks/shm_segments.py")."""
         pool, settling = self.pool, self.settling
         while True:
             now, wait = time.monotonic(), False

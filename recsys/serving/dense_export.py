@@ -167,8 +167,8 @@ def check_no_pickle(path: Path) -> None:
 class FastScorer:
     """Runs the exported program's own (lifted) graph, with less per-call overhead than `.module()`.
 
-    `ExportedProgram.module()` adds a per-call cost at B = 1 on top of the ops (measured: BENCHMARKS.md,
-    "Serving: fused batch-1 lookup against TorchRec's quantized EBC"): forward pre-hooks
+    `ExportedProgram.module()` adds a per-call cost at B = 1 on top of the ops (measured:
+    benchmarks/history/figures-from-the-code.md): forward pre-hooks
     check every input against the export's symbolic shape constraints through sympy, each
     parameter is fetched through a chain of `nn.Module.__getattr__`, and the disabled-autocast
     region is a `wrap_with_autocast` higher-order op. Here the program's `graph_module` (the graph

@@ -29,7 +29,7 @@ class TableView:
 
     def __init__(self, cfg: TableConfig, ids: np.ndarray, matrix: np.ndarray, precision: str) -> None:
         # plain ndarray views of the memory maps: np.memmap's per-index bookkeeping costs time on every
-        # call (BENCHMARKS.md, "Figures moved here from the code")
+        # call (benchmarks/history/figures-from-the-code.md)
         self.cfg, self.ids, self.matrix, self.precision = cfg, np.asarray(ids), np.asarray(matrix), precision
 
     @property

@@ -183,7 +183,7 @@ class FusedPooling:
 
     def _tbe_args(self) -> dict | None:
         """The TBE's fixed arguments of its lookup op, to call the op without `forward`'s Python
-        (input checks, cache bookkeeping: BENCHMARKS.md, "Figures moved here from the code"); what
+        (input checks, cache bookkeeping: benchmarks/history/figures-from-the-code.md); what
         `_forward_impl` passes with no
         cache, no bounds check and no pruning (fbgemm-gpu 1.8.0). None (use `forward`) otherwise."""
         t = self.tbe

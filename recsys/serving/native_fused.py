@@ -9,7 +9,7 @@ planning this class inherits):
 1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
    (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
    load <= 0.25 in maps of up to 2**16 buckets (1 MiB), <= 0.5 in larger ones: fewer second
-   probes and mispredicted branches, BENCHMARKS.md; any int64 id can be a key). Hashed tables'
+   probes and mispredicted branches, benchmarks/history/2026-11-25.md; any int64 id can be a key). Hashed tables'
    keys (`splitmix64(id) % num_embeddings`) are computed in the loop. An unknown id gets its
    slot's code: -1 (zeros default: nothing to add), -2 (uniform default: computed in the pooling
    loop exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal:
@@ -33,7 +33,7 @@ planning this class inherits):
 
 Threads: the calls split their work over `torch.get_num_threads()` threads (results do not
 depend on the count). Not thread-safe (scratch buffers per instance), like the `Predictor`.
-Figures: BENCHMARKS.md ("The native kernel: `NativePooling`").
+Figures: BENCHMARKS.md, "benchmarks/serving.py".
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class NativePooling(FusedPooling):
         """fp16 rows per table as stored: float16 [R, D], a private copy (the export's matrix may be a
         read-only memory map of a file a later export replaces), allocated by torch: 64-byte
         aligned, so a 32-byte row (D = 16) never straddles two cache lines (numpy's large arrays
-        start 16 bytes into a page: ~3-9% fewer b4096 rows/s, BENCHMARKS.md)."""
+        start 16 bytes into a page: ~3-9% fewer b4096 rows/s, benchmarks/history/2026-11-25.md)."""
         for t in sorted({p.table for p, _ in slots}):
             m = np.asarray(tables[t].matrix).view(np.float16)                                # [R, D]
             rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
@@ -237,7 +237,7 @@ class NativePooling(FusedPooling):
     def _output(self, n: int) -> torch.Tensor:
         """A float32 [n] output buffer: the previous request's again when nothing references it any
         more (no view of it alive), else a new one. A fresh multi-MB buffer per request costs page
-        faults (glibc returns it to the system on free): ~0.8 ms at B = 4096 (BENCHMARKS.md)."""
+        faults (glibc returns it to the system on free): ~0.8 ms at B = 4096 (benchmarks/history/2026-11-25.md)."""
         out = self._out
         if out is not None and out.numel() >= n and _use_count(out) == self._out_refs:
             return out[:n]

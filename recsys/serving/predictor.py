@@ -15,7 +15,7 @@ Pooling (the hot path): `native_fused.make_pooling`, called when the Predictor o
 hash-map lookup of every (table, id), one `embedding_bag` per pooling group or one TBE call);
 both look a request up across all tables at once, with the same results (bit for bit) as the
 per-table path below, which `Predictor(..., fused=False)` selects. Latency and throughput:
-BENCHMARKS.md ("Serving").
+BENCHMARKS.md, "benchmarks/serving.py".
 
 Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
 `embedding_ps.store.RowSource` over the export's tables), to the `recsys.models.SparseArch`
