@@ -1,9 +1,10 @@
 """CTR model architectures (the dense part; sparse rows come from the parameter server).
 
-Every model is called the same way and has a `needs_linear_terms` attribute::
+Every model is a `CTRModel` (base.py), called the same way, and declares what else it needs::
 
     model = build_model(cfg.model, num_dense=13, num_sparse=26, embedding_dim=16)
-    logits = model(dense, pooled, pooled_linear)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
+    args, kwargs = model.extra_inputs(sparse, lookup, batch, train)   # din: behavior rows; two-tower: item ids
+    logits = model(dense, pooled, pooled_linear, *args, **kwargs)      # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
     if model.needs_linear_terms: ...               # pull the dim-1 rows of model.linear_feature_tables
 
 What training and serving both assemble from a job config::
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from recsys.config import JobConfig, ModelConfig
+from recsys.models.base import CTRModel
 from recsys.models.dcn import DCN, CrossNet
 from recsys.models.deepfm import DeepFM, FactorizationMachine, FieldWeightedFM
 from recsys.models.din import DIN, AttentionUnit
@@ -37,12 +39,12 @@ from recsys.models.wide_deep import WideDeep
 
 logger = logging.getLogger(__name__)
 
-ARCHS: dict[str, type[nn.Module]] = {"dlrm": DLRM, "dcn": DCN, "deepfm": DeepFM, "wide_deep": WideDeep, "din": DIN}
+ARCHS: dict[str, type[CTRModel]] = {"dlrm": DLRM, "dcn": DCN, "deepfm": DeepFM, "wide_deep": WideDeep, "din": DIN}
 """`model.arch` -> model class."""
 
 
 def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int,
-                sequences: tuple[tuple[int, int], ...] = ()) -> nn.Module:
+                sequences: tuple[tuple[int, int], ...] = ()) -> CTRModel:
     """The dense model of `model_cfg.arch` for Dn dense features and F pooled embeddings of dim D.
 
     Parameters are drawn from torch's global RNG: call `torch.manual_seed` first for a
@@ -88,7 +90,7 @@ def build_sparse_arch(cfg: JobConfig) -> SparseArch:
     return SparseArch(plans)
 
 
-def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
+def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> CTRModel:
     """The dense model for the pooled features `sparse` produces (one dim D: JobConfig checks it),
     initialised from `train.seed`."""
     plans = [p for p in sparse.plans if not p.linear]
@@ -103,14 +105,14 @@ def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> nn.Module:
                        sequences=sequences)
 
 
-def build_job_model(cfg: JobConfig) -> tuple[SparseArch, nn.Module]:
+def build_job_model(cfg: JobConfig) -> tuple[SparseArch, CTRModel]:
     """The sparse arch and the dense model of a job (what the trainer trains and the export saves)."""
     sparse = build_sparse_arch(cfg)
     return sparse, build_dense_model(cfg, sparse)
 
 
-__all__ = ["ARCHS", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model", "SparseArch",
-           "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch", "DCN",
-           "CrossNet", "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms",
+__all__ = ["ARCHS", "CTRModel", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
+           "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch",
+           "DCN", "CrossNet", "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms",
            "TwoTower", "DIN", "AttentionUnit", "SequencePlan", "SequenceSparseArch", "plan_sequences",
            "sequence_feature_tables", "sequence_inputs"]

@@ -15,6 +15,7 @@ from torch import nn
 
 from recsys.config import ModelConfig
 from recsys.models.mlp import MLP
+from recsys.models.base import CTRModel
 
 
 class CrossNet(nn.Module):
@@ -46,7 +47,7 @@ class CrossNet(nn.Module):
         return x
 
 
-class DCN(nn.Module):
+class DCN(CTRModel):
     """DCN-v2 on the concatenation of the dense features and the flattened embeddings.
 
     Args:

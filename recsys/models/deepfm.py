@@ -15,6 +15,7 @@ from torch import nn
 
 from recsys.config import ModelConfig
 from recsys.models.mlp import MLP, LinearTerms
+from recsys.models.base import CTRModel
 
 
 class FieldWeightedFM(nn.Module):
@@ -62,7 +63,7 @@ class FactorizationMachine(nn.Module):
         return 0.5 * (square_of_sum - sum_of_square).sum(dim=1)              # [B]
 
 
-class DeepFM(nn.Module):
+class DeepFM(CTRModel):
     """DeepFM's dense part: first-order terms + FM + DNN, summed into one logit.
 
     Args:

@@ -24,6 +24,7 @@ from torch import nn
 
 from recsys.config import ModelConfig
 from recsys.models.mlp import MLP
+from recsys.models.base import CTRModel
 
 
 class AttentionUnit(nn.Module):
@@ -61,7 +62,7 @@ class AttentionUnit(nn.Module):
         return interest, weights
 
 
-class DIN(nn.Module):
+class DIN(CTRModel):
     """DIN's dense part: one AttentionUnit per behavior list, then an MLP down to one logit.
 
     Args:
@@ -82,7 +83,10 @@ class DIN(nn.Module):
 
     needs_linear_terms = False
     needs_sequences = True
-    """Called with (dense, pooled, None, behaviors, mask): `recsys.models.sequence.sequence_inputs`."""
+
+    def extra_inputs(self, sparse, lookup, batch, train):
+        """(behaviors [B, S, L, D], mask [B, S, L]) of its lists: `SequenceSparseArch.behaviors`."""
+        return sparse.behaviors(lookup), {}
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int,
                  sequences: tuple[tuple[int, int], ...] = ()) -> None:

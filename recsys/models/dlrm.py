@@ -22,6 +22,7 @@ from torch import nn
 from recsys.config import ModelConfig
 from recsys.config_model import default_bottom_mlp
 from recsys.models.mlp import MLP
+from recsys.models.base import CTRModel
 
 
 class DenseArch(nn.Module):
@@ -116,7 +117,7 @@ class OverArch(nn.Module):
         return self.final(self.mlp(x)).squeeze(1)                            # [B]
 
 
-class DLRM(nn.Module):
+class DLRM(CTRModel):
     """The dense part of DLRM: DenseArch, InteractionArch and OverArch put together.
 
     Args:

@@ -44,6 +44,7 @@ from recsys.config import JobConfig, ModelConfig
 from recsys.dist import is_distributed
 from recsys.models.mlp import MLP
 from recsys.models.sparse_arch import SparseArch, plan_tables
+from recsys.models.base import CTRModel
 
 
 class FrequencyEstimator(nn.Module):
@@ -144,7 +145,7 @@ def item_ids_of(batch: Batch, feature: str) -> torch.Tensor:
     return jag.values
 
 
-class TwoTower(nn.Module):
+class TwoTower(CTRModel):
     """The two towers and the in-batch softmax; called like every model, plus `item_ids` in training.
 
     Args:
@@ -163,13 +164,14 @@ class TwoTower(nn.Module):
 
     needs_linear_terms = False
     in_batch_softmax = True
-    """The trainer passes `item_ids` in training and uses `loss_fn` (not BCE) on the [B, B_g] logits."""
+    """In training: `item_ids` are passed (`extra_inputs`) and `loss` (not BCE) is taken of the [B, B_g] logits."""
 
     def __init__(self, config: ModelConfig, *, user: tuple[list[int], list[int]],
                  item: tuple[list[int], list[int]], embedding_dim: int) -> None:
         super().__init__()
         self.user_dense, self.user_sparse = list(user[0]), list(user[1])
         self.item_dense, self.item_sparse = list(item[0]), list(item[1])
+        self.item_id_feature = config.item_id_feature
         self.temperature = config.temperature
         self.logq = config.logq_correction
         D = embedding_dim
@@ -181,7 +183,12 @@ class TwoTower(nn.Module):
         # equal on every rank by construction (global ids): not broadcast by DDP each step
         self._ddp_params_and_buffers_to_ignore = ["freq.counts", "freq.total"]
 
-    loss_fn = staticmethod(in_batch_loss)
+    def extra_inputs(self, sparse, lookup, batch, train):
+        """Training: the item id of every row (`model.item_id_feature`), for log-Q and the targets."""
+        return (), ({"item_ids": item_ids_of(batch, self.item_id_feature)} if train else {})
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return in_batch_loss(logits, labels)
 
     @classmethod
     def from_job(cls, cfg: JobConfig, embedding_dim: int) -> "TwoTower":

@@ -17,9 +17,10 @@ from torch import nn
 
 from recsys.config import ModelConfig
 from recsys.models.mlp import MLP, LinearTerms
+from recsys.models.base import CTRModel
 
 
-class WideDeep(nn.Module):
+class WideDeep(CTRModel):
     """Wide & Deep's dense part: the wide linear logit plus the deep MLP's logit.
 
     Args:

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from data.batch import Batch
 from data.loader import ParquetLoader
@@ -44,10 +43,9 @@ from recsys.calibration import data_score_rate, probabilities
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
-from recsys.models import SparseLookup, build_job_model, sequence_inputs
+from recsys.models import SparseLookup, build_job_model
 from recsys.models.replicated import (ReplicatedStore, TableOptimizer, TrainModules, build_replicated,
                                       resolve_placement)
-from recsys.models.two_tower import item_ids_of
 from recsys.training.checkpoint import Checkpointer, InitSource, TrainParts, restore_trainer, warm_start
 from recsys.training import stopping
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
@@ -149,9 +147,8 @@ class Trainer:
         self.optimizer = None if scoring_only else build_optimizer(self.model, cfg.train)
         self.table_optimizer = TableOptimizer(self.replicated) \
             if self.replicated is not None and not scoring_only else None
-        # two_tower: in-batch softmax over the (global) batch's items, on logits [B, B_g]
-        self._in_batch = bool(getattr(model, "in_batch_softmax", False))
-        self.loss_fn = model.loss_fn if self._in_batch else nn.BCEWithLogitsLoss()
+        # in-batch softmax over the (global) batch's items, on logits [B, B_g]: the model's own loss
+        self._in_batch = model.in_batch_softmax
         self.metric_logger = metric_logger
         self.step = 0
         self.strategy = step_strategy(cfg.ps.mode, self.store)     # sync or async, chosen here once
@@ -218,13 +215,13 @@ class Trainer:
     def forward(self, batch: Batch, lookup: SparseLookup, train: bool = True) -> torch.Tensor:
         """Logits [B] of a batch whose rows are (being) pulled in `lookup`."""
         pooled, linear = lookup.wait()                          # [B, F, D], [B, F_lin] | None
-        seq = [t.to(self.device) for t in sequence_inputs(self.sparse, lookup)]   # din: [B, S, L, D], [B, S, L]
+        args, kwargs = self.model.extra_inputs(self.sparse, lookup, batch, train)   # the model's hook
+        args = [t.to(self.device) for t in args]
+        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
         model = self.ddp if train else self.model
-        extra = {"item_ids": item_ids_of(batch, self.cfg.model.item_id_feature).to(self.device)} \
-            if train and self._in_batch else {}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.autocast):
             logits = model(batch.dense.to(self.device), pooled.to(self.device),
-                           None if linear is None else linear.to(self.device), *seq, **extra)
+                           None if linear is None else linear.to(self.device), *args, **kwargs)
         return logits.float()
 
     def train_step(self, batch: Batch, lookup: SparseLookup, times: StepTimes, *,
@@ -242,7 +239,7 @@ class Trainer:
             logits = self.forward(batch, lookup)
             labels = batch.labels.to(self.device)
             # CTR: sum_i w_i * BCE_i / B (recsys.training.loss), the plain mean when no row has a weight
-            loss = self.loss_fn(logits, labels) if self._in_batch else \
+            loss = self.model.loss(logits, labels) if self._in_batch else \
                 ctr_loss(logits, labels, row_weights(labels, batch.example_weights, self.cfg.data))
             if not torch.isfinite(loss.detach()):      # before any gradient reaches DDP or the shards
                 raise NonFiniteLossError(f"step {self.step + 1}: the training loss is {float(loss.detach())}")
@@ -475,7 +472,7 @@ class Trainer:
     def evaluate(self, paths: tuple[str, ...]) -> dict[str, float]:
         """`eval_metrics` of the model on `paths` over every rank's part (collective): auc, logloss,
         ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column."""
-        if self._in_batch:                              # two_tower: recall@K / ndcg@K over data.item_paths
+        if self._in_batch:                              # a retrieval model: recall@K / ndcg@K over data.item_paths
             return retrieval_metrics_of(self.cfg, self.sparse, self.scoring_store, self.model, paths)
         labels, scores, weights, extras = self.score(paths)
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
