@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from recsys.config import JobConfig, ModelConfig
 from recsys.models.base import CTRModel
