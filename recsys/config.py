@@ -65,8 +65,10 @@ class TrainConfig:
     warmup_steps: int = 0
     """Linear LR warmup steps."""
     lr_decay: Literal["none", "linear", "cosine", "step"] = "none"
-    """LR decay after warmup: "linear" / "cosine" to zero at max_steps; "step": times `lr_gamma`
-    every `lr_step_size` optimizer steps after warmup."""
+    """LR decay after warmup: "linear" / "cosine" to zero at the last optimizer step (max_steps /
+    grad_accum_steps, or with max_steps = 0 epochs x the data's batches per epoch / grad_accum_steps,
+    counted from the files' row counts at start); "step": times `lr_gamma` every `lr_step_size`
+    optimizer steps after warmup."""
     grad_accum_steps: int = 1
     """Micro-batches per dense optimizer step."""
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
@@ -183,8 +185,6 @@ class TrainConfig:
             raise ValueError("train.lr_decay = 'step' needs train.lr_step_size >= 1 (optimizer steps per drop)")
         if not 0.0 < self.lr_gamma <= 1.0:
             raise ValueError(f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
-        if self.lr_decay in ("linear", "cosine") and self.max_steps == 0:
-            raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.max_steps > 0 (decay ends there)")
         if self.pull_ahead_batches < 0:
             raise ValueError(f"train.pull_ahead_batches must be >= 0, got {self.pull_ahead_batches}")
 

@@ -159,7 +159,7 @@ class Trainer:
         self._any_step_uneven = cfg.data.on_bad_rows == "skip"
         self._sweeps = any(t.ttl_steps > 0 for t in cfg.ps.tables)
         self._loader: ParquetLoader | None = None
-        self.scheduler = None if scoring_only else build_scheduler(self.optimizer, cfg.train, cfg.train.max_steps)
+        self.scheduler = None if scoring_only else build_scheduler(self.optimizer, cfg.train, self._schedule_steps())
         self.checkpointer = Checkpointer(cfg, rank=rank, world_size=world_size)
         self.validation = Validation(cfg)
         self.start_step = 0
@@ -195,6 +195,24 @@ class Trainer:
         if self.rank == 0:
             logger.info("warm start from %s at step %d (train.max_steps counts the steps of this run)",
                         source.root, self.step)
+
+    def _schedule_steps(self) -> int:
+        """Optimizer steps a linear / cosine LR decay spans: train.max_steps / grad_accum_steps, or
+        without max_steps train.epochs x the batches of an epoch / grad_accum_steps, from the train
+        files' row counts (the same on every rank: DDP's ranks must agree on the LR)."""
+        t = self.cfg.train
+        if t.lr_decay not in ("linear", "cosine"):
+            return t.max_steps
+        if t.max_steps:
+            return max(1, t.max_steps // t.grad_accum_steps)
+        rows, B = self.loader.total_rows // self.world_size, self.cfg.data.batch_size
+        batches = rows // B if self.cfg.data.drop_last else -(-rows // B)
+        steps = max(1, t.epochs * batches // t.grad_accum_steps)
+        if self.rank == 0:
+            logger.info("train.lr_decay = %r over %d optimizer steps (train.epochs %d x %d batches of the data a rank "
+                        "/ grad_accum_steps %d; set train.max_steps to choose)", t.lr_decay, steps, t.epochs, batches,
+                        t.grad_accum_steps)
+        return steps
 
     @property
     def _last_step(self) -> int:

@@ -178,7 +178,6 @@ def test_print_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
          '[model]\narch = "deepfm"\nlinear_feature_tables = {a = "a1"}\n', r"table 'a1' must have dim 1, got 2"),
         ('[data]\nsparse_columns = ["a"]\nweight_columns = {a = "w"}\n[[ps.tables]]\nname = "a"\ndim = 16\n'
          '[model]\ntable_pooling = {a = "mean"}\n', r"per-id weights need sum pooling"),
-        ('[train]\nlr_decay = "cosine"\n', r"train\.lr_decay = 'cosine' needs train\.max_steps > 0"),
     ],
 )
 def test_cross_section_rules(tmp_path: Path, text: str, match: str) -> None:

@@ -98,3 +98,29 @@ def test_scoring_keeps_the_short_last_batch_when_training_drops_it(tmp_path: Pat
     finally:
         trainer.close()
     assert labels.shape == scores.shape == (pq.read_metadata(data_dir / "part-00001.parquet").num_rows,) == (1280,)
+
+
+def test_linear_and_cosine_decay_span_the_epochs_without_max_steps(tmp_path: Path, data_dir: Path) -> None:
+    """#30 item 6: lr_decay = "cosine" without train.max_steps decays over train.epochs x the data's
+    batches (it was refused, asking for max_steps by hand): the LR ends at 0 on the last step."""
+    from recsys.training.trainer import Trainer
+    from embedding_ps.local import LocalStore
+    from tests.unit.recsys.training.test_checkpoint import B
+
+    cfg = job(tmp_path / "run", data_dir, "train.lr_decay='cosine'", "train.epochs=2", "train.max_steps=0",
+              "data.drop_last=true", "train.checkpoint_every=0")
+    trainer = Trainer(cfg, LocalStore.create(cfg.ps))
+    per_epoch = trainer.loader.total_rows // B
+    assert trainer._schedule_steps() == 2 * per_epoch
+    lrs = []
+    for _ in range(2 * per_epoch):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    assert lrs[0] == cfg.train.dense_lr and lrs == sorted(lrs, reverse=True) and lrs[-1] > 0
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)   # after the last step: 0
+    accum = Trainer(job(tmp_path / "acc", data_dir, "train.lr_decay='linear'", "train.max_steps=12",
+                        "train.grad_accum_steps=2"), LocalStore.create(cfg.ps))
+    assert accum._schedule_steps() == 6                           # optimizer steps, not batches
+    trainer.close()
+    accum.close()
