@@ -343,6 +343,40 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
         sweep_segments("at exit")
 
 
+def closing_summary(cfg: JobConfig, metrics: dict) -> str:
+    """The lines a finished `recsys train` ends with (either engine): the run, the best pass and its
+    validation metric, the test metrics of the model they came from, the final eval metrics of the
+    last model, where the curves are, and the next commands."""
+    run = cfg.train.run_dir
+    nums = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    head = f"done: run {run} ({cfg.train.run_id}): {int(nums.get('steps', 0))} steps"
+    if "samples_per_s" in nums:
+        head += f", {nums['samples_per_s']:,.0f} samples/s"
+    lines = [head]
+    best = int(nums.get("best_step", -1))
+    if best >= 0:
+        metric = cfg.train.early_stop_metric
+        value = nums.get(f"best_val_{metric}")
+        kept = f", kept in {run}/best" if cfg.train.keep_best else ""
+        lines.append(f"  best pass: step {best}" + (f", val/{metric} {value:.4f}" if value is not None else "") + kept)
+    test = metrics.get("test")
+    if isinstance(test, dict):
+        shown = " ".join(f"{k} {v:.4f}" for k, v in test.items()
+                         if k in ("auc", "logloss", "ne", "calibration") and isinstance(v, (int, float)))
+        lines.append(f"  test ({'best' if best >= 0 and cfg.train.keep_best else 'last'} model, step "
+                     f"{test.get('step', '?')}): {shown}")
+    final = " ".join(f"{k} {nums[k]:.4f}" for k in ("auc", "logloss", "ne", "calibration") if k in nums)
+    final += " ".join(f" {k} {v:.4f}" for k, v in nums.items() if k.startswith(("recall@", "ndcg@")))
+    if final.strip():
+        lines.append(f"  eval (last model, data.eval_paths): {final.strip()}")
+    import importlib.util
+    tb = (f"tensorboard --logdir {run}/tensorboard" if importlib.util.find_spec("tensorboard") is not None
+          else "off (pip install -e '.[tensorboard]')")
+    lines.append(f"  metrics: {run}/metrics.json, {run}/metrics.jsonl; curves: recsys plot {run}; TensorBoard: {tb}")
+    lines.append(f"  next: recsys eval --run {run} --data FILES | recsys export --run {run} --out DIR")
+    return "\n".join(lines)
+
+
 def sweep_segments(what: str) -> None:
     """Remove this user's shared-memory segments (/dev/shm/recsys-ps-*) whose process is gone
     (`embedding_ps.wire.shm.sweep_dead`: a trainer killed with -9 leaves its own) and say so."""

@@ -43,7 +43,7 @@ from recsys.config import JobConfig
 from recsys.training.checkpoint import InitSource
 from recsys.rundir import READY_TIMEOUT_S, run_path, wait_for_shards
 # the job's life, shared with the Ray engine (also importable from here)
-from recsys.training.job import (PEER_LOST, JobFailure, StopNow, StopRequests, WorkerError,  # noqa: F401
+from recsys.training.job import (PEER_LOST, JobFailure, closing_summary, StopNow, StopRequests, WorkerError,  # noqa: F401
                                  placements_of, prepared_run, read_worker_error, run_attempts, silent_ranks,
                                  with_run_id, write_processes, write_run_dir)
 
@@ -285,8 +285,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
         if (run_dir / "stopped.json").exists():
             return None
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()
-                                         if isinstance(v, (int, float))))
+        logger.info("%s", closing_summary(cfg, metrics))
         return metrics
     finally:
         stop(shards)

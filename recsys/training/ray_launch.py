@@ -45,7 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.rundir import run_path
 from recsys.rundir import READY_TIMEOUT_S
-from recsys.training.job import JobFailure, WorkerError, read_worker_error, write_processes
+from recsys.training.job import JobFailure, WorkerError, closing_summary, read_worker_error, write_processes
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
                 raise JobFailure(f"{dead[0]} died during training", killed=True) from e
             raise _trainer_failure(e, run_dir) from e
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        logger.info("done: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
+        logger.info("%s", closing_summary(cfg, metrics))
         return metrics
     finally:
         if actors:

@@ -404,6 +404,8 @@ class Trainer:
             self.store.sweep(self.step)
         run.window.total = time.perf_counter() - run.t_log
         values = run.window.as_metrics()
+        if self._in_batch:                  # no per-row click probability: no train AUC (it was logged as nan)
+            values.pop("auc/train")
         if isinstance(self.store, CachingStore):
             values.update(cache_metrics(self.store.cache_counts()))
         self._log(values)

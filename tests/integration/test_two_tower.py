@@ -56,6 +56,8 @@ def test_recall_at_50_beats_twice_the_most_popular_baseline(tmp_path: Path, retr
     assert metrics["ndcg@50"] > metrics["popular_ndcg@50"]
     assert metrics["test"]["recall@50"] == pytest.approx(metrics["recall@50"], abs=1e-9)   # test scoring
     assert metrics["test"]["examples"] == 20000
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss/train" in x for x in lines) and not any("auc/train" in x for x in lines)   # no nan train AUC
     again = evaluate_run(tmp_path / "run", [f"{retrieval_data}/part-00002.parquet"])
     for k in ("recall@10", "recall@50", "recall@100", "ndcg@50", "popular_recall@50"):
         assert again[k] == pytest.approx(metrics[k], abs=1e-6), k

@@ -44,3 +44,21 @@ def test_sweeps_before_the_job_before_each_restart_and_at_exit(tmp_path: Path, m
                          tmp_path / "config.toml", tmp_path, None, _Stops(), False,
                          lambda *a, **k: (_ for _ in ()).throw(job.JobFailure("shard 0 died", killed=True)))
     assert len(calls) == 2
+
+
+def test_the_closing_summary_names_the_run_the_best_pass_the_test_metrics_and_what_next(tmp_path: Path) -> None:
+    """#30 item 4: the last lines of `recsys train` (the `done:` line showed the last model's AUC
+    while `test` used the best, and named neither the run nor the next commands)."""
+    cfg = load_config(None, [f"train.run_dir='{tmp_path}'", "train.run_id='abc123'"])
+    metrics = {"run_id": "abc123", "steps": 120, "samples_per_s": 41234.5, "best_step": 80, "best_val_logloss": 0.4512,
+               "auc": 0.7801, "logloss": 0.4601, "test": {"auc": 0.7905, "logloss": 0.4499, "step": 80, "examples": 9}}
+    text = job.closing_summary(cfg, metrics)
+    lines = text.splitlines()
+    assert lines[0] == f"done: run {tmp_path} (abc123): 120 steps, 41,234 samples/s"
+    assert f"best pass: step 80, val/logloss 0.4512, kept in {tmp_path}/best" in text
+    assert "test (best model, step 80): auc 0.7905 logloss 0.4499" in text
+    assert "eval (last model, data.eval_paths): auc 0.7801 logloss 0.4601" in text
+    assert f"recsys plot {tmp_path}" in text and "TensorBoard: " in text
+    assert lines[-1] == f"  next: recsys eval --run {tmp_path} --data FILES | recsys export --run {tmp_path} --out DIR"
+    plain = job.closing_summary(cfg, {"steps": 10})                  # no validation, no test, no eval data
+    assert "best pass" not in plain and "test (" not in plain and "eval (" not in plain
