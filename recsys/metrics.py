@@ -24,6 +24,7 @@ across ranks with one `all_reduce`. `MetricLogger` writes `metrics.jsonl` (one J
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 import math
@@ -391,6 +392,28 @@ def retrieval_metrics(top: np.ndarray, relevant: Sequence[np.ndarray], ks: Seque
     return out
 
 
+LINE_KEYS = ("loss/train", "auc/train", "val/auc", "val/logloss", "perf/samples_per_s", "data/wait_frac",
+             "ps/pull_ms", "cache/hit_rate")
+"""The metrics a step's log line shows (the rest are in metrics.jsonl and TensorBoard; --verbose shows all)."""
+
+
+def step_line(values: Mapping[str, float], step: int, verbose: bool = False) -> str:
+    """`epoch 1/2 step 40/120 eta 0:01:10 | loss/train=0.45 ...`: the progress/* values (the trainer's
+    `progress/epoch`, `progress/epochs`, `progress/total_steps`, `progress/eta_s`) as a prefix, then
+    the LINE_KEYS present (every key with `verbose`), NaN ones left out."""
+    head = f"step {step}"
+    if "progress/total_steps" in values:
+        head = f"step {step}/{int(values['progress/total_steps'])}"
+    if "progress/epoch" in values:
+        head = f"epoch {int(values['progress/epoch'])}/{int(values.get('progress/epochs', 0))} {head}"
+    eta = values.get("progress/eta_s")
+    if eta is not None and math.isfinite(eta):
+        head += f" eta {datetime.timedelta(seconds=round(eta))}"
+    shown = [(k, v) for k, v in values.items() if (verbose or k in LINE_KEYS) and not k.startswith("progress/")
+             and math.isfinite(v)]
+    return f"{head} | " + " ".join(f"{k}={v:.4g}" for k, v in shown)
+
+
 class MetricSink(Protocol):
     """Where training metrics go: `MetricLogger`, or `NullMetricLogger` when metrics are off."""
 
@@ -447,7 +470,7 @@ class MetricLogger:
         record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        logger.info("step %d | %s", step, " ".join(f"{k}={v:.4g}" for k, v in values.items()))
+        logger.info("%s", step_line(values, step, verbose=logger.isEnabledFor(logging.DEBUG)))
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from collections import deque
@@ -112,6 +113,8 @@ class _Run:
     t_log: float                    # start of the window
     position: dict                  # the reader state after the last trained batch
     bar: Any = None                 # tqdm bar (rank 0 on a terminal) or None
+    total: int = 0                  # the step the run ends at (train.max_steps, else the epochs' end)
+    first: int = 0                  # the step it started from (a resumed or warm-started run's)
     samples: int = 0
     trace: list[np.ndarray] = field(default_factory=list)
     stop: bool = False              # early stopping: end the run after this step
@@ -303,7 +306,8 @@ class Trainer:
             raise RuntimeError("this Trainer was built with scoring_only=True (eval / predict): it has no optimizer")
         run = self._start_run()
         agreement = stopping.StopAgreement(self.world_size)
-        self._train_loop(run, agreement)
+        with _logging_above(run.bar):          # log lines print above the bar, not over it
+            self._train_loop(run, agreement)
         agreement.close()              # the reduction still in flight (on an error: the process ends)
         return self._finish_run(run)
 
@@ -331,7 +335,8 @@ class Trainer:
         if bar is not None:
             bar.update(self.step)
         t = time.perf_counter()
-        return _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar)
+        return _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar, total=total,
+                    first=self.step)
 
     def _batches(self) -> Iterator[tuple[Batch, float, dict, bool]]:
         """Training batches over all epochs (from a restored position on), with the seconds spent
@@ -404,6 +409,11 @@ class Trainer:
             self.store.sweep(self.step)
         run.window.total = time.perf_counter() - run.t_log
         values = run.window.as_metrics()
+        done = self.step - run.first            # progress: epoch e/E, step s/S and the ETA on the log line
+        eta = (time.perf_counter() - run.t_start) / done * max(0, run.total - self.step) if done > 0 else math.nan
+        values.update({"progress/epoch": float(run.position.get("epoch", 0)) + 1,
+                       "progress/epochs": float(self.cfg.train.epochs), "progress/total_steps": float(run.total),
+                       "progress/eta_s": eta})
         if self._in_batch:                  # no per-row click probability: no train AUC (it was logged as nan)
             values.pop("auc/train")
         if isinstance(self.store, CachingStore):
@@ -572,6 +582,14 @@ def progress_bar(total: int, enabled: bool):
     except ImportError:
         return None
     return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+
+
+def _logging_above(bar):
+    """tqdm's logging_redirect_tqdm while a bar shows (a log line otherwise overwrites it), else nothing."""
+    if bar is None:
+        return _null()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    return logging_redirect_tqdm()
 
 
 class _null:

@@ -274,3 +274,18 @@ def test_eval_metrics_exact_and_streaming() -> None:
     streaming = eval_metrics(labels, scores, p, exact_auc=False)
     assert streaming["auc"] == pytest.approx(exact["auc"], abs=1e-3)
     assert streaming["oracle_auc"] == pytest.approx(exact["oracle_auc"], abs=1e-3)
+
+
+def test_the_step_line_shows_progress_and_at_most_the_line_keys(caplog) -> None:
+    """#30 item 4: `epoch e/E step s/S eta H:MM:SS | ` then at most the 8 LINE_KEYS (no NaN ones);
+    --verbose (DEBUG) shows every metric; metrics.jsonl keeps them all."""
+    from recsys.metrics import LINE_KEYS, step_line
+
+    values = {"progress/epoch": 1.0, "progress/epochs": 2.0, "progress/total_steps": 120.0, "progress/eta_s": 70.4,
+              "loss/train": 0.4512, "auc/train": float("nan"), "perf/samples_per_s": 41234.0, "ps/push_ms": 3.0,
+              "time/ps_wait_ms": 0.5, "data/wait_frac": 0.01}
+    line = step_line(values, 40)
+    assert line == "epoch 1/2 step 40/120 eta 0:01:10 | loss/train=0.4512 perf/samples_per_s=4.123e+04 data/wait_frac=0.01"
+    assert len(LINE_KEYS) <= 8
+    assert "ps/push_ms=3" in step_line(values, 40, verbose=True) and "nan" not in step_line(values, 40, verbose=True)
+    assert step_line({"loss/train": 1.0}, 3) == "step 3 | loss/train=1"
