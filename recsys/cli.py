@@ -35,7 +35,8 @@ USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.job", "Worker
                ("recsys.training.checkpoint", "CorruptCheckpointError"),
                ("embedding_ps.shard.snapshot", "CorruptShardError"),
                ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
-               ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"))
+               ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"),
+               ("recsys.init_config", "InitConfigError"))
 """(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,
 a trainer's error): one `error:` line and exit code 2. Looked up in sys.modules: an error of a
 module that was never imported cannot have been raised, and the CLI starts without torch."""
@@ -100,6 +101,18 @@ def _fill_dates(args: argparse.Namespace) -> None:
                 hint = "" if args.date else "; pass --date YYYY-MM-DD"
                 raise ConfigError(f"--{flag} {v!r}: {e}{hint}") from None
         setattr(args, flag, filled if isinstance(value, list) else filled[0])
+
+
+def _cmd_init_config(args: argparse.Namespace) -> int:
+    from recsys.init_config import init_config
+
+    text = init_config(args.data, args.label, args.out, dense=tuple(args.dense), ignore=tuple(args.ignore),
+                       sample_rows=args.sample_rows, run_dir=args.run_dir)
+    if args.out:
+        logger.info("wrote %s; train it with: recsys train --config %s", args.out, args.out)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def _cmd_print_config(args: argparse.Namespace) -> int:
@@ -351,6 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", metavar="KEY", help="what a config key means (type, default, valid values), "
                    "e.g. ps.table_defaults.lr, or every key of a section (train); docs/config.md has them all")
     p.set_defaults(func=_cmd_print_config)
+
+    p = sub.add_parser("init-config", help="write a job config from your Parquet data (columns classified, "
+                       "tables sized by their distinct ids)")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="Parquet files, directories or globs")
+    p.add_argument("--label", required=True, help="the 0/1 label column")
+    p.add_argument("--out", default=None, help="the config file to write (default: print it)")
+    p.add_argument("--dense", nargs="*", default=[], metavar="COL", help="integer columns that are numbers, not ids")
+    p.add_argument("--ignore", nargs="*", default=[], metavar="COL", help="columns to leave out")
+    p.add_argument("--sample-rows", type=int, default=1_000_000, help="rows read to count distinct ids")
+    p.add_argument("--run-dir", default="", help="train.run_dir of the config (default: runs/<--out's name>)")
+    p.set_defaults(func=_cmd_init_config)
 
     p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet",
                        description="Writes OUT/part-00000.parquet, part-00001, ...: --rows rows in --files files of "

@@ -400,7 +400,7 @@ LINE_KEYS = ("loss/train", "auc/train", "val/auc", "val/logloss", "perf/samples_
 def step_line(values: Mapping[str, float], step: int, verbose: bool = False) -> str:
     """`epoch 1/2 step 40/120 eta 0:01:10 | loss/train=0.45 ...`: the progress/* values (the trainer's
     `progress/epoch`, `progress/epochs`, `progress/total_steps`, `progress/eta_s`) as a prefix, then
-    the LINE_KEYS present (every key with `verbose`), NaN ones left out."""
+    the LINE_KEYS present (every key with `verbose`, or when none is: final/*, test/*), NaN ones left out."""
     head = f"step {step}"
     if "progress/total_steps" in values:
         head = f"step {step}/{int(values['progress/total_steps'])}"
@@ -409,6 +409,7 @@ def step_line(values: Mapping[str, float], step: int, verbose: bool = False) -> 
     eta = values.get("progress/eta_s")
     if eta is not None and math.isfinite(eta):
         head += f" eta {datetime.timedelta(seconds=round(eta))}"
+    verbose = verbose or not any(k in LINE_KEYS for k in values)     # final/*, test/*: a line of their own
     shown = [(k, v) for k, v in values.items() if (verbose or k in LINE_KEYS) and not k.startswith("progress/")
              and math.isfinite(v)]
     return f"{head} | " + " ".join(f"{k}={v:.4g}" for k, v in shown)

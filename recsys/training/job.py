@@ -363,8 +363,9 @@ def closing_summary(cfg: JobConfig, metrics: dict) -> str:
     if isinstance(test, dict):
         shown = " ".join(f"{k} {v:.4f}" for k, v in test.items()
                          if k in ("auc", "logloss", "ne", "calibration") and isinstance(v, (int, float)))
-        lines.append(f"  test ({'best' if best >= 0 and cfg.train.keep_best else 'last'} model, step "
-                     f"{test.get('step', '?')}): {shown}")
+        step = test.get("step")
+        lines.append(f"  test ({test.get('model', 'last')} model, step "
+                     f"{int(step) if isinstance(step, (int, float)) else '?'}): {shown}")
     final = " ".join(f"{k} {nums[k]:.4f}" for k in ("auc", "logloss", "ne", "calibration") if k in nums)
     final += " ".join(f" {k} {v:.4f}" for k, v in nums.items() if k.startswith(("recall@", "ndcg@")))
     if final.strip():

@@ -289,3 +289,4 @@ def test_the_step_line_shows_progress_and_at_most_the_line_keys(caplog) -> None:
     assert len(LINE_KEYS) <= 8
     assert "ps/push_ms=3" in step_line(values, 40, verbose=True) and "nan" not in step_line(values, 40, verbose=True)
     assert step_line({"loss/train": 1.0}, 3) == "step 3 | loss/train=1"
+    assert step_line({"final/steps": 7.0, "final/auc": 0.5}, 7) == "step 7 | final/steps=7 final/auc=0.5"

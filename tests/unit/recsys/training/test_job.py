@@ -51,7 +51,7 @@ def test_the_closing_summary_names_the_run_the_best_pass_the_test_metrics_and_wh
     while `test` used the best, and named neither the run nor the next commands)."""
     cfg = load_config(None, [f"train.run_dir='{tmp_path}'", "train.run_id='abc123'"])
     metrics = {"run_id": "abc123", "steps": 120, "samples_per_s": 41234.5, "best_step": 80, "best_val_logloss": 0.4512,
-               "auc": 0.7801, "logloss": 0.4601, "test": {"auc": 0.7905, "logloss": 0.4499, "step": 80, "examples": 9}}
+               "auc": 0.7801, "logloss": 0.4601, "test": {"auc": 0.7905, "logloss": 0.4499, "step": 80.0, "model": "best", "examples": 9}}
     text = job.closing_summary(cfg, metrics)
     lines = text.splitlines()
     assert lines[0] == f"done: run {tmp_path} (abc123): 120 steps, 41,234 samples/s"

@@ -1,0 +1,190 @@
+"""`recsys init-config --data FILES... --label COL [--out X.toml]`: a job config written from the data.
+
+Reads the files' schema and, over up to `sample_rows` rows, each column's distinct values (pyarrow),
+classifies the columns and writes a commented config that trains as written:
+
+    label       the --label column
+    dense       float columns, and integer ones named like Criteo's counts (I1, I2, ...) or given by --dense
+    id          integer columns (every other one), strings and binaries (hashed to 64-bit ids)
+    multi-hot   lists of integers or strings
+    left out    `p_true` and `row_id` (kept as passthrough columns), and --ignore
+
+Tables are one per id column (`[ps.table_defaults]` makes them) with the recipe of README's "Getting
+good results" (DeepFM, Adam, L2, batch norm, early stopping): `placement = "auto"` trains a column of
+at most 10,000 distinct ids as a dense parameter on the trainers and bigger ones on the PS; a column
+whose ids are mostly seen once gets admission (`min_count = 2`) and a capacity hint; the dim grows
+with the largest vocabulary (8 up to 10k ids, 16 up to 1M, 32 beyond). The files are split by name
+into train / validation / test when there are three or more (first ones train, next to last
+validates, last tests), else all train.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from data.parquet import resolve_paths
+from data.remote import parquet_file
+
+PASSTHROUGH = ("p_true", "row_id")
+DENSE_NAME = re.compile(r"I\d+")
+REPLICATE_MAX = 10_000
+
+
+class InitConfigError(ValueError):
+    """The data cannot make a config: the message names the file or column."""
+
+
+@dataclass
+class Column:
+    name: str
+    kind: str                # "label" | "dense" | "id" | "multi-hot" | "passthrough" | "ignored"
+    type: str
+    distinct: int = 0
+    singletons: float = 0.0  # share of distinct ids seen once in the sample
+    note: str = ""
+
+
+def _is_id(t: pa.DataType) -> bool:
+    return (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t))
+
+
+def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: tuple[str, ...] = (),
+             sample_rows: int = 1_000_000) -> tuple[list[Column], int]:
+    """(columns in file order, rows sampled) of the first file's schema, counted over the files' first
+    `sample_rows` rows. InitConfigError naming the file when the schemas differ or the label is missing."""
+    schema = parquet_file(files[0]).schema_arrow
+    for f in files[1:]:
+        other = parquet_file(f).schema_arrow
+        if other.names != schema.names:
+            raise InitConfigError(f"{f}: its columns {other.names} differ from {files[0]}'s {schema.names}")
+    if label not in schema.names:
+        raise InitConfigError(f"--label {label!r}: not a column of {files[0]} (columns: {', '.join(schema.names)})")
+    tables, rows = [], 0
+    for f in files:
+        pf = parquet_file(f)
+        for g in range(pf.num_row_groups):
+            if rows >= sample_rows:
+                break
+            t = pf.read_row_group(g)
+            tables.append(t)
+            rows += t.num_rows
+    data = pa.concat_tables(tables) if tables else schema.empty_table()
+    cols = []
+    for field in schema:
+        n, t = field.name, field.type
+        if n == label:
+            cols.append(Column(n, "label", str(t)))
+        elif n in ignore:
+            cols.append(Column(n, "ignored", str(t), note="--ignore"))
+        elif n in PASSTHROUGH:
+            cols.append(Column(n, "passthrough", str(t), note="bookkeeping of generated data: carried to predictions"))
+        elif n in dense or pa.types.is_floating(t) or pa.types.is_boolean(t) or (pa.types.is_integer(t)
+                                                                                 and DENSE_NAME.fullmatch(n)):
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+                raise InitConfigError(f"--dense {n}: column of type {t}, not a number")
+            cols.append(Column(n, "dense", str(t)))
+        elif _is_id(t) or (pa.types.is_list(t) and _is_id(t.value_type)):
+            values = data.column(n)
+            if pa.types.is_list(t):
+                values = pc.list_flatten(values)
+            counts = pc.value_counts(values.drop_null() if hasattr(values, "drop_null") else values)
+            c = counts.field("counts").to_numpy(zero_copy_only=False)
+            cols.append(Column(n, "multi-hot" if pa.types.is_list(t) else "id", str(t), distinct=len(c),
+                               singletons=float(np.mean(c == 1)) if len(c) else 0.0))
+        else:
+            cols.append(Column(n, "ignored", str(t), note=f"type {t}: neither a number nor ids"))
+    return cols, rows
+
+
+def _dim(max_distinct: int) -> int:
+    return 8 if max_distinct <= 10_000 else 16 if max_distinct <= 1_000_000 else 32
+
+
+def _toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(f'"{x}"' for x in items) + "]"
+
+
+def render(files: list[str], label: str, cols: list[Column], sample: int, run_dir: str) -> str:
+    """The config text (TOML with comments)."""
+    dense = [c.name for c in cols if c.kind == "dense"]
+    ids = [c for c in cols if c.kind in ("id", "multi-hot")]
+    if not ids:
+        raise InitConfigError(f"{files[0]}: no id columns (integers, strings or lists of them) to embed")
+    passthrough = [c.name for c in cols if c.kind == "passthrough"]
+    if len(files) >= 3:
+        train, val, test = files[:-2], [files[-2]], [files[-1]]
+    else:
+        train, val, test = files, [], []
+    dim = _dim(max(c.distinct for c in ids))
+    lines = [
+        f"# Written by `recsys init-config` from {len(files)} file(s) ({sample:,} rows sampled). Check the column",
+        "# classes below, then: recsys train --config THIS_FILE   (recsys print-config --config THIS_FILE shows it",
+        "# resolved; recsys print-config --explain KEY says what a key means).",
+        "#",
+        "# columns:",
+    ]
+    for c in cols:
+        extra = f", {c.distinct:,} distinct ids ({c.singletons:.0%} seen once)" if c.kind in ("id", "multi-hot") else ""
+        lines.append(f"#   {c.name:<20} {c.type:<24} {c.kind}{extra}{'; ' + c.note if c.note else ''}")
+    lines += ["", "[data]", f"train_paths = {_toml_list(train)}"]
+    if val:
+        lines.append(f"eval_paths = {_toml_list(val)}            # validation: picks the epoch (early stopping)")
+    if test:
+        lines.append(f"test_paths = {_toml_list(test)}            # scored once at the end, with the best model")
+    lines += [f'label_column = "{label}"',
+              f"dense_columns = {_toml_list(dense)}",
+              f"sparse_columns = {_toml_list([c.name for c in ids])}"]
+    if any(not c.type.startswith(("float", "double")) for c in cols if c.kind == "dense"):
+        lines.append("dense_log1p = true           # integer columns: counts, log(1 + x) (the Criteo convention)")
+    if passthrough:
+        lines.append(f"passthrough_columns = {_toml_list(passthrough)}")
+    lines += ["batch_size = 256", "drop_last = true             # batch norm: no last batch of a few rows", "",
+              "[ps]", "num_shards = 1", 'mode = "sync"', "",
+              "[ps.table_defaults]          # every table: one per id column, plus the dim-1 linear ones",
+              f"dim = {dim}                      # from the largest vocabulary ({max(c.distinct for c in ids):,} ids)",
+              'placement = "auto"           # <= 10,000 ids: a dense parameter on the trainers; more: the PS',
+              'optimizer = { name = "adam", lr = 0.001, weight_decay = 0.0002 }   # weight_decay = 2 x an L2 penalty',
+              'init = "normal"', "init_scale = 0.01",
+              'unadmitted = "zeros"         # ids the training data never had add nothing at eval / serving time']
+    for c in ids:
+        if c.distinct > REPLICATE_MAX and c.singletons > 0.5:
+            lines += ["", f"# {c.name}: {c.distinct:,} ids, {c.singletons:.0%} seen once: admit an id at its 2nd "
+                          "sighting, and size the table",
+                      "[[ps.tables]]", f'name = "{c.name}"', f"dim = {dim}", 'placement = "ps"', "min_count = 2",
+                      f"capacity = {int(math.ceil(c.distinct * 1.2))}",
+                      "# ttl_steps = 0             # set for ids that stop appearing (daily data): rows unseen this "
+                      "many steps are dropped"]
+    lines += ["", "[model]", 'arch = "deepfm"', "linear_tables = true         # FM first-order terms: a dim-1 "
+              "table per column", "top_mlp = [64, 32]", 'norm = "batch"', "dropout = 0.2", "",
+              "[train]", "num_trainers = 1", "epochs = 15" if val else "epochs = 2", "dense_lr = 0.001",
+              "log_every = 50"]
+    if val:
+        lines += ['validate_every = "epoch"', 'early_stop_metric = "logloss"', "early_stop_patience = 2",
+                  "keep_best = true"]
+    lines.append(f'run_dir = "{run_dir}"')
+    return "\n".join(lines) + "\n"
+
+
+def init_config(data: list[str], label: str, out: str | None = None, dense: tuple[str, ...] = (),
+                ignore: tuple[str, ...] = (), sample_rows: int = 1_000_000, run_dir: str = "") -> str:
+    """The config text for `data` (written to `out` when given; an existing `out` is refused)."""
+    files = resolve_paths(list(data))
+    if not files:
+        raise InitConfigError(f"--data {' '.join(data)}: no Parquet files there")
+    cols, sample = classify(files, label, tuple(dense), tuple(ignore), sample_rows)
+    run = run_dir or f"runs/{Path(out).stem if out else 'my-model'}"
+    text = render(files, label, cols, sample, run)
+    if out:
+        p = Path(out)
+        if p.exists():
+            raise InitConfigError(f"--out {out}: exists (pick another name, or remove it)")
+        p.write_text(text)
+    return text

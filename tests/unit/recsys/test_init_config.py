@@ -1,0 +1,97 @@
+"""`recsys init-config` (#30 item 2): a config from the data that trains as written, per preset and
+on string ids, and one-line errors naming the file or column."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embedding_ps.local import LocalStore
+from recsys.config import load_config
+from recsys.init_config import InitConfigError, init_config
+from recsys.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _strings(out: Path, rows: int = 3000) -> Path:
+    """Logs with string ids (user / ad names), a list of string tags and a float price."""
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        user = rng.integers(0, 400, rows)
+        ad = rng.integers(0, 60, rows)
+        p = 1 / (1 + np.exp(-(np.sin(user) + np.cos(ad))))
+        pq.write_table(pa.table({
+            "clicked": (rng.random(rows) < p).astype(np.float32),
+            "user": pa.array([f"u{u}" for u in user]),
+            "ad": pa.array([f"ad-{a}" for a in ad]),
+            "tags": pa.array([[f"t{(u + k) % 17}" for k in range(int(a) % 3)] for u, a in zip(user, ad)]),
+            "price": rng.random(rows).astype(np.float64),
+        }), out / f"part-{i:05d}.parquet")
+    return out
+
+
+def _data(kind: str, out: Path) -> list[str]:
+    if kind == "strings":
+        return [str(_strings(out))]
+    if kind == "daily":
+        from data.daily import generate_daily
+        generate_daily(days=2, rows=2000, out_dir=str(out), seed=0)
+        return [str(out / "day=2026-11-25"), str(out / "day=2026-11-26")]
+    if kind == "sequence":
+        from data.sequence import generate_sequence
+        generate_sequence(rows=3000, num_files=3, out_dir=str(out), seed=0)
+        return [str(out)]
+    from data.synthetic import generate
+    generate(preset=kind, rows=3000, num_files=3, out_dir=str(out), seed=0)
+    return [str(out)]
+
+
+@pytest.mark.parametrize("kind, label", [("criteo-like", "label"), ("onehot", "label"), ("sequence", "label"),
+                                         ("daily", "label"), ("strings", "clicked")])
+def test_the_config_trains_as_written(tmp_path: Path, kind: str, label: str) -> None:
+    out = tmp_path / "job.toml"
+    init_config(_data(kind, tmp_path / "data"), label, str(out), run_dir=str(tmp_path / "run"))
+    text = out.read_text()
+    cfg = load_config(out, ["train.max_steps=4"])              # as written; only shortened for the test
+    assert cfg.data.label_column == label and cfg.data.sparse_columns
+    if kind == "strings":
+        assert cfg.data.sparse_columns == ("user", "ad", "tags") and cfg.data.dense_columns == ("price",)
+        assert "user                 string" in text and "multi-hot" in text
+    if kind == "criteo-like":
+        assert cfg.data.dense_columns[:2] == ("I1", "I2") and cfg.data.dense_log1p
+        assert cfg.data.passthrough_columns == ("row_id", "p_true")
+    trainer = Trainer(cfg, LocalStore.create(cfg.ps))
+    trainer.train()
+    trainer.close()
+    assert trainer.step == 4
+
+
+def test_errors_name_the_column_or_the_file(tmp_path: Path) -> None:
+    data = _data("strings", tmp_path / "data")
+    with pytest.raises(InitConfigError, match=r"--label 'label': not a column of .*part-00000.parquet \(columns: "
+                                              r"clicked, user, ad, tags, price\)"):
+        init_config(data, "label")
+    with pytest.raises(InitConfigError, match=r"--dense user: column of type string, not a number"):
+        init_config(data, "clicked", dense=("user",))
+    pq.write_table(pa.table({"clicked": [1.0], "other": [1]}), tmp_path / "data" / "part-00003.parquet")
+    with pytest.raises(InitConfigError, match=r"part-00003.parquet: its columns \['clicked', 'other'\] differ"):
+        init_config(data, "clicked")
+
+
+def test_cli_writes_the_file_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    data = _data("strings", tmp_path / "data")
+    cmd = [sys.executable, "-m", "recsys.cli", "init-config", "--data", *data, "--label", "clicked",
+           "--out", str(tmp_path / "job.toml")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    assert "train it with: recsys train --config" in first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 2 and "job.toml: exists" in again.stderr
