@@ -1,5 +1,6 @@
 """`recsys plot RUN_DIR`: PNG curves of a run's metrics.jsonl (loss, AUC, samples/s); training and
-validation (`val/*`, train.validate_every) curves share a plot, one line each."""
+validation (`val/*`, train.validate_every) curves share a plot, one line each, and the loss and AUC
+plots mark the best validation pass (metrics.json's `best_step`: the model `best/` keeps)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def best_step(run: Path) -> int | None:
+    """The step of the run's best validation pass (metrics.json `best_step`), or None."""
+    try:
+        step = json.loads((run / "metrics.json").read_text()).get("best_step")
+    except (OSError, ValueError):
+        return None
+    return int(step) if isinstance(step, (int, float)) and step >= 0 else None
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write one PNG per curve that has data into RUN_DIR/plots; return their paths."""
     try:
@@ -35,6 +45,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         raise ImportError("recsys plot needs matplotlib: pip install matplotlib") from None
     run = Path(run_dir)
     rows = read_metrics(run / "metrics.jsonl")
+    best = best_step(run)
     out_dir = run / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
@@ -47,7 +58,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         for key, points in series.items():
             ax.plot([p[0] for p in points], [p[1] for p in points], label=key,
                     marker="." if len(points) < 50 else None)
-        if len(series) > 1:
+        if best is not None and name in ("loss", "auc"):
+            ax.axvline(best, color="grey", linestyle="--", linewidth=1, label=f"best (step {best})")
+        if len(series) > 1 or best is not None:
             ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel(name)
