@@ -18,6 +18,8 @@ def setup_logging(verbose: bool = False, role: str | None = None, log_file: str 
     name = role if role is not None else "%(name)s"
     fmt = f"%(asctime)s %(levelname)s {name}: %(message)s"
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt)
+    # a host that configured logging first (a Ray worker) keeps its handlers; our level still applies
+    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
     if not verbose:       # fbgemm_gpu logs one INFO line per library it loads, on the root logger
         for handler in logging.getLogger().handlers:
             handler.addFilter(_quiet_fbgemm)

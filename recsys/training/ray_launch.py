@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import shutil
+import re
 import tempfile
 import threading
 import time
@@ -330,6 +331,43 @@ def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
     return WorkerError(line if line is not None else " ".join(str(e).split())[:500])
 
 
+STEP_LINE = re.compile(r" trainer0: (epoch \d+/\d+ )?step \d+")
+"""Rank 0's step lines (recsys.metrics.step_line) in its log, which the driver prints as they come."""
+
+
+class StepLines(threading.Thread):
+    """Prints rank 0's step lines on the driver while the Ray trainers run (Ray does not forward the
+    workers' output: log_to_driver is off): it follows run_dir/logs/trainer-0.log, which rank 0
+    writes on storage every node sees, from where it ended when this attempt began."""
+
+    def __init__(self, path: Path, poll_s: float = 0.5) -> None:
+        super().__init__(name="rank 0 step lines", daemon=True)
+        self.path, self.poll_s, self.done = path, poll_s, threading.Event()
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def run(self) -> None:
+        while not self.done.wait(self.poll_s):
+            self.forward()
+        self.forward()
+
+    def forward(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n") + 1          # whole lines only: the rest comes next time
+        self.offset += end
+        for line in chunk[:end].decode("utf-8", "replace").splitlines():
+            if STEP_LINE.search(line):
+                logger.info("%s", line.split(" trainer0: ", 1)[1])
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=5)
+
+
 def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | str | None,
              earlier: list[dict], stops: object, verbose: bool) -> dict:
     """One start of the shard actors and the Ray Train trainers; the final metrics. Raises JobFailure
@@ -356,13 +394,17 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
                                          resources_per_worker=bundle, placement_strategy=strategy),
             run_config=RunConfig(name=f"recsys-{secrets.token_hex(4)}", storage_path=str(run_dir / "ray"),
                                  failure_config=FailureConfig(max_failures=0)))
+        lines = StepLines(run_dir / "logs" / "trainer-0.log")     # worker.log_path(run_dir, 0)
+        lines.start()
         try:
             trainer.fit()
         except Exception as e:
+            lines.stop()
             dead = _dead_shards(actors, infos)
             if dead:
                 raise JobFailure(f"{dead[0]} died during training", killed=True) from e
             raise _trainer_failure(e, run_dir) from e
+        lines.stop()
         metrics = json.loads((run_dir / "metrics.json").read_text())
         logger.info("%s", closing_summary(cfg, metrics))
         return metrics

@@ -62,3 +62,26 @@ def test_the_closing_summary_names_the_run_the_best_pass_the_test_metrics_and_wh
     assert lines[-1] == f"  next: recsys eval --run {tmp_path} --data FILES | recsys export --run {tmp_path} --out DIR"
     plain = job.closing_summary(cfg, {"steps": 10})                  # no validation, no test, no eval data
     assert "best pass" not in plain and "test (" not in plain and "eval (" not in plain
+
+
+def test_the_ray_driver_prints_rank_0_s_step_lines(tmp_path: Path, caplog) -> None:
+    """#30 item 4: the Ray engine printed no step lines (log_to_driver is off): the driver follows
+    rank 0's log from where it ended and prints its step lines, whole lines only."""
+    pytest.importorskip("ray")
+    from recsys.training.ray_launch import StepLines
+
+    log = tmp_path / "logs" / "trainer-0.log"
+    log.parent.mkdir()
+    log.write_text("2026-11-28 03:00:00,000 INFO trainer0: step 5/10 | loss/train=0.7\n")   # an earlier attempt's
+    lines = StepLines(log, poll_s=0.01)
+    with log.open("a") as f:
+        f.write("2026-11-28 03:00:01,000 INFO trainer0: built dlrm\n"
+                "2026-11-28 03:00:02,000 INFO trainer0: epoch 1/2 step 4/8 eta 0:00:03 | loss/train=0.6\n"
+                "2026-11-28 03:00:03,000 INFO trainer0: step 8/8 | loss/tr")       # not whole yet
+    with caplog.at_level("INFO", logger="recsys.training.ray_launch"):
+        lines.forward()
+        with log.open("a") as f:
+            f.write("ain=0.5\n")
+        lines.forward()
+    got = [r.getMessage() for r in caplog.records]
+    assert got == ["epoch 1/2 step 4/8 eta 0:00:03 | loss/train=0.6", "step 8/8 | loss/train=0.5"]
