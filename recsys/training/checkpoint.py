@@ -34,6 +34,7 @@ checked when it is read: by the shards on restore and by `restore_trainer`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -271,6 +272,29 @@ def gather_json(obj: Any, world_size: int) -> list[Any]:
     return [json.loads(bytes(b[: int(s.item())].tolist())) for b, s in zip(bufs, sizes)]
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a file size limit, a read-only or unwritable
+    run directory): nothing of it is kept, and the message says what to change."""
+
+
+_WRITE_HINTS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EFBIG: "a file size limit (ulimit -f) was hit", errno.EROFS: "the file system is read-only",
+                errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
+
+
+def write_failure(path: str, e: BaseException) -> str:
+    """One line for a failed write under `path`: what happened (a full disk, a size limit, read-only,
+    permissions) and what to change; the exception's own text when it is none of those."""
+    cause = e
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in _WRITE_HINTS):
+        cause = cause.__cause__ or cause.__context__
+    text = str(e) if cause is None else _WRITE_HINTS[cause.errno]
+    if cause is None and "file write failed" in text:       # torch.save's own words for a write error
+        text = "a write failed (a full disk or a file size limit?)"
+    return (f"checkpoint {path}: cannot write it: {text} (free space, lower train.keep_checkpoints, or set "
+            f"train.run_dir to a writable place with room); nothing of it was kept")
+
+
 class Checkpointer:
     """Saves checkpoints of a training job every `train.checkpoint_every` steps and/or seconds.
 
@@ -328,14 +352,18 @@ class Checkpointer:
                 root = Path(root)
                 tmp = root.with_name(f".tmp-{root.name}")
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "trainer").mkdir(parents=True)
-            (tmp / "model").mkdir()
-            (tmp / "config.toml").write_text(to_toml(self.cfg))
-            (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
-            torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
-            if parts.replicated is not None:
-                (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated))
-            torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
+            try:
+                (tmp / "trainer").mkdir(parents=True)
+                (tmp / "model").mkdir()
+                (tmp / "config.toml").write_text(to_toml(self.cfg))
+                (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
+                torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
+                if parts.replicated is not None:
+                    (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated))
+                torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
+            except (OSError, RuntimeError) as e:     # torch.save wraps the OSError of a full disk in a RuntimeError
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointWriteError(write_failure(str(root), e)) from e
             background = self.cfg.train.checkpoint_background
             ps_dir = run_path(root, "model", "ps") if remote else str((tmp / "model" / "ps").resolve())
             parts.store.save(ps_dir, step=step, background=background)

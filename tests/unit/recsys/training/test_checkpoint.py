@@ -190,3 +190,28 @@ def test_resumed_metrics_drop_the_dead_attempts_later_lines(tmp_path: Path) -> N
     trim_metrics(path, 8)
     assert path.read_text() == "".join(lines[:2])
     trim_metrics(tmp_path / "none.jsonl", 8)                          # no file yet: nothing to do
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_directory(tmp_path: Path, data_dir: Path,
+                                                                   monkeypatch) -> None:
+    """#28 item 4: a full disk (or ulimit -f) while writing a checkpoint was a cryptic torch error and
+    left a .tmp-step-* directory: now one line saying what happened and what to change, nothing kept."""
+    import errno
+
+    from recsys.training import checkpoint as ck
+
+    real = ck.torch.save
+
+    def full(obj, path, *a, **k):
+        if str(path).endswith("state.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed") from OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path, *a, **k)
+
+    monkeypatch.setattr(ck.torch, "save", full)
+    cfg = job(tmp_path / "run", data_dir, "train.max_steps=6")
+    with pytest.raises(ck.CheckpointWriteError, match=r"checkpoint .*step-0000000006: cannot write it: the disk is "
+                                                      r"full \(free space, lower train.keep_checkpoints"):
+        train(cfg)
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    assert "a file size limit" in ck.write_failure("x", OSError(errno.EFBIG, "File too large"))
