@@ -384,6 +384,7 @@ class ShardServer:
 
     def _health(self, h: P.Header, payload: list) -> list:
         return self._json(h, {"shard": self.shard, "ok": True, "pid": os.getpid(), "mode": self.config.mode,
+                              "num_workers": self.config.num_workers, "num_shards": self.config.num_shards,
                               "last_applied_step": self.gate.stats().get("last_applied_step")})
 
     def _save(self, h: P.Header, payload: list) -> Any:

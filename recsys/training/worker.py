@@ -87,6 +87,24 @@ STOPPED_FILE = "stopped.json"
 """Rank 0 writes it when a stop request ended the run: {"step", "checkpoint"}."""
 
 
+def check_shards(store: PSClient, world: int) -> None:
+    """At connect time: every shard expects this job's trainer count and shard count, else one
+    ConfigError naming the shard and the flag to start it with (a shard started with another
+    ps.num_workers refused the first PUSH of a worker outside its range, under a gloo traceback)."""
+    from recsys.config import ConfigError
+
+    for info, address in zip(store.health(), store.addresses):
+        workers = info.get("num_workers", world)
+        if workers != world:
+            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_workers = {workers}, "
+                              f"but {world} trainers run: start the shards with --set ps.num_workers={world}")
+        shards = info.get("num_shards", len(store.addresses))
+        if shards != len(store.addresses):
+            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_shards = {shards}, "
+                              f"but ps.addresses names {len(store.addresses)}: start every shard with "
+                              f"--set ps.num_shards={len(store.addresses)}")
+
+
 def log_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"trainer-{rank}.log"
 
@@ -201,6 +219,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
     store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
+    check_shards(store, world)
     trainer = None
     try:
         # a resumed run's replicated tables keep their saved vocabulary, a warm start's join it with the

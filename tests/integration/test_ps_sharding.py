@@ -38,6 +38,14 @@ def test_sharded_equals_unsharded_restart_and_save_load(shard_processes, tmp_pat
         for t, name in enumerate(TABLE_NAMES):
             assert torch.equal(client.pull(t, every), ref.pull(t, every, 0)), name
         assert [h["shard"] for h in client.health()] == [0, 1, 2]
+        # #28 item 5: a trainer count the shards were not started for is one line at connect time
+        from recsys.config import ConfigError
+        from recsys.training.worker import check_shards
+        check_shards(client, CFG.num_workers)
+        with pytest.raises(ConfigError, match=rf"ps shard 0 at {shards.addresses[0]} was started with ps.num_workers = "
+                                              rf"{CFG.num_workers}, but 8 trainers run: start the shards with --set "
+                                              rf"ps.num_workers=8"):
+            check_shards(client, 8)
         # the same pushes through 3 shards and through one in-process state
         for step in range(3):
             for t, table in enumerate(CFG.tables):
