@@ -125,11 +125,21 @@ def _client(address: str) -> Any:
 
 
 def submit(submission: Submission, address: str) -> tuple[Any, str]:
-    """Submit the job; returns (the client, the job's submission id)."""
-    client = _client(address)
-    with working_dir(submission) as wd:     # uploaded by submit_job, so the directory can go right after
-        job_id = client.submit_job(entrypoint=submission.entrypoint, runtime_env={"working_dir": wd},
-                                   metadata=submission.metadata, submission_id=submission.submission_id)
+    """Submit the job; returns (the client, the job's submission id). A cluster with Ray's token
+    authentication that gets no (or the wrong) token is one ConfigError saying how to pass it."""
+    try:
+        client = _client(address)
+        with working_dir(submission) as wd:     # uploaded by submit_job, so the directory can go right after
+            job_id = client.submit_job(entrypoint=submission.entrypoint, runtime_env={"working_dir": wd},
+                                       metadata=submission.metadata, submission_id=submission.submission_id)
+    except Exception as e:
+        if type(e).__name__ != "AuthenticationError":     # ray.exceptions.AuthenticationError
+            raise
+        from recsys.config import ConfigError
+        raise ConfigError(f"the Ray cluster at {address} uses token authentication and refused this client "
+                          f"({' '.join(str(e).split())[:200]}): set RAY_AUTH_MODE=token and give its token, in "
+                          f"RAY_AUTH_TOKEN or in ~/.ray/auth_token (on the head node: `ray get-auth-token`), "
+                          f"then submit again") from None
     return client, job_id
 
 

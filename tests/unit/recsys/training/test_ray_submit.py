@@ -87,3 +87,22 @@ def test_cli_import_does_not_import_ray() -> None:
     code = "import sys, recsys.cli; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_cluster_with_token_auth_and_no_token_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """#28 item 5: Ray's AuthenticationError (token auth on, no or a wrong token) was a raw traceback
+    (exit 1); now one ConfigError saying how to pass the token."""
+    from recsys.training import ray_submit
+
+    class AuthenticationError(Exception):        # what ray.exceptions raises
+        pass
+
+    def refused(address):
+        raise AuthenticationError("Token authentication is enabled but no authentication token was found")
+
+    monkeypatch.setattr(ray_submit, "_client", refused)
+    sub = build_submission(ROOT / "configs" / "tiny.toml", absolute(tmp_path))
+    with pytest.raises(ConfigError, match=r"the Ray cluster at http://h:8265 uses token authentication and refused "
+                                          r"this client \(Token authentication is enabled but no authentication "
+                                          r"token was found\): set RAY_AUTH_MODE=token and give its token"):
+        ray_submit.submit(sub, "http://h:8265")
