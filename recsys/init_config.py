@@ -29,12 +29,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data.parquet import resolve_paths
+from data.parquet import _is_id, _is_list, _is_number, resolve_paths   # the reader's own type rules
 from data.remote import parquet_file
+from embedding_ps.wire.config import PSConfig
 
 PASSTHROUGH = ("p_true", "row_id")
 DENSE_NAME = re.compile(r"I\d+")
-REPLICATE_MAX = 10_000
+REPLICATE_MAX = PSConfig().replicate_max_rows
+"""What `placement = "auto"` replicates at most (the default ps.replicate_max_rows)."""
 
 
 class InitConfigError(ValueError):
@@ -49,11 +51,6 @@ class Column:
     distinct: int = 0
     singletons: float = 0.0  # share of distinct ids seen once in the sample
     note: str = ""
-
-
-def _is_id(t: pa.DataType) -> bool:
-    return (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
-            or pa.types.is_binary(t) or pa.types.is_large_binary(t))
 
 
 def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: tuple[str, ...] = (),
@@ -88,16 +85,15 @@ def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: 
             cols.append(Column(n, "passthrough", str(t), note="bookkeeping of generated data: carried to predictions"))
         elif n in dense or pa.types.is_floating(t) or pa.types.is_boolean(t) or (pa.types.is_integer(t)
                                                                                  and DENSE_NAME.fullmatch(n)):
-            if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            if not _is_number(t):
                 raise InitConfigError(f"--dense {n}: column of type {t}, not a number")
             cols.append(Column(n, "dense", str(t)))
-        elif _is_id(t) or (pa.types.is_list(t) and _is_id(t.value_type)):
+        elif _is_id(t) or (_is_list(t) and _is_id(t.value_type)):
             values = data.column(n)
-            if pa.types.is_list(t):
+            if _is_list(t):
                 values = pc.list_flatten(values)
-            counts = pc.value_counts(values.drop_null() if hasattr(values, "drop_null") else values)
-            c = counts.field("counts").to_numpy(zero_copy_only=False)
-            cols.append(Column(n, "multi-hot" if pa.types.is_list(t) else "id", str(t), distinct=len(c),
+            c = pc.value_counts(pc.drop_null(values)).field("counts").to_numpy(zero_copy_only=False)
+            cols.append(Column(n, "multi-hot" if _is_list(t) else "id", str(t), distinct=len(c),
                                singletons=float(np.mean(c == 1)) if len(c) else 0.0))
         else:
             cols.append(Column(n, "ignored", str(t), note=f"type {t}: neither a number nor ids"))
@@ -150,7 +146,8 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
               "[ps]", "num_shards = 1", 'mode = "sync"', "",
               "[ps.table_defaults]          # every table: one per id column, plus the dim-1 linear ones",
               f"dim = {dim}                      # from the largest vocabulary ({max(c.distinct for c in ids):,} ids)",
-              'placement = "auto"           # <= 10,000 ids: a dense parameter on the trainers; more: the PS',
+              f'placement = "auto"           # <= {REPLICATE_MAX:,} ids: a dense parameter on the trainers; '
+              'more: the PS',
               'optimizer = { name = "adam", lr = 0.001, weight_decay = 0.0002 }   # weight_decay = 2 x an L2 penalty',
               'init = "normal"', "init_scale = 0.01",
               'unadmitted = "zeros"         # ids the training data never had add nothing at eval / serving time']
