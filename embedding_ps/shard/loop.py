@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from embedding_ps.wire import protocol as P
-from embedding_ps.wire.auth import check_bind_auth, load_token, setup_server_curve
+from embedding_ps.wire.auth import check_bind_auth, is_loopback, load_token, setup_server_curve
 from embedding_ps.wire.shm import REAP_S
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
@@ -110,7 +110,8 @@ def _advertised(endpoint: str, host: str) -> str:
 
 
 def _loopback_name(name: str) -> bool:
-    return name.split(".")[0] in ("localhost", "ip6-localhost") or name.startswith("127.") or name == "::1"
+    """A loopback address (`auth.is_loopback`) or a local host name (`localhost.localdomain`, `ip6-localhost`)."""
+    return is_loopback(name) or name.split(".")[0] in ("localhost", "ip6-localhost")
 
 
 def _write_ready(path: str, address: str) -> None:

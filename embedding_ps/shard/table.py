@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from embedding_ps import native
-
 from embedding_ps.shard import kernels
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.shard.decay import CaughtUpRows, GlobalDecay, is_global

@@ -75,7 +75,6 @@ class Predictor:
         (`s3://...`, as `recsys.storage` reads them): they are fetched into a temporary directory
         that lives as long as the Predictor (its tables are memory-mapped from there)."""
         self._fetched: tempfile.TemporaryDirectory | None = None
-        self.uri = str(export_dir)
         self.root = self._local(export_dir)
         self.verify = verify
         self.manifest = read_manifest(self.root, verify)
