@@ -580,25 +580,33 @@ def _load_config(root: Path | str) -> JobConfig:
     return load_config(path)
 
 
+def _changed_layout(tables, saved_tables, keys: tuple[str, ...]):
+    """The first (table, key, saved table) among `tables` whose `key` differs from the table of the
+    same name in `saved_tables`, or None; tables not saved are skipped."""
+    saved = {t.name: t for t in saved_tables}
+    for t in tables:
+        old = saved.get(t.name)
+        for key in keys if old is not None else ():
+            if getattr(old, key) != getattr(t, key):
+                return t, key, old
+    return None
+
+
 def check_init_tables(cfg: JobConfig, source: InitSource) -> list[str]:
     """The source's tables the new run takes (by name); raises ConfigError naming a table whose
     layout or optimizer changed. Tables only in `cfg` start empty."""
     from recsys.config import ConfigError
 
-    theirs = {t.name: t for t in source.config.ps.tables}
-    taken = []
-    for t in cfg.ps.tables:
-        old = theirs.get(t.name)
-        if old is None:
-            continue
-        for key in ("dim", "kind", "num_embeddings", "optimizer", "placement", "weight_decay_mode"):
-            if getattr(old, key) != getattr(t, key):
-                raise ConfigError(
-                    f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but train.init_from = {source.root} trained it "
-                    f"with {key} = {getattr(old, key)!r}: its rows and optimizer state do not carry over (keep "
-                    f"{key}, rename the table to start it afresh, or drop init_from)")
-        taken.append(t.name)
-    return taken
+    changed = _changed_layout(cfg.ps.tables, source.config.ps.tables,
+                              ("dim", "kind", "num_embeddings", "optimizer", "placement", "weight_decay_mode"))
+    if changed is not None:
+        t, key, old = changed
+        raise ConfigError(
+            f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but train.init_from = {source.root} trained it "
+            f"with {key} = {getattr(old, key)!r}: its rows and optimizer state do not carry over (keep "
+            f"{key}, rename the table to start it afresh, or drop init_from)")
+    theirs = {t.name for t in source.config.ps.tables}
+    return [t.name for t in cfg.ps.tables if t.name in theirs]
 
 
 def check_resume_tables(cfg: JobConfig, checkpoint: Path | str) -> None:
@@ -608,15 +616,13 @@ def check_resume_tables(cfg: JobConfig, checkpoint: Path | str) -> None:
     from embedding_ps.shard.snapshot import LAYOUT_FIELDS
     from recsys.config import ConfigError
 
-    saved = {t.name: t for t in _load_config(checkpoint).ps.tables}
-    for t in cfg.ps.tables:
-        old = saved.get(t.name)
-        for key in LAYOUT_FIELDS if old is not None else ():
-            if getattr(old, key) != getattr(t, key):
-                raise ConfigError(
-                    f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but the checkpoint {checkpoint} saved it with "
-                    f"{key} = {getattr(old, key)!r}: --resume continues the same tables (set {key} back, or start "
-                    f"a new run from it with --init-from and a renamed table)")
+    changed = _changed_layout(cfg.ps.tables, _load_config(checkpoint).ps.tables, LAYOUT_FIELDS)
+    if changed is not None:
+        t, key, old = changed
+        raise ConfigError(
+            f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but the checkpoint {checkpoint} saved it with "
+            f"{key} = {getattr(old, key)!r}: --resume continues the same tables (set {key} back, or start "
+            f"a new run from it with --init-from and a renamed table)")
 
 
 def warm_start(parts: TrainParts, source: InitSource) -> None:
