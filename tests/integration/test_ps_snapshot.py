@@ -20,6 +20,7 @@ from embedding_ps.shard.loop import serve
 from embedding_ps.wire.sharding import route
 from embedding_ps.shard.state import ShardState, verify_shard
 from embedding_ps.shard.snapshot import shard_dir
+from tests.unit.embedding_ps.test_protocol import StateStubs
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +110,7 @@ class _GatedSnapshot:
         return {"directory": directory, "bytes": 10, "write_s": 0.1}
 
 
-class _GatedState:
+class _GatedState(StateStubs):
     def __init__(self, config: PSConfig, shard: int) -> None:
         self.dim = config.tables[0].dim
         self.gate = threading.Event()
@@ -124,15 +125,6 @@ class _GatedState:
 
     def stats(self):
         return {}
-
-    def advance(self, step):
-        pass
-
-    def hint_slots(self, table, ids):
-        pass
-
-    def clear_hints(self):
-        pass
 
 
 def test_parked_save_resumes_after_the_write_and_wait_saved_names_the_shard(tmp_path):

@@ -13,6 +13,7 @@ from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.shard.server import DEFERRED, ShardServer
 from embedding_ps.shard.state import ShardState, verify_shard
 from embedding_ps.shard.snapshot import shard_dir
+from tests.unit.embedding_ps.test_protocol import StateStubs
 
 D = 4
 TIMEOUT_S = 20.0
@@ -32,7 +33,7 @@ class GatedSnapshot:
         return {"directory": directory, "bytes": 123, "write_s": 0.5}
 
 
-class GatedState:
+class GatedState(StateStubs):
     """Rows are zeros; a snapshot's write blocks until `gate` is set (and raises if `fail`)."""
 
     def __init__(self) -> None:
@@ -55,15 +56,6 @@ class GatedState:
 
     def stats(self):
         return {}
-
-    def advance(self, step):
-        pass
-
-    def hint_slots(self, table, ids):
-        pass
-
-    def clear_hints(self):
-        pass
 
 
 def request(op, text=None, step=0, request=1, flags=0, worker=0):

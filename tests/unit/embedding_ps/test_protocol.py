@@ -24,7 +24,21 @@ ROOT = Path(__file__).resolve().parents[3]
 D = 4
 
 
-class DictState:
+class StateStubs:
+    """The ShardStateLike members a test double has no use for: global decay's clock (advance) and the
+    slot hints of late-grads pushes (hint_slots, clear_hints), as no-ops."""
+
+    def advance(self, step):
+        pass
+
+    def hint_slots(self, table, ids):
+        pass
+
+    def clear_hints(self):
+        pass
+
+
+class DictState(StateStubs):
     """Stand-in ShardState: rows from (table, id), plain SGD with lr 1, records calls."""
 
     def __init__(self, config: PSConfig, shard: int = 0) -> None:
@@ -57,15 +71,6 @@ class DictState:
 
     def load(self, directory):
         self.loaded = directory
-
-    def advance(self, step):
-        pass
-
-    def hint_slots(self, table, ids):
-        pass
-
-    def clear_hints(self):
-        pass
 
 
 def make(mode="async", workers=1, token=None, **kw) -> tuple[ShardServer, DictState]:
