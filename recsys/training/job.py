@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -343,6 +344,10 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
         sweep_segments("at exit")
 
 
+CTR_METRICS = ("auc", "logloss", "ne", "calibration")
+"""The metrics of a scored data set the closing summary shows (eval of the last model, test)."""
+
+
 def closing_summary(cfg: JobConfig, metrics: dict) -> str:
     """The lines a finished `recsys train` ends with (either engine): the run, the best pass and its
     validation metric, the test metrics of the model they came from, the final eval metrics of the
@@ -362,15 +367,14 @@ def closing_summary(cfg: JobConfig, metrics: dict) -> str:
     test = metrics.get("test")
     if isinstance(test, dict):
         shown = " ".join(f"{k} {v:.4f}" for k, v in test.items()
-                         if k in ("auc", "logloss", "ne", "calibration") and isinstance(v, (int, float)))
+                         if k in CTR_METRICS and isinstance(v, (int, float)))
         step = test.get("step")
         lines.append(f"  test ({test.get('model', 'last')} model, step "
                      f"{int(step) if isinstance(step, (int, float)) else '?'}): {shown}")
-    final = " ".join(f"{k} {nums[k]:.4f}" for k in ("auc", "logloss", "ne", "calibration") if k in nums)
+    final = " ".join(f"{k} {nums[k]:.4f}" for k in CTR_METRICS if k in nums)
     final += " ".join(f" {k} {v:.4f}" for k, v in nums.items() if k.startswith(("recall@", "ndcg@")))
     if final.strip():
         lines.append(f"  eval (last model, data.eval_paths): {final.strip()}")
-    import importlib.util
     tb = (f"tensorboard --logdir {run}/tensorboard" if importlib.util.find_spec("tensorboard") is not None
           else "off (pip install -e '.[tensorboard]')")
     lines.append(f"  metrics: {run}/metrics.json, {run}/metrics.jsonl; curves: recsys plot {run}; TensorBoard: {tb}")
