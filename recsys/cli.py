@@ -209,8 +209,10 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 def _cmd_ps(args: argparse.Namespace) -> int:
     from embedding_ps.shard.loop import serve
+    from recsys.training.jobauth import require_explicit
 
     ps = load_ps_config(args.config, args.overrides)     # a shard reads only the [ps] section
+    require_explicit(ps, f"recsys ps --shard {args.shard}")
     if not 0 <= args.shard < ps.num_shards:
         raise ConfigError(f"--shard {args.shard} is outside 0..{ps.num_shards - 1} (ps.num_shards)")
     factory = None

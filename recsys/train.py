@@ -40,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"{args.config}: ps.addresses must list the shards for `recsys.train` "
                           f"(the local launcher `recsys train` starts its own)")
     from recsys.training.checkpoint import resolve_resume
+    from recsys.training.jobauth import require_explicit
+
+    require_explicit(cfg.ps, f"{args.config}: python -m recsys.train")
 
     from recsys.rundir import local_run_dir
 

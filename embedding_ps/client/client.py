@@ -51,7 +51,7 @@ import torch
 from embedding_ps.wire import protocol as P
 from embedding_ps import native
 from embedding_ps.wire import shm
-from embedding_ps.wire.auth import load_token
+from embedding_ps.wire.auth import job_tag, load_token
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.client.plan import (assemble_rows, combine, frames, index_frame, plan_ids, plan_many,
                                      plans_by_shard)
@@ -112,8 +112,8 @@ class PSClient:
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
         # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.wire.shm)
-        self._shm = shm.ClientSegments(self.addresses, config.shared_memory)
-        self._io = IOThread(config, self.addresses, torch.get_num_threads())
+        self._shm = shm.ClientSegments(self.addresses, config.shared_memory, job=job_tag(config))
+        self._io = IOThread(config, self.addresses, torch.get_num_threads(), self._token)
         self._io.start()
         self._closed = False
 

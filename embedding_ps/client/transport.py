@@ -22,12 +22,16 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from embedding_ps.wire import protocol as P
-from embedding_ps.wire.auth import setup_client_curve
+from embedding_ps.wire.auth import setup_client_curve, setup_client_plain
 from embedding_ps.wire.config import PSConfig
 
 logger = logging.getLogger("embedding_ps.client.client")
+
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
 class ShardUnavailableError(ConnectionError):
@@ -77,9 +81,9 @@ class Request:
 class IOThread(threading.Thread):
     """Owns the sockets: sends requests, receives replies, retries, completes futures."""
 
-    def __init__(self, config: PSConfig, addresses: Sequence[str], num_threads: int) -> None:
+    def __init__(self, config: PSConfig, addresses: Sequence[str], num_threads: int, token: bytes = b"") -> None:
         super().__init__(name="ps-client-io", daemon=True)
-        self.num_threads = num_threads
+        self.num_threads, self.token = num_threads, token
         self.config, self.addresses = config, list(addresses)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
@@ -107,13 +111,57 @@ class IOThread(threading.Thread):
         sock.linger = 0
         if self.config.auth == "curve":
             setup_client_curve(sock, self.config)
+        elif self.token:
+            setup_client_plain(sock, self.token)
+        # a refused handshake (wrong token or keys, or none where the shard wants them) fails the
+        # shard's requests at once with a line saying so, instead of timing out on silence
+        self.monitors[shard] = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        self.refused[shard] = None
         sock.connect(self.addresses[shard])
         return sock
+
+    def _close_socket(self, shard: int) -> None:
+        self.socks[shard].disable_monitor()
+        self.monitors[shard].close(linger=0)
+        self.socks[shard].close(linger=0)
+
+    def _handshake(self, shard: int) -> None:
+        """Note whether `shard` accepted the last handshake; when it refused it, fail the requests waiting
+        on it (and, until a handshake succeeds, those sent to it: `_send`)."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitors[shard], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused[shard] = self.failed_handshake[shard] = None
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # also a shard going away mid-handshake: only said if its requests then time out
+                self.failed_handshake[shard] = (f"; its last handshake failed: does it require ps.auth = 'token' "
+                                                f"or 'curve' (this client: {self.config.auth!r})?")
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = ("it refused this client's credentials (a wrong token in ps.token_file, or CURVE keys "
+                       "it does not accept)")
+            else:
+                why = (f"the handshake failed (ZMTP error {int(event['value']):#x}): the shard and this client "
+                       f"disagree on ps.auth (this client: {self.config.auth!r})")
+            self.refused[shard] = why
+            for req in [r for r in self.pending.values() if r.shard == shard]:
+                self._refuse(req)
+
+    def _refuse(self, req: Request) -> None:
+        self._fail(req.call, PSRequestError(req.shard, self.addresses[req.shard], req.call.op.name,
+                                            P.Status.UNAUTHORIZED, self.refused[req.shard]))
 
     def run(self) -> None:
         # OpenMP's thread count is per thread: without this a new thread uses every core
         torch.set_num_threads(self.num_threads)
         self.ctx = zmq.Context()
+        self.monitors: list[zmq.Socket | None] = [None] * len(self.addresses)
+        self.refused: list[str | None] = [None] * len(self.addresses)
+        self.failed_handshake: list[str | None] = [None] * len(self.addresses)
         self.socks = [self._socket(s) for s in range(len(self.addresses))]
         try:
             self._loop()
@@ -123,8 +171,8 @@ class IOThread(threading.Thread):
         finally:
             self.dead = self.dead or RuntimeError("PSClient closed")
             self._fail_all(self.dead)
-            for sock in self.socks:
-                sock.close(linger=0)
+            for shard in range(len(self.socks)):
+                self._close_socket(shard)
             self.ctx.term()
             os.close(self.wake_r)
             os.close(self.wake_w)
@@ -135,6 +183,8 @@ class IOThread(threading.Thread):
             poller.register(self.wake_r, zmq.POLLIN)
             for sock in self.socks:
                 poller.register(sock, zmq.POLLIN)
+            for monitor in self.monitors:
+                poller.register(monitor, zmq.POLLIN)
             while True:
                 deadline = min((r.deadline for r in self.pending.values()), default=None)
                 wait = None if deadline is None else max(0, int(1000 * (deadline - time.monotonic())) + 1)
@@ -146,6 +196,8 @@ class IOThread(threading.Thread):
                 for shard, sock in enumerate(self.socks):
                     if sock in events:
                         self._receive(shard, sock)
+                    if self.monitors[shard] in events:
+                        self._handshake(shard)
                 if self._expire():
                     break   # a socket was replaced: rebuild the poller
 
@@ -162,6 +214,9 @@ class IOThread(threading.Thread):
                 self._send(req)
 
     def _send(self, req: Request) -> None:
+        if self.refused[req.shard] is not None:
+            self._refuse(req)
+            return
         req.attempts += 1
         req.deadline = time.monotonic() + self.config.timeout_s
         try:
@@ -230,10 +285,11 @@ class IOThread(threading.Thread):
                 err = ShardUnavailableError(
                     req.shard, self.addresses[req.shard],
                     f"no reply to {req.call.op.name} after {req.attempts} attempt(s) of {self.config.timeout_s:g} s "
-                    f"(ps.timeout_s = {self.config.timeout_s:g}, ps.retries = {self.config.retries})")
+                    f"(ps.timeout_s = {self.config.timeout_s:g}, ps.retries = {self.config.retries})"
+                    f"{self.failed_handshake[req.shard] or ''}")
                 self._fail(req.call, err)
                 # drop what is queued for the dead peer so it is not delivered if the shard returns
-                self.socks[req.shard].close(linger=0)
+                self._close_socket(req.shard)
                 self.socks[req.shard] = self._socket(req.shard)
                 replaced = True
         return replaced

@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from embedding_ps.wire import protocol as P
-from embedding_ps.wire.auth import check_bind_auth, is_loopback, load_token, setup_server_curve
+from embedding_ps.wire.auth import check_bind_auth, is_loopback, load_token, setup_server_curve, setup_server_plain
 from embedding_ps.wire.shm import REAP_S
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
@@ -176,6 +176,8 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
         sock.ipv6 = ":" in host
         if config.auth == "curve":
             authenticator = setup_server_curve(ctx, sock, config)
+        elif token is not None:
+            authenticator = setup_server_plain(ctx, sock, token)
         try:
             sock.bind(_endpoint(host, port))
         except zmq.ZMQError as e:      # e.g. "Address already in use": one line naming it, not a traceback

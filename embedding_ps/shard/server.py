@@ -49,7 +49,7 @@ import zmq
 from embedding_ps import native
 from embedding_ps.wire import protocol as P
 from embedding_ps import remote
-from embedding_ps.wire.auth import token_matches
+from embedding_ps.wire.auth import job_tag, token_matches
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.gates import Gate, make_gate
 from embedding_ps.shard.replybuffers import ReplyBuffers
@@ -125,7 +125,8 @@ class ShardServer:
                           P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
         # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM gets NO_SHM)
-        self.shm = ShmAttacher() if shard_accepts(config.shared_memory, bind or config.bind) else None
+        self.shm = (ShmAttacher(job=job_tag(config)) if shard_accepts(config.shared_memory, bind or config.bind)
+                    else None)
         self.shm_requests = 0             # PULL / PUSH served through shared memory
         self.shm_refused = 0              # ... answered NO_SHM (the client resent them through the socket)
         self.saver = BackgroundSaver(self.name, shard_index)

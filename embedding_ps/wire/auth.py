@@ -1,11 +1,14 @@
-"""Authentication of PS traffic: none (loopback only), a shared token, or ZeroMQ CURVE.
+"""Authentication of PS traffic: a shared token, ZeroMQ CURVE, or none (loopback only, by choice).
 
-A shard bound to a loopback address may run without auth. Bound to anything else (an interface
-address, a host name, `0.0.0.0`, `*`) it refuses to start unless `ps.auth` is "token" or "curve".
+Both kinds authenticate a peer during ZeroMQ's handshake, through ZAP (`zmq.auth`): a peer without
+the secret never completes it, so the shard never receives a byte of its requests (no message of an
+unauthenticated peer is read into memory, whatever its size).
 
-- token: the file `ps.token_file` holds the secret (surrounding whitespace stripped, >= 16 bytes).
-  The client sends it in the auth frame of every request; the shard compares it with
-  `hmac.compare_digest` and answers a mismatch with an UNAUTHORIZED error reply.
+- token (PLAIN): the file `ps.token_file` holds the secret (surrounding whitespace stripped, >= 16
+  bytes, mode 600). The client gives it as the PLAIN password of its connection; the shard's ZAP
+  handler compares it with `hmac.compare_digest` (and never logs it). Each request also carries it
+  in its auth frame, checked again (`token_matches`). A client with the wrong token sees the
+  handshake refused: `PSRequestError(UNAUTHORIZED)` naming the shard (socket monitor), not a timeout.
 - curve: `ps.curve_keys_dir` holds certificates made by `zmq.auth.create_certificates`
   (see `create_curve_keys`)::
 
@@ -14,12 +17,18 @@ address, a host name, `0.0.0.0`, `*`) it refuses to start unless `ps.auth` is "t
       authorized_clients/*.key           public keys a shard accepts (if the folder is missing:
                                          client.key alone)
 
-  A client without the right keys never completes the handshake, so its requests time out
-  (ShardUnavailableError naming the shard).
+- auto (default): `recsys train` makes a per-job token (`job_token`), so its shards always
+  authenticate; a shard started by hand must be told `token`, `curve` or, explicitly, `none`
+  (`require_explicit_auth`). In code (`serve`, `PSClient`) "auto" without a token is "none".
+- none: only on a loopback bind; `recsys` logs a warning naming what a local user can then do.
+
+A shard bound to anything but loopback (an interface address, a host name, `0.0.0.0`, `*`)
+refuses to start unless `ps.auth` is "token" or "curve".
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -58,7 +67,7 @@ def check_bind_auth(config: PSConfig, host: str, shard_index: int) -> None:
 
     Raises AuthConfigError before anything is bound.
     """
-    if config.auth == "none":
+    if config.auth in ("none", "auto"):
         if not is_loopback(host):
             raise AuthConfigError(
                 f"ps shard {shard_index}: refusing to bind {host!r} without authentication; set "
@@ -91,6 +100,58 @@ def load_token(config: PSConfig) -> bytes:
 def token_matches(expected: bytes, got: bytes | memoryview) -> bool:
     """Constant-time comparison of the configured token with a request's auth frame."""
     return hmac.compare_digest(expected, bytes(got))
+
+
+PLAIN_USER = b"recsys-ps"
+"""The PLAIN user name of every client (the token is the password)."""
+
+
+def job_tag(config: PSConfig) -> str:
+    """8 hex digits naming this job's shared-memory segments (`embedding_ps.wire.shm`): a hash of
+    the job's token (or of the shards' CURVE public key), "00000000" without auth. A shard opens
+    only segments carrying its own job's tag."""
+    if config.auth == "token":
+        secret = load_token(config)
+    elif config.auth == "curve":
+        secret = _curve_file(config, "server.key").read_bytes()
+    else:
+        return "0" * 8
+    return hashlib.sha256(b"recsys-ps-segments\0" + secret).hexdigest()[:8]
+
+
+class _TokenAuthenticator(ThreadAuthenticator):
+    """ZAP handler accepting PLAIN peers that give the job's token; constant-time, never logs it
+    (pyzmq's own PLAIN check compares with == and logs the password at debug level)."""
+
+    def __init__(self, ctx: zmq.Context, token: bytes) -> None:
+        super().__init__(ctx)
+        # pyzmq hands the credentials over decoded (undecodable bytes replaced): compare the same form
+        self._token = token.decode(self.encoding, "replace").encode(self.encoding)
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        given = password.encode(self.encoding) if isinstance(password, str) else bytes(password)
+        if username in (PLAIN_USER, PLAIN_USER.decode()) and hmac.compare_digest(self._token, given):
+            return True, b"OK"
+        logger.warning("refused a client with a wrong or missing ps token")
+        return False, b"wrong token"
+
+
+def setup_server_plain(ctx: zmq.Context, sock: zmq.Socket, token: bytes) -> ThreadAuthenticator:
+    """Make `sock` a PLAIN server that accepts only peers giving `token`. Call before bind.
+
+    Returns the running authenticator; stop it when the socket closes.
+    """
+    authenticator = _TokenAuthenticator(ctx, token)
+    authenticator.start()
+    sock.plain_server = True
+    sock.zap_domain = b"recsys-ps"
+    return authenticator
+
+
+def setup_client_plain(sock: zmq.Socket, token: bytes) -> None:
+    """Give a client socket the job's token as its PLAIN password. Call before connect."""
+    sock.plain_username = PLAIN_USER
+    sock.plain_password = token
 
 
 def _curve_file(config: PSConfig, name: str) -> Path:
@@ -158,5 +219,6 @@ def create_curve_keys(directory: str | os.PathLike) -> Path:
     return out
 
 
-__all__ = ["AuthConfigError", "is_loopback", "check_bind_auth", "load_token", "token_matches",
-           "setup_server_curve", "setup_client_curve", "create_curve_keys"]
+__all__ = ["AuthConfigError", "PLAIN_USER", "is_loopback", "check_bind_auth", "load_token", "token_matches",
+           "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve", "setup_client_curve",
+           "create_curve_keys"]

@@ -191,8 +191,13 @@ class PSConfig:
     """Trainers pushing to the shards (sync mode waits for all of them each step)."""
     max_staleness: int = 1
     """Async mode: how many steps a trainer may run ahead of the slowest one."""
-    auth: Literal["none", "token", "curve"] = "none"
-    """Authentication, required for non-loopback binds."""
+    auth: Literal["auto", "none", "token", "curve"] = "auto"
+    """Who may talk to a shard. `token`: clients prove the secret of ps.token_file during ZeroMQ's
+    handshake (PLAIN via ZAP), so a peer without it never delivers a byte of a request; `curve`:
+    CURVE keys of ps.curve_keys_dir (encrypted too). `auto` (default): `recsys train` (local and Ray)
+    makes a per-job token its shards and trainers share (never on argv or disk); a shard started by
+    hand (`recsys ps`) needs `token` or `curve`. `none`: no authentication, loopback binds only, by
+    explicit choice (a warning says so): any local user can then stop the shards or roll rows back."""
     token_file: str = ""
     """File holding the shared token (auth='token')."""
     curve_keys_dir: str = ""

@@ -9,7 +9,7 @@ client's PULL result is a tensor viewing the segment (no copy); a segment is reu
 nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
 
     client (ShmPool)                                  shard (ShmAttacher)
-    take(nbytes) -> segment "recsys-ps-<hex>"  ──name──>  attach(name, nbytes) -> uint8 view
+    take(nbytes) -> "recsys-ps-<job>-<pid><hex>"  ──name──>  attach(name, nbytes) -> uint8 view
     segment: rows dtype [M, D] | ids int64 [M] (at ids_offset; the request's ids frame is empty)
     PUSH: grads copied into the segment               reads grads and ids from it (sync mode: copies them)
     PULL: reply has no rows frame                     reads the ids, gathers rows into it
@@ -19,8 +19,10 @@ nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
                                                          when finite == 1
 
 Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
-a shard opens only names matching `recsys-ps-<hex>` (no paths), without following links, owned by
-its own user, at least as large as the request says. The client keeps a fd of each segment open
+its name carries the job's tag (`auth.job_tag`: a hash of the job's token) and the client's pid. A
+shard opens only names of its own job, `recsys-ps-<its tag>-<hex>` (no paths), named in a request
+of an authenticated client (requests of others never reach it: `auth`), without following links,
+owned by its own user, at least as large as the request says. The client keeps a fd of each segment open
 with a shared flock on it: a shard waiting for a push's late grads sees the client gone (the
 kernel drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`).
 A segment whose request failed or was retried is never reused (a late write of the shard cannot
@@ -69,7 +71,10 @@ from embedding_ps.wire.auth import is_loopback
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-NAME_RE = re.compile(r"recsys-ps-[0-9a-f]{16,64}")
+NAME_RE = re.compile(r"recsys-ps-(?:(?P<job>[0-9a-f]{8})-)?(?P<pid>[0-9a-f]{8})[0-9a-f]{8,56}")
+"""Segment names: job tag (older releases: none), the creating client's pid, random hex."""
+NO_JOB = "0" * 8
+"""The job tag without auth (`auth.job_tag`)."""
 MIN_BYTES = 1 << 20
 """Requests below this many row bytes use the socket: the copy is cheap and a segment costs a file."""
 POOL_BYTES = 1 << 30
@@ -162,8 +167,8 @@ if hasattr(os, "register_at_fork"):
 class ShmPool:
     """The client's segments: power-of-two sizes, reused once idle, at most `max_bytes` in all."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, job: str = NO_JOB) -> None:
+        self.max_bytes, self.job = max_bytes, job
         self.segs: list[tuple[bytes, np.ndarray]] = []        # (name, uint8 [size] viewing the mapping)
         self.fds: dict[bytes, int] = {}                       # name -> open fd holding a shared flock
         self.total = 0
@@ -187,7 +192,7 @@ class ShmPool:
                     return None
                 self.discard(self.segs[min(idle, key=lambda i: self.segs[i][1].nbytes)][1])
             try:
-                name, a, fd = _create(size)
+                name, a, fd = _create(size, self.job)
             except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
                 logger.warning("shared memory segment of %d bytes not created (%s): rows go through the "
                                "socket from now on", size, e)
@@ -232,12 +237,12 @@ class ClientSegments:
     """What a PSClient needs: segments for the shards on this host only, from one pool, thread-safe
     (taken on the caller's thread, discarded on the I/O thread)."""
 
-    def __init__(self, addresses: Sequence[str], mode: Mode, settle_s: float = SETTLE_S) -> None:
+    def __init__(self, addresses: Sequence[str], mode: Mode, settle_s: float = SETTLE_S, job: str = NO_JOB) -> None:
         """`settle_s`: how long a request that finds no idle segment may wait for one on its way
-        back (0: never wait; benchmarks/shm_segments.py compares the two)."""
+        back (0: never wait; benchmarks/shm_segments.py compares the two). `job`: the job's tag."""
         self.addresses = list(addresses)
         self.local = {s for s, a in enumerate(self.addresses) if client_uses(mode, a)}
-        self.pool = ShmPool(POOL_BYTES) if self.local and available() else None
+        self.pool = ShmPool(POOL_BYTES, job) if self.local and available() else None
         self.lock = threading.Lock()
         self.settle_s = settle_s
         # id of a segment -> (until when a request may wait for it, weakref to the caller's result or None)
@@ -421,10 +426,11 @@ def _wake(fut: NotifiedFuture) -> None:
 
 
 class ShmAttacher:
-    """The shard's mappings of its clients' segments by name (most recently used `max_entries`)."""
+    """The shard's mappings of its clients' segments by name (most recently used `max_entries`); only
+    segments of its own job (`job`: its tag, `auth.job_tag`)."""
 
-    def __init__(self, max_entries: int = 256) -> None:
-        self.max_entries = max_entries
+    def __init__(self, max_entries: int = 256, job: str = NO_JOB) -> None:
+        self.max_entries, self.job = max_entries, job
         self.maps: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
     def reap(self) -> int:
@@ -441,7 +447,7 @@ class ShmAttacher:
         """uint8 [nbytes] view of segment `name`; ValueError naming what is wrong."""
         a = self.maps.get(name)
         if a is None:
-            a = _open(name)
+            a = _open(name, self.job)
             self.maps[name] = a
             if len(self.maps) > self.max_entries:     # dropped mappings unmap once no view is left
                 self.maps.popitem(last=False)
@@ -453,10 +459,10 @@ class ShmAttacher:
         return a[:nbytes]
 
 
-def _create(size: int) -> tuple[bytes, np.ndarray, int]:
+def _create(size: int, job: str = NO_JOB) -> tuple[bytes, np.ndarray, int]:
     """(name, uint8 [size] view, fd): a new segment and a fd of it kept open with a shared flock for
     as long as the client lives (`writer_alive`; the kernel drops the lock when the process dies)."""
-    name = f"recsys-ps-{os.getpid():08x}{secrets.token_hex(8)}"
+    name = f"recsys-ps-{job}-{os.getpid() & 0xFFFFFFFF:08x}{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     lock = -1
@@ -539,10 +545,17 @@ def sweep_dead(min_age_s: float = SWEEP_MIN_AGE_S) -> tuple[int, int]:
     return count, size
 
 
-def _open(name: bytes) -> np.ndarray:
+def owner_pid(name: str) -> int | None:
+    """The pid of the client that made segment `name` (None: not a segment name)."""
+    m = NAME_RE.fullmatch(name)
+    return None if m is None else int(m["pid"], 16)
+
+
+def _open(name: bytes, job: str) -> np.ndarray:
     text = name.decode("ascii", "replace")
-    if not NAME_RE.fullmatch(text):
-        raise ValueError(f"shared memory segment name {text[:80]!r} is not recsys-ps-<hex>")
+    m = NAME_RE.fullmatch(text)
+    if m is None or m["job"] != job:
+        raise ValueError(f"shared memory segment name {text[:80]!r} is not recsys-ps-{job}-<hex> (this job's)")
     fd = os.open(os.path.join(SHM_DIR, text), os.O_RDWR | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
@@ -574,5 +587,5 @@ def _root(view: np.ndarray) -> np.ndarray:
 
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
            "trailer", "done_word", "LateGrads", "NotifiedFuture", "ClientSegments", "Mode", "ids_offset",
-           "ShmAttacher", "ShmPool", "available", "client_uses", "is_local", "shard_accepts", "sweep_dead",
-           "writer_alive"]
+           "ShmAttacher", "ShmPool", "NO_JOB", "available", "owner_pid", "client_uses", "is_local",
+           "shard_accepts", "sweep_dead", "writer_alive"]

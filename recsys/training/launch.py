@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -37,10 +38,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from recsys.config import JobConfig
 from recsys.training.checkpoint import InitSource
+from recsys.training.jobauth import job_auth
 from recsys.rundir import READY_TIMEOUT_S, run_path, wait_for_shards
 # the job's life, shared with the Ray engine (also importable from here)
 from recsys.training.job import (PEER_LOST, JobFailure, closing_summary, StopNow, StopRequests, WorkerError,  # noqa: F401
@@ -71,13 +74,14 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
-                 restore: Path | str | None = None, init: Path | str | None = None
+                 restore: Path | str | None = None, init: Path | str | None = None, overrides: Sequence[str] = ()
                  ) -> tuple[list[subprocess.Popen], list[Path]]:
     """Start ps.num_shards shard processes on ephemeral ports, without waiting for them; return them
     and their ready files (each holds the shard's address once it serves: `wait_for_shards`).
 
     restore: a saved PS directory (a checkpoint's model/ps) each shard loads its part of first.
     init: a warm start's saved PS directory (its tables taken by name, `reshard.init_shard`).
+    overrides: `--set` values for the shards (the job's auth: `jobauth.job_auth`).
     """
     procs: list[subprocess.Popen] = []
     ready_files = []
@@ -88,6 +92,8 @@ def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
         log = open(run_dir / f"ps-{shard}.log", "ab")
         cmd = [sys.executable, "-m", "recsys.cli", "ps", "--config", str(config_path),
                "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
+        for value in overrides:
+            cmd += ["--set", value]
         if restore is not None:
             cmd += ["--restore", str(restore)]
         elif init is not None:
@@ -99,10 +105,10 @@ def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
 
 
 def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
-                 restore: Path | str | None = None, init: Path | str | None = None
+                 restore: Path | str | None = None, init: Path | str | None = None, overrides: Sequence[str] = ()
                  ) -> tuple[list[subprocess.Popen], list[str]]:
     """`spawn_shards`, then wait until every shard serves; return them and their addresses."""
-    procs, ready_files = spawn_shards(cfg, config_path, run_dir, restore, init)
+    procs, ready_files = spawn_shards(cfg, config_path, run_dir, restore, init, overrides)
     deadline = time.monotonic() + READY_TIMEOUT_S
     for shard, (proc, ready) in enumerate(zip(procs, ready_files)):
         while not ready.exists():
@@ -218,13 +224,15 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
     with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init), \
-            StopRequests(run_dir) as stops:
-        return run_attempts(cfg, config_path, run_dir, checkpoint, stops, verbose, _attempt, init=init)
+            StopRequests(run_dir) as stops, job_auth(cfg.ps, run_dir) as auth:
+        return run_attempts(cfg, config_path, run_dir, checkpoint, stops, verbose, functools.partial(_attempt, auth),
+                            init=init)
 
 
-def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
+def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None,
              earlier: list[dict], stops: StopRequests, verbose: bool, init: InitSource | None = None) -> dict | None:
     """One start of the shards and trainers; the final metrics, or None after a graceful stop.
+    auth: the job's `--set` values for ps.auth (`jobauth.job_auth`), given to shards and trainers.
     Raises JobFailure when a process of it is killed, WorkerError when a trainer fails."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -239,7 +247,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
         shards, ready_files = spawn_shards(cfg, config_path, run_dir,
                                            None if checkpoint is None else run_path(checkpoint, "model", "ps"),
                                            None if init is None else
-                                           init.root if init.export else run_path(init.model_dir, "ps"))
+                                           init.root if init.export else run_path(init.model_dir, "ps"), auth)
         write_processes(run_dir, shards, earlier)
         if stops.requested.is_set():
             return None              # asked to stop while the shards started: no trainer yet
@@ -257,7 +265,7 @@ def _attempt(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path 
         try:
             elastic_launch(lc, worker_main)(str(config_path), [str(f) for f in ready_files], str(run_dir),
                                            None if checkpoint is None else str(checkpoint), False, verbose,
-                                           None if init is None else str(init.root))
+                                           None if init is None else str(init.root), auth)
         except BaseException as e:
             if watchdog.dead is not None:
                 shard, code, served = watchdog.dead

@@ -46,6 +46,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.rundir import run_path
 from recsys.rundir import READY_TIMEOUT_S
+from recsys.training.jobauth import memory_file
 from recsys.training.job import JobFailure, WorkerError, closing_summary, read_worker_error, write_processes
 
 logger = logging.getLogger(__name__)
@@ -61,22 +62,11 @@ class ClusterResourceError(RuntimeError):
 # In the actors and trainers
 
 
-def _memory_file(name: str, text: str) -> tuple[int, Path]:
-    """`text` in an anonymous in-memory file (memfd, mode 600, not inherited by children) and the path
-    this process opens it by: nothing on disk, and it vanishes with the process, even after kill -9."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.fchmod(fd, 0o600)
-    data = text.encode()
-    while data:
-        data = data[os.write(fd, data):]
-    return fd, Path(f"/proc/self/fd/{fd}")
-
-
 def _private_config(config_toml: str, token: str) -> tuple[list[int], Path, list[str]]:
     """The job config and the token as in-memory files of this process: their fds (close them when
     done), the config's path and the overrides that point ps.auth at the token."""
-    token_fd, token_path = _memory_file("recsys-ps-token", token)
-    config_fd, config_path = _memory_file("recsys-config.toml", config_toml)
+    token_fd, token_path = memory_file("recsys-ps-token", token)
+    config_fd, config_path = memory_file("recsys-config.toml", config_toml)
     return [token_fd, config_fd], config_path, ["ps.auth='token'", f"ps.token_file='{token_path}'"]
 
 
@@ -178,7 +168,7 @@ def train_loop(config: dict) -> None:
     watchdog = threading.Thread(target=_watch_shards, args=(config["shards"], done, rank), daemon=True)
     watchdog.start()
     try:
-        resolved_fd, resolved = _memory_file("recsys-config.toml", to_toml(load_config(path, overrides)))
+        resolved_fd, resolved = memory_file("recsys-config.toml", to_toml(load_config(path, overrides)))
         fds.append(resolved_fd)                 # ps.token_file -> this trainer's in-memory token
         run_worker(str(resolved), config["addresses"], run_dir, config["resume"], node=this_node())
     except Exception as e:

@@ -18,6 +18,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -87,22 +88,36 @@ STOPPED_FILE = "stopped.json"
 """Rank 0 writes it when a stop request ended the run: {"step", "checkpoint"}."""
 
 
-def check_shards(store: PSClient, world: int) -> None:
+def check_shards(store: PSClient, world: int, stop: bool = False) -> None:
     """At connect time: every shard expects this job's trainer count and shard count, else one
     ConfigError naming the shard and the flag to start it with (a shard started with another
-    ps.num_workers refused the first PUSH of a worker outside its range, under a gloo traceback)."""
+    ps.num_workers refused the first PUSH of a worker outside its range, under a gloo traceback).
+    stop: shards started by hand for this job (rank 0 of `recsys.train`) are told to exit then, as
+    they can serve no trainer of it (they stayed up before)."""
     from recsys.config import ConfigError
 
+    problem = None
     for info, address in zip(store.health(), store.addresses):
         workers = info.get("num_workers", world)
-        if workers != world:
-            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_workers = {workers}, "
-                              f"but {world} trainers run: start the shards with --set ps.num_workers={world}")
         shards = info.get("num_shards", len(store.addresses))
-        if shards != len(store.addresses):
-            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_shards = {shards}, "
-                              f"but ps.addresses names {len(store.addresses)}: start every shard with "
-                              f"--set ps.num_shards={len(store.addresses)}")
+        if workers != world:
+            problem = (f"ps shard {info.get('shard')} at {address} was started with ps.num_workers = {workers}, "
+                       f"but {world} trainers run: start the shards with --set ps.num_workers={world}")
+        elif shards != len(store.addresses):
+            problem = (f"ps shard {info.get('shard')} at {address} was started with ps.num_shards = {shards}, "
+                       f"but ps.addresses names {len(store.addresses)}: start every shard with "
+                       f"--set ps.num_shards={len(store.addresses)}")
+        if problem:
+            break
+    if problem is None:
+        return
+    if stop:
+        try:
+            store.shutdown()
+            problem += " (the shards were told to exit)"
+        except Exception as e:  # noqa: BLE001 - the mismatch is the error to report
+            logger.warning("could not stop the shards: %s", e)
+    raise ConfigError(problem)
 
 
 def log_path(run_dir: str | Path, rank: int) -> Path:
@@ -170,10 +185,12 @@ def _leave_terminal_group() -> None:
 
 
 def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: str | None = None,
-                load_shards: bool = False, verbose: bool = False, init: str | None = None) -> None:
+                load_shards: bool = False, verbose: bool = False, init: str | None = None,
+                overrides: Sequence[str] = ()) -> None:
     """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
     logging and environment settings, the shards' addresses (from their ready files: the launcher
-    starts trainers and shards together), then `recsys.training.worker.run_worker`.
+    starts trainers and shards together), then `recsys.training.worker.run_worker` (with `overrides`:
+    the job's ps.auth, `jobauth.job_auth`).
 
     SIGUSR1 (the launcher's stop request) ends training after the current step with a checkpoint;
     SIGTERM (torch elastic stopping the workers after a failure) ends the process at once. An error
@@ -187,7 +204,7 @@ def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: 
     apply_environment()
     try:
         addresses = wait_for_shards(ready_files, READY_TIMEOUT_S)
-        run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards, init=init)
+        run_worker(config_path, addresses, run_dir, resume, load_shards=load_shards, init=init, overrides=overrides)
     except Exception as e:
         report_failure(e, run_dir, rank, verbose)
         raise SystemExit(2) from None
@@ -195,7 +212,8 @@ def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: 
 
 
 def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str | None = None,
-               load_shards: bool = False, node: dict | None = None, init: str | None = None) -> None:
+               load_shards: bool = False, node: dict | None = None, init: str | None = None,
+               overrides: Sequence[str] = ()) -> None:
     """One trainer process's job (its entry points, which set up logging, are `recsys.train`).
 
     resume: a checkpoint directory to continue from. load_shards: rank 0 also tells the (already
@@ -205,7 +223,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, list(overrides))
     if cfg.ps.num_workers != world:
         raise ValueError(f"{config_path}: ps.num_workers = {cfg.ps.num_workers} but {world} trainers run; "
                          f"the shards would wait for workers that never come")
@@ -219,7 +237,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
     store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
-    check_shards(store, world)
+    check_shards(store, world, stop=rank == 0 and bool(cfg.ps.addresses))   # shards started by hand
     trainer = None
     try:
         # a resumed run's replicated tables keep their saved vocabulary, a warm start's join it with the

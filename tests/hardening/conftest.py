@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 import subprocess
@@ -28,6 +30,8 @@ class Shard:
     def __init__(self, config: PSConfig, workdir: Path, *extra: str) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = workdir / "ps.toml"
+        if config.auth == "auto":        # a shard started by hand needs it said (clients read "auto" as "none")
+            config = dataclasses.replace(config, auth="none")
         self.config_path.write_text(to_toml(JobConfig(ps=config)))
         self.log_path, ready = workdir / "ps.log", workdir / "ps.ready"
         ready.unlink(missing_ok=True)

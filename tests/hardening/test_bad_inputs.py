@@ -299,7 +299,8 @@ def test_a_port_in_use_is_one_line_naming_it(world: World, capsys: pytest.Captur
     root.handlers.clear()
     try:
         capsys.readouterr()
-        code = cli.main(["ps", "--config", str(world / "job.toml"), "--shard", "0", "--port", str(port)])
+        code = cli.main(["ps", "--config", str(world / "job.toml"), "--shard", "0", "--port", str(port),
+                         "--set", "ps.auth='none'"])
     finally:
         root.handlers[:], root.level = saved
         taken.close()

@@ -25,7 +25,10 @@ READY_TIMEOUT_S = 60.0
 
 
 def ps_toml(config: PSConfig) -> str:
-    """A job config holding `config` as its `[ps]` section, which `recsys ps` reads back."""
+    """A job config holding `config` as its `[ps]` section, which `recsys ps` reads back. ps.auth "auto"
+    becomes "none" (a shard started by hand needs it said; the library's clients read "auto" as "none")."""
+    if config.auth == "auto":
+        config = dataclasses.replace(config, auth="none")
     return to_toml(JobConfig(ps=config))
 
 

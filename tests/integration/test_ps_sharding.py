@@ -28,6 +28,21 @@ def _batch(gen: torch.Generator, n: int = 300) -> torch.Tensor:
     return torch.cat([torch.randint(-100, 400, (n,), generator=gen), EXTREMES])
 
 
+def test_shards_started_by_hand_exit_when_the_job_cannot_use_them(shard_processes):
+    """#28 item 5: trainers that find the shards started for another trainer count stop them (one line
+    saying so) instead of leaving them up for nothing."""
+    from recsys.config import ConfigError
+    from recsys.training.worker import check_shards
+
+    cfg = dataclasses.replace(CFG, num_shards=1, timeout_s=10.0)
+    shards = shard_processes(cfg)
+    with PSClient(cfg, shards.addresses) as client:
+        with pytest.raises(ConfigError, match=r"start the shards with --set ps.num_workers=8 \(the shards were "
+                                              r"told to exit\)"):
+            check_shards(client, 8, stop=True)
+    assert shards.procs[0].wait(timeout=30) == 0
+
+
 def test_sharded_equals_unsharded_restart_and_save_load(shard_processes, tmp_path):
     shards = shard_processes(CFG)
     ref = ShardState(dataclasses.replace(CFG, num_shards=1), 0)

@@ -56,7 +56,7 @@ def test_shared_memory_gives_the_socket_results(shard_processes, mode: str, wire
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert all(s["shm_requests"] == 0 for s in s_stats)
     assert all(s["shm_requests"] >= 6 for s in m_stats)   # 3 pulls + 3 pushes per shard (>= 1 MB) went through /dev/shm
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"recsys-ps-{os.getpid():08x}")]
+    assert not [n for n in os.listdir(shm.SHM_DIR) if shm.owner_pid(n) == os.getpid()]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -155,7 +155,7 @@ def test_shard_that_cannot_open_the_segment_falls_back_with_the_same_results(tmp
     with thread_shards(dataclasses.replace(base, shared_memory=False), tmp_path, "socket") as shards:
         via_socket, _ = run(lambda cfg, name: shards, dataclasses.replace(base, shared_memory=False), "socket")
 
-    def not_here(name: bytes):
+    def not_here(name: bytes, job: str):
         raise FileNotFoundError(2, "No such file or directory", name.decode())
 
     monkeypatch.setattr(shm, "_open", not_here)
@@ -199,7 +199,6 @@ def test_segments_are_reused_not_piled_up(shard_processes) -> None:
     holding them until a garbage collection): 30 pull + push rounds use a couple of files."""
     config = PSConfig(num_shards=1, mode="async", timeout_s=30.0, shared_memory=True, tables=TABLES)
     shards = shard_processes(config)
-    mine = f"recsys-ps-{os.getpid():08x}"
     ids, grads = torch.arange(ROWS), torch.ones(ROWS, D)
     with PSClient(config, shards.addresses, dedup=False) as c:
         kept = c.pull(0, ids)                        # a caller's rows keep their segment busy
@@ -207,7 +206,7 @@ def test_segments_are_reused_not_piled_up(shard_processes) -> None:
         for _ in range(30):
             assert c.pull(0, ids).shape == (ROWS, D)
             c.push(0, ids, grads)
-        files = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)]
+        files = [n for n in os.listdir(shm.SHM_DIR) if shm.owner_pid(n) == os.getpid()]
         assert 2 <= len(files) <= 4, files
         assert c.stats()[0]["shm_requests"] == 61            # 31 pulls + 30 pushes
         now = c.pull(0, ids)

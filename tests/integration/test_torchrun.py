@@ -50,7 +50,11 @@ def recsys_ps_shards(tmp_path: Path, common: list[str], env: dict[str, str]):
 def test_ps_hosts_and_torchrun_trainers(tmp_path: Path, tiny_dataset) -> None:
     data = tiny_dataset(rows=6000, files=2, seed=4)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    token = tmp_path / "ps.token"                  # as docs/cluster.md: shards and trainers share a token file
+    token.write_text(os.urandom(24).hex())
+    token.chmod(0o600)
     common = ["--config", "configs/tiny.toml", "--set", "ps.num_shards=2", "--set", "ps.num_workers=2",
+              "--set", "ps.auth=token", "--set", f"ps.token_file={token}",
               "--set", "data.batch_size=64", "--set", f"ps.storage_root='{tmp_path}'"]   # where the shards may write
     with recsys_ps_shards(tmp_path, common, env) as addresses:
         port = free_port()
@@ -83,7 +87,8 @@ def test_torchrun_restarts_killed_trainer_from_checkpoint(tmp_path: Path, tiny_d
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     job = ["ps.num_shards=2", "ps.num_workers=2", "data.batch_size=64", "train.max_steps=40", "train.epochs=2",
            "train.checkpoint_every=8", "train.num_threads=1", f"data.train_paths=['{data}/part-00000.parquet']",
-           f"data.eval_paths=['{data}/part-00001.parquet']", f"ps.storage_root='{tmp_path}'"]
+           f"data.eval_paths=['{data}/part-00001.parquet']", f"ps.storage_root='{tmp_path}'",
+           "ps.auth='none'"]                    # said outright: shards started by hand need it
     common = ["--config", "configs/tiny.toml"] + [x for o in job for x in ("--set", o)]
     reference = launch_train(load_config(ROOT / "configs" / "tiny.toml",
                                          job + ["train.num_trainers=2", f"train.run_dir='{tmp_path / 'ref'}'"]))

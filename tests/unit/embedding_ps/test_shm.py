@@ -73,12 +73,27 @@ def test_attacher_sees_the_clients_bytes_and_checks_size() -> None:
 @pytest.mark.parametrize("name", [b"../etc/passwd", b"recsys-ps-XYZ0000000000000000", b"recsys-ps-12",
                                   b"recsys-ps-0123456789abcdef/x"])
 def test_attacher_refuses_names_that_are_not_segments(name: bytes) -> None:
-    with pytest.raises(ValueError, match="is not recsys-ps-<hex>"):
+    with pytest.raises(ValueError, match="is not recsys-ps-00000000-<hex>"):
         shm.ShmAttacher().attach(name, 8)
 
 
+def test_attacher_opens_only_its_own_jobs_segments() -> None:
+    """A shard takes a segment only when its name carries the shard's job tag (#28): an authenticated
+    client of another job, or a name made up by someone else, is refused before anything is opened."""
+    pool = shm.ShmPool(16 << 20, job="0123abcd")
+    try:
+        name, _ = pool.take(2 << 20)
+        assert name.startswith(b"recsys-ps-0123abcd-") and shm.owner_pid(name.decode()) == os.getpid()
+        assert shm.ShmAttacher(job="0123abcd").attach(name, 1 << 20).nbytes == 1 << 20
+        for other in (shm.NO_JOB, "ffffffff"):
+            with pytest.raises(ValueError, match=f"is not recsys-ps-{other}-<hex> .this job's"):
+                shm.ShmAttacher(job=other).attach(name, 1 << 20)
+    finally:
+        pool.close()
+
+
 def test_attacher_refuses_links_and_missing_segments(tmp_path) -> None:
-    name = "recsys-ps-" + "ab" * 12
+    name = "recsys-ps-00000000-" + "ab" * 12
     link = os.path.join(shm.SHM_DIR, name)
     target = tmp_path / "secret"
     target.write_bytes(bytes(64))
