@@ -21,6 +21,7 @@ trials are kept; a stopped job continues from its checkpoint).
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -131,7 +132,7 @@ def best_of(lines: list[dict], metric: str, mode: str) -> tuple[float, int] | tu
 
 def collect(grid: object, params: list[Param], root: Path, metric: str, mode: str) -> list[dict]:
     """One row per trial of Tune's ResultGrid, its best metric read from its run's metrics.jsonl."""
-    from recsys.training.tune_trial import FINISHED, val_lines
+    from recsys.training.tune_trial import FINISHED, record, val_lines
 
     status = {t.trial_id: t.status for t in getattr(getattr(grid, "_experiment_analysis", None), "trials", [])}
     rows = []
@@ -139,15 +140,20 @@ def collect(grid: object, params: list[Param], root: Path, metric: str, mode: st
         trial_id = Path(result.path).name
         run_dir = root / "trials" / trial_id
         value, step = best_of(val_lines(run_dir), metric, mode)
-        if result.error is not None:
+        saved = record(run_dir, "error")
+        error = saved.read_text().strip() if saved.exists() else _one_line(result.error)
+        values = result.config or (json.loads(record(run_dir, "json").read_text())
+                                   if record(run_dir, "json").exists() else {})
+        if error or status.get(trial_id) == "ERROR":
             state = "error"
-        elif status.get(trial_id, "TERMINATED") not in ("TERMINATED", "ERROR"):
+        elif status.get(trial_id, "TERMINATED") != "TERMINATED":
             state = "unfinished"
         else:
-            state = "terminated" if (result.metrics or {}).get(FINISHED) else "stopped"
-        rows.append({"trial_id": trial_id, "status": state, **{p.key: result.config.get(p.key) for p in params},
-                     "best": value, "best_step": step, "run_dir": str(run_dir),
-                     "error": _one_line(result.error), "curve": val_lines(run_dir)})
+            finished = (result.metrics or {}).get(FINISHED) or record(run_dir, FINISHED).exists()
+            state = "terminated" if finished else "stopped"
+        rows.append({"trial_id": trial_id, "status": state, **{p.key: values.get(p.key) for p in params},
+                     "best": value, "best_step": step, "run_dir": str(run_dir), "error": error,
+                     "curve": val_lines(run_dir)})
     return sorted(rows, key=lambda r: r["trial_id"])
 
 

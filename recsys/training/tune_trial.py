@@ -70,6 +70,13 @@ def val_lines(run_dir: Path) -> list[dict]:
     return out
 
 
+def record(run_dir: Path, kind: str) -> Path:
+    """TUNE_DIR/trials/<id>.json (the trial's values), .error (its one-line error) and .job_finished (its
+    job ran to its end), beside its run directory: results.csv reads them, also after a resume (Tune
+    keeps no error or values of a restored trial)."""
+    return run_dir.with_name(f"{run_dir.name}.{kind}")
+
+
 def job_command(spec: JobSpec, values: dict, run_dir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", spec.config]
     for item in (*spec.overrides, *trial_overrides(values), override("train.run_dir", str(run_dir))):
@@ -89,6 +96,9 @@ class JobTrial(tune.Trainable):
         self.run_dir = Path(spec.trials_dir) / self.trial_id
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = self.run_dir.parent / f"{self.trial_id}.log"
+        for kind in ("error", FINISHED):
+            record(self.run_dir, kind).unlink(missing_ok=True)
+        record(self.run_dir, "json").write_text(json.dumps(config, default=lambda v: v.item()))   # its values
         cmd = job_command(spec, config, self.run_dir)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT,
@@ -105,10 +115,13 @@ class JobTrial(tune.Trainable):
                 return dict(self.last)
             if exited:
                 if self.proc.returncode != 0:
-                    raise RuntimeError(f"trial {self.trial_id}: {self._error_line()}")
+                    error = f"trial {self.trial_id}: {self._error_line()}"
+                    record(self.run_dir, "error").write_text(error)
+                    raise RuntimeError(error)
                 if not self.last:
                     raise RuntimeError(f"trial {self.trial_id}: the job wrote no validation pass "
                                        f"({self.run_dir}/metrics.jsonl)")
+                record(self.run_dir, FINISHED).touch()
                 return {**self.last, FINISHED: 1, "done": True}
             time.sleep(POLL_S)
 
@@ -154,4 +167,4 @@ class LogTrials(tune.Callback):
         logger.warning("trial %s: failed (recorded in results.csv; the search goes on)", trial.trial_id)
 
 
-__all__ = ["FINISHED", "JobSpec", "JobTrial", "LogTrials", "job_command", "val_lines"]
+__all__ = ["FINISHED", "JobSpec", "JobTrial", "LogTrials", "job_command", "record", "val_lines"]
