@@ -37,13 +37,18 @@ logger = logging.getLogger(__name__)
 OBJECT_STORE_BYTES = 100 * 1024 * 1024     # trials pass nothing through it
 
 
-def trial_defaults(cfg: JobConfig) -> list[str]:
+def trial_defaults(config: str, overrides: Sequence[str]) -> list[str]:
     """Overrides that make every trial validate each epoch and stop early, where the config does not say."""
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError:
+        cfg = None                  # e.g. early_stop_patience without validate_every: the default below mends it
+    out = []
+    if cfg is None or cfg.train.validate_every in (0, "0"):
+        out.append('train.validate_every="epoch"')
+        cfg = load_config(config, [*overrides, *out])        # any other error is raised here
     if not cfg.data.eval_paths:
         raise ConfigError("recsys tune needs data.eval_paths: trials are compared on their validation passes")
-    out = []
-    if cfg.train.validate_every in (0, "0"):
-        out.append('train.validate_every="epoch"')
     if cfg.train.early_stop_patience == 0:
         out.append("train.early_stop_patience=2")
     return out
@@ -59,8 +64,7 @@ def metric_and_mode(cfg: JobConfig, metric: str | None, mode: str | None) -> tup
 def run_tune(config: str, overrides: Sequence[str], space: str, out: str, *, trials: int, max_concurrent: int,
              metric: str | None = None, mode: str | None = None) -> int:
     params = read_space(space)
-    base = load_config(config, overrides)
-    overrides = [*overrides, *trial_defaults(base)]
+    overrides = [*overrides, *trial_defaults(config, overrides)]
     base = check_space(params, config, overrides, space)       # before Ray: a bad key is one line, exit 2
     metric, mode = metric_and_mode(base, metric, mode)
     try:
@@ -116,7 +120,8 @@ def _fit(params: list[Param], spec: object, root: Path, trials: int, max_concurr
             metric=metric, mode=mode, num_samples=trials, max_concurrent_trials=max_concurrent,
             scheduler=ASHAScheduler(time_attr="training_iteration", max_t=10_000, grace_period=1, reduction_factor=2),
             trial_dirname_creator=lambda t: t.trial_id),
-        run_config=tune.RunConfig(name="ray", storage_path=str(root), verbose=0, callbacks=[LogTrials(metric)],
+        run_config=tune.RunConfig(name="ray", storage_path=str(root), verbose=0,
+                                  callbacks=[LogTrials(metric, spec.trials_dir)],
                                   failure_config=tune.FailureConfig(max_failures=0),
                                   checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False)))
     return tuner.fit()
@@ -131,10 +136,10 @@ def best_of(lines: list[dict], metric: str, mode: str) -> tuple[float, int] | tu
 
 
 def collect(grid: object, params: list[Param], root: Path, metric: str, mode: str) -> list[dict]:
-    """One row per trial of Tune's ResultGrid, its best metric read from its run's metrics.jsonl."""
-    from recsys.training.tune_trial import FINISHED, record, val_lines
+    """One row per trial of Tune's ResultGrid: its status and values from the records beside its run
+    (tune_trial.record), its best metric from its run's metrics.jsonl."""
+    from recsys.training.tune_trial import FINISHED, STOPPED, record, val_lines
 
-    status = {t.trial_id: t.status for t in getattr(getattr(grid, "_experiment_analysis", None), "trials", [])}
     rows = []
     for result in grid:
         trial_id = Path(result.path).name
@@ -144,13 +149,12 @@ def collect(grid: object, params: list[Param], root: Path, metric: str, mode: st
         error = saved.read_text().strip() if saved.exists() else _one_line(result.error)
         values = result.config or (json.loads(record(run_dir, "json").read_text())
                                    if record(run_dir, "json").exists() else {})
-        if error or status.get(trial_id) == "ERROR":
+        if error:
             state = "error"
-        elif status.get(trial_id, "TERMINATED") != "TERMINATED":
-            state = "unfinished"
+        elif (result.metrics or {}).get(FINISHED) or record(run_dir, FINISHED).exists():
+            state = "terminated"
         else:
-            finished = (result.metrics or {}).get(FINISHED) or record(run_dir, FINISHED).exists()
-            state = "terminated" if finished else "stopped"
+            state = "stopped" if record(run_dir, STOPPED).exists() else "unfinished"    # unfinished: a Ctrl-C
         rows.append({"trial_id": trial_id, "status": state, **{p.key: values.get(p.key) for p in params},
                      "best": value, "best_step": step, "run_dir": str(run_dir), "error": error,
                      "curve": val_lines(run_dir)})
@@ -205,16 +209,18 @@ def plot_trials(path: Path, rows: list[dict], metric: str) -> Path | None:
         logger.warning("no trials.png: the plot needs matplotlib (pip install matplotlib)")
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = 0
     for r in rows:
         points = [(x["step"], x[metric]) for x in r["curve"] if metric in x]
         if points:
+            plotted += 1
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".",
                     linestyle="--" if r["status"] == "stopped" else "-", label=f"{r['trial_id']} ({r['status']})")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(f"recsys tune: {metric} of {len(rows)} trials")
     ax.grid(alpha=0.3)
-    if len(rows) <= 12:
+    if 0 < plotted <= 12:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 FINISHED = "job_finished"
 """In the last result of a trial whose job ran to its end (Tune's own `done` is also set when ASHA stops it)."""
+STOPPED = "stopped"
+"""Marks a trial that ASHA stopped (Tune's on_trial_complete without FINISHED; a Ctrl-C stops trials without it)."""
 POLL_S = 0.25
 STOP_TIMEOUT_S = 60.0
 
@@ -71,9 +73,9 @@ def val_lines(run_dir: Path) -> list[dict]:
 
 
 def record(run_dir: Path, kind: str) -> Path:
-    """TUNE_DIR/trials/<id>.json (the trial's values), .error (its one-line error) and .job_finished (its
-    job ran to its end), beside its run directory: results.csv reads them, also after a resume (Tune
-    keeps no error or values of a restored trial)."""
+    """TUNE_DIR/trials/<id>.json (the trial's values), .error (its one-line error), .job_finished (its
+    job ran to its end) and .stopped (ASHA stopped it), beside its run directory: results.csv reads them,
+    also after a resume (Tune keeps no error or values of a restored trial)."""
     return run_dir.with_name(f"{run_dir.name}.{kind}")
 
 
@@ -96,7 +98,7 @@ class JobTrial(tune.Trainable):
         self.run_dir = Path(spec.trials_dir) / self.trial_id
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = self.run_dir.parent / f"{self.trial_id}.log"
-        for kind in ("error", FINISHED):
+        for kind in ("error", FINISHED, STOPPED):
             record(self.run_dir, kind).unlink(missing_ok=True)
         record(self.run_dir, "json").write_text(json.dumps(config, default=lambda v: v.item()))   # its values
         cmd = job_command(spec, config, self.run_dir)
@@ -152,19 +154,21 @@ class JobTrial(tune.Trainable):
 
 
 class LogTrials(tune.Callback):
-    """One log line as each trial ends."""
+    """One log line as each trial ends; marks the trials ASHA stopped (record(run_dir, STOPPED))."""
 
-    def __init__(self, metric: str) -> None:
-        self.metric = metric
+    def __init__(self, metric: str, trials_dir: str) -> None:
+        self.metric, self.trials_dir = metric, Path(trials_dir)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: object, **info: object) -> None:
         last = trial.last_result or {}
-        how = "done" if last.get(FINISHED) else "stopped by ASHA"
-        logger.info("trial %s: %s after %s passes, %s %s", trial.trial_id, how, last.get("training_iteration", 0),
+        if not last.get(FINISHED):
+            record(self.trials_dir / trial.trial_id, STOPPED).touch()
+        logger.info("trial %s: %s after %s passes, %s %s", trial.trial_id,
+                    "done" if last.get(FINISHED) else "stopped by ASHA", last.get("training_iteration", 0),
                     self.metric, last.get(self.metric))
 
     def on_trial_error(self, iteration: int, trials: list, trial: object, **info: object) -> None:
         logger.warning("trial %s: failed (recorded in results.csv; the search goes on)", trial.trial_id)
 
 
-__all__ = ["FINISHED", "JobSpec", "JobTrial", "LogTrials", "job_command", "record", "val_lines"]
+__all__ = ["FINISHED", "STOPPED", "JobSpec", "JobTrial", "LogTrials", "job_command", "record", "val_lines"]

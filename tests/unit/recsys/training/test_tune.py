@@ -115,8 +115,10 @@ def test_a_trial_is_the_base_config_with_its_values_and_own_run_dir(tmp_path: Pa
 
 
 def _result(run: Path, trial_id: str, config: dict, vals: list[tuple[int, float]], *, finished: bool = False,
-            error: BaseException | None = None) -> SimpleNamespace:
+            error: BaseException | None = None, stopped: bool = False) -> SimpleNamespace:
     (run / trial_id).mkdir(parents=True)
+    if stopped:                                   # the driver's callback marks a trial ASHA stopped
+        (run / f"{trial_id}.stopped").touch()
     (run / trial_id / "metrics.jsonl").write_text("".join(
         f'{{"step": {s}, "loss/train": 0.5}}\n{{"step": {s}, "val/auc": {v}, "val/logloss": 0.5}}\n' for s, v in vals))
     return SimpleNamespace(path=f"/ray/{trial_id}", config=config, error=error,
@@ -126,14 +128,18 @@ def _result(run: Path, trial_id: str, config: dict, vals: list[tuple[int, float]
 def test_results_csv_best_toml_and_the_plot(tmp_path: Path) -> None:
     trials = tmp_path / "trials"
     params = [Param("train.dense_lr", "loguniform", (0.001, 0.1)), Param("model.dropout", "choice", (0.0, 0.5))]
-    grid = [_result(trials, "a_00001", {"train.dense_lr": 0.01, "model.dropout": 0.5}, [(8, 0.61)]),
+    grid = [_result(trials, "a_00001", {"train.dense_lr": 0.01, "model.dropout": 0.5}, [(8, 0.61)], stopped=True),
             _result(trials, "a_00000", {"train.dense_lr": 0.002, "model.dropout": 0.0}, [(8, 0.70), (16, 0.74), (24, 0.73)],
                     finished=True),
             _result(trials, "a_00002", {"train.dense_lr": 0.05, "model.dropout": 0.0}, [],
-                    error=RuntimeError("Traceback ...\n  File x\nRuntimeError: trial a_00002: job exited 2: error: x"))]
+                    error=RuntimeError("Traceback ...\n  File x\nRuntimeError: trial a_00002: job exited 2: error: x")),
+            _result(trials, "a_00003", {}, [(8, 0.65)])]       # a Ctrl-C: neither done nor stopped by ASHA
+    (trials / "a_00003.json").write_text('{"train.dense_lr": 0.003, "model.dropout": 0.5}')   # a restored trial's values
     rows = collect(grid, params, tmp_path, "val/auc", "max")
     assert [(r["trial_id"], r["status"], r["best"], r["best_step"]) for r in rows] == [
-        ("a_00000", "terminated", 0.74, 16), ("a_00001", "stopped", 0.61, 8), ("a_00002", "error", None, None)]
+        ("a_00000", "terminated", 0.74, 16), ("a_00001", "stopped", 0.61, 8), ("a_00002", "error", None, None),
+        ("a_00003", "unfinished", 0.65, 8)]
+    assert rows[3]["train.dense_lr"] == 0.003
     assert rows[2]["error"] == "RuntimeError: trial a_00002: job exited 2: error: x"
     write_results(tmp_path / "results.csv", rows, params, "val/auc")
     with open(tmp_path / "results.csv") as f:
@@ -144,13 +150,43 @@ def test_results_csv_best_toml_and_the_plot(tmp_path: Path) -> None:
     assert table[1]["status"] == "stopped" and table[1]["model.dropout"] == "0.5"
     assert table[2]["status"] == "error" and table[2]["best_val/auc"] == "" and "error: x" in table[2]["error"]
     best = best_row(rows, "max")
-    assert best["trial_id"] == "a_00000" and best_row(rows[2:], "max") is None
+    assert best["trial_id"] == "a_00000" and best_row(rows[2:3], "max") is None
     write_best(tmp_path / "best.toml", best, params, str(TINY), DEFAULTS, tmp_path / "best-run", "val/auc")
     cfg = load_config(tmp_path / "best.toml")       # complete: loads with no base config or overrides
     assert cfg == load_config(TINY, [*DEFAULTS, "train.dense_lr=0.002", "model.dropout=0.0",
                                      f"train.run_dir='{tmp_path / 'best-run'}'"])
     pytest.importorskip("matplotlib")
     assert plot_trials(tmp_path / "trials.png", rows, "val/auc").stat().st_size > 1000
+
+
+def test_all_trials_failing_is_exit_1_and_a_ctrl_c_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("ray.tune")
+    import ray
+
+    from recsys.training import tune
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    sp = space(tmp_path, '"model.dropout" = { choice = [0.0, 0.5] }\n')
+    monkeypatch.setattr(tune, "_fit", lambda params, spec, root, *a: [
+        _result(root / "trials", "b_00000", {"model.dropout": 0.5}, [], error=RuntimeError("Trace\nx: boom"))])
+    with pytest.raises(RuntimeError, match=r"all 1 trials failed \(first: x: boom\)"):
+        tune.run_tune(str(TINY), DEFAULTS, str(sp), str(tmp_path / "t"), trials=1, max_concurrent=1)
+    assert read_csv_rows(tmp_path / "t" / "results.csv")[0]["error"] == "x: boom"
+    monkeypatch.setattr(tune, "_fit", lambda params, spec, root, *a: [
+        _result(root / "trials", "c_00000", {"model.dropout": 0.5}, [(8, 0.6)])])      # no record: cut short
+    assert tune.run_tune(str(TINY), DEFAULTS, str(sp), str(tmp_path / "t2"), trials=1, max_concurrent=1) == 130
+    assert f"run the same command again (--out {tmp_path / 't2'}) to resume" in capsys.readouterr().err
+    assert not (tmp_path / "t2" / "best.toml").exists()
+    with pytest.raises(ConfigError, match=r"--metric 'loss/train': trials report validation metrics"):
+        tune.run_tune(str(TINY), DEFAULTS, str(sp), str(tmp_path / "t3"), trials=1, max_concurrent=1,
+                      metric="loss/train")
+
+
+def read_csv_rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
 def test_best_of_follows_the_mode() -> None:
