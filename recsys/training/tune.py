@@ -4,7 +4,9 @@
 
 The space file (recsys/tune_space.py) is read and checked against the config before Ray starts.
 Each trial is a real `recsys train` job (recsys/training/tune_trial.py) of the config plus that
-trial's values as `--set` overrides, in `TUNE_DIR/trials/<trial id>/`, validating every epoch with
+trial's values as `--set` overrides, in `TUNE_DIR/trials/<trial id>/` (the job runs on the config's
+engine: the local launcher, or with `cluster.engine = "ray"` and `cluster.address` the Ray cluster,
+while Tune itself runs on a local Ray instance of `--max-concurrent` CPUs), validating every epoch with
 early stopping (`train.validate_every = "epoch"`, `train.early_stop_patience = 2` where the config
 sets neither); each validation pass is reported to Tune, and ASHA stops the trials that trail
 (`stopped` in results.csv). A trial whose job fails is recorded (`error`, its one-line error), the
@@ -15,7 +17,8 @@ others go on. At the end:
     TUNE_DIR/trials.png    the metric of every trial per step (needs matplotlib)
 
 Tune's own state is in TUNE_DIR/ray: after a Ctrl-C, the same command resumes the search (finished
-trials are kept; a stopped job continues from its checkpoint).
+trials are kept; a stopped job continues from its checkpoint); the search space and --trials of the
+first run hold (Tune restores them), a changed --space is not read again.
 """
 
 from __future__ import annotations
