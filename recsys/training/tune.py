@@ -49,9 +49,7 @@ def trial_defaults(config: str, overrides: Sequence[str]) -> list[str]:
     out = []
     if cfg is None or cfg.train.validate_every in (0, "0"):
         out.append('train.validate_every="epoch"')
-        cfg = load_config(config, [*overrides, *out])        # any other error is raised here
-    if not cfg.data.eval_paths:
-        raise ConfigError("recsys tune needs data.eval_paths: trials are compared on their validation passes")
+        cfg = load_config(config, [*overrides, *out])     # any other error (no data.eval_paths too) is raised here
     if cfg.train.early_stop_patience == 0:
         out.append("train.early_stop_patience=2")
     return out

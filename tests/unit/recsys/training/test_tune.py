@@ -189,6 +189,19 @@ def read_csv_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def test_trials_validate_every_epoch_and_stop_early_unless_the_config_says() -> None:
+    from recsys.training.tune import trial_defaults
+
+    assert trial_defaults(str(TINY), DEFAULTS) == ['train.validate_every="epoch"', "train.early_stop_patience=2"]
+    # patience without validate_every does not load alone; the default mends it
+    assert trial_defaults(str(TINY), ["train.early_stop_patience=5"]) == ['train.validate_every="epoch"']
+    assert trial_defaults(str(TINY), ["train.validate_every=4", "train.early_stop_patience=1"]) == []
+    with pytest.raises(ConfigError, match=r"train.validate_every needs validation data: set data.eval_paths"):
+        trial_defaults(str(TINY), ["data.eval_paths=[]"])
+    with pytest.raises(ConfigError, match=r"model.dropout"):
+        trial_defaults(str(TINY), ["model.dropout=2.0"])
+
+
 def test_best_of_follows_the_mode() -> None:
     lines = [{"step": 1, "val/logloss": 0.5}, {"step": 2, "val/logloss": 0.4}, {"step": 3, "val/logloss": float("nan")}]
     assert best_of(lines, "val/logloss", "min") == (0.4, 2)
