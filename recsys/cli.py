@@ -20,6 +20,7 @@ from embedding_ps.wire.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
 from recsys.training.launch import StopNow
+from recsys.tune_space import add_tune_parser
 
 logger = logging.getLogger("recsys")
 
@@ -514,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo")
     p.add_argument("--rows", type=int, default=600_000)
     p.set_defaults(func=_cmd_demo)
+    add_tune_parser(sub, _add_config_args)
     return parser
 
 

@@ -1,0 +1,160 @@
+"""`recsys tune`'s search space file and command line (no Ray here: the space is read and checked
+against the job config before Ray starts; recsys/training/tune.py runs the search).
+
+A space file is TOML; each key is a config key in quotes, as `--set` names it, and its value one
+distribution:
+
+    "ps.table_defaults.lr" = { loguniform = [0.01, 0.3] }
+    "train.dense_lr"       = { uniform = [0.001, 0.01] }
+    "model.dropout"        = { choice = [0.0, 0.2, 0.5] }
+    "data.batch_size"      = { randint = [256, 1024] }        # both ends included
+    "train.epochs"         = { qrandint = [2, 6, 2] }         # 2, 4 or 6: multiples of 2, both ends included
+    "train.seed"           = { grid = [0, 1] }                # every value, --trials times
+
+`check_space` loads the config with every value a choice / grid names and both ends of a range (the
+config's own validation: an unknown key or a bad value is a ConfigError naming it), and refuses a key
+whose values all give the same config (e.g. `ps.table_defaults.lr` where every table sets its own lr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from recsys.config import RENAMED_KEYS, ConfigError, JobConfig, load_config
+from recsys.config_toml import _toml_value
+
+KINDS = {"loguniform": 2, "uniform": 2, "randint": 2, "qrandint": 3, "choice": 0, "grid": 0}
+"""Distribution -> the length of its list (0: any non-empty list)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One searched config key: `kind` (a KINDS name) over `args`."""
+
+    key: str
+    kind: str
+    args: tuple
+
+    def corners(self) -> list:
+        """The values `check_space` loads: every listed value, or both ends of a range."""
+        return list(self.args) if self.kind in ("choice", "grid") else list(self.args[:2])
+
+    def domain(self) -> Any:
+        """The Ray Tune search domain (imports ray.tune)."""
+        from ray import tune
+
+        a = self.args
+        return {"loguniform": lambda: tune.loguniform(a[0], a[1]), "uniform": lambda: tune.uniform(a[0], a[1]),
+                "randint": lambda: tune.randint(a[0], a[1] + 1), "qrandint": lambda: tune.qrandint(*a),
+                "choice": lambda: tune.choice(list(a)), "grid": lambda: tune.grid_search(list(a))}[self.kind]()
+
+
+def override(key: str, value: Any) -> str:
+    """`key=value` as `--set` takes it (numpy scalars, as Tune samples them, become Python ones)."""
+    value = value.item() if hasattr(value, "item") else value
+    return f"{key}={_toml_value(value)}"
+
+
+def trial_overrides(values: dict[str, Any]) -> list[str]:
+    """A trial's `--set` overrides from its sampled {config key: value}."""
+    return [override(k, v) for k, v in sorted(values.items())]
+
+
+def read_space(path: str | Path) -> list[Param]:
+    """The parameters of space file `path`; ConfigError naming the file and key."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such search space file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    if not raw:
+        raise ConfigError(f'{path}: no keys to search (e.g. "model.dropout" = {{ choice = [0.0, 0.2] }})')
+    params = []
+    for key, spec in raw.items():
+        where = f"{path}: {key!r}"
+        if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
+            raise ConfigError(f"{where}: expected one of {{ {' | '.join(KINDS)} = [...] }} (a config key in quotes: "
+                              f'"section.key" = {{ choice = [...] }}), got {spec!r}')
+        kind, args = next(iter(spec.items()))
+        n = KINDS[kind]
+        if not isinstance(args, list) or not args or (n and len(args) != n):
+            raise ConfigError(f"{where}: {kind} takes a list of {n or 'one or more'} values, got {args!r}")
+        if kind in ("randint", "qrandint") and not all(isinstance(x, int) for x in args):
+            raise ConfigError(f"{where}: {kind} takes integers, got {args!r}")
+        if n and not all(isinstance(x, (int, float)) and math.isfinite(x) for x in args):
+            raise ConfigError(f"{where}: {kind} takes numbers, got {args!r}")
+        if n and not (args[0] < args[1] and (kind != "loguniform" or args[0] > 0)):
+            raise ConfigError(f"{where}: {kind} needs low < high{' and low > 0' if kind == 'loguniform' else ''}, "
+                              f"got {args!r}")
+        params.append(Param(key, kind, tuple(args)))
+    return params
+
+
+def _check_key(key: str, source: str) -> None:
+    """A config key `recsys.config_doc` knows (ps.table_defaults.X: a table key)."""
+    from recsys import config_doc
+
+    section, _, name = key.rpartition(".")
+    if (section, name) in RENAMED_KEYS:
+        raise ConfigError(f"{source}: {key!r} is the old name of {section}.{RENAMED_KEYS[section, name]}; use that")
+    try:
+        config_doc.explain(key)
+    except ValueError as e:
+        raise ConfigError(f"{source}: unknown config key: {e}") from None
+
+
+def check_space(params: Sequence[Param], config: str | Path, overrides: Sequence[str], source: str) -> JobConfig:
+    """Every key known and every corner value loading into a different config; the base config."""
+    base = load_config(config, overrides)
+    for p in params:
+        _check_key(p.key, source)
+        seen: list[JobConfig] = []
+        for value in p.corners():
+            try:
+                cfg = load_config(config, [*overrides, override(p.key, value)])
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {p.key} = {value!r}: {e}") from None
+            if cfg not in seen:
+                seen.append(cfg)
+        if len(p.corners()) > 1 and len(seen) == 1:
+            hint = (" (every table sets its own value, and ps.table_defaults applies only where a table does not:"
+                    " search ps.tables' values through [ps.table_defaults] in the config instead)"
+                    if p.key.startswith("ps.table_defaults.") else "")
+            raise ConfigError(f"{source}: {p.key}: its values {p.corners()!r} all give the same config of "
+                              f"{config}{hint}")
+    return base
+
+
+def add_tune_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """`recsys tune`'s flags (cli.py calls this)."""
+    p = sub.add_parser("tune", help="hyperparameter search over a config with Ray Tune (ASHA): one training "
+                                    "job per trial; results.csv, best.toml, trials.png in --out")
+    add_config_args(p)
+    p.add_argument("--space", required=True, help="search space TOML: \"section.key\" = { choice = [...] }, "
+                                                  "loguniform / uniform / randint / qrandint / grid")
+    p.add_argument("--trials", type=int, default=8, help="trials sampled (with grid keys: times the grid)")
+    p.add_argument("--max-concurrent", type=int, default=2, help="trials running at once (1 CPU each for Ray)")
+    p.add_argument("--out", required=True, help="TUNE_DIR: trials/, results.csv, best.toml, trials.png; "
+                                                "the same --out again resumes an interrupted search")
+    p.add_argument("--metric", default=None, help="val/* metric to optimize (default: val/<train.early_stop_metric>)")
+    p.add_argument("--mode", choices=["min", "max"], default=None, help="default: max for auc, min for the rest")
+    p.set_defaults(func=_cmd_tune)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from recsys.training.tune import run_tune
+
+    if args.trials < 1 or args.max_concurrent < 1:
+        raise ConfigError("--trials and --max-concurrent must be >= 1")
+    return run_tune(args.config, args.overrides, args.space, args.out, trials=args.trials,
+                    max_concurrent=args.max_concurrent, metric=args.metric, mode=args.mode)
+
+
+__all__ = ["KINDS", "Param", "add_tune_parser", "check_space", "override", "read_space", "trial_overrides"]
