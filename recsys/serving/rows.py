@@ -1,0 +1,147 @@
+"""JSON rows of a `recsys serve` request -> checked rows -> one `pa.Table` for the `Predictor`.
+
+    cols = Columns.of(predictor.config.data)        # the columns a request must give, with their kinds
+    rows = check_rows(json_body, cols, max_rows)    # RequestError (4xx, naming the field) on a bad body
+    table = to_table(rows_of_many_requests, cols)   # then Predictor.predict(table) decodes it as training did
+
+A row is an object of column -> value: dense columns a number (or null: `data.dense_fill`), sparse
+columns an id (integer or string, as in the training data) or a list of ids (multi-hot), weight
+columns a number or a list of numbers; null is a missing value as in Parquet. Other keys are
+ignored (a client may send the label or passthrough columns). Checks here are the ones JSON needs
+(types, presence, 64-bit range); value checks (negative ids, over-long lists, ...) are the data
+decoder's, which raises `DataError` naming the column, as for a Parquet file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pyarrow as pa
+
+from data.config import DataConfig
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_COLUMN_IN_MESSAGE = re.compile(r"column '([^']+)'")
+
+
+class RequestError(ValueError):
+    """A bad request: HTTP `status` with `{"error": message, "field": field}`."""
+
+    def __init__(self, message: str, field: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.field, self.status = field, status
+
+    def body(self) -> dict:
+        return {"error": str(self), "field": self.field}
+
+
+def field_of(message: str, default: str = "rows") -> str:
+    """The column a data error names (`... column 'C1': ...`), else `default`."""
+    m = _COLUMN_IN_MESSAGE.search(message)
+    return m.group(1) if m else default
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """The columns a request's rows must hold, by kind."""
+
+    dense: tuple[str, ...]
+    sparse: tuple[str, ...]
+    weights: tuple[str, ...]
+
+    @classmethod
+    def of(cls, data: DataConfig) -> Columns:
+        return cls(tuple(data.dense_columns), tuple(data.sparse_columns), tuple(data.weight_columns.values()))
+
+    def describe(self) -> dict[str, list[str]]:
+        return {"dense": list(self.dense), "sparse": list(self.sparse), "weights": list(self.weights)}
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (not isinstance(v, int) or _INT64[0] <= v <= _INT64[1]))
+
+
+def _is_id(v: object) -> bool:
+    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1])
+
+
+def _check_value(i: int, col: str, v: object, one, what: str) -> None:
+    if v is None or one(v):
+        return
+    if isinstance(v, list) and all(x is None or one(x) for x in v):
+        return
+    raise RequestError(f"rows[{i}], column '{col}': {json_type(v)} is not {what} (or a list of them, or null)", col)
+
+
+def json_type(v: object) -> str:
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer" + ("" if _INT64[0] <= v <= _INT64[1] else " outside int64")
+    return {str: "a string", float: "a number", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def check_rows(body: object, cols: Columns, max_rows: int) -> list[dict]:
+    """The body's "rows", checked: every row an object holding every column of `cols` with a value of its kind."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object with \"rows\", got {json_type(body)}", "body")
+    rows = body.get("rows")
+    if not isinstance(rows, list) or not rows:
+        got = "missing" if rows is None else f"{json_type(rows)}" + (" (empty)" if rows == [] else "")
+        raise RequestError(f"\"rows\" must be a non-empty list of objects (column: value), got {got}", "rows")
+    if len(rows) > max_rows:
+        raise RequestError(f"\"rows\": {len(rows)} rows, at most {max_rows} a request", "rows", 413)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RequestError(f"rows[{i}]: {json_type(row)}, expected an object of column: value", "rows")
+        for kind, names, one, what in (("dense", cols.dense, _is_number, "a number"),
+                                       ("sparse", cols.sparse, _is_id, "an id (integer or string)"),
+                                       ("weight", cols.weights, _is_number, "a number")):
+            for c in names:
+                v = row.get(c, _MISSING)
+                if v is _MISSING:
+                    raise RequestError(f"rows[{i}]: missing column '{c}' ({kind}); a row needs "
+                                       f"{len(cols.dense)} dense, {len(cols.sparse)} sparse"
+                                       f"{f', {len(cols.weights)} weight' if cols.weights else ''} columns", c)
+                if kind == "dense":
+                    if v is not None and not _is_number(v):
+                        raise RequestError(f"rows[{i}], column '{c}': {json_type(v)} is not a number (or null)", c)
+                else:
+                    _check_value(i, c, v, one, what)
+    return rows
+
+
+_MISSING = object()
+
+
+def _array(values: list, col: str, null_type: pa.DataType, exact: bool = False) -> pa.Array:
+    """values as an Arrow array: of `null_type` when `exact`, else inferred (`null_type` where all are null)."""
+    try:
+        arr = pa.array(values, null_type if exact else None)
+    except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+        raise RequestError(f"column '{col}': values of mixed types ({e})", col) from None
+    if pa.types.is_null(arr.type):                         # every value null: give the column a type
+        return arr.cast(null_type)
+    if pa.types.is_list(arr.type) and pa.types.is_null(arr.type.value_type):
+        return arr.cast(pa.list_(null_type))
+    return arr
+
+
+def to_table(rows: list[dict], cols: Columns) -> pa.Table:
+    """One Arrow table of checked rows (column types inferred: int64 / string ids, lists of them, float64)."""
+    arrays, names = [], []
+    for c in cols.dense:
+        arrays.append(_array([r[c] for r in rows], c, pa.float64(), exact=True))
+        names.append(c)
+    for c in cols.sparse:
+        arrays.append(_array([r[c] for r in rows], c, pa.int64()))
+        names.append(c)
+    for c in cols.weights:
+        arrays.append(_array([r[c] for r in rows], c, pa.float64()))
+        names.append(c)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+__all__ = ["Columns", "RequestError", "check_rows", "field_of", "json_type", "to_table"]
