@@ -346,7 +346,12 @@ def _cmd_export_apply(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from recsys.serving.server import ServeOptions, serve
+    try:
+        from recsys.serving.server import ServeOptions, serve
+    except ModuleNotFoundError as e:
+        if e.name != "aiohttp":
+            raise
+        raise ConfigError("recsys serve needs aiohttp: pip install 'recsys-hybrid[serve]' (or -e '.[serve]')") from None
 
     options = ServeOptions(export=args.export, host=args.host, port=args.port, max_batch=args.max_batch,
                            max_wait_ms=args.max_wait_ms, workers=args.workers, token_file=args.token_file,
