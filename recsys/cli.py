@@ -355,7 +355,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     options = ServeOptions(export=args.export, host=args.host, port=args.port, max_batch=args.max_batch,
                            max_wait_ms=args.max_wait_ms, workers=args.workers, token_file=args.token_file,
-                           max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                           max_body_bytes=int(args.max_body_mb * (1 << 20)), threads=args.threads)
     options.check()
     stop = threading.Event()
     _stop_on_signals(stop)
@@ -537,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait up to W ms after a batch's first request for more rows (0: take what is queued)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="batching threads, each with its own copy of the model")
+    p.add_argument("--threads", type=int, default=1, metavar="T",
+                   help="torch intra-op threads (a batch of a few rows gains nothing from more)")
     p.add_argument("--token-file", default=None, help="file (mode 0600) of a bearer token every request but "
                                                       "/v1/health must send")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413")

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
+from data.decode import TableDecoder
 from data.parquet import DataError
 from recsys.models.two_tower import tower_data
 from recsys.serving.predictor import Predictor
@@ -56,9 +56,13 @@ class Served:
         self.predictors = [first] + [Predictor(export, deltas=list(deltas), verify=False) for _ in range(workers - 1)]
         self.export, self.deltas, self.generation = str(export), [str(d) for d in deltas], generation
         cfg = first.config
-        self.columns = Columns.of(cfg.data)
-        self.user_columns = (Columns.of(tower_data(cfg, cfg.model.user_features))
-                             if first.index is not None else None)
+        # rows -> Batch as training decodes them, but a bad value is an error (never a dropped row)
+        data = dataclasses.replace(cfg.data, on_bad_rows="error")
+        user = tower_data(cfg, cfg.model.user_features) if first.index is not None else None
+        self.columns = Columns.of(data)
+        self.user_columns = None if user is None else Columns.of(user)
+        self.decoders = {"predict": TableDecoder(data),
+                         "topk": None if user is None else TableDecoder(dataclasses.replace(user, on_bad_rows="error"))}
         m = first.manifest
         self.metadata = {
             "run_id": m.get("run_id", ""), "step": first.step, "precision": first.precision,
@@ -82,17 +86,18 @@ class Job:
     future: asyncio.Future
 
 
-def _score(p: Predictor, kind: str, table: pa.Table, k: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    if kind == "predict":
-        return p.predict(table)
-    return p.topk(table, k)
+def _score(served: Served, worker: int, kind: str, rows: list[dict], k: int) -> object:
+    """Probabilities [n] (calibrated) or (ids [n, k], scores [n, k]) of `rows`."""
+    cols = served.columns if kind == "predict" else served.user_columns
+    batch = served.decoders[kind].decode(to_table(rows, cols), "<request rows>")
+    p = served.predictors[worker]
+    return p.predict(batch) if kind == "predict" else p.topk(batch, k)
 
 
 def _one(served: Served, worker: int, job: Job) -> object:
     """A job alone: its result, or the RequestError / exception its rows raise."""
-    cols = served.columns if job.kind == "predict" else served.user_columns
     try:
-        return _score(served.predictors[worker], job.kind, to_table(job.rows, cols), job.k)
+        return _score(served, worker, job.kind, job.rows, job.k)
     except RequestError as e:
         return e
     except (DataError, pa.ArrowException) as e:
@@ -109,9 +114,8 @@ def run_batch(served: Served, worker: int, jobs: list[Job]) -> list[object]:
     if len(jobs) == 1:
         return [_one(served, worker, jobs[0])]
     kind, k = jobs[0].kind, max(j.k for j in jobs)
-    cols = served.columns if kind == "predict" else served.user_columns
     try:
-        out = _score(served.predictors[worker], kind, to_table([r for j in jobs for r in j.rows], cols), k)
+        out = _score(served, worker, kind, [r for j in jobs for r in j.rows], k)
     except (RequestError, DataError, pa.ArrowException):
         return [_one(served, worker, j) for j in jobs]
     results, start = [], 0

@@ -116,31 +116,39 @@ def check_rows(body: object, cols: Columns, max_rows: int) -> list[dict]:
 _MISSING = object()
 
 
-def _array(values: list, col: str, null_type: pa.DataType, exact: bool = False) -> pa.Array:
-    """values as an Arrow array: of `null_type` when `exact`, else inferred (`null_type` where all are null)."""
+def _type_of(values: list, number: bool) -> pa.DataType:
+    """The Arrow type of a checked column: float64 (numbers), int64 / string ids, or a list of those, from
+    its first non-null value (nulls and empty lists only: float64 / int64, or a list of it). Values of
+    another type then fail to convert."""
+    scalar, listed = pa.float64() if number else pa.int64(), False
+    for v in values:
+        if v is None:
+            continue
+        if not isinstance(v, list):
+            return pa.string() if isinstance(v, str) else scalar
+        listed = True
+        for x in v:
+            if x is not None:
+                return pa.list_(pa.string() if isinstance(x, str) else scalar)
+    return pa.list_(scalar) if listed else scalar
+
+
+def _array(values: list, col: str, typ: pa.DataType) -> pa.Array:
     try:
-        arr = pa.array(values, null_type if exact else None)
+        return pa.array(values, typ)
     except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
         raise RequestError(f"column '{col}': values of mixed types ({e})", col) from None
-    if pa.types.is_null(arr.type):                         # every value null: give the column a type
-        return arr.cast(null_type)
-    if pa.types.is_list(arr.type) and pa.types.is_null(arr.type.value_type):
-        return arr.cast(pa.list_(null_type))
-    return arr
 
 
 def to_table(rows: list[dict], cols: Columns) -> pa.Table:
-    """One Arrow table of checked rows (column types inferred: int64 / string ids, lists of them, float64)."""
+    """One Arrow table of checked rows: dense float64, ids int64 or string (lists of them for multi-hot),
+    weights float64 (the types the training data's columns may have)."""
     arrays, names = [], []
-    for c in cols.dense:
-        arrays.append(_array([r[c] for r in rows], c, pa.float64(), exact=True))
-        names.append(c)
-    for c in cols.sparse:
-        arrays.append(_array([r[c] for r in rows], c, pa.int64()))
-        names.append(c)
-    for c in cols.weights:
-        arrays.append(_array([r[c] for r in rows], c, pa.float64()))
-        names.append(c)
+    for names_of, number in ((cols.dense, True), (cols.sparse, False), (cols.weights, True)):
+        for c in names_of:
+            values = [r[c] for r in rows]
+            arrays.append(_array(values, c, pa.float64() if names_of is cols.dense else _type_of(values, number)))
+            names.append(c)
     return pa.Table.from_arrays(arrays, names=names)
 
 

@@ -1,7 +1,7 @@
 """`recsys serve`: an HTTP JSON API over an export, micro-batched (batcher.py), on aiohttp.
 
     recsys serve --export DIR|URI [--host 127.0.0.1] [--port 8080] [--max-batch 256] [--max-wait-ms 0]
-                 [--workers 1] [--token-file FILE] [--max-body-mb 8]
+                 [--workers 1] [--threads 1] [--token-file FILE] [--max-body-mb 8]
 
     POST /v1/predict  {"rows": [{"I1": 3, "C1": 12345, "M1": [7, 8], ...}, ...]}
                       -> {"probabilities": [...], "step": S, "generation": G}   (calibrated, as Predictor.predict)
@@ -68,10 +68,12 @@ class ServeOptions:
     token_file: str | None = None
     max_body_bytes: int = 8 << 20
     max_rows: int = 65536
+    threads: int = 1                # torch intra-op threads (serve() sets them; batches are small)
 
     def check(self) -> None:
-        if self.max_batch < 1 or self.workers < 1 or self.max_wait_ms < 0 or self.max_body_bytes < 1:
-            raise ConfigError("--max-batch and --workers must be >= 1, --max-wait-ms >= 0, --max-body-mb > 0")
+        if min(self.max_batch, self.workers, self.threads, self.max_body_bytes) < 1 or self.max_wait_ms < 0:
+            raise ConfigError("--max-batch, --workers and --threads must be >= 1, --max-wait-ms >= 0, "
+                              "--max-body-mb > 0")
         if self.token_file is None and not is_loopback(self.host):
             raise AuthConfigError(f"--host {self.host}: refusing to serve a non-loopback address without "
                                   f"--token-file (a bearer token), or bind 127.0.0.1")
@@ -262,6 +264,10 @@ class _ServerError(RequestError):
 
 def serve(options: ServeOptions, stop: threading.Event, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve until `stop` is set (the CLI's SIGTERM / SIGINT)."""
+    import torch
+
+    torch.set_num_threads(options.threads)
+
     async def main() -> None:
         server = Server(options)
         try:
