@@ -37,6 +37,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BYTES = 16
 MAX_K = 10_000
+SWITCH_INTERVAL_S = 0.0005
 OPEN_PATHS = frozenset({"/v1/health"})          # answered without the token (liveness probes)
 
 
@@ -267,6 +269,9 @@ def serve(options: ServeOptions, stop: threading.Event, on_ready: Callable[[str]
     import torch
 
     torch.set_num_threads(options.threads)
+    # the batch thread's Python (rows -> Arrow -> decode) holds the GIL up to the switch interval (5 ms by
+    # default) while the event loop waits to answer: a shorter one cut p99 at 8 clients (BENCHMARKS.md)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def main() -> None:
         server = Server(options)
