@@ -352,3 +352,28 @@ def test_topk_equals_exact_index(two_tower) -> None:
         k = 3 + 7 * (i % 2)
         assert s == 200 and len(got["ids"][0]) == k
         assert set(got["ids"][0]) == set(want_ids[i, :k].tolist())           # recall 1.0 against ExactIndex
+
+
+def test_a_bad_value_is_an_error_even_under_on_bad_rows_skip(exports, rows, monkeypatch) -> None:
+    """Training may skip bad rows (data.on_bad_rows = "skip"); serving never drops one (it would shift
+    the answers of a batch): the request gets a 400 naming the column, the others their own answers."""
+    import dataclasses
+
+    import recsys.serving.batcher as batcher
+
+    class Skipping(Predictor):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.config = dataclasses.replace(self.config, data=dataclasses.replace(self.config.data,
+                                                                                    on_bad_rows="skip"))
+
+    monkeypatch.setattr(batcher, "Predictor", Skipping)
+    served = Served(exports["new"])
+    assert served.predictors[0].config.data.on_bad_rows == "skip"
+    want = reference(exports["new"], rows[:4])
+    with running(exports["new"], served=served, max_wait_ms=50.0) as (url, _):
+        with ThreadPoolExecutor(4) as pool:
+            res = list(pool.map(lambda i: call(url, "POST", "/v1/predict", {"rows": [dict(rows[i], C2=-1) if i == 1 else rows[i]]}),
+                                range(4)))
+    assert [s for s, _ in res] == [200, 400, 200, 200] and res[1][1]["field"] == "C2"
+    np.testing.assert_allclose([res[i][1]["probabilities"][0] for i in (0, 2, 3)], want[[0, 2, 3]], rtol=0, atol=1e-6)
