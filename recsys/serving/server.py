@@ -169,6 +169,9 @@ class Server:
             response = self._too_large(request)
         except web.HTTPException as e:            # 404, 405 from the router
             response = _error(e.status, e.reason, "path" if e.status == 404 else "method")
+        except Exception as e:                    # noqa: BLE001 - a bug: a JSON 500, the server goes on
+            logger.exception("%s %s failed", request.method, request.path)
+            response = _error(500, f"{type(e).__name__}: {e}", "")
         endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         self.metrics.request(endpoint, response.status, time.perf_counter() - t0)
         return response
