@@ -348,6 +348,29 @@ def _cmd_export_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from recsys.serving.server import ServeOptions, serve
+    except ModuleNotFoundError as e:
+        if e.name != "aiohttp":
+            raise
+        raise ConfigError("recsys serve needs aiohttp: pip install 'recsys-hybrid[serve]' (or -e '.[serve]')") from None
+
+    options = ServeOptions(export=args.export, host=args.host, port=args.port, max_batch=args.max_batch,
+                           max_wait_ms=args.max_wait_ms, workers=args.workers, token_file=args.token_file,
+                           max_body_bytes=int(args.max_body_mb * (1 << 20)), threads=args.threads)
+    options.check()
+    stop = threading.Event()
+    _stop_on_signals(stop)
+
+    def ready(url: str) -> None:               # one line on stdout once serving (the port, when --port 0)
+        sys.stdout.write(json.dumps({"url": url}) + "\n")
+        sys.stdout.flush()
+
+    serve(options, stop, ready)
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from recsys.training.plot import plot_run
 
@@ -506,6 +529,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("delta", help="delta export directory (recsys export --since)")
     p.add_argument("--out", required=True, help="the resulting full export directory")
     p.set_defaults(func=_cmd_export_apply)
+
+    p = sub.add_parser("serve", help="HTTP JSON API over an export: predict, topk, reload, metrics "
+                                     "(docs/serving.md)")
+    p.add_argument("--export", required=True, metavar="DIR|URI", help="full export directory (recsys export)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --token-file)")
+    p.add_argument("--port", type=_port_arg, default=8080, help="TCP port (0: an ephemeral one)")
+    p.add_argument("--max-batch", type=int, default=256, metavar="B", help="rows per micro-batch at most")
+    p.add_argument("--max-wait-ms", type=float, default=0.0, metavar="W",
+                   help="wait up to W ms after a batch's first request for more rows (0: take what is queued)")
+    p.add_argument("--workers", type=int, default=1, metavar="K",
+                   help="batching threads, each with its own copy of the model")
+    p.add_argument("--threads", type=int, default=1, metavar="T",
+                   help="torch intra-op threads (a batch of a few rows gains nothing from more)")
+    p.add_argument("--token-file", default=None, help="file (mode 0600) of a bearer token every request but "
+                                                      "/v1/health must send")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("plot", help="write PNG curves (loss, AUC, samples/s) of a run")
     p.add_argument("run_dir")
