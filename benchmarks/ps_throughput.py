@@ -57,6 +57,7 @@ share them, so the larger configurations measure contention as much as scaling.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import json
 import multiprocessing as mp
@@ -197,6 +198,11 @@ def inprocess(args: dict) -> dict[str, float]:
 def run_config(ctx, num_shards: int, num_clients: int, args: dict, workdir: str) -> dict[str, float]:
     config = make_config(num_shards, max(num_clients, 1), args["wire"], args["weight_decay"],
                          args["weight_decay_mode"], args["threads"], args["shared_memory"])
+    if args["auth"] == "token":                  # what `recsys train` runs with: the handshake checks a token
+        token = os.path.join(workdir, "token")
+        with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(os.urandom(32).hex())
+        config = dataclasses.replace(config, auth="token", token_file=token)
     shards, clients = [], []
     try:
         run = f"s{num_shards}c{num_clients}" + ("shm" if args["shared_memory"] else "")   # files of this run
@@ -316,6 +322,8 @@ def main() -> None:
                    help="shared-memory clients: PSClient.late_grads and .notify (off: the request order before them)")
     p.add_argument("--map-rows", type=int, default=2_000_000)
     p.add_argument("--rss-rows", type=int, default=1_000_000)
+    p.add_argument("--auth", choices=("none", "token"), default="none",
+                   help="ps.auth of the shards and clients (token: as `recsys train` runs them)")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"           # inherited by the spawned processes
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -325,7 +333,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     knobs = {"batch": args.batch, "pool": args.pool, "repeats": args.repeats, "wire": args.wire,
              "dedup": args.dedup, "weight_decay": args.weight_decay, "weight_decay_mode": args.weight_decay_mode,
-             "threads": args.threads, "shared_memory": False, "late_grads": args.late_grads == "on",
+             "threads": args.threads, "shared_memory": False, "auth": args.auth, "late_grads": args.late_grads == "on",
              "kinds": ("uniform", "zipf") if args.ids == "both" else (args.ids,)}
     res: dict[str, float] = {"batch": float(args.batch), "pool": float(args.pool), "cpus": float(os.cpu_count() or 0),
                              "native": float(native.available())}
