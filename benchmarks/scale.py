@@ -66,6 +66,7 @@ import torch
 from embedding_ps.client.client import PSClient
 from recsys.config import JobConfig, load_config
 from recsys.training import launch
+from recsys.training.jobauth import job_auth
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -168,16 +169,20 @@ class Shards:
                  restore: Path | None = None) -> None:
         self.cfg = job_config(a, rows, shards, run_dir, hint)
         path = launch.write_run_dir(self.cfg, run_dir)
+        self._auth = job_auth(self.cfg.ps, run_dir)         # the job's token, as `recsys train` makes it
+        auth = self._auth.__enter__()
+        self.client_ps = load_config(path, auth).ps
         t0 = time.perf_counter()
         with PeakRss() as peak:
-            self.procs, self.addresses = launch.start_shards(self.cfg, path, run_dir, restore=restore)
+            self.procs, self.addresses = launch.start_shards(self.cfg, path, run_dir, restore=restore, overrides=auth)
         self.start_s, self.start_peak = time.perf_counter() - t0, peak.peak
 
     def client(self) -> PSClient:
-        return PSClient(self.cfg.ps, self.addresses)
+        return PSClient(self.client_ps, self.addresses)
 
     def stop(self) -> None:
         launch.stop(self.procs, timeout_s=30)
+        self._auth.__exit__(None, None, None)
 
 
 def fill(client: PSClient, rows: int, dim: int, batch: int) -> tuple[float, int]:
