@@ -17,9 +17,9 @@ unauthenticated peer is read into memory, whatever its size).
       authorized_clients/*.key           public keys a shard accepts (if the folder is missing:
                                          client.key alone)
 
-- auto (default): `recsys train` makes a per-job token (`job_token`), so its shards always
-  authenticate; a shard started by hand must be told `token`, `curve` or, explicitly, `none`
-  (`require_explicit_auth`). In code (`serve`, `PSClient`) "auto" without a token is "none".
+- auto (default): `recsys train` makes a per-job token (`recsys.training.jobauth.job_auth`), so its
+  shards always authenticate; a shard started by hand must be told `token`, `curve` or, explicitly,
+  `none` (`jobauth.require_explicit`). In code (`serve`, `PSClient`) "auto" is "none".
 - none: only on a loopback bind; `recsys` logs a warning naming what a local user can then do.
 
 A shard bound to anything but loopback (an interface address, a host name, `0.0.0.0`, `*`)
@@ -34,6 +34,7 @@ import ipaddress
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import zmq
@@ -127,12 +128,16 @@ class _TokenAuthenticator(ThreadAuthenticator):
         super().__init__(ctx)
         # pyzmq hands the credentials over decoded (undecodable bytes replaced): compare the same form
         self._token = token.decode(self.encoding, "replace").encode(self.encoding)
+        self._refused, self._said = 0, 0.0
 
     def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
         given = password.encode(self.encoding) if isinstance(password, str) else bytes(password)
         if username in (PLAIN_USER, PLAIN_USER.decode()) and hmac.compare_digest(self._token, given):
             return True, b"OK"
-        logger.warning("refused a client with a wrong or missing ps token")
+        self._refused += 1                      # a refused peer reconnects every 100 ms: say it every 10 s
+        if time.monotonic() - self._said >= 10.0:
+            logger.warning("refused a client with a wrong or missing ps token (%d refusals so far)", self._refused)
+            self._said = time.monotonic()
         return False, b"wrong token"
 
 

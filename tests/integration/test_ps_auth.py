@@ -62,7 +62,7 @@ def test_curve_auth(shard_processes, tmp_path):
     shards = shard_processes(cfg)
     with PSClient(cfg, shards.addresses) as good:
         assert good.pull(0, torch.arange(10)).shape == (10, 4)
-    short = dict(timeout_s=2.0, retries=0)
+    short = dict(timeout_s=20.0, retries=0)     # the refusal comes at once: a timeout would be the bug
     with PSClient(dataclasses.replace(cfg, curve_keys_dir=str(stranger), **short), shards.addresses) as bad:
         # the handshake is refused: said at once, not a timeout
         with pytest.raises(PSRequestError, match=f"ps shard 0 at {shards.addresses[0]} failed .UNAUTHORIZED.: "
