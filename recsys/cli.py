@@ -90,9 +90,9 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _fill_dates(args: argparse.Namespace) -> None:
-    """eval / predict: `--date` fills the date placeholders of --run, --data and --out, as data.date
+    """eval / predict: `--date` fills the date placeholders of --run, --export, --data and --out, as data.date
     fills a config's (`recsys eval --run runs/ctr/{date-1} --data s3://b/ctr/day={date}/ --date D`)."""
-    for flag in ("run", "data", "out"):
+    for flag in ("run", "export", "data", "out"):
         value = getattr(args, flag)
         filled = []
         for v in value if isinstance(value, list) else [value]:
@@ -294,6 +294,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.rundir import local_run, run_path
 
     _fill_dates(args)
+    if args.export is not None:
+        from recsys.serving.offline import evaluate_export
+
+        with contextlib.ExitStack() as stack:
+            out = None if args.out is None else stack.enter_context(storage.local_output(args.out, directory=False))
+            metrics = evaluate_export(args.export, args.data, out)
+        sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
+        return 0
     out = args.out or (run_path(args.run, "eval_metrics.json") if storage.is_uri(args.run) else None)
     with local_run(args.run, args.last) as run, contextlib.ExitStack() as stack:   # a URI run / out: staged
         local_out = None if out is None else stack.enter_context(storage.local_output(out, directory=False))
@@ -310,6 +318,12 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     from recsys.rundir import local_run
 
     _fill_dates(args)
+    if args.export is not None:
+        from recsys.serving.offline import predict_export
+
+        with storage.local_output(args.out, directory=False) as out:
+            predict_export(args.export, args.data, out)
+        return 0
     with local_run(args.run, args.last) as run, storage.local_output(args.out, directory=False) as out:
         _preflight_run_data(str(run), args.data)
         predict_run(run, args.data, out, last=args.last)
@@ -494,17 +508,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
     p.set_defaults(func=_cmd_reshard)
 
-    p = sub.add_parser("eval", help="evaluate a trained run on Parquet data")
-    p.add_argument("--run", required=True, help="run directory written by `recsys train`")
+    p = sub.add_parser("eval", help="evaluate a trained run (or an export) on Parquet data")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory written by `recsys train`")
+    src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
-    p.add_argument("--out", default=None, help="metrics JSON (default RUN/eval_metrics.json)")
+    p.add_argument("--out", default=None, help="metrics JSON (default RUN/eval_metrics.json; with --export: none)")
     p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
     p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
                    help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("predict", help="score Parquet data with a trained run")
-    p.add_argument("--run", required=True, help="run directory written by `recsys train`")
+    p = sub.add_parser("predict", help="score Parquet data with a trained run (or an export)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory written by `recsys train`")
+    src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
     p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns")
     p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")

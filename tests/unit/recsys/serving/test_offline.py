@@ -1,0 +1,53 @@
+"""`recsys eval --export` / `recsys predict --export` (#28 item 5): the serving model, from a directory
+or a URI, scores Parquet data; an fp32 export's metrics are the run's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from recsys import cli
+from recsys.serving.export import export_model
+from recsys.serving.predictor import Predictor
+from recsys.serving.source import resolve_source
+from recsys.training.evaluate import evaluate_run
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, export_data, tiny_config, train_run) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("offline")
+    (run,) = train_run(root, tiny_config(export_data, root / "run"), steps=(30,))
+    export_model(resolve_source(run=run), root / "export")
+    return run, root / "export"
+
+
+def test_eval_of_an_export_is_the_runs_eval(exported, export_data: Path, tmp_path: Path, capsys) -> None:
+    run, export = exported
+    data = [str(export_data / "part-00001.parquet")]
+    want = evaluate_run(run, data, out=str(tmp_path / "run.json"), last=True)
+    assert cli.main(["eval", "--export", str(export), "--data", data[0], "--out", str(tmp_path / "m.json")]) == 0
+    got = json.loads((tmp_path / "m.json").read_text())
+    assert json.loads(capsys.readouterr().out) == got
+    assert got["eval_examples"] == want["eval_examples"] > 0
+    for key in ("auc", "logloss", "calibration"):
+        assert abs(got[key] - want[key]) <= 1e-5, (key, got[key], want[key])
+
+
+def test_predict_of_an_export_writes_the_predictors_scores(exported, export_data: Path, tmp_path: Path) -> None:
+    _, export = exported
+    data = export_data / "part-00001.parquet"
+    out = tmp_path / "scores.parquet"
+    assert cli.main(["predict", "--export", str(export), "--data", str(data), "--out", str(out)]) == 0
+    scores = pq.read_table(out).column("score").to_numpy()
+    np.testing.assert_allclose(scores, Predictor(export).predict(pq.read_table(data)), rtol=0, atol=1e-6)
+
+
+def test_run_and_export_are_one_or_the_other(exported, export_data: Path, capsys) -> None:
+    run, export = exported
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--run", str(run), "--export", str(export), "--data", str(export_data)])
+    assert "not allowed with argument" in capsys.readouterr().err
