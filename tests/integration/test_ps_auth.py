@@ -62,15 +62,18 @@ def test_curve_auth(shard_processes, tmp_path):
     shards = shard_processes(cfg)
     with PSClient(cfg, shards.addresses) as good:
         assert good.pull(0, torch.arange(10)).shape == (10, 4)
-    short = dict(timeout_s=20.0, retries=0)     # the refusal comes at once: a timeout would be the bug
+    short = dict(timeout_s=5.0, retries=0)
     with PSClient(dataclasses.replace(cfg, curve_keys_dir=str(stranger), **short), shards.addresses) as bad:
         # the handshake is refused: said at once, not a timeout
         with pytest.raises(PSRequestError, match=f"ps shard 0 at {shards.addresses[0]} failed .UNAUTHORIZED.: "
                                                  f"it refused this client's credentials"):
             bad.pull(0, torch.arange(10))
     with PSClient(dataclasses.replace(cfg, auth="none", curve_keys_dir="", **short), shards.addresses) as bad:
-        with pytest.raises(ShardUnavailableError, match=f"ps shard 0 at {shards.addresses[0]}: no reply .*"
-                                                        f"its last handshake failed: does it require ps.auth"):
+        # refused at once when the client sees the mechanism mismatch (ZMTP error), else the timeout says
+        # what the failed handshake suggests (the shard may close first: which one is a race)
+        with pytest.raises((PSRequestError, ShardUnavailableError),
+                           match=f"ps shard 0 at {shards.addresses[0]}.*(the shard and this client disagree on "
+                                 f"ps.auth .this client: 'none'.|its last handshake failed: does it require ps.auth)"):
             bad.pull(0, torch.arange(10))
     with PSClient(cfg, shards.addresses) as good:      # the shard still serves good clients
         assert good.health()[0]["ok"] is True
