@@ -34,7 +34,7 @@ USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.job", "Worker
                ("embedding_ps.shard.loop", "BindError"),
                ("recsys.training.checkpoint", "CorruptCheckpointError"),
                ("embedding_ps.shard.snapshot", "CorruptShardError"),
-               ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
+               ("recsys.serving.errors", "ExportError"), ("data.parquet", "DataError"),
                ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"),
                ("recsys.init_config", "InitConfigError"))
 """(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,

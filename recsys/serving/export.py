@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import safetensors
+import safetensors.numpy
 
 from recsys.config import JobConfig, to_toml
 from recsys.serving.dense_export import dense_program
@@ -53,7 +55,7 @@ from recsys.serving.source import SavedShards, Source
 from recsys.calibration import manifest_section
 from recsys.manifest import check_files, file_entry, write_json_atomic
 from recsys.manifest import read_manifest as _read_manifest
-from recsys.serving.tensorfile import ExportError, read_header, write_safetensors
+from recsys.serving.errors import ExportError
 from recsys.models import build_sparse_arch
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,28 @@ _ROW_GROUP = 1 << 16
 
 # ---------------------------------------------------------------------------------------------
 # one table's files
+
+
+def write_tensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """A safetensors file (the `safetensors` package) of `tensors` with string `metadata`, fsynced."""
+    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """({name: array}, metadata) of a safetensors file. The arrays are read-only views of the file,
+    memory-mapped (`safe_open(framework="pt")` maps it; nothing is read before it is touched).
+    A missing, truncated or corrupt file raises ExportError naming it."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            tensors = {name: f.get_tensor(name).numpy() for name in f.keys()}
+            metadata = f.metadata() or {}
+    except (safetensors.SafetensorError, OSError) as e:
+        raise ExportError(f"{path}: not a readable safetensors file, corrupt or truncated ({e})") from None
+    for a in tensors.values():
+        a.flags.writeable = False
+    return tensors, metadata
 
 
 def table_files(name: str) -> dict[str, str]:
@@ -82,8 +106,7 @@ def write_table(root: Path, name: str, ids: np.ndarray, matrix: np.ndarray, prec
     if tombstones is not None:
         tensors["tombstones"] = tombstones.astype(np.int64, copy=False)
     tensors["weight"] = matrix
-    write_safetensors(root / files["safetensors"], tensors,
-                      {"table": name, "precision": precision, "dim": str(dim)})
+    write_tensors(root / files["safetensors"], tensors, {"table": name, "precision": precision, "dim": str(dim)})
     cols: dict[str, pa.Array] = {"id": pa.array(ids, pa.int64())}
     if precision in QUANTIZED:
         codes, scale, bias = split_fused(matrix, precision)
@@ -158,7 +181,7 @@ def read_manifest(root: str | Path, verify: bool = True) -> dict:
                               required=("kind", "step", "precision", "tables", "dense"))
     check_files(root, manifest["files"], ExportError, verify=verify)
     for entry in manifest["tables"]:
-        read_header(root / entry["files"]["safetensors"])      # a broken header names the file
+        read_tensors(root / entry["files"]["safetensors"])     # a broken file names itself (maps, reads nothing)
     return manifest
 
 

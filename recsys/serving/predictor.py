@@ -56,7 +56,7 @@ from recsys.serving.native_fused import make_pooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 from recsys.storage import download_dir, exists, is_uri, join
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from recsys.models import build_job_model
 from recsys.models.replicated import ReplicatedStore, build_replicated, read_replicated
 from recsys.models.two_tower import TwoTower, item_vectors, tower_data
 from recsys.serving.dense_export import MAX_BATCH, load_dense
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 
 logger = logging.getLogger(__name__)
 
