@@ -71,8 +71,12 @@ _ROW_GROUP = 1 << 16
 
 
 def write_tensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """A safetensors file (the `safetensors` package) of `tensors` with string `metadata`, fsynced."""
-    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata)
+    """A safetensors file (the `safetensors` package) of `tensors` with string `metadata`, fsynced.
+    The metadata goes in as one key, "recsys" (its JSON, keys sorted): the package writes a header's
+    metadata keys in a random order, so several keys would make the same table's file differ from
+    run to run (exports are compared by sha256). `read_tensors` unpacks it."""
+    packed = {"recsys": json.dumps(metadata, sort_keys=True, separators=(",", ":"))}
+    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), packed)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
@@ -85,7 +89,9 @@ def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         with safetensors.safe_open(str(path), framework="pt") as f:
             tensors = {name: f.get_tensor(name).numpy() for name in f.keys()}
             metadata = f.metadata() or {}
-    except (safetensors.SafetensorError, OSError) as e:
+        if set(metadata) == {"recsys"}:          # written by write_tensors (files before #31: the keys themselves)
+            metadata = json.loads(metadata["recsys"])
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
         raise ExportError(f"{path}: not a readable safetensors file, corrupt or truncated ({e})") from None
     for a in tensors.values():
         a.flags.writeable = False

@@ -39,6 +39,17 @@ def test_written_files_read_back_mapped_and_read_only(tmp_path) -> None:
     np.testing.assert_array_equal(plain["weight"], weight)
     tensors, meta = read_tensors(path)
     assert meta == {"dim": "8"} and not tensors["weight"].flags.writeable
+    # the same tensors and metadata give the same bytes (the package alone orders metadata keys at random)
+    again = tmp_path / "again.safetensors"
+    many = {f"key{i}": str(i) for i in range(8)}
+    write_tensors(path, {"ids": np.arange(3)}, many)
+    first = path.read_bytes()
+    for _ in range(3):
+        write_tensors(again, {"ids": np.arange(3)}, many)
+        assert again.read_bytes() == first
+    assert read_tensors(again)[1] == many
+    write_tensors(path, {"ids": np.arange(4096, dtype=np.int64), "weight": weight}, {"dim": "8"})
+    tensors, meta = read_tensors(path)
     np.testing.assert_array_equal(tensors["weight"], weight)
     # a memory map, not a copy: bytes changed in the file afterwards show through the array
     data = bytearray(path.read_bytes())
