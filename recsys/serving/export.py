@@ -1,6 +1,6 @@
 """Embedding export for serving: per table, ids sorted with their rows, as safetensors and Parquet.
 
-    recsys export --run RUN_DIR --out DIR [--precision fp32|fp16|int8|int4] [--since STEP]
+    recsys export --run RUN_DIR --out DIR [--precision fp32|fp16|int8|int4] [--since STEP] [--index exact|ann]
 
 An export directory::
 
@@ -64,6 +64,7 @@ FORMAT = "recsys-export"
 FORMAT_VERSION = 1
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ROW_GROUP = 1 << 16
+INDEXES = ("exact", "ann")          # --index: how Predictor.topk searches a two_tower export's items
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,12 +232,16 @@ def staging_dir(out: Path) -> Path:
 
 
 def export_model(source: Source, out: str | Path, precision: str = "fp32", since: int | None = None,
-                 overwrite: bool = False) -> dict:
+                 overwrite: bool = False, index: str = "exact") -> dict:
     """Write a full export (or with `since`, a delta) of `source` to `out`; returns the manifest.
 
-    An export already at `out` is replaced only when it is one of the same run, or with `overwrite`."""
+    An export already at `out` is replaced only when it is one of the same run, or with `overwrite`.
+    `index` "ann" (two_tower runs): an ANN index over the item vectors too (retrieval.py, ann.py)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if index not in INDEXES or (index == "ann" and source.config.model.arch != "two_tower"):
+        raise ExportError(f"--index {index!r}: one of {', '.join(INDEXES)}; 'ann' for a two_tower model only "
+                          f"(item vectors), this is {source.config.model.arch!r}")
     if since is not None and not 0 <= since <= source.step:
         raise ExportError(f"--since {since} must be in [0, {source.step}] "
                           f"(the {source.origin} is at step {source.step})")
@@ -262,7 +267,7 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
             del part, matrix                         # one table in memory at a time
         dense = dense_program(cfg, source.model_dir, tmp / "dense.pt2")      # the trainer's, when it saved one
         # two_tower: item vectors (items.parquet) and the user tower (user_tower.pt2), see retrieval.py
-        retrieval = export_retrieval(cfg, source.model_dir, tmp) if cfg.model.arch == "two_tower" else None
+        retrieval = export_retrieval(cfg, source.model_dir, tmp, index) if cfg.model.arch == "two_tower" else None
         manifest = new_manifest(cfg, tmp, "full" if since is None else "delta", source.step, since,
                                 precision, entries, dense, source.origin, retrieval)
         publish(tmp, out)
