@@ -35,7 +35,7 @@ USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.job", "Worker
                ("embedding_ps.shard.loop", "BindError"),
                ("recsys.training.checkpoint", "CorruptCheckpointError"),
                ("embedding_ps.shard.snapshot", "CorruptShardError"),
-               ("recsys.serving.tensorfile", "ExportError"), ("data.parquet", "DataError"),
+               ("recsys.serving.errors", "ExportError"), ("data.parquet", "DataError"),
                ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"),
                ("recsys.init_config", "InitConfigError"))
 """(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,
@@ -348,7 +348,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             kind = source.origin.split(" ", 1)[0]
             source = dataclasses.replace(source, origin=f"{kind} {args.run or args.checkpoint}")
         preflight_export(source.model_dir.parent, source.origin.startswith("checkpoint"), Path(out))
-        manifest = export_model(source, out, precision=args.precision, since=args.since, overwrite=args.overwrite)
+        manifest = export_model(source, out, precision=args.precision, since=args.since, overwrite=args.overwrite,
+                                index=args.index)
     sys.stdout.write(json.dumps({"out": args.out, "kind": manifest["kind"], "step": manifest["step"],
                                  "precision": manifest["precision"], "rows": manifest["rows"]}) + "\n")
     return 0
@@ -540,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delta export: rows updated and ids evicted at steps >= STEP (a base export's step)")
     p.add_argument("--last", action="store_true", help="with --run: its last model, not its best (RUN_DIR/best)")
     p.add_argument("--overwrite", action="store_true", help="replace an export of another run at --out")
+    p.add_argument("--index", default="exact", choices=["exact", "ann"],
+                   help="two_tower: 'ann' also writes an ANN index of the items, which topk then searches "
+                        "(docs/serving.md)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("export-apply", help="apply a delta export to a base export -> a full export")

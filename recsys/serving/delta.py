@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from recsys.config import load_config
-from recsys.serving.export import new_manifest, publish, read_manifest, staging_dir, write_table
-from recsys.serving.tensorfile import ExportError, read_safetensors
+from recsys.serving.errors import ExportError
+from recsys.serving.export import new_manifest, publish, read_manifest, read_tensors, staging_dir, write_table
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _in_sorted(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
 
 def read_table(root: Path, entry: dict) -> dict[str, np.ndarray]:
     """{"ids", "weight"[, "tombstones"]} of one table of an export, memory-mapped."""
-    tensors, _ = read_safetensors(root / entry["files"]["safetensors"])
+    tensors, _ = read_tensors(root / entry["files"]["safetensors"])
     return tensors
 
 

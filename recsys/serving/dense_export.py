@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from recsys.config import JobConfig
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 from recsys.models import build_job_model
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Embedding export for serving: per table, ids sorted with their rows, as safetensors and Parquet.
 
-    recsys export --run RUN_DIR --out DIR [--precision fp32|fp16|int8|int4] [--since STEP]
+    recsys export --run RUN_DIR --out DIR [--precision fp32|fp16|int8|int4] [--since STEP] [--index exact|ann]
 
 An export directory::
 
@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import safetensors
+import safetensors.numpy
 
 from recsys.config import JobConfig, to_toml
 from recsys.serving.dense_export import dense_program
@@ -53,7 +55,7 @@ from recsys.serving.source import SavedShards, Source
 from recsys.calibration import manifest_section
 from recsys.manifest import check_files, file_entry, write_json_atomic
 from recsys.manifest import read_manifest as _read_manifest
-from recsys.serving.tensorfile import ExportError, read_header, write_safetensors
+from recsys.serving.errors import ExportError
 from recsys.models import build_sparse_arch
 
 logger = logging.getLogger(__name__)
@@ -62,10 +64,39 @@ FORMAT = "recsys-export"
 FORMAT_VERSION = 1
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ROW_GROUP = 1 << 16
+INDEXES = ("exact", "ann")          # --index: how Predictor.topk searches a two_tower export's items
 
 
 # ---------------------------------------------------------------------------------------------
 # one table's files
+
+
+def write_tensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """A safetensors file (the `safetensors` package) of `tensors` with string `metadata`, fsynced.
+    The metadata goes in as one key, "recsys" (its JSON, keys sorted): the package writes a header's
+    metadata keys in a random order, so several keys would make the same table's file differ from
+    run to run (exports are compared by sha256). `read_tensors` unpacks it."""
+    packed = {"recsys": json.dumps(metadata, sort_keys=True, separators=(",", ":"))}
+    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), packed)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """({name: array}, metadata) of a safetensors file. The arrays are read-only views of the file,
+    memory-mapped (`safe_open(framework="pt")` maps it; nothing is read before it is touched).
+    A missing, truncated or corrupt file raises ExportError naming it."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            tensors = {name: f.get_tensor(name).numpy() for name in f.keys()}
+            metadata = f.metadata() or {}
+        if set(metadata) == {"recsys"}:          # written by write_tensors (files before #31: the keys themselves)
+            metadata = json.loads(metadata["recsys"])
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        raise ExportError(f"{path}: not a readable safetensors file, corrupt or truncated ({e})") from None
+    for a in tensors.values():
+        a.flags.writeable = False
+    return tensors, metadata
 
 
 def table_files(name: str) -> dict[str, str]:
@@ -82,8 +113,7 @@ def write_table(root: Path, name: str, ids: np.ndarray, matrix: np.ndarray, prec
     if tombstones is not None:
         tensors["tombstones"] = tombstones.astype(np.int64, copy=False)
     tensors["weight"] = matrix
-    write_safetensors(root / files["safetensors"], tensors,
-                      {"table": name, "precision": precision, "dim": str(dim)})
+    write_tensors(root / files["safetensors"], tensors, {"table": name, "precision": precision, "dim": str(dim)})
     cols: dict[str, pa.Array] = {"id": pa.array(ids, pa.int64())}
     if precision in QUANTIZED:
         codes, scale, bias = split_fused(matrix, precision)
@@ -158,7 +188,7 @@ def read_manifest(root: str | Path, verify: bool = True) -> dict:
                               required=("kind", "step", "precision", "tables", "dense"))
     check_files(root, manifest["files"], ExportError, verify=verify)
     for entry in manifest["tables"]:
-        read_header(root / entry["files"]["safetensors"])      # a broken header names the file
+        read_tensors(root / entry["files"]["safetensors"])     # a broken file names itself (maps, reads nothing)
     return manifest
 
 
@@ -202,12 +232,16 @@ def staging_dir(out: Path) -> Path:
 
 
 def export_model(source: Source, out: str | Path, precision: str = "fp32", since: int | None = None,
-                 overwrite: bool = False) -> dict:
+                 overwrite: bool = False, index: str = "exact") -> dict:
     """Write a full export (or with `since`, a delta) of `source` to `out`; returns the manifest.
 
-    An export already at `out` is replaced only when it is one of the same run, or with `overwrite`."""
+    An export already at `out` is replaced only when it is one of the same run, or with `overwrite`.
+    `index` "ann" (two_tower runs): an ANN index over the item vectors too (retrieval.py, ann.py)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if index not in INDEXES or (index == "ann" and source.config.model.arch != "two_tower"):
+        raise ExportError(f"--index {index!r}: one of {', '.join(INDEXES)}; 'ann' for a two_tower model only "
+                          f"(item vectors), this is {source.config.model.arch!r}")
     if since is not None and not 0 <= since <= source.step:
         raise ExportError(f"--since {since} must be in [0, {source.step}] "
                           f"(the {source.origin} is at step {source.step})")
@@ -233,7 +267,7 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
             del part, matrix                         # one table in memory at a time
         dense = dense_program(cfg, source.model_dir, tmp / "dense.pt2")      # the trainer's, when it saved one
         # two_tower: item vectors (items.parquet) and the user tower (user_tower.pt2), see retrieval.py
-        retrieval = export_retrieval(cfg, source.model_dir, tmp) if cfg.model.arch == "two_tower" else None
+        retrieval = export_retrieval(cfg, source.model_dir, tmp, index) if cfg.model.arch == "two_tower" else None
         manifest = new_manifest(cfg, tmp, "full" if since is None else "delta", source.step, since,
                                 precision, entries, dense, source.origin, retrieval)
         publish(tmp, out)

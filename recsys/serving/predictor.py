@@ -5,6 +5,7 @@
     scores = p.predict(pa_table)          # float32 [N]: click probabilities, rows decoded as in training
     scores = p.predict(batch)             # a data.batch.Batch
     rows = p.lookup("C1", ids)            # float32 [N, D] (dequantized for int8 / int4)
+    ids, scores = p.topk(user_rows, k)    # two_tower exports: the ANN index of `export --index ann`, else exact
 
 Lookup (`export_store.TableView`): raw ids -> keys -> `np.searchsorted` on the sorted ids; an id
 the table lacks gets the table's default, exactly what a PS pull returns in training and eval.
@@ -47,6 +48,7 @@ from recsys.calibration import manifest_score_rate, probabilities
 from recsys.config import load_config
 from recsys.models import build_sparse_arch, sequence_inputs
 from recsys.models.two_tower import tower_data, tower_sparse_arch
+from recsys.serving.ann import AnnIndex
 from recsys.serving.delta import check_applicable, merge_table, read_table
 from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
@@ -56,7 +58,7 @@ from recsys.serving.native_fused import make_pooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.tbe_pool import QuantizedPooling
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 from recsys.storage import download_dir, exists, is_uri, join
 
 logger = logging.getLogger(__name__)
@@ -68,12 +70,17 @@ class Predictor:
     """Scores of a full export (optionally with deltas applied). Not thread-safe."""
 
     def __init__(self, export_dir: str | Path, deltas: list[str | Path] | tuple = (), verify: bool = True,
-                 fused: bool = True) -> None:
+                 fused: bool = True, index: str = "auto") -> None:
         """`fused` False: pool through the per-table path (the training SparseArch over the export's
         rows, or fbgemm's per-table TBE for int8 / int4), the reference that tests and
         benchmarks/serving.py compare the fused pooling with. `export_dir` and `deltas` may be URIs
         (`s3://...`, as `recsys.storage` reads them): they are fetched into a temporary directory
-        that lives as long as the Predictor (its tables are memory-mapped from there)."""
+        that lives as long as the Predictor (its tables are memory-mapped from there). `index`
+        (two_tower exports: what `topk` searches): "auto" the export's ANN index when it has one,
+        else exact; "exact"; "ann" the export's ANN index, or one built at load when it has none."""
+        if index not in ("auto", "exact", "ann"):
+            raise ValueError(f"index must be 'auto', 'exact' or 'ann', got {index!r}")
+        self.index_mode = index
         self._fetched: tempfile.TemporaryDirectory | None = None
         self.root = self._local(export_dir)
         self.verify = verify
@@ -99,6 +106,7 @@ class Predictor:
         self._store = ExportStore(self.tables)
         self._pooling: QuantizedPooling | None = None
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
+        self.exact_index: ExactIndex | None = None    # ... always exact (the same as index without an ANN)
         if "retrieval" in self.manifest:
             self._open_retrieval(self.manifest["retrieval"])
         self.fused = fused              # pooled() through NativePooling / FusedPooling (False: the per-table path)
@@ -181,7 +189,11 @@ class Predictor:
     def _open_retrieval(self, info: dict, root: Path | None = None) -> None:
         root = self.root if root is None else root
         ids, vectors = read_items(root, info)
-        self.index = ExactIndex(ids, vectors)
+        self.index = self.exact_index = ExactIndex(ids, vectors)
+        if self.index_mode != "exact" and "index" in info:
+            self.index = AnnIndex.load(root, info["index"], ids, self.exact_index)
+        elif self.index_mode == "ann":
+            self.index = AnnIndex.build(ids, vectors, self.exact_index)
         self.user_tower = load_user_tower(root, info)
         self._user_data = tower_data(self.config, self.config.model.user_features)
         self._user_sparse = tower_sparse_arch(self.config, self.config.model.user_features)
@@ -197,13 +209,15 @@ class Predictor:
         pooled, _ = self._user_sparse.lookup(user_features, self._store).wait()        # [B, F_u, D]
         return self.user_tower(user_features.dense, pooled.detach())                  # [B, d]
 
-    def topk(self, user_features: Batch | pa.Table, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def topk(self, user_features: Batch | pa.Table, k: int, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The k items of largest <user, item> for every row: (item ids int64 [B, k], scores
-        float32 [B, k]), best first. Exact (batched matmul over the exported item matrix);
-        `self.index` is an `ItemIndex`, where an approximate index can take its place."""
+        float32 [B, k]), best first. Searched by `self.index`: the export's ANN index (faiss HNSW,
+        approximate: the ids may miss some of the exact top k) when it has one and the Predictor
+        was not opened with index="exact", else `ExactIndex` (batched matmul over the item matrix);
+        `exact` True: `ExactIndex` whatever the Predictor holds."""
         queries = self.user_vectors(user_features)          # raises for an export without item vectors
-        assert self.index is not None
-        return self.index.search(queries, k)
+        assert self.index is not None and self.exact_index is not None
+        return (self.exact_index if exact else self.index).search(queries, k)
 
     def predict(self, data: Batch | pa.Table) -> np.ndarray:
         """float32 [B] click probabilities (calibrated, see the module docstring) of a Batch or of a

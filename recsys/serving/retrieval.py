@@ -9,7 +9,8 @@
 The item vectors are the item tower over the item corpus with the trained rows (pulled from the
 saved shards); the user tower takes the user columns (model.user_features: dense in
 data.dense_columns order, sparse pooled in data.sparse_columns order) as the trainer feeds them.
-`ItemIndex` is the seam for an approximate index (IVF, HNSW, ...): anything with `search`.
+`ItemIndex` is what `Predictor.topk` calls: `ExactIndex`, or `ann.AnnIndex` (faiss HNSW) when the
+export holds one (`recsys export --index ann`: items.faiss, its parameters in the section's "index").
 No pickle: the program is saved as dense_export saves the dense model, and loaded through its check.
 """
 
@@ -33,7 +34,8 @@ from recsys.models import build_job_model
 from recsys.models.replicated import ReplicatedStore, build_replicated, read_replicated
 from recsys.models.two_tower import TwoTower, item_vectors, tower_data
 from recsys.serving.dense_export import MAX_BATCH, load_dense
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.ann import AnnIndex
+from recsys.serving.errors import ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ USER_TOWER_FILE = "user_tower.pt2"
 
 
 class ItemIndex(Protocol):
-    """Top-k search over item vectors by inner product (exact here; an ANN index fits the same call)."""
+    """Top-k search over item vectors by inner product: `ExactIndex` or `ann.AnnIndex`."""
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries float32 [B, d] -> (item ids int64 [B, k], scores float32 [B, k]), best first."""
@@ -99,8 +101,10 @@ class _UserTower(nn.Module):
         return self.tower(dense, pooled).float()
 
 
-def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path) -> dict:
-    """Write items.parquet and user_tower.pt2 into `out`; returns the manifest's "retrieval" section."""
+def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path, index: str = "exact") -> dict:
+    """Write items.parquet and user_tower.pt2 into `out`; returns the manifest's "retrieval" section.
+    `index` "ann": also an ANN index over the item vectors (ann.py: items.faiss, its parameters in
+    the section's "index")."""
     sparse, model = build_job_model(cfg)
     model.load_state_dict(torch.load(model_dir / "dense.pt", map_location="cpu", weights_only=True))
     model.eval()
@@ -128,11 +132,14 @@ def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path) -> dict:
         torch.export.save(program, out / USER_TOWER_FILE)
     logger.info("retrieval export: %d item vectors of dim %d, user tower over %s", ids.size, d,
                 list(cfg.model.user_features))
-    return {"items_file": ITEMS_FILE, "user_tower_file": USER_TOWER_FILE, "num_items": int(ids.size), "dim": d,
-            "item_id_feature": cfg.model.item_id_feature, "user_dense_columns": list(user_cfg.dense_columns),
-            "user_sparse_columns": list(user_cfg.sparse_columns),
-            "user_tower_inputs": [{"name": "dense", "shape": ["B", Dn]}, {"name": "pooled", "shape": ["B", F, D]}],
-            "output": "user vectors [B, d] float32, L2-normalized; score = <user, item>"}
+    section = {"items_file": ITEMS_FILE, "user_tower_file": USER_TOWER_FILE, "num_items": int(ids.size), "dim": d,
+               "item_id_feature": cfg.model.item_id_feature, "user_dense_columns": list(user_cfg.dense_columns),
+               "user_sparse_columns": list(user_cfg.sparse_columns),
+               "user_tower_inputs": [{"name": "dense", "shape": ["B", Dn]}, {"name": "pooled", "shape": ["B", F, D]}],
+               "output": "user vectors [B, d] float32, L2-normalized; score = <user, item>"}
+    if index == "ann":
+        section["index"] = AnnIndex.build(ids, vectors).save(out)
+    return section
 
 
 def read_items(root: Path, info: dict) -> tuple[np.ndarray, torch.Tensor]:

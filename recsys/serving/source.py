@@ -38,7 +38,7 @@ from embedding_ps.shard.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.models.replicated import REPLICATED_FILE, load_bytes
 from recsys.rundir import model_root
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 
 T = TypeVar("T")
 _LAYOUT = ("name", "dim", "kind", "num_embeddings")

@@ -122,7 +122,7 @@ def test_foreign_deltas_and_exports_of_another_run_are_refused(two_runs, tmp_pat
     assert "base_a" in one_error_line(capsys)
     assert file_hashes(tmp_path) == before
     from recsys.serving.predictor import Predictor
-    from recsys.serving.tensorfile import ExportError
+    from recsys.serving.errors import ExportError
 
     with pytest.raises(ExportError, match="delta of run"):
         Predictor(tmp_path / "base_a", deltas=[tmp_path / "delta_b"])

@@ -119,7 +119,7 @@ def test_train_resume_export_on_s3(s3, tmp_path: Path) -> None:
             np.testing.assert_array_equal(vectors, np.stack([want[k].numpy() for k in ids.tolist()]))
 
     from recsys.serving import Predictor                                # a Predictor opens the export on s3
-    from recsys.serving.tensorfile import ExportError
+    from recsys.serving.errors import ExportError
     rows_in = pq.read_table(sorted(Path(local_data).glob("part-*.parquet"))[0]).slice(0, 200)
     with storage.local_copy(out) as export:
         want = Predictor(export).predict(rows_in)

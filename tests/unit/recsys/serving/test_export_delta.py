@@ -10,9 +10,9 @@ import pytest
 
 from recsys.serving import Predictor
 from recsys.serving.delta import apply_delta
-from recsys.serving.export import export_model, read_manifest
+from recsys.serving.export import export_model, read_manifest, read_tensors
 from recsys.serving.source import resolve_source
-from recsys.serving.tensorfile import ExportError, read_safetensors
+from recsys.serving.errors import ExportError
 
 S1, S2 = 30, 59
 # C3: LFU eviction past 150 rows per shard on every push; C4: rows unseen for 40 steps dropped at
@@ -31,7 +31,7 @@ def runs(tmp_path_factory, export_data, tiny_config, train_run) -> tuple[Path, P
 
 def tables_of(root: Path) -> dict[str, dict[str, np.ndarray]]:
     m = read_manifest(root)
-    return {e["name"]: read_safetensors(root / e["files"]["safetensors"], mmap=False)[0] for e in m["tables"]}
+    return {e["name"]: {k: np.array(v) for k, v in read_tensors(root / e["files"]["safetensors"])[0].items()} for e in m["tables"]}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])

@@ -14,7 +14,7 @@ from recsys.config import load_config
 from recsys.serving import Predictor
 from recsys.serving.export import export_model
 from recsys.serving.source import resolve_source
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 from recsys.training.evaluate import open_run
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -20,7 +20,7 @@ from recsys.models.two_tower import item_vectors, tower_data, tower_sparse_arch
 from recsys.serving.export import export_model
 from recsys.serving.predictor import Predictor
 from recsys.serving.source import resolve_source
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 from recsys.training.trainer import StepTimes, Trainer
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -125,3 +125,40 @@ def test_exact_index_blocks_equal_numpy(item_block: int, query_block: int) -> No
     order = np.argsort(-full, axis=1, kind="stable")[:, :25]
     np.testing.assert_array_equal(got_ids, ids[order])
     np.testing.assert_allclose(got_scores, np.take_along_axis(full, order, axis=1), atol=1e-5, rtol=0)
+
+
+def test_an_ann_export_round_trips_and_exact_stays_exact(trained) -> None:
+    """`recsys export --index ann`: items.faiss beside items.parquet, its parameters in the manifest,
+    loaded and searched by topk; index="exact" / exact=True give ExactIndex's answer (recall 1.0)."""
+    from recsys.cli import main
+    from recsys.serving.ann import AnnIndex
+    from recsys.serving.export import read_manifest
+    from recsys.serving.retrieval import ExactIndex
+
+    cfg, run, store, model, tmp = trained
+    out = tmp / "ann"
+    assert main(["export", "--run", str(tmp / "later"), "--out", str(out), "--index", "ann"]) == 0
+    m = read_manifest(out)
+    section = m["retrieval"]["index"]
+    assert section["kind"] == "faiss_hnsw_flat_ip" and section["num_items"] == 4000 and section["M"] == 32
+    assert (out / "items.faiss").is_file() and "items.faiss" in m["files"]
+    queries = pq.read_table(f"{tmp}/data/part-00001.parquet").slice(0, 100)
+    ann, exact = Predictor(out), Predictor(out, index="exact")
+    assert isinstance(ann.index, AnnIndex) and isinstance(exact.index, ExactIndex)
+    want, want_scores = exact.topk(queries, k=100)
+    got, got_scores = ann.topk(queries, k=100)
+    # a model of 9 steps: its item vectors are nearly the random init, the hard case for a graph
+    # (0.89 at the default ef_search 100; test_ann_index.py holds the recall on structured vectors)
+    assert np.mean([np.intersect1d(a, b).size / 100 for a, b in zip(got, want)]) >= 0.8
+    users = ann.user_vectors(queries)
+    np.testing.assert_array_equal((got, got_scores), ann.index.search(users, 100))
+    assert not np.array_equal(got, want)                                       # approximate indeed
+    export_model(resolve_source(run=tmp / "later"), tmp / "exact-only")
+    for ids, scores in (ann.topk(queries, k=100, exact=True), Predictor(tmp / "exact-only").topk(queries, k=100)):
+        np.testing.assert_array_equal(ids, want)                               # recall 1.0
+        np.testing.assert_array_equal(scores, want_scores)
+    built = Predictor(tmp / "exact-only", index="ann")              # an export without one: built at load
+    assert isinstance(built.index, AnnIndex)
+    np.testing.assert_array_equal(built.topk(queries, k=100, exact=True)[0], want)
+    with pytest.raises(ExportError, match="two_tower model only"):
+        export_model(resolve_source(run=run), tmp / "bad", index="annoy")

@@ -16,7 +16,7 @@ from recsys.config import JobConfig, load_config
 from recsys.serving import Predictor
 from recsys.serving.export import export_model
 from recsys.serving.source import resolve_source
-from recsys.serving.tensorfile import ExportError
+from recsys.serving.errors import ExportError
 from recsys.training.checkpoint import verify_checkpoint
 from recsys.training.reshard import reshard_checkpoint, restore_shard
 from recsys.training.trainer import Trainer
