@@ -12,6 +12,7 @@ a filesystem every trainer and shard sees.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -60,8 +61,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:         # one line on stderr, the traceback in run_dir/logs/trainer-R.log
         line = report_failure(e, local, int(os.environ.get("RANK", "0")), args.debug)
         sys.stderr.write(f"error: {line}\n")
+        if int(os.environ.get("RANK", "0")) == 0 and stop_shards_after(e, cfg):
+            sys.stderr.write("the shards were told to exit: a restart would fail the same way\n")
         return 2
     return 0
+
+
+def stop_shards_after(error: BaseException, cfg) -> bool:
+    """The job's own error (bad data or config: every restart would fail the same way) ends the shards
+    started by hand for it, which would otherwise wait for trainers that never come; a lost peer or
+    shard (worth torchrun's restart) does not. Returns whether they were told to exit."""
+    from data.parquet import DataError
+    from embedding_ps.client.client import PSClient
+
+    if not isinstance(error, (DataError, ConfigError)) or not cfg.ps.addresses:
+        return False
+    try:
+        with PSClient(dataclasses.replace(cfg.ps, timeout_s=10.0, retries=0), list(cfg.ps.addresses)) as client:
+            client.shutdown()
+    except Exception:  # noqa: BLE001 - the job's error is the one to report
+        return False
+    return True
 
 
 if __name__ == "__main__":

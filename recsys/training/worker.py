@@ -88,36 +88,23 @@ STOPPED_FILE = "stopped.json"
 """Rank 0 writes it when a stop request ended the run: {"step", "checkpoint"}."""
 
 
-def check_shards(store: PSClient, world: int, stop: bool = False) -> None:
+def check_shards(store: PSClient, world: int) -> None:
     """At connect time: every shard expects this job's trainer count and shard count, else one
     ConfigError naming the shard and the flag to start it with (a shard started with another
     ps.num_workers refused the first PUSH of a worker outside its range, under a gloo traceback).
-    stop: shards started by hand for this job (rank 0 of `recsys.train`) are told to exit then, as
-    they can serve no trainer of it (they stayed up before)."""
+    Shards started by hand are then told to exit by `recsys.train` (`stop_shards_after`)."""
     from recsys.config import ConfigError
 
-    problem = None
     for info, address in zip(store.health(), store.addresses):
         workers = info.get("num_workers", world)
-        shards = info.get("num_shards", len(store.addresses))
         if workers != world:
-            problem = (f"ps shard {info.get('shard')} at {address} was started with ps.num_workers = {workers}, "
-                       f"but {world} trainers run: start the shards with --set ps.num_workers={world}")
-        elif shards != len(store.addresses):
-            problem = (f"ps shard {info.get('shard')} at {address} was started with ps.num_shards = {shards}, "
-                       f"but ps.addresses names {len(store.addresses)}: start every shard with "
-                       f"--set ps.num_shards={len(store.addresses)}")
-        if problem:
-            break
-    if problem is None:
-        return
-    if stop:
-        try:
-            store.shutdown()
-            problem += " (the shards were told to exit)"
-        except Exception as e:  # noqa: BLE001 - the mismatch is the error to report
-            logger.warning("could not stop the shards: %s", e)
-    raise ConfigError(problem)
+            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_workers = {workers}, "
+                              f"but {world} trainers run: start the shards with --set ps.num_workers={world}")
+        shards = info.get("num_shards", len(store.addresses))
+        if shards != len(store.addresses):
+            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_shards = {shards}, "
+                              f"but ps.addresses names {len(store.addresses)}: start every shard with "
+                              f"--set ps.num_shards={len(store.addresses)}")
 
 
 def log_path(run_dir: str | Path, rank: int) -> Path:
@@ -237,7 +224,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
     store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
-    check_shards(store, world, stop=rank == 0 and bool(cfg.ps.addresses))   # shards started by hand
+    check_shards(store, world)
     trainer = None
     try:
         # a resumed run's replicated tables keep their saved vocabulary, a warm start's join it with the

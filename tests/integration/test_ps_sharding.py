@@ -29,17 +29,22 @@ def _batch(gen: torch.Generator, n: int = 300) -> torch.Tensor:
 
 
 def test_shards_started_by_hand_exit_when_the_job_cannot_use_them(shard_processes):
-    """#28 item 5: trainers that find the shards started for another trainer count stop them (one line
-    saying so) instead of leaving them up for nothing."""
-    from recsys.config import ConfigError
+    """#28 item 5: trainers (`python -m recsys.train`) that fail on their own error, such as shards
+    started for another trainer count, stop the shards started by hand for them instead of leaving
+    them up for nothing; a lost peer (worth torchrun's restart) does not."""
+    from recsys.config import ConfigError, JobConfig
+    from recsys.train import stop_shards_after
     from recsys.training.worker import check_shards
 
     cfg = dataclasses.replace(CFG, num_shards=1, timeout_s=10.0)
     shards = shard_processes(cfg)
+    job = JobConfig(ps=dataclasses.replace(cfg, addresses=tuple(shards.addresses)))
     with PSClient(cfg, shards.addresses) as client:
-        with pytest.raises(ConfigError, match=r"start the shards with --set ps.num_workers=8 \(the shards were "
-                                              r"told to exit\)"):
-            check_shards(client, 8, stop=True)
+        with pytest.raises(ConfigError, match=r"start the shards with --set ps.num_workers=8") as e:
+            check_shards(client, 8)
+    assert not stop_shards_after(ConnectionError("peer lost"), job)
+    assert shards.procs[0].poll() is None
+    assert stop_shards_after(e.value, job)
     assert shards.procs[0].wait(timeout=30) == 0
 
 
