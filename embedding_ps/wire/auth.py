@@ -83,17 +83,23 @@ def check_bind_auth(config: PSConfig, host: str, shard_index: int) -> None:
 
 def load_token(config: PSConfig) -> bytes:
     """The shared token of ps.token_file (stripped). Raises AuthConfigError if unusable."""
-    path = Path(config.token_file)
+    return read_secret(config.token_file, "ps.token_file")
+
+
+def read_secret(path: str | os.PathLike, what: str) -> bytes:
+    """A secret file's bytes (surrounding whitespace stripped): >= MIN_TOKEN_BYTES, mode 600 (not
+    readable or writable by group or others). AuthConfigError naming `what` (the key or flag) otherwise."""
+    path = Path(path)
     try:
         mode = path.stat().st_mode
         token = path.read_bytes().strip()
     except OSError as e:
-        raise AuthConfigError(f"ps.token_file {str(path)!r} cannot be read: {e}") from None
+        raise AuthConfigError(f"{what} {str(path)!r} cannot be read: {e}") from None
     if mode & 0o077:
-        raise AuthConfigError(f"ps.token_file {str(path)!r} is readable or writable by group or others "
+        raise AuthConfigError(f"{what} {str(path)!r} is readable or writable by group or others "
                               f"(mode {mode & 0o777:o}); a shared secret must not be: run chmod 600 {path}")
     if len(token) < MIN_TOKEN_BYTES:
-        raise AuthConfigError(f"ps.token_file {str(path)!r} holds {len(token)} bytes; a token needs "
+        raise AuthConfigError(f"{what} {str(path)!r} holds {len(token)} bytes; a token needs "
                               f">= {MIN_TOKEN_BYTES}")
     return token
 
@@ -224,6 +230,6 @@ def create_curve_keys(directory: str | os.PathLike) -> Path:
     return out
 
 
-__all__ = ["AuthConfigError", "PLAIN_USER", "is_loopback", "check_bind_auth", "load_token", "token_matches",
-           "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve", "setup_client_curve",
-           "create_curve_keys"]
+__all__ = ["AuthConfigError", "PLAIN_USER", "is_loopback", "check_bind_auth", "load_token", "read_secret",
+           "token_matches", "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve",
+           "setup_client_curve", "create_curve_keys"]

@@ -41,11 +41,10 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from aiohttp import web
 
-from embedding_ps.wire.auth import AuthConfigError, is_loopback
+from embedding_ps.wire.auth import AuthConfigError, is_loopback, read_secret
 from recsys.config import ConfigError
 from recsys.serving.batcher import MicroBatcher, Served
 from recsys.serving.rows import RequestError, check_rows, json_type
@@ -53,7 +52,6 @@ from recsys.serving.serve_metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKEN_BYTES = 16
 MAX_K = 10_000
 SWITCH_INTERVAL_S = 0.0005
 OPEN_PATHS = frozenset({"/v1/health"})          # answered without the token (liveness probes)
@@ -83,17 +81,7 @@ class ServeOptions:
 
 def load_token(path: str) -> bytes:
     """The bearer token of --token-file (stripped); the file must not be readable by group or others."""
-    p = Path(path)
-    try:
-        mode, token = p.stat().st_mode, p.read_bytes().strip()
-    except OSError as e:
-        raise AuthConfigError(f"--token-file {path!r} cannot be read: {e}") from None
-    if mode & 0o077:
-        raise AuthConfigError(f"--token-file {path!r} is readable or writable by group or others (mode "
-                              f"{mode & 0o777:o}); a secret must not be: run chmod 600 {path}")
-    if len(token) < MIN_TOKEN_BYTES:
-        raise AuthConfigError(f"--token-file {path!r} holds {len(token)} bytes; a token needs >= {MIN_TOKEN_BYTES}")
-    return token
+    return read_secret(path, "--token-file")
 
 
 def _error(status: int, message: str, field: str) -> web.Response:
