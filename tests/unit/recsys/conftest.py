@@ -6,11 +6,14 @@
 is a run directory as `recsys train` writes it (config.toml, model/dense.pt, model/ps/shard{i}/,
 metrics.json), the earlier ones checkpoints (`run_dir/checkpoints/step-*`, written by the trainer's
 Checkpointer).
+`two_tower_trainer(tmp, rows)`: a two-tower job on the `retrieval` preset, its live store and trainer,
+a `train(steps)` and a `save(root)` (a run directory, as above), for tests that need the live model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.loader import ParquetLoader
+from data.synthetic import generate
 from embedding_ps.local import LocalStore
 from recsys.config import JobConfig, load_config, to_toml
 from recsys.training.checkpoint import checkpoint_path
-from recsys.training.trainer import Trainer
+from recsys.training.trainer import StepTimes, Trainer
 from recsys.training.worker import save_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -79,6 +84,31 @@ def train_run() -> Callable[..., list[Path]]:
 
     return make
 
+
+
+def _train_steps(cfg: JobConfig, trainer: Trainer, store: LocalStore, steps: range) -> None:
+    """The training batches of `steps` (step numbers), the data read from its start."""
+    with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
+        for step, batch in zip(steps, loader):
+            trainer.train_step(batch, trainer.sparse.lookup(batch, store, step), StepTimes())
+            trainer.step += 1
+
+
+@pytest.fixture(scope="session")
+def two_tower_trainer() -> Callable[..., tuple]:
+    def make(tmp: Path, rows: int) -> tuple[JobConfig, LocalStore, Trainer, Callable, Callable]:
+        """configs/two_tower.toml on `rows` rows of the `retrieval` preset (tmp/data, 2 files; run dir
+        tmp/run, batch 128) in this process: (cfg, store, trainer, train(steps), save(root))."""
+        generate(preset="retrieval", rows=rows, num_files=2, out_dir=str(tmp / "data"), seed=1)
+        cfg = load_config(ROOT / "configs" / "two_tower.toml", [
+            f"data.train_paths=['{tmp}/data/part-00000.parquet']", "data.eval_paths=[]",
+            f"data.item_paths=['{tmp}/data/items']", f"train.run_dir='{tmp / 'run'}'", "data.batch_size=128"])
+        store = LocalStore.create(cfg.ps)
+        trainer = Trainer(cfg, store)
+        return (cfg, store, trainer, functools.partial(_train_steps, cfg, trainer, store),
+                lambda root: _save(root, cfg, trainer, store, checkpoint=False))
+
+    return make
 
 
 @pytest.fixture(scope="session")

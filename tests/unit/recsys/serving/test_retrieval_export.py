@@ -4,7 +4,6 @@ brute-force numpy top-k over the trained model's own vectors (computed with the 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,50 +12,25 @@ import pytest
 import torch
 
 from data.loader import ParquetLoader
-from data.synthetic import generate
-from embedding_ps.local import LocalStore
-from recsys.config import load_config, to_toml
 from recsys.models.two_tower import item_vectors, tower_data, tower_sparse_arch
 from recsys.serving.export import export_model
 from recsys.serving.predictor import Predictor
 from recsys.serving.source import resolve_source
 from recsys.serving.errors import ExportError
-from recsys.training.trainer import StepTimes, Trainer
 
 ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory):
+def trained(tmp_path_factory: pytest.TempPathFactory, two_tower_trainer):
     """A two-tower run trained for a few steps in this process (LocalStore), saved as `recsys train` saves."""
     tmp = tmp_path_factory.mktemp("tt")
-    generate(preset="retrieval", rows=2048, num_files=2, out_dir=str(tmp / "data"), seed=1)
-    run = tmp / "run"
-    cfg = load_config(ROOT / "configs" / "two_tower.toml", [
-        f"data.train_paths=['{tmp}/data/part-00000.parquet']", "data.eval_paths=[]",
-        f"data.item_paths=['{tmp}/data/items']", f"train.run_dir='{run}'", "data.batch_size=128"])
-    store = LocalStore.create(cfg.ps)
-    trainer = Trainer(cfg, store)
-    with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
-        for step, batch in zip(range(6), loader):
-            trainer.train_step(batch, trainer.sparse.lookup(batch, store, step), StepTimes())
-            trainer.step += 1
-    (run / "model").mkdir(parents=True)
-    (run / "config.toml").write_text(to_toml(cfg))
-    torch.save(trainer.model.state_dict(), run / "model" / "dense.pt")
-    store.save(str(run / "model" / "ps"))
-    (run / "metrics.json").write_text(json.dumps({"steps": 6}))
+    cfg, store, trainer, train, save = two_tower_trainer(tmp, rows=2048)
+    train(range(6))
+    run = save(tmp / "run")
     # 3 more steps, saved as a second run (a delta export of it since step 6 updates the first)
-    with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
-        for step, batch in zip(range(6, 9), loader):
-            trainer.train_step(batch, trainer.sparse.lookup(batch, store, step), StepTimes())
-            trainer.step += 1
-    later = tmp / "later"
-    (later / "model").mkdir(parents=True)
-    (later / "config.toml").write_text(to_toml(cfg))
-    torch.save(trainer.model.state_dict(), later / "model" / "dense.pt")
-    store.save(str(later / "model" / "ps"))
-    (later / "metrics.json").write_text(json.dumps({"steps": 9}))
+    train(range(6, 9))
+    save(tmp / "later")
     trainer.close()
     return cfg, run, store, trainer.model, tmp
 

@@ -299,31 +299,12 @@ def test_bearer_token(exports, rows, tmp_path) -> None:
 # -- two-tower top-k ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_tower(tmp_path_factory) -> tuple[Path, Path]:
-    from data.loader import ParquetLoader
-    from data.synthetic import generate
-    from embedding_ps.local import LocalStore
-    from recsys.config import load_config, to_toml
-    from recsys.training.trainer import StepTimes, Trainer
-
+def two_tower(tmp_path_factory, two_tower_trainer) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("serve-tt")
-    generate(preset="retrieval", rows=1024, num_files=2, out_dir=str(tmp / "data"), seed=1)
-    run = tmp / "run"
-    cfg = load_config(Path(__file__).resolve().parents[4] / "configs" / "two_tower.toml", [
-        f"data.train_paths=['{tmp}/data/part-00000.parquet']", "data.eval_paths=[]",
-        f"data.item_paths=['{tmp}/data/items']", f"train.run_dir='{run}'", "data.batch_size=128"])
     torch.manual_seed(0)
-    store = LocalStore.create(cfg.ps)
-    trainer = Trainer(cfg, store)
-    with ParquetLoader(cfg.data, cfg.data.train_paths) as loader:
-        for step, batch in zip(range(3), loader):
-            trainer.train_step(batch, trainer.sparse.lookup(batch, store, step), StepTimes())
-            trainer.step += 1
-    (run / "model").mkdir(parents=True)
-    (run / "config.toml").write_text(to_toml(cfg))
-    torch.save(trainer.model.state_dict(), run / "model" / "dense.pt")
-    store.save(str(run / "model" / "ps"))
-    (run / "metrics.json").write_text(json.dumps({"steps": 3}))
+    cfg, store, trainer, train, save = two_tower_trainer(tmp, rows=1024)
+    train(range(3))
+    run = save(tmp / "run")
     trainer.close()
     export_model(resolve_source(run=run), tmp / "export")
     return tmp / "export", tmp / "data" / "part-00001.parquet"
