@@ -3,7 +3,7 @@ URI) scores Parquet data, so what is evaluated is what serves (quantized tables 
 training run it came from.
 
 Rows are decoded as in training (`data.decode`: the export's data config, one row group at a time)
-and scored by `Predictor.logits`, calibrated as `Predictor.predict`; the metrics are the trainer's
+and scored by `Predictor.predict` (calibrated); the metrics are the trainer's
 (`recsys.metrics.eval_metrics`, weighted by `data.example_weight_column` when the files have it).
 """
 
@@ -24,7 +24,6 @@ from data.config import DataConfig
 from data.decode import TableDecoder
 from data.parquet import resolve_paths, scoring_config
 from data.remote import parquet_file
-from recsys.calibration import probabilities
 from recsys.config import ConfigError
 from recsys.metrics import eval_metrics
 from recsys.serving.predictor import Predictor
@@ -43,10 +42,6 @@ def _batches(cfg: DataConfig, data: list[str]) -> Iterator[Batch]:
                 yield decoder.decode(pf.read_row_group(rg), f"{path} row group {rg}")
 
 
-def _scores(p: Predictor, batch: Batch) -> torch.Tensor:
-    return probabilities(p.logits(batch), p.score_rate)
-
-
 def evaluate_export(export: str | Path, data: list[str], out: str | Path | None = None) -> dict[str, float]:
     """auc, logloss, ne, calibration, eval_examples of the export's scores on `data` (also written to
     `out` when given)."""
@@ -57,7 +52,7 @@ def evaluate_export(export: str | Path, data: list[str], out: str | Path | None 
     labels, scores, weights = [], [], []
     for batch in _batches(scoring_config(p.config.data, data), data):
         labels.append(batch.labels)
-        scores.append(_scores(p, batch))
+        scores.append(torch.from_numpy(p.predict(batch)))
         if batch.example_weights is not None:
             weights.append(batch.example_weights)
     if not labels or sum(x.numel() for x in labels) == 0:
@@ -81,7 +76,7 @@ def predict_export(export: str | Path, data: list[str], out: str | Path) -> int:
     scores: list[np.ndarray] = []
     extras: dict[str, list[np.ndarray]] = {name: [] for name in cfg.passthrough_columns}
     for batch in _batches(cfg, data):
-        scores.append(_scores(p, batch).numpy().astype(np.float32))
+        scores.append(p.predict(batch))
         for name in extras:
             if name in batch.extras:
                 extras[name].append(batch.extras[name])
