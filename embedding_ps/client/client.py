@@ -112,7 +112,7 @@ class PSClient:
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
         # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.wire.shm)
-        self._shm = shm.ClientSegments(self.addresses, config.shared_memory, job=job_tag(config))
+        self._shm = shm.ClientSegments(self.addresses, config.shared_memory, job=job_tag(config, self._token))
         self._io = IOThread(config, self.addresses, torch.get_num_threads(), self._token)
         self._io.start()
         self._closed = False

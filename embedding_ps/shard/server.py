@@ -125,7 +125,7 @@ class ShardServer:
                           P.Op.SAVE_STATUS: self._save_status}
         self.buffers = ReplyBuffers()
         # clients' shared-memory segments by name (ps.shared_memory; None: FLAG_SHM gets NO_SHM)
-        self.shm = (ShmAttacher(job=job_tag(config)) if shard_accepts(config.shared_memory, bind or config.bind)
+        self.shm = (ShmAttacher(job=job_tag(config, token)) if shard_accepts(config.shared_memory, bind or config.bind)
                     else None)
         self.shm_requests = 0             # PULL / PUSH served through shared memory
         self.shm_refused = 0              # ... answered NO_SHM (the client resent them through the socket)

@@ -113,12 +113,12 @@ PLAIN_USER = b"recsys-ps"
 """The PLAIN user name of every client (the token is the password)."""
 
 
-def job_tag(config: PSConfig) -> str:
+def job_tag(config: PSConfig, token: bytes | None = None) -> str:
     """8 hex digits naming this job's shared-memory segments (`embedding_ps.wire.shm`): a hash of
-    the job's token (or of the shards' CURVE public key), "00000000" without auth. A shard opens
-    only segments carrying its own job's tag."""
+    the job's token (`token`, already loaded by the caller: `load_token`), or of the shards' CURVE
+    public key, "00000000" without auth. A shard opens only segments carrying its own job's tag."""
     if config.auth == "token":
-        secret = load_token(config)
+        secret = token if token is not None else load_token(config)
     elif config.auth == "curve":
         secret = _curve_file(config, "server.key").read_bytes()
     else:
