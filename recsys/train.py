@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from recsys.runtime import apply_environment, setup_logging
-from recsys.config import ConfigError, load_config
+from recsys.config import ConfigError, JobConfig, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def stop_shards_after(error: BaseException, cfg) -> bool:
+def stop_shards_after(error: BaseException, cfg: JobConfig) -> bool:
     """The job's own error (bad data or config: every restart would fail the same way) ends the shards
     started by hand for it, which would otherwise wait for trainers that never come; a lost peer or
     shard (worth torchrun's restart) does not. Returns whether they were told to exit."""
