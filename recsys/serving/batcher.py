@@ -38,9 +38,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from data.decode import TableDecoder
 from data.parquet import DataError
-from recsys.models.two_tower import tower_data
 from recsys.serving.predictor import Predictor
 from recsys.serving.rows import Columns, RequestError, field_of, to_table
 
@@ -56,13 +54,9 @@ class Served:
         self.predictors = [first] + [Predictor(export, deltas=list(deltas), verify=False) for _ in range(workers - 1)]
         self.export, self.deltas, self.generation = str(export), [str(d) for d in deltas], generation
         cfg = first.config
-        # rows -> Batch as training decodes them, but a bad value is an error (never a dropped row)
-        data = dataclasses.replace(cfg.data, on_bad_rows="error")
-        user = tower_data(cfg, cfg.model.user_features) if first.index is not None else None
-        self.columns = Columns.of(data)
-        self.user_columns = None if user is None else Columns.of(user)
-        self.decoders = {"predict": TableDecoder(data),
-                         "topk": None if user is None else TableDecoder(dataclasses.replace(user, on_bad_rows="error"))}
+        self.columns = Columns.of(first.decoder.cfg)
+        self.user_columns = None if first.user_decoder is None else Columns.of(first.user_decoder.cfg)
+        self.decoders = {"predict": first.decoder, "topk": first.user_decoder}
         m = first.manifest
         self.metadata = {
             "run_id": m.get("run_id", ""), "step": first.step, "precision": first.precision,
@@ -88,8 +82,11 @@ class Job:
 
 def _score(served: Served, worker: int, kind: str, rows: list[dict], k: int) -> object:
     """Probabilities [n] (calibrated) or (ids [n, k], scores [n, k]) of `rows`."""
-    cols = served.columns if kind == "predict" else served.user_columns
-    batch = served.decoders[kind].decode(to_table(rows, cols), "<request rows>")
+    decoder = served.decoders[kind]
+    batch = decoder.decode_rows(rows)               # the common rows in a few numpy calls, else a table
+    if batch is None:
+        batch = decoder.decode(to_table(rows, served.columns if kind == "predict" else served.user_columns),
+                               "<request rows>")
     p = served.predictors[worker]
     return p.predict(batch) if kind == "predict" else p.topk(batch, k)
 

@@ -34,6 +34,7 @@ was not trained with negatives weighted by 1 / r); `logits` stay the dense model
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from pathlib import Path
@@ -43,7 +44,7 @@ import pyarrow as pa
 import torch
 
 from data.batch import Batch
-from data.decode import decode_table
+from data.decode import TableDecoder
 from recsys.calibration import manifest_score_rate, probabilities
 from recsys.config import load_config
 from recsys.models import build_sparse_arch, sequence_inputs
@@ -103,6 +104,10 @@ class Predictor:
         self._by_name = {t.cfg.name: i for i, t in enumerate(self.tables)}
         self.scorer = load_dense(self.root / "dense.pt2")
         self.num_inputs = len(self.manifest["dense"]["inputs"])
+        # tables -> Batch as training decodes them, but a bad value is an error: a dropped row would leave
+        # fewer scores than rows (data.on_bad_rows = "skip" is for training files)
+        self.decoder = TableDecoder(dataclasses.replace(self.config.data, on_bad_rows="error"))
+        self.user_decoder: TableDecoder | None = None          # two_tower: the user columns' rows
         self._store = ExportStore(self.tables)
         self._pooling: QuantizedPooling | None = None
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
@@ -195,7 +200,8 @@ class Predictor:
         elif self.index_mode == "ann":
             self.index = AnnIndex.build(ids, vectors, self.exact_index)
         self.user_tower = load_user_tower(root, info)
-        self._user_data = tower_data(self.config, self.config.model.user_features)
+        self.user_decoder = TableDecoder(dataclasses.replace(
+            tower_data(self.config, self.config.model.user_features), on_bad_rows="error"))
         self._user_sparse = tower_sparse_arch(self.config, self.config.model.user_features)
 
     @torch.no_grad()
@@ -205,7 +211,7 @@ class Predictor:
         if self.index is None:
             raise ExportError(f"{self.root}: not a two_tower export (no item vectors): topk needs one")
         if isinstance(user_features, pa.Table):
-            user_features = decode_table(self._user_data, user_features, "<user features>")
+            user_features = self.user_decoder.decode(user_features, "<user features>")
         pooled, _ = self._user_sparse.lookup(user_features, self._store).wait()        # [B, F_u, D]
         return self.user_tower(user_features.dense, pooled.detach())                  # [B, d]
 
@@ -226,7 +232,7 @@ class Predictor:
             return probabilities(self.logits(data), self.score_rate).numpy()
         if not isinstance(data, pa.Table):
             raise TypeError(f"predict takes a data.batch.Batch or a pyarrow.Table, got {type(data).__name__}")
-        out = [probabilities(self.logits(decode_table(self.config.data, data.slice(i, _CHUNK_ROWS),
-                                                      f"<table rows {i}..>")), self.score_rate).numpy()
+        out = [probabilities(self.logits(self.decoder.decode(data.slice(i, _CHUNK_ROWS), f"<table rows {i}..>")),
+                             self.score_rate).numpy()
                for i in range(0, data.num_rows, _CHUNK_ROWS)]
         return np.concatenate(out) if out else np.zeros(0, np.float32)

@@ -3,6 +3,7 @@ or a URI, scores Parquet data; an fp32 export's metrics are the run's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from recsys.training.evaluate import evaluate_run
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, export_data, tiny_config, train_run) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("offline")
-    (run,) = train_run(root, tiny_config(export_data, root / "run"), steps=(30,))
+    cfg = tiny_config(export_data, root / "run")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, on_bad_rows="skip"))
+    (run,) = train_run(root, cfg, steps=(30,))
     export_model(resolve_source(run=run), root / "export")
     return run, root / "export"
 
@@ -51,3 +54,23 @@ def test_run_and_export_are_one_or_the_other(exported, export_data: Path, capsys
     with pytest.raises(SystemExit):
         cli.main(["eval", "--run", str(run), "--export", str(export), "--data", str(export_data)])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_predict_of_a_table_scores_every_row_or_names_the_bad_one(exported, export_data: Path) -> None:
+    """`Predictor.predict(table)` never drops a row (data.on_bad_rows = "skip" is for training files): a
+    bad value is a DataError naming its column, so scores and rows stay aligned."""
+    import pyarrow as pa
+
+    from data.parquet import DataError
+
+    _, export = exported
+    p = Predictor(export)
+    assert p.config.data.on_bad_rows == "skip"                          # the training data's setting
+    table = pq.read_table(export_data / "part-00001.parquet").slice(0, 50)
+    assert p.predict(table).shape == (50,)
+    col = p.config.data.sparse_columns[0]
+    ids = table[col].to_numpy(zero_copy_only=False).astype(np.int64)
+    ids[7] = -5
+    bad = table.set_column(table.schema.get_field_index(col), col, pa.array(ids))
+    with pytest.raises(DataError, match=f"column '{col}': negative id at row 7"):
+        p.predict(bad)
