@@ -18,7 +18,7 @@ p99 of those: `p50_ms_C`, `p99_ms_C`. `errors_C`: answers other than 200 (any ma
 The first answer of every client is checked against the in-process Predictor.
 
 In-process, same run, same rows, before the server starts: the server's own work for one batch-1
-request, `Predictor.predict(rows.to_table(...))`, in a closed loop: `inprocess_p50_ms`,
+request, `Predictor.predict([row])` (the row as a dict of JSON values), in a closed loop: `inprocess_p50_ms`,
 `inprocess_predictions_per_s`. `ratio_p50_http_vs_inprocess` = p50_ms_1 / inprocess_p50_ms (what
 HTTP, JSON and the queue add to one request) and `ratio_rate_64_vs_inprocess` =
 predictions_per_s_64 / inprocess_predictions_per_s (above 1 when micro-batching wins back more
@@ -128,21 +128,18 @@ def request_rows(eval_file: Path, n: int, columns) -> list[dict]:
 
 
 def inprocess(export: Path, rows: list[dict], seconds: float) -> tuple[dict, np.ndarray]:
-    """Closed-loop batch-1 `Predictor.predict(to_table([row]))` on one thread (the server's work)."""
+    """Closed-loop batch-1 `Predictor.predict([row])` on one thread (the server's work)."""
     import torch
 
     from recsys.serving import Predictor
-    from recsys.serving.rows import Columns, to_table
-
     torch.set_num_threads(1)
     p = Predictor(export)
-    cols = Columns.of(p.config.data)
-    want = p.predict(to_table(rows, cols))
+    want = p.predict(rows)
     for r in rows[:200]:                                    # warm up
-        p.predict(to_table([r], cols))
+        p.predict([r])
     lat, i, end = [], 0, time.perf_counter() + seconds
     while (t0 := time.perf_counter()) < end:
-        p.predict(to_table([rows[i % len(rows)]], cols))
+        p.predict([rows[i % len(rows)]])
         lat.append(time.perf_counter() - t0)
         i += 1
     return {"inprocess_p50_ms": 1e3 * float(np.percentile(lat, 50)),

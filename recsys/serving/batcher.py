@@ -40,7 +40,7 @@ import pyarrow as pa
 
 from data.parquet import DataError
 from recsys.serving.predictor import Predictor
-from recsys.serving.rows import Columns, RequestError, field_of, to_table
+from recsys.serving.rows import Columns, RequestError, field_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ class Served:
         cfg = first.config
         self.columns = Columns.of(first.decoder.cfg)
         self.user_columns = None if first.user_decoder is None else Columns.of(first.user_decoder.cfg)
-        self.decoders = {"predict": first.decoder, "topk": first.user_decoder}
         m = first.manifest
         self.metadata = {
             "run_id": m.get("run_id", ""), "step": first.step, "precision": first.precision,
@@ -82,13 +81,8 @@ class Job:
 
 def _score(served: Served, worker: int, kind: str, rows: list[dict], k: int) -> object:
     """Probabilities [n] (calibrated) or (ids [n, k], scores [n, k]) of `rows`."""
-    decoder = served.decoders[kind]
-    batch = decoder.decode_rows(rows)               # the common rows in a few numpy calls, else a table
-    if batch is None:
-        batch = decoder.decode(to_table(rows, served.columns if kind == "predict" else served.user_columns),
-                               "<request rows>")
     p = served.predictors[worker]
-    return p.predict(batch) if kind == "predict" else p.topk(batch, k)
+    return p.predict(rows) if kind == "predict" else p.topk(rows, k)
 
 
 def _one(served: Served, worker: int, job: Job) -> object:

@@ -4,6 +4,7 @@
     p = Predictor("exports/base", deltas=["exports/d1"])   # or p.apply_delta("exports/d1")
     scores = p.predict(pa_table)          # float32 [N]: click probabilities, rows decoded as in training
     scores = p.predict(batch)             # a data.batch.Batch
+    scores = p.predict([{"I1": 3, "C1": 7, "M1": [1, 2]}, ...])     # rows as dicts (JSON values), as `recsys serve`'s
     rows = p.lookup("C1", ids)            # float32 [N, D] (dequantized for int8 / int4)
     ids, scores = p.topk(user_rows, k)    # two_tower exports: the ANN index of `export --index ann`, else exact
 
@@ -58,6 +59,7 @@ from recsys.serving.fused import FusedPooling
 from recsys.serving.native_fused import make_pooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
+from recsys.serving.rows import Columns, to_table
 from recsys.serving.tbe_pool import QuantizedPooling
 from recsys.serving.errors import ExportError
 from recsys.storage import download_dir, exists, is_uri, join
@@ -205,17 +207,20 @@ class Predictor:
         self._user_sparse = tower_sparse_arch(self.config, self.config.model.user_features)
 
     @torch.no_grad()
-    def user_vectors(self, user_features: Batch | pa.Table) -> torch.Tensor:
+    def user_vectors(self, user_features: Batch | pa.Table | list[dict]) -> torch.Tensor:
         """float32 [B, d] user vectors of rows holding the user columns (model.user_features); a
         Batch must hold exactly those columns (dense, then sparse, in the data's column order)."""
         if self.index is None:
             raise ExportError(f"{self.root}: not a two_tower export (no item vectors): topk needs one")
         if isinstance(user_features, pa.Table):
             user_features = self.user_decoder.decode(user_features, "<user features>")
+        elif isinstance(user_features, list):
+            user_features = self._batch_of_rows(user_features, self.user_decoder)
         pooled, _ = self._user_sparse.lookup(user_features, self._store).wait()        # [B, F_u, D]
         return self.user_tower(user_features.dense, pooled.detach())                  # [B, d]
 
-    def topk(self, user_features: Batch | pa.Table, k: int, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def topk(self, user_features: Batch | pa.Table | list[dict], k: int,
+             exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The k items of largest <user, item> for every row: (item ids int64 [B, k], scores
         float32 [B, k]), best first. Searched by `self.index`: the export's ANN index (faiss HNSW,
         approximate: the ids may miss some of the exact top k) when it has one and the Predictor
@@ -225,14 +230,25 @@ class Predictor:
         assert self.index is not None and self.exact_index is not None
         return (self.exact_index if exact else self.index).search(queries, k)
 
-    def predict(self, data: Batch | pa.Table) -> np.ndarray:
-        """float32 [B] click probabilities (calibrated, see the module docstring) of a Batch or of a
-        pyarrow Table (decoded like training data)."""
+    def predict(self, data: Batch | pa.Table | list[dict]) -> np.ndarray:
+        """float32 [B] click probabilities (calibrated, see the module docstring) of a Batch, of a pyarrow
+        Table or of rows as dicts (column -> JSON value, `recsys serve`'s rows), decoded like training data
+        but never dropping a row: a bad value raises `DataError` naming its column and row."""
+        if isinstance(data, list):
+            data = self._batch_of_rows(data, self.decoder)
         if isinstance(data, Batch):
             return probabilities(self.logits(data), self.score_rate).numpy()
         if not isinstance(data, pa.Table):
-            raise TypeError(f"predict takes a data.batch.Batch or a pyarrow.Table, got {type(data).__name__}")
+            raise TypeError(f"predict takes a data.batch.Batch, a pyarrow.Table or a list of dicts, got "
+                            f"{type(data).__name__}")
         out = [probabilities(self.logits(self.decoder.decode(data.slice(i, _CHUNK_ROWS), f"<table rows {i}..>")),
                              self.score_rate).numpy()
                for i in range(0, data.num_rows, _CHUNK_ROWS)]
         return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    @staticmethod
+    def _batch_of_rows(rows: list[dict], decoder: TableDecoder | None) -> Batch:
+        """The common rows straight to a Batch (`TableDecoder.decode_rows`), others through a table of them."""
+        assert decoder is not None
+        batch = decoder.decode_rows(rows)
+        return batch if batch is not None else decoder.decode(to_table(rows, Columns.of(decoder.cfg)), "<rows>")

@@ -1,8 +1,9 @@
-"""JSON rows of a `recsys serve` request -> checked rows -> one `pa.Table` for the `Predictor`.
+"""JSON rows of a `recsys serve` request -> checked rows -> `Predictor.predict(rows)`.
 
     cols = Columns.of(predictor.config.data)        # the columns a request must give, with their kinds
     rows = check_rows(json_body, cols, max_rows)    # RequestError (4xx, naming the field) on a bad body
-    table = to_table(rows_of_many_requests, cols)   # then Predictor.predict(table) decodes it as training did
+    probs = predictor.predict(rows_of_many_requests)  # decoded as training did (straight to a Batch where
+                                                    # `TableDecoder.decode_rows` can, else through to_table)
 
 A row is an object of column -> value: dense columns a number (or null: `data.dense_fill`), sparse
 columns an id (integer or string, as in the training data) or a list of ids (multi-hot), weight

@@ -68,9 +68,12 @@ def test_predict_of_a_table_scores_every_row_or_names_the_bad_one(exported, expo
     assert p.config.data.on_bad_rows == "skip"                          # the training data's setting
     table = pq.read_table(export_data / "part-00001.parquet").slice(0, 50)
     assert p.predict(table).shape == (50,)
+    np.testing.assert_array_equal(p.predict(table.to_pylist()), p.predict(table))      # rows as dicts (serve's)
     col = p.config.data.sparse_columns[0]
     ids = table[col].to_numpy(zero_copy_only=False).astype(np.int64)
     ids[7] = -5
     bad = table.set_column(table.schema.get_field_index(col), col, pa.array(ids))
     with pytest.raises(DataError, match=f"column '{col}': negative id at row 7"):
         p.predict(bad)
+    with pytest.raises(DataError, match=f"column '{col}': negative id at row 7"):
+        p.predict(bad.to_pylist())
