@@ -42,7 +42,7 @@ from data.vocab import distinct_ids
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.store import done_future
-from recsys import storage
+from recsys import eager_optim, storage
 from recsys.config import ConfigError, JobConfig
 from recsys.rundir import run_path
 
@@ -277,7 +277,7 @@ def read_replicated(model_dir) -> dict[str, torch.Tensor] | None:  # noqa: ANN00
 # the optimizer
 
 
-class _RowwiseAdagrad(torch.optim.Optimizer):
+class _RowwiseAdagrad(eager_optim.Optimizer):
     """fbgemm's EXACT_ROWWISE_ADAGRAD on a dense table: h += mean(g*g) per row; w -= lr g / (sqrt(h) + eps)."""
 
     def __init__(self, params, lr: float, eps: float, initial_accumulator: float, weight_decay: float) -> None:
@@ -318,12 +318,12 @@ class TableOptimizer:
             p = [tables.weight[name]]
             wd = tc.weight_decay if tc.weight_decay_mode == "l2" else 0.0
             if tc.optimizer == "sgd":
-                opt = torch.optim.SGD(p, lr=tc.lr, weight_decay=wd)
+                opt = eager_optim.SGD(p, lr=tc.lr, weight_decay=wd)
             elif tc.optimizer == "adagrad":
-                opt = torch.optim.Adagrad(p, lr=tc.lr, eps=tc.eps, weight_decay=wd,
+                opt = eager_optim.Adagrad(p, lr=tc.lr, eps=tc.eps, weight_decay=wd,
                                           initial_accumulator_value=tc.initial_accumulator)
             elif tc.optimizer == "adam":
-                opt = torch.optim.Adam(p, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=wd)
+                opt = eager_optim.Adam(p, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=wd)
             elif tc.optimizer == "rowwise_adagrad":
                 opt = _RowwiseAdagrad(p, lr=tc.lr, eps=tc.eps, initial_accumulator=tc.initial_accumulator,
                                       weight_decay=wd)

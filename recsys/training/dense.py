@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from recsys import eager_optim
 from recsys.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -88,14 +89,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     (`param_groups`): adam becomes AdamW (decoupled: p -= lr * wd * p beside the Adam step); sgd and
     adagrad take torch's `weight_decay`, which adds wd * p to the gradient (for sgd that is the same
     as a decoupled shrink by lr * wd; for adagrad the term goes through the adaptive scaling).
+    torch's classes, without the torch._dynamo import of their first use (`recsys.eager_optim`).
     """
     wd = cfg.dense_weight_decay
     params = param_groups(model, wd) if wd > 0 else list(model.parameters())
     if cfg.dense_optimizer == "adam":
-        return torch.optim.AdamW(params, lr=cfg.dense_lr) if wd > 0 else torch.optim.Adam(params, lr=cfg.dense_lr)
+        return eager_optim.AdamW(params, lr=cfg.dense_lr) if wd > 0 else eager_optim.Adam(params, lr=cfg.dense_lr)
     if cfg.dense_optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.dense_lr)
-    return torch.optim.SGD(params, lr=cfg.dense_lr)
+        return eager_optim.Adagrad(params, lr=cfg.dense_lr)
+    return eager_optim.SGD(params, lr=cfg.dense_lr)
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
