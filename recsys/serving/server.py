@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -112,6 +113,7 @@ class Server:
         o = self.options
         served = self._initial or await asyncio.to_thread(Served, o.export, (), o.workers)
         self._initial = None
+        _freeze_heap()
         self.batcher = MicroBatcher(served, o.max_batch, o.max_wait_ms, o.workers, self.metrics.batch)
         self.batcher.start()
         self._reload_lock = asyncio.Lock()
@@ -245,9 +247,19 @@ class Server:
             except (ValueError, OSError) as e:     # ExportError, a missing path, a delta of another base
                 raise RequestError(f"reload failed, still serving generation {old.generation}: {e}", field) from None
             self.batcher.served = new
+            _freeze_heap()
         logger.info("reloaded: %s%s at step %d (generation %d)", export, f" + {deltas}" if deltas else "",
                     new.step, new.generation)
         return web.json_response(dict(new.metadata, step=new.step))
+
+
+def _freeze_heap() -> None:
+    """Collect, then move every object alive now (the model, torch, the libraries: ~350k objects) out of the
+    cyclic collector's sight (`gc.freeze`): a full pass over them takes ~0.16 s, a pause in the
+    requests' latency. The previous freeze is undone first, so a reloaded-away model can be freed."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 class _ServerError(RequestError):
