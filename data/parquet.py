@@ -268,16 +268,33 @@ def _column(table: pa.Table, name: str) -> pa.Array:
     return col.chunk(0) if col.num_chunks == 1 else pa.concat_arrays(col.chunks)
 
 
+_NUMPY = {
+    pa.int8(): np.dtype(np.int8), pa.int16(): np.dtype(np.int16), pa.int32(): np.dtype(np.int32),
+    pa.int64(): np.dtype(np.int64), pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
+    pa.uint32(): np.dtype(np.uint32), pa.uint64(): np.dtype(np.uint64), pa.float16(): np.dtype(np.float16),
+    pa.float32(): np.dtype(np.float32), pa.float64(): np.dtype(np.float64)}
+"""numpy dtypes of Arrow's fixed-width numbers (`DataType.to_pandas_dtype` imports pandas: ~0.35 s of a
+process's start)."""
+
+
 def _raw(arr: pa.Array) -> np.ndarray:
     """The value buffer of a fixed-width numeric array as numpy [n], zero-copy and read-only.
 
     Slots under nulls hold unspecified values: callers mask them with `_valid`.
     """
-    dtype = np.dtype(arr.type.to_pandas_dtype())
+    dtype = _NUMPY.get(arr.type) or np.dtype(arr.type.to_pandas_dtype())
     buf = arr.buffers()[1]
     if buf is None or len(arr) == 0:                  # e.g. an all-null column may have no values buffer
         return np.zeros(len(arr), dtype=dtype)
     return np.frombuffer(buf, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+def _owned(arr: pa.Array) -> np.ndarray:
+    """A copy of any column as numpy [n]; fixed-width numbers without nulls straight from their buffer
+    (the same array Arrow's to_numpy makes, without its import of pandas)."""
+    if arr.type in _NUMPY and not arr.null_count:
+        return _raw(arr).copy()
+    return np.array(arr.to_numpy(zero_copy_only=False))
 
 
 def _valid(arr: pa.Array) -> np.ndarray:
@@ -345,7 +362,7 @@ def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
 
     A null list gets length 0 (Arrow allows a null slot to span values; those are dropped).
     """
-    offsets = np.asarray(arr.offsets, dtype=np.int64)
+    offsets = _raw(arr.offsets).astype(np.int64)        # [n + 1] (Arrow's to_numpy would import pandas)
     child = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     offsets = offsets - offsets[0]
     if arr.null_count:
@@ -380,7 +397,7 @@ class Decoder:
         dense = self._dense(table, chk)
         scalars = [self._scalar(table, col, chk) for col in self.scalar_cols]
         lists = [self._list(table, col, chk) for col in self.list_cols]
-        extras = {c: np.array(_column(table, c).to_numpy(zero_copy_only=False)) for c in cfg.passthrough_columns}
+        extras = {c: _owned(_column(table, c)) for c in cfg.passthrough_columns}
         rows = Rows(labels, dense, scalars, lists, extras, self._example_weights(table, chk))
         if not chk.counts:
             return rows, 0, chk.counts
