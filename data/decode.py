@@ -49,6 +49,7 @@ class TableDecoder:
     def __init__(self, cfg: DataConfig) -> None:
         self.cfg = cfg
         self._plans: dict[pa.Schema, tuple[ColumnPlan, Decoder, BatchLayout]] = {}
+        self._shapes: dict[tuple[type, ...], tuple] = {}       # decode_rows: per kinds of the sparse values
 
     def _plan(self, schema: pa.Schema, where: str) -> tuple[ColumnPlan, Decoder, BatchLayout]:
         cfg = self.cfg
@@ -79,43 +80,75 @@ class TableDecoder:
         cfg = self.cfg
         if not rows or cfg.weight_columns:
             return None
-        one, lists = [], []                                   # the one-id / list features, by their values
-        for c in cfg.sparse_columns:
-            v = next((v for r in rows if (v := r.get(c)) is not None), None)
-            if type(v) is list:
-                lists.append(c)
-            elif v is None or type(v) is int:
-                one.append(c)
-            else:                                             # string ids are hashed by the table path
-                return None
+        shape = self._row_shape(rows)
+        if shape is None:
+            return None
+        one, lists, one_at, runs = shape
         try:
             dense = _numbers([r[c] for r in rows for c in cfg.dense_columns], cfg.dense_fill)
             ids = _ids([r[c] for r in rows for c in one])
-            jagged = {c: _list_ids([r[c] for r in rows], cfg.max_ids_per_row) for c in lists}
+            jagged = [_list_ids([r[c] for r in rows], cfg.max_ids_per_row) for c in lists]
         except (KeyError, OverflowError):                     # a missing column, an id beyond int64: the table
             return None                                       # path names it
-        if dense is None or ids is None or None in jagged.values():
+        if dense is None or ids is None or None in jagged:
             return None
         B = len(rows)
         dense = dense.reshape(B, len(cfg.dense_columns))                                       # [B, Dn]
         if cfg.dense_log1p:
             np.maximum(dense, 0, out=dense)
             np.log1p(dense, out=dense)
-        values, valid = ids[0].reshape(B, len(one)), ids[1].reshape(B, len(one))               # [B, F1]
+        values = ids[0].reshape(B, len(one)).T                                                 # [F1, B]
+        valid = ids[1].reshape(B, len(one)).T
         lengths = np.empty((len(cfg.sparse_columns), B), np.int32)                             # [F, B]
-        parts, at = [], {c: j for j, c in enumerate(one)}
-        for f, c in enumerate(cfg.sparse_columns):
-            if c in at:
-                j = at[c]
-                lengths[f] = valid[:, j]
-                parts.append(values[:, j][valid[:, j]])
+        lengths[one_at] = valid
+        one_values = values[valid]                            # feature-major: the one-id features' ids
+        ends = np.zeros(len(one) + 1, np.int64)
+        np.cumsum(valid.sum(axis=1), out=ends[1:])
+        parts = []
+        for f, a, b in runs:                                  # a run of one-id features, or one list feature
+            if b < 0:
+                parts.append(jagged[a][0])
+                lengths[f] = jagged[a][1]
             else:
-                parts.append(jagged[c][0])
-                lengths[f] = jagged[c][1]
+                parts.append(one_values[ends[a]:ends[b]])
         return Batch(dense=torch.from_numpy(dense), labels=torch.zeros(B),
                      sparse=KeyedJagged(tuple(cfg.sparse_columns), torch.from_numpy(np.concatenate(parts)),
                                         torch.from_numpy(lengths.reshape(-1))),
                      weights=None, extras={}, example_weights=None)
+
+    def _row_shape(self, rows: list[dict]) -> tuple | None:
+        """(one-id columns, list columns, the one-id features' indices, runs) of rows whose sparse values are
+        integers, lists or nulls (by each column's first non-null value), or None. A run is (feature, one-id
+        index from, to) of consecutive one-id features, or (list feature, list index, -1)."""
+        cols = self.cfg.sparse_columns
+        first = rows[0]
+        kinds = [type(first.get(c)) for c in cols]
+        if _NONE in kinds:                                    # a null: the column's kind is its first value's
+            for i, k in enumerate(kinds):
+                if k is _NONE:
+                    kinds[i] = type(next((v for r in rows if (v := r.get(cols[i])) is not None), None))
+        kinds = tuple(kinds)
+        shape = self._shapes.get(kinds)
+        if shape is None:
+            if not set(kinds) <= {int, list, _NONE}:          # string ids are hashed by the table path
+                return None
+            one = [c for c, k in zip(cols, kinds) if k is not list]
+            lists = [c for c, k in zip(cols, kinds) if k is list]
+            runs: list[tuple[int, int, int]] = []
+            j = 0
+            for f, k in enumerate(kinds):
+                if k is list:
+                    runs.append((f, lists.index(cols[f]), -1))
+                elif runs and runs[-1][2] == j:
+                    runs[-1] = (runs[-1][0], runs[-1][1], j + 1)
+                    j += 1
+                else:
+                    runs.append((f, j, j + 1))
+                    j += 1
+            shape = (one, lists, np.array([f for f, k in enumerate(kinds) if k is not list], np.int64), runs)
+            if len(self._shapes) < self._MAX_SCHEMAS:
+                self._shapes[kinds] = shape
+        return shape
 
 
 _NONE = type(None)

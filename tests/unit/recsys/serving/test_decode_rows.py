@@ -67,7 +67,8 @@ def test_nulls_decode_as_in_their_table(decoder: TableDecoder) -> None:
     base = rows_of(decoder.cfg, 5, seed=1)
     for rows in (changed(base, 2, "I3", None), changed(base, 0, "I3", None), changed(base, 3, "C4", None),
                  changed(base, 0, "C4", None), [dict(r, C9=None) for r in base], changed(base, 1, "M1", None),
-                 changed(base, 0, "M1", None), changed(base, 4, "M2", [])):
+                 changed(base, 0, "M1", None), changed(base, 4, "M2", []),
+                 [dict(r, C6=[r["C6"], 5], C1=None) for r in base]):          # a list feature among one-id ones
         got = decoder.decode_rows(rows)
         assert got is not None
         assert_same(got, table_batch(decoder, rows))
