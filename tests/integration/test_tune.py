@@ -1,12 +1,14 @@
 """`recsys tune` for real: Ray Tune on 127.0.0.1 running 4 trials of configs/tiny.toml, 2 at a time,
-ASHA on: the CSV, best.toml (trained as written), the plot, a trial stopped by ASHA recorded as
+ASHA on: the CSV, best.toml, the plot, a trial stopped by ASHA recorded as
 stopped, a failing trial recorded as an error while the others go on, and a resume of the finished
-search (tests/unit/recsys/training/test_tune.py: the same without Ray)."""
+search (tests/unit/recsys/training/test_tune.py: the same without Ray); then README.md's two commands as written
+(8 trials of configs/tune_deepfm.toml, its best.toml trained)."""
 
 from __future__ import annotations
 
 import csv
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -78,18 +80,49 @@ def test_tune_four_trials_asha_results_and_a_best_config_that_trains(tmp_path: P
         best = min(good, key=lambda r: float(r["best_val/logloss"]))
         assert f"best: trial {best['trial_id']}" in run.stdout
         assert (tmp_path / "tune" / "trials.png").stat().st_size > 1000
-        # best.toml: complete (no base config, no overrides) and trains as written
+        # best.toml: complete (no base config, no overrides); that it trains as written: the README test below
         cfg = load_config(tmp_path / "tune" / "best.toml")
         assert cfg.train.dense_lr == 0.01 and cfg.train.run_dir == "tune/best-run"
         assert {t.lr for t in cfg.ps.tables} == {float(best["ps.table_defaults.lr"])}
-        train = recsys(tmp_path, "train", "--config", "tune/best.toml", timeout=120)
-        assert train.returncode == 0, train.stderr[-3000:]
-        assert (tmp_path / "tune" / "best-run" / "metrics.json").exists()
         # the same command again resumes the search: nothing left to run, the same results
         again = recsys(tmp_path, *cmd)
         assert again.returncode == 0 and "resuming the search" in again.stderr, again.stderr[-3000:]
         assert read_csv(tmp_path / "tune" / "results.csv") == rows
         assert our_processes(str(tmp_path)) == []          # no job, shard or trainer left behind
+    finally:
+        for cmdline in our_processes(str(tmp_path)):
+            print("left behind:", cmdline)
+
+
+def readme_commands(prefix: str) -> list[list[str]]:
+    """README.md's `recsys tune` / `recsys train` lines of its "Hyperparameter search" block, as argv."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Hyperparameter search"):]
+    block = block[block.index("```bash"):]
+    block = block[:block.index("```", 7)]
+    return [shlex.split(line)[1:] for line in block.splitlines() if line.startswith(prefix)]
+
+
+def test_the_readmes_tune_commands_run_as_written(tmp_path: Path, tiny_dataset) -> None:
+    """README.md's two commands, verbatim, in a directory whose `demo/data` is criteo-like data of the demo's
+    shape (4 files, as `recsys demo` writes) but 2,048 rows a file: 8 trials of configs/tune_deepfm.toml, then
+    its best.toml trained as written."""
+    tune, train = readme_commands("recsys tune ") + readme_commands("recsys train ")
+    assert tune[0] == "tune" and train == ["train", "--config", "runs/tune-deepfm/best.toml"], (tune, train)
+    data = tiny_dataset(rows=8192, files=4, seed=0, preset="criteo-like")
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "data").symlink_to(data, target_is_directory=True)
+    # the README's paths are relative to the checkout (configs/...): here they are given from the test's directory
+    (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    try:
+        run = recsys(tmp_path, *tune, timeout=420)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = read_csv(tmp_path / "runs" / "tune-deepfm" / "results.csv")
+        assert len(rows) == 8 and {r["status"] for r in rows} <= {"terminated", "stopped"}, rows
+        assert all(r["error"] == "" and float(r["best_val/auc"]) > 0.5 for r in rows), rows
+        done = recsys(tmp_path, *train, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (tmp_path / "runs" / "tune-deepfm" / "best-run" / "metrics.json").exists()
     finally:
         for cmdline in our_processes(str(tmp_path)):
             print("left behind:", cmdline)
