@@ -94,10 +94,15 @@ def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path, ve
             entries.append(entry)
             del ids, rows
         shutil.copyfile(delta_dir / "dense.pt2", tmp / "dense.pt2")
+        retrieval = delta.get("retrieval")         # two_tower: the delta holds every item vector and the user tower
+        if retrieval is not None:
+            for name in (retrieval["items_file"], retrieval["user_tower_file"], retrieval.get("index", {}).get("file")):
+                if name:
+                    shutil.copyfile(delta_dir / name, tmp / name)
         cfg = load_config(delta_dir / "config.toml")
         dense = {k: v for k, v in delta["dense"].items() if k not in ("columns", "log1p", "fill")}
         origin = f"{base.get('origin')} + delta {delta_dir} ({delta.get('origin')})"
-        manifest = new_manifest(cfg, tmp, "full", delta["step"], None, precision, entries, dense, origin)
+        manifest = new_manifest(cfg, tmp, "full", delta["step"], None, precision, entries, dense, origin, retrieval)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

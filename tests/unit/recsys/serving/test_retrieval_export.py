@@ -13,6 +13,7 @@ import torch
 
 from data.loader import ParquetLoader
 from recsys.models.two_tower import item_vectors, tower_data, tower_sparse_arch
+from recsys.serving.delta import apply_delta
 from recsys.serving.export import export_model
 from recsys.serving.predictor import Predictor
 from recsys.serving.source import resolve_source
@@ -74,6 +75,11 @@ def test_a_delta_export_brings_its_item_vectors_and_user_tower(trained) -> None:
     np.testing.assert_array_equal(after, want)
     np.testing.assert_allclose(scores, want_scores, atol=1e-6, rtol=0)
     assert (before != after).any()                                                 # the model moved
+    # `recsys export-apply`: the full export it writes keeps the delta's item vectors and user tower
+    apply_delta(tmp / "base", tmp / "delta", tmp / "applied")
+    applied, applied_scores = Predictor(tmp / "applied").topk(queries, k=20)
+    np.testing.assert_array_equal(applied, want)
+    np.testing.assert_allclose(applied_scores, want_scores, atol=1e-6, rtol=0)
 
 
 def test_a_ctr_export_has_no_topk(tmp_path: Path) -> None:
