@@ -415,9 +415,11 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
     tables = ps.setdefault("tables", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         return
+    unused = {key: [t.get("name") for t in tables if key in t] for key in defaults}   # the tables' own values
     for t in tables:
         for key, value in defaults.items():
             t.setdefault(key, value)
+    n_given = len(tables)
     names = {t.get("name") for t in tables}
     columns = data.get("sparse_columns", [])
     columns = [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
@@ -453,6 +455,20 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
             own = feature_tables.get(column, column)
             if own in pooling and name not in pooling:
                 pooling[name] = pooling[own]
+    _warn_unused_defaults(defaults, unused, n_given, tables[n_given:], source)
+
+
+def _warn_unused_defaults(defaults: dict, own: dict[str, list], n_given: int, created: list[dict],
+                          source: str) -> None:
+    """Warn for each `ps.table_defaults` key that no table takes: every table of `ps.tables` sets its own
+    value (`own`: their names) and no table was made from the defaults (a `<column>_linear` table takes
+    every default but dim)."""
+    for key, value in defaults.items():
+        takers = [t for t in created if key != "dim" or t.get("dim") == value]
+        if n_given and len(own[key]) == n_given and not takers:
+            logger.warning("%s: ps.table_defaults.%s = %r applies to no table: every table of ps.tables sets "
+                           "its own %s (%s); set it there (ps.tables[i].%s), or drop the tables' own value",
+                           source, key, value, key, ", ".join(map(str, own[key])), key)
 
 
 DATED_KEYS = (("data", "train_paths"), ("data", "eval_paths"), ("data", "test_paths"), ("data", "item_paths"),

@@ -92,3 +92,17 @@ def test_every_model_takes_zero_dense_columns(arch: str, num_sparse: int) -> Non
     assert logits.shape == (5,) and torch.isfinite(logits).all()
     logits.sum().backward()
     assert pooled.grad is not None and pooled.grad.abs().sum() > 0     # the embeddings reach the logit
+
+
+def test_a_default_no_table_takes_is_a_warning_naming_the_tables(caplog) -> None:
+    """tiny.toml's tables set their own lr: `--set ps.table_defaults.lr=...` would change nothing."""
+    with caplog.at_level("WARNING", logger="recsys.config"):
+        cfg = load_config(ROOT / "configs" / "tiny.toml", ["ps.table_defaults.lr=0.5"])
+    assert 0.5 not in {t.lr for t in cfg.ps.tables}
+    assert "ps.table_defaults.lr = 0.5 applies to no table" in caplog.text
+    assert "(C1, C2, C3, C4, M1)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="recsys.config"):
+        load_config(ROOT / "configs" / "tiny.toml", ["ps.table_defaults.weight_decay=0.01"])   # no table sets it
+        load_config(ROOT / "configs" / "tune_deepfm.toml", ["ps.table_defaults.lr=0.5"])      # tables made from it
+    assert "applies to no table" not in caplog.text
