@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,7 +58,7 @@ from recsys import storage
 from recsys.config import JobConfig, to_toml
 from recsys.manifest import check_files, file_entry, parse_manifest, write_json_atomic
 from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
-                                      read_replicated, save_bytes)
+                                      save_bytes)
 from recsys.manifest import read_manifest as _read_manifest
 from recsys.rundir import local_run_dir, run_path
 
@@ -105,14 +104,14 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
     return run_path(run_dir, "checkpoints", f"{PREFIX}{step:010d}")
 
 
-def _is_remote(path: str | Path) -> bool:
+def is_remote(path: str | Path) -> bool:
     return storage.is_uri(str(path))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
     """Complete checkpoint directories (renamed into place; on a URI: with their manifest), oldest first."""
     root = checkpoints_dir(run_dir)
-    if _is_remote(root):
+    if is_remote(root):
         names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
         return [run_path(root, n) for n in names if storage.is_file(run_path(root, n, "manifest.json"))]
     if not root.is_dir():
@@ -172,7 +171,7 @@ def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str
 
 
 def read_manifest(root: Path | str) -> dict[str, Any]:
-    if _is_remote(root):
+    if is_remote(root):
         path = run_path(root, "manifest.json")
         try:
             text = storage.read_text(path)
@@ -189,7 +188,7 @@ def verify_checkpoint(root: str | Path) -> dict[str, Any]:
     Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI only
     presence and sizes are checked here (see the module docstring).
     """
-    if _is_remote(root):
+    if is_remote(root):
         manifest = read_manifest(root)
         stored = storage.list_files(root)
         for rel, want in manifest["files"].items():
@@ -212,7 +211,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
     path must verify.
     """
     if resume != "latest":
-        path = resume if _is_remote(resume) else Path(resume)
+        path = resume if is_remote(resume) else Path(resume)
         verify_checkpoint(path)
         return path
     found = list_checkpoints(run_dir)
@@ -235,7 +234,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
 def prune(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and temporary leftovers of older saves."""
     done = list_checkpoints(run_dir)
-    if _is_remote(checkpoints_dir(run_dir)):
+    if is_remote(checkpoints_dir(run_dir)):
         newest = _name(done[-1]) if done else ""
         root = checkpoints_dir(run_dir)
         for name in storage.list_dir(root):       # older ones, and unfinished ones before the newest
@@ -303,7 +302,7 @@ class Checkpointer:
 
     def __init__(self, cfg: JobConfig, *, rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.run_dir = cfg.train.run_dir if _is_remote(cfg.train.run_dir) else Path(cfg.train.run_dir)
+        self.run_dir = cfg.train.run_dir if is_remote(cfg.train.run_dir) else Path(cfg.train.run_dir)
         self.local_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)   # staging for a URI run_dir
         self.enabled = cfg.train.checkpoint_every > 0 or cfg.train.checkpoint_every_s > 0
         self._last_time = time.monotonic()
@@ -344,7 +343,7 @@ class Checkpointer:
         if self.rank == 0:
             self.join()                   # one checkpoint in flight at a time
             root = checkpoint_path(self.run_dir, step) if target is None else target
-            remote = _is_remote(root)
+            remote = is_remote(root)
             if remote:         # written in place, complete once its manifest is (module docstring)
                 tmp = self.local_dir / "staging" / _name(root)
                 storage.delete_tree(root)
@@ -390,7 +389,7 @@ class Checkpointer:
             t0 = time.perf_counter()
             if background:
                 store.wait_saved(ps_dir, timeout_s=SAVE_TIMEOUT_S)
-            if _is_remote(root):
+            if is_remote(root):
                 publish_checkpoint(tmp, str(root), info)
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
@@ -479,96 +478,15 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
 
 
 # ---------------------------------------------------------------------------------------------
-# warm start (train.init_from)
+# a saved run's config and table layout (resume here; warm start: recsys/training/warm_start.py)
 
 
-@dataclass(frozen=True, slots=True)
-class InitSource:
-    """A trained model a new run starts from (`resolve_init`)."""
-
-    root: Path | str                  # the checkpoint directory, or the run's model directory's parent
-    model_dir: Path | str             # holds dense.pt, ps/shard{i}/, replicated.pt
-    step: int                         # completed training steps of the source
-    config: JobConfig                 # the source run's resolved config
-    checkpoint: bool                  # a checkpoint: trainer/state.pt (dense optimizer state) too
-    manifest: dict[str, Any]          # the checkpoint's manifest ({} for a run's last model; an export's)
-    export: bool = False              # an fp32 export: rows without optimizer state, dense weights from dense.pt2
-
-
-def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
-    """`train.init_from` -> InitSource: a checkpoint directory (verified), or a run directory (its best
-    model, RUN_DIR/best, when it kept one, else RUN_DIR/model with metrics.json's step count).
-
-    Raises CorruptCheckpointError or ConfigError naming what is missing or damaged."""
-    from recsys.config import ConfigError
-    from recsys.rundir import model_root
-
-    remote = _is_remote(path)
-    root = path if remote else Path(path)
-    if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "tables")):
-        return _export_source(root, verify)
-    if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "trainer")):
-        manifest = verify_checkpoint(root) if verify else read_manifest(root)
-        return InitSource(root, run_path(root, "model"), int(manifest["step"]), _load_config(root), True, manifest)
-    if not storage.exists(run_path(root, "config.toml")):
-        raise ConfigError(f"train.init_from = {path}: neither a run directory nor a checkpoint (no config.toml)")
-    best = model_root(root)
-    if best != root:                                   # the run kept its best validation pass: a checkpoint
-        return resolve_init(best, verify)
-    for needed in ("metrics.json", "model/dense.pt"):
-        if not storage.exists(run_path(root, *needed.split("/"))):
-            raise ConfigError(f"train.init_from = {path}: not a finished run ({needed} is missing); give one of "
-                              f"its checkpoints instead")
-    try:
-        step = int(json.loads(storage.read_text(run_path(root, "metrics.json")))["steps"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{run_path(root, 'metrics.json')}: no readable step count ({e})") from None
-    return InitSource(root, run_path(root, "model"), step, _load_config(root), False, {})
-
-
-def _export_source(root: Path | str, verify: bool) -> InitSource:
-    """An export directory as a warm start's source (fp32 only: quantized rows would not train on)."""
-    from recsys.config import ConfigError
-    from recsys.serving.export import read_manifest as read_export
-
-    if _is_remote(root):
-        raise ConfigError(f"train.init_from = {root}: an export as the source must be local (download it, or "
-                          f"give the run or checkpoint it came from)")
-    manifest = read_export(root, verify=verify)
-    if manifest["kind"] != "full" or manifest["precision"] != "fp32":
-        raise ConfigError(f"train.init_from = {root}: a {manifest['precision']} {manifest['kind']} export; a warm "
-                          f"start needs a full fp32 export (or the run / checkpoint it came from)")
-    return InitSource(root, root, int(manifest["step"]), _load_config(root), False, manifest, export=True)
-
-
-def export_rows(root: Path | str, manifest: dict[str, Any], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(ids int64 [R], rows float32 [R, D]) of table `name` of an fp32 export, or None when it has none."""
-    from recsys.serving.delta import read_table
-
-    entry = next((e for e in manifest["tables"] if e["name"] == name), None)
-    if entry is None:
-        return None
-    t = read_table(Path(root), entry)
-    return (torch.from_numpy(np.array(t["ids"], dtype=np.int64)),
-            torch.from_numpy(np.array(t["weight"], dtype=np.float32)))
-
-
-def source_replicated(source: InitSource) -> dict[str, torch.Tensor] | None:
-    """The replicated tables' saved state of a warm start's source (an export: from its table files)."""
-    if not source.export:
-        return read_replicated(source.model_dir)
-    out = {}
-    for t in source.config.ps.tables:
-        if t.placement == "replicated" and (got := export_rows(source.root, source.manifest, t.name)) is not None:
-            out[f"{t.name}.ids"], out[f"{t.name}.weight"] = got
-    return out
-
-
-def _load_config(root: Path | str) -> JobConfig:
+def load_saved_config(root: Path | str) -> JobConfig:
+    """The resolved config.toml a run, checkpoint or export directory holds (local or a URI)."""
     from recsys.config import load_config
 
     path = run_path(root, "config.toml")
-    if _is_remote(path):
+    if is_remote(path):
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
@@ -580,7 +498,7 @@ def _load_config(root: Path | str) -> JobConfig:
     return load_config(path)
 
 
-def _changed_layout(tables, saved_tables, keys: tuple[str, ...]):
+def changed_layout(tables, saved_tables, keys: tuple[str, ...]):
     """The first (table, key, saved table) among `tables` whose `key` differs from the table of the
     same name in `saved_tables`, or None; tables not saved are skipped."""
     saved = {t.name: t for t in saved_tables}
@@ -592,23 +510,6 @@ def _changed_layout(tables, saved_tables, keys: tuple[str, ...]):
     return None
 
 
-def check_init_tables(cfg: JobConfig, source: InitSource) -> list[str]:
-    """The source's tables the new run takes (by name); raises ConfigError naming a table whose
-    layout or optimizer changed. Tables only in `cfg` start empty."""
-    from recsys.config import ConfigError
-
-    changed = _changed_layout(cfg.ps.tables, source.config.ps.tables,
-                              ("dim", "kind", "num_embeddings", "optimizer", "placement", "weight_decay_mode"))
-    if changed is not None:
-        t, key, old = changed
-        raise ConfigError(
-            f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but train.init_from = {source.root} trained it "
-            f"with {key} = {getattr(old, key)!r}: its rows and optimizer state do not carry over (keep "
-            f"{key}, rename the table to start it afresh, or drop init_from)")
-    theirs = {t.name for t in source.config.ps.tables}
-    return [t.name for t in cfg.ps.tables if t.name in theirs]
-
-
 def check_resume_tables(cfg: JobConfig, checkpoint: Path | str) -> None:
     """Before any process starts: ConfigError naming a table whose saved layout (the fields a shard
     checks when it loads, `snapshot.LAYOUT_FIELDS`) differs in `cfg` from the checkpoint's config,
@@ -616,38 +517,10 @@ def check_resume_tables(cfg: JobConfig, checkpoint: Path | str) -> None:
     from embedding_ps.shard.snapshot import LAYOUT_FIELDS
     from recsys.config import ConfigError
 
-    changed = _changed_layout(cfg.ps.tables, _load_config(checkpoint).ps.tables, LAYOUT_FIELDS)
+    changed = changed_layout(cfg.ps.tables, load_saved_config(checkpoint).ps.tables, LAYOUT_FIELDS)
     if changed is not None:
         t, key, old = changed
         raise ConfigError(
             f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but the checkpoint {checkpoint} saved it with "
             f"{key} = {getattr(old, key)!r}: --resume continues the same tables (set {key} back, or start "
             f"a new run from it with --init-from and a renamed table)")
-
-
-def warm_start(parts: TrainParts, source: InitSource) -> None:
-    """Put the source's dense weights, replicated tables and (from a checkpoint) dense and table
-    optimizer state into `parts`; the data position, LR schedule and early-stopping record stay new."""
-    root = source.root
-    manifest = source.manifest
-    if source.export:          # the dense program's weights; rows came without optimizer state
-        program = torch.export.load(str(Path(root) / "dense.pt2"))
-        parts.model.load_state_dict({k.removeprefix("model."): v for k, v in program.state_dict.items()})
-        logger.info("warm start from the export %s: rows and dense weights without optimizer state (the "
-                    "optimizers start fresh)", root)
-        return
-    read = (lambda rel: read_checked(root, rel, manifest)) if source.checkpoint else \
-        (lambda rel: storage.read_bytes(run_path(root, *rel.split("/"))))
-    parts.model.load_state_dict(torch.load(io.BytesIO(read("model/dense.pt")), weights_only=True))
-    # (the replicated tables came from the source when the trainer was built: `build_replicated(grow=)`)
-    if not source.checkpoint:
-        logger.info("warm start from %s: no dense optimizer state there (a run's last model); it starts fresh",
-                    root)
-        return
-    state = torch.load(io.BytesIO(read("trainer/state.pt")), weights_only=True)
-    try:
-        parts.optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as e:
-        logger.warning("warm start from %s: the dense optimizer state does not fit (%s); it starts fresh", root, e)
-    if parts.table_optimizer is not None:
-        parts.table_optimizer.load_state_dict(state.get("table_optimizer", {}), remap=parts.replicated.grown)

@@ -26,7 +26,8 @@ from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
-from recsys.training.checkpoint import InitSource, check_init_tables, check_resume_tables, resolve_init
+from recsys.training.checkpoint import check_resume_tables
+from recsys.training.warm_start import InitSource, check_init_tables, resolve_init
 from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path)
 
 logger = logging.getLogger(__name__)

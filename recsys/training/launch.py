@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from recsys.config import JobConfig
-from recsys.training.checkpoint import InitSource
+from recsys.training.warm_start import InitSource
 from recsys.training.jobauth import job_auth
 from recsys.rundir import READY_TIMEOUT_S, run_path, wait_for_shards
 # the job's life, shared with the Ray engine (also importable from here)

@@ -22,7 +22,8 @@ from embedding_ps.shard.state import ShardState
 from embedding_ps.shard.snapshot import SavedShard, saved_shard_dirs, shard_dir
 from recsys import storage
 from recsys.config import load_config, to_toml
-from recsys.training.checkpoint import export_rows, resolve_init, verify_checkpoint, write_manifest
+from recsys.training.checkpoint import verify_checkpoint, write_manifest
+from recsys.training.warm_start import export_rows, resolve_init
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,8 @@ from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model
 from recsys.models.replicated import (ReplicatedStore, TableOptimizer, TrainModules, build_replicated,
                                       resolve_placement)
-from recsys.training.checkpoint import Checkpointer, InitSource, TrainParts, restore_trainer, warm_start
+from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
+from recsys.training.warm_start import InitSource, warm_start
 from recsys.training import stopping
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.loss import ctr_loss, row_weights

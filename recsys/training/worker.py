@@ -34,7 +34,8 @@ from recsys.metrics import MetricLogger, NullMetricLogger
 from recsys.models.replicated import REPLICATED_FILE, save_bytes
 from recsys.models.replicated import read_replicated as saved_replicated
 from recsys.training import stopping
-from recsys.training.checkpoint import checkpoint_path, read_manifest, resolve_init, source_replicated
+from recsys.training.checkpoint import checkpoint_path, read_manifest
+from recsys.training.warm_start import resolve_init, source_replicated
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
 from recsys import storage

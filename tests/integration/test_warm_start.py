@@ -23,7 +23,8 @@ from embedding_ps.local import LocalStore
 from recsys import cli
 from recsys.config import load_config, to_toml
 from recsys.serving.predictor import Predictor
-from recsys.training.checkpoint import list_checkpoints, resolve_init
+from recsys.training.checkpoint import list_checkpoints
+from recsys.training.warm_start import resolve_init
 from recsys.training.reshard import init_shard
 from recsys.training.trainer import Trainer
 from recsys.training.worker import saved_replicated
@@ -156,7 +157,7 @@ def test_warm_start_from_an_fp32_export(source, tmp_path: Path) -> None:
     from recsys.config import ConfigError
     from recsys.serving.export import export_model
     from recsys.serving.source import resolve_source
-    from recsys.training.checkpoint import source_replicated
+    from recsys.training.warm_start import source_replicated
 
     data, _, trainer, ckpt = source
     export_model(resolve_source(checkpoint=ckpt), tmp_path / "exp")
