@@ -22,8 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data.arrays import (_column, _ids, _list_parts, _negative_id, _numbers, _owned, _raw, _row_of_value,
+                         _rows_with, _valid)
 from data.config import DataConfig
-from data.hashing import hash_strings
 from data.paths import HIDDEN, glob_match
 from data.remote import is_uri, list_files, parquet_file
 from data.rows import ListColumn, Rows, ScalarColumn
@@ -261,120 +262,6 @@ class _Checker:
                             f"{count} such rows in rows {self.row0}..{self.row0 + self.n - 1}")
         self.bad |= mask
         self.counts[f"{column}: {what}"] += count
-
-
-def _column(table: pa.Table, name: str) -> pa.Array:
-    col = table.column(name)
-    return col.chunk(0) if col.num_chunks == 1 else pa.concat_arrays(col.chunks)
-
-
-_NUMPY = {
-    pa.int8(): np.dtype(np.int8), pa.int16(): np.dtype(np.int16), pa.int32(): np.dtype(np.int32),
-    pa.int64(): np.dtype(np.int64), pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
-    pa.uint32(): np.dtype(np.uint32), pa.uint64(): np.dtype(np.uint64), pa.float16(): np.dtype(np.float16),
-    pa.float32(): np.dtype(np.float32), pa.float64(): np.dtype(np.float64)}
-"""numpy dtypes of Arrow's fixed-width numbers (`DataType.to_pandas_dtype` imports pandas: ~0.35 s of a
-process's start)."""
-
-
-def _raw(arr: pa.Array) -> np.ndarray:
-    """The value buffer of a fixed-width numeric array as numpy [n], zero-copy and read-only.
-
-    Slots under nulls hold unspecified values: callers mask them with `_valid`.
-    """
-    dtype = _NUMPY.get(arr.type) or np.dtype(arr.type.to_pandas_dtype())
-    buf = arr.buffers()[1]
-    if buf is None or len(arr) == 0:                  # e.g. an all-null column may have no values buffer
-        return np.zeros(len(arr), dtype=dtype)
-    return np.frombuffer(buf, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
-
-
-def _owned(arr: pa.Array) -> np.ndarray:
-    """A copy of any column as numpy [n]; fixed-width numbers without nulls straight from their buffer
-    (the same array Arrow's to_numpy makes, without its import of pandas)."""
-    if arr.type in _NUMPY and not arr.null_count:
-        return _raw(arr).copy()
-    return np.array(arr.to_numpy(zero_copy_only=False))
-
-
-def _valid(arr: pa.Array) -> np.ndarray:
-    """bool [n]: not null."""
-    if not arr.null_count:
-        return np.ones(len(arr), dtype=bool)
-    bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
-    return np.unpackbits(bits, count=arr.offset + len(arr), bitorder="little")[arr.offset:].view(bool)
-
-
-def _numbers(arr: pa.Array, fill: float) -> np.ndarray:
-    """float or int [n] with nulls -> fill; a read-only view of Arrow memory where there are no nulls."""
-    if pa.types.is_boolean(arr.type):
-        arr = arr.cast(pa.uint8())
-    x = _raw(arr)
-    if arr.null_count:
-        x = np.where(_valid(arr), x, np.array(fill, dtype=np.float64 if x.dtype.kind != "f" else x.dtype))
-    return x
-
-
-def _ids(arr: pa.Array) -> tuple[np.ndarray, bool]:
-    """(int64 [n] ids (any value at nulls), whether they may be negative) of a flat id array.
-
-    A view of Arrow memory for int64 (read-only); integers are not range-checked here, uint64 ids
-    of 2**63 or more come out negative (and are then flagged, shown unsigned: `_negative_id`).
-    """
-    t = arr.type
-    if pa.types.is_dictionary(t):
-        if not pa.types.is_integer(t.value_type):
-            return hash_strings(arr), False
-        arr, t = arr.dictionary_decode(), t.value_type
-    if not pa.types.is_integer(t):
-        return hash_strings(arr), False
-    x = _raw(arr)
-    if x.dtype != np.int64:
-        x = x.view(np.int64) if x.dtype == np.uint64 else x.astype(np.int64)
-    return x, pa.types.is_signed_integer(t) or pa.types.is_uint64(t)
-
-
-def _negative_id(arr: pa.Array, values: np.ndarray, in_list: bool = False) -> tuple[str, np.ndarray]:
-    """(what to call a negative id of `arr`, the values to show): uint64 ids of 2**63 or more, unsigned."""
-    where = " in a list" if in_list else ""
-    if pa.types.is_uint64(arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type):
-        return f"uint64 id of 2**63 or more{where} (ids are int64 in [0, 2**63): hash or remap them)", \
-            values.view(np.uint64)
-    return f"negative id{where}", values
-
-
-def _row_of_value(offsets: np.ndarray) -> np.ndarray:
-    """int64 [N]: the row each value of a jagged column belongs to."""
-    lens = np.diff(offsets)
-    return np.repeat(np.arange(lens.size, dtype=np.int64), lens)
-
-
-def _rows_with(offsets: np.ndarray, value_mask: np.ndarray) -> np.ndarray:
-    """bool [n]: rows of a jagged column (offsets [n + 1]) holding a value where value_mask [N] is True."""
-    rows = np.zeros(offsets.size - 1, dtype=bool)
-    if value_mask.any():
-        rows[_row_of_value(offsets)[value_mask]] = True
-    return rows
-
-
-def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
-    """(offsets int64 [n + 1] rebased to 0, child values covering exactly those offsets).
-
-    A null list gets length 0 (Arrow allows a null slot to span values; those are dropped).
-    """
-    offsets = _raw(arr.offsets).astype(np.int64)        # [n + 1] (Arrow's to_numpy would import pandas)
-    child = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    offsets = offsets - offsets[0]
-    if arr.null_count:
-        valid = _valid(arr)
-        lens = np.diff(offsets)
-        if bool((lens[~valid] > 0).any()):
-            keep = np.repeat(valid, lens)
-            child = child.filter(pa.array(keep))
-            lens = np.where(valid, lens, 0)
-            offsets = np.zeros(lens.size + 1, np.int64)
-            np.cumsum(lens, out=offsets[1:])
-    return offsets, child
 
 
 class Decoder:

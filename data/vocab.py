@@ -2,7 +2,7 @@
 
     ids = distinct_ids(cfg, cfg.train_paths, ("user", "item"))   # {"user": int64 [R] sorted, ...}
 
-The ids are decoded exactly as the loader decodes them (`data.parquet._ids`: integers as int64,
+The ids are decoded exactly as the loader decodes them (`data.arrays._ids`: integers as int64,
 uint64 reinterpreted, strings and string dictionaries hashed), so an id the loader yields is found
 in the vocabulary of the files it read. Nulls are left out (the loader refuses or skips them). One
 pass over the named columns only, one row group at a time; every process that reads the same files
@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from data.config import DataConfig
-from data.parquet import DataError, _ids, _list_parts, _valid, read_row_group, resolve_paths, scan_files
+from data.arrays import _ids, _list_parts, _valid
+from data.parquet import DataError, read_row_group, resolve_paths, scan_files
 from data.remote import parquet_file
 
 __all__ = ["distinct_ids"]
