@@ -20,7 +20,7 @@ from embedding_ps.wire.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
 from recsys.training.launch import StopNow
-from recsys.tune_space import add_tune_parser
+from recsys.training.tune import add_tune_parser
 
 logger = logging.getLogger("recsys")
 

@@ -23,14 +23,16 @@ first run hold (Tune restores them), a changed --space is not read again.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.tune_space import Param, check_space, override, read_space, trial_overrides
@@ -229,4 +231,28 @@ def plot_trials(path: Path, rows: list[dict], metric: str) -> Path | None:
     return path
 
 
-__all__ = ["best_of", "best_row", "collect", "plot_trials", "run_tune", "write_best", "write_results"]
+def add_tune_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """`recsys tune`'s flags (cli.py calls this)."""
+    p = sub.add_parser("tune", help="hyperparameter search over a config with Ray Tune (ASHA): one training "
+                                    "job per trial; results.csv, best.toml, trials.png in --out")
+    add_config_args(p)
+    p.add_argument("--space", required=True, help="search space TOML: \"section.key\" = { choice = [...] }, "
+                                                  "loguniform / uniform / randint / qrandint / grid")
+    p.add_argument("--trials", type=int, default=8, help="trials sampled (with grid keys: times the grid)")
+    p.add_argument("--max-concurrent", type=int, default=2, help="trials running at once (1 CPU each for Ray)")
+    p.add_argument("--out", required=True, help="TUNE_DIR: trials/, results.csv, best.toml, trials.png; "
+                                                "the same --out again resumes an interrupted search")
+    p.add_argument("--metric", default=None, help="val/* metric to optimize (default: val/<train.early_stop_metric>)")
+    p.add_argument("--mode", choices=["min", "max"], default=None, help="default: max for auc, min for the rest")
+    p.set_defaults(func=_cmd_tune)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    if args.trials < 1 or args.max_concurrent < 1:
+        raise ConfigError("--trials and --max-concurrent must be >= 1")
+    return run_tune(args.config, args.overrides, args.space, args.out, trials=args.trials,
+                    max_concurrent=args.max_concurrent, metric=args.metric, mode=args.mode)
+
+
+__all__ = ["add_tune_parser", "best_of", "best_row", "collect", "plot_trials", "run_tune", "write_best",
+           "write_results"]
