@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from recsys import eager_optim
 from recsys.serving import Predictor
 from recsys.serving.export import export_model
 from recsys.serving.source import resolve_source
@@ -48,7 +49,7 @@ def test_resume_equals_uninterrupted_with_dense_options(tmp_path: Path, data_dir
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
     # AdamW with two groups (decayed weight matrices, exempt 1-D parameters); the schedule went on
     for opt in (full.optimizer, resumed.optimizer):
-        assert type(opt) is torch.optim.AdamW
+        assert type(opt) is eager_optim.AdamW
         assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.003 * 0.5 ** 2] * 2, rel=1e-12)  # 12 // 5 drops
     for sa, sb in zip(full.optimizer.state_dict()["state"].values(), resumed.optimizer.state_dict()["state"].values()):
