@@ -47,6 +47,10 @@ class JobSpec:
     trials_dir: str
     cwd: str
     metric: str
+    env: tuple[tuple[str, str], ...] = ()
+    """The environment of `recsys tune` itself, given to every job: not the Tune worker's, whose Ray
+    variables (RAY_RAYLET_PID, RAY_JOB_ID, ...) belong to Tune's own Ray instance and made a job on the
+    Ray engine (`cluster.engine = "ray"`) lose its actors on the cluster."""
 
 
 def _die_with_parent() -> None:
@@ -105,7 +109,7 @@ class JobTrial(tune.Trainable):
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                         start_new_session=True)
+                                         start_new_session=True, env=dict(spec.env) if spec.env else None)
 
     def step(self) -> dict:
         while True:

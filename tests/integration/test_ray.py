@@ -169,6 +169,33 @@ def test_resources_the_cluster_lacks_end_the_job_in_one_line(cluster, data_dir: 
     assert "ps shard" in line and "cluster.ps_resources" in line and "ps 6 needed, 2 free of 2" in line
 
 
+def test_tune_trials_run_as_jobs_on_the_ray_engine(cluster, data_dir: Path, tmp_path: Path) -> None:
+    """`recsys tune` on a config with cluster.engine = "ray": Tune runs on its own local Ray instance and each
+    trial's job on this cluster (the job's environment is the tune command's: Tune's worker variables,
+    RAY_RAYLET_PID and RAY_JOB_ID of the other instance, made its shard actors never start)."""
+    import csv
+    import subprocess
+    import sys
+
+    c, _, _ = cluster
+    sets = [f"data.train_paths=['{data_dir}/part-00000.parquet']", f"data.eval_paths=['{data_dir}/part-00001.parquet']",
+            f"data.batch_size={B}", "ps.num_shards=1", "train.num_trainers=1", "train.epochs=1",
+            "train.num_threads=1", "cluster.engine='ray'", f"cluster.address='{c.address}'",
+            "cluster.ps_resources={CPU=0.25, ps=1}", "cluster.trainer_resources={CPU=0.25, trainer=1}",
+            "cluster.start_timeout_s=60"]
+    (tmp_path / "space.toml").write_text('"train.dense_lr" = { choice = [0.01] }\n')
+    out = subprocess.run([sys.executable, "-m", "recsys.cli", "tune", "--config", str(ROOT / "configs" / "tiny.toml"),
+                          *(x for o in sets for x in ("--set", o)), "--space", "space.toml", "--trials", "1",
+                          "--max-concurrent", "1", "--out", "tune"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "tune" / "results.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["status"] == "terminated" and row["error"] == "", row
+    log = next((tmp_path / "tune" / "trials").glob("*.log")).read_text()
+    assert "Connected to Ray cluster" in log and "recsys.training.ray_launch: ps shards ready" in log
+
+
 def test_a_lost_node_without_spare_resources_ends_the_job_in_one_line(
         cluster, data_dir: Path, tmp_path: Path) -> None:
     """Runs last: the trainer node goes away mid-run; the restart finds no node offering `trainer`."""
