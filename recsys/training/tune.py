@@ -78,7 +78,7 @@ def run_tune(config: str, overrides: Sequence[str], space: str, out: str, *, tri
     root = Path(out).absolute()
     (root / "trials").mkdir(parents=True, exist_ok=True)
     spec = JobSpec(config=str(Path(config).absolute()), overrides=tuple(overrides),
-                   trials_dir=str(root / "trials"), cwd=os.getcwd(), metric=metric, env=tuple(os.environ.items()))
+                   trials_dir=str(root / "trials"), cwd=os.getcwd(), metric=metric, env_names=tuple(os.environ))
     ray.init(address="local", num_cpus=max_concurrent, include_dashboard=False, log_to_driver=False,
              object_store_memory=OBJECT_STORE_BYTES, configure_logging=False)
     try:

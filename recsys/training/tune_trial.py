@@ -18,6 +18,7 @@ import ctypes
 import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -47,10 +48,20 @@ class JobSpec:
     trials_dir: str
     cwd: str
     metric: str
-    env: tuple[tuple[str, str], ...] = ()
-    """The environment of `recsys tune` itself, given to every job: not the Tune worker's, whose Ray
-    variables (RAY_RAYLET_PID, RAY_JOB_ID, ...) belong to Tune's own Ray instance and made a job on the
-    Ray engine (`cluster.engine = "ray"`) lose its actors on the cluster."""
+    env_names: tuple[str, ...] = ()
+    """The names of `recsys tune`'s own environment variables: a job gets the Tune worker's environment
+    without the variables Ray added to it (RAY_RAYLET_PID, RAY_JOB_ID, ... of Tune's own Ray instance, which
+    made a job on the Ray engine, `cluster.engine = "ray"`, lose its actors on the cluster). Names only: the
+    values are the worker's, inherited from this command through Ray's local instance, and the spec (values
+    may be secrets) need not carry them through Ray's object store."""
+
+
+def job_env(spec: JobSpec) -> dict[str, str] | None:
+    """The environment of a trial's job (see JobSpec.env_names); None: this process's, unchanged."""
+    if not spec.env_names:
+        return None
+    names = set(spec.env_names)
+    return {k: v for k, v in os.environ.items() if k in names}
 
 
 def _die_with_parent() -> None:
@@ -109,7 +120,7 @@ class JobTrial(tune.Trainable):
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                         start_new_session=True, env=dict(spec.env) if spec.env else None)
+                                         start_new_session=True, env=job_env(spec))
 
     def step(self) -> dict:
         while True:
