@@ -104,14 +104,14 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
     return run_path(run_dir, "checkpoints", f"{PREFIX}{step:010d}")
 
 
-def is_remote(path: str | Path) -> bool:
+def _is_remote(path: str | Path) -> bool:
     return storage.is_uri(str(path))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
     """Complete checkpoint directories (renamed into place; on a URI: with their manifest), oldest first."""
     root = checkpoints_dir(run_dir)
-    if is_remote(root):
+    if _is_remote(root):
         names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
         return [run_path(root, n) for n in names if storage.is_file(run_path(root, n, "manifest.json"))]
     if not root.is_dir():
@@ -171,7 +171,7 @@ def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str
 
 
 def read_manifest(root: Path | str) -> dict[str, Any]:
-    if is_remote(root):
+    if _is_remote(root):
         path = run_path(root, "manifest.json")
         try:
             text = storage.read_text(path)
@@ -188,7 +188,7 @@ def verify_checkpoint(root: str | Path) -> dict[str, Any]:
     Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI only
     presence and sizes are checked here (see the module docstring).
     """
-    if is_remote(root):
+    if _is_remote(root):
         manifest = read_manifest(root)
         stored = storage.list_files(root)
         for rel, want in manifest["files"].items():
@@ -211,7 +211,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
     path must verify.
     """
     if resume != "latest":
-        path = resume if is_remote(resume) else Path(resume)
+        path = resume if _is_remote(resume) else Path(resume)
         verify_checkpoint(path)
         return path
     found = list_checkpoints(run_dir)
@@ -234,7 +234,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
 def prune(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and temporary leftovers of older saves."""
     done = list_checkpoints(run_dir)
-    if is_remote(checkpoints_dir(run_dir)):
+    if _is_remote(checkpoints_dir(run_dir)):
         newest = _name(done[-1]) if done else ""
         root = checkpoints_dir(run_dir)
         for name in storage.list_dir(root):       # older ones, and unfinished ones before the newest
@@ -302,7 +302,7 @@ class Checkpointer:
 
     def __init__(self, cfg: JobConfig, *, rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.run_dir = cfg.train.run_dir if is_remote(cfg.train.run_dir) else Path(cfg.train.run_dir)
+        self.run_dir = cfg.train.run_dir if _is_remote(cfg.train.run_dir) else Path(cfg.train.run_dir)
         self.local_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)   # staging for a URI run_dir
         self.enabled = cfg.train.checkpoint_every > 0 or cfg.train.checkpoint_every_s > 0
         self._last_time = time.monotonic()
@@ -343,7 +343,7 @@ class Checkpointer:
         if self.rank == 0:
             self.join()                   # one checkpoint in flight at a time
             root = checkpoint_path(self.run_dir, step) if target is None else target
-            remote = is_remote(root)
+            remote = _is_remote(root)
             if remote:         # written in place, complete once its manifest is (module docstring)
                 tmp = self.local_dir / "staging" / _name(root)
                 storage.delete_tree(root)
@@ -389,7 +389,7 @@ class Checkpointer:
             t0 = time.perf_counter()
             if background:
                 store.wait_saved(ps_dir, timeout_s=SAVE_TIMEOUT_S)
-            if is_remote(root):
+            if _is_remote(root):
                 publish_checkpoint(tmp, str(root), info)
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
@@ -486,7 +486,7 @@ def load_saved_config(root: Path | str) -> JobConfig:
     from recsys.config import load_config
 
     path = run_path(root, "config.toml")
-    if is_remote(path):
+    if _is_remote(path):
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:

@@ -26,7 +26,7 @@ from recsys import storage
 from recsys.config import JobConfig
 from recsys.models.replicated import read_replicated
 from recsys.rundir import run_path
-from recsys.training.checkpoint import (TrainParts, is_remote, changed_layout, load_saved_config, read_checked,
+from recsys.training.checkpoint import (TrainParts, changed_layout, load_saved_config, read_checked,
                                         read_manifest, verify_checkpoint)
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
     from recsys.config import ConfigError
     from recsys.rundir import model_root
 
-    remote = is_remote(path)
+    remote = storage.is_uri(path)
     root = path if remote else Path(path)
     if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "tables")):
         return _export_source(root, verify)
@@ -81,7 +81,7 @@ def _export_source(root: Path | str, verify: bool) -> InitSource:
     from recsys.config import ConfigError
     from recsys.serving.export import read_manifest as read_export
 
-    if is_remote(root):
+    if storage.is_uri(root):
         raise ConfigError(f"train.init_from = {root}: an export as the source must be local (download it, or "
                           f"give the run or checkpoint it came from)")
     manifest = read_export(root, verify=verify)
