@@ -85,9 +85,9 @@ class TableDecoder:
             return None
         one, lists, one_at, runs = shape
         try:
-            dense = _numbers([r[c] for r in rows for c in cfg.dense_columns], cfg.dense_fill)
-            ids = _ids([r[c] for r in rows for c in one])
-            jagged = [_list_ids([r[c] for r in rows], cfg.max_ids_per_row) for c in lists]
+            dense = _json_numbers([r[c] for r in rows for c in cfg.dense_columns], cfg.dense_fill)
+            ids = _json_ids([r[c] for r in rows for c in one])
+            jagged = [_json_list_ids([r[c] for r in rows], cfg.max_ids_per_row) for c in lists]
         except (KeyError, OverflowError):                     # a missing column, an id beyond int64: the table
             return None                                       # path names it
         if dense is None or ids is None or None in jagged:
@@ -154,7 +154,7 @@ class TableDecoder:
 _NONE = type(None)
 
 
-def _numbers(flat: list, fill: float) -> np.ndarray | None:
+def _json_numbers(flat: list, fill: float) -> np.ndarray | None:
     """float32 [n] of JSON numbers (a null -> fill), or None where a table would refuse a value (not a number,
     NaN or inf, beyond float32, an integer float64 cannot hold exactly)."""
     kinds = set(map(type, flat))
@@ -169,7 +169,7 @@ def _numbers(flat: list, fill: float) -> np.ndarray | None:
     return x if np.isfinite(x).all() else None
 
 
-def _ids(flat: list) -> tuple[np.ndarray, np.ndarray] | None:
+def _json_ids(flat: list) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids int64 [n], valid bool [n]) of JSON integers or nulls, or None (another value, a negative id)."""
     kinds = set(map(type, flat))
     if kinds <= {int}:
@@ -182,7 +182,7 @@ def _ids(flat: list) -> tuple[np.ndarray, np.ndarray] | None:
     return (x, valid) if not (x < 0).any() else None
 
 
-def _list_ids(column: list, max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _json_list_ids(column: list, max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids int64 [N], lengths [B]) of one list column's values (a null list: no ids), or None unless every
     value is a list (or null) of non-negative integers no longer than `max_len`."""
     if not set(map(type, column)) <= {list, _NONE}:
