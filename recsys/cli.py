@@ -19,7 +19,7 @@ from data.paths import fill_date, parse_date
 from embedding_ps.wire.auth import AuthConfigError
 from recsys.config import ConfigError, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
-from recsys.training.launch import StopNow
+from recsys.training.procs import StopNow
 from recsys.training.tune import add_tune_parser
 
 logger = logging.getLogger("recsys")
@@ -251,11 +251,15 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.cluster.engine == "local":
+        from recsys.training.procs import prestart
+
+        prestart()     # the zygote imports torch and the trainer while this process reads the data's footers
     from recsys.training.launch import launch_train
 
     from recsys.preflight import preflight_train
 
-    cfg = load_config(args.config, args.overrides)
     if args.init_from:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
     preflight_train(cfg, resume=args.resume)   # config, data footers, the checkpoint, before any process

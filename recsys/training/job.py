@@ -28,6 +28,7 @@ from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
 from recsys.training.checkpoint import check_resume_tables
 from recsys.training.warm_start import InitSource, check_init_tables, resolve_init
+from recsys.training.procs import StopNow
 from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path)
 
 logger = logging.getLogger(__name__)
@@ -36,14 +37,6 @@ logger = logging.getLogger(__name__)
 class WorkerError(RuntimeError):
     """A trainer raised an error (bad rows, a non-finite loss, ...): its one-line message, naming the
     file / row group / column, the rank and the log with the traceback."""
-
-
-class StopNow(BaseException):
-    """A second SIGTERM / SIGINT: stop everything at once, without a checkpoint."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}; nothing was saved")
-        self.signum = signum
 
 
 class StopRequests:
@@ -125,8 +118,8 @@ def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
     """Trainer ranks that left no error of their own this attempt (errors written after `since`)
     and did not return from their job either (exits/trainer-R.json, `worker.report_exit`), while
     every rank that did leave an error only lost its connection to a peer (PEER_LOST): the killed
-    ones, when the launcher saw the others' errors before the kill (torch elastic reports the first
-    failed rank it finds, not every one). [] otherwise: a rank that returned while its peers were
+    ones, when the launcher saw the others' errors before the kill (the trainer group reports the
+    ranks that had failed when it first saw one, `procs.run_trainers`). [] otherwise: a rank that returned while its peers were
     still in a collective is a bug in the job, not a kill worth a restart."""
     def records(kind: str) -> list[dict]:
         out = []
@@ -165,16 +158,17 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
 
 
 def write_processes(run_dir: Path, shards: list[subprocess.Popen] | list[dict], earlier: list[dict] = (),
-                    node: dict | None = None) -> list[dict]:
-    """processes.json: this launcher, the current attempt's shards and trainers, then `earlier`
-    attempts' processes. shards: the shard processes, or each shard's fields (a "pid" and where it
-    runs: the Ray engine's actors); node: fields added to the launcher's entry (its Ray node)."""
-    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **(node or {})}]
+                    node: dict | None = None, helpers: list[dict] = ()) -> list[dict]:
+    """processes.json: this launcher and its `helpers` (the local launcher's zygote), the current
+    attempt's shards and trainers, then `earlier` attempts' processes. shards: the shard processes, or
+    each shard's fields (a "pid" and where it runs: the Ray engine's actors); node: fields added to the
+    launcher's entry (its Ray node)."""
+    entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **(node or {})}, *helpers]
     entries += [{"role": "ps", "rank": i, **(p if isinstance(p, dict) else {"pid": p.pid})}
                 for i, p in enumerate(shards)]
     for f in sorted((run_dir / "pids").glob("trainer-*.json")):
         entries.append(json.loads(f.read_text()))
-    entries += [e for e in earlier if e["role"] != "launcher"]
+    entries += [e for e in earlier if e["role"] not in ("launcher", *(h["role"] for h in helpers))]
     (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
     return entries
 

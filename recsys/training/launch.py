@@ -1,7 +1,9 @@
 """Local launcher: `recsys train` starts the PS shards and the trainers on this machine.
 
-    launcher ──Popen──> ps shard 0..N-1   (python -m recsys.cli ps ...; die with the launcher)
-             ──torch.distributed.elastic──> trainer rank 0..W-1 (run_worker; gloo / NCCL)
+    launcher ──zygote──> ps shard 0..N-1   (`recsys ps ...`; die with the launcher)
+             ──zygote──> trainer rank 0..W-1 (worker_main; gloo / NCCL)
+
+Both are forks of one process that imported torch and the rest once (`recsys.training.procs`).
 
 It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
 waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
@@ -13,31 +15,25 @@ restart is logged and appended to `run_dir/restarts.jsonl`. An error the job rai
 data, bad config) is not retried: it would fail the same way; the first failing trainer's one-line
 error (`run_dir/errors/`) is raised as `WorkerError`, its traceback stays in `run_dir/logs/`.
 
-Graceful stop: the launcher keeps SIGTERM / SIGINT for itself (torch elastic is told to handle only
-SIGHUP / SIGQUIT). The first one is forwarded to the trainers as SIGUSR1: they finish the current
-step, agree on it, write a checkpoint and exit 0; the shards are stopped after them and
-`launch_train` returns `{"stopped": 1, "step": N, "checkpoint": DIR}`. A second signal raises
-`StopNow`: torch elastic terminates the trainers at once (SIGTERM), the shards are stopped, nothing
-is saved. Shards and trainers leave the terminal's process group, so a Ctrl-C reaches the launcher
-alone; both die with it (PR_SET_PDEATHSIG) if it is killed.
+Graceful stop: the launcher keeps SIGTERM / SIGINT for itself. The first one is forwarded to the
+trainers as SIGUSR1: they finish the current step, agree on it, write a checkpoint and exit 0; the
+shards are stopped after them and `launch_train` returns `{"stopped": 1, "step": N, "checkpoint":
+DIR}`. A second signal (or a SIGHUP / SIGQUIT) raises `StopNow`: the trainers are terminated at once
+(SIGTERM), the shards are stopped, nothing is saved. Shards and trainers leave the terminal's
+process group, so a Ctrl-C reaches the launcher alone; both die with it (PR_SET_PDEATHSIG, through
+the zygote) if it is killed.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,68 +41,47 @@ from recsys.config import JobConfig
 from recsys.training.warm_start import InitSource
 from recsys.training.jobauth import job_auth
 from recsys.rundir import READY_TIMEOUT_S, run_path, wait_for_shards
+from recsys.training.procs import (ForkedProcess, StopNow, TrainersFailed, child_env, free_port,  # noqa: F401
+                                   job_zygote, run_trainers, stop, zygote, zygote_pid)
 # the job's life, shared with the Ray engine (also importable from here)
-from recsys.training.job import (PEER_LOST, JobFailure, closing_summary, StopNow, StopRequests, WorkerError,  # noqa: F401
+from recsys.training.job import (PEER_LOST, JobFailure, closing_summary, StopRequests, WorkerError,  # noqa: F401
                                  placements_of, prepared_run, read_worker_error, run_attempts, silent_ranks,
                                  with_run_id, write_processes, write_run_dir)
 
 logger = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel sends SIGTERM to the child when the launcher dies (even by SIGKILL)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP workers starve 2 cores
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts hang without it
-    return env
-
-
 def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
                  restore: Path | str | None = None, init: Path | str | None = None, overrides: Sequence[str] = ()
-                 ) -> tuple[list[subprocess.Popen], list[Path]]:
-    """Start ps.num_shards shard processes on ephemeral ports, without waiting for them; return them
-    and their ready files (each holds the shard's address once it serves: `wait_for_shards`).
+                 ) -> tuple[list[ForkedProcess], list[Path]]:
+    """Start ps.num_shards shard processes (`recsys ps ...`, forked by the zygote) on ephemeral ports,
+    without waiting for them; return them and their ready files (each holds the shard's address once
+    it serves: `wait_for_shards`).
 
     restore: a saved PS directory (a checkpoint's model/ps) each shard loads its part of first.
     init: a warm start's saved PS directory (its tables taken by name, `reshard.init_shard`).
     overrides: `--set` values for the shards (the job's auth: `jobauth.job_auth`).
     """
-    procs: list[subprocess.Popen] = []
+    procs: list[ForkedProcess] = []
     ready_files = []
     for shard in range(cfg.ps.num_shards):
         ready = run_dir / f"ps-{shard}.ready"
         ready.unlink(missing_ok=True)
         ready_files.append(ready)
-        log = open(run_dir / f"ps-{shard}.log", "ab")
-        cmd = [sys.executable, "-m", "recsys.cli", "ps", "--config", str(config_path),
-               "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
+        argv = ["ps", "--config", str(config_path), "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
         for value in overrides:
-            cmd += ["--set", value]
+            argv += ["--set", value]
         if restore is not None:
-            cmd += ["--restore", str(restore)]
+            argv += ["--restore", str(restore)]
         elif init is not None:
-            cmd += ["--init-from", str(init)]
-        procs.append(subprocess.Popen(cmd, env=child_env(1), stdout=log, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent, start_new_session=True))
-        log.close()
+            argv += ["--init-from", str(init)]
+        procs.append(zygote().start("shard", argv, child_env(1), log=str(run_dir / f"ps-{shard}.log"), session=True))
     return procs, ready_files
 
 
 def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
                  restore: Path | str | None = None, init: Path | str | None = None, overrides: Sequence[str] = ()
-                 ) -> tuple[list[subprocess.Popen], list[str]]:
+                 ) -> tuple[list[ForkedProcess], list[str]]:
     """`spawn_shards`, then wait until every shard serves; return them and their addresses."""
     procs, ready_files = spawn_shards(cfg, config_path, run_dir, restore, init, overrides)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -142,37 +117,22 @@ def shard_error(log: Path) -> str:
     return ""
 
 
-def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=5)
-
-
-class ShardWatchdog(threading.Thread):
+class ShardWatchdog:
     """Ends the job at once when a PS shard process dies, instead of trainers timing out on it.
 
-    It signals this process with SIGHUP (SIGTERM is a graceful stop request); torch elastic's agent
-    (in the main thread) then tears the trainers down, and `launch_train` raises an error naming
-    the shard and its log. It watches from the shards' start (the trainers start beside them and wait
-    for their ready files), logs their addresses once all serve, and says whether a dead shard ever did.
+    `check` (called by `run_trainers` at every poll, from the shards' start: the trainers start beside
+    them and wait for their ready files) logs the shards' addresses once all serve and raises
+    ShardDied when one has exited (saying whether it ever served); the trainers are then torn down
+    and `launch_train` raises an error naming the shard and its log.
     """
 
-    def __init__(self, shards: list[subprocess.Popen], ready_files: list[Path] = (), poll_s: float = 0.1) -> None:
-        super().__init__(name="ps-watchdog", daemon=True)
-        self.shards, self.ready_files, self.poll_s = shards, list(ready_files), poll_s
+    def __init__(self, shards: list[ForkedProcess], ready_files: list[Path] = ()) -> None:
+        self.shards, self.ready_files = shards, list(ready_files)
         self.dead: tuple[int, int, bool] | None = None          # (shard, exit code, it had served)
         self.serving = not self.ready_files
-        self._stop_event = threading.Event()
 
-    def run(self) -> None:
-        while not self._stop_event.wait(self.poll_s):
+    def check(self) -> None:
+        if self.dead is None:
             if not self.serving and all(f.exists() for f in self.ready_files):
                 self.serving = True
                 logger.info("ps shards ready at %s", ", ".join(wait_for_shards(self.ready_files, 0.0)))
@@ -182,12 +142,46 @@ class ShardWatchdog(threading.Thread):
                     self.dead = (i, p.returncode, served)
                     logger.error("ps shard %d exited with code %s %s; stopping the job", i, p.returncode,
                                  "during training" if served else "before it was ready")
-                    os.kill(os.getpid(), signal.SIGHUP)
-                    return
+                    break
+        if self.dead is not None:
+            raise ShardDied(*self.dead)
 
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)
+
+class ShardDied(RuntimeError):
+    def __init__(self, shard: int, code: int, served: bool) -> None:
+        super().__init__(f"ps shard {shard} exited with code {code}")
+        self.shard, self.code, self.served = shard, code, served
+
+
+def _helpers() -> list[dict]:
+    """processes.json's entry for the zygote (it forks the shards and trainers: `procs`)."""
+    pid = zygote_pid()
+    return [] if pid is None else [{"role": "zygote", "rank": 0, "pid": pid}]
+
+
+def _failure(e: ShardDied | TrainersFailed, watchdog: ShardWatchdog, cfg: JobConfig, run_dir: Path,
+             started: float) -> Exception:
+    """What a failed attempt raises: JobFailure (a process was killed or a shard died: `killed` says
+    whether a restart is worth it), WorkerError (a trainer's own error), else `e`."""
+    with contextlib.suppress(ShardDied):
+        watchdog.check()                      # a trainer that failed on a dead shard: the shard is the cause
+    if watchdog.dead is not None:
+        shard, code, served = watchdog.dead
+        log = run_dir / f"ps-{shard}.log"
+        return JobFailure(f"ps shard {shard} exited with code {code} "
+                          f"{'during training' if served else 'before it was ready'}"
+                          f"{'' if code < 0 else shard_error(log)}; see {log}", killed=code < 0)
+    killed = {r: f for r, f in e.failures.items() if f[0] < 0}
+    if killed:                  # the cause (others then fail on the dead peer): worth a restart
+        rank, (code, pid) = next(iter(killed.items()))
+        return JobFailure(f"trainer rank {rank} (pid {pid}) was killed by signal {-code} "
+                          f"({signal.Signals(-code).name})", killed=True)
+    silent = silent_ranks(run_dir, cfg.train.num_trainers, started)
+    if silent:                  # the same, seen in the other order: the survivors' errors first
+        return JobFailure(f"trainer rank {silent[0]} exited without an error of its own (killed?) "
+                          f"and the others lost their connection to it", killed=True)
+    line = read_worker_error(run_dir)      # the first trainer's own error
+    return WorkerError(line) if line is not None else e
 
 
 def check_devices(cfg: JobConfig) -> None:
@@ -223,7 +217,7 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
     check_devices(cfg)
     # the shards wait for every trainer's barrier: they must know how many there are
     cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
-    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init), \
+    with job_zygote(), prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init), \
             StopRequests(run_dir) as stops, job_auth(cfg.ps, run_dir) as auth:
         return run_attempts(cfg, config_path, run_dir, checkpoint, stops, verbose, functools.partial(_attempt, auth),
                             init=init)
@@ -234,62 +228,27 @@ def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, 
     """One start of the shards and trainers; the final metrics, or None after a graceful stop.
     auth: the job's `--set` values for ps.auth (`jobauth.job_auth`), given to shards and trainers.
     Raises JobFailure when a process of it is killed, WorkerError when a trainer fails."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from recsys.training.worker import worker_main
-
     (run_dir / "metrics.json").unlink(missing_ok=True)
     started = time.time()                 # trainer errors written from now on are this attempt's
-    shards: list[subprocess.Popen] = []
+    shards: list[ForkedProcess] = []
     try:
-        # the trainers start while the shards do (both import torch first) and wait for their ready files
+        # the trainers start while the shards do and wait for their ready files
         shards, ready_files = spawn_shards(cfg, config_path, run_dir,
                                            None if checkpoint is None else run_path(checkpoint, "model", "ps"),
                                            None if init is None else
                                            init.root if init.export else run_path(init.model_dir, "ps"), auth)
-        write_processes(run_dir, shards, earlier)
+        write_processes(run_dir, shards, earlier, helpers=_helpers())
         if stops.requested.is_set():
             return None              # asked to stop while the shards started: no trainer yet
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        lc = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=cfg.train.num_trainers,
-            run_id=f"recsys-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
-            start_method="spawn", local_addr="127.0.0.1",
-            signals_to_handle="SIGHUP,SIGQUIT",    # SIGTERM / SIGINT are StopRequests'
-        )
         watchdog = ShardWatchdog(shards, ready_files)
-        watchdog.start()
         try:
-            elastic_launch(lc, worker_main)(str(config_path), [str(f) for f in ready_files], str(run_dir),
-                                           None if checkpoint is None else str(checkpoint), False, verbose,
-                                           None if init is None else str(init.root), auth)
-        except BaseException as e:
-            if watchdog.dead is not None:
-                shard, code, served = watchdog.dead
-                log = run_dir / f"ps-{shard}.log"
-                raise JobFailure(f"ps shard {shard} exited with code {code} "
-                                 f"{'during training' if served else 'before it was ready'}"
-                                 f"{'' if code < 0 else shard_error(log)}; see {log}", killed=code < 0) from e
-            if isinstance(e, ChildFailedError):
-                killed = [f for f in e.failures.values() if f.exitcode < 0]
-                if killed:            # the cause (others then fail on the dead peer): worth a restart
-                    f = killed[0]
-                    raise JobFailure(f"trainer rank {f.local_rank} (pid {f.pid}) was killed by signal "
-                                     f"{-f.exitcode} ({f.signal_name()})", killed=True) from e
-                silent = silent_ranks(run_dir, cfg.train.num_trainers, started)
-                if silent:            # the same, seen in the other order: the survivors' errors first
-                    raise JobFailure(f"trainer rank {silent[0]} exited without an error of its own (killed?) "
-                                     f"and the others lost their connection to it", killed=True) from e
-                line = read_worker_error(run_dir)    # the first trainer's own error
-                if line is not None:
-                    raise WorkerError(line) from None
-            raise
-        finally:
-            watchdog.stop()
-        write_processes(run_dir, shards, earlier)
+            run_trainers(cfg.train.num_trainers,
+                         [str(config_path), [str(f) for f in ready_files], str(run_dir),
+                          None if checkpoint is None else str(checkpoint), False, verbose,
+                          None if init is None else str(init.root), list(auth)], check=watchdog.check)
+        except (ShardDied, TrainersFailed) as e:
+            raise _failure(e, watchdog, cfg, run_dir, started) from None
+        write_processes(run_dir, shards, earlier, helpers=_helpers())
         if (run_dir / "stopped.json").exists():
             return None
         metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -297,4 +256,4 @@ def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, 
         return metrics
     finally:
         stop(shards)
-        earlier[:] = write_processes(run_dir, shards, earlier)
+        earlier[:] = write_processes(run_dir, shards, earlier, helpers=_helpers())

@@ -18,7 +18,7 @@ itself: the process dies by it at once (no checkpoint).
 
 Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
 launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a
-SIGTERM from torch elastic there means an abort: another rank failed).
+SIGTERM from the launcher there means an abort: another rank failed).
 """
 
 from __future__ import annotations

@@ -175,13 +175,14 @@ def _leave_terminal_group() -> None:
 def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: str | None = None,
                 load_shards: bool = False, verbose: bool = False, init: str | None = None,
                 overrides: Sequence[str] = ()) -> None:
-    """Entry point of a trainer process started by the local launcher (torch.distributed.elastic):
+    """Entry point of a trainer process started by the local launcher (a fork of its zygote,
+    `recsys.training.procs.run_trainers`, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set):
     logging and environment settings, the shards' addresses (from their ready files: the launcher
     starts trainers and shards together), then `recsys.training.worker.run_worker` (with `overrides`:
     the job's ps.auth, `jobauth.job_auth`).
 
     SIGUSR1 (the launcher's stop request) ends training after the current step with a checkpoint;
-    SIGTERM (torch elastic stopping the workers after a failure) ends the process at once. An error
+    SIGTERM (the launcher stopping the trainers after a failure) ends the process at once. An error
     exits with code 2 after `report_failure` (no traceback on the terminal without `verbose`).
     """
     rank = int(os.environ.get("RANK", "0"))

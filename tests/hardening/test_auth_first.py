@@ -103,7 +103,8 @@ def test_launcher_shards_get_a_per_job_token(tmp_path: Path, tiny_dataset, monke
 
     def spy(*args, **kwargs):                                      # the shard's command line, and a stranger
         procs, ready = spawn(*args, **kwargs)
-        seen["argv"] = [open(f"/proc/{p.pid}/cmdline", "rb").read().decode() for p in procs]
+        seen["argv"] = [" ".join(p.args) for p in procs]           # forked: its argv goes through a pipe
+        seen["cmdline"] = [open(f"/proc/{p.pid}/cmdline", "rb").read().decode() for p in procs]
         seen["ready"] = ready
         return procs, ready
 
@@ -113,6 +114,7 @@ def test_launcher_shards_get_a_per_job_token(tmp_path: Path, tiny_dataset, monke
     assert "ps.auth='token'" in argv
     token_path = argv.split("ps.token_file='")[1].split("'")[0]
     assert token_path.startswith(f"/proc/{os.getpid()}/fd/")           # the launcher's memfd: no file, no argv
+    assert not any("ps.auth" in c or "/fd/" in c for c in seen["cmdline"])   # nor in what `ps` shows
     assert "/proc/" not in (run / "config.toml").read_text()           # the run dir's config stays the user's
     assert "auth 'token'" in (run / "ps-0.log").read_text() or "auth token" in (run / "ps-0.log").read_text()
     assert json.loads((run / "metrics.json").read_text())["steps"] == 6

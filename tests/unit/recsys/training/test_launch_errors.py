@@ -3,7 +3,6 @@ launcher saw after its peers' errors (they only lost their connection to it) is 
 
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recsys.rundir import wait_for_shards
-from recsys.training.launch import ShardWatchdog, shard_error, silent_ranks
+from recsys.training.launch import ShardDied, ShardWatchdog, shard_error, silent_ranks
 
 GLOO_RESET = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17098: Connection reset "
               "by peer. This is typically caused by a remote worker hanging")
@@ -95,22 +94,36 @@ def test_a_shard_that_never_serves_is_named_with_its_log(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("served", [False, True])
 def test_the_watchdog_names_a_shard_that_died_and_whether_it_had_served(tmp_path: Path, served: bool) -> None:
-    """A dead shard ends the job through SIGHUP to the launcher (here: this process, caught)."""
-    hups = []
-    old = signal.signal(signal.SIGHUP, lambda *a: hups.append(1))
+    """A dead shard ends the job: the trainer group's poll (`check`) raises ShardDied."""
     ready = tmp_path / "ps-0.ready"
     if served:
         ready.write_text("tcp://127.0.0.1:5000")
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
-    watchdog = ShardWatchdog([proc], [ready], poll_s=0.02)
+    watchdog = ShardWatchdog([proc], [ready])
     try:
-        watchdog.start()
-        watchdog.join(timeout=30)
-        assert watchdog.dead == (0, 3, served) and hups == [1]
+        proc.wait(timeout=30)
+        with pytest.raises(ShardDied, match="ps shard 0 exited with code 3"):
+            watchdog.check()
+        assert watchdog.dead == (0, 3, served)
+        with pytest.raises(ShardDied):       # and stays dead
+            watchdog.check()
     finally:
-        watchdog.stop()
+        proc.kill()
         proc.wait(timeout=10)
-        signal.signal(signal.SIGHUP, old)
+
+
+def test_the_watchdog_is_quiet_while_the_shards_run(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watchdog = ShardWatchdog([proc], [tmp_path / "ps-0.ready"])
+        watchdog.check()
+        assert watchdog.dead is None and not watchdog.serving
+        (tmp_path / "ps-0.ready").write_text("tcp://127.0.0.1:5000")
+        watchdog.check()
+        assert watchdog.serving
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def test_the_launcher_line_carries_the_shard_s_own_error(tmp_path: Path) -> None:
