@@ -287,6 +287,7 @@ def run_trainers(world: int, args: Sequence, check: Callable[[], None] = lambda:
                    "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # (its threads: train.num_threads)
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")   # as torch elastic set it: a hung peer aborts
             procs.append(z.start(target, args, env, deathsig=signal.SIGKILL))
         while True:
             check()
