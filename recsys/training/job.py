@@ -119,8 +119,9 @@ def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
     and did not return from their job either (exits/trainer-R.json, `worker.report_exit`), while
     every rank that did leave an error only lost its connection to a peer (PEER_LOST): the killed
     ones, when the launcher saw the others' errors before the kill (the trainer group reports the
-    ranks that had failed when it first saw one, `procs.run_trainers`). [] otherwise: a rank that returned while its peers were
-    still in a collective is a bug in the job, not a kill worth a restart."""
+    ranks that had failed when it first saw one, `procs.run_trainers`). [] otherwise: a rank that
+    returned while its peers were still in a collective is a bug in the job, not a kill worth a
+    restart."""
     def records(kind: str) -> list[dict]:
         out = []
         for f in (run_dir / kind).glob("trainer-*.json"):

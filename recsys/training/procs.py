@@ -117,7 +117,8 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The launcher's end of the zygote: `start` forks a child there and returns its handle."""
+    """The launcher's end of the zygote: `start` forks a child there and returns its handle. The zygote
+    dies with the thread that made it (PR_SET_PDEATHSIG): make it in the thread that runs the job."""
 
     def __init__(self) -> None:
         cmd_r, cmd_w = os.pipe()
@@ -169,7 +170,7 @@ class Zygote:
         with self._lock:
             self._next += 1
             ident = self._next
-            request = {"id": ident, "target": target, "args": list(args), "env": env, "cwd": os.getcwd(),
+            request = {"id": ident, "target": target, "args": list(args), "env": env, "cwd": _cwd(),
                        "log": log, "session": session, "deathsig": int(deathsig)}
             try:
                 self._cmd.write(json.dumps(request).encode() + b"\n")
@@ -204,6 +205,14 @@ class Zygote:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()                  # nothing of its own to save; it may still be importing
         self.proc.wait(timeout=30)
+
+
+def _cwd() -> str | None:
+    """This process's working directory (None if it was removed: the child keeps the zygote's)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return None
 
 
 def _zombie(pid: int) -> bool:
@@ -338,7 +347,8 @@ def _run_child(request: dict, zygote_pid: int) -> int:
     _die_with_parent(request["deathsig"])
     if os.getppid() != zygote_pid:            # the zygote died before the prctl
         return 1
-    os.chdir(request["cwd"])
+    if request["cwd"] is not None:
+        os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     if request["log"]:

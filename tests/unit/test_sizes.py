@@ -19,7 +19,7 @@ KNOWN_FUNCTIONS = {
     "recsys/cli.py::build_parser",              # one add_argument per flag: a table, not logic
     "recsys/config.py::expand_tables", "recsys/config.py::__post_init__",
     "recsys/training/daily.py::run_daily", "recsys/training/job.py::prepared_run",
-    "recsys/training/launch.py::_attempt", "recsys/training/worker.py::run_worker",
+    "recsys/training/worker.py::run_worker",
     "embedding_ps/client/client.py::push_many_async",
 }
 
