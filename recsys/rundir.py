@@ -90,7 +90,8 @@ def wait_for_shards(ready_files: list[str] | list[Path], timeout_s: float) -> li
 
     The local launcher starts the trainers while its shards start (both forks of the zygote,
     `recsys.training.procs`): a trainer waits here for the shards, and the launcher's
-    `ShardWatchdog` ends the job if a shard dies first. Raises TimeoutError naming the shard and its log after `timeout_s`."""
+    `ShardWatchdog` ends the job if a shard dies first. Raises TimeoutError naming the shard and
+    its log after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     addresses = []
     for shard, ready in enumerate(map(Path, ready_files)):
