@@ -329,10 +329,15 @@ def stop(procs: Sequence, timeout_s: float = 10.0) -> None:
 
 def probe(code: int = 0, sleep_s: float = 0.0) -> None:
     """A child that says what it sees (one JSON line on stdout: pid, parent, session, working
-    directory, environment), sleeps, and exits with `code`: what the tests check a fork against."""
+    directory, environment, torch's threads, whether CUDA was initialized before the fork: it must not
+    be, or CUDA refuses to work in the child), sleeps, and exits with `code`: what the tests check a
+    fork against."""
+    import torch
+
     sys.stdout.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
                                  "cwd": os.getcwd(), "env": dict(os.environ),
-                                 "threads": __import__("torch").get_num_threads()}) + "\n")
+                                 "threads": torch.get_num_threads(),
+                                 "cuda_initialized": torch.cuda.is_initialized()}) + "\n")
     sys.stdout.flush()
     time.sleep(sleep_s)
     raise SystemExit(code)

@@ -52,6 +52,7 @@ def test_a_child_sees_the_callers_environment_directory_and_log(zygote, tmp_path
     assert seen["cwd"] == str(tmp_path)
     assert seen["env"]["RECSYS_PROBE"] == "after the zygote started" and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert seen["threads"] == 1
+    assert seen["cuda_initialized"] is False          # the zygote never touches CUDA (a fork could not use it)
 
 
 def test_exit_codes_are_those_subprocess_reports(zygote, tmp_path) -> None:
