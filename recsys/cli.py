@@ -274,6 +274,10 @@ def _cmd_daily(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if not cfg.data.date:
         raise ConfigError("recsys daily needs --date YYYY-MM-DD (the day to train on)")
+    if cfg.cluster.engine == "local":
+        from recsys.training.procs import prestart
+
+        prestart()     # the zygote imports torch and the trainer while the day's run is prepared
     record = run_daily(cfg, cfg.data.date, root=args.root, publish=args.publish, keep=args.keep,
                        source=getattr(args, "from"), next_day=args.next_day, resume=args.resume,
                        overwrite=args.overwrite)

@@ -26,6 +26,9 @@ QUICKSTART = resources.files("recsys") / "configs" / "quickstart.toml"
 
 
 def run_demo(out: str, rows: int = 600_000) -> int:
+    from recsys.training.procs import prestart
+
+    prestart()          # the zygote imports torch and the trainer meanwhile (recsys.training.procs)
     from data.synthetic import generate
     from recsys.training.launch import launch_train
 
