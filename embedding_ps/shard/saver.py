@@ -66,7 +66,7 @@ class BackgroundSaver:
         snap = state.snapshot()
         with self._lock:
             self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s,
-                                       prepare_s=getattr(snap, "prepare_s", 0.0), background=True, step=step)
+                                       prepare_s=snap.prepare_s, background=True, step=step)
         self.phase = "writing"
         self._finished.clear()
         self._snap = snap          # handed over through an attribute, so the thread's args keep no reference
@@ -132,7 +132,7 @@ class BackgroundSaver:
                 end = {"state": "failed", "error": f"{type(e).__name__}: {e}", "write_s": time.perf_counter() - t0}
             else:
                 end = {"state": "done", "write_s": info["write_s"], "bytes": info["bytes"]}
-            stats = getattr(snap, "stats", dict)()
+            stats = snap.stats()
             self._end(**end, **{k: stats.get(k) for k in _COW_KEYS})
         finally:
             snap = None            # the snapshot's memory goes back now, not when the next save starts

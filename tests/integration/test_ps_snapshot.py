@@ -97,7 +97,10 @@ def test_background_save_while_pushing_is_a_consistent_cut(shard_processes, tmp_
 
 
 class _GatedSnapshot:
-    snapshot_s, nbytes = 0.001, 10
+    snapshot_s, nbytes, prepare_s = 0.001, 10, 0.0
+
+    def stats(self) -> dict:
+        return {}
 
     def __init__(self, state: "_GatedState") -> None:
         self.state = state
