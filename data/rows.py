@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from data.batch import Batch, KeyedJagged
+if TYPE_CHECKING:
+    from data.batch import Batch
 
 Index = np.ndarray | slice
 """Rows to take: an int64 index array (any order) or a slice."""
@@ -158,6 +159,10 @@ def gather(segments: list[tuple[Rows, Index]], layout: BatchLayout) -> Batch:
     B = the total number of rows selected. First the lengths [F, B] and, per (feature, segment),
     which values to copy; then each is copied once, straight into its place in the values [N].
     """
+    import torch                     # here, so that reading Parquet footers (preflight) needs no torch
+
+    from data.batch import Batch, KeyedJagged
+
     sizes = [len(range(*idx.indices(len(r)))) if isinstance(idx, slice) else idx.size for r, idx in segments]
     B = sum(sizes)
     lengths = np.empty((len(layout.keys), B), dtype=np.int32)                 # [F, B]

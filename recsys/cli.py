@@ -251,18 +251,19 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from recsys.preflight import preflight_train
+
     cfg = load_config(args.config, args.overrides)
+    if args.init_from:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
     if cfg.cluster.engine == "local":
         from recsys.training.procs import prestart
 
-        prestart()     # the zygote imports torch and the trainer while this process reads the data's footers
+        prestart()     # the zygote imports torch and the trainer while this process checks and prepares the run
+    # config, data footers, the checkpoint, before any process (and before torch: bad input fails in < 1 s)
+    preflight_train(cfg, resume=args.resume)
     from recsys.training.launch import launch_train
 
-    from recsys.preflight import preflight_train
-
-    if args.init_from:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
-    preflight_train(cfg, resume=args.resume)   # config, data footers, the checkpoint, before any process
     launch_train(cfg, resume=args.resume, verbose=args.verbose,    # a graceful stop also exits 0
                  overwrite=args.overwrite)
     return 0

@@ -71,10 +71,10 @@ def check_cluster(cfg: JobConfig) -> None:
 
 def check_tables(cfg: JobConfig) -> None:
     """Every sparse feature reads a table that exists, and every table is read by some feature."""
-    from recsys.models import build_sparse_arch
+    from recsys.table_plans import table_plans
 
     try:
-        plans = build_sparse_arch(cfg).plans
+        plans, _ = table_plans(cfg)
     except ValueError as e:
         raise PreflightError(f"ps.tables / model.feature_tables: {e} (add the table, or map the feature "
                              f"to one with model.feature_tables)") from None

@@ -33,6 +33,7 @@ from recsys.models.mlp import MLP, LinearTerms
 from recsys.models.sequence import (SequencePlan, SequenceSparseArch, plan_sequences, sequence_feature_tables,
                                     sequence_inputs)
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan, plan_tables
+from recsys.table_plans import table_plans
 from recsys.models.two_tower import TwoTower
 from recsys.models.wide_deep import WideDeep
 
@@ -79,13 +80,9 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
 
 def build_sparse_arch(cfg: JobConfig) -> SparseArch:
     """The sparse arch of a job: which features read which table, and how they pool."""
-    m = cfg.model
-    # a list reads its candidate's table
-    feature_tables = sequence_feature_tables(m.feature_tables, m.sequence_features)
-    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, feature_tables,
-                        m.linear_feature_tables, m.table_pooling)
-    if m.sequence_features:    # din: the behavior lists also come back per position (sequence.py)
-        return SequenceSparseArch(plans, plan_sequences(cfg.data.sparse_columns, m.sequence_features), m.max_seq_len)
+    plans, sequences = table_plans(cfg)
+    if sequences:    # din: the behavior lists also come back per position (sequence.py)
+        return SequenceSparseArch(plans, sequences, cfg.model.max_seq_len)
     return SparseArch(plans)
 
 

@@ -20,39 +20,13 @@ of nothing: zeros, mask False). For any other arch `sequence_inputs` returns ().
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from data.batch import Batch, KeyedJagged
 from embedding_ps.store import EmbeddingStore
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan
-
-
-@dataclass(frozen=True, slots=True)
-class SequencePlan:
-    """One behavior list: its feature index and its candidate's (both index the batch's keys and pooled [B, F, D])."""
-
-    name: str
-    feature: int
-    candidate: int
-
-
-def plan_sequences(features: tuple[str, ...], sequence_features: dict[str, str]) -> list[SequencePlan]:
-    """The SequencePlans of `model.sequence_features` over the batch's features (in feature order)."""
-    out = []
-    for seq, cand in sequence_features.items():
-        for col in (seq, cand):
-            if col not in features:
-                raise ValueError(f"model.sequence_features.{seq}: {col!r} is not in data.sparse_columns "
-                                 f"{list(features)}")
-        out.append(SequencePlan(seq, features.index(seq), features.index(cand)))
-    return sorted(out, key=lambda s: s.feature)
-
-
-def sequence_feature_tables(feature_tables: dict[str, str], sequence_features: dict[str, str]) -> dict[str, str]:
-    """`model.feature_tables` with every behavior list mapped to its candidate's table."""
-    return {**{s: feature_tables.get(c, c) for s, c in sequence_features.items()}, **feature_tables}
+from recsys.table_plans import SequencePlan, plan_sequences, sequence_feature_tables  # noqa: F401
 
 
 def truncate_lists(kj: KeyedJagged, features: list[int], max_len: int) -> KeyedJagged:

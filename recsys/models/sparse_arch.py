@@ -26,49 +26,8 @@ import torch.nn.functional as F
 
 from data.batch import Batch
 from embedding_ps import native
-from embedding_ps.wire.config import TableConfig
 from embedding_ps.store import EmbeddingStore
-
-
-@dataclass(frozen=True, slots=True)
-class TablePlan:
-    """One table's part of the batch: which features read it and how they pool."""
-
-    table: int                # index into ps.tables
-    name: str
-    dim: int
-    pooling: str              # "sum" | "mean"
-    features: tuple[int, ...]  # indices into the batch's feature keys, in output order
-    linear: bool              # dim-1 table feeding the model's first-order (wide) terms
-    replicated: bool = False  # placement = "replicated": looked up in the trainer's own copy (replicated.py)
-
-
-def plan_tables(
-    features: tuple[str, ...],
-    tables: tuple[TableConfig, ...],
-    feature_tables: dict[str, str],
-    linear_feature_tables: dict[str, str],
-    table_pooling: dict[str, str],
-) -> list[TablePlan]:
-    """Group features by the table they read. Raises ValueError naming a feature or table."""
-    index = {t.name: i for i, t in enumerate(tables)}
-    plans: list[TablePlan] = []
-    for linear, mapping in ((False, feature_tables), (True, linear_feature_tables)):
-        by_table: dict[str, list[int]] = {}
-        for f, feature in enumerate(features):
-            name = mapping.get(feature, None if linear else feature)
-            if name is None:
-                continue
-            if name not in index:
-                raise ValueError(f"feature '{feature}' reads table '{name}', which is not in ps.tables")
-            by_table.setdefault(name, []).append(f)
-        for name, feats in by_table.items():
-            cfg = tables[index[name]]
-            if linear and cfg.dim != 1:
-                raise ValueError(f"linear table '{name}' must have dim 1, got {cfg.dim}")
-            plans.append(TablePlan(index[name], name, cfg.dim, table_pooling.get(name, "sum"),
-                                   tuple(feats), linear, cfg.placement == "replicated"))
-    return plans
+from recsys.table_plans import TablePlan, plan_tables  # noqa: F401  (the plans, torch-free)
 
 
 @dataclass
