@@ -40,6 +40,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,6 +104,29 @@ class ShardStateLike(Protocol):
 
 
 StateFactory = Callable[[PSConfig, int], ShardStateLike]
+
+
+@dataclass(slots=True)
+class RowsRequest:
+    """A PULL or a PUSH in the one form the row handlers take, whichever way the client sent it: ids
+    and row data in the request's frames, or in its shared-memory segment (protocol.FLAG_SHM), with
+    the ids there too when the ids frame is empty (then also a trailer: FLAG_NOTIFY's done word,
+    FLAG_GRADS_LATE's ready word; `embedding_ps.wire.shm`)."""
+
+    dtype: P.DType                   # of the rows on the wire: the PULL's reply, the PUSH's grads
+    tables: list[int]                # [T] each part's table
+    counts: list[int]                # [T] each part's number of ids
+    total: int                       # M = sum(counts)
+    nbytes: int                      # the row data's bytes: M x dim x item size
+    ids: torch.Tensor | None         # int64 [M] (None until `ShardServer._attach` when they are in the segment)
+    shm: bool = False                # FLAG_SHM
+    ids_in_seg: bool = False
+    seg: np.ndarray | None = None    # uint8 [nbytes]: the row data in the client's segment (None: the frames)
+    trailer: np.ndarray | None = None  # int64 [4] of the segment (ids in the segment with NOTIFY / GRADS_LATE)
+
+    def bounds(self) -> list[tuple[int, int, int]]:
+        """(table, start, n) of each part in the ids and the rows."""
+        return list(zip(self.tables, itertools.accumulate([0, *self.counts[:-1]]), self.counts))
 
 
 class ShardServer:
@@ -264,96 +288,95 @@ class ShardServer:
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def _pull(self, h: P.Header, payload: list) -> Any:
-        """Rows wire dtype [M, D] of every part's ids, back to back; DEFERRED while the step must wait."""
-        dtype = P.row_dtype(h.dtype, "PULL reply")
+    def _rows(self, h: P.Header, payload: list, what: str) -> "RowsRequest":
+        """The PULL / PUSH `h` decoded and validated (`what`: its row data, for errors); its segment is
+        not opened yet (`_attach`): a pull that must wait opens it when it runs."""
+        dtype = P.row_dtype(h.dtype, what)
         tables, counts, ids = self._parts(h, payload[0], payload[1])
         total = sum(counts)
-        reply_bytes = total * h.dim * P.ITEM_SIZE[dtype]
-        if reply_bytes > self.config.max_frame_bytes:
-            raise P.ProtocolError(f"PULL of {total} rows of dim {h.dim} = {reply_bytes} bytes exceeds "
+        return RowsRequest(dtype, tables, counts, total, total * h.dim * P.ITEM_SIZE[dtype], ids,
+                           shm=bool(h.flags & P.FLAG_SHM), ids_in_seg=ids is None)
+
+    def _attach(self, h: P.Header, req: "RowsRequest", name: memoryview) -> None:
+        """With FLAG_SHM: open the client's segment `name`; the row data, and the ids and the trailer
+        when they travel there too, become views of it."""
+        if not req.shm:
+            return
+        seg = self._segment(h, name, _seg_bytes(h, req.nbytes, req.total, req.ids_in_seg))  # rows | ids | trailer
+        if req.ids_in_seg:
+            start = ids_offset(req.nbytes)
+            req.ids = P.frame_tensor(memoryview(seg[start:start + 8 * req.total]), P.DType.INT64, req.total)
+            if h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY):
+                req.trailer = trailer(seg, req.nbytes, req.total)
+        req.seg = seg[:req.nbytes]
+
+    def _pull(self, h: P.Header, payload: list) -> Any:
+        """Rows wire dtype [M, D] of every part's ids, back to back; DEFERRED while the step must wait."""
+        req = self._rows(h, payload, "PULL reply")
+        if req.nbytes > self.config.max_frame_bytes:
+            raise P.ProtocolError(f"PULL of {req.total} rows of dim {h.dim} = {req.nbytes} bytes exceeds "
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
-        seg = (self._segment(h, payload[2], _seg_bytes(h, reply_bytes, total, ids is None))
-               if h.flags & P.FLAG_SHM else None)                       # uint8 [bytes]: rows | ids | trailer
-        done = None
-        if ids is None:
-            start = ids_offset(reply_bytes)
-            ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
-            done = done_word(trailer(seg, reply_bytes, total)) if h.flags & P.FLAG_NOTIFY else None
-            seg = seg[:reply_bytes]
+        self._attach(h, req, payload[2] if req.shm else None)
         self.gate.pulled(h.step)
-        if seg is not None and dtype == P.DType.FP32:
-            out = P.frame_tensor(memoryview(seg), dtype, total, h.dim)   # [M, D], the client's memory
+        if req.seg is not None and req.dtype == P.DType.FP32:
+            out = P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim)   # [M, D], the client's memory
         else:
-            out = self.buffers.tensor(torch.float32, (total, h.dim))    # [M, D], a reused reply buffer
-        start = 0
-        for t, n in zip(tables, counts):
+            out = self.buffers.tensor(torch.float32, (req.total, h.dim))    # [M, D], a reused reply buffer
+        for t, a, n in req.bounds():
             if n:          # each part straight into its contiguous rows of `out`
-                self.state.pull(t, ids[start:start + n], h.step, out=out[start:start + n])
-            start += n
-        if dtype != P.DType.FP32:
-            wire = (P.frame_tensor(memoryview(seg), dtype, total, h.dim) if seg is not None
-                    else self.buffers.tensor(P.TORCH_DTYPES[dtype], (total, h.dim)))
+                self.state.pull(t, req.ids[a:a + n], h.step, out=out[a:a + n])
+        if req.dtype != P.DType.FP32:
+            wire = (P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim) if req.seg is not None
+                    else self.buffers.tensor(P.TORCH_DTYPES[req.dtype], (req.total, h.dim)))
             out = wire.copy_(out)
-        if done is not None:
-            _notify(done)                   # the caller may take the rows now
-        if seg is not None:
+        if h.flags & P.FLAG_NOTIFY and req.trailer is not None:
+            _notify(done_word(req.trailer))     # the caller may take the rows now
+        if req.seg is not None:
             return [h.reply().pack()]       # the rows are in the client's segment
         return [h.reply().pack(), P.tensor_frame(out)]
 
     def _push(self, h: P.Header, payload: list) -> list:
         """Every part's grads to the gate: applied now (async) or at the step's last barrier (sync)."""
-        dtype = P.row_dtype(h.dtype, "PUSH grads")
-        tables, counts, ids = self._parts(h, payload[0], payload[1])
-        total = sum(counts)
-        nbytes = total * h.dim * P.ITEM_SIZE[dtype]
-        shm = bool(h.flags & P.FLAG_SHM)
-        P.expect_bytes("PUSH grads", nbytes if shm else len(payload[2]), total * h.dim, P.ITEM_SIZE[dtype],
-                       self.config.max_frame_bytes)
+        req = self._rows(h, payload, "PUSH grads")
+        P.expect_bytes("PUSH grads", req.nbytes if req.shm else len(payload[2]), req.total * h.dim,
+                       P.ITEM_SIZE[req.dtype], self.config.max_frame_bytes)
         if h.step > MAX_STEP:     # checked here so that no part is applied before a later one fails
             raise P.ProtocolError(f"PUSH: step must be <= {MAX_STEP}, got {h.step}", P.Status.BAD_VALUE)
-        late = shm and bool(h.flags & P.FLAG_GRADS_LATE)     # the client writes the grads as this runs
-        if late and (ids is not None or dtype != P.DType.FP32):
+        late = req.shm and bool(h.flags & P.FLAG_GRADS_LATE)     # the client writes the grads as this runs
+        if late and (not req.ids_in_seg or req.dtype != P.DType.FP32):
             raise P.ProtocolError("PUSH: late grads need fp32 grads and the ids in the segment", P.Status.BAD_VALUE)
-        seg = self._segment(h, payload[2], _seg_bytes(h, nbytes, total, ids is None)) if shm else None
-        ids_in_seg = ids is None
-        if ids is None:
-            start = ids_offset(nbytes)
-            ids = P.frame_tensor(memoryview(seg[start:start + 8 * total]), P.DType.INT64, total)
-            if self.gate.holds_pushes:
-                ids = ids.clone()          # kept past the reply: not the client's memory
-        bounds = list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts))     # (table, start, n)
-        part_ids = [ids[a:a + n] for _, a, n in bounds]
+        self._attach(h, req, payload[2] if req.shm else None)
+        if req.ids_in_seg and self.gate.holds_pushes:
+            req.ids = req.ids.clone()          # kept past the reply: not the client's memory
+        part_ids = [req.ids[a:a + n] for _, a, n in req.bounds()]
         try:
             if late:   # the client still writes the grads: look the ids up meanwhile, then wait
-                self._hint_slots(tables, part_ids)
+                self._hint_slots(req.tables, part_ids)
             # `checked`: the client's copy found every grad finite
-            checked = late and wait_late(h.request, trailer(seg, nbytes, total), self.config.timeout_s,
+            checked = late and wait_late(h.request, req.trailer, self.config.timeout_s,
                                          functools.partial(writer_alive, bytes(payload[2])))
-            self.gate.push(h.worker, h.step, self._push_parts(h, bounds, part_ids, seg, payload, checked))
+            self.gate.push(h.worker, h.step, self._push_parts(h, req, part_ids, payload, checked))
         finally:
             if late:
                 self.state.clear_hints()
-        if shm and h.flags & P.FLAG_NOTIFY and ids_in_seg:
-            _notify(done_word(trailer(seg, nbytes, total)))     # the caller may go on now
+        if h.flags & P.FLAG_NOTIFY and req.trailer is not None:
+            _notify(done_word(req.trailer))     # the caller may go on now
         return [h.reply().pack()]
 
-    def _push_parts(self, h: P.Header, bounds: list, part_ids: list, seg, payload: list, checked: bool) -> list:
+    def _push_parts(self, h: P.Header, req: "RowsRequest", part_ids: list, payload: list, checked: bool) -> list:
         """[(table, ids [n], grads float32 [n, D])] of a PUSH (grads from its frame or segment), after the
         finite check unless `checked`; ProtocolError under ps.on_nonfinite = "error"."""
-        dtype = P.DType(h.dtype)
-        total = sum(n for *_, n in bounds)
-        raw = memoryview(seg[:total * h.dim * P.ITEM_SIZE[dtype]]) if seg is not None else payload[2]
-        grads = P.frame_tensor(raw, dtype, total, h.dim).float()     # [M, D]
-        if seg is not None and self.gate.holds_pushes and dtype == P.DType.FP32:
+        raw = memoryview(req.seg) if req.seg is not None else payload[2]
+        grads = P.frame_tensor(raw, req.dtype, req.total, h.dim).float()     # [M, D]
+        if req.seg is not None and self.gate.holds_pushes and req.dtype == P.DType.FP32:
             grads = grads.clone()          # kept past the reply: not the client's memory
-        keep = None if checked else finite_rows(self.config, [t for t, *_ in bounds], [n for *_, n in bounds], grads)
+        keep = None if checked else finite_rows(self.config, req.tables, req.counts, grads)
         if keep is not None:               # None: all finite
             self.nonfinite_skipped += int((~keep).sum())
         parts = []
-        for (t, a, n), i in zip(bounds, part_ids):
+        for (t, a, n), i in zip(req.bounds(), part_ids):
             g = grads[a:a + n]
             if keep is not None:
                 i, g = i[keep[a:a + n]], g[keep[a:a + n]]
