@@ -80,6 +80,18 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return fs, path.rstrip("/") or "/"
 
 
+def read_bytes(path: str) -> bytes:
+    """A whole file, local or at a URI; FileNotFoundError if it is not there."""
+    if not is_uri(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, p = resolve(path)
+    if fs.get_file_info(p).type != pafs.FileType.File:
+        raise FileNotFoundError(f"{path}: no such file")
+    with fs.open_input_stream(p) as f:
+        return f.read()
+
+
 def upload_dir(local: str, uri: str, last: str) -> None:
     """Copy every file under local directory `local` to `uri`, file `last` (relative name) last.
 

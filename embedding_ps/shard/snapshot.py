@@ -117,6 +117,26 @@ def saved_file_checksums(root: str | os.PathLike) -> dict[str, dict]:
     return out
 
 
+def saved_files(root: str, num_shards: int) -> dict[str, dict]:
+    """{"shard{i}/manifest.json": {"size", "sha256"}, "shard{i}/<file>": {"size", "sha256"}} of the
+    `num_shards` shards saved under `root` (a URI too), as their manifests list their files: what a
+    checkpoint's manifest records of them without reading a row. FileNotFoundError naming a shard
+    whose manifest is not there."""
+    out: dict[str, dict] = {}
+    for i in range(num_shards):
+        raw = remote.read_bytes(remote.join(shard_dir(root, i), MANIFEST))
+        out[f"{_SHARD}{i}/{MANIFEST}"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        for rel, entry in json.loads(raw).get("files", {}).items():
+            out[f"{_SHARD}{i}/{rel}"] = entry
+    return out
+
+
+def saved_num_shards(directory: str) -> int:
+    """The shard count a saved shard's manifest records (`directory` a URI too); FileNotFoundError if
+    there is no manifest."""
+    return int(json.loads(remote.read_bytes(remote.join(directory, MANIFEST)))["num_shards"])
+
+
 def table_layout(cfg: TableConfig) -> dict:
     """The "layout" a save records for a table: its `LAYOUT_FIELDS`."""
     return {f: getattr(cfg, f) for f in LAYOUT_FIELDS}

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from data.loader import ParquetLoader
-from embedding_ps.shard.snapshot import saved_file_checksums
+from embedding_ps.shard.snapshot import saved_file_checksums, saved_files
 from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
@@ -152,14 +152,9 @@ def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
 def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str, Any]:
     """Upload rank 0's staged files under `local` to URI `root`, whose model/ps the shards already
     wrote, then its manifest.json (last: the checkpoint is complete from then on)."""
-    files = {}
-    ps = run_path(root, "model", "ps")
-    for i in range(int(info["num_shards"])):         # the shards' files, as their manifests list them
-        shard = storage.join(ps, f"shard{i}")
-        raw = storage.read_bytes(storage.join(shard, "manifest.json"))
-        files[f"model/ps/shard{i}/manifest.json"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-        for rel, entry in json.loads(raw).get("files", {}).items():
-            files[f"model/ps/shard{i}/{rel}"] = entry
+    # the shards' files, as their manifests list them
+    files = {f"model/ps/{rel}": entry
+             for rel, entry in saved_files(str(run_path(root, "model", "ps")), int(info["num_shards"])).items()}
     for path in sorted(local.rglob("*")):
         if path.is_file():
             rel = path.relative_to(local).as_posix()

@@ -12,14 +12,13 @@ Admission counts of ids still waiting and eviction logs stay behind (they are pe
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
 from pathlib import Path
 
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.state import ShardState
-from embedding_ps.shard.snapshot import SavedShard, saved_shard_dirs, shard_dir
+from embedding_ps.shard.snapshot import SavedShard, saved_num_shards, saved_shard_dirs, shard_dir
 from recsys import storage
 from recsys.config import load_config, to_toml
 from recsys.training.checkpoint import verify_checkpoint, write_manifest
@@ -34,7 +33,7 @@ def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> Sha
     if storage.is_uri(str(ps_dir)):
         own = shard_dir(str(ps_dir), shard_index)
         try:
-            same = json.loads(storage.read_text(storage.join(own, "manifest.json")))["num_shards"] == config.num_shards
+            same = saved_num_shards(own) == config.num_shards
         except FileNotFoundError:
             same = False
         if same:

@@ -13,7 +13,8 @@ import torch
 
 from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.shard.state import FORMAT_VERSION, CorruptShardError, ShardState, verify_shard
-from embedding_ps.shard.snapshot import SavedShard, saved_file_checksums, saved_shard_dirs, shard_dir
+from embedding_ps.shard.snapshot import (SavedShard, saved_file_checksums, saved_files, saved_num_shards,
+                                         saved_shard_dirs, shard_dir)
 
 TABLES = (
     TableConfig(name="rw", dim=4, optimizer="rowwise_adagrad", min_count=2, max_rows=60, ttl_steps=2),
@@ -135,6 +136,28 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path) -> None:
         data = open(os.path.join(path, rel), "rb").read()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
     verify_shard(path)
+
+
+@pytest.mark.parametrize("uri", [False, True])
+def test_saved_files_are_what_the_shards_manifests_list(tmp_path, uri: bool) -> None:
+    """What a checkpoint's manifest records of the shards (snapshot.py reads their manifests, a URI too)."""
+    root = tmp_path / "ps"
+    for shard in range(2):
+        state = ShardState(dataclasses.replace(CONFIG, num_shards=2), shard)
+        drive(state, range(3), seed=shard)
+        state.save(shard_dir(str(root), shard))
+    where = f"file://{root}" if uri else str(root)
+    files = saved_files(where, 2)
+    on_disk = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+    assert sorted(files) == on_disk
+    for rel, entry in files.items():
+        data = open(root / rel, "rb").read()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
+    assert saved_num_shards(shard_dir(where, 1)) == 2
+    with pytest.raises(FileNotFoundError):
+        saved_num_shards(shard_dir(where, 2))
+    with pytest.raises(FileNotFoundError):
+        saved_files(where, 3)
 
 
 def _flip_byte(path: str) -> None:
