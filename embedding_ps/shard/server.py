@@ -40,7 +40,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -123,10 +123,7 @@ class RowsRequest:
     ids_in_seg: bool = False
     seg: np.ndarray | None = None    # uint8 [nbytes]: the row data in the client's segment (None: the frames)
     trailer: np.ndarray | None = None  # int64 [4] of the segment (ids in the segment with NOTIFY / GRADS_LATE)
-
-    def bounds(self) -> list[tuple[int, int, int]]:
-        """(table, start, n) of each part in the ids and the rows."""
-        return list(zip(self.tables, itertools.accumulate([0, *self.counts[:-1]]), self.counts))
+    bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (table, start, n) of each part
 
 
 class ShardServer:
@@ -295,7 +292,8 @@ class ShardServer:
         tables, counts, ids = self._parts(h, payload[0], payload[1])
         total = sum(counts)
         return RowsRequest(dtype, tables, counts, total, total * h.dim * P.ITEM_SIZE[dtype], ids,
-                           shm=bool(h.flags & P.FLAG_SHM), ids_in_seg=ids is None)
+                           shm=bool(h.flags & P.FLAG_SHM), ids_in_seg=ids is None,
+                           bounds=list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts)))
 
     def _attach(self, h: P.Header, req: "RowsRequest", name: memoryview) -> None:
         """With FLAG_SHM: open the client's segment `name`; the row data, and the ids and the trailer
@@ -324,7 +322,7 @@ class ShardServer:
             out = P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim)   # [M, D], the client's memory
         else:
             out = self.buffers.tensor(torch.float32, (req.total, h.dim))    # [M, D], a reused reply buffer
-        for t, a, n in req.bounds():
+        for t, a, n in req.bounds:
             if n:          # each part straight into its contiguous rows of `out`
                 self.state.pull(t, req.ids[a:a + n], h.step, out=out[a:a + n])
         if req.dtype != P.DType.FP32:
@@ -350,7 +348,7 @@ class ShardServer:
         self._attach(h, req, payload[2] if req.shm else None)
         if req.ids_in_seg and self.gate.holds_pushes:
             req.ids = req.ids.clone()          # kept past the reply: not the client's memory
-        part_ids = [req.ids[a:a + n] for _, a, n in req.bounds()]
+        part_ids = [req.ids[a:a + n] for _, a, n in req.bounds]
         try:
             if late:   # the client still writes the grads: look the ids up meanwhile, then wait
                 self._hint_slots(req.tables, part_ids)
@@ -376,7 +374,7 @@ class ShardServer:
         if keep is not None:               # None: all finite
             self.nonfinite_skipped += int((~keep).sum())
         parts = []
-        for (t, a, n), i in zip(req.bounds(), part_ids):
+        for (t, a, n), i in zip(req.bounds, part_ids):
             g = grads[a:a + n]
             if keep is not None:
                 i, g = i[keep[a:a + n]], g[keep[a:a + n]]

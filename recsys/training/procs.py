@@ -71,15 +71,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """The kernel sends `sig` to this process when its parent (thread) dies, even by SIGKILL."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """The kernel sends `sig` to this process when its parent (thread) dies, even by SIGKILL (a
+    preexec_fn: the child of a Popen dies with its caller)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-def child_env(threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # spinning OpenMP workers starve 2 cores
-    env["OMP_NUM_THREADS"] = str(threads)
+def child_env(threads: int | None) -> dict[str, str]:
+    """This process's environment for a child: OpenMP workers that do not spin (they starve 2 cores),
+    and `threads` of them (None: the child sets its own)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
@@ -123,13 +127,12 @@ class Zygote:
     def __init__(self) -> None:
         cmd_r, cmd_w = os.pipe()
         evt_r, evt_w = os.pipe()
-        env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")    # libgomp reads it once, when torch loads
+        env = child_env(None)        # (libgomp reads OMP_WAIT_POLICY once, when torch loads, in the zygote)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "recsys.training.procs", str(cmd_r), str(evt_w)], pass_fds=(cmd_r, evt_w),
                 env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+                preexec_fn=lambda: die_with_parent(signal.SIGKILL))
         finally:
             os.close(cmd_r)
             os.close(evt_w)
@@ -292,10 +295,10 @@ def run_trainers(world: int, args: Sequence, check: Callable[[], None] = lambda:
         old = {sig: signal.signal(sig, _handle) for sig in (signal.SIGHUP, signal.SIGQUIT)}
     try:
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            env = {**child_env(None),              # (its threads: train.num_threads)
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
                    "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # (its threads: train.num_threads)
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")   # as torch elastic set it: a hung peer aborts
             procs.append(z.start(target, args, env, deathsig=signal.SIGKILL))
         while True:
@@ -349,7 +352,7 @@ def _run_child(request: dict, zygote_pid: int) -> int:
     """In the forked child: become what the request asks for, run its target, return the exit code."""
     if request["session"]:
         os.setsid()
-    _die_with_parent(request["deathsig"])
+    die_with_parent(request["deathsig"])
     if os.getppid() != zygote_pid:            # the zygote died before the prctl
         return 1
     if request["cwd"] is not None:

@@ -14,7 +14,6 @@ others go on. Imported only by recsys/training/tune.py, with Ray installed.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from ray import tune
 
+from recsys.training.procs import die_with_parent
 from recsys.tune_space import override, trial_overrides
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,6 @@ def job_env(spec: JobSpec) -> dict[str, str] | None:
         return None
     names = set(spec.env_names)
     return {k: v for k, v in os.environ.items() if k in names}
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM (a graceful stop) to the job when the trial's worker dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def val_lines(run_dir: Path) -> list[dict]:
@@ -118,8 +113,9 @@ class JobTrial(tune.Trainable):
         record(self.run_dir, "json").write_text(json.dumps(config, default=lambda v: v.item()))   # its values
         cmd = job_command(spec, config, self.run_dir)
         with open(self.log_path, "ab") as log:
+            # the job gets SIGTERM (a graceful stop) if this trial's worker dies
             self.proc = subprocess.Popen(cmd, cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                         stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
                                          start_new_session=True, env=job_env(spec))
 
     def step(self) -> dict:
