@@ -183,6 +183,7 @@ class ReplicatedTables(nn.Module):
         self.weight = nn.ParameterDict()
         self.keys: dict[str, torch.Tensor] = {}
         self.grown: dict[str, torch.Tensor] = {}     # warm start: saved row i is now row grown[name][i]
+        self._keys_on: dict[tuple[str, torch.device], torch.Tensor] = {}   # keys copied to a device (`rows`)
         for name, tc in self.configs.items():
             keys = torch.from_numpy(np.ascontiguousarray(vocab[name], dtype=np.int64))
             self.keys[name] = keys
@@ -204,6 +205,7 @@ class ReplicatedTables(nn.Module):
             pos = torch.searchsorted(keys, saved_ids)
             weight[pos] = saved
             self.keys[name] = keys
+            self._keys_on.clear()
             self.weight[name].data = weight.to(self.weight[name].device)
             self.grown[name] = pos
 
@@ -211,9 +213,13 @@ class ReplicatedTables(nn.Module):
         """(rows [R + E, D], index [N] into them) of ids [N]: the table's weight, plus, when some ids are
         not in the vocabulary, their E distinct default rows (not trained) after it."""
         keys, weight = self.keys[name], self.weight[name]
+        if keys.device != ids.device:            # ids on the GPU (SparseArch.device_ids): search there
+            keys = self._keys_on.get((name, ids.device))
+            if keys is None:
+                keys = self._keys_on[(name, ids.device)] = self.keys[name].to(ids.device)
         R = keys.numel()
         if R == 0:
-            pos, hit = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+            pos, hit = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
         else:
             pos = torch.searchsorted(keys, ids)                                 # [N]
             pos.clamp_(max=R - 1)
@@ -227,7 +233,7 @@ class ReplicatedTables(nn.Module):
         if tc.unadmitted == "zeros":
             extra = torch.zeros(miss_ids.numel(), tc.dim)
         else:
-            extra = init_rows(miss_ids, tc.dim, tc.seed, tc.init, tc.init_scale)
+            extra = init_rows(miss_ids.cpu(), tc.dim, tc.seed, tc.init, tc.init_scale)
         return torch.cat([weight, extra.to(weight.device, weight.dtype)]), pos.to(weight.device)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -250,6 +256,7 @@ class ReplicatedTables(nn.Module):
                 raise ValueError(f"{where}: replicated table {name!r} is saved as {tuple(weight.shape)} with "
                                  f"{keys.numel()} ids; the config says dim {tc.dim}")
             self.keys[name] = keys.contiguous()
+            self._keys_on.clear()
             param = self.weight[name]
             if param.shape == weight.shape:
                 param.data.copy_(weight)
@@ -317,13 +324,15 @@ class TableOptimizer:
         for name, tc in tables.configs.items():
             p = [tables.weight[name]]
             wd = tc.weight_decay if tc.weight_decay_mode == "l2" else 0.0
+            # on a GPU, torch's fused kernels: one launch a step for the table (sgd / adam)
+            fused = {"fused": True} if p[0].device.type == "cuda" else {}
             if tc.optimizer == "sgd":
-                opt = eager_optim.SGD(p, lr=tc.lr, weight_decay=wd)
+                opt = eager_optim.SGD(p, lr=tc.lr, weight_decay=wd, **fused)
             elif tc.optimizer == "adagrad":
                 opt = eager_optim.Adagrad(p, lr=tc.lr, eps=tc.eps, weight_decay=wd,
                                           initial_accumulator_value=tc.initial_accumulator)
             elif tc.optimizer == "adam":
-                opt = eager_optim.Adam(p, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=wd)
+                opt = eager_optim.Adam(p, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=wd, **fused)
             elif tc.optimizer == "rowwise_adagrad":
                 opt = _RowwiseAdagrad(p, lr=tc.lr, eps=tc.eps, initial_accumulator=tc.initial_accumulator,
                                       weight_decay=wd)

@@ -78,11 +78,11 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
     start = sum(counts[:k])
     inv = lookup.inverse[p][start:start + counts[k]]                         # [N_f] into the plan's unique ids
     lens = lens_all[k]                                                       # [B]
-    mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)            # [B, L]
+    mask = torch.arange(max_len, device=lens.device).unsqueeze(0) < lens.unsqueeze(1)   # [B, L]
     rows = lookup.rows[g]                                                    # [U_g, D] leaf
     if rows.shape[0] == 0:
-        return rows.new_zeros(B, max_len, rows.shape[1]), mask
-    idx = torch.zeros(B, max_len, dtype=torch.int64)
+        return rows.new_zeros(B, max_len, rows.shape[1]), mask.to(rows.device)
+    idx = torch.zeros(B, max_len, dtype=torch.int64, device=lens.device)
     idx[mask] = inv + base                                                   # row-major: bag b's ids in order
     idx, mask = idx.to(rows.device), mask.to(rows.device)                    # rows on the GPU: a row cache there
     seq = rows.index_select(0, idx.view(-1)).view(B, max_len, -1)            # [B, L, D]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from data.batch import Batch
 from embedding_ps import native
 from embedding_ps.store import EmbeddingStore
+from recsys.models.on_device import compute_waits, dedup_tables, on_stream, side_stream, to_device, to_host_async
 from recsys.table_plans import TablePlan, plan_tables  # noqa: F401  (the plans, torch-free)
 
 
@@ -56,6 +57,8 @@ class SparseLookup:
     wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
     pulled_rows: int = 0                  # rows asked of the store (replicated tables' rows not counted)
     device: torch.device | None = None    # pool here (rows moved on arrival); None: where the rows come
+    stream: torch.cuda.Stream | None = None   # ids on the GPU: the side stream that made them (on_device)
+    single: list[bool] = field(default_factory=list)   # per plan: one id per bag (known on the host)
 
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
@@ -70,13 +73,17 @@ class SparseLookup:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
         t0 = time.perf_counter()
+        compute_waits(self.stream, [*self.inverse, *self.offsets, *self.lengths, *self.weights, *self.local.values()])
         for g, fut in enumerate(self.futures):
             if fut is None:                # a replicated table's parameter: its gradient goes to DDP
                 self.rows.append(self.local[g])
                 continue
             rows = fut.result()                                               # [U_g, D]
             if self.device is not None and rows.device != self.device:
-                rows = rows.to(self.device)   # train.device = "cuda": pool on the GPU, push grads [U_g, D] back
+                # train.device = "cuda": pool on the GPU, push grads [U_g, D] back (pinned, non-blocking)
+                with on_stream(self.stream):
+                    rows = to_device(rows, self.device)
+                compute_waits(self.stream, [rows])
             self.rows.append(rows.requires_grad_(True))
         self.wait_s = time.perf_counter() - t0
         self.pull_s += self.wait_s
@@ -125,7 +132,7 @@ class SparseLookup:
             base += self.ids[p].numel()
             num_ids += self.inverse[p].numel()
             w = self.weights[p]
-            weights.append(w if w is not None else torch.ones(self.inverse[p].numel()))
+            weights.append(w if w is not None else torch.ones(self.inverse[p].numel(), device=self.inverse[p].device))
         mode = self.plans[group[0]].pooling
         # batch.weights covers every feature (1.0 where a feature has no weight column); only sum
         # pooling takes per-id weights, and JobConfig rejects weight columns on mean-pooled tables
@@ -133,19 +140,27 @@ class SparseLookup:
         cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
         idx, offs, w = cat(indices), cat(offsets), (cat(weights) if use_weights else None)
         lens = cat([self.lengths[p] for p in group])
+        single = all(self.single[p] for p in group) if self.single else None    # one id per bag
         if example_major:
-            idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w)
+            idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w, single)
         dev = self.rows[g].device
         if dev.type != "cpu":         # a row cache on the GPU (embedding_ps.client.cache): pool there
             idx, offs, lens = idx.to(dev), offs.to(dev), lens.to(dev)
             w = None if w is None else w.to(dev)
         if mode == "sum":
-            return _SumPool.apply(self.rows[g], idx, offs, lens, w)
+            return _SumPool.apply(self.rows[g], idx, offs, lens, w, single)
         return F.embedding_bag(idx, self.rows[g], offs, mode=mode, per_sample_weights=w)
 
     def push(self, scale: float = 1.0) -> list[Future]:
         """Send every table's row gradient, multiplied by `scale`, to the store."""
-        futures = []
+        return self.push_start(scale).send()
+
+    def push_start(self, scale: float = 1.0) -> PendingPush:
+        """Start sending every table's row gradient times `scale`: host gradients go to the store now;
+        GPU ones are copied to pinned host memory on the side stream (`on_device.to_host_async`) and
+        go when `send()` has seen their copy finish, so the caller can queue more GPU work (the
+        optimizer steps) before the host waits for backward's end."""
+        pending = PendingPush(self.store)
         for g, (group, rows) in enumerate(zip(self.groups, self.rows)):
             if g in self.local:            # replicated: DDP all-reduces, the table optimizer applies
                 continue
@@ -154,22 +169,44 @@ class SparseLookup:
                 grad = torch.zeros_like(rows)
             if scale != 1.0:
                 grad = grad * scale
-            futures.append(self.store.push_many_async([self.plans[p].table for p in group],
-                                                      [self.ids[p] for p in group], grad.detach()))
-        return futures
+            host, event = to_host_async(grad.detach())
+            call = ([self.plans[p].table for p in group], [self.ids[p] for p in group], host)
+            if event is None:
+                pending.futures.append(self.store.push_many_async(*call))
+            else:
+                pending.copies.append((event, call))
+        return pending
+
+
+@dataclass
+class PendingPush:
+    """A step's pushes (`SparseLookup.push_start`): `send()` gives their Futures."""
+
+    store: EmbeddingStore
+    futures: list[Future] = field(default_factory=list)      # sent already (host gradients)
+    copies: list = field(default_factory=list)               # (CUDA event, push arguments): copy in flight
+
+    def send(self) -> list[Future]:
+        """Send the pushes whose gradients were still being copied (each once its copy is done)."""
+        for event, call in self.copies:
+            event.synchronize()
+            self.futures.append(self.store.push_many_async(*call))
+        self.copies = []
+        return self.futures
 
 
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
 """A replicated plan's `ids` / `counts`: nothing pulled or pushed (one plan per group: no offset needed)."""
 
 
-def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int,
-                      weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weights: torch.Tensor | None,
+                      single: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Bags feature-major -> example-major: indices [N] and lengths [F * B] of bag (f, b) at f * B + b
-    -> (indices [N], offsets [B * F], lengths [B * F], weights [N] | None) of bag (f, b) at b * F + f."""
+    -> (indices [N], offsets [B * F], lengths [B * F], weights [N] | None) of bag (f, b) at b * F + f.
+    `single`: whether every bag holds one id, when the caller knows (None: asked of `lengths`)."""
     F_ = lengths.numel() // B
     N = indices.numel()
-    if N == lengths.numel() and bool((lengths == 1).all()):   # one id per bag: a transpose
+    if _one_id_per_bag(N, lengths, single):   # a transpose
         em_offsets = torch.arange(N, dtype=lengths.dtype, device=lengths.device)          # [B * F]
         out = indices.view(F_, B).t().reshape(-1)                                          # [N]
         if weights is not None:
@@ -191,9 +228,10 @@ class _SumPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
-                weights: torch.Tensor | None) -> torch.Tensor:
+                weights: torch.Tensor | None, single: bool | None = None) -> torch.Tensor:
         ctx.save_for_backward(indices, lengths, weights)
         ctx.num_rows = rows.shape[0]
+        ctx.single = single
         return F.embedding_bag(indices, rows, offsets, mode="sum", per_sample_weights=weights)
 
     @staticmethod
@@ -201,9 +239,13 @@ class _SumPool(torch.autograd.Function):
         indices, lengths, weights = ctx.saved_tensors
         U, N = ctx.num_rows, indices.numel()
         order = torch.argsort(indices, stable=True)                               # [N] ids grouped by row
-        counts = torch.bincount(indices, minlength=U)                             # [U] ids of each row
+        if indices.device.type == "cpu":                                          # [U] ids of each row
+            counts = torch.bincount(indices, minlength=U)
+        else:                                                                     # (bincount syncs on a GPU)
+            counts = torch.zeros(U, dtype=torch.int64, device=indices.device).index_add_(
+                0, indices, torch.ones_like(indices))
         row_starts = torch.cumsum(counts, 0) - counts                             # [U]
-        if N == lengths.numel() and bool((lengths == 1).all()):   # bag i holds id i
+        if _one_id_per_bag(N, lengths, ctx.single):   # bag i holds id i
             bag_of = order
         else:
             bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
@@ -211,7 +253,14 @@ class _SumPool(torch.autograd.Function):
             bag_of = bag.index_select(0, order)
         w = None if weights is None else weights.index_select(0, order)
         grad = F.embedding_bag(bag_of, grad_out.contiguous(), row_starts, mode="sum", per_sample_weights=w)  # [U, D]
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _one_id_per_bag(num_ids: int, lengths: torch.Tensor, single: bool | None) -> bool:
+    """Whether each of the bags of `lengths` holds one id: `single` when known (no read of a GPU tensor)."""
+    if single is not None:
+        return single and num_ids == lengths.numel()
+    return num_ids == lengths.numel() and bool((lengths == 1).all())
 
 
 def _groups(plans: list[TablePlan], replicated: bool = False) -> list[list[int]]:
@@ -244,6 +293,11 @@ class SparseArch:
         """Where lookups pool (`SparseLookup.device`); the trainer sets its train.device. On a GPU the
         pulled rows [U, D] cross to it (not the pooled [B, F, D], twice their size with one id per
         bag) and pooling's forward and backward run there."""
+        self.device_ids = False
+        """Ids on the device too (the trainer sets it on a GPU; `recsys.models.on_device`): the batch's
+        ids cross once, every PS table is deduplicated in one batched sort there and only the unique
+        ids come back for the pulls. Off: the host deduplicates (`native.unique`, C on the CPU).
+        With no `device` (CPU) the same code runs on the host."""
 
     def use_replicated(self, tables) -> None:
         """Look up the plans of `placement = "replicated"` tables in `tables` (a
@@ -259,47 +313,64 @@ class SparseArch:
         kj = batch.sparse
         B = batch.batch_size
         F_all = len(kj.keys)
-        lengths = kj.lengths.view(F_all, B).to(torch.int64)        # [F, B]
-        per_feature = lengths.sum(dim=1)                            # [F]
-        starts = torch.cumsum(per_feature, 0) - per_feature        # [F]
-        starts_l, counts_l = starts.tolist(), per_feature.tolist()
-        bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
-        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device)
+        lengths_h = kj.lengths.view(F_all, B).to(torch.int64)      # [F, B] (host)
+        per_feature = lengths_h.sum(dim=1)                          # [F]
+        starts_l, counts_l = (torch.cumsum(per_feature, 0) - per_feature).tolist(), per_feature.tolist()
+        single_f = (lengths_h == 1).all(dim=1).tolist()            # [F] one id per bag (no GPU read later)
+        dev = self.device if self.device_ids else None             # ids on the device: moved once
+        stream = side_stream(dev)
+        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device, stream=stream)
         if counts:     # a row cache: per-lookup hit rate
             look.counts = []
         t0 = time.perf_counter()
         local_of = {}              # plan index -> its group, for the replicated plans
         if self.replicated is not None:
             local_of = {group[0]: g for g, group in enumerate(self.groups) if self.plans[group[0]].replicated}
-        for i, plan in enumerate(self.plans):
-            pieces = [kj.values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
-            values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]          # [N_t]
-            if len(plan.features) == 1:          # views of the batch-wide [F, B] tensors
-                lens, offsets = lengths[plan.features[0]], bag_starts[plan.features[0]]   # [B]
-            else:
-                lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
-                offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-            if i in local_of:      # a replicated table: the ids' rows in its parameter, no dedup, no pull
-                rows, inverse = self.replicated.rows(plan.name, values)              # [R(+E), D], [N_t]
-                look.local[local_of[i]] = rows
-                uniq, counts = _NO_IDS, (None if look.counts is None else _NO_IDS)
-            else:
-                # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
-                # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
-                # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
-                uniq, inverse, counts = native.unique(values, look.counts is not None)   # [U], [N_t], [U] | None
-            if look.counts is not None:
-                look.counts.append(counts)
-            if batch.weights is not None:
-                wp = [batch.weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
-                look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])
-            else:
-                look.weights.append(None)
-            look.ids.append(uniq)
-            look.pulled_rows += uniq.numel()
-            look.inverse.append(inverse)
-            look.offsets.append(offsets)
-            look.lengths.append(lens)
+        batched: dict[int, torch.Tensor] = {}      # plan index -> its ids, deduplicated together (device_ids)
+        with on_stream(stream):
+            all_values = to_device(kj.values, dev)
+            lengths = to_device(lengths_h, dev)
+            all_weights = None if batch.weights is None else to_device(batch.weights, dev)
+            bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
+            for i, plan in enumerate(self.plans):
+                pieces = [all_values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
+                values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]          # [N_t]
+                if len(plan.features) == 1:          # views of the batch-wide [F, B] tensors
+                    lens, offsets = lengths[plan.features[0]], bag_starts[plan.features[0]]   # [B]
+                else:
+                    lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
+                    offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
+                uniq = inverse = occ = None
+                if i in local_of:      # a replicated table: the ids' rows in its parameter, no dedup, no pull
+                    rows, inverse = self.replicated.rows(plan.name, values)              # [R(+E), D], [N_t]
+                    look.local[local_of[i]] = rows
+                    uniq, occ = _NO_IDS, (None if look.counts is None else _NO_IDS)
+                elif self.device_ids:
+                    batched[i] = values
+                else:
+                    # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
+                    # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
+                    # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
+                    uniq, inverse, occ = native.unique(values, look.counts is not None)   # [U], [N_t], [U] | None
+                if look.counts is not None:
+                    look.counts.append(occ)
+                if all_weights is not None:
+                    wp = [all_weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
+                    look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])
+                else:
+                    look.weights.append(None)
+                look.ids.append(uniq)
+                look.inverse.append(inverse)
+                look.offsets.append(offsets)
+                look.lengths.append(lens)
+                look.single.append(all(single_f[f] for f in plan.features))
+            if batched:        # every PS table at once; the unique ids (and counts) come to the host
+                uniq_b, inv_b, occ_b = dedup_tables(list(batched.values()), look.counts is not None)
+                for k, i in enumerate(batched):
+                    look.ids[i], look.inverse[i] = uniq_b[k], inv_b[k]
+                    if look.counts is not None:
+                        look.counts[i] = occ_b[k]
+        look.pulled_rows = sum(u.numel() for u in look.ids)
         look.issue(step)
         look.pull_s = time.perf_counter() - t0
         return look

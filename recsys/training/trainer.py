@@ -140,7 +140,8 @@ class Trainer:
         self.sparse, model = build_job_model(cfg)
         self._cached = self.store is not store     # a row cache: train lookups pass it the ids' counts
         if self.device.type != "cpu":
-            self.sparse.device = self.device     # pool on the GPU (SparseArch.device)
+            self.sparse.device = self.device     # pool on the GPU (SparseArch.device), ids deduplicated there
+            self.sparse.device_ids = True
         self.model = model.to(self.device)
         self.replicated = build_replicated(cfg, replicated_state, grow=warm)   # None: every table on the PS
         if self.replicated is not None:
@@ -269,9 +270,10 @@ class Trainer:
         if logits.dim() == 1:                           # a CTR logit per row (not in-batch softmax)
             times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
-        # rows.grad already carries share / acc (the loss was scaled): only DDP's 1/W is left to apply
-        self.strategy.after_backward(lookup.push(scale=1.0 / self.world_size), self.step)
-        times.push += time.perf_counter() - t0
+        # rows.grad already carries share / acc (the loss was scaled): only DDP's 1/W is left to apply.
+        # Host grads go now; a GPU's are copied while the optimizer steps are queued, then sent
+        pushes = lookup.push_start(scale=1.0 / self.world_size)
+        push_s = time.perf_counter() - t0
         times.pull += lookup.pull_s
         times.ps_wait += lookup.wait_s
         times.ps_rows += lookup.pulled_rows
@@ -282,6 +284,9 @@ class Trainer:
             if self.table_optimizer is not None:       # replicated tables: every row, every step
                 self.table_optimizer.step()
                 self.table_optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        self.strategy.after_backward(pushes.send(), self.step)
+        times.push += push_s + time.perf_counter() - t0
         return float(loss.detach())
 
     def _batch_share(self, rows: int) -> float:
