@@ -30,15 +30,26 @@ def _stat(path: str) -> tuple[int, float]:
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _HZ
 
 
+_COMM_ROLES = {"recsys-ps": "ps", "recsys-trainer": "trainer"}
+"""Names (/proc/PID/comm) the local launcher's zygote gives the shards and trainers it forks
+(`recsys.training.procs.NAMES`; the zygote itself is recsys-zygote: other)."""
+
+
 def _role(pid: int) -> str:
     try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
     except OSError:
         return "other"
+    if comm in _COMM_ROLES:
+        return _COMM_ROLES[comm]
+    if comm.startswith("recsys-"):
+        return "other"
     if "recsys.cli ps" in cmd:
         return "ps"
-    if "spawn_main" in cmd or "recsys.train" in cmd:      # elastic / mp.spawn workers: trainers (and DMP ranks)
+    if "spawn_main" in cmd or "-m recsys.train " in cmd + " ":    # mp.spawn / torchrun workers (and DMP ranks)
         return "trainer"
     return "other"
 

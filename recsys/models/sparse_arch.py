@@ -60,6 +60,16 @@ class SparseLookup:
     stream: torch.cuda.Stream | None = None   # ids on the GPU: the side stream that made them (on_device)
     single: list[bool] = field(default_factory=list)   # per plan: one id per bag (known on the host)
 
+    def dedup_together(self, values: dict[int, torch.Tensor]) -> None:
+        """The ids, inverse indices (and counts) of the plans `values` holds (plan index -> ids [N_t]),
+        deduplicated in one batched pass where the ids are (`on_device.dedup_tables`); the unique ids
+        (and counts) come to the host in one copy."""
+        uniq, inverse, occ = dedup_tables(list(values.values()), self.counts is not None)
+        for k, p in enumerate(values):
+            self.ids[p], self.inverse[p] = uniq[k], inverse[k]
+            if self.counts is not None:
+                self.counts[p] = occ[k]
+
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
         for g, group in enumerate(self.groups):
@@ -195,6 +205,13 @@ class PendingPush:
         return self.futures
 
 
+def _features_of(values: torch.Tensor, features, starts: list[int], counts: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """The values [N_t] of `features` (indices) out of the batch-wide jagged values (feature f's at
+    starts[f], counts[f] of them), in feature order."""
+    pieces = [values[starts[f]:starts[f] + counts[f]] for f in features]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
 """A replicated plan's `ids` / `counts`: nothing pulled or pushed (one plan per group: no offset needed)."""
 
@@ -310,31 +327,28 @@ class SparseArch:
         """Issue the pulls of `batch`'s unique ids (async, all in flight). `counts`: pass each unique
         id's occurrences to `store.pull_many_async(counts=)`, which a row cache
         (`embedding_ps.client.cache.CachingStore`) takes for its per-lookup hit rate."""
-        kj = batch.sparse
         B = batch.batch_size
-        F_all = len(kj.keys)
-        lengths_h = kj.lengths.view(F_all, B).to(torch.int64)      # [F, B] (host)
+        lengths_h = batch.sparse.lengths.view(len(batch.sparse.keys), B).to(torch.int64)   # [F, B] (host)
         per_feature = lengths_h.sum(dim=1)                          # [F]
         starts_l, counts_l = (torch.cumsum(per_feature, 0) - per_feature).tolist(), per_feature.tolist()
         single_f = (lengths_h == 1).all(dim=1).tolist()            # [F] one id per bag (no GPU read later)
         dev = self.device if self.device_ids else None             # ids on the device: moved once
         stream = side_stream(dev)
-        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device, stream=stream)
-        if counts:     # a row cache: per-lookup hit rate
-            look.counts = []
+        look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device, stream=stream,
+                            counts=[] if counts else None)     # counts: a row cache's per-lookup hit rate
         t0 = time.perf_counter()
         local_of = {}              # plan index -> its group, for the replicated plans
         if self.replicated is not None:
             local_of = {group[0]: g for g, group in enumerate(self.groups) if self.plans[group[0]].replicated}
         batched: dict[int, torch.Tensor] = {}      # plan index -> its ids, deduplicated together (device_ids)
         with on_stream(stream):
-            all_values = to_device(kj.values, dev)
+            all_values = to_device(batch.sparse.values, dev)
             lengths = to_device(lengths_h, dev)
             all_weights = None if batch.weights is None else to_device(batch.weights, dev)
             bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
+            of_plan = lambda x, plan: _features_of(x, plan.features, starts_l, counts_l)   # noqa: E731
             for i, plan in enumerate(self.plans):
-                pieces = [all_values[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
-                values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]          # [N_t]
+                values = of_plan(all_values, plan)                                     # [N_t]
                 if len(plan.features) == 1:          # views of the batch-wide [F, B] tensors
                     lens, offsets = lengths[plan.features[0]], bag_starts[plan.features[0]]   # [B]
                 else:
@@ -354,22 +368,14 @@ class SparseArch:
                     uniq, inverse, occ = native.unique(values, look.counts is not None)   # [U], [N_t], [U] | None
                 if look.counts is not None:
                     look.counts.append(occ)
-                if all_weights is not None:
-                    wp = [all_weights[starts_l[f]:starts_l[f] + counts_l[f]] for f in plan.features]
-                    look.weights.append(torch.cat(wp) if len(wp) > 1 else wp[0])
-                else:
-                    look.weights.append(None)
+                look.weights.append(None if all_weights is None else of_plan(all_weights, plan))
                 look.ids.append(uniq)
                 look.inverse.append(inverse)
                 look.offsets.append(offsets)
                 look.lengths.append(lens)
                 look.single.append(all(single_f[f] for f in plan.features))
-            if batched:        # every PS table at once; the unique ids (and counts) come to the host
-                uniq_b, inv_b, occ_b = dedup_tables(list(batched.values()), look.counts is not None)
-                for k, i in enumerate(batched):
-                    look.ids[i], look.inverse[i] = uniq_b[k], inv_b[k]
-                    if look.counts is not None:
-                        look.counts[i] = occ_b[k]
+            if batched:
+                look.dedup_together(batched)
         look.pulled_rows = sum(u.numel() for u in look.ids)
         look.issue(step)
         look.pull_s = time.perf_counter() - t0

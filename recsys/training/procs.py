@@ -77,6 +77,16 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
+def set_name(name: str) -> None:
+    """This process's name as `ps -o comm`, `top` and /proc/PID/comm show it (15 bytes at most): a fork
+    of the zygote would otherwise show the zygote's `python` command line and name."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+NAMES = {"shard": "recsys-ps", "trainer": "recsys-trainer", "probe": "recsys-probe"}
+"""/proc/PID/comm of the zygote's children by target (benchmarks/cpu_time.py tells roles by it)."""
+
+
 def child_env(threads: int | None) -> dict[str, str]:
     """This process's environment for a child: OpenMP workers that do not spin (they starve 2 cores),
     and `threads` of them (None: the child sets its own)."""
@@ -339,7 +349,7 @@ def probe(code: int = 0, sleep_s: float = 0.0) -> None:
 
     sys.stdout.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
                                  "cwd": os.getcwd(), "env": dict(os.environ),
-                                 "threads": torch.get_num_threads(),
+                                 "threads": torch.get_num_threads(), "name": open("/proc/self/comm").read().strip(),
                                  "cuda_initialized": torch.cuda.is_initialized()}) + "\n")
     sys.stdout.flush()
     time.sleep(sleep_s)
@@ -353,6 +363,7 @@ def _run_child(request: dict, zygote_pid: int) -> int:
     if request["session"]:
         os.setsid()
     die_with_parent(request["deathsig"])
+    set_name(NAMES.get(request["target"], "recsys-child"))
     if os.getppid() != zygote_pid:            # the zygote died before the prctl
         return 1
     if request["cwd"] is not None:
@@ -407,6 +418,7 @@ def _fork(request: dict, fds: tuple[int, int]) -> int:
 
 def _serve(cmd_fd: int, evt_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C is the launcher's to handle
+    set_name("recsys-zygote")
     for name in PRELOAD:
         importlib.import_module(name)
     children: dict[int, int] = {}                   # pid -> request id

@@ -122,3 +122,68 @@ def test_async_training_with_the_row_cache_on_the_gpu_learns(tmp_path: Path, tin
     got = [x["loss/train"] for x in train]
     assert sum(got[-3:]) / 3 < sum(got[:2]) / 2 - 0.05, f"loss did not go down: {got}"
     assert max(x["cache/hit_rate"] for x in train) > 0.2
+
+
+def test_ids_deduplicated_on_the_gpu_equal_the_host_dedup() -> None:
+    """on_device.dedup_tables on the GPU: the CPU's unique ids (on the host), inverse indices (on the
+    GPU) and counts, for tables with shared ids, an empty one and extreme int64 ids."""
+    from recsys.models.on_device import dedup_tables
+    g = torch.Generator().manual_seed(0)
+    big = ids(2**62, -2**63, 2**63 - 1, -1, 0, -1)
+    values = [torch.randint(0, 50, (5000,), generator=g), ids(), big, torch.randint(0, 50, (300,), generator=g)]
+    want = dedup_tables(values, counts=True)
+    got = dedup_tables([v.cuda() for v in values], counts=True)
+    for k in range(len(values)):
+        assert got[0][k].device.type == "cpu" and got[2][k].device.type == "cpu"
+        assert got[1][k].device.type == "cuda"
+        assert torch.equal(got[0][k], want[0][k]) and torch.equal(got[2][k], want[2][k])
+        assert torch.equal(got[1][k].cpu(), want[1][k])
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_a_lookup_with_ids_on_the_gpu_pools_and_pushes_what_the_cpu_does(pooling: str) -> None:
+    """SparseArch with device_ids on the GPU (ids, dedup, pooling there; rows and grads through
+    pinned blocks on the side stream) against the CPU lookup: pooled outputs, row gradients pushed."""
+    from tests.unit.recsys.models.test_sparse_arch import V, DictStore, make_batch
+    from recsys.models.sparse_arch import SparseArch, plan_tables
+    keys = ("a", "b", "c")
+    tables = (TableConfig(name="t0", dim=8), TableConfig(name="t1", dim=8))
+    plans = plan_tables(keys, tables, {"a": "t0", "b": "t1", "c": "t0"}, {}, {"t0": pooling, "t1": pooling})
+    g = torch.Generator().manual_seed(3)
+    dense = {t: torch.randn(V, 8, generator=g) for t in range(2)}
+    w = torch.randn(64, 3, 8, generator=g)
+    got = {}
+    for device in ("cpu", "cuda"):
+        arch = SparseArch(plans)
+        if device == "cuda":
+            arch.device, arch.device_ids = torch.device("cuda"), True
+        store = DictStore(dense)
+        for step in range(3):                 # the side stream's blocks reused across steps
+            lookup = arch.lookup(make_batch(64, keys, seed=4 + step), store)
+            pooled, _ = lookup.wait()
+            assert pooled.device.type == device
+            (pooled * w.to(device)).sum().backward()
+            pending = lookup.push_start()
+            futures = pending.send()
+            assert all(f.done() for f in futures)
+        got[device] = pooled.detach().cpu(), {t: dict(zip(i.tolist(), gr)) for t, (i, gr) in store.pushed.items()}
+    torch.testing.assert_close(got["cuda"][0], got["cpu"][0], rtol=1e-5, atol=1e-6)
+    for t, rows in got["cpu"][1].items():
+        assert got["cuda"][1][t].keys() == rows.keys()
+        for i, grad in rows.items():
+            assert got["cuda"][1][t][i].device.type == "cpu"
+            torch.testing.assert_close(got["cuda"][1][t][i], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_placement_on_the_gpu_ends_where_the_cpu_run_ends(tmp_path: Path, tiny_dataset) -> None:
+    """Replicated tables on the GPU (keys searched there, torch's fused optimizer) and the rest on the
+    PS, sync: the same losses as the CPU run."""
+    data = tiny_dataset(rows=4000, files=2, seed=5)
+    got = {}
+    for device in ("cpu", "cuda"):
+        cfg = job(tmp_path, data, device, f"auto-{device}", ("ps.mode='sync'", "ps.table_defaults.placement='auto'"))
+        launch_train(cfg)
+        got[device] = losses(tmp_path / f"auto-{device}")
+    assert len(got["cpu"]) == len(got["cuda"]) >= 5
+    for a, b in zip(got["cpu"], got["cuda"]):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), got

@@ -146,26 +146,36 @@ def test_cpu_between_interpolates_and_sums_per_role():
 
 
 def test_train_gpu_summary_ratios_targets_and_partial_runs():
-    """benchmarks/train_gpu.py's summary: medians over runs, ratios of medians, targets judged, and a
-    summary of partial results (a configuration with no run yet: null, no error)."""
+    """benchmarks/train_gpu.py's summary: medians over runs, ratios of medians (#32's: every table on
+    the PS, and auto placement, against TorchRec), targets judged, host CPU per step, and a summary of
+    partial results (a configuration with no run yet: null, no error)."""
     tg = _load("train_gpu")
     args = argparse.Namespace(rows=1000, steps=10, log_every=5, repeats=3, batch_size=4096, dim=64, threads=4,
                               shards=4, cap=100, cache_frac=0.05, cache_staleness=8)
     run = lambda rate, busy, **kw: {"samples_per_s": rate, "gpu_busy_pct": busy, **kw}   # noqa: E731
     results = {"ours_gpu_cache": [run(100.0, 4.0, cache_hit_rate=0.2), run(120.0, 6.0, cache_hit_rate=0.3),
                                   run(90.0, 5.0, cache_hit_rate=0.4)],
-               "ours_gpu": [run(80.0, 3.0), run(100.0, 4.0)],
+               "ours_gpu": [run(80.0, 3.0, host_cpu_ms_per_step=30.0), run(100.0, 4.0, host_cpu_ms_per_step=20.0)],
+               "ours_gpu_auto": [run(400.0, 30.0)],
                "torchrec_gpu": [run(400.0, 20.0), run(500.0, 10.0), run(450.0, 15.0)],
                "plain_gpu": []}
-    r = tg.summarize(args, results, [], 1.0)
+    r = tg.summarize(args, results, [], 1.0, {"test_cuda": {"rc": 0, "summary": "5 passed"}})
     assert r["ours_gpu_cache"] == 100 and r["ours_gpu"] == 90 and r["torchrec_gpu"] == 450 and r["plain_gpu"] is None
-    assert r["ratio_vs_torchrec_gpu"] == round(100 / 450, 3)
+    assert r["ratio_vs_torchrec_gpu"] == round(90 / 450, 3)
+    assert r["ratio_vs_torchrec_gpu_auto"] == round(400 / 450, 3)
+    assert r["ratio_cache_vs_torchrec_gpu"] == round(100 / 450, 3)
     assert r["ratio_cache_vs_nocache"] == round(100 / 90, 3)
     assert r["ratio_vs_plain_gpu"] is None
-    assert r["gpu_busy_pct"] == 5.0 and r["gpu_busy_pct_torchrec_gpu"] == 15.0
+    assert r["gpu_busy_pct"] == 3.5 and r["gpu_busy_pct_torchrec_gpu"] == 15.0
+    assert r["host_cpu_ms_per_step"] == 25.0
     assert r["cache_hit_rate"] == 0.3
-    assert r["meets_targets"] == {"gpu_busy_pct": False, "ratio_vs_torchrec_gpu": False}
+    assert r["meets_targets"] == {"ratio_vs_torchrec_gpu": False, "ratio_vs_torchrec_gpu_auto": True}
+    assert r["test_cuda"]["rc"] == 0
     json.dumps(r)
+    # only the auto run so far (a cut --partial run): its busy % and CPU stand for ours, the PS ratio is null
+    r = tg.summarize(args, {"ours_gpu_auto": [run(400.0, 30.0, host_cpu_ms_per_step=7.0)]}, [], 1.0)
+    assert r["gpu_busy_pct"] == 30.0 and r["host_cpu_ms_per_step"] == 7.0
+    assert r["ratio_vs_torchrec_gpu"] is None and r["meets_targets"]["ratio_vs_torchrec_gpu"] is None
 
 
 def test_serving_latency_histogram_written(plots, tmp_path):

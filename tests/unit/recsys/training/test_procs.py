@@ -53,6 +53,8 @@ def test_a_child_sees_the_callers_environment_directory_and_log(zygote, tmp_path
     assert seen["env"]["RECSYS_PROBE"] == "after the zygote started" and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert seen["threads"] == 1
     assert seen["cuda_initialized"] is False          # the zygote never touches CUDA (a fork could not use it)
+    assert seen["name"] == "recsys-probe"             # ps / top name a child by its role, not "python"
+    assert Path(f"/proc/{zygote.proc.pid}/comm").read_text().strip() == "recsys-zygote"
 
 
 def test_exit_codes_are_those_subprocess_reports(zygote, tmp_path) -> None:
