@@ -267,12 +267,14 @@ class Trainer:
             if not torch.isfinite(loss.detach()):      # before any gradient reaches DDP or the shards
                 raise NonFiniteLossError(f"step {self.step + 1}: the training loss is {float(loss.detach())}")
             (loss * share / acc).backward()             # loss * 1.0 is exact: no special case
-        if logits.dim() == 1:                           # a CTR logit per row (not in-batch softmax)
-            times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         t0 = time.perf_counter()
         # rows.grad already carries share / acc (the loss was scaled): only DDP's 1/W is left to apply.
-        # Host grads go now; a GPU's are copied while the optimizer steps are queued, then sent
+        # Host grads go now, with the step's barrier (the shards apply it while the optimizers step);
+        # a GPU's are copied to the host while the optimizer steps are queued, and sent after them
         pushes = lookup.push_start(scale=1.0 / self.world_size)
+        copying = bool(pushes.copies)
+        if not copying:
+            self.strategy.after_backward(pushes.send(), self.step)
         push_s = time.perf_counter() - t0
         times.pull += lookup.pull_s
         times.ps_wait += lookup.wait_s
@@ -285,8 +287,11 @@ class Trainer:
                 self.table_optimizer.step()
                 self.table_optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        self.strategy.after_backward(pushes.send(), self.step)
+        if copying:
+            self.strategy.after_backward(pushes.send(), self.step)
         times.push += push_s + time.perf_counter() - t0
+        if logits.dim() == 1:    # a CTR logit per row (not in-batch softmax); on a GPU read after the queued steps
+            times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
         return float(loss.detach())
 
     def _batch_share(self, rows: int) -> float:
