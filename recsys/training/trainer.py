@@ -45,6 +45,7 @@ from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model
+from recsys.models.on_device import to_host_async
 from recsys.models.replicated import (ReplicatedStore, TableOptimizer, TrainModules, build_replicated,
                                       resolve_placement)
 from recsys.training.checkpoint import Checkpointer, TrainParts, restore_trainer
@@ -276,6 +277,11 @@ class Trainer:
         if not copying:
             self.strategy.after_backward(pushes.send(), self.step)
         push_s = time.perf_counter() - t0
+        # the loss and (a CTR logit per row, not in-batch softmax) the click probabilities for the train
+        # AUC, to the host: on a GPU copied once backward is done, read without waiting for the optimizers
+        ctr = logits.dim() == 1
+        out = torch.cat([loss.detach().reshape(1), torch.sigmoid(logits.detach())]) if ctr else loss.detach().reshape(1)
+        out, out_copied = to_host_async(out.float())
         times.pull += lookup.pull_s
         times.ps_wait += lookup.wait_s
         times.ps_rows += lookup.pulled_rows
@@ -290,9 +296,11 @@ class Trainer:
         if copying:
             self.strategy.after_backward(pushes.send(), self.step)
         times.push += push_s + time.perf_counter() - t0
-        if logits.dim() == 1:    # a CTR logit per row (not in-batch softmax); on a GPU read after the queued steps
-            times.auc.update(batch.labels, torch.sigmoid(logits.detach()).cpu())
-        return float(loss.detach())
+        if out_copied is not None:
+            out_copied.synchronize()
+        if ctr:
+            times.auc.update(batch.labels, out[1:])
+        return float(out[0])
 
     def _batch_share(self, rows: int) -> float:
         """W * rows / (rows of every rank's batch this step), 1.0 when the ranks' batches are equal.
