@@ -212,6 +212,13 @@ class ReplicatedTables(nn.Module):
     def rows(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [R + E, D], index [N] into them) of ids [N]: the table's weight, plus, when some ids are
         not in the vocabulary, their E distinct default rows (not trained) after it."""
+        weight, extra, pos = self.rows_parts(name, ids)
+        return (weight if extra is None else torch.cat([weight, extra])), pos
+
+    def rows_parts(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`rows` before the concatenation: (weight [R, D] (the parameter itself), the E default rows
+        [E, D] on its device or None, index [N]); the sparse arch joins them when the step reads them
+        (after the previous step's optimizer update of the weight, on the compute stream)."""
         keys, weight = self.keys[name], self.weight[name]
         if keys.device != ids.device:            # ids on the GPU (SparseArch.device_ids): search there
             keys = self._keys_on.get((name, ids.device))
@@ -225,7 +232,7 @@ class ReplicatedTables(nn.Module):
             pos.clamp_(max=R - 1)
             hit = keys.index_select(0, pos) == ids
         if bool(hit.all()):
-            return weight, pos.to(weight.device) if weight.device != pos.device else pos
+            return weight, None, pos.to(weight.device) if weight.device != pos.device else pos
         miss_ids, inv = torch.unique(ids[~hit], return_inverse=True)             # [E], [N_miss]
         pos = pos.clone()
         pos[~hit] = R + inv
@@ -234,7 +241,7 @@ class ReplicatedTables(nn.Module):
             extra = torch.zeros(miss_ids.numel(), tc.dim)
         else:
             extra = init_rows(miss_ids.cpu(), tc.dim, tc.seed, tc.init, tc.init_scale)
-        return torch.cat([weight, extra.to(weight.device, weight.dtype)]), pos.to(weight.device)
+        return weight, extra.to(weight.device, weight.dtype), pos.to(weight.device)
 
     def state(self) -> dict[str, torch.Tensor]:
         """`NAME.ids` and `NAME.weight` of every table (what model/replicated.pt holds)."""

@@ -52,7 +52,7 @@ class SparseLookup:
     futures: list[Future] = field(default_factory=list)         # per group: its pull_many_async
     rows: list[torch.Tensor] = field(default_factory=list)      # per group: leaf [U_g, D]
     counts: list[torch.Tensor] | None = None   # per plan: [U] occurrences of each unique id (a row cache's stats)
-    local: dict[int, torch.Tensor] = field(default_factory=dict)   # group -> a replicated table's rows [R(+E), D]
+    local: dict[int, tuple] = field(default_factory=dict)   # group -> replicated (weight [R, D], [E, D] | None)
     pull_s: float = 0.0
     wait_s: float = 0.0                   # of pull_s: blocked on the replies in `wait`
     pulled_rows: int = 0                  # rows asked of the store (replicated tables' rows not counted)
@@ -83,10 +83,12 @@ class SparseLookup:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and first-order terms [B, F_lin] (None without linear tables)."""
         t0 = time.perf_counter()
-        compute_waits(self.stream, [*self.inverse, *self.offsets, *self.lengths, *self.weights, *self.local.values()])
+        compute_waits(self.stream, [*self.inverse, *self.offsets, *self.lengths, *self.weights,
+                                    *(extra for _, extra in self.local.values())])
         for g, fut in enumerate(self.futures):
-            if fut is None:                # a replicated table's parameter: its gradient goes to DDP
-                self.rows.append(self.local[g])
+            if fut is None:     # a replicated table's parameter (as the last optimizer step left it): DDP's gradient
+                weight, extra = self.local[g]
+                self.rows.append(weight if extra is None else torch.cat([weight, extra]))   # [R(+E), D]
                 continue
             rows = fut.result()                                               # [U_g, D]
             if self.device is not None and rows.device != self.device:
@@ -356,8 +358,8 @@ class SparseArch:
                     offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
                 uniq = inverse = occ = None
                 if i in local_of:      # a replicated table: the ids' rows in its parameter, no dedup, no pull
-                    rows, inverse = self.replicated.rows(plan.name, values)              # [R(+E), D], [N_t]
-                    look.local[local_of[i]] = rows
+                    weight, extra, inverse = self.replicated.rows_parts(plan.name, values)   # [R, D], [E, D], [N_t]
+                    look.local[local_of[i]] = weight, extra
                     uniq, occ = _NO_IDS, (None if look.counts is None else _NO_IDS)
                 elif self.device_ids:
                     batched[i] = values

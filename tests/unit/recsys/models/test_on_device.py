@@ -191,3 +191,26 @@ def test_training_with_ids_on_the_device_ends_where_the_host_dedup_ends(tmp_path
     for (name, p), q in zip(t_host.model.state_dict().items(), t_dev.model.state_dict().values()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
     assert_same_rows(s_host, s_dev)
+
+
+@pytest.mark.parametrize("device_ids", [False, True])
+def test_a_pull_ahead_lookup_reads_the_replicated_table_as_the_optimizer_left_it(device_ids: bool) -> None:
+    """A lookup issued before step t's optimizer update (async pull-ahead) pools the replicated table's
+    weight after that update, whether or not some of its ids miss the vocabulary (the default rows
+    are joined to the weight when the step reads them, not when the lookup is issued)."""
+    from recsys.models.replicated import ReplicatedTables
+    tables = (TableConfig(name="small", dim=4, placement="replicated"),)
+    plans = plan_tables(("a",), tables, {"a": "small"}, {}, {"small": "sum"})
+    rep = ReplicatedTables({"small": tables[0]}, {"small": np.arange(0, V, 2, dtype=np.int64)})
+    arch = SparseArch(plans)
+    arch.use_replicated(rep)
+    arch.device_ids = device_ids
+    for ids in ([0, 2, 4, 6], [0, 2, 3, 5]):                  # all in the vocabulary; two misses
+        batch = Batch(torch.zeros(4, 1), KeyedJagged(("a",), torch.tensor(ids), torch.ones(4, dtype=torch.int32)),
+                      torch.zeros(4), None)
+        lookup = arch.lookup(batch, CountingStore({}))
+        with torch.no_grad():
+            rep.weight["small"].add_(1.0)                      # the previous step's optimizer update
+        pooled, _ = lookup.wait()
+        want = rep.rows("small", torch.tensor(ids))[0][rep.rows("small", torch.tensor(ids))[1]]
+        assert torch.equal(pooled[:, 0], want.detach()), ids
