@@ -59,6 +59,7 @@ class SparseLookup:
     device: torch.device | None = None    # pool here (rows moved on arrival); None: where the rows come
     stream: torch.cuda.Stream | None = None   # ids on the GPU: the side stream that made them (on_device)
     single: list[bool] = field(default_factory=list)   # per plan: one id per bag (known on the host)
+    feature_ids: list[int] = field(default_factory=list)   # per batch feature: its ids in the batch (host)
 
     def dedup_together(self, values: dict[int, torch.Tensor]) -> None:
         """The ids, inverse indices (and counts) of the plans `values` holds (plan index -> ids [N_t]),
@@ -337,7 +338,7 @@ class SparseArch:
         dev = self.device if self.device_ids else None             # ids on the device: moved once
         stream = side_stream(dev)
         look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device, stream=stream,
-                            counts=[] if counts else None)     # counts: a row cache's per-lookup hit rate
+                            counts=[] if counts else None, feature_ids=counts_l)   # counts: a row cache's hit rate
         t0 = time.perf_counter()
         local_of = {}              # plan index -> its group, for the replicated plans
         if self.replicated is not None:
