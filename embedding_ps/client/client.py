@@ -90,21 +90,23 @@ class PSClient:
     either way (the shard sums duplicate gradients), they only cost wire bytes.
     late_grads, notify: the request orders of shared-memory transfers, both on in the product (the
     measured winners); off gives the order before them, which benchmarks/ps_shm_push.py and
-    ps_throughput.py compare. late_grads: a push of fp32 grads sends the request first, then copies
+    ps_throughput.py compare. pin_rows: pulled rows assembled from several shards' replies land in
+    page-locked memory (a trainer on a GPU: `recsys.models.on_device` then copies them without staging;
+    needs CUDA). late_grads: a push of fp32 grads sends the request first, then copies
     the grads into the segment (protocol.FLAG_GRADS_LATE; the shard waits for them). notify: the shard
     wakes the caller through the segment once it served the request (protocol.FLAG_NOTIFY,
     `shm.NotifiedFuture`) instead of the caller waiting for the reply.
     """
 
     def __init__(self, config: PSConfig, addresses: Sequence[str], worker_id: int = 0, *,
-                 dedup: bool = True, late_grads: bool = True, notify: bool = True) -> None:
+                 dedup: bool = True, late_grads: bool = True, notify: bool = True, pin_rows: bool = False) -> None:
         if len(addresses) != config.num_shards:
             raise ValueError(f"PSClient: {len(addresses)} addresses for ps.num_shards = {config.num_shards}")
         if not 0 <= worker_id < 2**32:
             raise ValueError(f"PSClient: worker_id must be in [0, 2**32), got {worker_id}")
         self.config, self.addresses, self.worker_id = config, list(addresses), worker_id
         self.step = 0
-        self.dedup, self.late_grads, self.notify = dedup, late_grads, notify
+        self.dedup, self.late_grads, self.notify, self.pin_rows = dedup, late_grads, notify, pin_rows
         self.wire = P.WIRE_DTYPES[config.wire_dtype]
         self._token = load_token(config) if config.auth == "token" else b""
         self._client = secrets.randbits(64)
@@ -154,7 +156,7 @@ class PSClient:
 
         def assemble(replies: dict) -> torch.Tensor:
             if many is not None:
-                return many.assemble(counts, replies, dim, segs, call)
+                return many.assemble(counts, replies, dim, segs, call, self.pin_rows)
             return assemble_rows(plans, counts, replies, dim, segs, call)
 
         future = None

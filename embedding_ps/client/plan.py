@@ -109,13 +109,14 @@ class ManyPlan:
         return t if self.order is None else t.index_select(0, self.order)
 
     def assemble(self, counts: dict[int, list[int]], replies: dict[int, tuple[P.Header, list]], dim: int,
-                 segs: dict | None = None, call: list | None = None) -> torch.Tensor:
-        """Every shard's PULL reply -> float32 rows [N, D] in the caller's order."""
+                 segs: dict | None = None, call: list | None = None, pin: bool = False) -> torch.Tensor:
+        """Every shard's PULL reply -> float32 rows [N, D] in the caller's order; with `pin`, rows that
+        are copied here are copied into page-locked memory (a GPU trainer's next copy is then a DMA)."""
         n = self.sent.numel()
         if self.order is None and len(counts) == 1:           # one shard: the frame itself (fp32)
             (shard, cs), = counts.items()
             return _reply_rows(shard, cs, replies, dim, segs, call).float()
-        out = torch.empty(n, dim)
+        out = torch.empty(n, dim, pin_memory=pin)
         start = 0
         for shard in sorted(counts):                          # sent order is shard order
             m = sum(counts[shard])

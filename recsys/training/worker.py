@@ -225,7 +225,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         trim_metrics(out / "metrics.jsonl", read_manifest(resume)["step"])
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0
                      else NullMetricLogger())
-    store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False)   # the sparse arch sends unique ids
+    # the sparse arch sends unique ids; a GPU trainer's pulled rows land in page-locked memory
+    store = PSClient(cfg.ps, addresses, worker_id=rank, dedup=False, pin_rows=cfg.train.device == "cuda")
     check_shards(store, world)
     trainer = None
     try:

@@ -176,12 +176,14 @@ def test_a_lookup_with_ids_on_the_gpu_pools_and_pushes_what_the_cpu_does(pooling
 
 
 def test_auto_placement_on_the_gpu_ends_where_the_cpu_run_ends(tmp_path: Path, tiny_dataset) -> None:
-    """Replicated tables on the GPU (keys searched there, torch's fused optimizer) and the rest on the
-    PS, sync: the same losses as the CPU run."""
+    """Replicated tables on the GPU (keys searched there, torch's fused optimizer) and the rest (C4, 10k
+    ids > ps.replicate_max_rows 500) on 2 PS shards (rows assembled in page-locked memory), sync: the
+    same losses as the CPU run."""
     data = tiny_dataset(rows=4000, files=2, seed=5)
     got = {}
     for device in ("cpu", "cuda"):
-        cfg = job(tmp_path, data, device, f"auto-{device}", ("ps.mode='sync'", "ps.table_defaults.placement='auto'"))
+        cfg = job(tmp_path, data, device, f"auto-{device}", ("ps.mode='sync'", "ps.table_defaults.placement='auto'",
+                                                             "ps.replicate_max_rows=500", "ps.num_shards=2"))
         launch_train(cfg)
         got[device] = losses(tmp_path / f"auto-{device}")
     assert len(got["cpu"]) == len(got["cuda"]) >= 5
