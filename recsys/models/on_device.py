@@ -36,6 +36,8 @@ def side_stream(device: torch.device | None) -> torch.cuda.Stream | None:
     """The copy / ids stream of a CUDA device (one a process and device), None elsewhere."""
     if device is None or device.type != "cuda":
         return None
+    if device.index is None:                  # "cuda": the current device, by index (one key per GPU)
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device=device)
     return _STREAMS[device]
@@ -48,8 +50,8 @@ def on_stream(stream: torch.cuda.Stream | None):
 
 def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """`t` (host) on `device`: through a pinned block and a non-blocking copy on the current stream
-    for CUDA; `t` itself for the CPU (or no device)."""
-    if device is None or device.type != "cuda" or t.device == device:
+    for CUDA; `t` itself for the CPU (or no device). A tensor already on a GPU is moved as `.to` does."""
+    if device is None or device.type != "cuda" or t.device.type != "cpu":
         return t if device is None else t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
@@ -77,7 +79,7 @@ def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     with torch.cuda.stream(stream):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)     # its waiter sleeps (a spinning one takes a shard's core)
         event.record(stream)
     t.record_stream(stream)
     return host, event

@@ -79,12 +79,18 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
     start = sum(counts[:k])
     inv = lookup.inverse[p][start:start + counts[k]]                         # [N_f] into the plan's unique ids
     lens = lens_all[k]                                                       # [B]
-    mask = torch.arange(max_len, device=lens.device).unsqueeze(0) < lens.unsqueeze(1)   # [B, L]
+    dev = lens.device
+    mask = torch.arange(max_len, device=dev).unsqueeze(0) < lens.unsqueeze(1)   # [B, L]
     rows = lookup.rows[g]                                                    # [U_g, D] leaf
     if rows.shape[0] == 0:
         return rows.new_zeros(B, max_len, rows.shape[1]), mask.to(rows.device)
-    idx = torch.zeros(B, max_len, dtype=torch.int64, device=lens.device)
-    idx[mask] = inv + base                                                   # row-major: bag b's ids in order
+    # bag b's ids in order at [b, 0 .. len_b): flat positions from the lengths (no boolean-mask write,
+    # which reads the mask's count back from a GPU)
+    n = counts[k]
+    bag = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=n)          # [n]
+    within = torch.arange(n, device=dev) - (torch.cumsum(lens, 0) - lens).index_select(0, bag)
+    idx = torch.zeros(B * max_len, dtype=torch.int64, device=dev).index_copy_(
+        0, bag * max_len + within, inv + base).view(B, max_len)
     idx, mask = idx.to(rows.device), mask.to(rows.device)                    # rows on the GPU: a row cache there
     seq = rows.index_select(0, idx.view(-1)).view(B, max_len, -1)            # [B, L, D]
     return seq * mask.unsqueeze(2).to(seq.dtype), mask                       # padding: zeros, no gradient

@@ -92,7 +92,7 @@ class SparseLookup:
                 self.rows.append(weight if extra is None else torch.cat([weight, extra]))   # [R(+E), D]
                 continue
             rows = fut.result()                                               # [U_g, D]
-            if self.device is not None and rows.device != self.device:
+            if self.device is not None and self.device.type != "cpu" and rows.device.type == "cpu":
                 # train.device = "cuda": pool on the GPU, push grads [U_g, D] back (pinned, non-blocking)
                 with on_stream(self.stream):
                     rows = to_device(rows, self.device)

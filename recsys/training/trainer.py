@@ -136,7 +136,10 @@ class Trainer:
         if any(t.placement == "auto" for t in cfg.ps.tables):    # the launcher resolves it; library use here
             cfg = resolve_placement(cfg).config
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.device = torch.device(cfg.train.device)
+        # "cuda": this process's GPU by index (the worker's set_device; DDP's device_ids and a row
+        # cache's rows name it so, and a bare "cuda" compares unequal to "cuda:0")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.device == "cuda" \
+            else torch.device(cfg.train.device)
         self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
         self.sparse, model = build_job_model(cfg)
         self._cached = self.store is not store     # a row cache: train lookups pass it the ids' counts
