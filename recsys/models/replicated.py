@@ -219,19 +219,33 @@ class ReplicatedTables(nn.Module):
         """`rows` before the concatenation: (weight [R, D] (the parameter itself), the E default rows
         [E, D] on its device or None, index [N]); the sparse arch joins them when the step reads them
         (after the previous step's optimizer update of the weight, on the compute stream)."""
-        keys, weight = self.keys[name], self.weight[name]
-        if keys.device != ids.device:            # ids on the GPU (SparseArch.device_ids): search there
-            keys = self._keys_on.get((name, ids.device))
-            if keys is None:
-                keys = self._keys_on[(name, ids.device)] = self.keys[name].to(ids.device)
-        R = keys.numel()
-        if R == 0:
-            pos, hit = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
-        else:
-            pos = torch.searchsorted(keys, ids)                                 # [N]
-            pos.clamp_(max=R - 1)
-            hit = keys.index_select(0, pos) == ids
-        if bool(hit.all()):
+        return self.rows_parts_many([(name, ids)])[0]
+
+    def rows_parts_many(self, items: Sequence[tuple[str, torch.Tensor]]
+                        ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """`rows_parts` of several (table name, ids [N]) at once: whether each table's ids all hit its
+        vocabulary is read back in one go (ids on a GPU: one wait for all of them, not one a table)."""
+        found = []
+        for name, ids in items:
+            keys = self.keys[name]
+            if keys.device != ids.device:        # ids on the GPU (SparseArch.device_ids): search there
+                keys = self._keys_on.get((name, ids.device))
+                if keys is None:
+                    keys = self._keys_on[(name, ids.device)] = self.keys[name].to(ids.device)
+            if keys.numel() == 0:
+                found.append((torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)))
+                continue
+            pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)     # [N]
+            found.append((pos, keys.index_select(0, pos) == ids))
+        all_hit = torch.stack([hit.all() for _, hit in found]).tolist() if found else []
+        return [self._with_defaults(name, ids, pos, hit, ok)
+                for (name, ids), (pos, hit), ok in zip(items, found, all_hit)]
+
+    def _with_defaults(self, name: str, ids: torch.Tensor, pos: torch.Tensor, hit: torch.Tensor, all_hit: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(weight, default rows of the ids that missed or None, index [N]) from a vocabulary search."""
+        weight, R = self.weight[name], self.keys[name].numel()
+        if all_hit:
             return weight, None, pos.to(weight.device) if weight.device != pos.device else pos
         miss_ids, inv = torch.unique(ids[~hit], return_inverse=True)             # [E], [N_miss]
         pos = pos.clone()

@@ -71,6 +71,14 @@ class SparseLookup:
             if self.counts is not None:
                 self.counts[p] = occ[k]
 
+    def search_replicated(self, tables, values: dict[int, torch.Tensor], group_of: dict[int, int]) -> None:  # noqa: ANN001
+        """The replicated plans' rows (their table's weight [R, D], the missed ids' default rows [E, D]
+        or None) and inverse indices [N_t], every table's vocabulary searched at once
+        (`ReplicatedTables.rows_parts_many`: one read-back of the hits with ids on a GPU)."""
+        parts = tables.rows_parts_many([(self.plans[p].name, v) for p, v in values.items()])
+        for p, (weight, extra, inverse) in zip(values, parts):
+            self.local[group_of[p]], self.inverse[p] = (weight, extra), inverse
+
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
         for g, group in enumerate(self.groups):
@@ -344,6 +352,7 @@ class SparseArch:
         if self.replicated is not None:
             local_of = {group[0]: g for g, group in enumerate(self.groups) if self.plans[group[0]].replicated}
         batched: dict[int, torch.Tensor] = {}      # plan index -> its ids, deduplicated together (device_ids)
+        replicated: dict[int, torch.Tensor] = {}   # plan index -> its ids, searched in its table's vocabulary
         with on_stream(stream):
             all_values = to_device(batch.sparse.values, dev)
             lengths = to_device(lengths_h, dev)
@@ -359,8 +368,7 @@ class SparseArch:
                     offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
                 uniq = inverse = occ = None
                 if i in local_of:      # a replicated table: the ids' rows in its parameter, no dedup, no pull
-                    weight, extra, inverse = self.replicated.rows_parts(plan.name, values)   # [R, D], [E, D], [N_t]
-                    look.local[local_of[i]] = weight, extra
+                    replicated[i] = values
                     uniq, occ = _NO_IDS, (None if look.counts is None else _NO_IDS)
                 elif self.device_ids:
                     batched[i] = values
@@ -379,6 +387,8 @@ class SparseArch:
                 look.single.append(all(single_f[f] for f in plan.features))
             if batched:
                 look.dedup_together(batched)
+            if replicated:
+                look.search_replicated(self.replicated, replicated, local_of)
         look.pulled_rows = sum(u.numel() for u in look.ids)
         look.issue(step)
         look.pull_s = time.perf_counter() - t0

@@ -214,3 +214,22 @@ def test_a_pull_ahead_lookup_reads_the_replicated_table_as_the_optimizer_left_it
         pooled, _ = lookup.wait()
         want = rep.rows("small", torch.tensor(ids))[0][rep.rows("small", torch.tensor(ids))[1]]
         assert torch.equal(pooled[:, 0], want.detach()), ids
+
+
+def test_the_replicated_tables_searched_at_once_give_what_one_search_a_table_gives() -> None:
+    from recsys.models.replicated import ReplicatedTables
+    configs = {n: TableConfig(name=n, dim=4, placement="replicated", unadmitted=u, seed=s)
+               for n, u, s in (("a", "zeros", 1), ("b", "init", 2), ("c", "init", 3), ("d", "init", 4))}
+    vocab = {"a": np.arange(0, 40, 2), "b": np.arange(10), "c": np.array([], dtype=np.int64), "d": np.arange(5)}
+    rep = ReplicatedTables(configs, vocab)
+    items = [("a", torch.tensor([0, 2, 4, 2])), ("b", torch.tensor([3, 11, 11, 12, 0])),     # all hit; misses
+             ("c", torch.tensor([7, 7])), ("d", torch.zeros(0, dtype=torch.int64))]            # empty vocab; no ids
+    many = rep.rows_parts_many(items)
+    for (name, ids), (weight, extra, pos) in zip(items, many):
+        one = rep.rows_parts(name, ids)
+        assert weight is rep.weight[name] and torch.equal(pos, one[2])
+        assert (extra is None) == (one[1] is None) and (extra is None or torch.equal(extra, one[1]))
+        rows, idx = rep.rows(name, ids)
+        full = weight if extra is None else torch.cat([weight, extra])
+        assert torch.equal(full[pos], rows[idx])
+    assert many[0][1] is None and many[1][1].shape == (2, 4) and many[2][1].shape == (1, 4) and many[3][1] is None
