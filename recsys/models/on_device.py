@@ -14,8 +14,9 @@ TorchRec does, and only what the PS needs crosses to the host:
 Pinned buffers come from torch's caching host allocator (`pin_memory()` / `pin_memory=True`): a block
 is reused once the copies that used it have finished (torch records their events), so no step
 allocates page-locked memory anew. The compute stream waits for the side stream by events
-(`wait_stream` / `wait_event`), never by a host synchronization; the host waits only where it must
-have a value: the unique ids it pulls with, and a gradient it sends.
+(`wait_stream`), never by a host synchronization; the host waits only where it must have a value:
+the unique ids it pulls with (and whether a replicated table's ids all hit its vocabulary), a gradient
+it sends, and the trainer's loss (its finiteness is checked before backward).
 
 The same code runs with device = cpu (tests run it so): no streams, no pinning, the copies are the
 tensors themselves. The CPU trainer keeps the C dedup of `embedding_ps.native.unique` (one hash
