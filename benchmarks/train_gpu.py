@@ -34,7 +34,8 @@ over each run's timed intervals, averaged. Host CPU: every process of the job (t
 launcher), CPU ms per timed step (`benchmarks/cpu_time.py`).
 
 --quick (the device check of #32): 300k rows, 40 timed steps, 1 repeat of ours_gpu, ours_gpu_auto and
-torchrec_gpu; first `pytest -q tests/integration/test_cuda.py` (its result in `test_cuda`), last a
+torchrec_gpu; first `pytest -q tests/integration/test_cuda.py` (its result in `test_cuda`, its output in
+--out's test_cuda.txt), last a
 torch profiler summary of our trainer (in this process on in-process shards, --profile-steps steps)
 written to --out (default $OUT, else nothing written). --device cpu: our configurations on the CPU,
 no NVML, no GPU baseline (its ratios null), test_cuda not run.
@@ -165,16 +166,16 @@ def profile_ours(cfg, steps: int, out_dir: str) -> str:
              f"(benchmarks/train_gpu.py --quick)\n", "## by self CPU time\n",
              table.table(sort_by="self_cpu_time_total", row_limit=40)]
     if cfg.train.device == "cuda":
-        parts += ["\n## by self CUDA time\n", table.table(sort_by="self_cuda_time_total", row_limit=40)]
+        parts += ["\n## by self device (CUDA) time\n", table.table(sort_by="self_device_time_total", row_limit=40)]
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "train_gpu_profile.txt")
     Path(path).write_text("".join(parts))
     return path
 
 
-def run_test_cuda() -> dict:
+def run_test_cuda(out_dir: str | None) -> dict:
     """`pytest -q tests/integration/test_cuda.py` (the CUDA path against the CPU run): its exit code
-    and last line."""
+    and last line; its whole output to out_dir/test_cuda.txt when out_dir is given."""
     root = Path(__file__).resolve().parents[1]
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -183,6 +184,9 @@ def run_test_cuda() -> dict:
     except subprocess.TimeoutExpired:
         return {"rc": None, "summary": "timed out after 300 s"}
     lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        Path(out_dir, "test_cuda.txt").write_text(p.stdout + p.stderr)
     return {"rc": p.returncode, "summary": lines[-1] if lines else ""}
 
 
@@ -274,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
         configs = [c for c in configs if c in OURS]
     extra = {}
     if args.quick and args.device == "cuda":
-        extra["test_cuda"] = run_test_cuda()
+        extra["test_cuda"] = run_test_cuda(args.out)
         print(f"  test_cuda.py: {extra['test_cuda']['summary']}", file=sys.stderr, flush=True)
     if "torchrec_gpu" in configs and (why := torchrec_missing()):
         if not args.allow_missing_baseline:
