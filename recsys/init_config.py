@@ -57,23 +57,27 @@ def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: 
              sample_rows: int = 1_000_000) -> tuple[list[Column], int]:
     """(columns in file order, rows sampled) of the first file's schema, counted over the files' first
     `sample_rows` rows. InitConfigError naming the file when the schemas differ or the label is missing."""
-    schema = parquet_file(files[0]).schema_arrow
+    schema = _open(files[0]).schema_arrow
+    kept = [n for n in schema.names if n not in ignore]       # --ignore: not read, not compared
     for f in files[1:]:
-        other = parquet_file(f).schema_arrow
-        if other.names != schema.names:
-            raise InitConfigError(f"{f}: its columns {other.names} differ from {files[0]}'s {schema.names}")
+        other = [n for n in _open(f).schema_arrow.names if n not in ignore]
+        if other != kept:
+            extra = sorted(set(other) ^ set(kept))
+            raise InitConfigError(f"{f}: its columns {other} differ from {files[0]}'s {kept}"
+                                  + (f" (pass --ignore {' '.join(extra)} to leave out the columns only some files have,"
+                                     f" or give files of one schema)" if extra else " (in another order)"))
     if label not in schema.names:
         raise InitConfigError(f"--label {label!r}: not a column of {files[0]} (columns: {', '.join(schema.names)})")
     tables, rows = [], 0
     for f in files:
-        pf = parquet_file(f)
+        pf = _open(f)
         for g in range(pf.num_row_groups):
             if rows >= sample_rows:
                 break
-            t = pf.read_row_group(g)
+            t = pf.read_row_group(g, columns=kept)
             tables.append(t)
             rows += t.num_rows
-    data = pa.concat_tables(tables) if tables else schema.empty_table()
+    data = pa.concat_tables(tables) if tables else schema.empty_table().select(kept)
     cols = []
     for field in schema:
         n, t = field.name, field.type
@@ -108,6 +112,34 @@ def _toml_list(items: list[str]) -> str:
     return "[" + ", ".join(f'"{x}"' for x in items) + "]"
 
 
+def _open(path: str):  # noqa: ANN202 (a pyarrow ParquetFile)
+    """The Parquet file at `path`; InitConfigError naming it when it is not one (as `recsys train` says)."""
+    try:
+        return parquet_file(path)
+    except Exception as e:                       # pyarrow raises ArrowInvalid, OSError, ...
+        raise InitConfigError(f"{path}: unreadable Parquet file ({type(e).__name__}: {e}); pass only Parquet "
+                              f"files (or a directory holding only them) to --data") from e
+
+
+_VAL = re.compile(r"(^|[^a-z])(val|valid|validation|eval|dev)([^a-z]|$)")
+_TEST = re.compile(r"(^|[^a-z])test([^a-z]|$)")
+
+
+def split_files(files: list[str]) -> tuple[list[str], list[str], list[str], str]:
+    """(train, validation, test, how it was decided). By name when any file's path names a role
+    ("val" / "valid" / "validation" / "eval" / "dev", "test"; the rest train); else by order, the last two
+    of three or more files validation and test (`resolve_paths` sorts a directory's files by name)."""
+    role = {f: "test" if _TEST.search(Path(f).stem.lower()) or _TEST.search(Path(f).parent.name.lower())
+            else "val" if _VAL.search(Path(f).stem.lower()) or _VAL.search(Path(f).parent.name.lower())
+            else "train" for f in files}
+    if any(r != "train" for r in role.values()) and any(r == "train" for r in role.values()):
+        return ([f for f in files if role[f] == "train"], [f for f in files if role[f] == "val"],
+                [f for f in files if role[f] == "test"], "by file name")
+    if len(files) >= 3:
+        return files[:-2], [files[-2]], [files[-1]], "by order: the last two by name (no file is named val / test)"
+    return files, [], [], "all files train (fewer than 3, none named val / test)"
+
+
 def render(files: list[str], label: str, cols: list[Column], sample: int, run_dir: str) -> str:
     """The config text (TOML with comments)."""
     dense = [c.name for c in cols if c.kind == "dense"]
@@ -115,15 +147,13 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
     if not ids:
         raise InitConfigError(f"{files[0]}: no id columns (integers, strings or lists of them) to embed")
     passthrough = [c.name for c in cols if c.kind == "passthrough"]
-    if len(files) >= 3:
-        train, val, test = files[:-2], [files[-2]], [files[-1]]
-    else:
-        train, val, test = files, [], []
+    train, val, test, how = split_files(files)
     dim = _dim(max(c.distinct for c in ids))
     lines = [
         f"# Written by `recsys init-config` from {len(files)} file(s) ({sample:,} rows sampled). Check the column",
         "# classes below, then: recsys train --config THIS_FILE   (recsys print-config --config THIS_FILE shows it",
         "# resolved; recsys print-config --explain KEY says what a key means).",
+        f"# train / validation / test files: {len(train)} / {len(val)} / {len(test)}, {how}: check [data] below.",
         "#",
         "# columns:",
     ]

@@ -95,3 +95,39 @@ def test_cli_writes_the_file_and_refuses_to_overwrite(tmp_path: Path) -> None:
     assert "train it with: recsys train --config" in first.stderr
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 2 and "job.toml: exists" in again.stderr
+
+
+def test_files_named_for_their_role_are_split_by_name_not_by_order(tmp_path: Path) -> None:
+    """train / val / test.parquet in one directory sort as test, train, val: the split follows the names
+    (by order it trained on the test file and validated on the training one), and the header says so."""
+    from recsys.init_config import split_files
+    src = _strings(tmp_path / "parts")
+    data = tmp_path / "data"
+    data.mkdir()
+    for part, name in zip(sorted(src.iterdir()), ("train", "val", "test")):
+        part.rename(data / f"{name}.parquet")
+    text = init_config([str(data)], "clicked", str(tmp_path / "job.toml"), run_dir=str(tmp_path / "run"))
+    cfg = load_config(tmp_path / "job.toml")
+    assert cfg.data.train_paths == (str(data / "train.parquet"),)
+    assert cfg.data.eval_paths == (str(data / "val.parquet"),) and cfg.data.test_paths == (str(data / "test.parquet"),)
+    assert "train / validation / test files: 1 / 1 / 1, by file name" in text
+    # other spellings and role directories; without role names: by order, and said so
+    got = split_files(["d/a-train.parquet", "d/b_valid.parquet", "d/c.eval.parquet", "test/x.parquet", "d/dev.parquet"])
+    assert got[:3] == (["d/a-train.parquet"], ["d/b_valid.parquet", "d/c.eval.parquet", "d/dev.parquet"],
+                       ["test/x.parquet"])
+    assert split_files(["p0", "p1", "p2"])[:3] == (["p0"], ["p1"], ["p2"]) and "by order" in split_files(["p0", "p1",
+                                                                                                        "p2"])[3]
+    assert split_files(["contest.parquet", "latest.parquet"])[:3] == (["contest.parquet", "latest.parquet"], [], [])
+
+
+def test_ignored_columns_may_differ_between_files_and_a_non_parquet_file_is_named(tmp_path: Path) -> None:
+    data = _data("strings", tmp_path / "data")
+    extra = pq.read_table(tmp_path / "data" / "part-00002.parquet").append_column("p_true", pa.array([0.5] * 3000))
+    pq.write_table(extra, tmp_path / "data" / "part-00002.parquet")          # a column only the last file has
+    with pytest.raises(InitConfigError, match=r"pass --ignore p_true to leave out"):
+        init_config(data, "clicked")
+    text = init_config(data, "clicked", ignore=("p_true",))
+    assert "p_true" not in text.split("[data]")[1].split("[ps]")[0]
+    (tmp_path / "data" / "notes.txt").write_text("not parquet")
+    with pytest.raises(InitConfigError, match=r"notes.txt: unreadable Parquet file .*pass only Parquet files"):
+        init_config(data, "clicked", ignore=("p_true",))
