@@ -20,6 +20,8 @@ import os
 import threading
 import time
 
+from recsys.training.procs import NAMES    # torch-free: the names the zygote gives its forks
+
 _HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -30,9 +32,9 @@ def _stat(path: str) -> tuple[int, float]:
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _HZ
 
 
-_COMM_ROLES = {"recsys-ps": "ps", "recsys-trainer": "trainer"}
-"""Names (/proc/PID/comm) the local launcher's zygote gives the shards and trainers it forks
-(`recsys.training.procs.NAMES`; the zygote itself is recsys-zygote: other)."""
+_COMM_ROLES = {NAMES["shard"]: "ps", NAMES["trainer"]: "trainer"}
+"""Names (/proc/PID/comm) the local launcher's zygote gives the shards and trainers it forks (the
+zygote itself and other forks are recsys-*: other)."""
 
 
 def _role(pid: int) -> str:

@@ -74,8 +74,7 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
     B = lookup.batch_size
     k = plan.features.index(feature)
     lens_all = lookup.lengths[p].view(len(plan.features), B)                 # [F_t, B]
-    counts = ([lookup.feature_ids[f] for f in plan.features] if lookup.feature_ids    # ids per feature of the
-              else lens_all.sum(dim=1).tolist())                             # plan (host: no GPU read)
+    counts = [lookup.feature_ids[f] for f in plan.features]                 # ids per feature of the plan (host)
     start = sum(counts[:k])
     inv = lookup.inverse[p][start:start + counts[k]]                         # [N_f] into the plan's unique ids
     lens = lens_all[k]                                                       # [B]

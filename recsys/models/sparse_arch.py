@@ -161,7 +161,7 @@ class SparseLookup:
         cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
         idx, offs, w = cat(indices), cat(offsets), (cat(weights) if use_weights else None)
         lens = cat([self.lengths[p] for p in group])
-        single = all(self.single[p] for p in group) if self.single else None    # one id per bag
+        single = all(self.single[p] for p in group)                   # one id per bag (from the host lengths)
         if example_major:
             idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w, single)
         dev = self.rows[g].device
