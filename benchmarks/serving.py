@@ -18,9 +18,10 @@ Per precision, in the same run, on the same exported tables:
 - ours, batch 1: `Predictor.predict(batch)` latency p50 / p99 over `--requests` requests (raw
   ids -> fused lookup -> pooling -> dense program -> sigmoid), and the pooling alone (`pooled`);
 - ours, batch 4096: pooled rows/s of `Predictor.pooled` (raw ids -> pooled [B, F, D]; the
-  Predictor's pooling is `NativePooling`, the C kernel, or `FusedPooling` without a compiler:
-  `pooling` says which) and predictions/s of `Predictor.predict`; `fused_python_per_s_b4096`:
-  `FusedPooling` (fbgemm hash map + embedding_bag / TBE) on the same requests, for comparison;
+  Predictor's pooling is `NativePooling`, the C kernel, or the per-table path without a compiler:
+  `pooling` says which) and predictions/s of `Predictor.predict`; `per_table_per_s_b4096`: the
+  per-table path (`Predictor(fused=False)`: SparseArch over the export, or fbgemm's TBE for
+  int8 / int4) on the same requests, for comparison;
 - memory: `pooling_rows_mib` / `pooling_maps_mib`, what `NativePooling` holds (row matrices: fp16
   as float16, int8 / int4 as scale | bias | codes, fp32 one float32 matrix a width; hash maps);
 - baseline: TorchRec's quantized inference `torchrec.quant.embedding_modules.EmbeddingBagCollection`
@@ -33,7 +34,7 @@ Per precision, in the same run, on the same exported tables:
   it) unless `--allow-missing-baseline`: then the baseline is one plain `nn.EmbeddingBag` per
   table over the dequantized rows, labelled as such.
 
-Batch-4096 rates of ours, the baseline and FusedPooling are timed interleaved (5 rounds of
+Batch-4096 rates of ours, the baseline and the per-table path are timed interleaved (5 rounds of
 >= 0.3 s each, medians), so that a load change on a shared machine hits all of them alike.
 Threads: `--threads T` sets `torch.set_num_threads(T)` for everything: fbgemm's kernels get
 what torch gives them, and the native kernel splits its work over `torch.get_num_threads()`.
@@ -70,7 +71,6 @@ from data.synthetic import generate  # noqa: E402
 from embedding_ps.local import LocalStore  # noqa: E402
 from recsys.config import load_config, to_toml  # noqa: E402
 from recsys.serving import Predictor  # noqa: E402
-from recsys.serving.fused import FusedPooling  # noqa: E402
 from recsys.serving.export import export_model  # noqa: E402
 from recsys.serving.quantize import dequantize, tbe_rows  # noqa: E402
 from recsys.serving.source import resolve_source  # noqa: E402
@@ -312,16 +312,15 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     out.update(baseline_p50_ms_b1=ms(lat, 0.5), baseline_p99_ms_b1=ms(lat, 0.99))
     calls["baseline_latency_ms_b1"] = [round(x * 1e3, 4) for x in lat]
     base_bigs = [base.inputs(b) for b in bigs]
-    out["pooling"] = type(p._fused).__name__
-    if hasattr(p._fused, "held_bytes"):                                      # NativePooling's rows and maps
-        held = p._fused.held_bytes()
+    out["pooling"] = type(p.native).__name__ if p.native is not None else "per-table"
+    if p.native is not None:                                                 # NativePooling's rows and maps
+        held = p.native.held_bytes()
         out.update(pooling_rows_mib=round(held["rows"] / 2**20, 1), pooling_maps_mib=round(held["maps"] / 2**20, 1))
-    python_fused = FusedPooling(p.sparse.plans, p.tables, p.precision)       # the fbgemm + torch path, same run
-    r = rates({"ours": p.pooled, "baseline": base, "fused_python": python_fused.pool},
-              {"ours": bigs, "baseline": base_bigs, "fused_python": bigs}, BIG)
-    del python_fused
+    per_table = Predictor(export, fused=False)                               # the per-table path, same requests
+    r = rates({"ours": p.pooled, "baseline": base, "per_table": per_table.pooled},
+              {"ours": bigs, "baseline": base_bigs, "per_table": bigs}, BIG)
     out["pooled_per_s_b4096"] = round(r["ours"])
-    out["fused_python_per_s_b4096"] = round(r["fused_python"])
+    out["per_table_per_s_b4096"] = round(r["per_table"])
     out["baseline_per_s_b4096"] = round(r["baseline"])
     out["predictions_per_s_b4096"] = round(rate(p.predict, bigs, BIG))
     out["ratio_b4096_vs_baseline"] = round(out["pooled_per_s_b4096"] / out["baseline_per_s_b4096"], 3)
@@ -329,7 +328,6 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     out["baseline_with_id_map_per_s_b4096"] = round(rate(lambda b: base(base.inputs(b)), bigs, BIG))
     out["ratio_b4096_vs_baseline_with_id_map"] = round(
         out["pooled_per_s_b4096"] / out["baseline_with_id_map_per_s_b4096"], 3)
-    per_table = Predictor(export, fused=False)                               # the per-table path, same requests
     lat = latencies(per_table.predict, ones[:max(200, requests // 5)], warmup=20)
     out["per_table_p50_ms_b1"] = ms(lat, 0.5)
     return out, base.label, calls

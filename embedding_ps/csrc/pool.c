@@ -5,7 +5,7 @@
  * Part of the one native library (with ps.c; shared pieces in native.h), compiled by
  * `embedding_ps/native.py` on first use; `recsys/serving/native_pool.py` calls it through ctypes
  * with raw pointers (after checking dtypes, contiguity and sizes).
- * `recsys/serving/fused.py` (FusedPooling) stays the reference; tests compare the two bit for bit.
+ * The per-table path (`recsys.serving.Predictor(fused=False)`) stays the reference; tests compare the two bit for bit.
  *
  * Hash map of one table: int64 [C, 2] buckets (key, value), C = 2**bits, value -1 = empty (so any
  * int64 key, -1 included, can be stored). Linear probing from
@@ -24,7 +24,7 @@
  *   fp32 (torch embedding_bag on CPU, fbgemm SpMDM): acc = 0; per id acc += row (unweighted) or
  *     acc = fma(w, row, acc) (per-id weights, sum bags only); mean bags: acc / (float)len.
  *   fp16: the same, on the row widened to float32 (exact: every half is a float), so the results
- *     are those of the fp32 path over the widened matrix (what FusedPooling pools).
+ *     are those of the fp32 path over the widened rows.
  *   int8 / int4 (fbgemm IntNBit TBE, rows f16 scale | f16 bias | codes; here f32 copies of those
  *     f16 values at the row's start): w = weight (sum bags), 1.0f / len (mean bags) or 1;
  *     acc = fma(scale * w, code, acc + bias * w).
@@ -287,7 +287,7 @@ struct sv_pool_ctx {
 /* One bag k = s * B + b. Rows r >= 0: the slot's matrix; -1: nothing; -2: the key's uniform default
  * row; r <= -4: the float32 default row at defaults + (-r - 4). Default rows are summed in id
  * order like a matrix row (fp32, fp16) or, for int8 / int4, weighted and summed apart and added at the
- * end (as FusedPooling adds them after fbgemm's TBE).
+ * end (as tbe_pool.QuantizedPooling adds them after fbgemm's TBE).
  * DC: the width when known at compile time (0: the slot's, at most SV_DMAX); V: 1 for the AVX2 row
  * ops (only in sv_pool_chunk_fma), 0 for the scalar ones. */
 static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ctx *c, int64_t k, const int64_t *sl,

@@ -1,35 +1,38 @@
-"""NativePooling: FusedPooling's results from one call of a C kernel (`embedding_ps/csrc/pool.c`), no reorder copies.
+"""NativePooling: a request pooled over every table of an export in one call of a C kernel (`embedding_ps/csrc/pool.c`).
 
-    pooling = make_pooling(plans, tables, precision)   # NativePooling, or FusedPooling without a compiler
+    pooling = make_pooling(plans, tables, precision)   # NativePooling, or None without a compiler
     pooled, linear = pooling.pool(batch)                # [B, F, D], [B, F_lin] | None
 
-Per request (slots, values in slot order and default rows as in `fused.FusedPooling`, whose
-planning this class inherits):
+A "slot" is one (table, sparse feature) pair of the `SparseArch` plans; slots are ordered by
+pooling group (dim, pooling mode, linear or not), as `SparseArch` groups them; the batch's values
+are gathered into slot order when that order is not the batch's. Per request:
 
 1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
    (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
    load <= 0.25 in maps of up to 2**16 buckets (1 MiB), <= 0.5 in larger ones: fewer second
-   probes and mispredicted branches, benchmarks/history/2026-11-25.md; any int64 id can be a key). Hashed tables'
+   probes and mispredicted branches; any int64 id can be a key). Hashed tables'
    keys (`splitmix64(id) % num_embeddings`) are computed in the loop. An unknown id gets its
    slot's code: -1 (zeros default: nothing to add), -2 (uniform default: computed in the pooling
    loop exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal:
-   Python's).
+   Python's, `init_rows` once per class of tables sharing (dim, seed, init, init_scale)).
 2. Pooling: every bag k = s * B + b straight into its place in the outputs: pooled [B, F, D]
    (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot by slot
    within a block, so the block's output rows stay in cache). Rows: fp32 from one float32 matrix
-   per width (FusedPooling's); fp16 as float16, one matrix per table (half the bytes of
-   FusedPooling's widened copy; the kernel widens each row as it adds it, exactly); int8 / int4
-   from rows f32 scale | f32 bias | codes (the f16-rounded scale and bias fbgemm's TBE uses).
-   Default rows: fp32 / fp16 sum them in id order among the bag's rows (as `F.embedding_bag`
-   over FusedPooling's scratch rows); int8 / int4 sum them (weighted) apart and add that to the
-   bag (as FusedPooling adds them after fbgemm's TBE). Same float formulas as embedding_bag /
-   fbgemm (see `embedding_ps/csrc/pool.c`), so the results are bit-equal to FusedPooling's
-   (tests/unit/recsys/serving/test_fused.py, test_native_half.py).
+   per width (the tables back to back); fp16 as float16, one matrix per table (the kernel widens
+   each row as it adds it, exactly); int8 / int4 from rows f32 scale | f32 bias | codes (the
+   f16-rounded scale and bias fbgemm's TBE uses).
+   Default rows: fp32 / fp16 sum them in id order among the bag's rows (as `F.embedding_bag`);
+   int8 / int4 sum them (weighted) apart and add that to the bag (as `tbe_pool.QuantizedPooling`
+   adds them after fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see
+   `embedding_ps/csrc/pool.c`), so the results are bit-equal to the per-table path (the training
+   `SparseArch` over the `ExportStore`; `QuantizedPooling` for int8 / int4), which the Predictor
+   uses where the kernel does not build or handle a layout (tests/unit/recsys/serving/test_native_fused.py,
+   test_native_half.py).
    When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
    are looked up before it is pooled, their hash buckets prefetched while the block before is
    pooled and their rows right after the lookup. Otherwise `sv_lookup` first, `sv_misses` lists
-   the -3 ids, Python computes their rows (`init_rows` per class, as FusedPooling) into one
-   float32 buffer and points them there (-4 - offset), then `sv_pool`.
+   the -3 ids, Python computes their rows into one float32 buffer and points them there
+   (-4 - offset), then `sv_pool`.
 
 Threads: the calls split their work over `torch.get_num_threads()` threads (results do not
 depend on the count). Not thread-safe (scratch buffers per instance), like the `Predictor`.
@@ -48,8 +51,7 @@ from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
-from recsys.serving.fused import FusedPooling
-from recsys.serving.quantize import split_fused, tbe_dim
+from recsys.serving.quantize import QUANTIZED, dequantize, split_fused, tbe_dim
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +71,20 @@ class Unsupported(ValueError):
     """A layout the kernel does not handle (pooled slots of mixed widths, linear slots wider than 1)."""
 
 
-def make_pooling(plans: list[TablePlan], tables: list[TableView], precision: str) -> FusedPooling:
-    """NativePooling when the kernel builds and handles the layout, else FusedPooling (same results)."""
+def make_pooling(plans: list[TablePlan], tables: list[TableView], precision: str) -> NativePooling | None:
+    """NativePooling when the kernel builds and handles the layout, else None (the per-table path)."""
     native = native_pool.lib()
     if native is not None:
         try:
             return NativePooling(plans, tables, precision, native)
         except Unsupported as e:
-            logger.info("serving: FusedPooling instead of the native kernel (%s)", e)
-    return FusedPooling(plans, tables, precision)
+            logger.info("serving: the per-table path instead of the native kernel (%s)", e)
+    return None
 
 
-class NativePooling(FusedPooling):
+class NativePooling:
     """Pools a Batch's ids over all tables in one native call (two when some default rows come from
-    Python): [B, F, D] pooled and [B, F_lin] linear, bit-equal to FusedPooling."""
+    Python): [B, F, D] pooled and [B, F_lin] linear, bit-equal to the per-table path."""
 
     def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str, native) -> None:
         slots = self._plan(plans, tables, precision)
@@ -104,7 +106,7 @@ class NativePooling(FusedPooling):
         elif precision == "fp16":
             self._build_half(slots, tables)
         else:
-            self._build_matrices(slots, tables)          # FusedPooling's float32 matrices (+ zero, scratch rows)
+            self._build_matrices(slots, tables)          # one float32 matrix per width
         self._build_maps(slots, tables)
         # -- slot descriptors (see embedding_ps/csrc/pool.c) --------------------------------------------------------
         desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
@@ -138,6 +140,51 @@ class NativePooling(FusedPooling):
 
     # -- load ---------------------------------------------------------------------------------------
 
+    def _plan(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> list[tuple[TablePlan, int]]:
+        """Slots (grouped as SparseArch groups), hashed tables and classes of default rows; returns the slots."""
+        self.precision = precision
+        self.quantized = precision in QUANTIZED
+        groups: dict[tuple[int, str, bool], list[tuple[TablePlan, int]]] = {}
+        for p in plans:                                   # SparseArch's grouping: (dim, pooling, linear)
+            for f in p.features:
+                groups.setdefault((p.dim, p.pooling, p.linear), []).append((p, f))
+        slots = [s for g in groups.values() for s in g]
+        self.slot_feature = torch.tensor([f for _, f in slots], dtype=torch.int64)          # [S]
+        self._feature_order = None                        # set at the first batch (number of keys known then)
+        cfgs = [tables[p.table].cfg for p, _ in slots]
+        # hashed tables: per-slot num_embeddings (0: the id is the key)
+        self.hashed = torch.tensor([c.num_embeddings if c.kind == "hashed" else 0 for c in cfgs], dtype=torch.int64)
+        self.any_hashed = bool((self.hashed > 0).any())
+        # defaults: per-slot class of (dim, seed, init, scale); -1: zeros
+        classes: dict[tuple, int] = {}
+        cls = []
+        for c in cfgs:
+            if c.unadmitted == "init" and c.init != "zeros":
+                cls.append(classes.setdefault((c.dim, c.seed, c.init, c.init_scale), len(classes)))
+            else:
+                cls.append(-1)
+        self.classes = list(classes)                      # class index -> (dim, seed, init, scale)
+        self.slot_class = torch.tensor(cls, dtype=torch.int64)                              # [S]
+        return slots
+
+    def _build_matrices(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """fp32: one float32 matrix per width, the tables' rows back to back."""
+        dims = sorted({p.dim for p, _ in slots})
+        self.dim_index = {d: i for i, d in enumerate(dims)}
+        base_of: dict[int, int] = {}
+        parts: dict[int, list[torch.Tensor]] = {d: [] for d in dims}
+        size = dict.fromkeys(dims, 0)
+        for p, _ in slots:
+            if p.table in base_of:
+                continue
+            base_of[p.table] = size[p.dim]
+            m = tables[p.table].matrix
+            parts[p.dim].append(dequantize(np.asarray(m), self.precision, p.dim) if m.shape[0]
+                                else torch.zeros(0, p.dim))
+            size[p.dim] += m.shape[0]
+        self.weights = [torch.cat(parts[d]) if parts[d] else torch.zeros(0, d) for d in dims]
+        self.slot_base = torch.tensor([base_of[p.table] for p, _ in slots], dtype=torch.int64)
+
     def _build_quantized(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
         """int8 / int4 rows per table: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's f16 values)."""
         for t in sorted({p.table for p, _ in slots}):
@@ -156,7 +203,7 @@ class NativePooling(FusedPooling):
         """fp16 rows per table as stored: float16 [R, D], a private copy (the export's matrix may be a
         read-only memory map of a file a later export replaces), allocated by torch: 64-byte
         aligned, so a 32-byte row (D = 16) never straddles two cache lines (numpy's large arrays
-        start 16 bytes into a page: ~3-9% fewer b4096 rows/s, benchmarks/history/2026-11-25.md)."""
+        start 16 bytes into a page: fewer b4096 rows/s, benchmarks/serving.py)."""
         for t in sorted({p.table for p, _ in slots}):
             m = np.asarray(tables[t].matrix).view(np.float16)                                # [R, D]
             rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
@@ -193,7 +240,7 @@ class NativePooling(FusedPooling):
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}
-        (fp16: float16 rows; fp32: FusedPooling's matrices incl. the zero and scratch rows)."""
+        (fp16: float16 rows; fp32: one float32 matrix per width)."""
         rows = self.table_rows.values() if self.per_table else self.weights
         return {"rows": sum(m.nbytes for m in rows), "maps": self.buckets.nbytes}
 
@@ -225,6 +272,21 @@ class NativePooling(FusedPooling):
         pooled = out[:F_all].view(B, self.num_pooled, self.dim)
         return pooled, (out[F_all:].view(B, self.num_linear) if F_lin else None)
 
+    def _slot_values(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values int64 [N], lengths int64 [S * B], weights [N] | None) in slot order."""
+        kj = batch.sparse
+        B, F_all = batch.batch_size, len(kj.keys)
+        lengths = kj.lengths.view(F_all, B).to(torch.int64)                          # [F, B]
+        per_feature = lengths.sum(dim=1)                                               # [F]
+        starts = torch.cumsum(per_feature, 0) - per_feature                            # [F]
+        counts = per_feature[self.slot_feature]                                        # [S]
+        out_starts = torch.cumsum(counts, 0) - counts                                  # [S]
+        n = int(counts.sum())
+        gather = torch.arange(n) + torch.repeat_interleave(starts[self.slot_feature] - out_starts, counts,
+                                                           output_size=n)             # [N]
+        weights = batch.weights[gather] if batch.weights is not None else None
+        return kj.values[gather], lengths[self.slot_feature].view(-1), weights
+
     def _scratch(self, n: int, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows int32 [n] and offsets int64 [bags + 1] (offsets[0] = 0), kept between requests: fresh
         multi-100-kB buffers per request cost page faults (see _output)."""
@@ -237,7 +299,7 @@ class NativePooling(FusedPooling):
     def _output(self, n: int) -> torch.Tensor:
         """A float32 [n] output buffer: the previous request's again when nothing references it any
         more (no view of it alive), else a new one. A fresh multi-MB buffer per request costs page
-        faults (glibc returns it to the system on free): ~0.8 ms at B = 4096 (benchmarks/history/2026-11-25.md)."""
+        faults (glibc returns it to the system on free), benchmarks/serving.py."""
         out = self._out
         if out is not None and out.numel() >= n and _use_count(out) == self._out_refs:
             return out[:n]
@@ -249,7 +311,7 @@ class NativePooling(FusedPooling):
     def _defaults(self, rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, misses: int,
                   B: int) -> torch.Tensor:
         """The default rows of the unknown ids of tables with a default the kernel does not compute
-        (rows -3; `init_rows` per class, as FusedPooling), flat float32, and their rows pointed
+        (rows -3; `init_rows` per class), flat float32, and their rows pointed
         at them (-4 - offset)."""
         where, bag = native_pool.misses(self.native, rows, offsets, misses)          # [M], [M]
         slot = bag if B == 1 else bag.div(B, rounding_mode="floor")                   # [M]

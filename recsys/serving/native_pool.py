@@ -1,8 +1,9 @@
 """The serving kernel's wrappers (`embedding_ps/csrc/pool.c`, part of the one native library that
 `embedding_ps.native` builds, caches and loads): each checks dtypes, contiguity and sizes, then
-calls the C with raw pointers. The kernel has no per-operation torch twin: `fused.FusedPooling` is
-its reference as a whole, and `native_fused.make_pooling` chooses between the two once, when a
-predictor is built (FusedPooling where the library does not load or the layout is unsupported).
+calls the C with raw pointers. The kernel has no per-operation torch twin: the Predictor's
+per-table path is its reference as a whole, and `native_fused.make_pooling` chooses between the
+two once, when a predictor is built (the per-table path where the library does not load or the
+layout is unsupported).
 `set_enabled(False)` forces that choice here (tests use it); `EMBEDDING_PS_NATIVE=0`, through
 `embedding_ps.native.set_enabled(False)`, turns the kernel off too.
 """

@@ -13,10 +13,9 @@ the table lacks gets the table's default, exactly what a PS pull returns in trai
 
 Pooling (the hot path): `native_fused.make_pooling`, called when the Predictor opens, builds
 `NativePooling` (a C kernel compiled on first use: per-table hash maps and pooling straight into
-[B, F, D] in one or two calls) or, without a C compiler, `fused.FusedPooling` (one fbgemm
-hash-map lookup of every (table, id), one `embedding_bag` per pooling group or one TBE call);
-both look a request up across all tables at once, with the same results (bit for bit) as the
-per-table path below, which `Predictor(..., fused=False)` selects. Latency and throughput:
+[B, F, D] in one or two calls, every table of a request at once), with the same results (bit for
+bit) as the per-table path below. Without a C compiler (or `Predictor(..., fused=False)`, the
+reference tests and benchmarks compare with) the per-table path pools. Latency and throughput:
 BENCHMARKS.md, "benchmarks/serving.py".
 
 Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
@@ -55,8 +54,7 @@ from recsys.serving.delta import check_applicable, merge_table, read_table
 from recsys.serving.dense_export import load_dense
 from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
-from recsys.serving.fused import FusedPooling
-from recsys.serving.native_fused import make_pooling
+from recsys.serving.native_fused import NativePooling, make_pooling
 from recsys.serving.quantize import QUANTIZED
 from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
 from recsys.serving.rows import Columns, to_table
@@ -76,7 +74,8 @@ class Predictor:
                  fused: bool = True, index: str = "auto") -> None:
         """`fused` False: pool through the per-table path (the training SparseArch over the export's
         rows, or fbgemm's per-table TBE for int8 / int4), the reference that tests and
-        benchmarks/serving.py compare the fused pooling with. `export_dir` and `deltas` may be URIs
+        benchmarks/serving.py compare the native pooling with (and the path without a C compiler).
+        `export_dir` and `deltas` may be URIs
         (`s3://...`, as `recsys.storage` reads them): they are fetched into a temporary directory
         that lives as long as the Predictor (its tables are memory-mapped from there). `index`
         (two_tower exports: what `topk` searches): "auto" the export's ANN index when it has one,
@@ -116,15 +115,18 @@ class Predictor:
         self.exact_index: ExactIndex | None = None    # ... always exact (the same as index without an ANN)
         if "retrieval" in self.manifest:
             self._open_retrieval(self.manifest["retrieval"])
-        self.fused = fused              # pooled() through NativePooling / FusedPooling (False: the per-table path)
-        self._fused: FusedPooling | None = None
+        self.fused = fused              # pooled() through NativePooling where it builds (False: the per-table path)
         for d in deltas:
-            self.apply_delta(d)
-        if fused:
-            self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
+            self._merge_delta(d)
+        self.native: NativePooling | None = (make_pooling(self.sparse.plans, self.tables, self.precision)
+                                             if fused else None)
 
     def apply_delta(self, delta_dir: str | Path) -> None:
         """Merge a delta export into the tables (in memory) and take its dense model and step."""
+        self._merge_delta(delta_dir)
+        self.native = make_pooling(self.sparse.plans, self.tables, self.precision) if self.fused else None
+
+    def _merge_delta(self, delta_dir: str | Path) -> None:
         delta_dir = self._local(delta_dir)
         delta = read_manifest(delta_dir, self.verify)
         mine = dict(self.manifest, step=self.step)
@@ -141,7 +143,6 @@ class Predictor:
         self._pooling = None
         if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
             self._open_retrieval(delta["retrieval"], delta_dir)
-        self._fused = None
         logger.info("applied delta %s: now at step %d", delta_dir, self.step)
 
     def _local(self, path: str | Path) -> Path:
@@ -167,10 +168,8 @@ class Predictor:
 
     def pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and linear terms [B, F_lin] (None without linear tables)."""
-        if self.fused:
-            if self._fused is None:
-                self._fused = make_pooling(self.sparse.plans, self.tables, self.precision)
-            return self._fused.pool(batch)
+        if self.native is not None:
+            return self.native.pool(batch)
         if self.precision in QUANTIZED:
             if self._pooling is None:
                 self._pooling = QuantizedPooling(self.sparse.plans, self.tables, self.precision)

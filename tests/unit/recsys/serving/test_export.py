@@ -16,7 +16,7 @@ from data.loader import ParquetLoader
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.local import LocalStore
 from recsys.metrics import CTRMetrics
-from recsys.serving import Predictor
+from recsys.serving import Predictor, native_pool
 from recsys.serving.dense_export import check_no_pickle, load_dense
 from recsys.serving.export import export_model, read_manifest, read_tensors
 from recsys.serving.quantize import dequantize
@@ -223,8 +223,15 @@ def test_deepfm_with_linear_tables(tmp_path, export_data, tiny_config, train_run
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
 def test_fused_lookup_scores_equal_per_table_path(exports, export_data, precision: str) -> None:
-    """Predictor's fused lookup (recsys/serving/fused.py) against its per-table path, bit for bit."""
+    """Predictor's native pooling (recsys/serving/native_fused.py) against its per-table path, bit for
+    bit; without the kernel (no compiler) the Predictor opens on the per-table path."""
     predictor, reference = Predictor(exports[precision]), Predictor(exports[precision], fused=False)
+    assert reference.native is None
+    prev = native_pool.set_enabled(False)
+    try:
+        assert Predictor(exports[precision]).native is None
+    finally:
+        native_pool.set_enabled(prev)
     table = pq.read_table(export_data / "part-00001.parquet").slice(0, 3000)
     fused = predictor.predict(table)
     per_table = reference.predict(table)

@@ -1,9 +1,9 @@
 """fp16 rows held as float16 by NativePooling (row kind 1 of `embedding_ps/csrc/pool.c`), widened in the kernel.
 
-The reference: the fp32 path over the widened matrix (FusedPooling: fp16 -> float32 once at load,
-then `F.embedding_bag`; SparseArch over the ExportStore for the per-table path), bit for bit, with
+The reference: the fp32 path over the widened rows (torch's half -> float, or SparseArch over the
+ExportStore for the per-table path), bit for bit, with
 the F16C build and the portable one (-DSV_PORTABLE: the scalar half -> float of every lane).
-The shared model, views and batches are test_fused.py's (unseen ids of every default class,
+The shared model, views and batches are test_native_fused.py's (unseen ids of every default class,
 empty bags, per-id weights, mean bags, hashed tables, a linear dim-1 table beside dim-8 ones).
 """
 
@@ -20,9 +20,8 @@ from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import plan_tables
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
-from recsys.serving.fused import FusedPooling
 from recsys.serving.native_fused import NativePooling, make_pooling
-from tests.unit.recsys.serving.test_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, TABLES, UNIFORM_TABLES,
+from tests.unit.recsys.serving.test_native_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, TABLES, UNIFORM_TABLES,
                                                   make_batch, make_views, reference)
 
 
@@ -61,7 +60,6 @@ def test_every_half_value_widens_exactly(builds, build: str, dim: int) -> None:
     got = native.pool(batch)[0].view(R, dim)
     want = torch.from_numpy(halves).float() + 0.0                                       # -0 + 0 = +0, as a bag sum
     assert_same(got, want, f"{build} dim={dim}")
-    assert_same(got, FusedPooling(plans, [view], "fp16").pool(batch)[0].view(R, dim), f"{build} dim={dim} fused")
 
 
 @pytest.mark.parametrize("build", ["f16c", "portable"])
@@ -70,20 +68,18 @@ def test_every_half_value_widens_exactly(builds, build: str, dim: int) -> None:
 def test_half_rows_bit_equal_to_the_widened_path(builds, build: str, dim: int, tables: str) -> None:
     """Sum and mean bags, per-id weights or none, unseen ids (uniform defaults from C, normal ones
     from Python, zeros), empty bags, B = 1 and 300, 1 and 3 kernel threads: bit-equal to the
-    per-table path and to FusedPooling's widened matrix."""
+    per-table path."""
     configs = TABLES if tables == "normal" else UNIFORM_TABLES
     configs = tuple(c if c.name == "lin" else dataclasses.replace(c, dim=dim) for c in configs)
     plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views("fp16", seed=dim, tables=configs)
     native = NativePooling(plans, views, "fp16", builds[build])
-    fused = FusedPooling(plans, views, "fp16")
     threads = torch.get_num_threads()
     try:
         for seed, (B, weighted) in enumerate([(1, False), (1, True), (300, False), (300, True)]):
             batch = make_batch(views, B, 40 + seed, weighted)
             assert bool((batch.sparse.lengths == 0).any()) or B == 1            # empty bags at B = 300
             want, want_lin = reference("fp16", plans, views, batch)
-            assert torch.equal(fused.pool(batch)[0], want)
             for t in (1, 3):
                 torch.set_num_threads(t)
                 got, got_lin = native.pool(batch)
@@ -95,8 +91,7 @@ def test_half_rows_bit_equal_to_the_widened_path(builds, build: str, dim: int, t
 
 
 def test_half_rows_held_as_float16() -> None:
-    """NativePooling keeps each table's fp16 rows as float16 (2 bytes an element, no float32 copy);
-    FusedPooling (the fallback) widens them into one float32 matrix per width."""
+    """NativePooling keeps each table's fp16 rows as float16 (2 bytes an element, no float32 copy)."""
     if native_pool.lib() is None:
         pytest.skip("no C compiler: the native serving kernel cannot build")
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
@@ -111,14 +106,12 @@ def test_half_rows_held_as_float16() -> None:
         assert rows.data_ptr() % 64 == 0                                # rows of D = 16: one cache line each
         assert rows.nbytes == 2 * views[t].num_rows * views[t].cfg.dim
         assert np.array_equal(rows.numpy().view(np.uint16), np.asarray(views[t].matrix).view(np.uint16))
-    fused = FusedPooling(plans, views, "fp16")
-    assert all(w.dtype == torch.float32 for w in fused.weights)
 
 
 def test_fallback_pools_half_rows() -> None:
-    """With the kernel off (no compiler, EMBEDDING_PS_NATIVE=0), make_pooling keeps FusedPooling, which
-    still pools fp16 exports (tables of widths 8 and 1: pooled and linear) like the per-table path,
-    and like NativePooling."""
+    """With the kernel off (no compiler, EMBEDDING_PS_NATIVE=0), make_pooling gives None: the
+    Predictor pools through the per-table path; NativePooling pools fp16 exports (tables of widths 8
+    and 1: pooled and linear) like it."""
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views("fp16", seed=11)
     prev = native_pool.set_enabled(False)
@@ -126,13 +119,11 @@ def test_fallback_pools_half_rows() -> None:
         fallback = make_pooling(plans, views, "fp16")
     finally:
         native_pool.set_enabled(prev)
-    assert type(fallback) is FusedPooling
+    assert fallback is None
     native = make_pooling(plans, views, "fp16") if native_pool.lib() is not None else None
     for seed, (B, weighted) in enumerate([(1, True), (5, False), (64, True)]):
         batch = make_batch(views, B, 60 + seed, weighted)
         want, want_lin = reference("fp16", plans, views, batch)
-        got, got_lin = fallback.pool(batch)
-        assert torch.equal(got, want) and torch.equal(got_lin, want_lin), f"B={B}"
         if native is not None:
             assert type(native) is NativePooling
             got, got_lin = native.pool(batch)
@@ -140,15 +131,14 @@ def test_fallback_pools_half_rows() -> None:
 
 
 def test_held_bytes_fp16_half_of_fp32() -> None:
-    """`held_bytes` (what benchmarks/serving.py reports): fp16 rows take half of fp32's rows minus
-    FusedPooling's zero and scratch rows; the maps do not depend on the precision."""
+    """`held_bytes` (what benchmarks/serving.py reports): fp16 rows take half of fp32's rows; the
+    maps do not depend on the precision."""
     if native_pool.lib() is None:
         pytest.skip("no C compiler: the native serving kernel cannot build")
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     half = make_pooling(plans, make_views("fp16"), "fp16").held_bytes()
     full = make_pooling(plans, make_views("fp32"), "fp32")
     rows = sum(v.num_rows * v.cfg.dim for v in make_views("fp32"))                  # every table read
-    extra = sum((w.shape[0] - z) * w.shape[1] for w, z in zip(full.weights, full.zero_row))   # zero, scratch rows
     assert half["rows"] == 2 * rows
-    assert full.held_bytes()["rows"] == 4 * (rows + extra)
+    assert full.held_bytes()["rows"] == 4 * rows
     assert half["maps"] == full.held_bytes()["maps"] == full.buckets.nbytes

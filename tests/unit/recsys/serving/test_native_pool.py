@@ -1,6 +1,6 @@
-"""The native serving kernel's pieces: its hash map against a dict, and the fallback to FusedPooling.
+"""The native serving kernel's pieces: its hash map against a dict, and the fallback to the per-table path.
 
-NativePooling's pooled results against FusedPooling / the per-table paths: test_fused.py.
+NativePooling's pooled results against the per-table paths: test_native_fused.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import plan_tables
 from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
-from recsys.serving.fused import FusedPooling
 from recsys.serving.native_fused import NativePooling, make_pooling
 
 I64 = np.iinfo(np.int64)
@@ -93,18 +92,18 @@ def test_make_pooling_native_or_disabled(native) -> None:
     assert type(make_pooling(plans, views, "fp32")) is NativePooling
     prev = native_pool.set_enabled(False)
     try:
-        assert type(make_pooling(plans, views, "fp32")) is FusedPooling
+        assert make_pooling(plans, views, "fp32") is None
     finally:
         native_pool.set_enabled(prev)
     prev = ps_native.set_enabled(False)                               # EMBEDDING_PS_NATIVE=0 turns it off too
     try:
-        assert type(make_pooling(plans, views, "fp32")) is FusedPooling
+        assert make_pooling(plans, views, "fp32") is None
     finally:
         ps_native.set_enabled(prev)
 
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) -> None:
-    """No cached library and no compiler: one warning, then FusedPooling (same results, tested in test_fused)."""
+    """No cached library and no compiler: one warning, then the per-table path (make_pooling gives None)."""
     monkeypatch.setattr(ps_native, "_compiler", lambda: None)
     monkeypatch.setattr(ps_native, "_cache_dirs", lambda: [tmp_path])
     monkeypatch.setitem(ps_native._state, "loaded", False)
@@ -113,7 +112,7 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) 
     with caplog.at_level(logging.WARNING, logger="embedding_ps.native"):
         first = make_pooling(plans, views, "fp32")
         second = make_pooling(plans, views, "fp32")
-    assert type(first) is FusedPooling and type(second) is FusedPooling
+    assert first is None and second is None
     warnings = [r for r in caplog.records if "native library unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
 
@@ -141,7 +140,7 @@ def test_map_sizes(native) -> None:
 def test_portable_build_equals_the_reference(native, precision: str) -> None:
     """The kernel built without its AVX2 / F16C path (-DSV_PORTABLE, as on a CPU other than x86)
     pools every precision like the per-table paths, bit for bit (B = 300: several blocks)."""
-    from tests.unit.recsys.serving.test_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, UNIFORM_TABLES,
+    from tests.unit.recsys.serving.test_native_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, UNIFORM_TABLES,
                                                       make_batch, make_views, reference)
     portable = native_pool.build(("-DSV_PORTABLE",))
     plans = plan_tables(FEATURES, UNIFORM_TABLES, FEATURE_TABLES, LINEAR, POOLING)

@@ -1,10 +1,10 @@
-"""FusedPooling (one lookup + one pooling call over all tables) and NativePooling (the same in two
-calls of the C kernel, embedding_ps/csrc/pool.c) against the per-table serving paths.
+"""NativePooling (one or two calls of the C kernel over all tables, embedding_ps/csrc/pool.c)
+against the per-table serving paths.
 
 fp32 / fp16 must be bit-equal to the training path (SparseArch over the ExportStore), int8 / int4
 bit-equal to tbe_pool.QuantizedPooling, on random batches with unseen ids, multi-hot bags, empty
 bags, per-id weights, mean pooling, hashed tables, tables of zeros defaults, a table shared by two
-features, linear (dim 1) tables, and the ids -1 (fbgemm's empty-slot key) and -2**63.
+features, linear (dim 1) tables, and the ids -1 and -2**63.
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import SparseArch, TablePlan, plan_tables
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving import native_pool
-from recsys.serving.fused import FusedPooling
 from recsys.serving.native_fused import NativePooling
 from recsys.serving.quantize import quantize
 from recsys.serving.tbe_pool import QuantizedPooling
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
-IMPLS = ("fused", "native")
 # "m" (mean) sits between sum-pooled features, so slot order (by pooling group) != feature order
 FEATURES = ("a", "m", "h", "z", "d", "n")
 TABLES = (
@@ -79,9 +77,7 @@ def make_batch(views: list[TableView], B: int, seed: int, weighted: bool) -> Bat
     return Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B), sparse=kj, weights=weights)
 
 
-def build(impl: str, plans, views, precision: str) -> FusedPooling:
-    if impl == "fused":
-        return FusedPooling(plans, views, precision)
+def build(plans, views, precision: str) -> NativePooling:
     native = native_pool.lib()
     if native is None:
         pytest.skip("no C compiler: the native serving kernel cannot build")
@@ -95,28 +91,26 @@ def reference(precision: str, plans, views, batch: Batch) -> tuple[torch.Tensor,
     return pooled.detach(), None if linear is None else linear.detach()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("tables", ["normal", "uniform"])
-def test_fused_equals_per_table_path(impl: str, precision: str, weighted: bool, tables: str) -> None:
+def test_fused_equals_per_table_path(precision: str, weighted: bool, tables: str) -> None:
     configs = TABLES if tables == "normal" else UNIFORM_TABLES
     plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views(precision, tables=configs)
-    fused = build(impl, plans, views, precision)
+    native = build(plans, views, precision)
     for seed, B in enumerate((1, 1, 2, 7, 64, 300)):
         batch = make_batch(views, B, seed, weighted)
         want_pooled, want_linear = reference(precision, plans, views, batch)
-        got_pooled, got_linear = fused.pool(batch)
+        got_pooled, got_linear = native.pool(batch)
         assert got_pooled.shape == want_pooled.shape == (B, len(FEATURES), 8)
         assert got_linear.shape == want_linear.shape == (B, 3)
         assert torch.equal(got_pooled, want_pooled), f"B={B} seed={seed}"
         assert torch.equal(got_linear, want_linear), f"B={B} seed={seed}"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_one_id_per_feature_in_feature_order(impl: str, precision: str) -> None:
+def test_one_id_per_feature_in_feature_order(precision: str) -> None:
     """The quickstart's shape: every feature its own table, sum tables first, mean ones last, no linear."""
     features = ("c1", "c2", "c3", "m1")
     tables = tuple(TableConfig(name=f, dim=4, seed=i) for i, f in enumerate(features))
@@ -124,7 +118,7 @@ def test_one_id_per_feature_in_feature_order(impl: str, precision: str) -> None:
     g = torch.Generator().manual_seed(1)
     views = [TableView(c, np.arange(0, 50, 5, dtype=np.int64), quantize(torch.randn(10, 4, generator=g), precision),
                        precision) for c in tables]
-    fused = build(impl, plans, views, precision)
+    native = build(plans, views, precision)
     rng = np.random.default_rng(2)
     for B in (1, 5, 33):
         lengths = np.ones((4, B), np.int32)
@@ -133,29 +127,27 @@ def test_one_id_per_feature_in_feature_order(impl: str, precision: str) -> None:
         batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B),
                       sparse=KeyedJagged(features, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))))
         want, want_lin = reference(precision, plans, views, batch)
-        got, got_lin = fused.pool(batch)
+        got, got_lin = native.pool(batch)
         assert want_lin is None and got_lin is None
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_scratch_rows_grow_with_many_unseen_ids(impl: str) -> None:
-    """More unknown ids than the preallocated scratch rows: still equal (fp32)."""
+def test_many_unseen_ids() -> None:
+    """Thousands of unknown ids in one request (their default rows computed in Python): still equal (fp32)."""
     features = ("a",)
     tables = (TableConfig(name="a", dim=4),)
     plans = plan_tables(features, tables, {}, {}, {})
     views = [TableView(tables[0], np.arange(10, dtype=np.int64), torch.randn(10, 4).numpy(), "fp32")]
-    fused = build(impl, plans, views, "fp32")
+    native = build(plans, views, "fp32")
     values = torch.arange(5000, dtype=torch.int64)                                 # 4990 unseen
     batch = Batch(dense=torch.zeros(2500, 0), labels=torch.zeros(2500),
                   sparse=KeyedJagged(features, values, torch.full((2500,), 2, dtype=torch.int32)))
     want, _ = reference("fp32", plans, views, batch)
-    assert torch.equal(fused.pool(batch)[0], want)
+    assert torch.equal(native.pool(batch)[0], want)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_empty_table_and_unused_feature(impl: str, precision: str) -> None:
+def test_empty_table_and_unused_feature(precision: str) -> None:
     """A table with no rows yet (every id gets its default) and a batch feature no table reads."""
     features = ("a", "skip", "e")
     tables = (TableConfig(name="a", dim=4), TableConfig(name="e", dim=4, seed=9))
@@ -164,7 +156,7 @@ def test_empty_table_and_unused_feature(impl: str, precision: str) -> None:
     views = [TableView(tables[0], np.arange(0, 30, 3, dtype=np.int64),
                        quantize(torch.randn(10, 4, generator=g), precision), precision),
              TableView(tables[1], np.zeros(0, np.int64), quantize(torch.zeros(0, 4), precision), precision)]
-    fused = build(impl, plans, views, precision)
+    native = build(plans, views, precision)
     rng = np.random.default_rng(4)
     for B in (1, 6):
         lengths = rng.integers(1, 3, size=(3, B)).astype(np.int32)
@@ -172,27 +164,27 @@ def test_empty_table_and_unused_feature(impl: str, precision: str) -> None:
         batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B),
                       sparse=KeyedJagged(features, torch.from_numpy(values), torch.from_numpy(lengths.reshape(-1))))
         want, _ = reference(precision, plans, views, batch)
-        got, _ = fused.pool(batch)
+        got, _ = native.pool(batch)
         assert got.shape == (B, 2, 4)
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("tables", ["normal", "uniform"])
-def test_native_equals_fused_at_batch_4096_any_thread_count(precision: str, tables: str) -> None:
-    """B = 4096 (the benchmark's batch) and B = 1, weighted or not: NativePooling == FusedPooling
-    bit for bit, with 1 and 3 kernel threads (the C side splits ids and bags between them), with
+def test_native_equals_reference_at_batch_4096_any_thread_count(precision: str, tables: str) -> None:
+    """B = 4096 (the benchmark's batch) and B = 1, weighted or not: NativePooling == the per-table
+    path bit for bit, with 1 and 3 kernel threads (the C side splits ids and bags between them), with
     some default rows from Python (two calls) or all from C (one call)."""
     configs = TABLES if tables == "normal" else UNIFORM_TABLES
     plans = plan_tables(FEATURES, configs, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views(precision, seed=5, tables=configs)
-    fused, native = FusedPooling(plans, views, precision), build("native", plans, views, precision)
+    native = build(plans, views, precision)
     assert native.caller_defaults == (tables == "normal")
     threads = torch.get_num_threads()
     try:
         for seed, (B, weighted) in enumerate([(4096, True), (4096, False), (1, True), (1, False)]):
             batch = make_batch(views, B, 100 + seed, weighted)
-            want, want_lin = fused.pool(batch)
+            want, want_lin = reference(precision, plans, views, batch)
             for t in (1, 3):
                 torch.set_num_threads(t)
                 got, got_lin = native.pool(batch)
@@ -207,7 +199,7 @@ def test_native_all_bags_empty(precision: str) -> None:
     """A batch without a single id: zeros everywhere (mean bags of no id included)."""
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views(precision)
-    native = build("native", plans, views, precision)
+    native = build(plans, views, precision)
     B = 3
     kj = KeyedJagged(FEATURES, torch.zeros(0, dtype=torch.int64), torch.zeros(len(FEATURES) * B, dtype=torch.int32))
     batch = Batch(dense=torch.zeros(B, 0), labels=torch.zeros(B), sparse=kj)
@@ -222,7 +214,7 @@ def test_native_output_buffer_reused_only_when_free() -> None:
     views it any more: results the caller keeps are never overwritten."""
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views("fp32")
-    native = build("native", plans, views, "fp32")
+    native = build(plans, views, "fp32")
     b1, b2 = make_batch(views, 64, 1, True), make_batch(views, 64, 2, True)
     kept, kept_lin = native.pool(b1)
     want, want_lin = kept.clone(), kept_lin.clone()
@@ -241,16 +233,15 @@ def test_native_output_buffer_reused_only_when_free() -> None:
 def test_native_equals_reference_at_wider_rows(precision: str, dim: int) -> None:
     """Widths where the kernel's AVX2 row ops run (8 floats / 16 int4 codes a step) with and without
     a scalar tail, at compile-time widths (16, 128) and runtime ones (20, 40, 136): bit-equal to
-    the per-table paths (and FusedPooling), weighted or not, defaults from C or from Python."""
+    the per-table paths, weighted or not, defaults from C or from Python."""
     for configs in (TABLES, UNIFORM_TABLES):
         wide = tuple(c if c.name == "lin" else dataclasses.replace(c, dim=dim) for c in configs)
         plans = plan_tables(FEATURES, wide, FEATURE_TABLES, LINEAR, POOLING)
         views = make_views(precision, seed=dim, tables=wide)
-        native = build("native", plans, views, precision)
+        native = build(plans, views, precision)
         for seed, weighted in enumerate((True, False)):
             batch = make_batch(views, 97, 7 + seed, weighted)
             want, want_lin = reference(precision, plans, views, batch)
             got, got_lin = native.pool(batch)
             assert torch.equal(got, want), f"{precision} dim={dim} weighted={weighted}"
             assert torch.equal(got_lin, want_lin), f"{precision} dim={dim} weighted={weighted}"
-            assert torch.equal(FusedPooling(plans, views, precision).pool(batch)[0], want)
