@@ -19,7 +19,7 @@ machine can ask for it.
 with one table whose rows are our slot-major `weights` [C, D] and one bag per unique slot (SUM
 pooling, bag size 1), so the op's fused EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD
 update writes our rows and optimizer state in place. The plain-torch equivalents are
-`optim._sgd` / `_adagrad` / `_rowwise_adagrad` (and the one-row `optim.reference_update`); tests
+`optim._sgd` / `_adagrad` / `_rowwise_adagrad` (and the one-row `tests/optim_reference.reference_update`); tests
 check that every path agrees with them. This is the only module of the package that imports
 fbgemm_gpu, and only when a table uses it.
 """

@@ -3,7 +3,7 @@
 Every optimizer updates only the rows it is given. `apply_update` is the vectorized path: it
 receives unique slots [U] with gradients [U, D] that were already summed per id (the update is
 non-linear, so duplicate ids must be merged first; `table.py` does it with torch.unique +
-index_add_). `reference_update` is the same math written for one row at a time, for tests.
+index_add_). `tests/optim_reference.py` writes the same math for one row at a time (the tests' oracle).
 
 Math per row (g: the summed gradient [D], w: the row [D]; all in fp32):
 
@@ -23,7 +23,7 @@ Weight decay (`weight_decay` wd > 0; sgd, adagrad, rowwise_adagrad, adam), on th
                      (AdamW; fbgemm TBE's WeightDecayMode.DECOUPLED)
     global           every row, touched or not, decays as in decoupled every step: `embedding_ps.shard.decay`
                      catches the rows up before the update, which then runs with wd = 0 (`TableShard.ucfg`;
-                     `reference_update` leaves it to its caller too)
+                     the tests' one-row oracle leaves it to its caller too)
 
 The two Adagrads are fbgemm's EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD: the
 row-wise accumulator adds the mean over the row of g*g, and eps is added after the sqrt.
@@ -185,73 +185,3 @@ def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: t
 
 
 _UPDATES = {"sgd": _sgd, "adagrad": _adagrad, "rowwise_adagrad": _rowwise_adagrad, "adam": _adam, "ftrl": _ftrl}
-
-
-# ---------------------------------------------------------------------------- reference
-def reference_update(cfg: TableConfig, w: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
-    """One row, in place: w float32 [D], state {name: [D] or [] tensor}, g float32 [D] (already summed)."""
-    lr, eps = cfg.lr, cfg.eps
-    if cfg.weight_decay and cfg.weight_decay_mode == "l2":
-        g = g + cfg.weight_decay * w
-    elif cfg.weight_decay and cfg.weight_decay_mode == "decoupled":
-        w *= 1.0 - lr * cfg.weight_decay
-    if cfg.optimizer == "sgd":
-        w -= lr * g
-    elif cfg.optimizer == "adagrad":
-        state["sum_sq"] += g * g
-        w -= lr * g / (torch.sqrt(state["sum_sq"]) + eps)
-    elif cfg.optimizer == "rowwise_adagrad":
-        state["sum_sq"] += (g * g).sum() / g.shape[0]
-        w -= lr * g / (torch.sqrt(state["sum_sq"]) + eps)
-    elif cfg.optimizer == "adam":
-        state["steps"] += 1
-        t = int(state["steps"])
-        state["exp_avg"] = cfg.beta1 * state["exp_avg"] + (1 - cfg.beta1) * g
-        state["exp_avg_sq"] = cfg.beta2 * state["exp_avg_sq"] + (1 - cfg.beta2) * g * g
-        m_hat = state["exp_avg"] / (1 - cfg.beta1**t)
-        v_hat = state["exp_avg_sq"] / (1 - cfg.beta2**t)
-        w -= lr * m_hat / (torch.sqrt(v_hat) + eps)
-    elif cfg.optimizer == "ftrl":
-        n_new = state["n"] + g * g
-        sigma = (torch.sqrt(n_new) - torch.sqrt(state["n"])) / lr
-        state["z"] += g - sigma * w
-        state["n"] = n_new
-        z = state["z"]
-        new_w = -(z - torch.sign(z) * cfg.ftrl_l1) / ((cfg.ftrl_beta + torch.sqrt(n_new)) / lr + cfg.ftrl_l2)
-        w.copy_(torch.where(z.abs() <= cfg.ftrl_l1, torch.zeros_like(w), new_w))
-    else:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
-
-
-class ReferenceTable:
-    """A whole table in plain torch, one row at a time: {key: (row [D], state)}. For tests only.
-
-    `push` sums duplicate keys' gradients in arrival order, creates missing rows from `init`
-    (a function key -> float32 [D]), and applies `reference_update`; no admission or eviction.
-    """
-
-    def __init__(self, cfg: TableConfig, init) -> None:
-        self.cfg, self.init, self.rows = cfg, init, {}
-
-    def _new_row(self, key: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        d = self.cfg.dim
-        state = {
-            s.name: torch.full((d,) if s.per_coordinate else (), fill_value(self.cfg, s), dtype=s.dtype)
-            for s in state_specs(self.cfg)
-        }
-        return self.init(key).clone().to(torch.float32), state
-
-    def push(self, keys: torch.Tensor, grads: torch.Tensor) -> None:
-        summed: dict[int, torch.Tensor] = {}
-        for k, g in zip(keys.tolist(), grads):
-            summed[k] = summed[k] + g if k in summed else g.clone()
-        for k, g in summed.items():
-            if k not in self.rows:
-                self.rows[k] = self._new_row(k)
-            w, state = self.rows[k]
-            reference_update(self.cfg, w, state, g)
-            if self.cfg.dtype == "fp16":
-                w.copy_(w.half().float())
-
-    def pull(self, keys: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.rows[k][0] if k in self.rows else self.init(k) for k in keys.tolist()])

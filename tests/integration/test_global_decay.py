@@ -8,7 +8,7 @@ import torch
 
 from embedding_ps.client.client import PSClient
 from embedding_ps.wire.config import PSConfig, TableConfig
-from embedding_ps.shard.optim import reference_update
+from tests.optim_reference import reference_update
 from embedding_ps.shard.snapshot import SavedShard, saved_shard_dirs
 
 pytestmark = pytest.mark.integration

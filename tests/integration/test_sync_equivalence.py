@@ -3,7 +3,7 @@
 The job runs for real (`recsys train` path: PS shard processes, trainers under
 torch.distributed.elastic, gloo DDP). The reference is one process with nn.EmbeddingBag tables,
 the same dense model and optimizer, and the PS optimizer's own per-row math
-(`embedding_ps.shard.optim.reference_update`), trained on the concatenation of the ranks' batches.
+(`tests/optim_reference.reference_update`), trained on the concatenation of the ranks' batches.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch import nn
 from data.loader import ParquetLoader
 from embedding_ps.init import init_rows
 from embedding_ps.local import LocalStore
-from embedding_ps.shard.optim import fill_value, reference_update, state_specs
+from embedding_ps.shard.optim import fill_value, state_specs
+from tests.optim_reference import reference_update
 from recsys.config import JobConfig, load_config
 from recsys.models import build_model
 from recsys.training.launch import launch_train

@@ -129,7 +129,7 @@ def test_pending_memory_bounded_under_flood_with_min_count() -> None:
 
 
 def test_reused_slots_start_from_init_row_and_fresh_optimizer_state() -> None:
-    from embedding_ps.shard.optim import ReferenceTable
+    from tests.optim_reference import ReferenceTable
 
     cfg = TableConfig(name="t", dim=2, optimizer="rowwise_adagrad", lr=0.5, ttl_steps=1, initial_accumulator=0.25)
     s = ShardState(PSConfig(tables=(cfg,)), 0)

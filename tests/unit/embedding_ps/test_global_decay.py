@@ -1,7 +1,7 @@
 """Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.shard.decay`) against an eager table.
 
 The reference (`Eager`) holds every row that exists densely and, at each step s, scales EVERY row by
-(1 - lr * wd), then applies the optimizer without decay (`optim.reference_update`) to the rows the step
+(1 - lr * wd), then applies the optimizer without decay (`tests/optim_reference.reference_update`) to the rows the step
 touches, with their summed gradient (a row first pushed at step s enters with its init value before
 step s's decay). The shard decays lazily: rows untouched for k steps are scaled by (1 - lr * wd)^k when
 pulled, pushed, saved or dumped. Every case must equal the reference <= 1e-5, on each update path:
@@ -24,7 +24,8 @@ from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.shard.decay import GlobalDecay
 from embedding_ps.shard.gates import make_gate
 from embedding_ps.local import LocalStore
-from embedding_ps.shard.optim import fill_value, reference_update, state_specs
+from embedding_ps.shard.optim import fill_value, state_specs
+from tests.optim_reference import reference_update
 from embedding_ps.shard.server import ShardServer
 from embedding_ps.shard.state import ShardState
 from embedding_ps.wire.sharding import shard_of

@@ -9,7 +9,7 @@ import torch
 from embedding_ps import native
 from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.init import init_rows
-from embedding_ps.shard.optim import ReferenceTable
+from tests.optim_reference import ReferenceTable
 from embedding_ps.shard.state import ShardState
 
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"]

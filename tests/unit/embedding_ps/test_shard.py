@@ -8,7 +8,8 @@ import torch
 from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.init import init_row_reference, init_rows
 from embedding_ps.local import LocalStore
-from embedding_ps.shard.optim import ReferenceTable, state_specs
+from embedding_ps.shard.optim import state_specs
+from tests.optim_reference import ReferenceTable
 from embedding_ps.wire.sharding import hashed_row
 from embedding_ps.shard.state import ShardState
 
