@@ -15,7 +15,7 @@ or delta export reads them here; `--row-counters` keeps them). Phases, each time
 1. empty: one shard process of the same table without the hint, started as below: its resident
    memory (RSS) is what a shard holds before any row (interpreter, torch, zmq, buffers).
 2. fill: `--shards` shard processes started as `recsys train` starts them (`recsys ps --config
-   ... --shard i`, `recsys.training.launch.start_shards`), filled through a PSClient by pushing ids
+   ... --shard i`, `recsys.training.launch.spawn_shards`), filled through a PSClient by pushing ids
    0..rows-1 once (zero gradients, `--fill-batch` ids a push, one push + barrier a step, as a sync
    trainer does: every row is admitted with its init
    row and an untouched Adagrad accumulator), then a SWEEP (no TTL: it only returns freed heap to the
@@ -65,6 +65,7 @@ import torch
 
 from embedding_ps.client.client import PSClient
 from recsys.config import JobConfig, load_config
+from recsys.rundir import wait_for_shards
 from recsys.training import launch
 from recsys.training.jobauth import job_auth
 
@@ -174,7 +175,8 @@ class Shards:
         self.client_ps = load_config(path, auth).ps
         t0 = time.perf_counter()
         with PeakRss() as peak:
-            self.procs, self.addresses = launch.start_shards(self.cfg, path, run_dir, restore=restore, overrides=auth)
+            self.procs, ready = launch.spawn_shards(self.cfg, path, run_dir, restore=restore, overrides=auth)
+            self.addresses = wait_for_shards(ready, a.ready_timeout)   # restoring 1e8 rows takes a while
         self.start_s, self.start_peak = time.perf_counter() - t0, peak.peak
 
     def client(self) -> PSClient:
@@ -309,7 +311,6 @@ def empty_shard_rss(a: argparse.Namespace, work: Path) -> int:
 
 
 def run(a: argparse.Namespace, work: Path) -> dict:
-    launch.READY_TIMEOUT_S = a.ready_timeout   # restoring 1e8 rows takes longer than a normal start
     empty = empty_shard_rss(a, work)
     points = []
     for rows in a.points:

@@ -40,7 +40,7 @@ from pathlib import Path
 from recsys.config import JobConfig
 from recsys.training.warm_start import InitSource
 from recsys.training.jobauth import job_auth
-from recsys.rundir import READY_TIMEOUT_S, run_path, wait_for_shards
+from recsys.rundir import run_path, wait_for_shards
 from recsys.training.procs import (ForkedProcess, StopNow, TrainersFailed, child_env, free_port,  # noqa: F401
                                    job_zygote, run_trainers, stop, zygote, zygote_pid)
 # the job's life, shared with the Ray engine (also importable from here)
@@ -79,25 +79,6 @@ def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
     return procs, ready_files
 
 
-def start_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
-                 restore: Path | str | None = None, init: Path | str | None = None, overrides: Sequence[str] = ()
-                 ) -> tuple[list[ForkedProcess], list[str]]:
-    """`spawn_shards`, then wait until every shard serves; return them and their addresses."""
-    procs, ready_files = spawn_shards(cfg, config_path, run_dir, restore, init, overrides)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    for shard, (proc, ready) in enumerate(zip(procs, ready_files)):
-        while not ready.exists():
-            if proc.poll() is not None:
-                log = run_dir / f"ps-{shard}.log"
-                raise RuntimeError(f"ps shard {shard} exited with code {proc.returncode} before it was "
-                                   f"ready{shard_error(log)}; see {log}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ps shard {shard} not ready after {READY_TIMEOUT_S:.0f} s; "
-                                   f"see {run_dir / f'ps-{shard}.log'}")
-            time.sleep(0.05)
-    return procs, wait_for_shards(ready_files, 0.0)
-
-
 def shard_error(log: Path) -> str:
     """": <the shard's own error line>" from its log (the `error: ...` line `recsys ps` writes, or the
     last line of a traceback), or "" when it has none: so that the launcher's line names the cause
@@ -126,10 +107,10 @@ class ShardWatchdog:
     and `launch_train` raises an error naming the shard and its log.
     """
 
-    def __init__(self, shards: list[ForkedProcess], ready_files: list[Path] = ()) -> None:
+    def __init__(self, shards: list[ForkedProcess], ready_files: list[Path]) -> None:
         self.shards, self.ready_files = shards, list(ready_files)
         self.dead: tuple[int, int, bool] | None = None          # (shard, exit code, it had served)
-        self.serving = not self.ready_files
+        self.serving = False
 
     def check(self) -> None:
         if self.dead is None:
@@ -138,7 +119,7 @@ class ShardWatchdog:
                 logger.info("ps shards ready at %s", ", ".join(wait_for_shards(self.ready_files, 0.0)))
             for i, p in enumerate(self.shards):
                 if p.poll() is not None:
-                    served = not self.ready_files or self.ready_files[i].exists()
+                    served = self.ready_files[i].exists()
                     self.dead = (i, p.returncode, served)
                     logger.error("ps shard %d exited with code %s %s; stopping the job", i, p.returncode,
                                  "during training" if served else "before it was ready")
