@@ -75,27 +75,32 @@ def _binary_entropy(p: float) -> float:
 def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> float:
     """Exact ROC AUC: P(score of a positive > score of a negative), ties counted as 1/2.
 
-    Computed from ranks (Mann-Whitney U) in O(N log N): tied scores share the average of the
-    ranks they span, which is what counts a tied pair as half a correct pair. Scores need not be
-    probabilities, only finite. NaN (with a warning) when every label is the same: with no
-    positive-negative pair the AUC is undefined. With `weights` [N] (>= 0) a pair counts w_pos * w_neg.
+    Per distinct score (one sort, O(N log N)) the positive and negative weight; a positive wins the
+    negative weight below its score and half of its own score's. Scores need not be probabilities,
+    only finite. NaN (with a warning) when every label is the same: with no positive-negative pair
+    the AUC is undefined. With `weights` [N] (>= 0) a pair counts w_pos * w_neg, else 1.
     """
     y, s = _pair(labels, scores)
-    if weights is not None:
-        return _weighted_auc(y, s, _weights(weights, y))
-    num_pos = float(y.sum())
-    num_neg = y.numel() - num_pos
+    w = torch.ones_like(y) if weights is None else _weights(weights, y)
+    _, inverse = torch.unique(s, sorted=True, return_inverse=True)
+    G = int(inverse.max()) + 1
+    pos = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * y)          # [G]
+    neg = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * (1 - y))    # [G]
+    value = _auc_of_groups(pos, neg)
+    if math.isnan(value):
+        logger.warning("auc is undefined without positive and negative examples (weight %g, %g); returning nan",
+                       float(pos.sum()), float(neg.sum()))
+    return value
+
+
+def _auc_of_groups(pos: torch.Tensor, neg: torch.Tensor) -> float:
+    """AUC of positive and negative weights [G] per score group (groups in score order, a group's
+    pairs tied); NaN when either side is empty."""
+    num_pos, num_neg = float(pos.sum()), float(neg.sum())
     if num_pos == 0 or num_neg == 0:
-        logger.warning("auc is undefined with only one label present (%d positives of %d); returning nan",
-                       int(num_pos), y.numel())
         return math.nan
-    _, inverse, counts = torch.unique(s, sorted=True, return_inverse=True, return_counts=True)
-    counts = counts.to(torch.float64)                                     # [G] group sizes
-    last_rank = torch.cumsum(counts, 0)                                   # [G] ranks are 1..N
-    avg_rank = last_rank - (counts - 1) / 2                               # [G] mean of first..last
-    rank_sum_pos = float((avg_rank[inverse] * y).sum())
-    u = rank_sum_pos - num_pos * (num_pos + 1) / 2                        # pairs a positive wins
-    return u / (num_pos * num_neg)
+    wins = (pos * (torch.cumsum(neg, 0) - 0.5 * neg)).sum()             # negatives below, half the tied ones
+    return float(wins) / (num_pos * num_neg)
 
 
 def _weights(weights: ArrayLike, y: torch.Tensor) -> torch.Tensor:
@@ -107,22 +112,6 @@ def _weights(weights: ArrayLike, y: torch.Tensor) -> torch.Tensor:
     if not bool(ok.all()):
         raise ValueError(f"weights must be finite and >= 0, got values such as {w[~ok][:5].tolist()}")
     return w
-
-
-def _weighted_auc(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> float:
-    """`auc` with a pair weighing w_pos * w_neg: per distinct score, the positive and negative
-    weight; a positive wins the negative weight below its score and half of its own score's."""
-    _, inverse = torch.unique(s, sorted=True, return_inverse=True)
-    G = int(inverse.max()) + 1
-    pos = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * y)          # [G]
-    neg = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * (1 - y))    # [G]
-    num_pos, num_neg = float(pos.sum()), float(neg.sum())
-    if num_pos == 0 or num_neg == 0:
-        logger.warning("auc is undefined without positive and negative weight (%g, %g); returning nan",
-                       num_pos, num_neg)
-        return math.nan
-    wins = (pos * (torch.cumsum(neg, 0) - neg + 0.5 * neg)).sum()
-    return float(wins) / (num_pos * num_neg)
 
 
 def logloss(labels: ArrayLike, scores: ArrayLike) -> float:
@@ -222,13 +211,7 @@ class StreamingAUC:
 
     def compute(self) -> float:
         """AUC with same-bucket pairs counted as ties; NaN when one label is absent."""
-        neg, pos = self.hist[0], self.hist[1]                             # [K], [K]
-        num_pos, num_neg = float(pos.sum()), float(neg.sum())
-        if num_pos == 0 or num_neg == 0:
-            return math.nan
-        neg_below = torch.cumsum(neg, 0) - neg                            # [K] negatives in lower buckets
-        wins = (pos * (neg_below + 0.5 * neg)).sum()                      # positive-negative pairs won
-        return float(wins) / (num_pos * num_neg)
+        return _auc_of_groups(self.hist[1], self.hist[0])
 
     def error_bound(self) -> float:
         """Largest possible |compute() - exact AUC| given these histograms (see the class docstring)."""
