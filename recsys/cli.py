@@ -82,8 +82,8 @@ class _SetDate(argparse.Action):
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="job config (TOML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (TOML syntax; repeatable)")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override config values (TOML syntax): --set a.b=1 c.d=2, or --set repeated")
     p.add_argument("--date", action=_SetDate, type=_date_arg, metavar="YYYY-MM-DD",
                    help="the day this job is for (data.date): fills {date}, {date-N}, {date+N} in data.*_paths "
                         "and train.run_dir")

@@ -17,6 +17,7 @@ in with data.date (`--date`, `fill_dates`), so the resolved config names the day
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -310,11 +311,27 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     raw: dict[str, Any] = _read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
-    fill_dates(raw, source)
-    rename_keys(raw, source)
-    group_optimizers(raw, source)
-    expand_tables(raw, source)
-    return build(JobConfig, raw, source=source, prefix="")
+    with _blaming(overrides, source):
+        fill_dates(raw, source)
+        rename_keys(raw, source)
+        group_optimizers(raw, source)
+        expand_tables(raw, source)
+        return build(JobConfig, raw, source=source, prefix="")
+
+
+@contextlib.contextmanager
+def _blaming(overrides: typing.Sequence[str], source: str):
+    """A key or value error of a `--set` override names the override, not the config file it went into."""
+    try:
+        yield
+    except ConfigError as e:
+        msg = str(e)
+        rest = msg[len(source) + 2:] if msg.startswith(f"{source}: ") else None
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            if rest is not None and (rest.startswith(key) or f"'{key}'" in rest):
+                raise ConfigError(f"--set {item}: {rest}") from None
+        raise
 
 
 def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
@@ -323,10 +340,11 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
     raw = _read_toml(path)
     for item in overrides:
         _apply_override(raw, item)
-    fill_dates(raw, str(path))           # train.run_dir may be dated (runs/ctr/{date})
-    group_optimizers(raw, str(path))
-    expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
-    ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
+    with _blaming(overrides, str(path)):
+        fill_dates(raw, str(path))           # train.run_dir may be dated (runs/ctr/{date})
+        group_optimizers(raw, str(path))
+        expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
+        ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
     if not ps.storage_root:              # a shard (`recsys ps`) is confined to the job's run directory
         train = raw.get("train", {})
         run_dir = train.get("run_dir") if isinstance(train, dict) else None

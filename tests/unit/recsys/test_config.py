@@ -141,6 +141,29 @@ def test_overrides_go_through_validation(tmp_path: Path) -> None:
         load_config(p, ["ps.num_shards"])
 
 
+def test_override_errors_name_the_override_not_the_file(tmp_path: Path) -> None:
+    """A bad `--set` is blamed on itself (it was blamed on the config file, which holds no such key);
+    an error of the file's own keys still names the file."""
+    p = write(tmp_path, "[ps]\nnum_shards = 2\n")
+    with pytest.raises(ConfigError, match=r"^--set train\.epoch=3: unknown key 'train\.epoch'"):
+        load_config(p, ["train.seed=1", "train.epoch=3"])
+    with pytest.raises(ConfigError, match=r"^--set train\.epochs=x: train\.epochs must be an integer"):
+        load_config(p, ["train.epochs=x"])
+    with pytest.raises(ConfigError, match=r"^--set ps\.table_defaults\.lrr=3: unknown key 'ps\.table_defaults\.lrr'"):
+        load_config(p, ["ps.table_defaults.lrr=3"])
+    bad = write(tmp_path, "[train]\nepoch = 3\n")
+    with pytest.raises(ConfigError, match=r"job\.toml: unknown key 'train\.epoch'"):
+        load_config(bad, ["train.seed=1"])
+
+
+def test_set_takes_several_overrides_at_once() -> None:
+    """`--set a=1 b=2` (as the README writes `[--set k=v ...]`) and `--set a=1 --set b=2` alike."""
+    from recsys.cli import build_parser
+    args = build_parser().parse_args(["train", "--config", "x.toml", "--set", "train.seed=1", "train.epochs=2",
+                                      "--set", "ps.num_shards=3"])
+    assert args.overrides == ["train.seed=1", "train.epochs=2", "ps.num_shards=3"]
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nope\.toml: no such config file"):
         load_config(tmp_path / "nope.toml")
