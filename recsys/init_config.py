@@ -4,7 +4,8 @@ Reads the files' schema and, over up to `sample_rows` rows, each column's distin
 classifies the columns and writes a commented config that trains as written:
 
     label       the --label column
-    dense       float columns, and integer ones named like Criteo's counts (I1, I2, ...) or given by --dense
+    dense       float columns, and integer ones named like Criteo's counts (I1, I2, ...) or given by --dense;
+                `dense_log1p` on when they are counts or long-tailed (skewness > 2) and none is negative
     id          integer columns (every other one), strings and binaries (hashed to 64-bit ids)
     multi-hot   lists of integers or strings
     left out    `p_true` and `row_id` (kept as passthrough columns), and --ignore
@@ -35,6 +36,9 @@ from embedding_ps.wire.config import PSConfig
 
 PASSTHROUGH = ("p_true", "row_id")
 DENSE_NAME = re.compile(r"I\d+")
+SKEWED = 2.0
+"""Sample skewness above which a non-negative dense column counts as long-tailed (a lognormal price:
+tens; a uniform or a normal: about 0)."""
 REPLICATE_MAX = PSConfig().replicate_max_rows
 """What `placement = "auto"` replicates at most (the default ps.replicate_max_rows)."""
 
@@ -51,6 +55,8 @@ class Column:
     distinct: int = 0
     singletons: float = 0.0  # share of distinct ids seen once in the sample
     note: str = ""
+    negative: bool = False   # dense: some sampled value < 0
+    skewed: bool = False     # dense: sampled values >= 0 with a long right tail (skewness > SKEWED)
 
 
 def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: tuple[str, ...] = (),
@@ -91,7 +97,7 @@ def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: 
                                                                                  and DENSE_NAME.fullmatch(n)):
             if not _is_number(t):
                 raise InitConfigError(f"--dense {n}: column of type {t}, not a number")
-            cols.append(Column(n, "dense", str(t)))
+            cols.append(_dense_column(n, t, data.column(n)))
         elif _is_id(t) or (_is_list(t) and _is_id(t.value_type)):
             values = data.column(n)
             if _is_list(t):
@@ -102,6 +108,36 @@ def classify(files: list[str], label: str, dense: tuple[str, ...] = (), ignore: 
         else:
             cols.append(Column(n, "ignored", str(t), note=f"type {t}: neither a number nor ids"))
     return cols, rows
+
+
+def _dense_column(name: str, t: pa.DataType, values: pa.ChunkedArray) -> Column:
+    """A dense column with what decides its transform: negative values, a long right tail, nulls."""
+    x = pc.drop_null(values).to_numpy(zero_copy_only=False).astype(np.float64) if len(values) else np.zeros(0)
+    x = x[np.isfinite(x)]
+    nulls = values.null_count / len(values) if len(values) else 0.0
+    negative = bool(x.size and x.min() < 0)
+    skewed = False
+    if x.size > 1 and not negative and x.std() > 0:
+        skewed = float(np.mean(((x - x.mean()) / x.std()) ** 3)) > SKEWED
+    notes = [f"{nulls:.0%} null (dense_fill)" if nulls else "", "long right tail" if skewed else "",
+             "negative values" if negative else ""]
+    return Column(name, "dense", str(t), note="; ".join(n for n in notes if n), negative=negative, skewed=skewed)
+
+
+def _log1p_line(dense: list[Column]) -> str | None:
+    """The dense_log1p line: on when the dense columns are counts (integers) or long-tailed and none is
+    negative (log(1 + max(x, 0)) would clip a negative value to 0); a comment saying why when off."""
+    counts = [c.name for c in dense if not c.type.startswith(("float", "double", "bool"))]
+    tails = [c.name for c in dense if c.skewed]
+    negative = [c.name for c in dense if c.negative]
+    if not (counts or tails):
+        return None
+    if negative:
+        return (f"# dense_log1p stays off: {', '.join(negative)} holds negative values, which log(1 + max(x, 0)) "
+                f"would clip to 0; long-tailed {', '.join(counts + tails)} would want it (transform them "
+                f"in the data)")
+    why = "integer counts" if not tails else "long right tails" if not counts else "counts and long right tails"
+    return f"dense_log1p = true           # {why} ({', '.join(counts + tails)}): log(1 + x), the Criteo convention"
 
 
 def _dim(max_distinct: int) -> int:
@@ -168,8 +204,9 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
     lines += [f'label_column = "{label}"',
               f"dense_columns = {_toml_list(dense)}",
               f"sparse_columns = {_toml_list([c.name for c in ids])}"]
-    if any(not c.type.startswith(("float", "double")) for c in cols if c.kind == "dense"):
-        lines.append("dense_log1p = true           # integer columns: counts, log(1 + x) (the Criteo convention)")
+    log1p = _log1p_line([c for c in cols if c.kind == "dense"])
+    if log1p:
+        lines.append(log1p)
     if passthrough:
         lines.append(f"passthrough_columns = {_toml_list(passthrough)}")
     lines += ["batch_size = 256", "drop_last = true             # batch norm: no last batch of a few rows", "",

@@ -131,3 +131,37 @@ def test_ignored_columns_may_differ_between_files_and_a_non_parquet_file_is_name
     (tmp_path / "data" / "notes.txt").write_text("not parquet")
     with pytest.raises(InitConfigError, match=r"notes.txt: unreadable Parquet file .*pass only Parquet files"):
         init_config(data, "clicked", ignore=("p_true",))
+
+
+def _dense_file(path: Path, **columns) -> list[str]:
+    rng = np.random.default_rng(1)
+    n = 2000
+    pq.write_table(pa.table({"clicked": (rng.random(n) < 0.2).astype(np.float32),
+                             "user": rng.integers(0, 300, n), **{k: v(rng, n) for k, v in columns.items()}}), path)
+    return [str(path)]
+
+
+def test_dense_log1p_for_long_tailed_or_count_columns_unless_one_is_negative(tmp_path: Path) -> None:
+    """A lognormal float (a price, 10% null) turns dense_log1p on as integer counts do (it was left raw:
+    test AUC 0.690 against 0.715 with it in the session-32 newcomer walk); a column with negative
+    values keeps it off (log(1 + max(x, 0)) would clip them to 0), with a comment saying why; a
+    uniform float alone needs none."""
+    def price(rng, n):
+        x = rng.lognormal(3.0, 1.5, n)
+        return pa.array(x, mask=rng.random(n) < 0.1)
+
+    def written(name: str, **columns):
+        out = tmp_path / f"{name}.toml"
+        init_config(_dense_file(tmp_path / f"{name}.parquet", **columns), "clicked", str(out),
+                    run_dir=str(tmp_path / "run"))
+        return out.read_text(), load_config(out)
+
+    text, cfg = written("tail", price=price)
+    assert cfg.data.dense_columns == ("price",) and cfg.data.dense_log1p
+    assert "long right tails (price)" in text and "10% null (dense_fill); long right tail" in text
+    text, cfg = written("signed", price=price, delta=lambda rng, n: rng.normal(0.0, 1.0, n),
+                        I1=lambda rng, n: rng.poisson(3.0, n))
+    assert set(cfg.data.dense_columns) == {"price", "delta", "I1"} and not cfg.data.dense_log1p
+    assert "dense_log1p stays off: delta holds negative values" in text and "I1, price would want it" in text
+    text, cfg = written("flat", price=lambda rng, n: rng.random(n))
+    assert not cfg.data.dense_log1p and "dense_log1p =" not in text and "dense_log1p stays" not in text
