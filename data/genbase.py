@@ -99,12 +99,20 @@ def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:
     return float(((pos * neg_below).sum() + 0.5 * (pos * neg).sum()) / total) if total else float("nan")
 
 
+def iter_chunks(chunk: Callable[[int], pa.Table], rows: int) -> Iterator[pa.Table]:
+    """chunk(0), chunk(1), ... (GEN_CHUNK rows each), the last cut to end at row `rows`: tables of at
+    most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
+    for c in range(-(-rows // GEN_CHUNK)):
+        yield chunk(c).slice(0, min(GEN_CHUNK, rows - c * GEN_CHUNK))
+
+
 def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa.Table]], *, rows: int,
                 num_files: int, out_dir: str, seed: int, row_group_rows: int, compression: str,
                 model_seed: int, rows_per_file: Sequence[int] | None = None) -> dict:
-    """Writes the generator's tables (rows 0..rows-1, each with `label` and `p_true`) into `num_files`
-    files of `out_dir` and returns generate()'s summary; shared by every preset with an oracle column.
-    File i gets rows_per_file[i] rows when given (their sum must be `rows`), else an equal share."""
+    """Writes the generator's tables (rows 0..rows-1, each with `label`) into `num_files` files of
+    `out_dir` and returns generate()'s summary, shared by every preset (the oracle AUC and mean p_true
+    of presets with a `p_true` column). File i gets rows_per_file[i] rows when given (their sum must
+    be `rows`), else an equal share."""
     if rows_per_file is not None:
         if len(rows_per_file) != num_files or sum(rows_per_file) != rows or min(rows_per_file) < 1:
             raise ValueError(f"rows_per_file must be {num_files} counts >= 1 summing to rows={rows}, "
@@ -123,22 +131,27 @@ def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa
     pos_hist = np.zeros(_AUC_BINS, np.int64)
     neg_hist = np.zeros(_AUC_BINS, np.int64)
     p_sum = 0.0
+    oracle = "p_true" in schema.names
     try:
         for t in tables():
+            writer.write(t)
+            if not oracle:
+                continue
             label = t.column("label").to_numpy() > 0.5
             p_true = t.column("p_true").to_numpy()
             p_sum += float(p_true.sum(dtype=np.float64))
             b = np.minimum((p_true * _AUC_BINS).astype(np.int64), _AUC_BINS - 1)
             pos_hist += np.bincount(b[label], minlength=_AUC_BINS)
             neg_hist += np.bincount(b[~label], minlength=_AUC_BINS)
-            writer.write(t)
     finally:
         files = writer.close()
     secs = time.perf_counter() - t0
     summary = {"preset": preset, "rows": rows, "seed": seed, "model_seed": model_seed,
-               "files": [f for f, _ in files], "rows_per_file": [r for _, r in files],
-               "ctr": float(pos_hist.sum() / rows), "mean_p_true": p_sum / rows,
-               "oracle_auc": _binned_auc(pos_hist, neg_hist), "seconds": round(secs, 3)}
-    logger.info("gen-data %s: %d rows in %d files, ctr %.4f, oracle AUC %.4f, %.0f rows/s", preset,
-                rows, num_files, summary["ctr"], summary["oracle_auc"], rows / max(secs, 1e-9))
+               "files": [f for f, _ in files], "rows_per_file": [r for _, r in files], "seconds": round(secs, 3)}
+    if oracle:
+        summary.update(ctr=float(pos_hist.sum() / rows), mean_p_true=p_sum / rows,
+                       oracle_auc=_binned_auc(pos_hist, neg_hist))
+    logger.info("gen-data %s: %d rows in %d files%s, %.0f rows/s", preset, rows, num_files,
+                f", ctr {summary['ctr']:.4f}, oracle AUC {summary['oracle_auc']:.4f}" if oracle else "",
+                rows / max(secs, 1e-9))
     return summary

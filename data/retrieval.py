@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from data.genbase import GEN_CHUNK, iter_chunks, write_parts
 from data.writer import PartWriter
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ ITEM_ZIPF = 0.8
 REGION_NOISE = 0.2
 USER_BASE = 1 << 40
 ITEM_BASE = 1 << 41
-GEN_CHUNK = 32768
 
 
 class RetrievalWorld:
@@ -102,36 +102,29 @@ def generate_retrieval(*, rows: int, num_files: int, out_dir: str, seed: int, ro
                        compression: str = "zstd", model_seed: int = 0) -> dict:
     """Write `rows` positive rows into `num_files` files `out_dir/part-%05d.parquet` (file i holds
     rows [i * rows // num_files, (i + 1) * rows // num_files)) and the corpus into `out_dir/items/`."""
-    if rows < 1 or num_files < 1 or num_files > rows:
-        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
     t0 = time.perf_counter()
     world = RetrievalWorld(model_seed)
-    bounds = [i * rows // num_files for i in range(num_files + 1)]
+
+    def chunk(c: int) -> pa.Table:
+        users, items = world.sample(np.random.default_rng([seed, c, 0x5EED]), GEN_CHUNK)
+        return world.rows(users, items, c * GEN_CHUNK)
+
+    schema = world.rows(np.zeros(0, np.int64), np.zeros(0, np.int64), 0).schema
+    summary = write_parts("retrieval", schema, lambda: iter_chunks(chunk, rows), rows=rows, num_files=num_files,
+                          out_dir=out_dir, seed=seed, row_group_rows=row_group_rows, compression=compression,
+                          model_seed=model_seed)
+    corpus = world.corpus()
     meta = {"recsys.synthetic.preset": "retrieval", "recsys.synthetic.seed": str(seed),
             "recsys.synthetic.model_seed": str(model_seed)}
-    schema = world.rows(np.zeros(0, np.int64), np.zeros(0, np.int64), 0).schema.with_metadata(meta)
-    writer = PartWriter(out_dir, schema, lambda i: bounds[i + 1] - bounds[i],
-                        row_group_rows=row_group_rows, compression=compression)
-    try:
-        for c in range(-(-rows // GEN_CHUNK)):
-            n = min(GEN_CHUNK, rows - c * GEN_CHUNK)
-            users, items = world.sample(np.random.default_rng([seed, c, 0x5EED]), GEN_CHUNK)
-            writer.write(world.rows(users[:n], items[:n], c * GEN_CHUNK))
-    finally:
-        files = writer.close()
-    corpus = world.corpus()
     item_writer = PartWriter(Path(out_dir) / "items", corpus.schema.with_metadata(meta),
                              lambda i: NUM_ITEMS, row_group_rows=row_group_rows, compression=compression)
     try:
         item_writer.write(corpus)
     finally:
         item_files = item_writer.close()
-    summary = {"preset": "retrieval", "rows": rows, "seed": seed, "model_seed": model_seed,
-               "files": [f for f, _ in files], "rows_per_file": [r for _, r in files],
-               "item_files": [f for f, _ in item_files], "users": NUM_USERS, "items": NUM_ITEMS,
-               "clusters": NUM_CLUSTERS, "seconds": round(time.perf_counter() - t0, 3)}
-    logger.info("gen-data retrieval: %d rows in %d files, %d items in %s", rows, num_files, NUM_ITEMS,
-                summary["item_files"][0])
+    summary.update(item_files=[f for f, _ in item_files], users=NUM_USERS, items=NUM_ITEMS, clusters=NUM_CLUSTERS,
+                   seconds=round(time.perf_counter() - t0, 3))
+    logger.info("gen-data retrieval: %d items in %s", NUM_ITEMS, summary["item_files"][0])
     return summary
 
 

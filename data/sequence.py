@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, write_parts,
-                            zipf_ranks)
+from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, iter_chunks,
+                            write_parts, zipf_ranks)
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +132,7 @@ def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0,
                        preset: SequencePreset = SEQUENCE) -> Iterator[pa.Table]:
     """Tables of at most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
     truth = SequenceTruth(preset, model_seed)
-    for c in range(-(-rows // GEN_CHUNK)):
-        yield _chunk(truth, seed, c).slice(0, min(GEN_CHUNK, rows - c * GEN_CHUNK))
+    return iter_chunks(lambda c: _chunk(truth, seed, c), rows)
 
 
 def generate_sequence(*, rows: int, num_files: int, out_dir: str, seed: int, row_group_rows: int = 65536,

@@ -35,7 +35,7 @@ import pyarrow as pa
 
 # the generators' shared parts (also data.onehot's, data.sequence's and data.daily's), re-exported here
 from data.genbase import (GEN_CHUNK, MASK63, MASK64, _hash_normals, _mix_scalar, _name_salt, _rng,  # noqa: F401
-                          ids_of_ranks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
+                          ids_of_ranks, iter_chunks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
 
 logger = logging.getLogger(__name__)
 
@@ -256,11 +256,8 @@ def _chunk(gt: GroundTruth, seed: int, chunk: int) -> pa.Table:
 
 def iter_rows(preset: str | Preset, rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:
     """Tables of at most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
-    p = PRESETS[preset] if isinstance(preset, str) else preset
-    gt = GroundTruth(p, model_seed)
-    for c in range(-(-rows // GEN_CHUNK)):
-        t = _chunk(gt, seed, c)
-        yield t.slice(0, min(GEN_CHUNK, rows - c * GEN_CHUNK))
+    gt = GroundTruth(PRESETS[preset] if isinstance(preset, str) else preset, model_seed)
+    return iter_chunks(lambda c: _chunk(gt, seed, c), rows)
 
 
 # ---------------------------------------------------------------------------------------------
