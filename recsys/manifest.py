@@ -39,6 +39,23 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_manifest(root: Path, manifest: dict[str, Any], known: dict[str, dict[str, Any]] | None = None
+                   ) -> dict[str, Any]:
+    """`manifest` with `files` (size and sha256 of every file under `root`: an entry of `known`, by
+    relative path, where its size still matches, else hashed here) written to root/manifest.json
+    (fsynced); returns it."""
+    files = {}
+    for path in sorted(root.rglob("*")):
+        if not path.is_file() or (path.parent == root and path.name.startswith("manifest.json")):
+            continue
+        rel = path.relative_to(root).as_posix()
+        entry = (known or {}).get(rel)
+        files[rel] = entry if entry is not None and entry["size"] == path.stat().st_size else file_entry(path)
+    manifest["files"] = files
+    write_json_atomic(root / "manifest.json", manifest)
+    return manifest
+
+
 def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format: str,
                   version: tuple[str, int], required: tuple[str, ...] = ("files",)) -> dict[str, Any]:
     """`root/manifest.json` of a checkpoint or export: a JSON object of `format` whose `version[0]`

@@ -53,7 +53,7 @@ from recsys.serving.retrieval import export_retrieval
 from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
 from recsys.serving.source import SavedShards, Source
 from recsys.calibration import manifest_section
-from recsys.manifest import check_files, file_entry, write_json_atomic
+from recsys.manifest import check_files, write_manifest
 from recsys.manifest import read_manifest as _read_manifest
 from recsys.serving.errors import ExportError
 from recsys.models import build_sparse_arch
@@ -164,17 +164,6 @@ def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: int | None, files
     if tombstones is not None:
         entry["tombstones"] = tombstones
     return entry
-
-
-def finish_manifest(root: Path, manifest: dict) -> dict:
-    """Add sha256 + size of every file under `root` and write manifest.json (fsynced)."""
-    files = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json"):
-        rel = path.relative_to(root).as_posix()
-        files[rel] = file_entry(path)
-    manifest["files"] = files
-    write_json_atomic(root / "manifest.json", manifest)
-    return manifest
 
 
 def read_manifest(root: str | Path, verify: bool = True) -> dict:
@@ -295,4 +284,4 @@ def new_manifest(cfg: JobConfig, root: Path, kind: str, step: int, since: int | 
     }
     if retrieval is not None:
         manifest["retrieval"] = retrieval
-    return finish_manifest(root, manifest)
+    return write_manifest(root, manifest)

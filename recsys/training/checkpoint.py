@@ -56,7 +56,8 @@ from embedding_ps.shard.snapshot import saved_file_checksums, saved_files
 from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
-from recsys.manifest import check_files, file_entry, parse_manifest, write_json_atomic
+from recsys.manifest import check_files, file_entry, parse_manifest
+from recsys.manifest import write_manifest as write_files_manifest
 from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
                                       save_bytes)
 from recsys.manifest import read_manifest as _read_manifest
@@ -135,18 +136,7 @@ def _known_checksums(root: Path) -> dict[str, dict[str, Any]]:
 
 def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
     """manifest.json of checkpoint directory `root`: `info` plus size and sha256 of every file."""
-    known = _known_checksums(root)
-    files = {}
-    for path in sorted(root.rglob("*")):
-        if not path.is_file() or (path.parent == root and path.name.startswith("manifest.json")):
-            continue
-        rel = str(path.relative_to(root))
-        size = path.stat().st_size
-        entry = known.get(rel)
-        files[rel] = entry if entry is not None and entry["size"] == size else file_entry(path)
-    manifest = {"format": FORMAT, "version": VERSION, **info, "files": files}
-    write_json_atomic(root / "manifest.json", manifest)
-    return manifest
+    return write_files_manifest(root, {"format": FORMAT, "version": VERSION, **info}, _known_checksums(root))
 
 
 def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str, Any]:
