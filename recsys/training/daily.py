@@ -100,7 +100,8 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_paths=()))
         paths = paths if next_day is not None else []
     preflight_train(cfg)
-    metrics = launch_train(cfg, resume="latest" if resume else None, overwrite=overwrite)
+    # --resume: continue the day's run, or (a finished day without checkpoints) train it again in place
+    metrics = launch_train(cfg, resume="latest" if resume else None, overwrite=None if resume else overwrite)
     if "stopped" in metrics and metrics.get("stopped") == 1:
         raise RuntimeError(f"daily {date}: the training was stopped; continue it with recsys daily --date {date} "
                            f"--resume")

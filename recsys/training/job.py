@@ -217,6 +217,12 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
     try:
         if storage.is_uri(cfg.train.run_dir):      # other machines: a lock object beside the run
             uri_lock = UriLock(cfg.train.run_dir)
+        finished = storage.exists(run_path(cfg.train.run_dir, "metrics.json"))
+        if overwrite is False and resume == "latest" and checkpoint is None and finished:
+            raise RunDirError(
+                f"train.run_dir = {cfg.train.run_dir}: holds a finished run (metrics.json) that kept no checkpoint: "
+                f"--resume latest has nothing to continue and would train it again from step 0 over it; choose a "
+                f"new train.run_dir, or pass --overwrite (moves it aside)")
         if overwrite is not None and not resume and (held := existing_run(cfg.train.run_dir)):
             if not overwrite:
                 raise RunDirError(

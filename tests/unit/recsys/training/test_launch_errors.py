@@ -160,3 +160,29 @@ def test_a_changed_table_layout_on_resume_is_refused_before_any_process(tmp_path
     with pytest.raises(ConfigError, match=rf"ps.tables\[{t0.name}\].dim = {t0.dim}, but the checkpoint "
                                           rf".*step-0000000010 saved it with dim = {t0.dim // 2}"):
         check_resume_tables(changed, ckpt)
+
+
+def test_resume_latest_of_a_finished_run_without_checkpoints_is_refused(tmp_path: Path) -> None:
+    """`recsys train --resume latest` on a run that finished (metrics.json) and kept no checkpoint had
+    nothing to continue and trained it again from step 0 over it: refused, nothing written. An
+    unfinished run without a checkpoint still starts from step 0 (the warning), and library use
+    (overwrite None: `recsys daily --resume` retrains a finished day in place) takes it as it is."""
+    from recsys.config import load_config
+    from recsys.rundir import RunDirError
+    from recsys.training.job import prepared_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(Path(__file__).resolve().parents[4] / "configs" / "tiny.toml", [f"train.run_dir='{run}'"])
+    (run / "metrics.jsonl").write_text("{}\n")                               # killed before a checkpoint
+    with prepared_run(cfg, "latest", overwrite=False) as (_, _, _, checkpoint, _):
+        assert checkpoint is None
+    (run / "metrics.json").write_text('{"steps": 10}')                        # finished
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(RunDirError, match=r"holds a finished run \(metrics.json\) that kept no checkpoint: "
+                                          r"--resume latest has nothing to continue"):
+        with prepared_run(cfg, "latest", overwrite=False):
+            pass
+    assert sorted(p.name for p in run.iterdir()) == before
+    with prepared_run(cfg, "latest", overwrite=None) as (_, _, _, checkpoint, _):
+        assert checkpoint is None
