@@ -327,16 +327,31 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     from recsys.rundir import local_run
 
     _fill_dates(args)
+    _check_keep(args.keep, args.data)
     if args.export is not None:
         from recsys.serving.offline import predict_export
 
         with storage.local_output(args.out, directory=False) as out:
-            predict_export(args.export, args.data, out)
+            predict_export(args.export, args.data, out, keep=tuple(args.keep))
         return 0
     with local_run(args.run, args.last) as run, storage.local_output(args.out, directory=False) as out:
         _preflight_run_data(str(run), args.data)
-        predict_run(run, args.data, out, last=args.last)
+        predict_run(run, args.data, out, last=args.last, keep=tuple(args.keep))
     return 0
+
+
+def _check_keep(keep: list[str], data: list[str]) -> None:
+    """Every --keep column in every --data file (their footers only), before any scoring."""
+    from data.parquet import resolve_paths
+    from data.remote import parquet_file
+    from recsys.config import ConfigError
+
+    for path in resolve_paths(tuple(data)) if keep else ():
+        with parquet_file(path) as pf:
+            missing = [c for c in keep if c not in pf.schema_arrow.names]
+        if missing:
+            raise ConfigError(f"--keep {' '.join(missing)}: not a column of {path} (columns: "
+                              f"{', '.join(pf.schema_arrow.names)})")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -534,7 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--run", help="run directory written by `recsys train`")
     src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
     p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
-    p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns")
+    p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns + --keep")
+    p.add_argument("--keep", nargs="+", default=[], metavar="COLUMN",
+                   help="columns of --data to write beside each score (a row key, e.g. user_id item_id)")
     p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
     p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
                    help="fills {date}, {date-N}, {date+N} in --run, --data and --out")

@@ -9,6 +9,7 @@ and scored by `Predictor.predict` (calibrated); the metrics are the trainer's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -66,13 +67,14 @@ def evaluate_export(export: str | Path, data: list[str], out: str | Path | None 
     return metrics
 
 
-def predict_export(export: str | Path, data: list[str], out: str | Path) -> int:
-    """`score` (calibrated click probabilities) plus data.passthrough_columns of `data`, by the export,
-    to the Parquet file `out`."""
+def predict_export(export: str | Path, data: list[str], out: str | Path, keep: tuple[str, ...] = ()) -> int:
+    """`score` (calibrated click probabilities) plus data.passthrough_columns and the `keep` columns of
+    `data`, by the export, to the Parquet file `out`."""
     if not Path(out).parent.is_dir():
         raise ConfigError(f"--out {out}: the directory {Path(out).parent} does not exist")
     p = Predictor(export)
     cfg = scoring_config(p.config.data, data)
+    cfg = dataclasses.replace(cfg, passthrough_columns=tuple(dict.fromkeys((*cfg.passthrough_columns, *keep))))
     scores: list[np.ndarray] = []
     extras: dict[str, list[np.ndarray]] = {name: [] for name in cfg.passthrough_columns}
     for batch in _batches(cfg, data):

@@ -11,6 +11,7 @@ it (auc over weighted pairs, logloss, ne and calibration); `eval_examples` stays
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -29,9 +30,10 @@ from recsys.training.worker import saved_replicated
 logger = logging.getLogger(__name__)
 
 
-def open_run(run_dir: str | Path, last: bool = False) -> tuple[JobConfig, Trainer]:
+def open_run(run_dir: str | Path, last: bool = False, keep: tuple[str, ...] = ()) -> tuple[JobConfig, Trainer]:
     """The run's resolved config and a trainer holding its model (no processes started): the best
-    validation pass's (RUN_DIR/best) when the run kept one and not `last`, else the last model."""
+    validation pass's (RUN_DIR/best) when the run kept one and not `last`, else the last model.
+    `keep`: columns added to data.passthrough_columns (carried beside the scores)."""
     run = model_root(run_dir, last)
     model_dir = run / "model"
     for needed in (run / "config.toml", model_dir / "dense.pt", model_dir / "ps"):
@@ -39,6 +41,9 @@ def open_run(run_dir: str | Path, last: bool = False) -> tuple[JobConfig, Traine
             raise ConfigError(f"{run}: not a finished run, {needed} is missing")
     logger.info("using the %s model of %s", "best" if run != Path(run_dir) else "last", run_dir)
     cfg = load_config(run / "config.toml")
+    if keep:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, passthrough_columns=tuple(dict.fromkeys((*cfg.data.passthrough_columns, *keep)))))
     store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
     trainer = Trainer(cfg, store, replicated_state=saved_replicated(model_dir), scoring_only=True)
     trainer.model.load_state_dict(torch.load(model_dir / "dense.pt", weights_only=True))
@@ -66,12 +71,12 @@ def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
     return metrics
 
 
-def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = False) -> int:
+def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = False, keep: tuple[str, ...] = ()) -> int:
     """Write `score` (click probabilities, calibrated for data.negative_sampling_rate) plus the
-    configured passthrough columns to the Parquet file `out`."""
+    configured passthrough columns and the `keep` columns to the Parquet file `out`."""
     if not Path(out).parent.is_dir():        # before any work, and naming --out (not the .tmp written first)
         raise ConfigError(f"--out {out}: the directory {Path(out).parent} does not exist")
-    cfg, trainer = open_run(run_dir, last)
+    cfg, trainer = open_run(run_dir, last, keep)
     try:
         _, scores, extras = trainer.predict(tuple(data))
     finally:

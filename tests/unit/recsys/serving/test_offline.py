@@ -49,6 +49,31 @@ def test_predict_of_an_export_writes_the_predictors_scores(exported, export_data
     np.testing.assert_allclose(scores, Predictor(export).predict(pq.read_table(data)), rtol=0, atol=1e-6)
 
 
+def test_predict_keeps_the_columns_asked_for_run_and_export_alike(exported, export_data: Path, tmp_path: Path,
+                                                                   capsys) -> None:
+    """`--keep` writes data columns beside each score (a row key to join on: they came only from
+    data.passthrough_columns), in row order, from a run as from its export; a column the data lacks
+    is one error naming it and the file, before any scoring."""
+    run, export = exported
+    data = export_data / "part-00001.parquet"
+    want = pq.read_table(data)
+    for src, out in (("--export", tmp_path / "e.parquet"), ("--run", tmp_path / "r.parquet")):
+        argv = ["predict", src, str(export if src == "--export" else run), "--data", str(data), "--out", str(out),
+                "--keep", "C1", "C2"] + (["--last"] if src == "--run" else [])
+        assert cli.main(argv) == 0
+        got = pq.read_table(out)
+        assert {"score", "C1", "C2"} <= set(got.column_names) and got.num_rows == want.num_rows
+        for c in ("C1", "C2"):
+            assert got.column(c).to_pylist() == want.column(c).to_pylist(), c
+    e, r = pq.read_table(tmp_path / "e.parquet"), pq.read_table(tmp_path / "r.parquet")
+    np.testing.assert_allclose(e.column("score").to_numpy(), r.column("score").to_numpy(), rtol=0, atol=1e-5)
+    capsys.readouterr()
+    assert cli.main(["predict", "--export", str(export), "--data", str(data), "--out", str(tmp_path / "x.parquet"),
+                     "--keep", "user_key"]) == 2
+    assert "--keep user_key: not a column of" in capsys.readouterr().err
+    assert not (tmp_path / "x.parquet").exists()
+
+
 def test_run_and_export_are_one_or_the_other(exported, export_data: Path, capsys) -> None:
     run, export = exported
     with pytest.raises(SystemExit):
