@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from data.paths import has_date, parse_date
@@ -76,6 +76,12 @@ class DataConfig:
     item_paths: tuple[str, ...] = ()
     """Retrieval (two-tower) runs: the item corpus, one row per item with the item tower's columns;
     `recsys eval` ranks all of them for every user, `recsys export` writes their vectors."""
+
+    def with_passthrough(self, columns: tuple[str, ...]) -> DataConfig:
+        """This config with `columns` added to passthrough_columns (kept in order, once each)."""
+        if not columns:
+            return self
+        return replace(self, passthrough_columns=tuple(dict.fromkeys((*self.passthrough_columns, *columns))))
 
     def __post_init__(self) -> None:
         if self.date:

@@ -9,7 +9,6 @@ and scored by `Predictor.predict` (calibrated); the metrics are the trainer's
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -73,8 +72,7 @@ def predict_export(export: str | Path, data: list[str], out: str | Path, keep: t
     if not Path(out).parent.is_dir():
         raise ConfigError(f"--out {out}: the directory {Path(out).parent} does not exist")
     p = Predictor(export)
-    cfg = scoring_config(p.config.data, data)
-    cfg = dataclasses.replace(cfg, passthrough_columns=tuple(dict.fromkeys((*cfg.passthrough_columns, *keep))))
+    cfg = scoring_config(p.config.data, data).with_passthrough(keep)
     scores: list[np.ndarray] = []
     extras: dict[str, list[np.ndarray]] = {name: [] for name in cfg.passthrough_columns}
     for batch in _batches(cfg, data):

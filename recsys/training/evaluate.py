@@ -42,8 +42,7 @@ def open_run(run_dir: str | Path, last: bool = False, keep: tuple[str, ...] = ()
     logger.info("using the %s model of %s", "best" if run != Path(run_dir) else "last", run_dir)
     cfg = load_config(run / "config.toml")
     if keep:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, passthrough_columns=tuple(dict.fromkeys((*cfg.data.passthrough_columns, *keep)))))
+        cfg = dataclasses.replace(cfg, data=cfg.data.with_passthrough(keep))
     store = LocalStore.from_dir(cfg.ps, model_dir / "ps")
     trainer = Trainer(cfg, store, replicated_state=saved_replicated(model_dir), scoring_only=True)
     trainer.model.load_state_dict(torch.load(model_dir / "dense.pt", weights_only=True))

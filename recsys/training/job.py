@@ -217,8 +217,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
     try:
         if storage.is_uri(cfg.train.run_dir):      # other machines: a lock object beside the run
             uri_lock = UriLock(cfg.train.run_dir)
-        finished = storage.exists(run_path(cfg.train.run_dir, "metrics.json"))
-        if overwrite is False and resume == "latest" and checkpoint is None and finished:
+        if (overwrite is False and resume == "latest" and checkpoint is None
+                and storage.exists(run_path(cfg.train.run_dir, "metrics.json"))):      # finished
             raise RunDirError(
                 f"train.run_dir = {cfg.train.run_dir}: holds a finished run (metrics.json) that kept no checkpoint: "
                 f"--resume latest has nothing to continue and would train it again from step 0 over it; choose a "
