@@ -96,7 +96,10 @@ class StopRequests:
 
 
 def read_worker_error(run_dir: Path) -> str | None:
-    """The first (earliest) trainer error of the attempt: the other ranks usually fail because of it."""
+    """The first (earliest) trainer error of the attempt: the other ranks usually fail because of it. The
+    job's own errors (data, config, non-finite numbers: "own" in the record, `worker.report_failure`) come
+    before any other: a rank whose data error unwinds through its process group's teardown can write it
+    after a peer has already failed on the closed connection."""
     errors = []
     for f in (run_dir / "errors").glob("trainer-*.json"):
         try:
@@ -105,7 +108,7 @@ def read_worker_error(run_dir: Path) -> str | None:
             continue
     if not errors:
         return None
-    e = min(errors, key=lambda x: x["time"])
+    e = min(errors, key=lambda x: (not x.get("own", False), x["time"]))
     return f"{e['error']} [trainer rank {e['rank']}; traceback in {e['log']}]"
 
 

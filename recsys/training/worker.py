@@ -149,7 +149,8 @@ def one_line(e: BaseException) -> str:
 
 def report_failure(e: BaseException, run_dir: str | Path, rank: int, verbose: bool = False) -> str:
     """Write the traceback to the rank's log only (and stderr when `verbose`), the one-line error to
-    errors/trainer-R.json (the launcher prints the first rank's); returns the line."""
+    errors/trainer-R.json (the launcher prints the first rank's, our own errors before the others: `one_line`);
+    returns the line."""
     line = one_line(e)
     text = "".join(traceback.format_exception(e))
     log = log_path(run_dir, rank)
@@ -158,7 +159,8 @@ def report_failure(e: BaseException, run_dir: str | Path, rank: int, verbose: bo
         f.write(f"trainer {rank} failed: {text}")
     if verbose:
         logger.error("failed:\n%s", text)
-    _write_record(error_path(run_dir, rank), {"rank": rank, "time": time.time(), "error": line, "log": str(log)})
+    _write_record(error_path(run_dir, rank), {"rank": rank, "time": time.time(), "error": line, "log": str(log),
+                                              "own": isinstance(e, ValueError)})
     return line
 
 

@@ -67,6 +67,22 @@ def test_an_exit_record_that_cannot_be_written_is_no_error(tmp_path: Path) -> No
     assert silent_ranks(tmp_path, 1, since=0.0) == []
 
 
+def test_the_launcher_names_the_job_s_own_error_before_a_peer_s_earlier_teardown_error(tmp_path: Path) -> None:
+    # rank 0's data error unwinds through its process group's teardown; rank 1, failing on the closed
+    # connection, can write its error first (seen in a full run: "OSError: [Errno 9] Bad file descriptor")
+    from recsys.training.job import read_worker_error
+    from recsys.training.worker import report_failure
+    report_failure(OSError(9, "Bad file descriptor"), tmp_path, 1)
+    report_failure(ValueError("part-00000.parquet: column 'label' row 500: 7 is not 0 or 1"), tmp_path, 0)
+    assert read_worker_error(tmp_path).startswith("part-00000.parquet: column 'label' row 500")
+    assert "[trainer rank 0;" in read_worker_error(tmp_path)
+    report_failure(ValueError("the training loss is nan"), tmp_path, 2)     # two own errors: the earliest
+    assert "[trainer rank 0;" in read_worker_error(tmp_path)
+    write_error(tmp_path / "old", 1, "OSError: [Errno 9] Bad file descriptor", 2.0)   # records without "own"
+    write_error(tmp_path / "old", 0, "RuntimeError: boom", 1.0)
+    assert "[trainer rank 0;" in read_worker_error(tmp_path / "old")
+
+
 # -- shards and trainers start together: the trainers wait for the ready files, the watchdog for deaths
 
 
