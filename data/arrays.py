@@ -41,9 +41,12 @@ def _raw(arr: pa.Array) -> np.ndarray:
 
 def _owned(arr: pa.Array) -> np.ndarray:
     """A copy of any column as numpy [n]; fixed-width numbers without nulls straight from their buffer
-    (the same array Arrow's to_numpy makes, without its import of pandas)."""
+    (the same array Arrow's to_numpy makes, without its import of pandas); integers or booleans with nulls
+    as objects (ints / bools and None)."""
     if arr.type in _NUMPY and not arr.null_count:
         return _raw(arr).copy()
+    if arr.null_count and (pa.types.is_integer(arr.type) or pa.types.is_boolean(arr.type)):
+        return np.array(arr.to_pylist(), dtype=object)     # ints and None: to_numpy's float64 NaN lost the type
     return np.array(arr.to_numpy(zero_copy_only=False))
 
 

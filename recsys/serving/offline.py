@@ -80,13 +80,26 @@ def predict_export(export: str | Path, data: list[str], out: str | Path, keep: t
         for name in extras:
             if name in batch.extras:
                 extras[name].append(batch.extras[name])
-    columns = {"score": pa.array(np.concatenate(scores) if scores else np.zeros(0, np.float32))}
-    columns.update({name: pa.array(np.concatenate(parts)) for name, parts in extras.items() if parts})
+    n = write_scores(out, np.concatenate(scores) if scores else np.zeros(0, np.float32),
+                     {name: np.concatenate(parts) for name, parts in extras.items() if parts})
+    logger.info("wrote %d scores of export %s to %s", n, export, out)
+    return n
+
+
+def write_scores(out: str | Path, scores: np.ndarray, extras: dict[str, np.ndarray]) -> int:
+    """The Parquet file `out` (written whole, then renamed): float32 `score` and the data columns `extras`
+    beside it (`Batch.extras`: integer columns with nulls come as objects, ints and None, and go back to
+    integers); returns the row count."""
+    columns = {"score": pa.array(scores.astype(np.float32, copy=False))}
+    for name, values in extras.items():
+        try:
+            columns[name] = pa.array(values)
+        except OverflowError:                       # uint64 ids past int64, with nulls
+            columns[name] = pa.array(values, pa.uint64())
     tmp = Path(out).with_suffix(".tmp")
     pq.write_table(pa.table(columns), tmp)
     tmp.replace(out)
-    logger.info("wrote %d scores of export %s to %s", len(columns["score"]), export, out)
-    return len(columns["score"])
+    return len(scores)
 
 
-__all__ = ["evaluate_export", "predict_export"]
+__all__ = ["evaluate_export", "predict_export", "write_scores"]

@@ -16,14 +16,13 @@ import json
 import logging
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
 from recsys.metrics import eval_metrics
 from recsys.rundir import model_root
+from recsys.serving.offline import write_scores
 from recsys.training.trainer import Trainer
 from recsys.training.worker import saved_replicated
 
@@ -80,12 +79,6 @@ def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = Fal
         _, scores, extras = trainer.predict(tuple(data))
     finally:
         trainer.close()
-    columns = {"score": pa.array(scores.numpy().astype("float32"))}
-    for name in cfg.data.passthrough_columns:
-        if name in extras:
-            columns[name] = pa.array(extras[name])
-    tmp = Path(out).with_suffix(".tmp")
-    pq.write_table(pa.table(columns), tmp)
-    tmp.replace(out)
-    logger.info("wrote %d scores to %s", len(scores), out)
-    return len(scores)
+    n = write_scores(out, scores.numpy(), {c: extras[c] for c in cfg.data.passthrough_columns if c in extras})
+    logger.info("wrote %d scores to %s", n, out)
+    return n
