@@ -38,6 +38,12 @@ class DataConfig:
     """Id columns: int64 scalars (one id), list<int64> (multi-hot) or strings (hashed to int64)."""
     weight_columns: dict[str, str] = field(default_factory=dict)
     """Sparse column -> list<float> column of per-id weights, same lengths as the ids."""
+    id_types: dict[str, str] = field(default_factory=dict)
+    """Sparse column -> "integer" or "string": the type of its ids (in a list column, of the list's
+    values; binary counts as string). A file whose column holds the other type is refused naming it:
+    the id 123 and the string "123" are different rows. `recsys train` fills in the columns left out
+    from the first training file (or from the run it warm-starts from), so checkpoints and exports
+    carry them: eval, predict and `recsys serve` then refuse ids of the wrong type."""
     example_weight_column: str = ""
     """Column of a per-row loss weight (a number >= 0, finite), carried into `Batch.example_weights`
     [B]; "" for none. Not `weight_columns` (per-id pooling weights). Training weighs each row's loss
@@ -114,6 +120,11 @@ class DataConfig:
             raise ValueError(f"data.negative_sampling_rate must be in (0, 1], got {r}")
         if self.example_weight_column and self.example_weight_column == self.label_column:
             raise ValueError(f"data.example_weight_column = {self.example_weight_column!r} is the label column")
+        for col, kind in self.id_types.items():
+            if col not in self.sparse_columns or kind not in ("integer", "string"):
+                raise ValueError(f"data.id_types.{col} = {kind!r}: " + (
+                    "not a column of data.sparse_columns" if col not in self.sparse_columns
+                    else 'expected "integer" or "string"'))
         for col in self.weight_columns:
             if col not in self.sparse_columns:
                 raise ValueError(

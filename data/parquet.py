@@ -126,6 +126,30 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
+def id_type(t: pa.DataType) -> str:
+    """"integer" or "string" (strings and binaries: hashed to int64): the ids of a sparse column of type `t`."""
+    if _is_list(t):
+        t = t.value_type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return "integer" if pa.types.is_integer(t) else "string"
+
+
+def with_id_types(cfg: DataConfig, known: dict[str, str] | None = None, read_footer: bool = True) -> DataConfig:
+    """`cfg` with data.id_types for every sparse column: as `cfg` gives them, else as `known` (the run a
+    job warm-starts from), else (`read_footer`) as the first training file's footer holds them. Training
+    (the launcher, `Trainer`) fills them in so the loaders refuse a file of the other type and checkpoints
+    and exports carry them (eval, predict and serving refuse ids of the wrong type)."""
+    types = {c: t for c, t in {**(known or {}), **cfg.id_types}.items() if c in cfg.sparse_columns}
+    if len(types) < len(cfg.sparse_columns) and cfg.train_paths and read_footer:
+        with parquet_file(resolve_paths(cfg.train_paths)[0]) as pf:
+            schema = pf.schema_arrow
+        types.update((c, id_type(schema.field(c).type)) for c in cfg.sparse_columns
+                     if c not in types and schema.get_field_index(c) >= 0)
+    types = {c: types[c] for c in cfg.sparse_columns if c in types}
+    return cfg if types == cfg.id_types else dataclasses.replace(cfg, id_types=types)
+
+
 def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> tuple[bool, ...]:
     """Raises DataError for a missing or wrongly typed column; returns the per-feature is_list."""
     where = f"{path} (schema of all {n_rg} row groups)"
@@ -149,6 +173,11 @@ def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> t
                       "sparse": "an integer, a string or a list of those",
                       "weight": "a number or a list of numbers", "per-row weight": "a number"}[role]
             raise DataError(f"{where}, column '{col}': wrong type {t} for a {role} column, expected {expect}")
+        if role == "sparse" and cfg.id_types.get(col, id_type(t)) != id_type(t):
+            want = cfg.id_types[col]
+            raise DataError(f"{where}, column '{col}': {id_type(t)} ids ({t}), but data.id_types says {want} "
+                            f"(the model was trained on {want} ids: the id 123 and the string \"123\" are different "
+                            f"rows; convert the column to {want}s)")
     for col, wcol in cfg.weight_columns.items():
         if _is_list(schema.field(col).type) and not _is_list(schema.field(wcol).type):
             raise DataError(f"{where}, column '{wcol}': wrong type {schema.field(wcol).type} for the weights "
@@ -164,6 +193,7 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
     """
     sources, skipped = [], []
     is_list: tuple[bool, ...] | None = None
+    id_types: tuple[str, ...] = ()
     first = ""
     for path in files:
         try:
@@ -184,13 +214,16 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
             skipped.append(path)
             continue
         kinds = _check_schema(path, schema, cfg, md.num_row_groups)
+        types = tuple(id_type(schema.field(c).type) for c in cfg.sparse_columns)
         if is_list is None:
-            is_list, first = kinds, path
-        elif kinds != is_list:
-            f = next(i for i, (a, b) in enumerate(zip(kinds, is_list)) if a != b)
+            is_list, id_types, first = kinds, types, path
+        elif kinds != is_list or types != id_types:
+            f = next(i for i, ab in enumerate(zip(zip(kinds, types), zip(is_list, id_types))) if ab[0] != ab[1])
             col = cfg.sparse_columns[f]
-            raise DataError(f"{path} (schema), column '{col}': wrong type {schema.field(col).type}: it is "
-                            f"{'a list' if is_list[f] else 'a one-id'} column in {first}")
+            was = (f"{'a list' if is_list[f] else 'a one-id'} column" if kinds[f] != is_list[f]
+                   else f"a column of {id_types[f]} ids")
+            raise DataError(f"{path} (schema), column '{col}': wrong type {schema.field(col).type}: it is {was} "
+                            f"in {first}")
         sources.append(ParquetSource(path, md, tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))))
     if not sources:
         raise DataError(f"no readable rows in {len(files)} files (skipped: {skipped})")

@@ -13,12 +13,13 @@ label at row 5,000,000) are still found by the trainers while reading.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-from data.parquet import DataError, resolve_paths, scan_files, scoring_config
+from data.parquet import DataError, resolve_paths, scan_files, scoring_config, with_id_types
 from recsys import storage
 from recsys.config import ConfigError, JobConfig
 
@@ -36,6 +37,11 @@ def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
     check_cluster(cfg)
     if resume is not None and resume != "latest":
         check_checkpoint(resume, "--resume")
+    if cfg.train.init_from:       # the new data's ids keep the types the source was trained on (data.id_types)
+        from recsys.training.warm_start import resolve_init
+
+        known = resolve_init(cfg.train.init_from, verify=False).config.data.id_types
+        cfg = dataclasses.replace(cfg, data=with_id_types(cfg.data, known, read_footer=False))
     for key in ("train_paths", "eval_paths", "test_paths"):
         paths = getattr(cfg.data, key)
         if key == "train_paths" and not paths:

@@ -238,7 +238,8 @@ def tower_data(cfg: JobConfig, columns: tuple[str, ...]) -> DataConfig:
         d, dense_columns=tuple(c for c in d.dense_columns if c in columns),
         sparse_columns=tuple(c for c in d.sparse_columns if c in columns),
         weight_columns={k: v for k, v in d.weight_columns.items() if k in columns},
-        passthrough_columns=(), shuffle=False, drop_last=False)
+        id_types={k: v for k, v in d.id_types.items() if k in columns}, passthrough_columns=(), shuffle=False,
+        drop_last=False)
 
 
 def tower_sparse_arch(cfg: JobConfig, columns: tuple[str, ...]) -> SparseArch:

@@ -50,13 +50,16 @@ class Columns:
     dense: tuple[str, ...]
     sparse: tuple[str, ...]
     weights: tuple[str, ...]
+    id_types: dict[str, str] = dataclasses.field(default_factory=dict)    # data.id_types: "integer" / "string"
 
     @classmethod
     def of(cls, data: DataConfig) -> Columns:
-        return cls(tuple(data.dense_columns), tuple(data.sparse_columns), tuple(data.weight_columns.values()))
+        return cls(tuple(data.dense_columns), tuple(data.sparse_columns), tuple(data.weight_columns.values()),
+                   dict(data.id_types))
 
-    def describe(self) -> dict[str, list[str]]:
-        return {"dense": list(self.dense), "sparse": list(self.sparse), "weights": list(self.weights)}
+    def describe(self) -> dict:
+        return {"dense": list(self.dense), "sparse": list(self.sparse), "weights": list(self.weights),
+                "id_types": dict(self.id_types)}
 
 
 def _is_number(v: object) -> bool:
@@ -149,21 +152,22 @@ def _plain(row: dict, cols: Columns) -> bool:
     return True
 
 
-def _type_of(values: list, number: bool) -> pa.DataType:
-    """The Arrow type of a checked column: float64 (numbers), int64 / string ids, or a list of those, from
-    its first non-null value (nulls and empty lists only: float64 / int64, or a list of it). Values of
+def _type_of(values: list, empty: pa.DataType) -> pa.DataType:
+    """The Arrow type of a checked id or weight column: int64 / string ids or float64 weights, or a list of
+    those, from its first non-null value (nulls and empty lists only: `empty`, or a list of it). Values of
     another type then fail to convert."""
-    scalar, listed = pa.float64() if number else pa.int64(), False
+    number = pa.int64() if pa.types.is_string(empty) else empty
+    listed = False
     for v in values:
         if v is None:
             continue
         if not isinstance(v, list):
-            return pa.string() if isinstance(v, str) else scalar
+            return pa.string() if isinstance(v, str) else number
         listed = True
         for x in v:
             if x is not None:
-                return pa.list_(pa.string() if isinstance(x, str) else scalar)
-    return pa.list_(scalar) if listed else scalar
+                return pa.list_(pa.string() if isinstance(x, str) else number)
+    return pa.list_(empty) if listed else empty
 
 
 def _array(values: list, col: str, typ: pa.DataType) -> pa.Array:
@@ -174,13 +178,14 @@ def _array(values: list, col: str, typ: pa.DataType) -> pa.Array:
 
 
 def to_table(rows: list[dict], cols: Columns) -> pa.Table:
-    """One Arrow table of checked rows: dense float64, ids int64 or string (lists of them for multi-hot),
-    weights float64 (the types the training data's columns may have)."""
+    """One Arrow table of checked rows: dense float64, ids int64 or string (lists of them for multi-hot; a
+    column of nulls only: the type of `data.id_types`), weights float64 (the types training data may have)."""
     arrays, names = [], []
     for names_of, number in ((cols.dense, True), (cols.sparse, False), (cols.weights, True)):
         for c in names_of:
             values = [r[c] for r in rows]
-            arrays.append(_array(values, c, pa.float64() if names_of is cols.dense else _type_of(values, number)))
+            empty = pa.float64() if number else pa.string() if cols.id_types.get(c) == "string" else pa.int64()
+            arrays.append(_array(values, c, empty if names_of is cols.dense else _type_of(values, empty)))
             names.append(c)
     return pa.Table.from_arrays(arrays, names=names)
 

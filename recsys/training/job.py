@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.parquet import with_id_types
 from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
@@ -237,6 +238,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
             logger.warning("--overwrite: moved the run in %s to %s", run_dir, move_aside(run_dir))
         lock.announce()
         cfg = with_run_id(cfg, checkpoint, resume)
+        # the ids' types (data.id_types) of the run it warm-starts from bind the new data; else the first file's
+        cfg = dataclasses.replace(cfg, data=with_id_types(cfg.data, init.config.data.id_types if init else {}))
         if uri_lock is not None:
             uri_lock.announce(cfg.train.run_id)
         log_placement(placement.report)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from data.batch import Batch
 from data.loader import ParquetLoader
-from data.parquet import scoring_config
+from data.parquet import scoring_config, with_id_types
 from embedding_ps.client.cache import CachingStore, cache_metrics
 from embedding_ps.store import EmbeddingStore
 from recsys.calibration import data_score_rate, probabilities
@@ -135,6 +135,8 @@ class Trainer:
         `train` is then refused."""
         if any(t.placement == "auto" for t in cfg.ps.tables):    # the launcher resolves it; library use here
             cfg = resolve_placement(cfg).config
+        if not scoring_only:                                      # so do its checkpoints' data.id_types
+            cfg = dataclasses.replace(cfg, data=with_id_types(cfg.data))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         # "cuda": this process's GPU by index (the worker's set_device; DDP's device_ids and a row
         # cache's rows name it so, and a bare "cuda" compares unequal to "cuda:0")

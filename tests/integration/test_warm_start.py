@@ -125,6 +125,7 @@ def test_cli_warm_start_then_a_delta_of_the_new_run_applies_to_the_old_export(so
     text = (b / "config.toml").read_text()
     a_id = json.loads((ckpt / "manifest.json").read_text()).get("run_id") or ""
     assert "init_step = 8" in text
+    assert load_config(b / "config.toml").data.id_types == dict.fromkeys(["C1", "C2", "C3", "C4", "M1"], "integer")
     # A's export (step 8) + B's delta since 8 = B's full export, served alike
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "base")]) == 0
     assert cli.main(["export", "--run", str(b), "--out", str(tmp_path / "delta"), "--since", "8"]) == 0
@@ -150,6 +151,15 @@ def test_cli_warm_start_then_a_delta_of_the_new_run_applies_to_the_old_export(so
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "ps.tables[C2].optimizer" in err[0] and "init_from" in err[0], err
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())    # (preflight's write check)
+    # the next day's C2 ids as strings: "7" is not the id 7 the source trained; refused before any process
+    day = table.set_column(table.schema.get_field_index("C2"), "C2", table.column("C2").cast("string"))
+    pq.write_table(day, tmp_path / "strings.parquet")
+    strings = [a.replace(f"{data}/part-00001.parquet", str(tmp_path / "strings.parquet")) for a in argv]
+    assert cli.main([*[a.replace(str(tmp_path / "b"), str(tmp_path / "d")) for a in strings],
+                     "--init-from", str(ckpt)]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "strings.parquet" in err[0] and "column 'C2': string ids" in err[0], err
+    assert "data.id_types says integer" in err[0]
 
 
 def test_warm_start_from_an_fp32_export(source, tmp_path: Path) -> None:

@@ -142,6 +142,60 @@ def test_list_in_one_file_and_scalar_in_another(h, tmp_path):
         read(h, str(tmp_path / "ds"))
 
 
+ALL_TYPES = {"s_int": "integer", "s_list": "integer", "s_str": "string", "s_i32": "integer", "s_wlist": "integer"}
+
+
+@pytest.mark.parametrize("column, arr, got, want", [
+    ("s_int", pa.array([str(i) for i in range(N)]), "string ids (string)", "integer"),
+    ("s_list", pa.array([[str(i)] for i in range(N)]), "string ids (list<element: string>)", "integer"),
+    ("s_str", pa.array(range(N), pa.int32()), "integer ids (int32)", "string"),
+    ("s_str", pa.array(range(N), pa.uint64()), "integer ids (uint64)", "string"),
+])
+def test_ids_of_another_type_than_data_id_types_are_refused(h, tmp_path, column, arr, got, want):
+    # the id 7 and the string "7" hash to different rows: a model trained on one type would take the
+    # other's ids as unseen, silently
+    path = h.write(tmp_path / "t.parquet", with_column(h.make_table(N), column, arr), row_group_rows=RG)
+    with pytest.raises(DataError, match=re.escape(f"{path} (schema of all 3 row groups), column '{column}': {got}")
+                       ) as e:
+        read(h, path, id_types=ALL_TYPES)
+    assert f"but data.id_types says {want}" in str(e.value)
+    read(h, path)                                             # without id_types: read as it is
+
+
+def test_dictionary_strings_and_binary_are_string_ids(h, tmp_path):
+    t = h.make_table(N)
+    t = with_column(t, "s_str", t.column("s_str").combine_chunks().dictionary_encode())
+    path = h.write(tmp_path / "d.parquet", with_column(t, "s_i32", pa.array([b"x"] * N, pa.binary())))
+    with pytest.raises(DataError, match="column 's_i32': string ids"):
+        read(h, path, id_types=ALL_TYPES)
+    assert read(h, path, id_types=dict(ALL_TYPES, s_i32="string"))[0]
+
+
+def test_integer_ids_in_one_file_and_strings_in_another(h, tmp_path):
+    h.write(tmp_path / "ds" / "a.parquet", h.make_table(5))
+    b = h.write(tmp_path / "ds" / "b.parquet", with_column(h.make_table(5), "s_int", pa.array(["1"] * 5)))
+    with pytest.raises(DataError, match=re.escape(f"{b} (schema), column 's_int': wrong type string: it is a column "
+                                                  "of integer ids in")):
+        read(h, str(tmp_path / "ds"))
+
+
+def test_id_types_are_filled_in_from_the_first_training_file(h, tmp_path):
+    from data.parquet import with_id_types
+    path = h.write(tmp_path / "a.parquet", h.make_table(5))
+    cfg = h.make_cfg(train_paths=(path,))
+    assert with_id_types(cfg).id_types == ALL_TYPES
+    assert list(with_id_types(cfg).id_types) == list(cfg.sparse_columns)                 # in the columns' order
+    assert with_id_types(cfg, {"s_int": "string"}).id_types == dict(ALL_TYPES, s_int="string")   # the run warm-
+    assert with_id_types(h.make_cfg(train_paths=(path,), id_types={"s_int": "integer"}),          # started from;
+                         {"s_int": "string"}).id_types["s_int"] == "integer"                     # the config wins
+    full = h.make_cfg(train_paths=(str(tmp_path / "missing.parquet"),), id_types=ALL_TYPES)
+    assert with_id_types(full) is full                                                   # no file read
+    with pytest.raises(ValueError, match="data.id_types.s_int = 'int': expected \"integer\" or \"string\""):
+        h.make_cfg(id_types={"s_int": "int"})
+    with pytest.raises(ValueError, match="data.id_types.user = 'string': not a column of data.sparse_columns"):
+        h.make_cfg(id_types={"user": "string"})
+
+
 def test_empty_and_unreadable_files(h, tmp_path):
     good = h.write(tmp_path / "ds" / "a.parquet", h.make_table(N), row_group_rows=RG)
     empty = h.write(tmp_path / "ds" / "b.parquet", h.make_table(0))

@@ -54,7 +54,7 @@ def _save(root: Path, cfg: JobConfig, trainer: Trainer, store: LocalStore, check
         return checkpoint_path(cfg.train.run_dir, trainer.step)
     root.mkdir(parents=True, exist_ok=True)
     save_model(trainer, store, root / "model")
-    (root / "config.toml").write_text(to_toml(cfg))
+    (root / "config.toml").write_text(to_toml(dataclasses.replace(cfg, data=trainer.cfg.data)))   # as the launcher's
     (root / "metrics.json").write_text(json.dumps({"steps": float(trainer.step)}))
     return root
 
@@ -71,7 +71,7 @@ def train_run() -> Callable[..., list[Path]]:
         out = []
         try:
             for i, n in enumerate(steps):
-                trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=n))
+                trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(cfg.train, max_steps=n))
                 if i:     # go on with the data where the last part stopped, as a resumed run would
                     trainer.loader.load_state_dict(trainer.loader.state_dict())
                 trainer.train()

@@ -104,3 +104,24 @@ def test_other_rows_go_to_the_table_path(decoder: TableDecoder) -> None:
     assert decoder.decode_rows([]) is None
     weighted = TableDecoder(dataclasses.replace(decoder.cfg, weight_columns={"M1": "W1"}))
     assert weighted.decode_rows(base) is None
+
+
+def test_rows_of_the_wrong_id_type_are_refused_and_nulls_take_the_trained_type(decoder) -> None:
+    from data.parquet import DataError
+    cfg = decoder.cfg
+    rows = rows_of(cfg, 4, seed=3)
+    strings = TableDecoder(dataclasses.replace(cfg, id_types={"C1": "string"}))
+    assert strings.decode_rows(rows) is None                  # a string-id model: never the integer fast path
+    with pytest.raises(DataError, match="column 'C1': integer ids \\(int64\\), but data.id_types says string"):
+        table_batch(strings, rows)
+    text = [dict(r, C1=str(r["C1"])) for r in rows]
+    want = TableDecoder(dataclasses.replace(cfg, id_types={})).decode(to_table(text, Columns.of(cfg)), "<rows>")
+    assert_same(table_batch(strings, text), want)             # strings hashed as in training
+    nulls = [dict(r, C1=None) for r in rows]                  # a column of nulls only: a string column
+    assert to_table(nulls, Columns.of(strings.cfg)).schema.field("C1").type == "string"
+    assert table_batch(strings, nulls).sparse.lengths.view(len(cfg.sparse_columns), -1)[0].sum() == 0
+    integers = TableDecoder(dataclasses.replace(cfg, id_types=dict.fromkeys(cfg.sparse_columns, "integer")))
+    assert_same(integers.decode_rows(rows), table_batch(decoder, rows))       # the fast path as before
+    assert integers.decode_rows(text) is None
+    with pytest.raises(DataError, match="column 'C1': string ids \\(string\\), but data.id_types says integer"):
+        table_batch(integers, text)

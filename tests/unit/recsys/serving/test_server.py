@@ -110,6 +110,7 @@ def test_predict_health_metadata_metrics(exports, rows) -> None:
         assert status == 200 and meta["run_id"] == m["run_id"] and meta["step"] == S2 and meta["precision"] == "fp32"
         assert [t["name"] for t in meta["tables"]] == ["C1", "C2", "C3", "C4", "M1"]
         assert meta["columns"]["sparse"] == ["C1", "C2", "C3", "C4", "M1"] and meta["topk"] is None
+        assert meta["columns"]["id_types"] == dict.fromkeys(["C1", "C2", "C3", "C4", "M1"], "integer")
         assert meta["batching"]["max_batch"] == 256
 
         status, text = call(url, "GET", "/metrics")
@@ -239,6 +240,9 @@ def test_bad_bodies_name_the_field(exports, rows) -> None:
         ({"row": [row]}, "rows", "missing"),
         ([row], "body", "a JSON object"),
         ({"rows": [dict(row, C1=-5)]}, "C1", "negative"),          # the data decoder's check, as for Parquet
+        # the model was trained on integer ids (data.id_types, filled in by training): "7" is not the id 7
+        ({"rows": [dict(row, C1="7")]}, "C1", "string ids (string), but data.id_types says integer"),
+        ({"rows": [dict(row, M1=["7", "8"])]}, "M1", "string ids (list<item: string>), but data.id_types says"),
     ]
     with running(exports["new"]) as (url, _):
         for body, field, says in cases:
@@ -251,8 +255,9 @@ def test_bad_bodies_name_the_field(exports, rows) -> None:
         # a bad request in a batch with good ones fails alone
         with ThreadPoolExecutor(4) as pool:
             res = list(pool.map(lambda b: call(url, "POST", "/v1/predict", b),
-                                [{"rows": [rows[1]]}, {"rows": [dict(row, C1=-5)]}, {"rows": [dict(row, C1="x")]}]))
-        assert [s for s, _ in res] == [200, 400, 200]
+                                [{"rows": [rows[1]]}, {"rows": [dict(row, C1=-5)]}, {"rows": [dict(row, C1="x")]},
+                                 {"rows": [dict(row, C1=None)]}]))
+        assert [s for s, _ in res] == [200, 400, 400, 200]
         assert call(url, "GET", "/v1/nope")[1] == {"error": "Not Found", "field": "path"}
         assert call(url, "GET", "/v1/predict")[0] == 405
         status, got = call(url, "POST", "/v1/topk", {"rows": [row], "k": 5})

@@ -189,7 +189,8 @@ def test_resume_latest_of_a_finished_run_without_checkpoints_is_refused(tmp_path
 
     run = tmp_path / "run"
     run.mkdir()
-    cfg = load_config(Path(__file__).resolve().parents[4] / "configs" / "tiny.toml", [f"train.run_dir='{run}'"])
+    cfg = load_config(Path(__file__).resolve().parents[4] / "configs" / "tiny.toml", [f"train.run_dir='{run}'",
+                                                                                      "data.train_paths=[]"])
     (run / "metrics.jsonl").write_text("{}\n")                               # killed before a checkpoint
     with prepared_run(cfg, "latest", overwrite=False) as (_, _, _, checkpoint, _):
         assert checkpoint is None
