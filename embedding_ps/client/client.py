@@ -13,7 +13,7 @@ are in the caller's order: table by table, each table's ids in the order given. 
 over ps.max_frame_bytes is sent as one request per table instead (and one table's request over it
 is refused: split the ids).
 
-The caller's thread deduplicates (when `dedup`: `plan.dedup_ids`), routes (`sharding.route`, argsort +
+The caller's thread deduplicates (when `dedup`: `plan.dedup_ids`), routes (`plan.plan_call`, argsort +
 bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.client.transport`) sends, matches
 replies by request id, retries and assembles the result. Rows and gradients travel as
 ps.wire_dtype (fp32, fp16 or bf16); with ps.shared_memory, those of a shard on this host (1 MB or
@@ -53,8 +53,7 @@ from embedding_ps import native
 from embedding_ps.wire import shm
 from embedding_ps.wire.auth import job_tag, load_token
 from embedding_ps.wire.config import PSConfig
-from embedding_ps.client.plan import (assemble_rows, combine, frames, index_frame, plan_ids, plan_many,
-                                     plans_by_shard)
+from embedding_ps.client.plan import combine, frames, index_frame, plan_call
 from embedding_ps.wire.shm import LateGrads
 from embedding_ps.store import done_future
 from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
@@ -125,12 +124,8 @@ class PSClient:
                         step: int | None = None) -> "Future[torch.Tensor]":
         """A Future of float32 rows [sum N_t, D]: the rows of every table's int64 ids [N_t], in order."""
         dim, ids = self._many_args("pull", tables, ids)
-        many = plan_many(self.config, self.dedup, tables, ids)     # None: some part needs dedup
-        if many is not None:
-            shards = many.by_shard(many.sent)
-        else:
-            plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
-            shards = plans_by_shard([(p, p.sent) for p in plans])
+        plan = plan_call(self.config, self.dedup, tables, ids)
+        shards = plan.by_shard(plan.sent)
         if not shards:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
@@ -155,9 +150,7 @@ class PSClient:
         call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
 
         def assemble(replies: dict) -> torch.Tensor:
-            if many is not None:
-                return many.assemble(counts, replies, dim, segs, call, self.pin_rows)
-            return assemble_rows(plans, counts, replies, dim, segs, call)
+            return plan.assemble(counts, replies, dim, segs, call, self.pin_rows)
 
         future = None
         if words and len(words) == len(shards):     # every shard notifies: the rows without the replies
@@ -177,28 +170,15 @@ class PSClient:
             raise ValueError(f"push to tables {list(tables)}: grads must be float [{total}, {dim}], got "
                              f"{grads.dtype} {list(grads.shape)}")
         grads = grads.detach().to("cpu", torch.float32)
-        many = plan_many(self.config, self.dedup, tables, ids)     # None: some part needs dedup
-        if many is not None:
-            shards = many.by_shard(many.sent)
-        else:
-            plans = [plan_ids(self.config, self.dedup, t, x) for t, x in zip(tables, ids)]
-            sent, start = [], 0
-            for plan, x in zip(plans, ids):
-                g = grads[start:start + x.numel()]                                     # [N_t, D]
-                start += x.numel()
-                if plan.gather is not None:         # sum the grads of duplicates into shard order
-                    g = torch.zeros(plan.sent.numel(), dim).index_add_(0, plan.gather, g)
-                elif plan.place is not None:
-                    g = g.index_select(0, plan.place)
-                sent.append(g)
-            shards = plans_by_shard([(p, p.sent) for p in plans])
+        plan = plan_call(self.config, self.dedup, tables, ids)
+        shards = plan.by_shard(plan.sent)
         if not shards:
             return done_future(None)
         if self._too_big("push", tables, shards, dim):     # one request per table instead
             splits = torch.split(grads, [x.numel() for x in ids])
             return combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
-        grad_parts = many.by_shard(many.to_sent(grads)) if many is not None else plans_by_shard(list(zip(plans, sent)))
+        grad_parts = plan.by_shard(plan.to_sent(grads))
         reqs, segs, fallbacks, words = [], {}, {}, []
         fast = native.available()         # late grads and done words wait on C's futexes
         late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and fast else None

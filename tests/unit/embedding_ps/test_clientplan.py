@@ -1,16 +1,17 @@
-"""The client's request plans: `plan_many` (every table's ids of a call routed at once) sends each
-shard exactly the ids, parts and counts that the per-table `plan_ids` sends it, and its `assemble`
-and `to_sent` put rows and grads where the per-table path puts them. Shards are simulated: a
-shard's reply row for an id is a function of (shard, id), so a row at the wrong place or from the
-wrong shard shows."""
+"""The client's request plan (`plan_call`): every table's ids of a call routed at once, each shard
+sent exactly the ids of its parts (routed by `sharding.route`), and its `assemble` and `to_sent`
+put rows and grads at their caller positions. Shards are simulated: a shard's reply row for an id
+is a function of (shard, id), so a row at the wrong place or from the wrong shard shows."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from embedding_ps.wire import protocol as P
-from embedding_ps.client.plan import assemble_rows, plan_ids, plan_many, plans_by_shard
+from embedding_ps.client.plan import plan_call
 from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.wire.sharding import route
 
@@ -47,31 +48,33 @@ CALLS = [
 
 @pytest.mark.parametrize("shards", [1, 2, 4])
 @pytest.mark.parametrize("call", range(len(CALLS)))
-def test_plan_many_sends_and_assembles_what_the_per_table_plans_do(shards: int, call: int) -> None:
+def test_each_shard_gets_its_ids_part_by_part_and_rows_and_grads_come_back_in_place(shards: int, call: int) -> None:
     cfg = config(shards)
     tables, ids = CALLS[call]
-    plans = [plan_ids(cfg, True, t, x) for t, x in zip(tables, ids)]
-    old = plans_by_shard([(p, p.sent) for p in plans])
-    many = plan_many(cfg, True, tables, ids)
-    assert many is not None
-    new = many.by_shard(many.sent)
-    assert old.keys() == new.keys()
-    for s in old:
-        assert [i for i, _ in old[s]] == [i for i, _ in new[s]], s
-        for (_, a), (_, b) in zip(old[s], new[s]):
-            assert torch.equal(a, b), s                       # same ids, same order
-            t = tables[[i for i, c in new[s] if c is b][0]]
-            assert bool((route(b, cfg.tables[t], shards) == s).all())
+    plan = plan_call(cfg, True, tables, ids)
+    assert plan.gather is None                                  # distinct ids: nothing to gather
+    new = plan.by_shard(plan.sent)
+    for p, (t, x) in enumerate(zip(tables, ids)):               # each part's ids, each on its shard, in order
+        want = {s: x[route(x, cfg.tables[t], shards) == s] for s in range(shards)}
+        got = {s: c for s, parts in new.items() for i, c in parts if i == p}
+        assert {s for s, w in want.items() if w.numel()} == got.keys()
+        for s, c in got.items():
+            assert torch.equal(c, want[s]), (p, s)
+    for s, parts in new.items():
+        assert [i for i, _ in parts] == sorted(i for i, _ in parts)      # parts in call order
     if not new:
         return
     counts = {s: [c.numel() for _, c in parts] for s, parts in new.items()}
-    got = many.assemble(counts, replies(new), D)
-    want = assemble_rows(plans, counts, replies(old), D)
-    assert torch.equal(got, want)
+    got = plan.assemble(counts, replies(new), D)
     assert torch.equal(got[:, 0], torch.cat(ids).double().float())      # every row at its caller position
+    for s, parts in new.items():                                        # ... from the shard that owns it
+        for i, x in parts:
+            start = sum(y.numel() for y in ids[:i])
+            pos = {int(v): k for k, v in enumerate(ids[i])}
+            assert bool((got[start + torch.tensor([pos[int(v)] for v in x]), 1] == s).all())
     # grads: caller order -> sent order, then split per shard and part as the ids were
     grads = torch.randn(sum(x.numel() for x in ids), D)
-    g_parts = many.by_shard(many.to_sent(grads))
+    g_parts = plan.by_shard(plan.to_sent(grads))
     for s, parts in new.items():
         for (i, x), (j, g) in zip(parts, g_parts[s]):
             assert i == j and g.shape == (x.numel(), D)
@@ -83,23 +86,17 @@ def test_plan_many_sends_and_assembles_what_the_per_table_plans_do(shards: int, 
 def test_fp16_replies_come_back_as_float32() -> None:
     cfg = config(2)
     tables, ids = CALLS[0]
-    many = plan_many(cfg, True, tables, ids)
-    new = many.by_shard(many.sent)
+    plan = plan_call(cfg, True, tables, ids)
+    new = plan.by_shard(plan.sent)
     counts = {s: [c.numel() for _, c in parts] for s, parts in new.items()}
-    got = many.assemble(counts, replies(new, torch.float16), D)
+    got = plan.assemble(counts, replies(new, torch.float16), D)
     assert got.dtype == torch.float32
     assert torch.equal(got[:, 0], torch.cat(ids).double().half().float())
 
 
-def test_a_part_with_duplicate_or_unsorted_ids_is_left_to_the_per_table_plan() -> None:
-    cfg = config(2)
-    assert plan_many(cfg, True, [0, 1], [distinct(1, 2), torch.tensor([4, 4, 5])]) is None
-    assert plan_many(cfg, True, [0], [torch.tensor([9, 3])]) is None
-    # parts may each start below the previous part's end
-    assert plan_many(cfg, True, [0, 1], [distinct(50, 60), distinct(1, 2)]) is not None
-    # without dedup any ids go as they are (the shard sums a duplicate's grads)
-    many = plan_many(cfg, False, [0], [torch.tensor([4, 4, 5, 1])])
-    assert many is not None and sorted(many.sent.tolist()) == [1, 4, 4, 5]
+def test_without_dedup_duplicate_ids_go_as_they_are() -> None:
+    plan = plan_call(config(2), False, [0], [torch.tensor([4, 4, 5, 1])])
+    assert plan.gather is None and sorted(plan.sent.tolist()) == [1, 4, 4, 5]   # the shard sums their grads
 
 
 @pytest.fixture(params=["c", "torch"])
@@ -119,31 +116,40 @@ def native_on(request):
 def test_dedup_sends_each_id_once_and_puts_rows_and_summed_grads_back(native_on: str, shards: int) -> None:
     cfg = config(shards)
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(-20, 40, (300,), generator=g) * 1_000_003      # many duplicates
-    plan = plan_ids(cfg, True, 0, ids)
-    assert sorted(plan.sent.tolist()) == sorted(set(ids.tolist()))     # each distinct id once
+    ids = [torch.randint(-20, 40, (300,), generator=g) * 1_000_003,      # many duplicates
+           torch.tensor([7, 3, 7, 7]), torch.randint(0, 90, (50,), generator=g)]
+    tables = [0, 0, 2]                                                   # a table twice, a hashed one
+    plan = plan_call(cfg, True, tables, ids)
+    new = plan.by_shard(plan.sent)
+    for p, x in enumerate(ids):
+        sent = [v for parts in new.values() for i, c in parts if i == p for v in c.tolist()]
+        assert sorted(sent) == sorted(set(x.tolist()))                   # each distinct id of a part once
     if native_on == "c" and shards == 1:                                # first appearances, in order
-        assert plan.sent.tolist() == list(dict.fromkeys(ids.tolist()))
-    shard_parts = plans_by_shard([(plan, plan.sent)])
-    counts = {s: [c.numel() for _, c in parts] for s, parts in shard_parts.items()}
-    for s, parts in shard_parts.items():
-        assert bool((route(parts[0][1], cfg.tables[0], shards) == s).all())
-    rows = assemble_rows([plan], counts, replies(shard_parts), D)
-    assert torch.equal(rows[:, 0], ids.double().float())                # every row at its caller position
+        assert plan.sent.tolist() == [v for x in ids for v in dict.fromkeys(x.tolist())]
+    counts = {s: [c.numel() for _, c in parts] for s, parts in new.items()}
+    for s, parts in new.items():
+        for i, c in parts:
+            assert bool((route(c, cfg.tables[tables[i]], shards) == s).all())
+    flat = torch.cat(ids)
+    rows = plan.assemble(counts, replies(new), D)
+    assert torch.equal(rows[:, 0], flat.double().float())               # every row at its caller position
     # the client sums a duplicate's grads (client.push_many_async): what a per-id loop gives
-    grads = torch.randn(ids.numel(), D, generator=g)
-    summed = torch.zeros(plan.sent.numel(), D).index_add_(0, plan.gather, grads)
-    for k, x in enumerate(plan.sent.tolist()):
-        want = torch.zeros(D)
-        for i in torch.nonzero(ids == x).flatten().tolist():             # in arrival order
-            want += grads[i]
-        assert torch.equal(summed[k], want), x
+    grads = torch.randn(flat.numel(), D, generator=g)
+    g_parts = plan.by_shard(plan.to_sent(grads))
+    starts = [0, *itertools.accumulate(x.numel() for x in ids)]
+    for s, parts in new.items():
+        for (i, x), (_, summed) in zip(parts, g_parts[s]):
+            for k, v in enumerate(x.tolist()):
+                want = torch.zeros(D)
+                for j in torch.nonzero(ids[i] == v).flatten().tolist():     # in arrival order
+                    want += grads[starts[i] + j]
+                assert torch.equal(summed[k], want), (i, v)
 
 
 def test_dedup_of_distinct_ids_sends_them_as_they_are(native_on: str) -> None:
     # the C pass tells distinct ids in any order; torch.unique's sort only sorted ones
     ids = torch.tensor([9, 3, -5, 2**62, 7]) if native_on == "c" else torch.tensor([-5, 3, 7, 9, 2**62])
-    plan = plan_ids(config(1), True, 0, ids)
+    plan = plan_call(config(1), True, [0], [ids])
     assert plan.gather is None and torch.equal(plan.sent, ids)         # no inverse to apply
-    many = plan_ids(config(2), True, 0, ids)
-    assert many.gather is None and sorted(many.sent.tolist()) == sorted(ids.tolist())
+    plan = plan_call(config(2), True, [0], [ids])
+    assert plan.gather is None and sorted(plan.sent.tolist()) == sorted(ids.tolist())
