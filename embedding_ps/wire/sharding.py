@@ -50,26 +50,21 @@ def splitmix64_np(keys: np.ndarray, *, copy: bool = True) -> np.ndarray:
     return z
 
 
-def splitmix64(ids: torch.Tensor) -> torch.Tensor:
-    """int64 [N] -> int64 [N]: the SplitMix64 finalizer of each id as uint64, bits returned as int64."""
-    z = splitmix64_np(_as_numpy(ids))
-    return torch.from_numpy(z.view(np.int64))
-
-
 def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     """int64 [N] -> int64 [N] in [0, num_shards): `splitmix64(uint64(id)) % num_shards`."""
-    if num_shards < 1:
-        raise ValueError(f"shard_of: num_shards must be >= 1, got {num_shards}")
-    z = splitmix64_np(_as_numpy(ids))
-    return torch.from_numpy((z % np.uint64(num_shards)).astype(np.int64))
+    return _mix_mod(ids, num_shards, "shard_of: num_shards")
 
 
 def hashed_row(ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
     """int64 [N] -> int64 [N] in [0, num_embeddings): the row of a `hashed` table that an id shares."""
-    if num_embeddings < 1:
-        raise ValueError(f"hashed_row: num_embeddings must be >= 1, got {num_embeddings}")
+    return _mix_mod(ids, num_embeddings, "hashed_row: num_embeddings")
+
+
+def _mix_mod(ids: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    if n < 1:
+        raise ValueError(f"{what} must be >= 1, got {n}")
     z = splitmix64_np(_as_numpy(ids))
-    return torch.from_numpy((z % np.uint64(num_embeddings)).astype(np.int64))
+    return torch.from_numpy((z % np.uint64(n)).astype(np.int64))
 
 
 def keys_of(ids: torch.Tensor, table: TableConfig) -> torch.Tensor:
