@@ -90,8 +90,11 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
         pairs = [dedup_ids(x) for x in ids]
         if any(inv is not None for _, inv in pairs):
             offsets = itertools.accumulate((u.numel() for u, _ in pairs), initial=0)
-            gather = torch.cat([(torch.arange(u.numel()) if inv is None else inv) + off
-                                for (u, inv), off in zip(pairs, offsets)])
+            parts = []
+            for (u, inv), off in zip(pairs, offsets):
+                inv = torch.arange(u.numel()) if inv is None else inv
+                parts.append(inv + off if off else inv)
+            gather = parts[0] if len(parts) == 1 else torch.cat(parts)
         ids = [u for u, _ in pairs]
     lens = [x.numel() for x in ids]
     x = torch.cat(ids) if len(ids) > 1 else ids[0]                                    # [U]

@@ -32,7 +32,7 @@
  *   key, computed in the loop exactly as embedding_ps/init.py's `init_rows` computes it; <= -4:
  *   a default row the caller computed (see sv_bag).
  *
- * Threads: lookups split the ids, pooling splits the examples into contiguous chunks, one per thread
+ * Threads: lookups and pooling split the examples into contiguous chunks, one per thread
  * (`ps_parallel`, native.h); every item's math is the same whatever
  * the chunking, so results do not depend on the thread count.
  */
@@ -40,8 +40,7 @@
 
 #define SV_K 16
 #define SV_PF 8             /* ids ahead to prefetch */
-#define SV_MIN_IDS 8192     /* ids per thread below which a thread costs more than it saves */
-#define SV_MIN_BAGS 1024    /* bags per thread, likewise */
+#define SV_MIN_BAGS 1024    /* bags per thread below which a thread costs more than it saves */
 
 /* ------------------------------------------------------------------ hash map */
 static inline uint64_t sv_home(int64_t key, int64_t bits) {
@@ -69,67 +68,8 @@ int64_t sv_map_build(int64_t *map, int64_t bits, const int64_t *keys, int64_t n)
     return dup;
 }
 
-struct sv_lookup_ctx {
-    const int64_t *map, *slots, *values, *offsets;
-    int64_t S, B, misses;
-    int32_t *rows;
-};
-
 static inline int64_t sv_key(int64_t id, uint64_t hashed) {
     return hashed ? (int64_t)(ps_splitmix64((uint64_t)id) % hashed) : id;
-}
-
-/* ids [lo, hi) of one slot */
-static int64_t sv_lookup_slot(const int64_t *sl, const int64_t *map0, const int64_t *values, int64_t lo, int64_t hi,
-                              int32_t *rows) {
-    const int64_t *map = map0 + 2 * sl[0];
-    const int64_t bits = sl[1], base = sl[3];
-    const int32_t miss = (int32_t)sl[12];
-    const uint64_t mask = ((uint64_t)1 << bits) - 1, hashed = (uint64_t)sl[2];
-    int64_t misses = 0, keys[SV_PF];
-    uint64_t homes[SV_PF];
-    for (int64_t i = lo; i < hi && i < lo + SV_PF; i++) {        /* ring of the next SV_PF (key, home) */
-        keys[i % SV_PF] = sv_key(values[i], hashed);
-        homes[i % SV_PF] = sv_home(keys[i % SV_PF], bits);
-        PREFETCH(map + 2 * homes[i % SV_PF]);
-    }
-    for (int64_t i = lo; i < hi; i++) {
-        const int64_t k = keys[i % SV_PF];
-        uint64_t p = homes[i % SV_PF];
-        if (i + SV_PF < hi) {
-            const int64_t kn = sv_key(values[i + SV_PF], hashed);
-            keys[i % SV_PF] = kn;
-            homes[i % SV_PF] = sv_home(kn, bits);
-            PREFETCH(map + 2 * homes[i % SV_PF]);
-        }
-        int64_t v;
-        while ((v = map[2 * p + 1]) >= 0 && map[2 * p] != k) p = (p + 1) & mask;
-        rows[i] = v >= 0 ? (int32_t)(base + v) : miss;
-        misses += v < 0 && miss == -3;
-    }
-    return misses;
-}
-
-static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
-    struct sv_lookup_ctx *c = (struct sv_lookup_ctx *)p;
-    int64_t misses = 0;
-    for (int64_t s = 0; s < c->S && lo < hi; s++) {
-        const int64_t end = c->offsets[(s + 1) * c->B];
-        if (end <= lo) continue;
-        const int64_t e = end < hi ? end : hi;
-        misses += sv_lookup_slot(c->slots + SV_K * s, c->map, c->values, lo, e, c->rows);
-        lo = e;
-    }
-    PS_ADD(&c->misses, misses);
-}
-
-/* rows[i] = the row of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
- * code of unknown ids when its table lacks the key. Returns how many got code -3 (the caller's). */
-int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B, const int64_t *values,
-                  const int64_t *offsets, int32_t *rows, int nthreads) {
-    struct sv_lookup_ctx c = {map, slots, values, offsets, S, B, 0, rows};
-    ps_parallel(sv_lookup_chunk, &c, offsets[S * B], nthreads, SV_MIN_IDS);
-    return c.misses;
 }
 
 /* Positions where[M] (and bags bag[M]) of the rows -3, in order; returns M. */
@@ -370,7 +310,7 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
  * most 2**31 rows) and that bucket prefetched; sv_bags runs it one block ahead, so the buckets
  * arrive while the block before is pooled (a lookup right before its pooling waited on them:
  * every block touches every table's map). sv_probe_block: from those homes, each id's row (or
- * its slot's code of unknown ids, as sv_lookup_slot), and the row's first line prefetched for
+ * its slot's code of unknown ids), and the row's first line prefetched for
  * the pooling that follows. Hashed tables compute their keys in both passes. */
 static inline __attribute__((always_inline)) void sv_home_block(const struct sv_pool_ctx *c, int64_t b0,
                                                                 int64_t b1) {
@@ -407,11 +347,41 @@ static inline __attribute__((always_inline)) void sv_probe_block(const struct sv
     }
 }
 
+#define SV_BLOCK 64
+
+struct sv_lookup_ctx {
+    struct sv_pool_ctx c;
+    int64_t misses;
+};
+
+/* Examples [lo, hi) of every slot looked up as the pooling looks them up, block by block */
+static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
+    struct sv_lookup_ctx *l = (struct sv_lookup_ctx *)p;
+    const struct sv_pool_ctx *c = &l->c;
+    for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
+        const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
+        sv_home_block(c, b0, b1);
+        sv_probe_block(c, b0, b1);
+    }
+    int64_t misses = 0;
+    for (int64_t s = 0; s < c->S; s++)
+        for (int64_t i = c->offsets[s * c->B + lo]; i < c->offsets[s * c->B + hi]; i++) misses += c->rows[i] == -3;
+    PS_ADD(&l->misses, misses);
+}
+
+/* rows[i] = the row of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
+ * code of unknown ids when its table lacks the key. Returns how many got code -3 (the caller's). */
+int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B, const int64_t *values,
+                  const int64_t *offsets, int32_t *rows, int nthreads) {
+    struct sv_lookup_ctx l = {{rows, map, values, NULL, NULL, offsets, slots, B, S, {NULL, NULL}}, 0};
+    ps_parallel(sv_lookup_chunk, &l, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);
+    return l.misses;
+}
+
 /* Examples [lo, hi) of every slot, in blocks of SV_BLOCK examples: for each block, slot by slot, so
  * that the block's output rows stay in cache while every slot writes its columns (slot by slot
  * over the whole batch would stream the whole output through the cache once per slot). The
  * common widths compile with constant loops. */
-#define SV_BLOCK 64
 #define SV_BAGS(DC)                                                                                 \
     for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, end, DC, V);                  \
     break;
