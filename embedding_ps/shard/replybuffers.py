@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import torch
 
+from embedding_ps.wire.shm import best_fit
+
 
 class ReplyBuffers:
     """Reusable byte buffers for PULL replies, which zmq sends without a copy.
@@ -27,22 +29,17 @@ class ReplyBuffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         """uint8 [nbytes], not initialized, not referred to by anything else."""
-        best = None
-        for i in range(len(self.bufs)):
-            if self.bufs[i].nbytes >= nbytes and self._idle(i) and (
-                    best is None or self.bufs[i].nbytes < self.bufs[best].nbytes):
-                best = i
+        best = best_fit([a.nbytes for a in self.bufs], nbytes, self._idle)
         if best is not None:
             return self.bufs[best][:nbytes]
         size = max(self.MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
         if size > self.max_bytes:
             return torch.empty(nbytes, dtype=torch.uint8).numpy()
         while self.total + size > self.max_bytes:     # drop idle buffers (smallest first) to make room
-            idle = [i for i in range(len(self.bufs)) if self._idle(i)]
-            if not idle:
+            idle = best_fit([a.nbytes for a in self.bufs], 0, self._idle)
+            if idle is None:
                 return torch.empty(nbytes, dtype=torch.uint8).numpy()
-            i = min(idle, key=lambda i: self.bufs[i].nbytes)
-            self.total -= self.bufs.pop(i).nbytes
+            self.total -= self.bufs.pop(idle).nbytes
         # torch's allocation, viewed by numpy: numpy itself would madvise(MADV_HUGEPAGE) a large
         # array, and huge pages made each send slower here (more sys time, pages faulting again)
         a = torch.empty(size, dtype=torch.uint8).numpy()

@@ -164,6 +164,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def best_fit(sizes: list[int], nbytes: int, idle: Callable[[int], bool]) -> int | None:
+    """Index of the smallest idle buffer of at least `nbytes` (0: the smallest idle one), or None: the
+    choice of the buffer pools that reuse what nothing views any more (`ShmPool`, the shard's
+    `ReplyBuffers`). `idle(i)` tells whether buffer i is free (reference counts)."""
+    fits = [i for i, size in enumerate(sizes) if size >= nbytes and idle(i)]
+    return min(fits, key=sizes.__getitem__, default=None)
+
+
 class ShmPool:
     """The client's segments: power-of-two sizes, reused once idle, at most `max_bytes` in all."""
 
@@ -177,20 +185,16 @@ class ShmPool:
 
     def take(self, nbytes: int) -> tuple[bytes, np.ndarray] | None:
         """(name, uint8 [nbytes] view) of an idle segment, or None (too big for the pool: use the socket)."""
-        best = None
-        for i in range(len(self.segs)):    # no loop variable bound to a segment: it would count as a user
-            size = self.segs[i][1].nbytes
-            if size >= nbytes and self._idle(i) and (best is None or size < self.segs[best][1].nbytes):
-                best = i
+        best = best_fit([a.nbytes for _, a in self.segs], nbytes, self._idle)
         if best is None:
             size = max(MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
             if size > self.max_bytes or self.failed:
                 return None
             while self.total + size > self.max_bytes:         # drop idle segments (smallest first)
-                idle = [i for i in range(len(self.segs)) if self._idle(i)]
-                if not idle:
+                idle = best_fit([a.nbytes for _, a in self.segs], 0, self._idle)
+                if idle is None:
                     return None
-                self.discard(self.segs[min(idle, key=lambda i: self.segs[i][1].nbytes)][1])
+                self.discard(self.segs[idle][1])
             try:
                 name, a, fd = _create(size, self.job)
             except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
@@ -587,5 +591,5 @@ def _root(view: np.ndarray) -> np.ndarray:
 
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
            "trailer", "done_word", "LateGrads", "NotifiedFuture", "ClientSegments", "Mode", "ids_offset",
-           "ShmAttacher", "ShmPool", "NO_JOB", "available", "owner_pid", "client_uses", "is_local",
+           "ShmAttacher", "ShmPool", "NO_JOB", "best_fit", "available", "owner_pid", "client_uses", "is_local",
            "shard_accepts", "sweep_dead", "writer_alive"]
