@@ -151,9 +151,9 @@ class IdMap:
         self._tombs = 0
         self._place(keys, vals)
 
-    def _find(self, keys: np.ndarray, want: str = "pos") -> np.ndarray:
-        """int64 [N] -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1 where absent."""
-        return native.map_find(self._keys, self._vals, keys, want, self.threads)
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        """int64 [N] -> int64 [N]: bucket of each key, -1 where absent."""
+        return native.map_find(self._keys, self._vals, keys, "pos", self.threads)
 
     def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
         """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE)."""
@@ -176,7 +176,6 @@ class BoundedCounter:
         self.map = IdMap()
         self.count = np.zeros(0, dtype=np.int32)
         self.last_seen = np.zeros(0, dtype=np.int32)
-        self.keys = np.zeros(0, dtype=np.int64)
         self._free: list[np.ndarray] = []
         self._hwm = 0
         self.dropped = 0
@@ -186,7 +185,7 @@ class BoundedCounter:
 
     @property
     def nbytes(self) -> int:
-        return self.map.nbytes + self.count.nbytes + self.last_seen.nbytes + self.keys.nbytes
+        return self.map.nbytes + self.count.nbytes + self.last_seen.nbytes
 
     def add(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Count one sighting of each distinct key int64 [N] at `step`; returns the counts int32 [N]."""
@@ -196,7 +195,6 @@ class BoundedCounter:
         if n_new:
             slots[new] = self._alloc(n_new)
             self.map.insert(keys[new], slots[new])
-            self.keys[slots[new]] = keys[new]
             self.count[slots[new]] = 0
         self.count[slots] += 1
         self.last_seen[slots] = step
@@ -226,7 +224,7 @@ class BoundedCounter:
         n = keys.shape[0]
         slots = self._alloc(n)
         self.map.insert(keys, slots)
-        self.keys[slots], self.count[slots], self.last_seen[slots] = keys, count, last_seen
+        self.count[slots], self.last_seen[slots] = count, last_seen
 
     def _alloc(self, n: int) -> np.ndarray:
         free = np.concatenate(self._free) if self._free else np.zeros(0, dtype=np.int64)
@@ -235,7 +233,7 @@ class BoundedCounter:
         k = n - take.shape[0]
         if self._hwm + k > self.count.shape[0]:
             cap = max(2 * self.count.shape[0], self._hwm + k, 1024)
-            for name in ("count", "last_seen", "keys"):
+            for name in ("count", "last_seen"):
                 old = getattr(self, name)
                 new = np.empty(cap, dtype=old.dtype)
                 new[: self._hwm] = old[: self._hwm]
