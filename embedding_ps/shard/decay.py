@@ -42,6 +42,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from embedding_ps.reference import decay_scales
 from embedding_ps.wire.config import TableConfig
 
 CHUNK_ROWS = 1 << 16
@@ -97,10 +98,6 @@ class GlobalDecay:
             self.clock = top if self.clock is None else max(self.clock, top)
 
     # -- catch-up --------------------------------------------------------------------------------
-    def scales(self, behind: np.ndarray) -> torch.Tensor:
-        """float32 [K] factors f^k of k steps behind int64 [K] (each > 0)."""
-        return torch.from_numpy(np.power(self.factor, behind.astype(np.float64)).astype(np.float32))
-
     def touch(self, weights: torch.Tensor, dstep: torch.Tensor, slots: np.ndarray, step: int) -> None:
         """Before step `step`'s update of rows `slots` int32 [N] (duplicates fine): catch them up
         through `step` in place (step's own decay included). The C update does this in its own pass
@@ -112,7 +109,7 @@ class GlobalDecay:
             slots, k = slots[late], k[late]
         if slots.shape[0]:
             s = torch.from_numpy(slots).long()
-            rows = weights.index_select(0, s).float().mul_(self.scales(k).unsqueeze(1))    # [K, D]
+            rows = weights.index_select(0, s).float().mul_(decay_scales(self.factor, k).unsqueeze(1))    # [K, D]
             weights.index_copy_(0, s, rows.to(weights.dtype))
             d[slots] = step
         self.clock = step if self.clock is None else max(self.clock, step)
@@ -135,7 +132,7 @@ class GlobalDecay:
         late = np.flatnonzero(k > 0)
         if late.shape[0]:
             i = torch.from_numpy(late)
-            rows.index_copy_(0, i, rows.index_select(0, i).mul_(self.scales(k[late]).unsqueeze(1)))
+            rows.index_copy_(0, i, rows.index_select(0, i).mul_(decay_scales(self.factor, k[late]).unsqueeze(1)))
         return torch.maximum(steps, torch.tensor(self.clock, dtype=torch.int32))
 
     def catch_up_chunk(self, chunk: dict[str, np.ndarray], target: int | None) -> dict[str, np.ndarray]:
@@ -150,7 +147,7 @@ class GlobalDecay:
         late = np.flatnonzero(k > 0)
         if late.shape[0]:
             w = chunk["weights"]
-            scaled = w[late].astype(np.float32) * self.scales(k[late]).numpy()[:, None]
+            scaled = w[late].astype(np.float32) * decay_scales(self.factor, k[late]).numpy()[:, None]
             w[late] = scaled.astype(w.dtype)
             d[late] = target
         return chunk
