@@ -49,7 +49,7 @@ _SOURCES = ("ps.c", "pool.c")
 _HEADERS = ("native.h",)
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _LIBS = ("-lm",)
-_ABI = 9
+_ABI = 10
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
@@ -61,8 +61,7 @@ _SIGS = {
     "ps_map_find": ([_P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int),
     "ps_map_place": ([_P, _P, _I64, _P, _P, _I64], _I64),
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
-    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, ctypes.c_int], _I64),
-    "ps_gather_decayed": ([_P, ctypes.c_int, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, ctypes.c_int], _I64),
+    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, ctypes.c_int], _I64),
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
                    ctypes.c_int, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int], None),
     "ps_f2h_array": ([_P, _P, _I64], None),
@@ -362,10 +361,9 @@ def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads:
     c = lib()
     if c is None:
         return ref.gather(weights, slots, out, decay_steps, target, decay)
-    if decay_steps is None:
-        return c.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(), threads)
-    return c.ps_gather_decayed(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(),
-                               decay_steps.data_ptr(), int(target), float(np.float32(decay)), threads)
+    return c.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(),
+                       None if decay_steps is None else decay_steps.data_ptr(), int(target), float(np.float32(decay)),
+                       threads)
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1) -> bool:

@@ -41,7 +41,7 @@
 #define PS_MIN_CHUNK 4096 /* items per thread below which starting a thread costs more than it saves */
 
 /* the ABI of the whole library (ps.c and pool.c): native.py refuses a cached build of another one */
-int ps_abi_version(void) { return 9; }
+int ps_abi_version(void) { return 10; }
 
 static inline uint64_t ps_home(int64_t key, uint64_t nb) {
     const uint64_t z = ps_splitmix64((uint64_t)key + PS_GOLDEN);
@@ -434,16 +434,10 @@ static void ps_gather_chunk(void *p, int64_t lo, int64_t hi) {
     if (m) PS_ADD(&c->missing, m);
 }
 
-/* ps_gather_range over nthreads threads (rows are only read; each thread writes its rows of out). */
-int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out, int nthreads) {
-    struct ps_gather_ctx c = {w, half, d, slots, out, 0, NULL, 0, 1.0f};
-    ps_parallel(ps_gather_chunk, &c, n, nthreads, PS_MIN_CHUNK);
-    return c.missing;
-}
-
-/* ps_gather of a table with global weight decay: rows caught up through `target` (see ps_gather_range). */
-int64_t ps_gather_decayed(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out,
-                          const int32_t *dstep, int64_t target, float decay, int nthreads) {
+/* ps_gather_range over nthreads threads (rows are only read; each thread writes its rows of out);
+ * dstep NULL: no global weight decay, else rows caught up through `target` (see ps_gather_range). */
+int64_t ps_gather(const void *w, int half, int64_t d, const int32_t *slots, int64_t n, float *out,
+                  const int32_t *dstep, int64_t target, float decay, int nthreads) {
     struct ps_gather_ctx c = {w, half, d, slots, out, 0, dstep, target, decay};
     ps_parallel(ps_gather_chunk, &c, n, nthreads, PS_MIN_CHUNK);
     return c.missing;
