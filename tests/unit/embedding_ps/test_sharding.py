@@ -1,6 +1,5 @@
 """shard_of / splitmix64 pinned to known values; hashed-table routing keeps shared rows together."""
 
-import numpy as np
 import pytest
 import torch
 
