@@ -9,7 +9,6 @@ code 2; the launcher prints the first rank's line last. A trainer asked to stop 
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import io
 import json
@@ -164,16 +163,6 @@ def report_failure(e: BaseException, run_dir: str | Path, rank: int, verbose: bo
     return line
 
 
-def _leave_terminal_group() -> None:
-    """Ctrl-C in a terminal signals the whole foreground process group: the launcher alone decides,
-    so the trainer leaves the group; it dies with the launcher (PR_SET_PDEATHSIG, SIGKILL) instead."""
-    os.setpgid(0, 0)
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)
-    if os.getppid() == 1:             # the launcher died before the prctl
-        os._exit(1)
-
-
 def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: str | None = None,
                 load_shards: bool = False, verbose: bool = False, init: str | None = None,
                 overrides: Sequence[str] = ()) -> None:
@@ -188,7 +177,6 @@ def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: 
     exits with code 2 after `report_failure` (no traceback on the terminal without `verbose`).
     """
     rank = int(os.environ.get("RANK", "0"))
-    _leave_terminal_group()
     stopping.install(signal.SIGUSR1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # only the launcher's requests count
     setup_logging(verbose, role=f"trainer{rank}", log_file=str(log_path(run_dir, rank)))

@@ -55,14 +55,15 @@ def overrides(run: Path, data: Path, *extra: str) -> list[str]:
             "train.epochs=2", f"train.max_steps={STEPS}", *extra]
 
 
-def start_cli(run: Path, data: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
+def start_cli(run: Path, data: Path, *extra: str, resume: bool = False, group: bool = False) -> subprocess.Popen:
     argv = [sys.executable, "-m", "recsys.cli", "train", "--config", str(ROOT / "configs" / "tiny.toml")]
     for o in overrides(run, data, *extra):
         argv += ["--set", o]
     if resume:
         argv += ["--resume", "latest"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)      # group: the launcher leads a group, as a shell's job
 
 
 def wait_for(cond, proc: subprocess.Popen, what: str, poll_s: float = 0.02) -> None:
@@ -137,6 +138,29 @@ def test_sigterm_in_training_then_in_restore_resumes_exactly(tmp_path: Path, dat
 
     resume_to_the_end(run, data_dir)
     assert_same_model(uninterrupted, run)
+
+
+def test_ctrl_c_to_the_terminals_group_reaches_the_launcher_alone(tmp_path: Path, data_dir: Path) -> None:
+    # a terminal's Ctrl-C signals its whole foreground group: trainers and shards are not in it (the
+    # zygote that forks them runs in a session of its own), so only the launcher hears it and stops
+    # the job gracefully (a checkpoint, exit 0)
+    run = tmp_path / "run"
+    proc = start_cli(run, data_dir, group=True)
+    try:
+        wait_for(lambda: logged_step(run) >= 4 and len(list((run / "pids").glob("trainer-*.json"))) == 2, proc,
+                 "step 4")
+        children = [json.loads(f.read_text())["pid"] for f in (run / "pids").glob("trainer-*.json")]
+        children += [p["pid"] for p in json.loads((run / "processes.json").read_text()) if p["pid"] != proc.pid]
+        assert children and all(os.getpgid(pid) != proc.pid for pid in children)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, err[-3000:]
+    assert "--resume latest" in err.strip().splitlines()[-1]
+    assert_no_process_left(run)
 
 
 def test_sigterm_during_a_background_save_resumes_exactly(tmp_path: Path, data_dir: Path, uninterrupted: Path) -> None:
