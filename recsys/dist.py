@@ -2,6 +2,7 @@
 
     total = all_reduce(torch.tensor([x]))                       # sum over every rank (float64 [1])
     fewest = all_reduce(torch.tensor([n]), dist.ReduceOp.MIN)   # the smallest n of any rank
+    parts = all_gather_parts(ids)                               # every rank's 1-D tensor, in rank order
 
 Without an initialized process group (or with one rank) the result is a copy of the input, so
 callers need no `if distributed:` of their own.
@@ -35,4 +36,21 @@ def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     return buf.cpu()
 
 
-__all__ = ["all_reduce", "collective_device", "is_distributed"]
+def all_gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """1-D tensor `t` of any length from every rank of `group`, in rank order, as CPU tensors (no
+    pickling; padded to the longest for the collective, on `collective_device`). One process: [t]."""
+    if not is_distributed(group):
+        return [t.detach().cpu()]
+    device = collective_device(group)
+    n = torch.tensor([t.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    lens = [int(x.item()) for x in sizes]
+    padded = torch.zeros(max(lens), dtype=t.dtype, device=device)        # all_gather needs equal sizes
+    padded[: t.numel()] = t.to(device)
+    parts = [torch.zeros_like(padded) for _ in lens]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:k].cpu() for p, k in zip(parts, lens)]
+
+
+__all__ = ["all_gather_parts", "all_reduce", "collective_device", "is_distributed"]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from recsys.dist import all_reduce, collective_device, is_distributed
+from recsys.dist import all_gather_parts, all_reduce, is_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -143,19 +143,6 @@ def calibration(labels: ArrayLike, scores: ArrayLike) -> float:
 # Streaming accumulators
 
 
-def all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """1-D tensors of any length from every rank, concatenated in rank order (no pickling)."""
-    device = collective_device(group)
-    world = dist.get_world_size(group)
-    n = torch.tensor([t.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
-    sizes_l = [int(x.item()) for x in sizes]
-    padded = torch.zeros(max(sizes_l), dtype=t.dtype, device=device)     # all_gather needs equal sizes
-    padded[: t.numel()] = t.to(device)
-    parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:k] for p, k in zip(parts, sizes_l)]).cpu()
 
 
 class StreamingAUC:
@@ -295,11 +282,13 @@ class CTRMetrics:
         out.sums = total[:S].clone()
         out.streaming_auc.hist = total[S:].view(2, K).clone()
         if self.exact_auc:
-            empty = torch.zeros(0, dtype=torch.float64)
-            out._labels = [all_gather_cat(torch.cat(self._labels) if self._labels else empty, group)]
-            out._scores = [all_gather_cat(torch.cat(self._scores) if self._scores else empty, group)]
+            def gathered(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+                mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+                return [torch.cat(all_gather_parts(mine, group))]
+
+            out._labels, out._scores = gathered(self._labels), gathered(self._scores)
             if self.weighted:
-                out._weights = [all_gather_cat(torch.cat(self._weights) if self._weights else empty, group)]
+                out._weights = gathered(self._weights)
         return out
 
     def compute(self) -> dict[str, float]:

@@ -56,6 +56,7 @@ from embedding_ps.shard.snapshot import saved_file_checksums, saved_files
 from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
+from recsys.dist import all_gather_parts, collective_device
 from recsys.manifest import check_files, file_entry, parse_manifest
 from recsys.manifest import write_manifest as write_files_manifest
 from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
@@ -242,18 +243,10 @@ def prune(run_dir: str | Path, keep: int) -> None:
 
 def gather_json(obj: Any, world_size: int) -> list[Any]:
     """`obj` of every rank, in rank order, sent as UTF-8 bytes over the process group (no pickle)."""
-    data = json.dumps(obj).encode()
     if world_size == 1 or not dist.is_initialized():
         return [obj]
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    n = int(max(s.item() for s in sizes))
-    buf = torch.zeros(n, dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros(n, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(bufs, buf)
-    return [json.loads(bytes(b[: int(s.item())].tolist())) for b, s in zip(bufs, sizes)]
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    return [json.loads(bytes(part.numpy())) for part in all_gather_parts(data)]
 
 
 class CheckpointWriteError(OSError):
@@ -306,8 +299,8 @@ class Checkpointer:
         if t.checkpoint_every_s and step % t.log_every == 0:
             late = time.monotonic() - self._last_time >= t.checkpoint_every_s
             if self.world_size > 1 and dist.is_initialized():     # rank 0's clock decides for all
-                flag = torch.tensor([int(late)], dtype=torch.int64)
-                dist.broadcast(flag, src=0)
+                flag = torch.tensor([int(late)], dtype=torch.int64, device=collective_device())
+                dist.broadcast(flag, src=0)         # on the backend's device (NCCL: the GPU)
                 late = bool(flag.item())
             return late
         return False

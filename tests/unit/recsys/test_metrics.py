@@ -195,13 +195,17 @@ RANK_SCRIPT = textwrap.dedent("""
         m = CTRMetrics(num_buckets=64, exact_auc=exact)
         m.update(labels[part], scores[part])
         result[str(exact)] = m.reduced().compute()
+    from recsys.dist import all_gather_parts
+    from recsys.training.checkpoint import gather_json      # the checkpoint's loader states travel so
+    result["json"] = gather_json({"rank": rank, "text": "\u00e9" * (3 + 50 * rank)}, 2)
+    result["parts"] = [p.tolist() for p in all_gather_parts(torch.arange(3 * rank, dtype=torch.int64))]
     dist.destroy_process_group()
     json.dump(result, open(out, "w"))
 """)
 
 
 @pytest.mark.integration
-def test_ctr_metrics_reduce_across_two_gloo_ranks(tmp_path):
+def test_ctr_metrics_and_gathers_across_two_gloo_ranks(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(tmp_path / "store"),
                                str(tmp_path / f"rank{r}.json")]) for r in range(2)]
     try:
@@ -214,6 +218,8 @@ def test_ctr_metrics_reduce_across_two_gloo_ranks(tmp_path):
     labels = (torch.rand(250, generator=g, dtype=torch.float64) < scores).double()
     for r in range(2):
         result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert result["json"] == [{"rank": 0, "text": "\u00e9" * 3}, {"rank": 1, "text": "\u00e9" * 53}]
+        assert result["parts"] == [[], [0, 1, 2]]                # an empty part, unequal lengths
         for exact in (True, False):
             single = CTRMetrics(num_buckets=64, exact_auc=exact)
             single.update(labels, scores)
