@@ -21,6 +21,7 @@ The loop (`train`), as in torchtitan's::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -263,7 +264,7 @@ class Trainer:
         last_micro = (self.step + 1) % acc == 0
         # W * this rank's share of the global batch
         share = self._batch_share(batch.batch_size) if end_of_epoch or self._any_step_uneven else 1.0
-        sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else _null()
+        sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else contextlib.nullcontext()
         with sync_ctx:
             logits = self.forward(batch, lookup)
             labels = batch.labels.to(self.device)
@@ -611,14 +612,7 @@ def progress_bar(total: int, enabled: bool):
 def _logging_above(bar):
     """tqdm's logging_redirect_tqdm while a bar shows (a log line otherwise overwrites it), else nothing."""
     if bar is None:
-        return _null()
+        return contextlib.nullcontext()
     from tqdm.contrib.logging import logging_redirect_tqdm
     return logging_redirect_tqdm()
 
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
