@@ -615,4 +615,3 @@ def _logging_above(bar):
         return contextlib.nullcontext()
     from tqdm.contrib.logging import logging_redirect_tqdm
     return logging_redirect_tqdm()
-
