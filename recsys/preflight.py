@@ -36,7 +36,7 @@ def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
     check_tables(cfg)
     check_cluster(cfg)
     if resume is not None and resume != "latest":
-        check_checkpoint(resume, "--resume")
+        check_checkpoint(resume, "--resume", checksums=False)
     if cfg.train.init_from:       # the new data's ids keep the types the source was trained on (data.id_types)
         from recsys.training.warm_start import resolve_init
 
@@ -129,15 +129,17 @@ def check_example_weights(column: str, files: list[str]) -> None:
                                     f"row {r} of the row group (weights must be finite numbers >= 0)")
 
 
-def check_checkpoint(path: str, key: str) -> None:
-    """An explicit checkpoint directory exists and every file matches its manifest (sizes and sha256)."""
+def check_checkpoint(path: str, key: str, checksums: bool = True) -> None:
+    """An explicit checkpoint directory exists and every file matches its manifest (sizes, and sha256
+    with `checksums`; `--resume` leaves those to the launcher's `checkpoint.resolve_resume`, before
+    any process starts or anything is written: hashing the checkpoint here too read it twice)."""
     from recsys.training.checkpoint import CorruptCheckpointError, verify_checkpoint
 
     if not storage.is_uri(path) and not Path(path).is_dir():
         raise PreflightError(f"{key} {path}: no such checkpoint directory (give run_dir/checkpoints/step-N, "
                              f"or --resume latest)")
     try:
-        verify_checkpoint(path)
+        verify_checkpoint(path, checksums)
     except CorruptCheckpointError as e:
         raise PreflightError(f"{key} {path}: {e} (resume from another checkpoint, e.g. --resume latest)") from None
     except OSError as e:                       # a URI: storage.StorageError / FileNotFoundError name it

@@ -168,11 +168,11 @@ def read_manifest(root: Path | str) -> dict[str, Any]:
                           version=("version", VERSION))
 
 
-def verify_checkpoint(root: str | Path) -> dict[str, Any]:
+def verify_checkpoint(root: str | Path, checksums: bool = True) -> dict[str, Any]:
     """Check every file of checkpoint `root` against its manifest; returns the manifest.
 
-    Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI only
-    presence and sizes are checked here (see the module docstring).
+    Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI, or
+    without `checksums`, only presence and sizes are checked here (see the module docstring).
     """
     if _is_remote(root):
         manifest = read_manifest(root)
@@ -186,7 +186,7 @@ def verify_checkpoint(root: str | Path) -> dict[str, Any]:
         return manifest
     root = Path(root)
     manifest = read_manifest(root)
-    check_files(root, manifest["files"], CorruptCheckpointError)
+    check_files(root, manifest["files"], CorruptCheckpointError, verify=checksums)
     return manifest
 
 
@@ -198,7 +198,11 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
     """
     if resume != "latest":
         path = resume if _is_remote(resume) else Path(resume)
-        verify_checkpoint(path)
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"--resume {resume}: {e} (resume from another checkpoint, e.g. "
+                                         f"--resume latest)") from None
         return path
     found = list_checkpoints(run_dir)
     failed = []
