@@ -25,9 +25,9 @@ from pathlib import Path
 from data.parquet import with_id_types
 from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
-from recsys.config import ConfigError, JobConfig, load_config, to_toml
+from recsys.config import ConfigError, JobConfig, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
-from recsys.training.checkpoint import check_resume_tables
+from recsys.training.checkpoint import check_resume_tables, load_saved_config
 from recsys.training.warm_start import InitSource, check_init_tables, resolve_init
 from recsys.training.procs import StopNow
 from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path)
@@ -302,13 +302,7 @@ def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
     if checkpoint is None or not any(t.placement == "auto" for t in cfg.ps.tables):
         return cfg
     try:
-        path = run_path(checkpoint, "config.toml")
-        if storage.is_uri(str(path)):
-            local = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir) / "resume-config.toml"
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_text(storage.read_text(path))
-            path = local
-        saved = {t.name: t.placement for t in load_config(path).ps.tables}
+        saved = {t.name: t.placement for t in load_saved_config(checkpoint).ps.tables}
     except (FileNotFoundError, ConfigError) as e:
         logger.warning("%s: cannot read its table placement (%s); deciding 'auto' from the data", checkpoint, e)
         return cfg
