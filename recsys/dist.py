@@ -1,4 +1,4 @@
-"""The one "reduce over the ranks, or do nothing in one process" helper of recsys.
+"""The collectives of recsys: reduce or gather over the ranks (on the backend's device), or do nothing in one process.
 
     total = all_reduce(torch.tensor([x]))                       # sum over every rank (float64 [1])
     fewest = all_reduce(torch.tensor([n]), dist.ReduceOp.MIN)   # the smallest n of any rank
