@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from recsys.config import JobConfig
+from recsys.manifest import sha256_file
 from recsys.serving.errors import ExportError
 from recsys.models import build_job_model
 
@@ -88,7 +89,7 @@ def save_program(cfg: JobConfig, model_dir: Path) -> None:
     """A model directory's own program (`train.save_program`): MODEL_DIR/dense.pt2 traced from its
     dense.pt, and PROGRAM_OF naming that dense.pt by its hash (`dense_program` copies it)."""
     export_dense(cfg, model_dir / "dense.pt", model_dir / "dense.pt2")
-    (model_dir / PROGRAM_OF).write_text(json.dumps({"dense_sha256": _sha256(model_dir / "dense.pt")}))
+    (model_dir / PROGRAM_OF).write_text(json.dumps({"dense_sha256": sha256_file(model_dir / "dense.pt")}))
 
 
 def program_inputs(cfg: JobConfig, sparse) -> tuple[dict, tuple[torch.Tensor, ...]]:
@@ -120,18 +121,12 @@ PROGRAM_OF = "dense.pt2.json"
 was traced from, so a program left from an earlier save of that directory is never taken for this one."""
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def dense_program(cfg: JobConfig, model_dir: Path, out_path: Path) -> dict:
     """`out_path` = the dense program of `model_dir`: a copy of the one its trainer saved with it
     (`train.save_program`) when that was traced from this dense.pt, else `export_dense`."""
     saved, of = model_dir / "dense.pt2", model_dir / PROGRAM_OF
     try:
-        fresh = saved.is_file() and json.loads(of.read_text())["dense_sha256"] == _sha256(model_dir / "dense.pt")
+        fresh = saved.is_file() and json.loads(of.read_text())["dense_sha256"] == sha256_file(model_dir / "dense.pt")
     except (OSError, ValueError, KeyError, TypeError):
         fresh = False
     if not fresh:

@@ -50,7 +50,7 @@ import safetensors.numpy
 from recsys.config import JobConfig, to_toml
 from recsys.serving.dense_export import dense_program
 from recsys.serving.retrieval import export_retrieval
-from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, width
+from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, storage_dtype, width
 from recsys.serving.source import SavedShards, Source
 from recsys.calibration import manifest_section
 from recsys.manifest import check_files, write_manifest
@@ -157,7 +157,7 @@ def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: int | None, files
     tc = cfg.ps.tables[t]
     entry = {"name": tc.name, "index": t, "dim": tc.dim, "kind": tc.kind, "num_embeddings": tc.num_embeddings,
              "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": rows,
-             "weight": {"dtype": str(np.dtype({"fp32": "float32", "fp16": "float16"}.get(precision, "uint8"))),
+             "weight": {"dtype": str(storage_dtype(precision)),
                         "width": width(precision, tc.dim)},
              "default": {"unadmitted": tc.unadmitted, "init": tc.init, "init_scale": tc.init_scale, "seed": tc.seed},
              "files": files}
