@@ -26,6 +26,7 @@ from recsys.config import JobConfig
 from recsys.metrics import retrieval_metrics
 from recsys.models import SparseArch, TwoTower
 from recsys.models.two_tower import item_vectors, tower_data
+from recsys.serving.retrieval import ExactIndex
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +61,9 @@ def _one_id(batch: Batch, feature: str) -> np.ndarray:
 
 def top_items(users: torch.Tensor, items: torch.Tensor, item_ids: np.ndarray, k: int,
               block: int = 1024) -> np.ndarray:
-    """Ids int64 [U, k] of the k items of largest <user, item>, best first (exact, users in blocks)."""
-    k = min(k, items.shape[0])
-    out = []
-    for start in range(0, users.shape[0], block):
-        scores = users[start:start + block] @ items.t()                     # [b, I]
-        out.append(scores.topk(k, dim=1).indices.numpy())                    # [b, k]
-    idx = np.concatenate(out) if out else np.zeros((0, k), np.int64)
-    return item_ids[idx]
+    """Ids int64 [U, k] of the k items of largest <user, item>, best first: the exact search that
+    `/v1/topk` serves (`ExactIndex`, users in blocks), so the eval ranks as serving does."""
+    return ExactIndex(item_ids, items, query_block=block).search(users, k)[0]
 
 
 def popular_items(cfg: JobConfig, k: int) -> np.ndarray:
