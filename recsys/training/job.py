@@ -81,11 +81,7 @@ class StopRequests:
 
     def _forward(self) -> None:
         while True:
-            for f in sorted((self.run_dir / "pids").glob("trainer-*.json")):
-                try:
-                    pid = json.loads(f.read_text())["pid"]
-                except (OSError, ValueError, KeyError):
-                    continue          # being written
+            for pid in [r["pid"] for r in trainer_records(self.run_dir, "pids") if "pid" in r]:
                 if pid not in self._signalled:
                     self._signalled.add(pid)
                     try:
@@ -96,17 +92,24 @@ class StopRequests:
                 return
 
 
+def trainer_records(run_dir: Path, kind: str) -> list[dict]:
+    """The JSON records RUN_DIR/KIND/trainer-R.json (KIND: pids, errors, exits) that read whole, in
+    rank-file order; one being written, or unreadable, is left out."""
+    out = []
+    for f in sorted((run_dir / kind).glob("trainer-*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def read_worker_error(run_dir: Path) -> str | None:
     """The first (earliest) trainer error of the attempt: the other ranks usually fail because of it. The
     job's own errors (data, config, non-finite numbers: "own" in the record, `worker.report_failure`) come
     before any other: a rank whose data error unwinds through its process group's teardown can write it
     after a peer has already failed on the closed connection."""
-    errors = []
-    for f in (run_dir / "errors").glob("trainer-*.json"):
-        try:
-            errors.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
+    errors = trainer_records(run_dir, "errors")
     if not errors:
         return None
     e = min(errors, key=lambda x: (not x.get("own", False), x["time"]))
@@ -127,15 +130,7 @@ def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
     returned while its peers were still in a collective is a bug in the job, not a kill worth a
     restart."""
     def records(kind: str) -> list[dict]:
-        out = []
-        for f in (run_dir / kind).glob("trainer-*.json"):
-            try:
-                e = json.loads(f.read_text())
-            except (OSError, ValueError):
-                continue
-            if e.get("time", 0.0) >= since:
-                out.append(e)
-        return out
+        return [e for e in trainer_records(run_dir, kind) if e.get("time", 0.0) >= since]
 
     errors = records("errors")
     if not errors or not all(any(p in e.get("error", "") for p in PEER_LOST) for e in errors):
