@@ -72,17 +72,22 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     model.eval()
     info, args = program_inputs(cfg, sparse)
     S = len(getattr(sparse, "sequences", ()))
-    scorer = (SequenceScorer if S else Scorer)(model, cfg.train.autocast).eval()
+    export_program((SequenceScorer if S else Scorer)(model, cfg.train.autocast).eval(), args, out_path)
+    return info
+
+
+def export_program(module: nn.Module, args: tuple[torch.Tensor, ...], out_path: Path) -> None:
+    """`module` traced by torch.export on `args`, dim 0 of every input a batch of 1..MAX_BATCH, saved
+    to `out_path` (the dense program, the user tower)."""
     from torch.export import Dim           # torch.export imports torch._dynamo: ~2.5 s, only when tracing
 
     B = Dim("batch", min=1, max=MAX_BATCH)
     with torch.no_grad():
-        program = torch.export.export(scorer, args, dynamic_shapes=tuple({0: B} for _ in args))
+        program = torch.export.export(module, args, dynamic_shapes=tuple({0: B} for _ in args))
     program._example_inputs = None              # saved with torch.save (pickle) otherwise
     with warnings.catch_warnings():             # parameters sharing storage: harmless on CPU
         warnings.filterwarnings("ignore", message="No complete tensor found")
         torch.export.save(program, out_path)
-    return info
 
 
 def save_program(cfg: JobConfig, model_dir: Path) -> None:

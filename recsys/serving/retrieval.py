@@ -17,7 +17,6 @@ No pickle: the program is saved as dense_export saves the dense model, and loade
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -26,14 +25,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch import nn
-from torch.export import Dim
 
 from embedding_ps.local import LocalStore
 from recsys.config import JobConfig
 from recsys.models import build_job_model
 from recsys.models.replicated import ReplicatedStore, build_replicated, read_replicated
 from recsys.models.two_tower import TwoTower, item_vectors, tower_data
-from recsys.serving.dense_export import MAX_BATCH, load_dense
+from recsys.serving.dense_export import export_program, load_dense
 from recsys.serving.ann import AnnIndex
 from recsys.serving.errors import ExportError
 
@@ -122,14 +120,7 @@ def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path, index: str = "e
     user_cfg = tower_data(cfg, cfg.model.user_features)
     Dn, F = len(user_cfg.dense_columns), len(user_cfg.sparse_columns)
     D = next(p.dim for p in sparse.plans if not p.linear)
-    B = Dim("batch", min=1, max=MAX_BATCH)
-    args = (torch.zeros(2, Dn), torch.zeros(2, F, D))
-    with torch.no_grad():
-        program = torch.export.export(_UserTower(model).eval(), args, dynamic_shapes=({0: B}, {0: B}))
-    program._example_inputs = None               # saved with torch.save (pickle) otherwise
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="No complete tensor found")
-        torch.export.save(program, out / USER_TOWER_FILE)
+    export_program(_UserTower(model).eval(), (torch.zeros(2, Dn), torch.zeros(2, F, D)), out / USER_TOWER_FILE)
     logger.info("retrieval export: %d item vectors of dim %d, user tower over %s", ids.size, d,
                 list(cfg.model.user_features))
     section = {"items_file": ITEMS_FILE, "user_tower_file": USER_TOWER_FILE, "num_items": int(ids.size), "dim": d,
