@@ -143,8 +143,6 @@ def calibration(labels: ArrayLike, scores: ArrayLike) -> float:
 # Streaming accumulators
 
 
-
-
 class StreamingAUC:
     """ROC AUC from per-label histograms of scores in [0, 1], in O(num_buckets) memory.
 
