@@ -13,8 +13,8 @@ without `data.example_weight_column` the batch's `example_weights` is None.
 `decode_rows` is the same decoding for the common served rows (every dense value a finite number,
 every id a non-negative integer, no column of string ids in `data.id_types`, list ids within
 `data.max_ids_per_row`, no weight columns), made from the rows' values in a few numpy calls instead
-of one Arrow column (and its checks) per feature:
-a batch of 8 criteo-like rows took ~1.5 ms as a table and takes ~0.1 ms so. Any other row (a
+of one Arrow column (and its checks) per feature (several times faster for a few rows:
+benchmarks/history/figures-from-the-code.md). Any other row (a
 null, a string id, a bad value) makes it return None: the caller then decodes a table of the rows,
 which hashes strings, fills nulls and names what is wrong exactly as for a Parquet file.
 """

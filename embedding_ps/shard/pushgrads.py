@@ -24,8 +24,8 @@ from embedding_ps.wire import protocol as P
 from embedding_ps.wire.config import PSConfig
 
 GRADS_WAIT_S = 10.0
-"""Longest a shard waits for a FLAG_GRADS_LATE push's grads (the copy takes ~5 ms per 100k d64
-rows; this bound only matters if the client hangs mid-copy: the shard serves no one meanwhile; a
+"""Longest a shard waits for a FLAG_GRADS_LATE push's grads (the copy itself takes milliseconds;
+this bound only matters if the client hangs mid-copy: the shard serves no one meanwhile; a
 client that died is seen within WRITER_CHECK_S)."""
 
 
@@ -38,8 +38,8 @@ def wait_late(request: int, trailer: np.ndarray, timeout_s: float,
     """Wait until the client wrote request `request`'s grads (trailer int64 [2]: ready, finite),
     and tell whether it found them all finite. ProtocolError (nothing applied) if it gave up, took
     longer than min(timeout_s, GRADS_WAIT_S), or `alive()` (asked every WRITER_CHECK_S while it
-    waits: `shm.writer_alive`) says it is gone: a client killed mid-copy costs the shard ~50 ms,
-    not the whole bound."""
+    waits: `shm.writer_alive`) says it is gone: a client killed mid-copy costs the shard about
+    WRITER_CHECK_S, not the whole bound."""
     if not 0 < request < 2**63:
         raise P.ProtocolError(f"PUSH with late grads: request id {request} out of range", P.Status.BAD_VALUE)
     wait = min(timeout_s, GRADS_WAIT_S)

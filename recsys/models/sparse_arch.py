@@ -251,7 +251,7 @@ class _SumPool(torch.autograd.Function):
     an embedding_bag over grad [bags, D] whose bag u holds those ids' bags (ids grouped by row
     with one stable argsort of `indices`). It reads each id's gradient once and writes each row
     once, in parallel over rows; the zeros [U, D] + index_add_ it replaces ran on one thread and
-    took 2-4x longer (BENCHMARKS.md, "benchmarks/sparse_step_cpu.py").
+    was slower (BENCHMARKS.md, "benchmarks/sparse_step_cpu.py").
     """
 
     @staticmethod

@@ -9,11 +9,9 @@ The index is faiss's `IndexHNSWFlat` with METRIC_INNER_PRODUCT: the same score a
 (<user, item>, the vectors stored unquantized), so a found item's score equals its exact score and
 only the set can differ. Its labels are row numbers of items.parquet. Parameters (in the manifest):
 `M` (graph degree), `ef_construction` (build beam) and `ef_search` (search beam; at least k).
-faiss-cpu over hnswlib: on 1M x d64 the same graph gave the same recall (0.997 at ef 100) and
-queries/s within the noise of each other (hnswlib 1.3x faster at ef 100, faiss 1.2x at ef 200;
-one run each on 2 shared cores); faiss built it 2.2x faster, is maintained, ships wheels
-(hnswlib compiles at install, no release since 2023) and maps the stored vectors at load.
-Measured: BENCHMARKS.md, "benchmarks/retrieval.py".
+faiss-cpu over hnswlib: on 1M x d64 the same graph gave the same recall and queries/s within the
+noise of each other, and faiss built it faster, is maintained, ships wheels (hnswlib compiles at
+install, no release since 2023) and maps the stored vectors at load (BENCHMARKS.md, "benchmarks/retrieval.py").
 """
 
 from __future__ import annotations

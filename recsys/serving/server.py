@@ -273,7 +273,8 @@ def serve(options: ServeOptions, stop: threading.Event, on_ready: Callable[[str]
 
     torch.set_num_threads(options.threads)
     # the batch thread's Python (rows -> Arrow -> decode) holds the GIL up to the switch interval (5 ms by
-    # default) while the event loop waits to answer: a shorter one cut p99 at 8 clients (BENCHMARKS.md)
+    # default) while the event loop waits to answer: a shorter one cut p99 at 8 clients
+    # (benchmarks/history/2026-11-28.md)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def main() -> None:
@@ -286,7 +287,7 @@ def serve(options: ServeOptions, stop: threading.Event, on_ready: Callable[[str]
         finally:
             await server.stop()
 
-    try:                     # the serve extra's event loop: ~10-25% more requests/s at 8 clients (BENCHMARKS.md)
+    try:                     # the serve extra's event loop: more requests/s (BENCHMARKS.md, "benchmarks/serve.py")
         import uvloop
     except ImportError:
         asyncio.run(main())

@@ -237,7 +237,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         elif source is not None:
             trainer.warm_start(source)        # the shards took the source's rows when they started
         # what exists now (modules, model, client) lives for the whole run: without this every full
-        # collection during training walks its ~200k objects again (~180 ms each, measured)
+        # collection during training walks its ~200k objects again (benchmarks/history/figures-from-the-code.md)
         gc.collect()
         gc.freeze()
         t0 = time.perf_counter()
