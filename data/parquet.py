@@ -196,21 +196,19 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
     id_types: tuple[str, ...] = ()
     first = ""
     for path in files:
+        bad, cause = "", None                        # bad: why the file is skipped (or raises)
         try:
             with parquet_file(path) as pf:
                 md, schema = pf.metadata, pf.schema_arrow
         except Exception as e:                       # pyarrow raises ArrowInvalid, OSError, ...
-            msg = f"{path}: unreadable Parquet file ({type(e).__name__}: {e})"
+            bad, cause = f"{path}: unreadable Parquet file ({type(e).__name__}: {e})", e
+        else:
+            if md.num_rows == 0:
+                bad = f"{path}: empty file (0 rows in {md.num_row_groups} row groups)"
+        if bad:
             if cfg.on_bad_rows == "error":
-                raise DataError(msg) from e
-            logger.warning("skipping %s", msg)
-            skipped.append(path)
-            continue
-        if md.num_rows == 0:
-            msg = f"{path}: empty file (0 rows in {md.num_row_groups} row groups)"
-            if cfg.on_bad_rows == "error":
-                raise DataError(msg)
-            logger.warning("skipping %s", msg)
+                raise DataError(bad) from cause
+            logger.warning("skipping %s", bad)
             skipped.append(path)
             continue
         kinds = _check_schema(path, schema, cfg, md.num_row_groups)

@@ -36,7 +36,7 @@ from embedding_ps.wire.config import TableConfig
 from embedding_ps.shard.decay import is_global
 from embedding_ps.shard.snapshot import SavedShard, shard_dir, unpack_meta
 from recsys.config import ConfigError, JobConfig, load_config
-from recsys.models.replicated import REPLICATED_FILE, load_bytes
+from recsys.models.replicated import REPLICATED_FILE, read_replicated
 from recsys.rundir import model_root
 from recsys.serving.errors import ExportError
 
@@ -139,11 +139,11 @@ class SavedShards:
         path = self.source.model_dir / REPLICATED_FILE
         if self._replicated_state is None:
             try:
-                self._replicated_state = load_bytes(path.read_bytes())
-            except FileNotFoundError:
-                raise ExportError(f"{path}: missing: table {cfg.name!r} trained replicated on the trainers") from None
+                self._replicated_state = read_replicated(self.source.model_dir)
             except Exception as e:                      # a damaged torch file
                 raise ExportError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+            if self._replicated_state is None:
+                raise ExportError(f"{path}: missing: table {cfg.name!r} trained replicated on the trainers")
         state = self._replicated_state
         if f"{cfg.name}.ids" not in state or f"{cfg.name}.weight" not in state:
             raise ExportError(f"{path}: has no table {cfg.name!r}")
