@@ -196,14 +196,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _stop_on_signals(stop: threading.Event) -> None:
     """First SIGTERM / SIGINT: set `stop` (a clean exit, 0); a second one: die by it at once."""
-    def handle(signum: int, frame: object) -> None:
-        if stop.is_set():
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        logger.warning("%s: stopping (signal again to stop at once)", signal.Signals(signum).name)
-        stop.set()
+    from recsys.training.stopping import stop_handler
 
+    handle = stop_handler(stop, "stopping (signal again to stop at once)", window_s=0.0, log=logger)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)
 

@@ -20,7 +20,6 @@ import torch
 
 from embedding_ps.local import LocalStore
 from recsys.config import ConfigError, JobConfig, load_config
-from recsys.metrics import eval_metrics
 from recsys.rundir import model_root
 from recsys.serving.offline import write_scores
 from recsys.training.trainer import Trainer
@@ -50,19 +49,11 @@ def open_run(run_dir: str | Path, last: bool = False, keep: tuple[str, ...] = ()
 
 def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
                  last: bool = False) -> dict[str, float]:
-    cfg, trainer = open_run(run_dir, last)
-    try:
-        if cfg.model.arch == "two_tower":      # recall@K / ndcg@K over data.item_paths (training/retrieval.py)
-            metrics = trainer.evaluate(tuple(data))
-        else:
-            labels, scores, weights, extras = trainer.score(tuple(data))
+    _, trainer = open_run(run_dir, last)
+    try:                                 # two_tower: recall@K / ndcg@K over data.item_paths (training/retrieval.py)
+        metrics = trainer.evaluate(tuple(data))      # ValueError "no rows in [...]" before anything is written
     finally:
         trainer.close()
-    if cfg.model.arch != "two_tower":
-        if labels.numel() == 0:
-            raise ValueError(f"no rows in {data}")
-        p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
-        metrics = eval_metrics(labels, scores, p_true, exact_auc=cfg.train.eval_auc == "exact", weights=weights)
     path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
     path.write_text(json.dumps(metrics, indent=1))
     logger.info("eval on %s: %s (written to %s)", data, metrics, path)

@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,24 +38,34 @@ from recsys.dist import all_reduce, collective_device
 logger = logging.getLogger(__name__)
 
 _requested = threading.Event()
-_first_at = [0.0]
 
 DUPLICATE_WINDOW_S = 1.0
 """A signal this soon after the first is the same request delivered twice (under torchrun a Ctrl-C
 reaches each worker from the terminal and again from the agent), not a second one."""
 
 
-def _handler(signum: int, frame: object) -> None:
-    if _requested.is_set():                    # the second signal: stop at once, by the signal itself
-        if time.monotonic() - _first_at[0] < DUPLICATE_WINDOW_S:
+def stop_handler(event: threading.Event, message: str, window_s: float = DUPLICATE_WINDOW_S,
+                 log: logging.Logger = logger) -> Callable[[int, object], None]:
+    """A signal handler: the first signal sets `event` and logs `<SIGNAL>: message` (a warning on
+    `log`); a second one, more than `window_s` after the first, restores the default action and
+    re-sends itself: the process dies by it at once. (`recsys ps` / `recsys serve` pass window_s=0.)"""
+    first_at = [0.0]
+
+    def handle(signum: int, frame: object) -> None:
+        if event.is_set():                     # the second signal: stop at once, by the signal itself
+            if time.monotonic() - first_at[0] < window_s:
+                return
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    _first_at[0] = time.monotonic()
-    _requested.set()
-    logger.warning("%s: stopping after the current step with a checkpoint (signal again to stop at once)",
-                   signal.Signals(signum).name)
+        first_at[0] = time.monotonic()
+        event.set()
+        log.warning("%s: %s", signal.Signals(signum).name, message)
+
+    return handle
+
+
+_handler = stop_handler(_requested, "stopping after the current step with a checkpoint (signal again to stop at once)")
 
 
 def install(*signals: signal.Signals) -> None:
@@ -119,4 +130,4 @@ class StopAgreement:
             self._pending = None
 
 
-__all__ = ["StopAgreement", "install", "requested", "request", "reset", "stop_agreed"]
+__all__ = ["StopAgreement", "install", "requested", "request", "reset", "stop_agreed", "stop_handler"]

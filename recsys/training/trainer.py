@@ -526,10 +526,13 @@ class Trainer:
 
     def evaluate(self, paths: tuple[str, ...]) -> dict[str, float]:
         """`eval_metrics` of the model on `paths` over every rank's part (collective): auc, logloss,
-        ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column."""
+        ne, calibration, eval_examples, and oracle_auc when the data has a `p_true` column. ValueError
+        when this rank's part of `paths` has no rows."""
         if self._in_batch:                              # a retrieval model: recall@K / ndcg@K over data.item_paths
             return retrieval_metrics_of(self.cfg, self.sparse, self.scoring_store, self.model, paths)
         labels, scores, weights, extras = self.score(paths)
+        if labels.numel() == 0:                         # before any collective, as eval_metrics would refuse it
+            raise ValueError(f"no rows in {list(paths)}")
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
         return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact", weights=weights)
 
