@@ -233,11 +233,8 @@ class BoundedCounter:
         k = n - take.shape[0]
         if self._hwm + k > self.count.shape[0]:
             cap = max(2 * self.count.shape[0], self._hwm + k, 1024)
-            for name in ("count", "last_seen"):
-                old = getattr(self, name)
-                new = np.empty(cap, dtype=old.dtype)
-                new[: self._hwm] = old[: self._hwm]
-                setattr(self, name, new)
+            self.count, self.last_seen = (np.concatenate([a[:self._hwm], np.empty(cap - self._hwm, a.dtype)])
+                                          for a in (self.count, self.last_seen))
         out = np.concatenate([take, np.arange(self._hwm, self._hwm + k)]).astype(np.int32)
         self._hwm += k
         return out

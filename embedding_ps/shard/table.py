@@ -53,7 +53,6 @@ from embedding_ps.wire.sharding import splitmix64_np
 logger = logging.getLogger(__name__)
 
 _ADMIT_SALT = 0x5851F42D4C957F2D
-_COUNTERS = ("meta", "decay_step")  # slot-major int tensors beside the rows (None where the table has none)
 _LOW32 = 0xFFFFFFFF
 _MAX_SCRATCH = 1 << 24  # floats (64 MB): the largest update buffer a table keeps between pushes
 RESERVED_MAP_LOAD = 0.85
@@ -76,15 +75,20 @@ class TableShard:
         self.where = where or f"table {cfg.name!r}"
         self.num_shards = num_shards  # the capacity hint is split over this many shards
         # the kernel resolved once, to "native" or "fbgemm": all the push path sees
-        first = not hasattr(self, "cfg")  # from_arrays re-runs __init__ with the resolved config: logged already
         self.cfg, why = kernels.resolve(cfg, native.available())
-        if first:      # the default, native, at debug level: a job or an eval with many tables logs one line each
-            logger.log(logging.INFO if self.cfg.kernel == "fbgemm" else logging.DEBUG, "%s: update kernel %s",
-                       self.where, why)
+        # the default, native, at debug level: a job or an eval with many tables logs one line each
+        logger.log(logging.INFO if self.cfg.kernel == "fbgemm" else logging.DEBUG, "%s: update kernel %s",
+                   self.where, why)
         self.threads = threads  # ps.threads: C threads of native lookups, gathers and updates
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)
         self.reserved = reserve_rows(cfg, num_shards)
+        self._admit_key = int(splitmix64_np(np.array([(cfg.seed ^ _ADMIT_SALT) & (2**64 - 1)], np.uint64))[0])
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty state: no rows, no counts, no logs (a new table, or before `from_arrays` fills it)."""
+        cfg = self.cfg
         self.map = self._new_map(0)
         self.pending = BoundedCounter(cfg.max_pending)
         self.cap = 0
@@ -107,7 +111,6 @@ class TableShard:
         self.evlog_len = 0
         self.evlog_lost_through = -1  # entries with step <= this were dropped unread (log over its bound)
         self.totals = {"admitted": 0, "evicted_ttl": 0, "evicted_lfu": 0, "dropped_grads": 0}
-        self._admit_key = int(splitmix64_np(np.array([(cfg.seed ^ _ADMIT_SALT) & (2**64 - 1)], np.uint64))[0])
         if self.reserved:
             self._grow(self.reserved)
 
@@ -270,9 +273,9 @@ class TableShard:
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * self.cap, 64)
-        for name in ("weights", *_COUNTERS):
-            if getattr(self, name) is not None:
-                setattr(self, name, _regrow(getattr(self, name), cap, self.hwm))
+        self.weights = _regrow(self.weights, cap, self.hwm)
+        self.meta = None if self.meta is None else _regrow(self.meta, cap, self.hwm)
+        self.decay_step = None if self.decay_step is None else _regrow(self.decay_step, cap, self.hwm)
         for name, t in self.state.items():
             self.state[name] = _regrow(t, cap, self.hwm)
         self.cap = cap
@@ -442,12 +445,16 @@ class TableShard:
         """The slot-major tensors [C, ...]: weights, each optimizer state, the counters."""
         out = {"weights": self.weights}
         out.update({f"state.{name}": t for name, t in self.state.items()})
-        out.update({name: getattr(self, name) for name in _COUNTERS if getattr(self, name) is not None})
+        out.update({name: t for name, t in self._counters().items() if t is not None})
         return out
+
+    def _counters(self) -> dict[str, torch.Tensor | None]:
+        """The slot-major int tensors beside the rows, None where the table has none."""
+        return {"meta": self.meta, "decay_step": self.decay_step}
 
     def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
         """Replace all state with what `to_arrays` returned (arrays are copied)."""
-        self.__init__(self.cfg, self.where, self.threads, self.num_shards)
+        self._reset()
         h = int(meta["hwm"])
         if max(h, int(meta["capacity"]), 64) > self.cap:
             self._grow(max(h, int(meta["capacity"]), 64))
@@ -456,8 +463,7 @@ class TableShard:
         np.copyto(self.weights[:h].numpy(), arrays["weights"], casting="no")
         for name, t in self.state.items():
             np.copyto(t[:h].numpy(), arrays[f"state.{name}"], casting="no")
-        for name in _COUNTERS:
-            t = getattr(self, name)
+        for name, t in self._counters().items():
             if t is not None and name in arrays:
                 np.copyto(t[:h].numpy(), arrays[name], casting="no")
             elif t is not None:  # saved without row counters: count 0, last seen at step 0
