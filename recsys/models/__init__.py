@@ -95,7 +95,7 @@ def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> CTRModel:
     torch.manual_seed(cfg.train.seed)
     if cfg.model.arch == "two_tower":
         return TwoTower.from_job(cfg, embedding_dim=plans[0].dim)
-    sequences = tuple((s.feature, s.candidate) for s in getattr(sparse, "sequences", ()))
+    sequences = tuple((s.feature, s.candidate) for s in sparse.sequences)
     return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
                        num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim,
                        sequences=sequences)

@@ -33,6 +33,7 @@ import dataclasses
 import io
 import logging
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ from torch import nn
 from data.vocab import distinct_ids
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
-from embedding_ps.store import done_future
+from embedding_ps.store import RowSource, done_future
 from recsys import eager_optim, storage
 from recsys.config import ConfigError, JobConfig
 from recsys.rundir import run_path
@@ -451,11 +452,11 @@ class TrainModules(nn.Module):
 
 
 class ReplicatedStore:
-    """An `EmbeddingStore` view that serves the replicated tables from `tables` (rows as they are, no
-    gradient) and everything else from `inner`: for code that pulls rows by table index rather than
-    through a sparse arch (two-tower's item corpus for retrieval eval and export)."""
+    """A `RowSource` that serves the replicated tables from `tables` (rows as they are, no gradient)
+    and everything else from `inner`: for code that pulls rows by table index rather than through a
+    sparse arch (two-tower's item corpus for retrieval eval and export)."""
 
-    def __init__(self, inner, tables: ReplicatedTables, names: Sequence[str]) -> None:
+    def __init__(self, inner: RowSource, tables: ReplicatedTables, names: Sequence[str]) -> None:
         self.inner, self.tables = inner, tables
         self.local = {i: n for i, n in enumerate(names) if n in tables.configs}
 
@@ -473,5 +474,18 @@ class ReplicatedStore:
         parts = [self.pull(t, x, step) for t, x in zip(tables, ids)]
         return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
 
-    def __getattr__(self, name: str):  # push, barrier, save, stats, close, ...: the inner store's
-        return getattr(self.inner, name)
+    @property
+    def step(self) -> int:
+        return self.inner.step
+
+    def barrier(self, step: int) -> None:
+        self.inner.barrier(step)
+
+    def barrier_async(self, step: int) -> Future:
+        return self.inner.barrier_async(step)
+
+    def stats(self) -> list[dict]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -311,6 +311,9 @@ class SparseArch:
         pooled, linear = lookup.wait()     # [B, F, D], [B, F_lin] | None
     """
 
+    sequences: tuple = ()
+    """The behavior lists looked up per position (`sequence.SequenceSparseArch`, din); none here."""
+
     def __init__(self, plans: list[TablePlan]) -> None:
         self.plans = plans
         self.groups = _groups(plans)

@@ -71,7 +71,7 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     model.load_state_dict(state)
     model.eval()
     info, args = program_inputs(cfg, sparse)
-    S = len(getattr(sparse, "sequences", ()))
+    S = len(sparse.sequences)
     export_program((SequenceScorer if S else Scorer)(model, cfg.train.autocast).eval(), args, out_path)
     return info
 
@@ -107,7 +107,7 @@ def program_inputs(cfg: JobConfig, sparse) -> tuple[dict, tuple[torch.Tensor, ..
     args: tuple[torch.Tensor, ...] = (torch.zeros(2, Dn), torch.zeros(2, F, D))
     if F_lin:
         args += (torch.zeros(2, F_lin),)
-    S, L = len(getattr(sparse, "sequences", ())), cfg.model.max_seq_len
+    S, L = len(sparse.sequences), cfg.model.max_seq_len
     if S:              # din: the behavior lists' rows per position and their mask (recsys.models.sequence)
         args += (torch.zeros(2, S, L, D), torch.ones(2, S, L, dtype=torch.bool))
     inputs = [{"name": "dense", "shape": ["B", Dn]}, {"name": "pooled", "shape": ["B", F, D]}]

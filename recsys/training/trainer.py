@@ -40,7 +40,7 @@ from data.batch import Batch
 from data.loader import ParquetLoader
 from data.parquet import scoring_config, with_id_types
 from embedding_ps.client.cache import CachingStore, cache_metrics
-from embedding_ps.store import EmbeddingStore
+from embedding_ps.store import EmbeddingStore, RowSource
 from recsys.calibration import data_score_rate, probabilities
 from recsys.config import JobConfig
 from recsys.dist import all_reduce, is_distributed
@@ -514,7 +514,7 @@ class Trainer:
         np.save(out / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", values, allow_pickle=False)
 
     @property
-    def scoring_store(self) -> EmbeddingStore:
+    def scoring_store(self) -> RowSource:
         """Where evaluation and prediction pull rows: the shards' current rows, never the row cache's
         (whose rows may be ps.max_staleness steps old), so that a validation pass scores the rows a
         checkpoint of this step saves. (The caller drains pushes first.) Replicated tables are read from
