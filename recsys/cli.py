@@ -528,29 +528,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
     p.set_defaults(func=_cmd_reshard)
 
-    p = sub.add_parser("eval", help="evaluate a trained run (or an export) on Parquet data")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="run directory written by `recsys train`")
-    src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
-    p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
-    p.add_argument("--out", default=None, help="metrics JSON (default RUN/eval_metrics.json; with --export: none)")
-    p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
-    p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
-                   help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
-    p.set_defaults(func=_cmd_eval)
+    def scoring(name: str, help_: str, func, out_help: str, out_required: bool) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--run", help="run directory written by `recsys train`")
+        src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
+        p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
+        p.add_argument("--out", required=out_required, default=None, help=out_help)
+        p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
+        p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
+                       help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("predict", help="score Parquet data with a trained run (or an export)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="run directory written by `recsys train`")
-    src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
-    p.add_argument("--data", required=True, action="append", help="Parquet file, directory or glob")
-    p.add_argument("--out", required=True, help="output Parquet: score + data.passthrough_columns + --keep")
+    scoring("eval", "evaluate a trained run (or an export) on Parquet data", _cmd_eval,
+            "metrics JSON (default RUN/eval_metrics.json; with --export: none)", False)
+    p = scoring("predict", "score Parquet data with a trained run (or an export)", _cmd_predict,
+                "output Parquet: score + data.passthrough_columns + --keep", True)
     p.add_argument("--keep", nargs="+", default=[], metavar="COLUMN",
                    help="columns of --data to write beside each score (a row key, e.g. user_id item_id)")
-    p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
-    p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
-                   help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
-    p.set_defaults(func=_cmd_predict)
 
     p = sub.add_parser("export", help="export embeddings + dense model for serving (see recsys/serving/export.py)")
     src = p.add_mutually_exclusive_group(required=True)
