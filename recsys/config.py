@@ -152,13 +152,15 @@ class TrainConfig:
     pulls nothing ahead (a step's rows exist only after the previous step's barrier): 0 or 1 there."""
 
     def __post_init__(self) -> None:
-        for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every"):
+        for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
         if self.num_trainers > MAX_LOCAL_TRAINERS:
             raise ValueError(f"train.num_trainers must be <= {MAX_LOCAL_TRAINERS} (processes started on this "
                              f"machine; more trainers: torchrun on several hosts), got {self.num_trainers}")
-        for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts", "init_step"):
+        for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts", "init_step",
+                    "checkpoint_every_s", "early_stop_patience", "dense_weight_decay", "lr_step_size",
+                    "pull_ahead_batches"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.dense_lr <= 0:
@@ -167,27 +169,15 @@ class TrainConfig:
             raise ValueError(f"train.lineage must list run ids (lowercase hex), got {list(self.lineage)}")
         if self.run_id and not all(c in "0123456789abcdef" for c in self.run_id):
             raise ValueError(f"train.run_id must be lowercase hex (set by `recsys train`), got {self.run_id!r}")
-        if self.checkpoint_every_s < 0:
-            raise ValueError(f"train.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if isinstance(self.validate_every, int) and self.validate_every < 0:
             raise ValueError(f"train.validate_every must be >= 0 or 'epoch', got {self.validate_every}")
-        if self.early_stop_patience < 0:
-            raise ValueError(f"train.early_stop_patience must be >= 0, got {self.early_stop_patience}")
         if self.early_stop_patience and self.validate_every == 0:
             raise ValueError("train.early_stop_patience needs validation passes: set train.validate_every "
                              "(steps, or 'epoch')")
-        if self.dense_weight_decay < 0:
-            raise ValueError(f"train.dense_weight_decay must be >= 0, got {self.dense_weight_decay}")
-        if self.lr_step_size < 0:
-            raise ValueError(f"train.lr_step_size must be >= 0, got {self.lr_step_size}")
         if self.lr_decay == "step" and self.lr_step_size == 0:
             raise ValueError("train.lr_decay = 'step' needs train.lr_step_size >= 1 (optimizer steps per drop)")
         if not 0.0 < self.lr_gamma <= 1.0:
             raise ValueError(f"train.lr_gamma must be in (0, 1], got {self.lr_gamma}")
-        if self.pull_ahead_batches < 0:
-            raise ValueError(f"train.pull_ahead_batches must be >= 0, got {self.pull_ahead_batches}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -83,7 +83,7 @@ class ModelConfig:
     et al. 2018: raw weights, so the pooled interest keeps the intensity of the matching behaviors)."""
 
     def __post_init__(self) -> None:
-        for key in ("bottom_mlp", "top_mlp"):
+        for key in ("bottom_mlp", "top_mlp", "attention_mlp"):
             if any(h < 1 for h in getattr(self, key)):
                 raise ValueError(f"model.{key} sizes must be >= 1, got {list(getattr(self, key))}")
         for table, pooling in self.table_pooling.items():
@@ -97,16 +97,11 @@ class ModelConfig:
             raise ValueError(f"model.linear_tables is only used by deepfm and wide_deep, not {self.arch!r}")
         if self.fm_interaction != "fm" and self.arch != "deepfm":
             raise ValueError(f"model.fm_interaction is only used by deepfm, not {self.arch!r}")
-        if self.tower_dim < 1:
-            raise ValueError(f"model.tower_dim must be >= 1, got {self.tower_dim}")
+        for key in ("tower_dim", "num_freq_buckets", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.temperature <= 0:
             raise ValueError(f"model.temperature must be > 0, got {self.temperature}")
-        if self.num_freq_buckets < 1:
-            raise ValueError(f"model.num_freq_buckets must be >= 1, got {self.num_freq_buckets}")
-        if self.max_seq_len < 1:
-            raise ValueError(f"model.max_seq_len must be >= 1, got {self.max_seq_len}")
-        if any(h < 1 for h in self.attention_mlp):
-            raise ValueError(f"model.attention_mlp sizes must be >= 1, got {list(self.attention_mlp)}")
         if self.arch == "din" and not self.sequence_features:
             raise ValueError("model.arch = 'din' needs model.sequence_features (behavior list column -> "
                              "candidate feature), e.g. {hist = \"item\"}")

@@ -16,7 +16,10 @@ RUN_DIR may be a URI (`s3://bucket/run`, see `recsys.storage`): then what only l
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -133,8 +136,6 @@ class RunLock:
 
     def __init__(self, local_dir: Path, run_dir: str) -> None:
         import fcntl
-        import json
-        import os
 
         local_dir.mkdir(parents=True, exist_ok=True)
         path = local_dir / LOCK_FILE
@@ -148,26 +149,17 @@ class RunLock:
                 holder = {}
             os.close(self.fd)
             raise RunDirError(
-                f"train.run_dir = {run_dir}: in use by another launcher (pid {holder.get('pid', '?')} on host "
-                f"{holder.get('host', '?')} since {holder.get('since', '?')}; lock {path}): wait for it, stop "
-                f"it, or choose another train.run_dir") from None
+                f"train.run_dir = {run_dir}: in use by another launcher ({_describe(holder)}; lock {path}): wait "
+                f"for it, stop it, or choose another train.run_dir") from None
         self.run_dir = str(run_dir)
 
     def announce(self) -> None:
         """Write who holds the lock (after the launcher's checks: a refused launcher changes nothing)."""
-        import json
-        import os
-        import socket
-        import time
-
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run_dir": self.run_dir,
-                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+        info = json.dumps({**_holder(), "run_dir": self.run_dir}).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, info, 0)
 
     def release(self) -> None:
-        import os
-
         if self.fd >= 0:
             os.close(self.fd)          # drops the flock; the file stays (removing it would race a waiter)
             self.fd = -1
@@ -180,8 +172,6 @@ def existing_run(run_dir: str | Path) -> list[str]:
 
 def move_aside(run_dir: Path) -> Path:
     """Rename a local run directory's run files into RUN_DIR/../NAME.old-YYYYmmdd-HHMMSS; returns it."""
-    import time
-
     old = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
     n = 0
     while old.exists():
@@ -207,9 +197,6 @@ class UriLock:
     host is named, with how to remove it."""
 
     def __init__(self, run_dir: str) -> None:
-        import json
-        import socket
-
         self.path = str(run_path(run_dir, URI_LOCK))
         self.held = False
         if not storage.exists(self.path):
@@ -221,18 +208,11 @@ class UriLock:
         if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
             return                          # its launcher died on this machine: stale
         raise RunDirError(
-            f"train.run_dir = {run_dir}: held by run {holder.get('run_id', '?')} (pid {holder.get('pid', '?')} on "
-            f"host {holder.get('host', '?')} since {holder.get('since', '?')}; lock object {self.path}): wait for "
-            f"it, or, if that launcher is gone, delete the lock object")
+            f"train.run_dir = {run_dir}: held by run {holder.get('run_id', '?')} ({_describe(holder)}; lock object "
+            f"{self.path}): wait for it, or, if that launcher is gone, delete the lock object")
 
     def announce(self, run_id: str) -> None:
-        import json
-        import os
-        import socket
-        import time
-
-        storage.write_text(self.path, json.dumps({"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(),
-                                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        storage.write_text(self.path, json.dumps({"run_id": run_id, **_holder()}))
         self.held = True
 
     def release(self) -> None:
@@ -244,9 +224,16 @@ class UriLock:
             self.held = False
 
 
-def _alive(pid: object) -> bool:
-    import os
+def _holder() -> dict:
+    """Who this launcher is, as a lock records it."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
+
+def _describe(holder: dict) -> str:
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
+
+
+def _alive(pid: object) -> bool:
     if not isinstance(pid, int):
         return False
     try:
