@@ -140,18 +140,15 @@ def _cmd_gen_data(args: argparse.Namespace) -> int:
 
         summary = generate_daily(days=args.days, rows=args.rows, out_dir=args.out, seed=args.seed,
                                  start=args.start, row_group_rows=args.row_group_rows)
-        logger.info("wrote %s", summary)
-        return 0
-    if args.preset == "sequence":      # behavior lists for DIN: its own generator (data/sequence.py)
+    elif args.preset == "sequence":    # behavior lists for DIN: its own generator (data/sequence.py)
         from data.sequence import generate_sequence
 
         summary = generate_sequence(rows=args.rows, num_files=args.files, out_dir=args.out, seed=args.seed,
                                     row_group_rows=args.row_group_rows, compression=args.compression)
-        logger.info("wrote %s", summary)
-        return 0
-    rows, files = (sum(split), len(split)) if split else (args.rows, args.files)
-    summary = generate(preset=args.preset, rows=rows, num_files=files, out_dir=args.out, seed=args.seed,
-                       row_group_rows=args.row_group_rows, compression=args.compression, rows_per_file=split)
+    else:
+        rows, files = (sum(split), len(split)) if split else (args.rows, args.files)
+        summary = generate(preset=args.preset, rows=rows, num_files=files, out_dir=args.out, seed=args.seed,
+                           row_group_rows=args.row_group_rows, compression=args.compression, rows_per_file=split)
     logger.info("wrote %s", summary)
     return 0
 
@@ -339,7 +336,6 @@ def _check_keep(keep: list[str], data: list[str]) -> None:
     """Every --keep column in every --data file (their footers only), before any scoring."""
     from data.parquet import resolve_paths
     from data.remote import parquet_file
-    from recsys.config import ConfigError
 
     for path in resolve_paths(tuple(data)) if keep else ():
         with parquet_file(path) as pf:

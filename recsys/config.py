@@ -284,13 +284,14 @@ class JobConfig:
 # Loading
 
 
-def _read_toml(path: str | Path) -> dict[str, Any]:
-    """The parsed TOML file `path` (the one place recsys reads a config file); ConfigError naming it."""
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The parsed TOML file `path` (the one place recsys reads a config or search space file);
+    ConfigError naming it."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        raise ConfigError(f"{path}: no such {what}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
@@ -298,7 +299,7 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> JobConfig:
     """Read `path` (TOML; None: all defaults), apply `section.key=value` overrides, validate."""
     source = str(path) if path is not None else "<defaults>"
-    raw: dict[str, Any] = _read_toml(path) if path is not None else {}
+    raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     with _blaming(overrides, source):
@@ -327,7 +328,7 @@ def _blaming(overrides: typing.Sequence[str], source: str):
 def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
     """PSConfig from the `[ps]` section of TOML file `path` (other sections are not read or checked),
     with `ps.key=value` overrides: what a shard needs of a job config."""
-    raw = _read_toml(path)
+    raw = read_toml(path)
     for item in overrides:
         _apply_override(raw, item)
     with _blaming(overrides, str(path)):

@@ -70,8 +70,6 @@ def check_two_tower(model: Any, data: Any) -> None:
     if (data.eval_paths or data.test_paths) and not data.item_paths:
         raise ValueError("two_tower: data.eval_paths / data.test_paths are ranked against the item corpus: "
                          "set data.item_paths (one row per item)")
-    if model.linear_feature_tables:
-        raise ValueError("model.linear_feature_tables is not used by model.arch = 'two_tower'")
 
 
 

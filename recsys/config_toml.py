@@ -56,10 +56,11 @@ def _grouped(table: dict[str, Any]) -> dict[str, Any]:
 
 
 def _toml_items(body: dict[str, Any]) -> list[str]:
-    return [f"{k} = {_toml_value(v)}" for k, v in body.items() if v is not None]
+    return [f"{k} = {toml_value(v)}" for k, v in body.items() if v is not None]
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """`v` (bool, number, string, list, dict) as a TOML value, strings quoted and escaped."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -67,14 +68,14 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
 def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+    return k if k.replace("_", "").replace("-", "").isalnum() else toml_value(k)
 
 
-__all__ = ["to_dict", "to_toml"]
+__all__ = ["to_dict", "to_toml", "toml_value"]

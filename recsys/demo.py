@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from recsys.config import load_config
+from recsys.tune_space import override
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,9 @@ def run_demo(out: str, rows: int = 600_000) -> int:
         generate(preset="criteo-like", rows=rows, num_files=4, out_dir=str(data_dir), seed=0)
         logger.info("generated %d rows in %s in %.1f s", rows, data_dir, time.perf_counter() - t0)
     with resources.as_file(QUICKSTART) as quickstart:
-        cfg = load_config(quickstart, [
-            f"data.train_paths=['{data_dir}/part-0000[0-2].parquet']",
-            f"data.eval_paths=['{data_dir}/part-00003.parquet']",
-            f"train.run_dir='{Path(out) / 'run'}'",
-        ])
+        cfg = load_config(quickstart, [override("data.train_paths", [f"{data_dir}/part-0000[0-2].parquet"]),
+                                       override("data.eval_paths", [f"{data_dir}/part-00003.parquet"]),
+                                       override("train.run_dir", str(Path(out) / "run"))])
     metrics = launch_train(cfg)
     ratio = metrics["auc"] / metrics["oracle_auc"]
     sys.stdout.write(

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 from data.parquet import _is_id, _is_list, _is_number, resolve_paths   # the reader's own type rules
 from data.remote import parquet_file
 from embedding_ps.wire.config import PSConfig
+from recsys.config_toml import toml_value
 
 PASSTHROUGH = ("p_true", "row_id")
 DENSE_NAME = re.compile(r"I\d+")
@@ -144,10 +145,6 @@ def _dim(max_distinct: int) -> int:
     return 8 if max_distinct <= 10_000 else 16 if max_distinct <= 1_000_000 else 32
 
 
-def _toml_list(items: list[str]) -> str:
-    return "[" + ", ".join(f'"{x}"' for x in items) + "]"
-
-
 def _open(path: str):  # noqa: ANN202 (a pyarrow ParquetFile)
     """The Parquet file at `path`; InitConfigError naming it when it is not one (as `recsys train` says)."""
     try:
@@ -196,19 +193,19 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
     for c in cols:
         extra = f", {c.distinct:,} distinct ids ({c.singletons:.0%} seen once)" if c.kind in ("id", "multi-hot") else ""
         lines.append(f"#   {c.name:<20} {c.type:<24} {c.kind}{extra}{'; ' + c.note if c.note else ''}")
-    lines += ["", "[data]", f"train_paths = {_toml_list(train)}"]
+    lines += ["", "[data]", f"train_paths = {toml_value(train)}"]
     if val:
-        lines.append(f"eval_paths = {_toml_list(val)}            # validation: picks the epoch (early stopping)")
+        lines.append(f"eval_paths = {toml_value(val)}            # validation: picks the epoch (early stopping)")
     if test:
-        lines.append(f"test_paths = {_toml_list(test)}            # scored once at the end, with the best model")
-    lines += [f'label_column = "{label}"',
-              f"dense_columns = {_toml_list(dense)}",
-              f"sparse_columns = {_toml_list([c.name for c in ids])}"]
+        lines.append(f"test_paths = {toml_value(test)}            # scored once at the end, with the best model")
+    lines += [f"label_column = {toml_value(label)}",
+              f"dense_columns = {toml_value(dense)}",
+              f"sparse_columns = {toml_value([c.name for c in ids])}"]
     log1p = _log1p_line([c for c in cols if c.kind == "dense"])
     if log1p:
         lines.append(log1p)
     if passthrough:
-        lines.append(f"passthrough_columns = {_toml_list(passthrough)}")
+        lines.append(f"passthrough_columns = {toml_value(passthrough)}")
     lines += ["batch_size = 256", "drop_last = true             # batch norm: no last batch of a few rows", "",
               "[ps]", "num_shards = 1", 'mode = "sync"', "",
               "[ps.table_defaults]          # every table: one per id column, plus the dim-1 linear ones",
@@ -222,7 +219,8 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
         if c.distinct > REPLICATE_MAX and c.singletons > 0.5:
             lines += ["", f"# {c.name}: {c.distinct:,} ids, {c.singletons:.0%} seen once: admit an id at its 2nd "
                           "sighting, and size the table",
-                      "[[ps.tables]]", f'name = "{c.name}"', f"dim = {dim}", 'placement = "ps"', "min_count = 2",
+                      "[[ps.tables]]", f"name = {toml_value(c.name)}", f"dim = {dim}", 'placement = "ps"',
+                      "min_count = 2",
                       f"capacity = {int(math.ceil(c.distinct * 1.2))}",
                       "# ttl_steps = 0             # set for ids that stop appearing (daily data): rows unseen this "
                       "many steps are dropped"]
@@ -233,7 +231,7 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
     if val:
         lines += ['validate_every = "epoch"', 'early_stop_metric = "logloss"', "early_stop_patience = 2",
                   "keep_best = true"]
-    lines.append(f'run_dir = "{run_dir}"')
+    lines.append(f"run_dir = {toml_value(run_dir)}")
     return "\n".join(lines) + "\n"
 
 

@@ -149,8 +149,13 @@ def delete_tree(path: str | os.PathLike) -> None:
         remote.delete_tree(str(path))
 
 
-def upload_dir(local: str | os.PathLike, path: str | os.PathLike, last: str = "manifest.json") -> None:
-    """Put local directory `local` at `path` (replacing what is there), file `last` written last."""
+def basename(path: str | os.PathLike) -> str:
+    """The last name of a path or URI (its query and trailing slashes left out)."""
+    return str(path).partition("?")[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def upload_dir(local: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put local directory `local` at `path` (replacing what is there), its manifest.json written last."""
     if not is_uri(path):
         dst = Path(path)
         tmp = dst.with_name(f".tmp-{dst.name}")
@@ -160,7 +165,7 @@ def upload_dir(local: str | os.PathLike, path: str | os.PathLike, last: str = "m
         os.replace(tmp, dst)
         return
     with _errors(path, "upload"):
-        remote.upload_dir(os.fspath(local), str(path), last=last)
+        remote.upload_dir(os.fspath(local), str(path), last="manifest.json")
 
 
 def download_dir(path: str | os.PathLike, local: str | os.PathLike) -> None:
@@ -197,10 +202,10 @@ def local_output(path: str | os.PathLike, directory: bool = True) -> Iterator[st
         return
     tmp = Path(tempfile.mkdtemp(prefix="recsys-out-"))
     try:
-        local = tmp / (str(path).partition("?")[0].rstrip("/").rsplit("/", 1)[-1] or "out")
+        local = tmp / (basename(path) or "out")
         yield str(local)
         if directory:
-            upload_dir(local, path, last="manifest.json")
+            upload_dir(local, path)
         else:
             write_bytes(path, local.read_bytes())
     finally:
@@ -212,7 +217,7 @@ def scratch_dir(run_dir: str, scratch: str = "") -> Path:
     `run_dir` is a URI: `scratch` if set, else <system temp>/recsys-scratch/<name>-<hash of the URI>."""
     if scratch:
         return Path(scratch)
-    name = run_dir.partition("?")[0].rstrip("/").rsplit("/", 1)[-1] or "run"
+    name = basename(run_dir) or "run"
     digest = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / SCRATCH_ROOT / f"{name}-{digest}"
 

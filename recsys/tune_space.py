@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recsys.config import RENAMED_KEYS, ConfigError, JobConfig, load_config
-from recsys.config_toml import _toml_value
+from recsys.config import RENAMED_KEYS, ConfigError, JobConfig, load_config, read_toml
+from recsys.config_toml import toml_value
 
 KINDS = {"loguniform": 2, "uniform": 2, "randint": 2, "qrandint": 3, "choice": 0, "grid": 0}
 """Distribution -> the length of its list (0: any non-empty list)."""
@@ -57,7 +56,7 @@ class Param:
 def override(key: str, value: Any) -> str:
     """`key=value` as `--set` takes it (numpy scalars, as Tune samples them, become Python ones)."""
     value = value.item() if hasattr(value, "item") else value
-    return f"{key}={_toml_value(value)}"
+    return f"{key}={toml_value(value)}"
 
 
 def trial_overrides(values: dict[str, Any]) -> list[str]:
@@ -67,12 +66,7 @@ def trial_overrides(values: dict[str, Any]) -> list[str]:
 
 def read_space(path: str | Path) -> list[Param]:
     """The parameters of space file `path`; ConfigError naming the file and key."""
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such search space file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    raw = read_toml(path, "search space file")
     if not raw:
         raise ConfigError(f'{path}: no keys to search (e.g. "model.dropout" = {{ choice = [0.0, 0.2] }})')
     params = []

@@ -121,10 +121,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
 
 
-def _name(path: str | Path) -> str:
-    return str(path).partition("?")[0].rstrip("/").rsplit("/", 1)[-1]
-
-
 # ---------------------------------------------------------------------------------------------
 # manifest
 
@@ -210,8 +206,8 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
         try:
             verify_checkpoint(path)
         except CorruptCheckpointError as e:
-            logger.warning("skipping checkpoint %s: %s", _name(path), e)
-            failed.append(f"{_name(path)}: {e}")
+            logger.warning("skipping checkpoint %s: %s", storage.basename(path), e)
+            failed.append(f"{storage.basename(path)}: {e}")
             continue
         return path
     if failed:      # starting from step 0 would overwrite them and the model: the user decides
@@ -225,7 +221,7 @@ def prune(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and temporary leftovers of older saves."""
     done = list_checkpoints(run_dir)
     if _is_remote(checkpoints_dir(run_dir)):
-        newest = _name(done[-1]) if done else ""
+        newest = storage.basename(done[-1]) if done else ""
         root = checkpoints_dir(run_dir)
         for name in storage.list_dir(root):       # older ones, and unfinished ones before the newest
             if name.startswith(PREFIX) and name < newest and run_path(root, name) not in done[-keep:]:
@@ -327,7 +323,7 @@ class Checkpointer:
             root = checkpoint_path(self.run_dir, step) if target is None else target
             remote = _is_remote(root)
             if remote:         # written in place, complete once its manifest is (module docstring)
-                tmp = self.local_dir / "staging" / _name(root)
+                tmp = self.local_dir / "staging" / storage.basename(root)
                 storage.delete_tree(root)
             else:
                 root = Path(root)
@@ -383,7 +379,7 @@ class Checkpointer:
                 prune(self.run_dir, self.cfg.train.keep_checkpoints)
             logger.info("checkpoint %s complete (%.2f s after the pause)", root, time.perf_counter() - t0)
         except BaseException as e:     # raised in the training thread at the next save or join
-            logger.error("checkpoint %s failed: %s", _name(root), e)
+            logger.error("checkpoint %s failed: %s", storage.basename(root), e)
             shutil.rmtree(tmp, ignore_errors=True)
             self._error = e
 
