@@ -295,6 +295,31 @@ class _Checker:
         self.counts[f"{column}: {what}"] += count
 
 
+def example_weights(table: pa.Table, col: str, chk: _Checker) -> np.ndarray:
+    """float32 [n] per-row loss weights of column `col` (data.example_weight_column): a null, NaN,
+    infinite or negative weight is a bad row."""
+    arr = _column(table, col)
+    chk.flag(col, ~_valid(arr), "null example weight")
+    with np.errstate(over="ignore"):                                        # a float64 > 3.4e38 becomes inf
+        w = np.array(_numbers(arr, 1.0), dtype=np.float32)                 # [n], owned
+    chk.flag(col, ~np.isfinite(w), "NaN or inf example weight", w)
+    chk.flag(col, w < 0, "negative example weight", w)
+    return w
+
+
+def check_example_weights(column: str, files: list[str]) -> None:
+    """Every example weight of `files` as the reader checks it (`example_weights`), one column read per
+    row group: DataError naming file, row group, column and row at the first bad one. Files without
+    the column are left alone (scoring data: unweighted metrics)."""
+    for path in files:
+        with parquet_file(path) as pf:
+            if column not in pf.schema_arrow.names:
+                continue
+            for rg in range(pf.metadata.num_row_groups):
+                table = pf.read_row_group(rg, columns=[column])
+                example_weights(table, column, _Checker(f"{path}: row group {rg}", table.num_rows, 0, skip=False))
+
+
 class Decoder:
     """Turns a row range of a `pa.Table` (one row group) into checked `Rows`."""
 
@@ -345,18 +370,8 @@ class Decoder:
         return labels
 
     def _example_weights(self, table: pa.Table, chk: _Checker) -> np.ndarray | None:
-        """float32 [n] per-row loss weights of data.example_weight_column (None when it is unset):
-        a null, NaN, infinite or negative weight is a bad row."""
         col = self.cfg.example_weight_column
-        if not col:
-            return None
-        arr = _column(table, col)
-        chk.flag(col, ~_valid(arr), "null example weight")
-        with np.errstate(over="ignore"):                                        # a float64 > 3.4e38 becomes inf
-            w = np.array(_numbers(arr, 1.0), dtype=np.float32)                 # [n], owned
-        chk.flag(col, ~np.isfinite(w), "NaN or inf example weight", w)
-        chk.flag(col, w < 0, "negative example weight", w)
-        return w
+        return example_weights(table, col, chk) if col else None
 
     def _dense(self, table: pa.Table, chk: _Checker) -> np.ndarray:
         cfg = self.cfg

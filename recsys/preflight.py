@@ -19,7 +19,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from data.parquet import DataError, resolve_paths, scan_files, scoring_config, with_id_types
+from data.parquet import DataError, check_example_weights, resolve_paths, scan_files, scoring_config, with_id_types
 from recsys import storage
 from recsys.config import ConfigError, JobConfig
 
@@ -99,34 +99,12 @@ def preflight_data(cfg: JobConfig, paths: tuple[str, ...] | list[str], key: str,
         files = resolve_paths(tuple(paths))
         data_cfg = scoring_config(cfg.data, files) if scoring else cfg.data
         scan_files(data_cfg, files)
-        if data_cfg.example_weight_column:
+        if data_cfg.example_weight_column and data_cfg.on_bad_rows == "error":   # "skip": the reader drops them
             check_example_weights(data_cfg.example_weight_column, files)
     except DataError as e:
         raise PreflightError(f"{e} (fix the data, or {key} / the data.*_columns settings)") from None
     except (FileNotFoundError, ValueError) as e:
         raise PreflightError(f"{key}: {e} (check the paths)") from None
-
-
-def check_example_weights(column: str, files: list[str]) -> None:
-    """Every value of the example-weight column is a finite number >= 0 (one column read per row group,
-    before any process starts); DataError naming file, row group, column and row otherwise."""
-    import numpy as np
-    import pyarrow.compute as pc
-
-    from data.remote import parquet_file
-
-    for path in files:
-        with parquet_file(path) as pf:
-            if column not in pf.schema_arrow.names:
-                continue                      # scoring data without the column: unweighted metrics
-            for rg in range(pf.metadata.num_row_groups):
-                col = pf.read_row_group(rg, columns=[column]).column(column)
-                values = col.to_numpy(zero_copy_only=False).astype(np.float64)
-                bad = ~np.isfinite(values) | (values < 0) | np.asarray(pc.is_null(col))
-                if bad.any():
-                    r = int(np.flatnonzero(bad)[0])
-                    raise DataError(f"{path}: row group {rg}, column '{column}': example weight {values[r]} at "
-                                    f"row {r} of the row group (weights must be finite numbers >= 0)")
 
 
 def check_checkpoint(path: str, key: str, checksums: bool = True) -> None:

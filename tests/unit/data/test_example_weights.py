@@ -11,7 +11,7 @@ from data.batch import validate_batch
 from data.config import DataConfig
 from data.decode import decode_table
 from data.loader import ParquetLoader
-from data.parquet import DataError
+from data.parquet import DataError, check_example_weights
 
 N, RG = 30, 10
 
@@ -66,6 +66,9 @@ def test_bad_weight_names_file_row_group_column_and_row(h, tmp_path, value, what
     msg = str(e.value)
     assert msg.startswith(f"{path}: row group 1, column 'ew': "), msg
     assert re.search(what, msg), msg
+    with pytest.raises(DataError) as e:            # the pre-flight check (recsys.preflight): the reader's rule
+        check_example_weights("ew", [path])
+    assert str(e.value) == msg
     with ParquetLoader(h.make_cfg(example_weight_column="ew", on_bad_rows="skip"), [path]) as loader:
         ids = h.row_ids(loader)
     assert sorted(ids) == [i for i in range(N) if i != 13]
