@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from embedding_ps import native
@@ -29,18 +28,14 @@ def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) 
     n = keys.shape[0]
     if init == "zeros" or n == 0:
         return torch.zeros(n, dim, dtype=torch.float32)
-    v = torch.from_numpy(_symmetric_bits(keys.contiguous().numpy(), dim, seed))  # float32 [N, D] in (-1, 1)
+    # float32 [N, D] in (-1, 1), per the module docstring (`native.init_bits`: a shard initialises
+    # every new id's row, on its pull and again when admitted on its push)
+    v = torch.from_numpy(native.init_bits(keys.contiguous().numpy(), dim, seed_mix(seed)))
     if init == "uniform":
         return v.mul_(scale)
     if init == "normal":
         return v.erfinv_().mul_(math.sqrt(2.0) * scale)
     raise ValueError(f"init must be one of uniform, normal, zeros; got {init!r}")
-
-
-def _symmetric_bits(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
-    """int64 [N] -> float32 [N, D] in (-1, 1), per the module docstring (`native.init_bits`: a
-    shard initialises every new id's row, on its pull and again when admitted on its push)."""
-    return native.init_bits(keys, dim, seed_mix(seed))
 
 
 def init_row_reference(key: int, dim: int, seed: int, init: str, scale: float) -> list[float]:

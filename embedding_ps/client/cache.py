@@ -64,8 +64,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from embedding_ps import native
 from embedding_ps.wire.config import PSConfig
+from embedding_ps.client.plan import dedup_ids
 from embedding_ps.client.rowcache import FusedRowCache, move_rows
 from embedding_ps.store import EmbeddingStore
 
@@ -403,16 +403,18 @@ def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list
 
 def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
-    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]) by `native.unique`:
+    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]) by `plan.dedup_ids`:
     inverse None when `ids` [N] already are distinct (what the sparse arch sends) and come back in
     their own order (always with the C pass), which keeps the caller's order; the occurrences are
     `counts` then (None when not given)."""
     given = None if counts is None else counts.to("cpu", torch.int64)
     if ids.numel() < 2:
         return ids, None, None if given is None else given.numpy()
-    u, inv, c = native.unique(ids, counts=True)
-    if u.numel() == ids.numel() and torch.equal(u, ids):
+    occurrences: list[torch.Tensor] = []
+    u, inv = dedup_ids(ids, occurrences)
+    if inv is None:
         return ids, None, None if given is None else given.numpy()
+    c = occurrences[0]
     if given is not None:   # occurrences of the given ids summed per distinct id
         c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, given)
     return u, inv, c.numpy()

@@ -56,27 +56,19 @@ from embedding_ps.wire.config import PSConfig
 from embedding_ps.client.plan import combine, frames, index_frame, plan_call
 from embedding_ps.wire.shm import LateGrads
 from embedding_ps.store import done_future
-from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardUnavailableError
+from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardError, ShardUnavailableError
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
 
 
-class SaveFailedError(RuntimeError):
+class SaveFailedError(ShardError, RuntimeError):
     """A shard's save failed (or its last save is not the one waited for); names shard and address."""
 
-    def __init__(self, shard: int, address: str, message: str) -> None:
-        super().__init__(f"ps shard {shard} at {address}: {message}")
-        self.shard, self.address = shard, address
 
-
-class SaveTimeoutError(TimeoutError):
+class SaveTimeoutError(ShardError, TimeoutError):
     """A shard still wrote its background save when `wait_saved` gave up; names shard and address."""
-
-    def __init__(self, shard: int, address: str, message: str) -> None:
-        super().__init__(f"ps shard {shard} at {address}: {message}")
-        self.shard, self.address = shard, address
 
 
 class PSClient:
@@ -135,7 +127,7 @@ class PSClient:
         for shard, parts in shards.items():
             m = sum(c.numel() for _, c in parts)
             rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
-            seg = self._shm_segment(shard, rows_bytes, parts, shm.TRAILER_BYTES if notify else 0)   # rows, ids
+            seg = self._shm_segment(shard, rows_bytes, parts, trailer=notify)   # rows, ids
             flags = (P.FLAG_SHM | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
             h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             if seg:
@@ -187,7 +179,7 @@ class PSClient:
             g = [c for _, c in grad_parts[shard]]
             m = sum(c.shape[0] for c in g)
             rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
-            seg = self._shm_segment(shard, rows_bytes, parts, shm.TRAILER_BYTES if late or notify else 0)
+            seg = self._shm_segment(shard, rows_bytes, parts, trailer=bool(late or notify))
             flags = (P.FLAG_SHM | (P.FLAG_GRADS_LATE if late else 0) | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
             h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             if seg:          # the grads go into the segment, cast to the wire type: [M_s, D]
@@ -204,7 +196,8 @@ class PSClient:
                 fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst, late)
                 reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
             else:
-                payload = P.tensor_frame(P.to_wire(g[0] if len(g) == 1 else torch.cat(g), self.wire))  # [M_s, D]
+                # [M_s, D] cast to the wire dtype (no copy for fp32)
+                payload = P.tensor_frame((g[0] if len(g) == 1 else torch.cat(g)).to(P.TORCH_DTYPES[self.wire]))
                 reqs.append((shard, h, [*frames(tables, parts), payload]))
         def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
             return None
@@ -387,16 +380,14 @@ class PSClient:
         return call.future
 
     def _shm_segment(self, shard: int, rows_bytes: int, parts: list[tuple[int, torch.Tensor]],
-                     extra: int = 0) -> tuple[bytes, "np.ndarray"] | None:
+                     trailer: bool = False) -> tuple[bytes, "np.ndarray"] | None:
         """(name, uint8 view) of a segment for a request to `shard` with the ids int64 [M] of `parts`
-        written after rows_bytes of rows (shm.ids_offset) and `extra` bytes after them (a trailer),
-        or None: the socket."""
+        written after rows_bytes of rows (shm.ids_offset) and, with `trailer`, a trailer after them
+        (shm.seg_bytes), or None: the socket."""
         m = sum(c.numel() for _, c in parts)
-        seg = self._shm.take(shard, shm.ids_offset(rows_bytes) + 8 * m + extra)
+        seg = self._shm.take(shard, shm.seg_bytes(rows_bytes, m, trailer))
         if seg is not None:
-            start = shm.ids_offset(rows_bytes)
-            dst = P.frame_tensor(memoryview(seg[1][start:start + 8 * m]), P.DType.INT64, m)   # [M]
-            torch.cat([c for _, c in parts], out=dst)
+            torch.cat([c for _, c in parts], out=shm.ids_view(seg[1], rows_bytes, m))   # [M]
         return seg
 
     def _fallback(self, shard: int, h: P.Header, tables: Sequence[int], parts: list, segs: dict,

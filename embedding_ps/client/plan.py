@@ -112,11 +112,15 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     return Plan(x.index_select(0, order), order, counts, gather)
 
 
-def dedup_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dedup_ids(ids: torch.Tensor, counts: list[torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids) by
     `native.unique`; inverse None when the ids are distinct already and come back in their own
-    order (then `ids` itself comes back): always with the C pass, which keeps first appearances."""
-    uniq, inverse, _ = native.unique(ids)
+    order (then `ids` itself comes back): always with the C pass, which keeps first appearances.
+    counts, when given: a list that gets the occurrences int64 [U] of the distinct ids appended."""
+    uniq, inverse, c = native.unique(ids, counts=counts is not None)
+    if counts is not None:
+        counts.append(c)
     return (ids, None) if uniq.numel() == ids.numel() and torch.equal(uniq, ids) else (uniq, inverse)
 
 

@@ -76,9 +76,7 @@ class FusedRowCache:
         self.rows = torch.zeros(total, dim, device=device)              # [C, D]
         self._mix = splitmix64_np(np.arange(1, len(caps) + 1, dtype=np.uint64))   # [T] per-table salt
         self.generation = 0
-        n = len(caps)
-        self.hits, self.misses, self.refreshes = (np.zeros(n, dtype=np.int64) for _ in range(3))
-        self.lookups, self.lookup_hits = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self._zero_counts()
 
     def key(self, ids: np.ndarray, tab: np.ndarray) -> np.ndarray:
         """Combined keys int64 [U] of ids int64 [U] in local tables tab [U]."""
@@ -199,10 +197,14 @@ class FusedRowCache:
         """Per local table: hits, misses, refreshes, lookups, lookup_hits since the last call (then 0)."""
         out = {"hits": self.hits, "misses": self.misses, "refreshes": self.refreshes,
                "lookups": self.lookups, "lookup_hits": self.lookup_hits}
+        self._zero_counts()
+        return out
+
+    def _zero_counts(self) -> None:
+        """Fresh per-table counters int64 [T] (hits, misses, refreshes, lookups, lookup_hits), all 0."""
         n = self.cap.shape[0]
         self.hits, self.misses, self.refreshes = (np.zeros(n, dtype=np.int64) for _ in range(3))
         self.lookups, self.lookup_hits = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        return out
 
     # -- slots ------------------------------------------------------------------------------------
 

@@ -34,12 +34,18 @@ HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
-class ShardUnavailableError(ConnectionError):
-    """A shard did not answer within ps.timeout_s after ps.retries retries."""
+class ShardError(Exception):
+    """Base of the errors that name one shard: "ps shard {shard} at {address}: {message}", with
+    .shard and .address. Each subclass also keeps its own builtin base (RuntimeError, TimeoutError,
+    ConnectionError) for `except` clauses."""
 
     def __init__(self, shard: int, address: str, message: str) -> None:
         super().__init__(f"ps shard {shard} at {address}: {message}")
         self.shard, self.address = shard, address
+
+
+class ShardUnavailableError(ShardError, ConnectionError):
+    """A shard did not answer within ps.timeout_s after ps.retries retries."""
 
 
 class PSRequestError(RuntimeError):
@@ -242,12 +248,11 @@ class IOThread(threading.Thread):
                 continue   # the late answer to a retried request
             call = req.call
             if header.status == P.Status.NO_SHM and req.fallback is not None:
-                self._resend_through_socket(req, bytes(frames[1].buffer).decode("utf-8", "replace")
-                                            if len(frames) > 1 else "")
+                self._resend_through_socket(req, _reply_text(frames))
                 continue
             if header.status != P.Status.OK:
-                text = bytes(frames[1].buffer).decode("utf-8", "replace") if len(frames) > 1 else ""
-                self._fail(call, PSRequestError(shard, self.addresses[shard], call.op.name, header.status, text))
+                self._fail(call, PSRequestError(shard, self.addresses[shard], call.op.name, header.status,
+                                                _reply_text(frames)))
                 continue
             call.parts[shard] = (header, [f.buffer for f in frames[1:]])
             call.waiting -= 1
@@ -315,4 +320,9 @@ class IOThread(threading.Thread):
                 call.future.set_exception(err)
 
 
-__all__ = ["IOThread", "Call", "Request", "ShardUnavailableError", "PSRequestError"]
+def _reply_text(frames: list) -> str:
+    """The text of an error reply (its frame after the header; "" without one)."""
+    return bytes(frames[1].buffer).decode("utf-8", "replace") if len(frames) > 1 else ""
+
+
+__all__ = ["IOThread", "Call", "Request", "ShardError", "ShardUnavailableError", "PSRequestError"]

@@ -77,10 +77,6 @@ class GlobalDecay:
         elif target > self.clock:
             self.clock = target
 
-    def saved_clock(self) -> int | None:
-        """The step every row of a save is caught up through (its "decay_clock"; None: unset)."""
-        return self.clock
-
     def loaded(self, meta: dict, with_steps: bool) -> None:
         """After `TableShard.from_arrays`: the save's clock, or unset for a save without decay steps."""
         clock = meta.get("decay_clock") if with_steps else None

@@ -56,12 +56,9 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
                 msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            reply = server.handle(msg[1:])
-            if reply is DEFERRED:
+            if not _serve(server, sock, msg):
                 deferred.append(msg)
                 continue
-            sock.send_multipart([msg[0], *reply], copy=False)
-            reply = None      # zmq holds the frames now: the reply buffer is free once it is sent
             if deferred and (_op_of(msg) == P.Op.BARRIER or server.wakeup()):
                 deferred = _retry(server, sock, deferred)
 
@@ -71,16 +68,19 @@ def _op_of(msg: list) -> int:
     return buf[6] if len(buf) == P.HEADER_SIZE else -1
 
 
+def _serve(server: ShardServer, sock: zmq.Socket, msg: list) -> bool:
+    """Handle request `msg` and send its reply; False when it is parked (DEFERRED) instead."""
+    reply = server.handle(msg[1:])
+    if reply is DEFERRED:
+        return False
+    sock.send_multipart([msg[0], *reply], copy=False)
+    # zmq holds the frames now: the reply buffer is free once `reply` goes (on return)
+    return True
+
+
 def _retry(server: ShardServer, sock: zmq.Socket, deferred: list[list]) -> list[list]:
-    still = []
-    for msg in deferred:
-        reply = server.handle(msg[1:])
-        if reply is DEFERRED:
-            still.append(msg)
-        else:
-            sock.send_multipart([msg[0], *reply], copy=False)
-        reply = None
-    return still
+    """The parked requests that are still parked after one more try each."""
+    return [msg for msg in deferred if not _serve(server, sock, msg)]
 
 
 def _endpoint(host: str, port: int) -> str:

@@ -117,6 +117,12 @@ def check_size(path: str, expect: dict) -> int:
     return size
 
 
+def check_sha256(path: str, h: Any, expect: dict) -> None:
+    """CorruptShardError unless the digest of hash `h` (of file `path`) is the manifest's sha256."""
+    if h.hexdigest() != expect["sha256"]:
+        raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
+
+
 def read_checked(path: str, expect: dict) -> np.ndarray:
     """The bytes of `path` as uint8 [size], checked against expect {"size", "sha256"}."""
     size = check_size(path, expect)
@@ -130,8 +136,7 @@ def read_checked(path: str, expect: dict) -> np.ndarray:
                 raise CorruptShardError(f"{path}: truncated while reading, {pos} bytes, manifest says {size}")
             h.update(buf[pos : pos + n])
             pos += n
-    if h.hexdigest() != expect["sha256"]:
-        raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
+    check_sha256(path, h, expect)
     return buf
 
 
@@ -142,8 +147,7 @@ def map_checked(path: str, expect: dict) -> np.ndarray:
     h = hashlib.sha256()
     for lo in range(0, size, CHUNK):
         h.update(buf[lo : lo + CHUNK])
-    if h.hexdigest() != expect["sha256"]:
-        raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
+    check_sha256(path, h, expect)
     return buf
 
 

@@ -55,14 +55,18 @@ class BackgroundSaver:
         """True while a write runs (its status is not final yet)."""
         return self.phase == "writing"
 
+    def _refuse_if_busy(self) -> None:
+        """RuntimeError while a write runs (`busy`: the caller parks the request)."""
+        if self.busy:
+            raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
+
     def start(self, state: Any, directory: str, step: int) -> dict:
         """Snapshot `state` now, write it to `directory` on a thread; returns the SAVE reply body.
 
         Raises RuntimeError if busy (the caller parks the request), and whatever
         `state.snapshot()` raises (nothing is started then).
         """
-        if self.busy:
-            raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
+        self._refuse_if_busy()
         snap = state.snapshot()
         with self._lock:
             self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s,
@@ -79,8 +83,7 @@ class BackgroundSaver:
 
     def save(self, state: Any, directory: str, step: int) -> dict:
         """`state.save(directory)` now (blocking); recorded in the status, errors re-raised."""
-        if self.busy:
-            raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
+        self._refuse_if_busy()
         t0 = time.perf_counter()
         with self._lock:
             self._status = self._fresh(directory, "writing", background=False, step=step)

@@ -56,16 +56,15 @@ from embedding_ps.shard.gates import Gate, make_gate
 from embedding_ps.shard.replybuffers import ReplyBuffers
 from embedding_ps.shard.pushgrads import finite_rows, wait_late
 from embedding_ps.shard.saver import BackgroundSaver
-from embedding_ps.wire.shm import (DONE_OK, TRAILER_BYTES, ShmAttacher, done_word, ids_offset, shard_accepts, trailer,
+from embedding_ps.wire.shm import (DONE_OK, ShmAttacher, done_word, ids_view, seg_bytes, shard_accepts, trailer,
                                writer_alive)
 from embedding_ps.shard.snapshot import ShardSnapshot, shard_dir
+from embedding_ps.shard.state import MAX_STEP
 
 logger = logging.getLogger(__name__)
 
 REPLAY_ENTRIES = 16384
 """Replies of non-idempotent requests remembered for retries (each ~100 bytes)."""
-MAX_STEP = 2**31 - 1
-"""Steps are int32 on the shard (a row's last-seen step)."""
 
 DEFERRED = object()
 """What `ShardServer.handle` returns for a request parked until a later barrier."""
@@ -124,6 +123,12 @@ class RowsRequest:
     seg: np.ndarray | None = None    # uint8 [nbytes]: the row data in the client's segment (None: the frames)
     trailer: np.ndarray | None = None  # int64 [4] of the segment (ids in the segment with NOTIFY / GRADS_LATE)
     bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (table, start, n) of each part
+
+    def notify_done(self, h: P.Header) -> None:
+        """With FLAG_NOTIFY (and the trailer in the segment): tell the client waiting on the done word
+        int32 [1] that its request was served."""
+        if h.flags & P.FLAG_NOTIFY and self.trailer is not None:
+            native.notify(done_word(self.trailer), DONE_OK)
 
 
 class ShardServer:
@@ -185,8 +190,7 @@ class ShardServer:
             if e.status == P.Status.NO_SHM:     # not an error: the client falls back to the socket
                 self.shm_refused += 1
                 logger.debug("%s: %s", self.name, e)
-                return [header.reply(P.Status.NO_SHM, dtype=P.DType.BYTES, count=0, dim=0).pack(),
-                        P.text_frame(str(e))]
+                return _text_reply(header, P.Status.NO_SHM, str(e))
             return self._error(header, frames, e.status, str(e))
         except (ValueError, IndexError) as e:   # the state refused the values (step range, ...)
             return self._error(header, frames, P.Status.BAD_VALUE, f"{type(e).__name__}: {e}")
@@ -201,7 +205,7 @@ class ShardServer:
         if header is None:
             client, request = P.peek_ids(_buf(frames[0])) if frames else (0, 0)
             header = P.Header(op=0, client=client, request=request)
-        return [header.reply(status, dtype=P.DType.BYTES, count=0, dim=0).pack(), P.text_frame(text)]
+        return _text_reply(header, status, text)
 
     def _remember(self, key: tuple[int, int], reply: list) -> None:
         self.replay[key] = reply
@@ -300,11 +304,13 @@ class ShardServer:
         when they travel there too, become views of it."""
         if not req.shm:
             return
-        seg = self._segment(h, name, _seg_bytes(h, req.nbytes, req.total, req.ids_in_seg))  # rows | ids | trailer
+        with_trailer = bool(h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY))
+        # rows [| ids int64 [M] [| trailer]]
+        nbytes = seg_bytes(req.nbytes, req.total, with_trailer) if req.ids_in_seg else req.nbytes
+        seg = self._segment(h, name, nbytes)
         if req.ids_in_seg:
-            start = ids_offset(req.nbytes)
-            req.ids = P.frame_tensor(memoryview(seg[start:start + 8 * req.total]), P.DType.INT64, req.total)
-            if h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY):
+            req.ids = ids_view(seg, req.nbytes, req.total)
+            if with_trailer:
                 req.trailer = trailer(seg, req.nbytes, req.total)
         req.seg = seg[:req.nbytes]
 
@@ -329,8 +335,7 @@ class ShardServer:
             wire = (P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim) if req.seg is not None
                     else self.buffers.tensor(P.TORCH_DTYPES[req.dtype], (req.total, h.dim)))
             out = wire.copy_(out)
-        if h.flags & P.FLAG_NOTIFY and req.trailer is not None:
-            _notify(done_word(req.trailer))     # the caller may take the rows now
+        req.notify_done(h)     # the caller may take the rows now
         if req.seg is not None:
             return [h.reply().pack()]       # the rows are in the client's segment
         return [h.reply().pack(), P.tensor_frame(out)]
@@ -359,8 +364,7 @@ class ShardServer:
         finally:
             if late:
                 self.state.clear_hints()
-        if h.flags & P.FLAG_NOTIFY and req.trailer is not None:
-            _notify(done_word(req.trailer))     # the caller may go on now
+        req.notify_done(h)     # the caller may go on now
         return [h.reply().pack()]
 
     def _push_parts(self, h: P.Header, req: "RowsRequest", part_ids: list, payload: list, checked: bool) -> list:
@@ -454,16 +458,9 @@ class ShardServer:
         return [h.reply().pack()]
 
 
-def _seg_bytes(h: P.Header, rows_bytes: int, m: int, ids_in_seg: bool) -> int:
-    """The bytes a FLAG_SHM request's segment must have: rows [| ids int64 [m] [| trailer]] (embedding_ps.wire.shm)."""
-    if not ids_in_seg:
-        return rows_bytes
-    return ids_offset(rows_bytes) + 8 * m + (TRAILER_BYTES if h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY) else 0)
-
-
-def _notify(word: np.ndarray) -> None:
-    """Tell the client waiting on done word int32 [1] that its request was served (protocol.FLAG_NOTIFY)."""
-    native.notify(word, DONE_OK)
+def _text_reply(header: P.Header, status: P.Status, text: str) -> list:
+    """A reply of `status` that carries `text` (an error, or NO_SHM's reason)."""
+    return [header.reply(status, dtype=P.DType.BYTES, count=0, dim=0).pack(), P.text_frame(text)]
 
 
 def _buf(frame: Any) -> memoryview:

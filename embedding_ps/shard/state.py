@@ -41,7 +41,8 @@ from embedding_ps.shard.table import TableShard
 
 logger = logging.getLogger(__name__)
 
-_MAX_STEP = 2**31 - 1
+MAX_STEP = 2**31 - 1
+"""Steps are int32 on the shard (a row's last-seen step)."""
 
 
 class ShardState:
@@ -106,9 +107,15 @@ class ShardState:
         with self._lock:
             keys = keys_of(ids, t.cfg)
             hint = self._hints.pop(table, None)
-            if self._cow is not None:       # may wait (lock released) for room in the save's side buffer
-                self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
+            self._before_write(table, t, keys)
             t.push(keys, grads, step, hint[1] if hint is not None and hint[0] is ids else None)
+
+    def _before_write(self, table: int, t: TableShard, keys: torch.Tensor) -> None:
+        """Under the lock, before writing rows of `keys` into table `t` while a save streams it: keep
+        the pre-images of the slots the write may touch (may wait, lock released, for room in the
+        save's side buffer)."""
+        if self._cow is not None:
+            self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
 
     def advance(self, step: int) -> None:
         """Requests of `step` are served from now on (a SAVE of `step`): every table with global
@@ -190,8 +197,7 @@ class ShardState:
         mine = shard_of(keys, self.config.num_shards) == self.shard_index
         keys = keys[mine].contiguous()
         with self._lock:
-            if self._cow is not None:
-                self._cow.before_write(table, lambda: t.write_slots(keys.numpy()))
+            self._before_write(table, t, keys)
             t.load_rows(keys, rows[mine], {k: v[mine] for k, v in state.items()}, step)
         return int(mine.sum())
 
@@ -316,8 +322,8 @@ class ShardState:
         return ids.contiguous()
 
     def _check_step(self, step: int) -> None:
-        if not 0 <= step <= _MAX_STEP:
-            raise ValueError(f"shard {self.shard_index}: step must be in [0, {_MAX_STEP}], got {step}")
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"shard {self.shard_index}: step must be in [0, {MAX_STEP}], got {step}")
 
 
 _LIBC: list = []
@@ -341,5 +347,5 @@ def release_free_heap() -> None:
         _LIBC[0].malloc_trim(0)
 
 
-__all__ = ["FORMAT_VERSION", "CorruptShardError", "ShardSnapshot", "ShardState", "release_free_heap", "shard_threads",
-           "verify_shard"]
+__all__ = ["FORMAT_VERSION", "MAX_STEP", "CorruptShardError", "ShardSnapshot", "ShardState", "release_free_heap",
+           "shard_threads", "verify_shard"]

@@ -48,12 +48,13 @@ from embedding_ps.shard.decay import CaughtUpRows, GlobalDecay, is_global
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
 from embedding_ps.shard.optim import apply_update, fill_value, state_specs
+from embedding_ps.shard.snapshot import _LOW32, unpack_meta
+from embedding_ps.reference import seed_mix
 from embedding_ps.wire.sharding import splitmix64_np
 
 logger = logging.getLogger(__name__)
 
 _ADMIT_SALT = 0x5851F42D4C957F2D
-_LOW32 = 0xFFFFFFFF
 _MAX_SCRATCH = 1 << 24  # floats (64 MB): the largest update buffer a table keeps between pushes
 RESERVED_MAP_LOAD = 0.85
 """Load factor of the id map of a table with a `capacity` hint, at the hint (12 / 0.85 = 14.1 bytes a row)."""
@@ -83,7 +84,7 @@ class TableShard:
         self.wdtype = torch.float16 if cfg.dtype == "fp16" else torch.float32
         self.specs = state_specs(cfg)
         self.reserved = reserve_rows(cfg, num_shards)
-        self._admit_key = int(splitmix64_np(np.array([(cfg.seed ^ _ADMIT_SALT) & (2**64 - 1)], np.uint64))[0])
+        self._admit_key = seed_mix(cfg.seed ^ _ADMIT_SALT)
         self._reset()
 
     def _reset(self) -> None:
@@ -376,9 +377,9 @@ class TableShard:
         keys, s = keys[order], torch.from_numpy(slots[order]).long()
         extra = {name: t.index_select(0, s) for name, t in self.state.items()}
         if self.meta is not None:
-            meta = self.meta.index_select(0, s)
-            extra["count"] = (meta >> 32).to(torch.int32)
-            extra["last_seen"] = (meta & _LOW32).to(torch.int32)
+            count, last_seen = unpack_meta(self.meta.index_select(0, s))
+            extra["count"] = count.to(torch.int32)
+            extra["last_seen"] = last_seen.to(torch.int32)
             extra["last_update"] = extra["last_seen"].clone()
         rows = self.weights.index_select(0, s).float()
         if self.decay is not None:  # caught up through the clock (copies: the table is not changed)
@@ -430,7 +431,7 @@ class TableShard:
                 "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
         if self.decay is not None:
-            meta["decay_clock"] = self.decay.saved_clock()
+            meta["decay_clock"] = self.decay.clock  # every saved row is caught up through it
         return arrays, meta
 
     def write_slots(self, keys: np.ndarray) -> np.ndarray:

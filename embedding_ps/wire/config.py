@@ -149,14 +149,12 @@ class TableConfig:
         for key in ("max_pending", "eviction_log_max"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{p}.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("min_count", "ttl_steps", "max_rows"):
+        for key in ("min_count", "ttl_steps", "max_rows", "cache_rows", "capacity"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{p}.{key} must be >= 0, got {getattr(self, key)}")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.cache_rows < 0:
-            raise ValueError(f"{p}.cache_rows must be >= 0, got {self.cache_rows}")
         if self.placement == "replicated":
             if self.optimizer == "ftrl":
                 raise ValueError(f"{p}: placement 'replicated' trains with a torch optimizer (sgd, adagrad, "
@@ -168,8 +166,6 @@ class TableConfig:
             if self.ttl_steps or self.max_rows:
                 raise ValueError(f"{p}: ttl_steps / max_rows age rows out of a PS table; a replicated table keeps "
                                  f"its vocabulary (set placement = 'ps', or both to 0)")
-        if self.capacity < 0:
-            raise ValueError(f"{p}.capacity must be >= 0, got {self.capacity}")
         if not self.row_counters and (self.ttl_steps or self.max_rows):
             raise ValueError(f"{p}.row_counters = false, but ttl_steps = {self.ttl_steps} and max_rows = "
                              f"{self.max_rows} read them: set both to 0 or row_counters = true")
@@ -271,16 +267,11 @@ class PSConfig:
             raise ValueError(f"ps.shared_memory must be true, false or 'auto', got {self.shared_memory!r}")
         if not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(f"ps.threads must be in [0, {MAX_THREADS}] (0: what the machine has), got {self.threads}")
-        if self.max_staleness < 0:
-            raise ValueError(f"ps.max_staleness must be >= 0, got {self.max_staleness}")
         if self.timeout_s <= 0:
             raise ValueError(f"ps.timeout_s must be > 0, got {self.timeout_s}")
-        if self.retries < 0:
-            raise ValueError(f"ps.retries must be >= 0, got {self.retries}")
-        if self.replicate_max_rows < 0:
-            raise ValueError(f"ps.replicate_max_rows must be >= 0, got {self.replicate_max_rows}")
-        if self.replicate_max_bytes < 0:
-            raise ValueError(f"ps.replicate_max_bytes must be >= 0, got {self.replicate_max_bytes}")
+        for key in ("max_staleness", "retries", "replicate_max_rows", "replicate_max_bytes"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"ps.{key} must be >= 0, got {getattr(self, key)}")
         if not 0.0 < self.checkpoint_extra_memory <= 1.0:
             raise ValueError(f"ps.checkpoint_extra_memory must be in (0, 1] (a fraction of the rows' bytes), "
                              f"got {self.checkpoint_extra_memory}")

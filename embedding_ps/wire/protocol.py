@@ -271,11 +271,6 @@ def frame_tensor(buf: memoryview | bytes, dtype: DType, count: int, dim: int = 0
     return torch.frombuffer(buf, dtype=tdtype).view(shape)
 
 
-def to_wire(t: torch.Tensor, dtype: DType) -> torch.Tensor:
-    """Rows/grads float32 [N, D] cast to the wire dtype (no copy for fp32)."""
-    return t.to(TORCH_DTYPES[dtype])
-
-
 def text_frame(text: str) -> bytes:
     return text.encode("utf-8", errors="replace")
 
@@ -291,4 +286,4 @@ def frame_text(buf: memoryview | bytes, what: str) -> str:
 __all__ = ["MAGIC", "VERSION", "FLAG_BACKGROUND", "FLAG_SHM", "FLAG_GRADS_LATE", "FLAG_NOTIFY",
            "HEADER_SIZE", "HEADER_FORMAT", "Op", "Status", "DType", "Header", "ProtocolError", "WIRE_DTYPES",
            "ITEM_SIZE", "unpack_header", "peek_ids", "check_request", "expect_bytes", "row_dtype", "tensor_frame",
-           "frame_tensor", "to_wire", "text_frame", "frame_text"]
+           "frame_tensor", "text_frame", "frame_text"]

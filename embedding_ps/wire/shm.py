@@ -64,8 +64,10 @@ from concurrent.futures import Future
 from typing import Literal
 
 import numpy as np
+import torch
 
 from embedding_ps import native
+from embedding_ps.wire import protocol as P
 from embedding_ps.wire.auth import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -111,10 +113,21 @@ DONE_REPLY = 3
 """... set by the client once the reply is in, whatever it said (wakes a waiting caller)."""
 
 
+def seg_bytes(rows_bytes: int, m: int, trailer: bool) -> int:
+    """The bytes of a segment: rows (rows_bytes) | ids int64 [m] (at ids_offset) [| trailer]."""
+    return ids_offset(rows_bytes) + 8 * m + (TRAILER_BYTES if trailer else 0)
+
+
+def ids_view(seg: np.ndarray, rows_bytes: int, m: int) -> torch.Tensor:
+    """The ids int64 [m] after the rows (rows_bytes) of a segment uint8 [>= ...]: a tensor viewing it (no copy)."""
+    start = ids_offset(rows_bytes)
+    return P.frame_tensor(memoryview(seg[start:start + 8 * m]), P.DType.INT64, m)
+
+
 def trailer(seg: np.ndarray, rows_bytes: int, m: int) -> np.ndarray:
     """int64 [4] view (ready, finite, done | unused, unused) of the trailer after the ids int64 [m] of
     a segment uint8 [>= ...] whose rows take rows_bytes."""
-    start = ids_offset(rows_bytes) + 8 * m
+    start = seg_bytes(rows_bytes, m, trailer=False)
     return seg[start:start + TRAILER_BYTES].view(np.int64)
 
 
@@ -591,5 +604,6 @@ def _root(view: np.ndarray) -> np.ndarray:
 
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
            "trailer", "done_word", "LateGrads", "NotifiedFuture", "ClientSegments", "Mode", "ids_offset",
+           "seg_bytes", "ids_view",
            "ShmAttacher", "ShmPool", "NO_JOB", "best_fit", "available", "owner_pid", "client_uses", "is_local",
            "shard_accepts", "sweep_dead", "writer_alive"]
