@@ -137,7 +137,7 @@ static inline uint16_t ps_f2h(float f) {
  * a / b its low / high 32 bits, column c = (2 * (fmix32((a + (c + 1) * 0x9E3779B9) ^ b) >> 8) + 1 -
  * 2**24) / 2**24 (odd integers in (-2**24, 2**24), exact in fp32), times the float32 scale (1: the
  * bits themselves). The shard's new rows (`ps_init_bits`) and the serving kernel's uniform default
- * rows (`sv_bag`) both come from here; numpy's `init._symmetric_bits_np` is the reference. */
+ * rows (`sv_bag`) both come from here; numpy's `reference.init_bits` is the reference. */
 static inline void ps_bits_row(float *restrict o, int64_t key, uint64_t seed_mix, int64_t d, float scale) {
     const uint64_t s = ps_splitmix64((uint64_t)key ^ seed_mix);
     const uint32_t a = (uint32_t)s, b = (uint32_t)(s >> 32);

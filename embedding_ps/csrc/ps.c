@@ -48,6 +48,20 @@ static inline uint64_t ps_home(int64_t key, uint64_t nb) {
     return ((z >> 32) * nb) >> 32;
 }
 
+/* ps_home, with the bucket's value and key prefetched (for a store when `w`): the probes keep a
+ * ring of the next PF keys' homes, so each one's cache lines are on their way before it is probed. */
+static inline uint64_t ps_home_pf(int64_t key, uint64_t nb, const int64_t *kv, const int32_t *vv, int w) {
+    const uint64_t h = ps_home(key, nb);
+    if (w) {
+        PREFETCH_W(vv + h);
+        PREFETCH_W(kv + h);
+    } else {
+        PREFETCH(vv + h);
+        PREFETCH(kv + h);
+    }
+    return h;
+}
+
 /* For each key: its value (out_val, -1 if absent) and/or bucket (out_pos, -1 if absent).
  * Either output may be NULL. Returns 0, or -1 if a probe chain had no EMPTY end (corrupt map). */
 static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int64_t nbuckets, const int64_t *keys, int64_t n,
@@ -55,19 +69,10 @@ static int ps_map_find_range(const int64_t *kv, const int32_t *vv, int64_t nbuck
     const uint64_t nb = (uint64_t)nbuckets;
     uint64_t ring[PF];
     int64_t i;
-    for (i = 0; i < n && i < PF; i++) {
-        ring[i] = ps_home(keys[i], nb);
-        PREFETCH(vv + ring[i]);
-        PREFETCH(kv + ring[i]);
-    }
+    for (i = 0; i < n && i < PF; i++) ring[i] = ps_home_pf(keys[i], nb, kv, vv, 0);
     for (i = 0; i < n; i++) {
         uint64_t p = ring[i % PF];
-        if (i + PF < n) {
-            uint64_t h = ps_home(keys[i + PF], nb);
-            ring[i % PF] = h;
-            PREFETCH(vv + h);
-            PREFETCH(kv + h);
-        }
+        if (i + PF < n) ring[i % PF] = ps_home_pf(keys[i + PF], nb, kv, vv, 0);
         const int64_t k = keys[i];
         int32_t val = -1;
         int64_t pos = -1;
@@ -122,19 +127,10 @@ int64_t ps_map_place(int64_t *kv, int32_t *vv, int64_t nbuckets, const int64_t *
     const uint64_t nb = (uint64_t)nbuckets;
     uint64_t ring[PF];
     int64_t i, tombs = 0;
-    for (i = 0; i < n && i < PF; i++) {
-        ring[i] = ps_home(keys[i], nb);
-        PREFETCH_W(vv + ring[i]);
-        PREFETCH_W(kv + ring[i]);
-    }
+    for (i = 0; i < n && i < PF; i++) ring[i] = ps_home_pf(keys[i], nb, kv, vv, 1);
     for (i = 0; i < n; i++) {
         uint64_t p = ring[i % PF];
-        if (i + PF < n) {
-            uint64_t h = ps_home(keys[i + PF], nb);
-            ring[i % PF] = h;
-            PREFETCH_W(vv + h);
-            PREFETCH_W(kv + h);
-        }
+        if (i + PF < n) ring[i % PF] = ps_home_pf(keys[i + PF], nb, kv, vv, 1);
         uint64_t left = nb;
         while (vv[p] >= 0) {
             if (++p == nb) p = 0;
@@ -172,21 +168,31 @@ void ps_to_example_major(const int64_t *lengths, int64_t F, int64_t B, const int
         }
 }
 
+/* A temporary open-addressing table for n items: nb buckets (a power of two >= 2n, at least 16) of
+ * a key (key_size bytes) and an int32 row each. Returns nb, or -1 (nothing allocated) out of memory. */
+static int64_t ps_tmp_table(int64_t n, size_t key_size, void **keys, int32_t **rows) {
+    int64_t nb = 16;
+    while (nb < 2 * n) nb <<= 1;
+    *keys = malloc((size_t)nb * key_size);
+    *rows = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    if (*keys == NULL || *rows == NULL) {
+        free(*keys);
+        free(*rows);
+        return -1;
+    }
+    return nb;
+}
+
 /* ids [n] -> uniq [u] (each distinct id once, in order of first appearance), inverse [n] (the
  * position of ids[i] in uniq) and, unless counts is NULL, counts [u] (occurrences). One pass with a
  * temporary open-addressing table (a power of two >= 2n buckets, 12 B each): the trainer's
  * per-table dedup of a batch's ids, which torch.unique does by sorting. Returns u, or -1 if out of
  * memory. */
 int64_t ps_unique(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse, int64_t *counts) {
-    int64_t nb = 16;
-    while (nb < 2 * n) nb <<= 1;
-    int64_t *keys = (int64_t *)malloc((size_t)nb * sizeof(int64_t));
-    int32_t *rows = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
-    if (keys == NULL || rows == NULL) {
-        free(keys);
-        free(rows);
-        return -1;
-    }
+    int64_t *keys;
+    int32_t *rows;
+    const int64_t nb = ps_tmp_table(n, sizeof(int64_t), (void **)&keys, &rows);
+    if (nb < 0) return -1;
     memset(rows, 0xff, (size_t)nb * sizeof(int32_t)); /* -1: empty (any int64 is an id) */
     const uint64_t mask = (uint64_t)nb - 1;
     int64_t u = 0;
@@ -234,15 +240,9 @@ int ps_has_duplicates(const int32_t *slots, int64_t n, uint8_t *bitmap) {
  * the rows: no per-row array of the table's capacity. Returns u, or -1 if out of memory. */
 int64_t ps_merge_rows(const int32_t *slots, const float *grads, int64_t n, int64_t d, int32_t *out_slots,
                       float *out) {
-    int64_t nb = 16;
-    while (nb < 2 * n) nb <<= 1;
-    int32_t *keys = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
-    int32_t *rows = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
-    if (keys == NULL || rows == NULL) {
-        free(keys);
-        free(rows);
-        return -1;
-    }
+    int32_t *keys, *rows;
+    const int64_t nb = ps_tmp_table(n, sizeof(int32_t), (void **)&keys, &rows);
+    if (nb < 0) return -1;
     memset(keys, 0xff, (size_t)nb * sizeof(int32_t)); /* -1: empty (slots are >= 0) */
     const uint64_t mask = (uint64_t)nb - 1;
     int64_t u = 0;
@@ -278,6 +278,22 @@ void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
 }
 
 /* ------------------------------------------------------------------ shared-memory pushes */
+/* Wake every thread of any process asleep on the futex `word` (no waiter: one cheap syscall). */
+static inline void ps_wake(int32_t *word) {
+#ifdef __linux__
+    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)word;
+#endif
+}
+
+/* Nanoseconds left of timeout_ns since t0 (CLOCK_MONOTONIC); <= 0: none. */
+static inline int64_t ps_ns_left(const struct timespec *t0, int64_t timeout_ns) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return timeout_ns - ((t.tv_sec - t0->tv_sec) * 1000000000LL + (t.tv_nsec - t0->tv_nsec));
+}
+
 /* dst [n] = src [n] (32-bit values: fp32 grads), in one pass that also checks every value is
  * finite: returns 1 if none is NaN or +-inf, else 0. The exponent field of each value plus one
  * exponent unit carries into bit 31 only for an all-ones exponent (inf, NaN), so an OR of those
@@ -305,9 +321,7 @@ int ps_copy_finite(const uint32_t *restrict src, uint32_t *restrict dst, int64_t
 void ps_publish(int64_t *flag, int64_t value) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
-#ifdef __linux__
-    syscall(SYS_futex, (int32_t *)flag, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); /* x86-64: low half first */
-#endif
+    ps_wake((int32_t *)flag); /* x86-64: low half first */
 }
 
 /* Wait until *flag is `want` or `-want` (the writer gave up) or timeout_ns passed: spins on an
@@ -317,7 +331,7 @@ void ps_publish(int64_t *flag, int64_t value) {
  * more processes than cores the spinning took CPU from the very writer it waited for. Returns the
  * value last read. */
 int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
-    struct timespec t0, t;
+    struct timespec t0;
     for (int i = 0; i < 4096; i++) {
         int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
         if (v == want || v == -want) return v;
@@ -326,8 +340,7 @@ int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
     for (;;) {
         int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
         if (v == want || v == -want) return v;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        int64_t left = timeout_ns - ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec));
+        int64_t left = ps_ns_left(&t0, timeout_ns);
         if (left <= 0) return v;
 #ifdef __linux__
         if (left > 1000000) left = 1000000;
@@ -344,21 +357,18 @@ int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
  * on it (a futex on shared memory: no private flag). */
 void ps_notify(int32_t *word, int32_t value) {
     __atomic_store_n(word, value, __ATOMIC_RELEASE);
-#ifdef __linux__
-    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-#endif
+    ps_wake(word);
 }
 
 /* Wait until *word != 0 or timeout_ns passed, asleep in the kernel (a futex; elsewhere: yielding);
  * returns the value last read (0: timed out). */
 int32_t ps_wait_word(int32_t *word, int64_t timeout_ns) {
-    struct timespec t0, t;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if (v != 0) return v;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        int64_t left = timeout_ns - ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec));
+        int64_t left = ps_ns_left(&t0, timeout_ns);
         if (left <= 0) return 0;
 #ifdef __linux__
         struct timespec rel = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
