@@ -33,7 +33,7 @@ from data.config import DataConfig
 from data.paths import fill_date, parse_date
 from embedding_ps.wire.config import OPTIMIZER_KEYS, PSConfig, TableConfig
 from recsys.config_cluster import ClusterConfig
-from recsys.config_model import ModelConfig
+from recsys.config_model import ModelConfig, sequence_feature_tables
 from recsys.config_retrieval import EvalConfig, check_two_tower
 from recsys.config_toml import to_dict, to_toml
 
@@ -434,10 +434,9 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
     columns = [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
     feature_tables = model.get("feature_tables", {})
     feature_tables = feature_tables if isinstance(feature_tables, dict) else {}
-    sequences = model.get("sequence_features", {})       # din: a behavior list reads its candidate's table
+    sequences = model.get("sequence_features", {})
     if isinstance(sequences, dict):
-        feature_tables = {**{s: feature_tables.get(c, c) for s, c in sequences.items() if isinstance(c, str)},
-                          **feature_tables}
+        feature_tables = sequence_feature_tables(feature_tables, sequences)
     for column in columns:
         name = feature_tables.get(column, column)
         if name in names:

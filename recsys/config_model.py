@@ -111,3 +111,10 @@ class ModelConfig:
             if cand == seq or cand in self.sequence_features:
                 raise ValueError(f"model.sequence_features.{seq} = {cand!r} must name a candidate feature, "
                                  f"not a sequence feature")
+
+
+def sequence_feature_tables(feature_tables: dict, sequence_features: dict) -> dict[str, str]:
+    """`model.feature_tables` with every behavior list mapped to its candidate's table (din: a behavior
+    list reads its candidate's table; raw config values that are not names are left out)."""
+    return {**{s: feature_tables.get(c, c) for s, c in sequence_features.items() if isinstance(c, str)},
+            **feature_tables}

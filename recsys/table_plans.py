@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from embedding_ps.wire.config import TableConfig
 from recsys.config import JobConfig
+from recsys.config_model import sequence_feature_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +71,6 @@ def plan_sequences(features: tuple[str, ...], sequence_features: dict[str, str])
                                  f"{list(features)}")
         out.append(SequencePlan(seq, features.index(seq), features.index(cand)))
     return sorted(out, key=lambda s: s.feature)
-
-
-def sequence_feature_tables(feature_tables: dict[str, str], sequence_features: dict[str, str]) -> dict[str, str]:
-    """`model.feature_tables` with every behavior list mapped to its candidate's table."""
-    return {**{s: feature_tables.get(c, c) for s, c in sequence_features.items()}, **feature_tables}
 
 
 def table_plans(cfg: JobConfig) -> tuple[list[TablePlan], list[SequencePlan]]:
