@@ -94,8 +94,7 @@ def apply_update(
         from embedding_ps.shard import kernels  # the only module that imports fbgemm_gpu
 
         if cfg.weight_decay and cfg.weight_decay_mode != "l2":   # the decoupled shrink, before the op's update
-            rows = weights.index_select(0, slots).float().mul_(decay_factor(cfg))
-            weights.index_copy_(0, slots, rows.to(weights.dtype))
+            _add_rows(weights, slots, None, decay_factor(cfg))
         kernels.fbgemm_update(cfg, weights, state, slots, grads)
         return
     if scratch is None:
@@ -115,17 +114,18 @@ def decay_factor(cfg: TableConfig) -> float:
     return 1.0
 
 
-def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, decay: float = 1.0) -> None:
-    """weights[slots] = weights[slots] * decay + delta (float32 [U, D]); fp16 rows are updated in fp32
-    and rounded once."""
-    if decay != 1.0:
-        rows = weights.index_select(0, slots).float().mul_(decay).add_(delta)
-        weights.index_copy_(0, slots, rows.to(weights.dtype))
-    elif weights.dtype == torch.float32:
+def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor | None, decay: float = 1.0) -> None:
+    """weights[slots] = weights[slots] * decay + delta (float32 [U, D], or None: nothing added); fp16
+    rows are updated in fp32 and rounded once."""
+    if decay == 1.0 and weights.dtype == torch.float32 and delta is not None:
         weights.index_add_(0, slots, delta)  # pre-scaled delta: index_add_(alpha=) is slow on CPU
-    else:
-        rows = weights.index_select(0, slots).float().add_(delta)
-        weights.index_copy_(0, slots, rows.to(weights.dtype))
+        return
+    rows = weights.index_select(0, slots).float()
+    if decay != 1.0:
+        rows.mul_(decay)
+    if delta is not None:
+        rows.add_(delta)
+    weights.index_copy_(0, slots, rows.to(weights.dtype))
 
 
 # Each update: (cfg, weights [C, D], state, slots int64 [U], g float32 [U, D] read-only, scratch [U, D]).
