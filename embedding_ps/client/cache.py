@@ -410,11 +410,9 @@ def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
     given = None if counts is None else counts.to("cpu", torch.int64)
     if ids.numel() < 2:
         return ids, None, None if given is None else given.numpy()
-    occurrences: list[torch.Tensor] = []
-    u, inv = dedup_ids(ids, occurrences)
+    u, inv, c = dedup_ids(ids, counts=True)
     if inv is None:
         return ids, None, None if given is None else given.numpy()
-    c = occurrences[0]
     if given is not None:   # occurrences of the given ids summed per distinct id
         c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, given)
     return u, inv, c.numpy()

@@ -87,7 +87,7 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     `dedup`): one shard_of over all ids, one stable argsort, one bincount of (shard, part)."""
     gather = None
     if dedup:
-        pairs = [dedup_ids(x) for x in ids]
+        pairs = [dedup_ids(x)[:2] for x in ids]
         if any(inv is not None for _, inv in pairs):
             offsets = itertools.accumulate((u.numel() for u, _ in pairs), initial=0)
             parts = []
@@ -112,16 +112,16 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     return Plan(x.index_select(0, order), order, counts, gather)
 
 
-def dedup_ids(ids: torch.Tensor, counts: list[torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids) by
-    `native.unique`; inverse None when the ids are distinct already and come back in their own
-    order (then `ids` itself comes back): always with the C pass, which keeps first appearances.
-    counts, when given: a list that gets the occurrences int64 [U] of the distinct ids appended."""
-    uniq, inverse, c = native.unique(ids, counts=counts is not None)
-    if counts is not None:
-        counts.append(c)
-    return (ids, None) if uniq.numel() == ids.numel() and torch.equal(uniq, ids) else (uniq, inverse)
+def dedup_ids(ids: torch.Tensor, counts: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids, occurrences int64
+    [U] with `counts` else None) by `native.unique`; inverse None when the ids are distinct already
+    and come back in their own order (then `ids` itself comes back): always with the C pass, which
+    keeps first appearances."""
+    uniq, inverse, c = native.unique(ids, counts=counts)
+    if uniq.numel() == ids.numel() and torch.equal(uniq, ids):
+        return ids, None, c
+    return uniq, inverse, c
 
 
 def _reply_rows(shard: int, cs: list[int], replies: dict[int, tuple[P.Header, list]], dim: int,
