@@ -532,7 +532,8 @@ class Trainer:
             return retrieval_metrics_of(self.cfg, self.sparse, self.scoring_store, self.model, paths)
         labels, scores, weights, extras = self.score(paths)
         if labels.numel() == 0:                         # before any collective, as eval_metrics would refuse it
-            raise ValueError(f"no rows in {list(paths)}")
+            part = f" for rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
+            raise ValueError(f"no rows in {list(paths)}{part}")
         p_true = torch.from_numpy(extras["p_true"]).double() if "p_true" in extras else None
         return eval_metrics(labels, scores, p_true, exact_auc=self.cfg.train.eval_auc == "exact", weights=weights)
 
