@@ -14,12 +14,14 @@ distribution:
 `check_space` loads the config with every value a choice / grid names and both ends of a range (the
 config's own validation: an unknown key or a bad value is a ConfigError naming it), and refuses a key
 whose values all give the same config (e.g. `ps.table_defaults.lr` where every table sets its own lr).
+A space of choice / randint / qrandint keys only runs no combination twice (`distinct_trials`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,46 @@ class Param:
         return {"loguniform": lambda: tune.loguniform(a[0], a[1]), "uniform": lambda: tune.uniform(a[0], a[1]),
                 "randint": lambda: tune.randint(a[0], a[1] + 1), "qrandint": lambda: tune.qrandint(*a),
                 "choice": lambda: tune.choice(list(a)), "grid": lambda: tune.grid_search(list(a))}[self.kind]()
+
+
+MAX_ENUMERATED = 100_000
+"""Combinations up to which a space of discrete keys is drawn without repeats (`distinct_trials`)."""
+
+
+def discrete_values(p: Param) -> list | None:
+    """Every value a choice / randint / qrandint key takes (a choice's repeated value once); None for
+    real ranges and grids."""
+    if p.kind == "choice":
+        return list(dict.fromkeys(p.args))
+    if p.kind == "randint":
+        return list(range(p.args[0], p.args[1] + 1))
+    if p.kind == "qrandint":
+        lo, hi, q = p.args
+        return [v for v in range(lo, hi + 1) if v % q == 0] or None
+    return None
+
+
+def distinct_trials(params: Sequence[Param], trials: int, seed: int = 0) -> list[dict[str, Any]] | None:
+    """The trials of a space whose keys are all choice / randint / qrandint: `trials` distinct value
+    combinations drawn at random, or every combination once (in random order) when the space has no
+    more than `trials`. None for any other space, which Ray Tune samples itself: a real range does not
+    repeat a trial, a grid repeats each value --trials times on purpose, and a space of more than
+    MAX_ENUMERATED combinations rarely repeats one. (Drawn independently, as Ray Tune draws them, 8 trials
+    of a 6-combination space repeat at least two.)"""
+    values = [discrete_values(p) for p in params]
+    if not values or any(v is None for v in values):
+        return None
+    n = math.prod(len(v) for v in values)
+    if n > MAX_ENUMERATED:
+        return None
+    out = []
+    for index in random.Random(seed).sample(range(n), min(trials, n)):
+        point = {}
+        for p, v in zip(reversed(params), reversed(values)):      # index in mixed radix, the last key fastest
+            index, i = divmod(index, len(v))
+            point[p.key] = v[i]
+        out.append({p.key: point[p.key] for p in params})
+    return out
 
 
 def override(key: str, value: Any) -> str:
@@ -125,4 +167,5 @@ def check_space(params: Sequence[Param], config: str | Path, overrides: Sequence
     return base
 
 
-__all__ = ["KINDS", "Param", "check_space", "override", "read_space", "trial_overrides"]
+__all__ = ["KINDS", "Param", "check_space", "discrete_values", "distinct_trials", "override", "read_space",
+           "trial_overrides"]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys.config import ConfigError, JobConfig, load_config, to_toml
-from recsys.tune_space import Param, check_space, override, read_space, trial_overrides
+from recsys.tune_space import Param, check_space, distinct_trials, override, read_space, trial_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,14 @@ def _fit(params: list[Param], spec: object, root: Path, trials: int, max_concurr
     """Run (or resume) the search in root/ray; Tune's ResultGrid."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from recsys.training.tune_trial import JobTrial, LogTrials
 
     trainable = tune.with_resources(tune.with_parameters(JobTrial, spec=spec), {"cpu": 1})
+    points = distinct_trials(params, trials)      # a space of discrete keys: no trial twice
+    if points is not None and len(points) < trials:
+        logger.warning("the space has %d distinct trials: each runs once (--trials %d)", len(points), trials)
     experiment = root / "ray"
     if tune.Tuner.can_restore(str(experiment)):
         logger.info("resuming the search in %s: finished trials are kept, unfinished ones continue", root)
@@ -120,7 +124,9 @@ def _fit(params: list[Param], spec: object, root: Path, trials: int, max_concurr
     tuner = tune.Tuner(
         trainable, param_space={p.key: p.domain() for p in params},
         tune_config=tune.TuneConfig(
-            metric=metric, mode=mode, num_samples=trials, max_concurrent_trials=max_concurrent,
+            metric=metric, mode=mode, num_samples=trials if points is None else len(points),
+            search_alg=None if points is None else BasicVariantGenerator(points_to_evaluate=points),
+            max_concurrent_trials=max_concurrent,
             scheduler=ASHAScheduler(time_attr="training_iteration", max_t=10_000, grace_period=1, reduction_factor=2),
             trial_dirname_creator=lambda t: t.trial_id),
         run_config=tune.RunConfig(name="ray", storage_path=str(root), verbose=0,

@@ -126,3 +126,22 @@ def test_the_readmes_tune_commands_run_as_written(tmp_path: Path, tiny_dataset) 
     finally:
         for cmdline in our_processes(str(tmp_path)):
             print("left behind:", cmdline)
+
+
+def test_a_space_of_discrete_keys_runs_each_combination_once(tmp_path: Path, tiny_dataset) -> None:
+    """2 x 2 choices and --trials 6: four trials, one per combination (drawn independently, as Ray Tune
+    samples, some would repeat), and a line saying so."""
+    data = tiny_dataset(rows=4000, files=2, seed=5)
+    (tmp_path / "space.toml").write_text('"model.dropout" = { choice = [0.0, 0.2] }\n'
+                                         '"train.seed" = { choice = [1, 2] }\n')
+    try:
+        run = recsys(tmp_path, "tune", *tiny_args(data), "--space", "space.toml", "--trials", "6",
+                     "--max-concurrent", "2", "--out", "tune")
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "the space has 4 distinct trials: each runs once (--trials 6)" in run.stderr
+        rows = read_csv(tmp_path / "tune" / "results.csv")
+        assert sorted((float(r["model.dropout"]), int(r["train.seed"])) for r in rows) == \
+            [(0.0, 1), (0.0, 2), (0.2, 1), (0.2, 2)], rows
+    finally:
+        for cmdline in our_processes(str(tmp_path)):
+            print("left behind:", cmdline)

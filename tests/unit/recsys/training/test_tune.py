@@ -16,7 +16,7 @@ import pytest
 from recsys import cli
 from recsys.config import ConfigError, load_config
 from recsys.training.tune import best_of, best_row, collect, plot_trials, write_best, write_results
-from recsys.tune_space import Param, check_space, read_space, trial_overrides
+from recsys.tune_space import Param, check_space, distinct_trials, read_space, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[4]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -216,3 +216,22 @@ def test_the_readme_commands_parse() -> None:
     for command in commands:
         args = cli.build_parser().parse_args(shlex.split(command)[1:])
         assert args.func.__name__ == "_cmd_tune" and Path(ROOT / args.config).exists() and (ROOT / args.space).exists()
+
+
+def test_a_space_of_discrete_keys_never_runs_a_trial_twice() -> None:
+    """choice / randint / qrandint only: --trials distinct combinations, or each of them once when there
+    are fewer; with a real range or a grid, Ray Tune samples (None)."""
+    params = [Param("model.dropout", "choice", (0.0, 0.2, 0.5)), Param("ps.table_defaults.dim", "choice", (8, 16))]
+    every = {(d, k) for d in (0.0, 0.2, 0.5) for k in (8, 16)}
+    points = distinct_trials(params, trials=8)
+    assert len(points) == 6 and {(p["model.dropout"], p["ps.table_defaults.dim"]) for p in points} == every
+    few = distinct_trials(params, trials=4, seed=3)
+    assert len(few) == 4 and len({tuple(p.values()) for p in few}) == 4 and all(tuple(p.values()) in every for p in few)
+    assert [list(p) for p in few] == [["model.dropout", "ps.table_defaults.dim"]] * 4    # the space's key order
+    ints = distinct_trials([Param("data.batch_size", "randint", (256, 259)), Param("train.epochs", "qrandint", (2, 7, 2)),
+                            Param("model.dropout", "choice", (0.1, 0.1))], trials=100)
+    assert sorted((p["data.batch_size"], p["train.epochs"]) for p in ints) == \
+        [(b, e) for b in range(256, 260) for e in (2, 4, 6)]                             # 12, each once
+    assert distinct_trials(params + [Param("train.dense_lr", "loguniform", (1e-3, 1e-2))], trials=8) is None
+    assert distinct_trials(params + [Param("train.seed", "grid", (0, 1))], trials=8) is None
+    assert distinct_trials([Param("data.batch_size", "randint", (1, 10**6))], trials=8) is None     # too many to list
