@@ -168,19 +168,20 @@ void ps_to_example_major(const int64_t *lengths, int64_t F, int64_t B, const int
         }
 }
 
-/* A temporary open-addressing table for n items: nb buckets (a power of two >= 2n, at least 16) of
- * a key (key_size bytes) and an int32 row each. Returns nb, or -1 (nothing allocated) out of memory. */
-static int64_t ps_tmp_table(int64_t n, size_t key_size, void **keys, int32_t **rows) {
-    int64_t nb = 16;
-    while (nb < 2 * n) nb <<= 1;
-    *keys = malloc((size_t)nb * key_size);
-    *rows = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
-    if (*keys == NULL || *rows == NULL) {
-        free(*keys);
+/* A temporary open-addressing table for n items: *nb buckets (a power of two >= 2n, at least 16) of
+ * a key (key_size bytes) and an int32 row each. Returns the keys (the rows in *rows), or NULL
+ * (nothing allocated) out of memory. */
+static void *ps_tmp_table(int64_t n, size_t key_size, int64_t *nb, int32_t **rows) {
+    *nb = 16;
+    while (*nb < 2 * n) *nb <<= 1;
+    void *keys = malloc((size_t)*nb * key_size);
+    *rows = (int32_t *)malloc((size_t)*nb * sizeof(int32_t));
+    if (keys == NULL || *rows == NULL) {
+        free(keys);
         free(*rows);
-        return -1;
+        return NULL;
     }
-    return nb;
+    return keys;
 }
 
 /* ids [n] -> uniq [u] (each distinct id once, in order of first appearance), inverse [n] (the
@@ -189,10 +190,10 @@ static int64_t ps_tmp_table(int64_t n, size_t key_size, void **keys, int32_t **r
  * per-table dedup of a batch's ids, which torch.unique does by sorting. Returns u, or -1 if out of
  * memory. */
 int64_t ps_unique(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse, int64_t *counts) {
-    int64_t *keys;
+    int64_t nb;
     int32_t *rows;
-    const int64_t nb = ps_tmp_table(n, sizeof(int64_t), (void **)&keys, &rows);
-    if (nb < 0) return -1;
+    int64_t *keys = ps_tmp_table(n, sizeof(int64_t), &nb, &rows);
+    if (keys == NULL) return -1;
     memset(rows, 0xff, (size_t)nb * sizeof(int32_t)); /* -1: empty (any int64 is an id) */
     const uint64_t mask = (uint64_t)nb - 1;
     int64_t u = 0;
@@ -240,9 +241,10 @@ int ps_has_duplicates(const int32_t *slots, int64_t n, uint8_t *bitmap) {
  * the rows: no per-row array of the table's capacity. Returns u, or -1 if out of memory. */
 int64_t ps_merge_rows(const int32_t *slots, const float *grads, int64_t n, int64_t d, int32_t *out_slots,
                       float *out) {
-    int32_t *keys, *rows;
-    const int64_t nb = ps_tmp_table(n, sizeof(int32_t), (void **)&keys, &rows);
-    if (nb < 0) return -1;
+    int64_t nb;
+    int32_t *rows;
+    int32_t *keys = ps_tmp_table(n, sizeof(int32_t), &nb, &rows);
+    if (keys == NULL) return -1;
     memset(keys, 0xff, (size_t)nb * sizeof(int32_t)); /* -1: empty (slots are >= 0) */
     const uint64_t mask = (uint64_t)nb - 1;
     int64_t u = 0;
