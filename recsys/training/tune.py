@@ -113,14 +113,14 @@ def _fit(params: list[Param], spec: object, root: Path, trials: int, max_concurr
     from recsys.training.tune_trial import JobTrial, LogTrials
 
     trainable = tune.with_resources(tune.with_parameters(JobTrial, spec=spec), {"cpu": 1})
-    points = distinct_trials(params, trials)      # a space of discrete keys: no trial twice
-    if points is not None and len(points) < trials:
-        logger.warning("the space has %d distinct trials: each runs once (--trials %d)", len(points), trials)
     experiment = root / "ray"
     if tune.Tuner.can_restore(str(experiment)):
         logger.info("resuming the search in %s: finished trials are kept, unfinished ones continue", root)
         return tune.Tuner.restore(str(experiment), trainable, resume_unfinished=True, resume_errored=False,
                                   restart_errored=False).fit()
+    points = distinct_trials(params, trials)      # a space of discrete keys: no trial twice
+    if points is not None and len(points) < trials:
+        logger.warning("the space has %d distinct trials: each runs once (--trials %d)", len(points), trials)
     tuner = tune.Tuner(
         trainable, param_space={p.key: p.domain() for p in params},
         tune_config=tune.TuneConfig(
