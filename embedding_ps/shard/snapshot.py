@@ -55,7 +55,8 @@ MANIFEST = "manifest.json"
 LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", "seed", "init", "init_scale")
 """TableConfig fields saved as a table's "layout": a config loading the save must match them."""
 _SHARD = "shard"
-_LOW32 = 0xFFFFFFFF
+LOW32 = 0xFFFFFFFF
+"""The low half of a row's saved `meta` (`count << 32 | last_seen`): its last_seen step."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def table_layout(cfg: TableConfig) -> dict:
 def unpack_meta(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(count, last_seen), int64 each, of saved `meta` int64 [R] (`count << 32 | last_seen`, as
     `embedding_ps.shard.table` packs its counters)."""
-    return meta >> 32, meta & _LOW32
+    return meta >> 32, meta & LOW32
 
 
 @dataclass
@@ -424,6 +425,6 @@ def verify_shard(directory: str) -> None:
         map_checked(os.path.join(directory, rel), expect)          # hashed through a mapping: no copy
 
 
-__all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "CorruptShardError", "SavedShard", "ShardSnapshot", "TableSnapshot",
-           "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
+__all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "LOW32", "CorruptShardError", "SavedShard", "ShardSnapshot",
+           "TableSnapshot", "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
            "table_layout", "unpack_meta", "verify_shard", "write_array"]

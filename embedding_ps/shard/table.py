@@ -48,7 +48,7 @@ from embedding_ps.shard.decay import CaughtUpRows, GlobalDecay, is_global
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
 from embedding_ps.shard.optim import apply_update, fill_value, state_specs
-from embedding_ps.shard.snapshot import _LOW32, unpack_meta
+from embedding_ps.shard.snapshot import LOW32, unpack_meta
 from embedding_ps.reference import seed_mix
 from embedding_ps.wire.sharding import splitmix64_np
 
@@ -203,7 +203,7 @@ class TableShard:
         m = meta[un]
         m >>= 32
         m += 1
-        np.minimum(m, _LOW32 >> 1, out=m)  # count saturates at 2**31 - 1: meta stays >= 0
+        np.minimum(m, LOW32 >> 1, out=m)  # count saturates at 2**31 - 1: meta stays >= 0
         m <<= 32
         m |= step
         meta[un] = m  # count += 1, last_seen = step (numpy 1-D gather/scatter: faster than torch index
@@ -321,7 +321,7 @@ class TableShard:
         if not ttl:
             return {"evicted_ttl": 0, "pending_dropped": 0}
         keys, slots = self.map.items()
-        old = (self.meta.numpy()[slots] & _LOW32) <= step - ttl
+        old = (self.meta.numpy()[slots] & LOW32) <= step - ttl
         self._evict(keys[old], slots[old], step, "ttl")
         stale = self.pending.older_than(step - ttl)
         self.pending.remove(stale)
@@ -406,7 +406,7 @@ class TableShard:
         meta = self.meta.index_select(0, s)
         count = extra["count"].long() if "count" in extra else meta >> 32
         last = extra.get("last_seen", extra.get("last_update"))
-        last = last.long() if last is not None else meta & _LOW32
+        last = last.long() if last is not None else meta & LOW32
         self.meta.index_copy_(0, s, (count << 32) | last)
 
 
