@@ -8,10 +8,8 @@ local save does (checksums computed while writing), then uploads them, `manifest
 reader treats a shard directory without its manifest as unfinished (`snapshot.read_manifest`).
 Loading downloads a shard directory into a local temporary directory and reads it from there.
 
-Endpoint and credentials are what pyarrow takes: environment variables (AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...) and URI query parameters, e.g.
-`s3://bucket/run?endpoint_override=127.0.0.1:9000&scheme=http`. The query stays at the end of every
-path made with `join`.
+Endpoint and credentials are what pyarrow takes (environment variables, URI query parameters; the
+list: docs/storage.md); the query stays at the end of every path made with `join`.
 
 This module is the only place in `embedding_ps` that knows about URIs; `recsys.storage` uses its
 `is_uri` / `join` so both sides name a shard's directory the same way.

@@ -1,12 +1,8 @@
-"""The shard's socket loop: `serve` binds a ZeroMQ ROUTER socket and runs `run_loop` over a
-`embedding_ps.shard.server.ShardServer` (which decodes requests and encodes replies; no sockets there).
-
-    recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
-
-(`recsys ps` is the one entry point; it calls `serve`, also importable from embedding_ps.shard.server.)
-The loop is one thread and never blocks on a request: one that must wait (a sync-mode pull for a
-step whose predecessor is not applied yet, a SAVE / LOAD during a background write) is parked and
-handled again after a barrier or once the write ended.
+"""The shard's socket loop: `serve` (the code behind `recsys ps`, see `embedding_ps.shard.server`) binds a
+ZeroMQ ROUTER socket and runs `run_loop` over a `ShardServer` (which decodes requests and encodes
+replies; no sockets there). The loop is one thread and never blocks on a request: one that must wait
+(a sync-mode pull for a step whose predecessor is not applied yet, a SAVE / LOAD during a background
+write) is parked and handled again after a barrier or once the write ended.
 """
 
 from __future__ import annotations

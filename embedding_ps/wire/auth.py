@@ -1,29 +1,8 @@
 """Authentication of PS traffic: a shared token, ZeroMQ CURVE, or none (loopback only, by choice).
 
 Both kinds authenticate a peer during ZeroMQ's handshake, through ZAP (`zmq.auth`): a peer without
-the secret never completes it, so the shard never receives a byte of its requests (no message of an
-unauthenticated peer is read into memory, whatever its size).
-
-- token (PLAIN): the file `ps.token_file` holds the secret (surrounding whitespace stripped, >= 16
-  bytes, mode 600). The client gives it as the PLAIN password of its connection; the shard's ZAP
-  handler compares it with `hmac.compare_digest` (and never logs it). Each request also carries it
-  in its auth frame, checked again (`token_matches`). A client with the wrong token sees the
-  handshake refused: `PSRequestError(UNAUTHORIZED)` naming the shard (socket monitor), not a timeout.
-- curve: `ps.curve_keys_dir` holds certificates made by `zmq.auth.create_certificates`
-  (see `create_curve_keys`)::
-
-      server.key, server.key_secret      the shard's key pair (clients need server.key)
-      client.key, client.key_secret      the trainers' key pair
-      authorized_clients/*.key           public keys a shard accepts (if the folder is missing:
-                                         client.key alone)
-
-- auto (default): `recsys train` makes a per-job token (`recsys.training.jobauth.job_auth`), so its
-  shards always authenticate; a shard started by hand must be told `token`, `curve` or, explicitly,
-  `none` (`jobauth.require_explicit`). In code (`serve`, `PSClient`) "auto" is "none".
-- none: only on a loopback bind; `recsys` logs a warning naming what a local user can then do.
-
-A shard bound to anything but loopback (an interface address, a host name, `0.0.0.0`, `*`)
-refuses to start unless `ps.auth` is "token" or "curve".
+the secret never delivers a byte of a request. The files, the checks and what "auto" means:
+docs/wire.md, "Authentication".
 """
 
 from __future__ import annotations
@@ -111,6 +90,8 @@ def token_matches(expected: bytes, got: bytes | memoryview) -> bool:
 
 PLAIN_USER = b"recsys-ps"
 """The PLAIN user name of every client (the token is the password)."""
+NO_JOB = "0" * 8
+"""The job tag without auth (`job_tag`)."""
 
 
 def job_tag(config: PSConfig, token: bytes | None = None) -> str:
@@ -122,7 +103,7 @@ def job_tag(config: PSConfig, token: bytes | None = None) -> str:
     elif config.auth == "curve":
         secret = _curve_file(config, "server.key").read_bytes()
     else:
-        return "0" * 8
+        return NO_JOB
     return hashlib.sha256(b"recsys-ps-segments\0" + secret).hexdigest()[:8]
 
 
@@ -230,6 +211,6 @@ def create_curve_keys(directory: str | os.PathLike) -> Path:
     return out
 
 
-__all__ = ["AuthConfigError", "PLAIN_USER", "is_loopback", "check_bind_auth", "load_token", "read_secret",
-           "token_matches", "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve",
+__all__ = ["AuthConfigError", "NO_JOB", "PLAIN_USER", "is_loopback", "check_bind_auth", "load_token",
+           "read_secret", "token_matches", "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve",
            "setup_client_curve", "create_curve_keys"]

@@ -29,6 +29,13 @@ MAX_THREADS = 64
 """Most worker threads per shard (ps.threads)."""
 
 
+def at_least(prefix: str, config: object, low: int, *keys: str) -> None:
+    """ValueError "{prefix}.{key} must be >= {low}, got ..." for the first of `keys` below `low`."""
+    for key in keys:
+        if getattr(config, key) < low:
+            raise ValueError(f"{prefix}.{key} must be >= {low}, got {getattr(config, key)}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TableConfig:
     """One embedding table, sharded by id across every PS shard (`[[ps.tables]]`)."""
@@ -125,8 +132,7 @@ class TableConfig:
         p = f"ps.tables[{self.name}]"
         if not self.name:
             raise ValueError("ps.tables: every table needs a non-empty name")
-        if self.dim < 1:
-            raise ValueError(f"{p}.dim must be >= 1, got {self.dim}")
+        at_least(p, self, 1, "dim", "max_pending", "eviction_log_max")
         if self.dim > MAX_DIM:
             raise ValueError(f"{p}.dim must be <= {MAX_DIM}, got {self.dim}")
         if self.kind == "hashed" and self.num_embeddings < 1:
@@ -146,12 +152,7 @@ class TableConfig:
             raise ValueError(
                 f"{p}.kernel='fbgemm' supports optimizer sgd, adagrad, rowwise_adagrad; got {self.optimizer!r}"
             )
-        for key in ("max_pending", "eviction_log_max"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{p}.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("min_count", "ttl_steps", "max_rows", "cache_rows", "capacity"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{p}.{key} must be >= 0, got {getattr(self, key)}")
+        at_least(p, self, 0, "min_count", "ttl_steps", "max_rows", "cache_rows", "capacity")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"{p}.{key} must be in [0, 1), got {getattr(self, key)}")
@@ -255,23 +256,18 @@ class PSConfig:
             raise ValueError(f"ps.num_shards must be <= {MAX_SHARDS} (each shard is a process), got {self.num_shards}")
         if self.num_workers > MAX_WORKERS:
             raise ValueError(f"ps.num_workers must be <= {MAX_WORKERS}, got {self.num_workers}")
-        if self.num_shards < 1:
-            raise ValueError(f"ps.num_shards must be >= 1, got {self.num_shards}")
+        at_least("ps", self, 1, "num_shards", "num_workers")
         if self.addresses and len(self.addresses) != self.num_shards:
             raise ValueError(
                 f"ps.addresses has {len(self.addresses)} entries but ps.num_shards is {self.num_shards}"
             )
-        if self.num_workers < 1:
-            raise ValueError(f"ps.num_workers must be >= 1, got {self.num_workers}")
         if not (isinstance(self.shared_memory, bool) or self.shared_memory == "auto"):
             raise ValueError(f"ps.shared_memory must be true, false or 'auto', got {self.shared_memory!r}")
         if not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(f"ps.threads must be in [0, {MAX_THREADS}] (0: what the machine has), got {self.threads}")
         if self.timeout_s <= 0:
             raise ValueError(f"ps.timeout_s must be > 0, got {self.timeout_s}")
-        for key in ("max_staleness", "retries", "replicate_max_rows", "replicate_max_bytes"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"ps.{key} must be >= 0, got {getattr(self, key)}")
+        at_least("ps", self, 0, "max_staleness", "retries", "replicate_max_rows", "replicate_max_bytes")
         if not 0.0 < self.checkpoint_extra_memory <= 1.0:
             raise ValueError(f"ps.checkpoint_extra_memory must be in (0, 1] (a fraction of the rows' bytes), "
                              f"got {self.checkpoint_extra_memory}")

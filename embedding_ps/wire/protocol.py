@@ -1,68 +1,11 @@
-"""The PS wire format: explicit binary frames, never pickle.
+"""The PS wire format: explicit binary frames, never pickle (the spec: docs/wire.md, "Frames").
 
-A message is a list of ZeroMQ frames. A request is::
-
-    frame 0   header   HEADER_SIZE bytes, struct HEADER_FORMAT (little-endian, below)
-    frame 1   auth     the shared token (ps.auth = "token"), else empty
-    frame 2.. payload  raw little-endian tensor bytes, per op:
-        PULL      index int64 [T, 2], ids int64 [M]                  (count = T parts, dim = D of every
-        PUSH      index int64 [T, 2], ids int64 [M], grads dtype [M, D]  part; dtype: the row type)
-        SAVE/LOAD directory, UTF-8                   (dtype BYTES, count = byte length)
-        others    nothing
-
-PULL / PUSH with ``flags & FLAG_SHM`` (a client and shard on one host, `embedding_ps.wire.shm`): the rows
-do not travel in a frame. PUSH's third payload frame is then the name (ASCII) of a shared-memory
-segment holding the grads dtype [M, D] from its first byte; PULL has a third payload frame, the
-name of the segment the shard writes the reply rows dtype [M, D] into, and the reply has no payload.
-A shard that cannot open the segment (it does not take shared memory, or it does not share the
-client's /dev/shm) answers status NO_SHM before applying anything, and the client sends the same
-request again with the rows in a frame.
-
-PUSH with ``flags & FLAG_SHM | FLAG_GRADS_LATE`` (fp32 grads, ids in the segment): the client sends
-the request first and then writes the grads into the segment, so the request's hand-off to the
-shard overlaps that copy; the segment's 16-byte trailer after the ids (`embedding_ps.wire.shm`) holds
-`ready` (int64: the request id once the grads are written, minus it if the client gave up) and
-`finite` (int64: 1 if the client's copy found every grad finite). The shard waits for `ready`
-before it reads a grad (bounded: an error reply if it does not come, or at once if the client's
-flock on the segment is gone: it died), and runs its own finite
-check only when `finite` is not 1.
-
-PULL / PUSH with ``flags & FLAG_SHM | FLAG_NOTIFY`` (ids in the segment, the same trailer): once the
-request succeeded (rows gathered into the segment, grads applied or queued), the shard sets the
-trailer's `done` word (int32 at byte 16) to 1 and wakes the client's thread waiting on it (a futex
-on the shared page), then sends its reply as usual. The waiting caller has its result without
-waiting for the reply to travel through the sockets and the client's I/O thread; every other
-outcome (an error, NO_SHM) comes by the reply.
-
-SAVE with ``flags & FLAG_BACKGROUND``: the shard snapshots its state (copy-on-write, bounded extra
-memory), replies at once and writes it on a thread; SAVE_STATUS reports how that write went
-(`embedding_ps.shard.saver`). Without the flag, SAVE replies once the files are written. (Flag 2 was
-FLAG_PREPARE, a no-op kept for clients older than protocol v3, which the version check refuses.)
-
-There is one row path: a PULL or PUSH carries T parts (tables) in one message, so a trainer's
-step costs one request per shard, not one per table; a single table is a request with one part.
-Row i of `index` is (table, n_i), the ids are the parts' ids back to back (M = sum n_i), and so are
-the grads and the PULL reply's rows dtype [M, D]. Every part's table must have dim D.
-
-A reply is ``[header, payload...]`` with the request's op, request id and client id echoed:
-PULL -> rows dtype [M, D]; STATS / HEALTH / SAVE / SAVE_STATUS / LOAD / SWEEP -> JSON bytes;
-PUSH / BARRIER / SHUTDOWN -> nothing. A reply with ``status != OK`` carries one UTF-8 frame with
-the error message.
-
-Version 3 (this one) is version 2 with the PUSH / PULL flags FLAG_GRADS_LATE and FLAG_NOTIFY:
-a version-2 shard would ignore them and read gradients the client has not written yet, so the
-versions refuse each other. Version 2 had only the multi-table PULL / PUSH (ops 11 and 12);
-version 1 also had single-table ops 1 and 2. A peer of another version gets BAD_FRAME naming both
-versions.
-
-Header fields (60 bytes, ``<IHBBHHIIQIIqQQ``)::
-
-    magic u32 | version u16 | op u8 | dtype u8 | status u16 | flags u16 | table u32 | worker u32 |
-    count u64 | dim u32 | reserved u32 | step i64 | client u64 | request u64
-
-`count` is N (ids, or bytes of a BYTES payload), `dim` is D, `step` the sender's training step,
-`worker` its trainer rank, `client` a random id of the client instance and `request` a per-client
-request id (with `client`, the key of the server's replay cache of non-idempotent requests).
+A message is a list of ZeroMQ frames: a request is [header, auth, payload...], a reply
+[header, payload...] with the request's op, request id and client id echoed (an error reply: one
+UTF-8 frame with the message). The header is HEADER_FORMAT (60 bytes, little-endian); a PULL or
+PUSH carries T parts (tables) in one message (one request per shard a step); FLAG_SHM,
+FLAG_GRADS_LATE and FLAG_NOTIFY move its rows through a shared-memory segment (`embedding_ps.wire.shm`).
+A peer of another VERSION gets BAD_FRAME naming both versions.
 """
 
 from __future__ import annotations
@@ -102,12 +45,9 @@ FLAG_BACKGROUND = 1
 FLAG_SHM = 4
 """PULL / PUSH request flag: the rows are in the client's shared-memory segment named by the last frame."""
 FLAG_GRADS_LATE = 8
-"""PUSH request flag (with FLAG_SHM, ids in the segment): sent while the client still writes the grads
-into the segment; the shard waits for the segment's trailer (`embedding_ps.wire.shm.Trailer`) to say they
-are written, and skips its finite check when the trailer says the client found every grad finite."""
+"""PUSH request flag (with FLAG_SHM): the grads come into the segment after the request (docs/wire.md)."""
 FLAG_NOTIFY = 16
-"""PULL / PUSH request flag (with FLAG_SHM, ids in the segment): once the request succeeded, the shard
-sets the trailer's done word and wakes the client's waiting thread (a futex), before its reply."""
+"""PULL / PUSH request flag (with FLAG_SHM): the shard sets the trailer's done word first (docs/wire.md)."""
 
 
 class Status(enum.IntEnum):
@@ -152,7 +92,7 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """The fixed-size header of every request and reply (see the module docstring)."""
+    """The fixed-size header of every request and reply (docs/wire.md, "Frames")."""
 
     op: int
     table: int = 0

@@ -1,48 +1,10 @@
 """Shared-memory row frames between a client and a shard on the same host (ps.shared_memory).
 
-On loopback TCP a 100k-row d64 PULL reply or PUSH (25.6 MB) costs two kernel copies each way
-(measured: BENCHMARKS.md, "benchmarks/ps_transport.py"; `ipc://` was slower
-still). With shared memory the rows are not
-sent at all: the client owns segments in /dev/shm, names one in the request (a small frame), and
-the shard reads the gradients from it (PUSH) or gathers the rows into it (PULL) in place. The
-client's PULL result is a tensor viewing the segment (no copy); a segment is reused only once
-nothing views it any more (reference counts, as `replybuffers.ReplyBuffers`).
-
-    client (ShmPool)                                  shard (ShmAttacher)
-    take(nbytes) -> "recsys-ps-<job>-<pid><hex>"  ──name──>  attach(name, nbytes) -> uint8 view
-    segment: rows dtype [M, D] | ids int64 [M] (at ids_offset; the request's ids frame is empty)
-    PUSH: grads copied into the segment               reads grads and ids from it (sync mode: copies them)
-    PULL: reply has no rows frame                     reads the ids, gathers rows into it
-    PUSH with FLAG_GRADS_LATE: segment rows | ids | trailer (ready int64, finite int64, `trailer`)
-      request sent, then grads copied (+ finite check)  reads ids, waits for ready == request id
-      in one pass (native.copy_finite), then ready      (native.wait_flag), skips its finite check
-                                                         when finite == 1
-
-Safety: a segment is a regular file in /dev/shm with mode 0600, created with O_EXCL by the client;
-its name carries the job's tag (`auth.job_tag`: a hash of the job's token) and the client's pid. A
-shard opens only names of its own job, `recsys-ps-<its tag>-<hex>` (no paths), named in a request
-of an authenticated client (requests of others never reach it: `auth`), without following links,
-owned by its own user, at least as large as the request says. The client keeps a fd of each segment open
-with a shared flock on it: a shard waiting for a push's late grads sees the client gone (the
-kernel drops the lock when a process dies) within 50 ms (`writer_alive`, `pushgrads.wait_late`).
-A segment whose request failed or was retried is never reused (a late write of the shard cannot
-reach a tensor the caller holds). Only Linux has /dev/shm; elsewhere `available()` is False and
-clients use the socket.
-
-Who uses it (ps.shared_memory, `client_uses` / `shard_accepts`):
-
-    "auto" (default)  a client tries it with the shards whose address is loopback by its name
-                      (127.x, localhost, ::1, ipc://: the local launcher's shards); a shard takes
-                      it when it is bound to a loopback address. A shard on another node (the Ray
-                      engine's, `recsys ps` on another host) is never tried.
-    true              a client tries it with every shard (e.g. this host's shards advertised under
-                      a routable address); a shard takes it whatever its bind address.
-    false             neither.
-
-Fallback: a shard that cannot open the client's segment (shared memory off there, or a container
-that shares the network namespace but not /dev/shm) answers status NO_SHM before it applies
-anything; the client sends the request again through the socket and stops trying that shard
-(`ClientSegments.refused`, one warning per shard), so it is never an error.
+The client owns segments in /dev/shm (`ShmPool`), names one in a request, and the shard reads the
+gradients from it (PUSH) or gathers the rows into it (PULL) in place (`ShmAttacher`); the client's
+PULL result views the segment (no copy), reused once nothing views it any more (`BufferPool`).
+Layout (rows | ids | trailer), late grads, notify, the safety rules (names, owner, flock) and the
+fallback to the socket: docs/wire.md, "Shared-memory segments".
 """
 
 from __future__ import annotations
@@ -68,15 +30,13 @@ import torch
 
 from embedding_ps import native
 from embedding_ps.wire import protocol as P
-from embedding_ps.wire.auth import is_loopback
+from embedding_ps.wire.auth import NO_JOB, is_loopback
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_RE = re.compile(r"recsys-ps-(?:(?P<job>[0-9a-f]{8})-)?(?P<pid>[0-9a-f]{8})[0-9a-f]{8,56}")
 """Segment names: job tag (older releases: none), the creating client's pid, random hex."""
-NO_JOB = "0" * 8
-"""The job tag without auth (`auth.job_tag`)."""
 MIN_BYTES = 1 << 20
 """Requests below this many row bytes use the socket: the copy is cheap and a segment costs a file."""
 POOL_BYTES = 1 << 30
@@ -86,17 +46,13 @@ SETTLE_S = 0.002
 (FLAG_NOTIFY) and is busy only until the client's I/O thread has handled the reply."""
 SETTLE_GRACE_S = 0.0005
 """... once that reply was handled (what holds the segment then lets go of it right after)."""
-_LOCAL_HOSTS = ("localhost", "::1", "[::1]")
 
 
 def is_local(address: str) -> bool:
-    """Whether a shard address (`tcp://host:port`, `ipc://path`) is on this host by its name."""
+    """Whether a shard address (`tcp://host:port`, `ipc://path`) is on this host by its name (`is_loopback`)."""
     if address.startswith("ipc://"):
         return True
-    if not address.startswith("tcp://"):
-        return False
-    host = address[len("tcp://"):].rsplit(":", 1)[0]
-    return host in _LOCAL_HOSTS or host.startswith("127.")
+    return address.startswith("tcp://") and is_loopback(address[len("tcp://"):].rsplit(":", 1)[0])
 
 
 def ids_offset(rows_bytes: int) -> int:
@@ -145,12 +101,12 @@ Mode = bool | Literal["auto"]
 
 
 def client_uses(mode: Mode, address: str) -> bool:
-    """Whether a client tries shared memory with the shard at `address` (see the module docstring)."""
+    """Whether a client tries shared memory with the shard at `address` (ps.shared_memory)."""
     return mode is True or (mode == "auto" and is_local(address))
 
 
 def shard_accepts(mode: Mode, bind: str) -> bool:
-    """Whether a shard bound to host `bind` opens its clients' segments (see the module docstring)."""
+    """Whether a shard bound to host `bind` opens its clients' segments (ps.shared_memory)."""
     return available() and (mode is True or (mode == "auto" and is_loopback(bind)))
 
 
@@ -165,12 +121,12 @@ def _forget_in_child() -> None:
     (`writer_alive`). The segments stay the parent's (nothing is unlinked); a pool used in the
     child makes new ones (or, as any PSClient in a forked child, should not be used at all)."""
     for pool in list(_POOLS):
-        for fd in pool.fds.values():
+        for fd in pool.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        pool.fds, pool.segs, pool.total = {}, [], 0
+        pool.fds, pool.bufs, pool.names, pool.total = [], [], [], 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -178,76 +134,101 @@ if hasattr(os, "register_at_fork"):
 
 
 def best_fit(sizes: list[int], nbytes: int, idle: Callable[[int], bool]) -> int | None:
-    """Index of the smallest idle buffer of at least `nbytes` (0: the smallest idle one), or None: the
-    choice of the buffer pools that reuse what nothing views any more (`ShmPool`, the shard's
-    `ReplyBuffers`). `idle(i)` tells whether buffer i is free (reference counts)."""
+    """Index of the smallest idle buffer of at least `nbytes` (0: the smallest idle one), or None.
+    `idle(i)` tells whether buffer i is free (reference counts)."""
     fits = [i for i, size in enumerate(sizes) if size >= nbytes and idle(i)]
     return min(fits, key=sizes.__getitem__, default=None)
 
 
-class ShmPool:
-    """The client's segments: power-of-two sizes, reused once idle, at most `max_bytes` in all."""
+class BufferPool:
+    """Byte buffers of power-of-two sizes (at least `min_bytes`), reused once nothing views them any
+    more (reference counts: only the pool still refers to one), at most `max_bytes` in all: the
+    client's segments (`ShmPool`) and the shard's PULL reply buffers (`replybuffers.ReplyBuffers`).
+    A subclass makes a buffer, `_make(size)` -> uint8 [size] or None (`failed`: no new ones from then on)."""
+
+    def __init__(self, max_bytes: int, min_bytes: int) -> None:
+        self.max_bytes, self.min_bytes = max_bytes, min_bytes
+        self.bufs: list[np.ndarray] = []                      # uint8 [size] each
+        self.total = 0
+        self.failed = False
+
+    def index(self, nbytes: int) -> int | None:
+        """The index of an idle buffer of at least `nbytes` (the smallest), made if none is, idle
+        ones dropped (smallest first) to make room; None: no room (too big, nothing idle to drop)."""
+        best = best_fit([a.nbytes for a in self.bufs], nbytes, self._idle)
+        if best is not None:
+            return best
+        size = max(self.min_bytes, 1 << max(nbytes - 1, 1).bit_length())
+        if size > self.max_bytes or self.failed:
+            return None
+        while self.total + size > self.max_bytes:
+            idle = best_fit([a.nbytes for a in self.bufs], 0, self._idle)
+            if idle is None:
+                return None
+            self._drop(idle)
+        a = self._make(size)
+        if a is None:
+            self.failed = True
+            return None
+        self.bufs.append(a)
+        self.total += size
+        return len(self.bufs) - 1
+
+    def _drop(self, i: int) -> None:
+        self.total -= self.bufs.pop(i).nbytes
+
+    def _idle(self, i: int) -> bool:
+        # references: the list and getrefcount's argument; more while a view (a tensor, a frame) lives
+        return sys.getrefcount(self.bufs[i]) <= 2
+
+
+class ShmPool(BufferPool):
+    """The client's segments (a `BufferPool` of MIN_BYTES or more): `bufs[i]` is segment `names[i]`."""
 
     def __init__(self, max_bytes: int, job: str = NO_JOB) -> None:
-        self.max_bytes, self.job = max_bytes, job
-        self.segs: list[tuple[bytes, np.ndarray]] = []        # (name, uint8 [size] viewing the mapping)
-        self.fds: dict[bytes, int] = {}                       # name -> open fd holding a shared flock
-        self.total = 0
-        self.failed = False                                   # a segment could not be made: socket from now on
+        super().__init__(max_bytes, MIN_BYTES)
+        self.job = job
+        self.names: list[bytes] = []
+        self.fds: list[int] = []                              # open fds holding a shared flock
         _POOLS.add(self)
+
+    @property
+    def segs(self) -> list[tuple[bytes, np.ndarray]]:
+        """(name, uint8 [size] viewing the mapping) of every segment."""
+        return list(zip(self.names, self.bufs))
 
     def take(self, nbytes: int) -> tuple[bytes, np.ndarray] | None:
         """(name, uint8 [nbytes] view) of an idle segment, or None (too big for the pool: use the socket)."""
-        best = best_fit([a.nbytes for _, a in self.segs], nbytes, self._idle)
-        if best is None:
-            size = max(MIN_BYTES, 1 << max(nbytes - 1, 1).bit_length())
-            if size > self.max_bytes or self.failed:
-                return None
-            while self.total + size > self.max_bytes:         # drop idle segments (smallest first)
-                idle = best_fit([a.nbytes for _, a in self.segs], 0, self._idle)
-                if idle is None:
-                    return None
-                self.discard(self.segs[idle][1])
-            try:
-                name, a, fd = _create(size, self.job)
-            except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
-                logger.warning("shared memory segment of %d bytes not created (%s): rows go through the "
-                               "socket from now on", size, e)
-                self.failed = True
-                return None
-            self.segs.append((name, a))
-            self.fds[name] = fd
-            self.total += size
-            best = len(self.segs) - 1
-        name, a = self.segs[best]
-        return name, a[:nbytes]
+        i = self.index(nbytes)
+        return None if i is None else (self.names[i], self.bufs[i][:nbytes])
+
+    def _make(self, size: int) -> np.ndarray | None:
+        try:
+            name, a, fd = _create(size, self.job)
+        except OSError as e:       # e.g. a small /dev/shm (containers): ENOSPC from posix_fallocate
+            logger.warning("shared memory segment of %d bytes not created (%s): rows go through the "
+                           "socket from now on", size, e)
+            return None
+        self.names.append(name)
+        self.fds.append(fd)
+        return a
+
+    def _drop(self, i: int) -> None:
+        super()._drop(i)
+        _unlink(self.names.pop(i))
+        os.close(self.fds.pop(i))       # drops the flock: a shard waiting on it stops waiting
 
     def discard(self, view: np.ndarray) -> None:
         """Never reuse the segment under `view` (a request on it failed or was retried); unlink it."""
         base = _root(view)
-        for i, (name, a) in enumerate(self.segs):
-            if a is base:
-                del self.segs[i]
-                self.total -= a.nbytes
-                _unlink(name)
-                self._close_fd(name)
+        for i in range(len(self.bufs)):
+            if self.bufs[i] is base:
+                self._drop(i)
                 return
 
     def close(self) -> None:
-        for name, _ in self.segs:
-            _unlink(name)
-            self._close_fd(name)
-        self.segs.clear()
-        self.total = 0
-
-    def _close_fd(self, name: bytes) -> None:
-        fd = self.fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)                # drops the flock: a shard waiting on it stops waiting
-
-    def _idle(self, i: int) -> bool:
-        # references: the list's tuple and getrefcount's argument; more while a view (a tensor) lives
-        return sys.getrefcount(self.segs[i][1]) <= 2
+        while self.bufs:
+            self._drop(len(self.bufs) - 1)
 
 
 class ClientSegments:
@@ -311,12 +292,12 @@ class ClientSegments:
         while True:
             now, wait = time.monotonic(), False
             with self.lock:
-                for i in range(len(pool.segs)):    # no variable bound to a segment: it would count as a user
-                    if pool.segs[i][1].nbytes < nbytes:
+                for i in range(len(pool.bufs)):    # no variable bound to a segment: it would count as a user
+                    if pool.bufs[i].nbytes < nbytes:
                         continue
                     if pool._idle(i):
                         return
-                    until, held = settling.get(id(pool.segs[i][1]), (0.0, None))
+                    until, held = settling.get(id(pool.bufs[i]), (0.0, None))
                     wait = wait or (until > now and (held is None or held() is None))
                 if not wait:
                     for key in [k for k, (until, _) in settling.items() if until <= now]:
@@ -605,5 +586,5 @@ def _root(view: np.ndarray) -> np.ndarray:
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
            "trailer", "done_word", "LateGrads", "NotifiedFuture", "ClientSegments", "Mode", "ids_offset",
            "seg_bytes", "ids_view",
-           "ShmAttacher", "ShmPool", "NO_JOB", "best_fit", "available", "owner_pid", "client_uses", "is_local",
-           "shard_accepts", "sweep_dead", "writer_alive"]
+           "ShmAttacher", "ShmPool", "BufferPool", "NO_JOB", "best_fit", "available", "owner_pid", "client_uses",
+           "is_local", "shard_accepts", "sweep_dead", "writer_alive"]
