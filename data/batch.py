@@ -9,6 +9,7 @@ numbers; hot-path code does not check its inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,28 +72,25 @@ class KeyedJagged:
         """int64 [F]: ids per feature."""
         return self.lengths.view(len(self.keys), -1).sum(dim=1, dtype=torch.int64)
 
-    def _key_span(self, key: str) -> tuple[int, int, int]:
-        """(feature index, first value, end value) of `key`."""
+    def __getitem__(self, key: str) -> Jagged:
+        """The ids of one feature: values int64 [N_f] (a view), lengths int32 [B] (a view)."""
         try:
             f = self.keys.index(key)
         except ValueError:
             raise KeyError(f"feature '{key}' is not in this KeyedJagged; keys: {list(self.keys)}") from None
         per_key = self.length_per_key().tolist()
-        start = sum(per_key[:f])
-        return f, start, start + per_key[f]
+        start, B = sum(per_key[:f]), self.stride
+        return Jagged(self.values[start:start + per_key[f]], self.lengths[f * B:(f + 1) * B])
 
-    def __getitem__(self, key: str) -> Jagged:
-        """The ids of one feature: values int64 [N_f] (a view), lengths int32 [B] (a view)."""
-        f, start, end = self._key_span(key)
-        B = self.stride
-        return Jagged(self.values[start:end], self.lengths[f * B:(f + 1) * B])
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> KeyedJagged:
+        """The same keys with f(values) and f(lengths)."""
+        return KeyedJagged(self.keys, f(self.values), f(self.lengths))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
-        return KeyedJagged(self.keys, self.values.to(device, non_blocking=non_blocking),
-                           self.lengths.to(device, non_blocking=non_blocking))
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> KeyedJagged:
-        return KeyedJagged(self.keys, self.values.pin_memory(), self.lengths.pin_memory())
+        return self._map(lambda t: t.pin_memory())
 
     def to_torchrec(self, weights: torch.Tensor | None = None) -> Any:
         """A `torchrec.sparse.jagged_tensor.KeyedJaggedTensor` over the same tensors (needs torchrec)."""
@@ -139,27 +137,19 @@ class Batch:
         """B."""
         return self.labels.shape[0]
 
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """f of every tensor (extras, numpy, are kept as they are)."""
+        return Batch(dense=f(self.dense), sparse=self.sparse._map(f), labels=f(self.labels),
+                     weights=None if self.weights is None else f(self.weights), extras=self.extras,
+                     example_weights=None if self.example_weights is None else f(self.example_weights))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """The tensors on `device` (extras stay numpy on the host)."""
-        return Batch(
-            dense=self.dense.to(device, non_blocking=non_blocking),
-            sparse=self.sparse.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
-            weights=None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
-            extras=self.extras,
-            example_weights=None if self.example_weights is None
-            else self.example_weights.to(device, non_blocking=non_blocking),
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
         """Copies of the tensors in page-locked memory (needs a CUDA build of torch)."""
-        return Batch(
-            dense=self.dense.pin_memory(), sparse=self.sparse.pin_memory(),
-            labels=self.labels.pin_memory(),
-            weights=None if self.weights is None else self.weights.pin_memory(),
-            extras=self.extras,
-            example_weights=None if self.example_weights is None else self.example_weights.pin_memory(),
-        )
+        return self._map(lambda t: t.pin_memory())
 
 
 def _check_tensor(name: str, t: Any, dtype: torch.dtype, ndim: int) -> None:

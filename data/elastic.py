@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from data.sharding import Windows
+from data.sharding import Windows, cut
 
 __all__ = ["STATE_VERSION", "Segment", "Part", "after", "share", "plan_rows", "plan_parts", "plan_row_groups",
            "plan_to_json", "plan_from_json", "stream_rows", "check_state", "check_old_states", "unread_segments"]
@@ -47,6 +47,10 @@ class Segment:
     @property
     def num_rows(self) -> int:
         return self.hi - self.lo
+
+    def part(self, a: int, b: int) -> Segment:
+        """Its rows [a, b) (0: its first row)."""
+        return Segment(self.world, self.rank, self.lo + a, self.lo + b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,26 +97,13 @@ def merge(plan: Sequence[Segment]) -> list[Segment]:
 
 def after(plan: Sequence[Segment], done: int) -> list[Segment]:
     """The segments of `plan` left once its first `done` rows are read."""
-    out = []
-    for s in plan:
-        skip = min(done, s.num_rows)
-        done -= skip
-        if skip < s.num_rows:
-            out.append(Segment(s.world, s.rank, s.lo + skip, s.hi))
-    return out
+    return cut(plan, done, plan_rows(plan))
 
 
 def share(plan: Sequence[Segment], *, rank: int, world_size: int) -> list[Segment]:
     """Rank `rank`'s contiguous part of `plan`: rows [rank R / W, (rank + 1) R / W) of its R rows."""
     total = plan_rows(plan)
-    lo, hi = rank * total // world_size, (rank + 1) * total // world_size
-    out, base = [], 0
-    for s in plan:
-        a, b = max(lo, base), min(hi, base + s.num_rows)
-        if a < b:
-            out.append(Segment(s.world, s.rank, s.lo + a - base, s.lo + b - base))
-        base += s.num_rows
-    return merge(out)
+    return merge(cut(plan, rank * total // world_size, (rank + 1) * total // world_size))
 
 
 def plan_parts(plan: Sequence[Segment], done: int, streams: Mapping[tuple[int, int], Windows]) -> list[Part]:

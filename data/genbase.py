@@ -106,27 +106,32 @@ def iter_chunks(chunk: Callable[[int], pa.Table], rows: int) -> Iterator[pa.Tabl
         yield chunk(c).slice(0, min(GEN_CHUNK, rows - c * GEN_CHUNK))
 
 
+def file_rows(rows: int, num_files: int, rows_per_file: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Rows of each of `num_files` files: rows_per_file when given (counts >= 1 summing to `rows`),
+    else an equal share (file i: rows [i * rows // num_files, (i + 1) * rows // num_files))."""
+    if rows_per_file is None:
+        if rows < 1 or num_files < 1 or num_files > rows:
+            raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
+        return tuple((i + 1) * rows // num_files - i * rows // num_files for i in range(num_files))
+    if len(rows_per_file) != num_files or sum(rows_per_file) != rows or min(rows_per_file, default=0) < 1:
+        counts = "counts >= 1" if len(rows_per_file) == num_files and sum(rows_per_file) == rows else "counts"
+        raise ValueError(f"rows_per_file must be {num_files} {counts} summing to rows={rows}, "
+                         f"got {list(rows_per_file)}")
+    return tuple(rows_per_file)
+
+
 def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa.Table]], *, rows: int,
                 num_files: int, out_dir: str, seed: int, row_group_rows: int, compression: str,
                 model_seed: int, rows_per_file: Sequence[int] | None = None) -> dict:
     """Writes the generator's tables (rows 0..rows-1, each with `label`) into `num_files` files of
-    `out_dir` and returns generate()'s summary, shared by every preset (the oracle AUC and mean p_true
-    of presets with a `p_true` column). File i gets rows_per_file[i] rows when given (their sum must
-    be `rows`), else an equal share."""
-    if rows_per_file is not None:
-        if len(rows_per_file) != num_files or sum(rows_per_file) != rows or min(rows_per_file) < 1:
-            raise ValueError(f"rows_per_file must be {num_files} counts >= 1 summing to rows={rows}, "
-                             f"got {list(rows_per_file)}")
-        bounds = [0, *np.cumsum(rows_per_file).tolist()]
-    elif rows < 1 or num_files < 1 or num_files > rows:
-        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
-    else:
-        bounds = [i * rows // num_files for i in range(num_files + 1)]
+    `out_dir` (`file_rows`) and returns generate()'s summary, shared by every preset (the oracle AUC
+    and mean p_true of presets with a `p_true` column)."""
+    counts = file_rows(rows, num_files, rows_per_file)
     t0 = time.perf_counter()
     schema = schema.with_metadata(
         {"recsys.synthetic.preset": preset, "recsys.synthetic.seed": str(seed),
          "recsys.synthetic.model_seed": str(model_seed)})
-    writer = PartWriter(out_dir, schema, lambda i: bounds[i + 1] - bounds[i],
+    writer = PartWriter(out_dir, schema, lambda i: counts[i],
                         row_group_rows=row_group_rows, compression=compression)
     pos_hist = np.zeros(_AUC_BINS, np.int64)
     neg_hist = np.zeros(_AUC_BINS, np.int64)

@@ -8,12 +8,11 @@
         state = loader.state_dict()     # JSON-able; into the checkpoint
     loader.close()
 
-Order (see data/sharding.py): the (file, row group) units are permuted per epoch with a seed of
-(seed, epoch), the rank takes its contiguous share of rows, and the rows are shuffled inside
-windows of `shuffle_buffer_rows` with a seed of (seed, epoch, rank, window). The position is
-(epoch, window, offset inside the window), so `state_dict()` after any batch and
-`load_state_dict()` into a new loader continue with exactly the rows an uninterrupted read would
-have given, without storing rows. Under on_bad_rows = "skip" the offset counts the rows kept.
+Order: data/sharding.py (the rank's share of the rows, cut into windows of `shuffle_buffer_rows`
+shuffled inside; all seeded). The position is (epoch, window, offset inside the window), so
+`state_dict()` after any batch and `load_state_dict()` into a new loader continue with exactly the
+rows an uninterrupted read would have given, without storing rows. Under on_bad_rows = "skip" the
+offset counts the rows kept.
 Resuming: `load_state_dict(state)`, then iterate epochs from `state["epoch"]`; `set_epoch` of that
 epoch keeps the restored position, `set_epoch` of any other epoch starts that epoch afresh. Ranks
 read within one row of each other; `num_batches` (exact unless rows are skipped) lets a DDP trainer
@@ -38,7 +37,7 @@ from typing import Any
 from data.batch import Batch
 from data.config import DataConfig
 from data.elastic import (STATE_VERSION, Segment, check_old_states, check_state, plan_rows, plan_to_json, share,
-                          unread_segments)
+                          stream_rows, unread_segments)
 from data.parquet import DataError
 from data.reader import Item, Reader
 
@@ -157,8 +156,7 @@ class ParquetLoader:
         self._resume = False
         self._plan: list[Segment] | None = None
         """an elastic plan (data/elastic.py) for this epoch, with _offset its rows done; None: the rank stream"""
-        lo, hi = (rank * self.total_rows // world_size, (rank + 1) * self.total_rows // world_size)
-        self._rank_rows = hi - lo
+        self._rank_rows = stream_rows(self.total_rows, world_size, rank)
 
     # -- sizes --------------------------------------------------------------------------------
 
@@ -185,8 +183,7 @@ class ParquetLoader:
     @property
     def num_batches(self) -> int:
         """Batches this rank yields per epoch (fewer if bad rows are skipped)."""
-        B = self.config.batch_size
-        return self._rank_rows // B if self.config.drop_last else -(-self._rank_rows // B)
+        return self._batches_of(self._rank_rows)
 
     @property
     def remaining_batches(self) -> int:
@@ -198,8 +195,11 @@ class ParquetLoader:
         else:
             windows = self._reader.windows(self._epoch)
             left = windows.num_rows - windows.starts[min(self._window, windows.num_windows)] - self._offset
-        B, left = self.config.batch_size, max(left, 0)
-        return left // B if self.config.drop_last else -(-left // B)
+        return self._batches_of(max(left, 0))
+
+    def _batches_of(self, rows: int) -> int:
+        B = self.config.batch_size
+        return rows // B if self.config.drop_last else -(-rows // B)
 
     @property
     def num_bad_rows(self) -> int:

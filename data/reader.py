@@ -2,9 +2,9 @@
 
 `Reader` is what `data.loader.ParquetLoader` runs (on its prefetch thread): `_Files` keeps a few
 Parquet files open and reads row groups (the next ones ahead on a thread), `Reader.stream` /
-`plan_stream` cut the rank's windows (data/sharding.py) or an elastic plan's segments
-(data/elastic.py) into batches of exactly `batch_size` rows through one `_Carry`, and each
-`Item` carries the batch with the reader position after it.
+`plan_stream` name the window parts of the rank's stream (data/sharding.py) or of an elastic plan's
+segments (data/elastic.py), which `Reader._items` cuts into batches of exactly `batch_size` rows
+through one `_Carry`, and each `Item` carries the batch with the reader position after it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from dataclasses import dataclass
@@ -186,71 +186,33 @@ class Reader:
 
     def stream(self, epoch: int, window: int, offset: int) -> Iterator[Item]:
         """Items of `epoch` from position (window, offset) to the end (a final item with batch None)."""
-        windows = self.windows(epoch)
-        keys = [(p.source, p.row_group) for w in range(window, windows.num_windows) for p in windows.pieces_of(w)]
-        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
-        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
-        carry = _Carry(self.cfg.batch_size)
-        bad = 0
-        try:
-            for w in range(window, windows.num_windows):
-                rows, dropped = self._window(files, windows, w)
-                n = 0 if rows is None else len(rows)
-                start = offset if w == window else 0
-                if start == 0:
-                    bad += dropped             # counted by the item that enters the window
-                if start > n:
-                    raise ValueError(f"resume position (window {w}, offset {start}) is past the "
-                                     f"window's {n} rows: the data changed since the state was saved")
-                order = epoch_seed(self.cfg.seed, epoch, 1, self.rank, w).permutation(n) if self.row_shuffle else None
-                for pos in carry.take(rows, order, start, n):
-                    yield Item(self._batch(carry.pop()), *((w, pos) if pos < n else (w + 1, 0)), bad)
-                    bad = 0
-            end = max(windows.num_windows, window)
-            if carry.n and not self.cfg.drop_last:
-                yield Item(self._batch(carry.pop()), end, 0, bad)
-                bad = 0
-            yield Item(None, end, 0, bad)
-        finally:
-            files.close()
+        windows, key = self.windows(epoch), (self.world_size, self.rank)
+        parts = [Part(*key, w, offset if w == window else 0, windows.starts[w + 1] - windows.starts[w], 0, 0)
+                 for w in range(window, windows.num_windows)]                   # (base, end: unused here)
+        yield from self._items(epoch, parts, {key: windows}, (max(windows.num_windows, window), 0),
+                               lambda p, pos, stop: (p.window, pos) if pos < stop else (p.window + 1, 0), strict=True)
 
     def plan_stream(self, epoch: int, plan: list[Segment], done: int) -> Iterator[Item]:
         """Items of `epoch` over rows [done, end) of an elastic plan (data/elastic.py), at positions
-        (0, rows of the plan done); a final item with batch None.
-
-        A window's dropped rows count once: in the part that starts at its place 0.
-        """
+        (0, rows of the plan done); a final item with batch None."""
         streams = {(s.world, s.rank): self.windows(epoch, s.world, s.rank) for s in plan}
-        parts = plan_parts(plan, done, streams)
-        total = plan_rows(plan)
-        carry = _Carry(self.cfg.batch_size)
-        bad = 0
-        windows = self._plan_windows(epoch, parts, streams)
-        try:
-            for p, rows, order, dropped in windows:
-                n = 0 if rows is None else len(rows)
-                if p.a == 0:
-                    bad += dropped
-                stop = min(p.c, n)
-                for pos in carry.take(rows, order, min(p.a, n), stop):
-                    yield Item(self._batch(carry.pop()), 0, p.base + pos if pos < stop else p.end, bad)
-                    bad = 0
-            if carry.n and not self.cfg.drop_last:
-                yield Item(self._batch(carry.pop()), 0, total, bad)
-                bad = 0
-            yield Item(None, 0, total, bad)
-        finally:
-            windows.close()
+        yield from self._items(epoch, plan_parts(plan, done, streams), streams, (0, plan_rows(plan)),
+                               lambda p, pos, stop: (0, p.base + pos if pos < stop else p.end), strict=False)
 
-    def _plan_windows(self, epoch: int, parts: list[Part], streams: dict[tuple[int, int], Windows]
-                      ) -> Iterator[tuple[Part, Rows | None, np.ndarray | None, int]]:
-        """(part, its window's kept rows, their shuffled order [n] or None, rows dropped) per part.
+    def _items(self, epoch: int, parts: list[Part], streams: dict[tuple[int, int], Windows], end: tuple[int, int],
+               at: Callable[[Part, int, int], tuple[int, int]], strict: bool) -> Iterator[Item]:
+        """Batches of the places of `parts` in order, each at position at(part, place after it, the part's
+        stop), then the last (partial) batch and the final item (batch None) at position `end`.
 
         The whole window is decoded, as its kept rows and their order depend on all of it; a window
-        that two parts in a row need is decoded once.
+        that two parts in a row need is decoded once. A window's dropped rows count once: in the part
+        that starts at its place 0. A part that starts past its window's kept rows (under "skip") is
+        empty, or with `strict` (a resumed rank-stream position) a ValueError.
         """
-        keys = plan_row_groups(parts, streams)
-        files = _Files(self.sources, self.plan, keys, 1 if self.cfg.prefetch_batches > 0 else 0)
+        files = _Files(self.sources, self.plan, plan_row_groups(parts, streams),
+                       1 if self.cfg.prefetch_batches > 0 else 0)
+        carry = _Carry(self.cfg.batch_size)
+        bad = 0
         try:
             for i, p in enumerate(parts):
                 if i == 0 or not p.same_window(parts[i - 1]):
@@ -258,6 +220,18 @@ class Reader:
                     n = 0 if rows is None else len(rows)
                     order = epoch_seed(self.cfg.seed, epoch, 1, p.rank, p.window).permutation(n) \
                         if self.row_shuffle else None
-                yield p, rows, order, dropped
+                if p.a == 0:
+                    bad += dropped             # counted by the item that enters the window
+                if strict and p.a > n:
+                    raise ValueError(f"resume position (window {p.window}, offset {p.a}) is past the "
+                                     f"window's {n} rows: the data changed since the state was saved")
+                stop = min(p.c, n)
+                for pos in carry.take(rows, order, min(p.a, n), stop):
+                    yield Item(self._batch(carry.pop()), *at(p, pos, stop), bad)
+                    bad = 0
+            if carry.n and not self.cfg.drop_last:
+                yield Item(self._batch(carry.pop()), *end, bad)
+                bad = 0
+            yield Item(None, *end, bad)
         finally:
             files.close()

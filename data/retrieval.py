@@ -23,7 +23,6 @@ same rows whatever the number of files.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -31,9 +30,6 @@ import numpy as np
 import pyarrow as pa
 
 from data.genbase import GEN_CHUNK, iter_chunks, write_parts
-from data.writer import PartWriter
-
-logger = logging.getLogger(__name__)
 
 NUM_USERS = 2000
 NUM_ITEMS = 4000
@@ -114,17 +110,11 @@ def generate_retrieval(*, rows: int, num_files: int, out_dir: str, seed: int, ro
                           out_dir=out_dir, seed=seed, row_group_rows=row_group_rows, compression=compression,
                           model_seed=model_seed)
     corpus = world.corpus()
-    meta = {"recsys.synthetic.preset": "retrieval", "recsys.synthetic.seed": str(seed),
-            "recsys.synthetic.model_seed": str(model_seed)}
-    item_writer = PartWriter(Path(out_dir) / "items", corpus.schema.with_metadata(meta),
-                             lambda i: NUM_ITEMS, row_group_rows=row_group_rows, compression=compression)
-    try:
-        item_writer.write(corpus)
-    finally:
-        item_files = item_writer.close()
-    summary.update(item_files=[f for f, _ in item_files], users=NUM_USERS, items=NUM_ITEMS, clusters=NUM_CLUSTERS,
+    items = write_parts("retrieval", corpus.schema, lambda: iter([corpus]), rows=NUM_ITEMS, num_files=1,
+                        out_dir=str(Path(out_dir) / "items"), seed=seed, row_group_rows=row_group_rows,
+                        compression=compression, model_seed=model_seed)
+    summary.update(item_files=items["files"], users=NUM_USERS, items=NUM_ITEMS, clusters=NUM_CLUSTERS,
                    seconds=round(time.perf_counter() - t0, 3))
-    logger.info("gen-data retrieval: %d items in %s", NUM_ITEMS, summary["item_files"][0])
     return summary
 
 

@@ -8,15 +8,17 @@ counts within one of each other, and also when there are fewer files or row grou
 (a unit on a boundary is split into row ranges).
 
 A rank's range, its *stream*, is cut into windows of at most S rows (S = the shuffle buffer),
-made of whole row groups where they fit. The loader decodes one window at a time and shuffles the rows inside it by
-a permutation seeded with
-(seed, epoch, rank, window), so any position (window, offset) can be rebuilt from the files alone:
-that is what makes an exact resume possible without storing rows.
+made of whole row groups where they fit. The loader decodes one window at a time and shuffles the
+rows inside it by a permutation seeded with (seed, epoch, rank, window), so any position (window,
+offset) can be rebuilt from the files alone: that is what makes an exact resume possible without
+storing rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +39,22 @@ class Piece:
     def num_rows(self) -> int:
         return self.stop - self.start
 
+    def part(self, a: int, b: int) -> Piece:
+        """Its rows [a, b) (0: its first row)."""
+        return Piece(self.source, self.row_group, self.start + a, self.start + b)
+
+
+def cut(spans: Sequence[Any], lo: int, hi: int) -> list[Any]:
+    """The parts of `spans` (`Piece`s, or elastic `Segment`s) that hold rows [lo, hi) of them laid end
+    to end, in order."""
+    out, base = [], 0
+    for s in spans:
+        a, b = max(lo, base), min(hi, base + s.num_rows)
+        if a < b:
+            out.append(s.part(a - base, b - base))
+        base += s.num_rows
+    return out
+
 
 def list_units(row_group_rows: list[tuple[int, ...]]) -> list[Piece]:
     """Every non-empty row group of every file, whole, in (file, row group) order."""
@@ -51,20 +69,9 @@ def epoch_seed(seed: int, *parts: int) -> np.random.Generator:
 def rank_stream(units: list[Piece], *, epoch: int, seed: int, shuffle: bool, rank: int,
                 world_size: int) -> list[Piece]:
     """The pieces rank `rank` reads in epoch `epoch`, in reading order."""
-    order = epoch_seed(seed, epoch, 0).permutation(len(units)) if shuffle else np.arange(len(units))
-    sizes = np.array([units[i].num_rows for i in order], dtype=np.int64)
-    ends = np.cumsum(sizes)
-    total = int(ends[-1]) if ends.size else 0
-    lo, hi = rank * total // world_size, (rank + 1) * total // world_size
-    pieces = []
-    for k in range(int(np.searchsorted(ends, lo, side="right")), len(order)):
-        u = units[order[k]]
-        u_start = int(ends[k] - sizes[k])
-        if u_start >= hi:
-            break
-        a, b = max(lo, u_start) - u_start, min(hi, int(ends[k])) - u_start
-        pieces.append(Piece(u.source, u.row_group, u.start + a, u.start + b))
-    return pieces
+    order = epoch_seed(seed, epoch, 0).permutation(len(units)) if shuffle else range(len(units))
+    total = sum(u.num_rows for u in units)
+    return cut([units[i] for i in order], rank * total // world_size, (rank + 1) * total // world_size)
 
 
 class Windows:
@@ -83,8 +90,7 @@ class Windows:
         for p in pieces:
             k = -(-p.num_rows // window_rows)
             for i in range(k):
-                part = Piece(p.source, p.row_group, p.start + i * p.num_rows // k,
-                             p.start + (i + 1) * p.num_rows // k)
+                part = p.part(i * p.num_rows // k, (i + 1) * p.num_rows // k)
                 if cur and cur_rows + part.num_rows > window_rows:
                     self.windows.append(cur)
                     cur, cur_rows = [], 0

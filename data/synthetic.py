@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-# the generators' shared parts (also data.onehot's, data.sequence's and data.daily's), re-exported here
+# the generators' shared parts (data/genbase.py), re-exported here
 from data.genbase import (GEN_CHUNK, MASK63, MASK64, _hash_normals, _mix_scalar, _name_salt, _rng,  # noqa: F401
-                          ids_of_ranks, iter_chunks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
+                          file_rows, ids_of_ranks, iter_chunks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
 
 logger = logging.getLogger(__name__)
 
@@ -305,14 +305,11 @@ def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
     p_true, oracle AUC (AUC of p_true against the labels, from a 2^20-bin histogram), seconds.
     Presets with their own generator: `retrieval` (data.retrieval), `onehot` (data.onehot).
     """
-    if rows_per_file is not None and (len(rows_per_file) != num_files or sum(rows_per_file) != rows):
-        raise ValueError(f"rows_per_file must be {num_files} counts summing to rows={rows}, got {list(rows_per_file)}")
     if preset == "onehot":               # ten one-hot fields, its own generator (data/onehot.py)
         from data.onehot import generate_onehot
 
-        split = tuple(rows_per_file) if rows_per_file is not None else _even_split(rows, num_files)
-        return generate_onehot(out_dir=out_dir, seed=seed, split=split, row_group_rows=row_group_rows,
-                               compression=compression, model_seed=model_seed)
+        return generate_onehot(out_dir=out_dir, seed=seed, split=file_rows(rows, num_files, rows_per_file),
+                               row_group_rows=row_group_rows, compression=compression, model_seed=model_seed)
     if preset == "retrieval":            # its own generator and files (data/retrieval.py)
         from data.retrieval import generate_retrieval
 
@@ -325,8 +322,3 @@ def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
                        num_files=num_files, out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
                        compression=compression, model_seed=model_seed, rows_per_file=rows_per_file)
 
-
-def _even_split(rows: int, num_files: int) -> tuple[int, ...]:
-    if rows < 1 or num_files < 1 or num_files > rows:
-        raise ValueError(f"need 1 <= num_files <= rows, got rows={rows}, num_files={num_files}")
-    return tuple((i + 1) * rows // num_files - i * rows // num_files for i in range(num_files))

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from data.config import DataConfig
 from data.arrays import _ids, _list_parts, _valid
-from data.parquet import DataError, read_row_group, resolve_paths, scan_files
+from data.parquet import ColumnPlan, DataError, _is_list, read_row_group, resolve_paths, scan_files
 from data.remote import parquet_file
 
 __all__ = ["distinct_ids"]
@@ -26,7 +26,7 @@ __all__ = ["distinct_ids"]
 
 def _column_ids(arr: pa.Array) -> np.ndarray:
     """int64 [n'] ids of one column chunk, nulls dropped (lists: their child values)."""
-    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+    if _is_list(arr.type):
         _, arr = _list_parts(arr)
     ids, _ = _ids(arr)
     if arr.null_count:
@@ -46,7 +46,7 @@ def distinct_ids(cfg: DataConfig, paths: Sequence[str], columns: Sequence[str]) 
         raise DataError(f"no Parquet files in {list(paths)} to build a vocabulary from")
     sources, _, _ = scan_files(cfg, files)
     seen: dict[str, list[np.ndarray]] = {c: [] for c in columns}
-    plan = _Plan(columns)
+    plan = ColumnPlan(columns, ())                   # just these columns
     for source in sources:
         with parquet_file(source.path, source.metadata) as pf:
             for rg in range(len(source.row_group_rows)):
@@ -60,9 +60,3 @@ def distinct_ids(cfg: DataConfig, paths: Sequence[str], columns: Sequence[str]) 
     return {c: (np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)).astype(np.int64, copy=False)
             for c, parts in seen.items()}
 
-
-class _Plan:
-    """The `columns` attribute `read_row_group` reads (a ColumnPlan of just these columns)."""
-
-    def __init__(self, columns: tuple[str, ...]) -> None:
-        self.columns = columns
