@@ -114,11 +114,29 @@ def _weights(weights: ArrayLike, y: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _sums(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [loss, labels, scores, weight, count] sums of checked y, s [N] (`_pair`), each term times
+    w [N] when given (the weight sum is then sum w, else the count); loss as in `logloss`."""
+    p = s.clamp(EPS, 1 - EPS)
+    loss = -(y * torch.log(p) + (1 - y) * torch.log1p(-p))           # [N]
+    n = torch.tensor(float(y.numel()), dtype=torch.float64)
+    if w is None:
+        return torch.stack([loss.sum(), y.sum(), s.sum(), n, n])
+    return torch.stack([(w * loss).sum(), (w * y).sum(), (w * s).sum(), w.sum(), n])
+
+
+def _of_sums(sums: torch.Tensor) -> dict[str, float]:
+    """{"logloss", "ne", "calibration", "count"} of `_sums` (added up over batches and ranks)."""
+    loss_sum, label_sum, score_sum, weight_sum, count = sums.tolist()
+    ll = loss_sum / weight_sum if weight_sum > 0 else math.nan        # every weight 0: undefined
+    h = _binary_entropy(label_sum / weight_sum) if weight_sum > 0 else 0.0
+    return {"logloss": ll, "ne": ll / h if h > 0 else math.nan,
+            "calibration": score_sum / label_sum if label_sum > 0 else math.nan, "count": count}
+
+
 def logloss(labels: ArrayLike, scores: ArrayLike) -> float:
     """Mean binary cross-entropy -(y log p + (1 - y) log(1 - p)) in nats, p clamped to [EPS, 1 - EPS]."""
-    y, s = _pair(labels, scores)
-    p = s.clamp(EPS, 1 - EPS)                                             # [N]
-    return float(-(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean())
+    return _of_sums(_sums(*_pair(labels, scores)))["logloss"]
 
 
 def normalized_entropy(labels: ArrayLike, scores: ArrayLike) -> float:
@@ -127,16 +145,12 @@ def normalized_entropy(labels: ArrayLike, scores: ArrayLike) -> float:
     The logloss of always predicting the base rate is H(p), so NE < 1 means the model beats it
     (He et al., 2014). NaN when every label is the same (H(p) = 0).
     """
-    y, _ = _pair(labels, scores)
-    h = _binary_entropy(float(y.mean()))
-    return logloss(labels, scores) / h if h > 0 else math.nan
+    return _of_sums(_sums(*_pair(labels, scores)))["ne"]
 
 
 def calibration(labels: ArrayLike, scores: ArrayLike) -> float:
     """Mean score / mean label: 1 when the model predicts as many clicks as there are. NaN without positives."""
-    y, s = _pair(labels, scores)
-    label_sum = float(y.sum())
-    return float(s.sum()) / label_sum if label_sum > 0 else math.nan
+    return _of_sums(_sums(*_pair(labels, scores)))["calibration"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,13 +201,6 @@ class StreamingAUC:
         self.hist += other.hist
         return self
 
-    def reduced(self, group: dist.ProcessGroup | None = None) -> StreamingAUC:
-        """A copy whose counts are summed over the ranks of `group` (a collective: call on every rank)."""
-        out = copy.deepcopy(self)
-        if is_distributed(group):
-            out.hist = all_reduce(self.hist, group=group)
-        return out
-
     def compute(self) -> float:
         """AUC with same-bucket pairs counted as ties; NaN when one label is absent."""
         return _auc_of_groups(self.hist[1], self.hist[0])
@@ -241,13 +248,7 @@ class CTRMetrics:
         y, s = _pair(labels, scores)
         w = None if weights is None else _weights(weights, y)
         self.streaming_auc.update(y, s, w)                                # also checks 0 <= s <= 1
-        p = s.clamp(EPS, 1 - EPS)
-        loss = -(y * torch.log(p) + (1 - y) * torch.log1p(-p))           # [N]
-        n = torch.tensor(float(y.numel()), dtype=torch.float64)
-        if w is None:
-            self.sums += torch.stack([loss.sum(), y.sum(), s.sum(), n, n])
-        else:
-            self.sums += torch.stack([(w * loss).sum(), (w * y).sum(), (w * s).sum(), w.sum(), n])
+        self.sums += _sums(y, s, w)
         if self.exact_auc:
             self._labels.append(y)
             self._scores.append(s)
@@ -291,23 +292,14 @@ class CTRMetrics:
 
     def compute(self) -> dict[str, float]:
         """{"auc", "logloss", "ne", "calibration", "count"} of what was added here (see `reduced`)."""
-        loss_sum, label_sum, score_sum, weight_sum, count = self.sums.tolist()
-        if count == 0:
+        if self.sums[4] == 0:
             raise ValueError("CTRMetrics.compute: no examples were added")
-        ll = loss_sum / weight_sum if weight_sum > 0 else math.nan        # every weight 0: undefined
-        h = _binary_entropy(label_sum / weight_sum) if weight_sum > 0 else 0.0
         if self.exact_auc:
             auc_value = auc(torch.cat(self._labels), torch.cat(self._scores),
                             torch.cat(self._weights) if self.weighted else None)
         else:
             auc_value = self.streaming_auc.compute()
-        return {
-            "auc": auc_value,
-            "logloss": ll,
-            "ne": ll / h if h > 0 else math.nan,
-            "calibration": score_sum / label_sum if label_sum > 0 else math.nan,
-            "count": count,
-        }
+        return {"auc": auc_value, **_of_sums(self.sums)}
 
     def reset(self) -> None:
         self.sums.zero_()
@@ -477,7 +469,7 @@ class NullMetricLogger:
         pass
 
 
-class MemoryMetricLogger:
+class MemoryMetricLogger(NullMetricLogger):
     """A MetricSink that keeps every line in memory, `{"step": step, **metrics}` in call order
     (in-process runs of benchmarks and tests read them back)."""
 
@@ -486,9 +478,6 @@ class MemoryMetricLogger:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.lines.append({"step": step, **metrics})
-
-    def close(self) -> None:
-        pass
 
 
 __all__ = ["retrieval_metrics", "auc", "logloss", "normalized_entropy", "calibration", "StreamingAUC", "CTRMetrics",

@@ -1,14 +1,8 @@
 """CTR model architectures (the dense part; sparse rows come from the parameter server).
 
-Every model is a `CTRModel` (base.py), called the same way, and declares what else it needs::
+Every model is a `CTRModel`, called the same way (base.py). What training and serving both assemble::
 
     model = build_model(cfg.model, num_dense=13, num_sparse=26, embedding_dim=16)
-    args, kwargs = model.extra_inputs(sparse, lookup, batch, train)   # din: behavior rows; two-tower: item ids
-    logits = model(dense, pooled, pooled_linear, *args, **kwargs)      # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
-    if model.needs_linear_terms: ...               # pull the dim-1 rows of model.linear_feature_tables
-
-What training and serving both assemble from a job config::
-
     sparse, dense = build_job_model(cfg)           # SparseArch (jagged ids -> rows -> pooled), dense model
     sparse = build_sparse_arch(cfg)                # the sparse arch alone (export, predictor)
 
@@ -30,10 +24,9 @@ from recsys.models.deepfm import DeepFM, FactorizationMachine, FieldWeightedFM
 from recsys.models.din import DIN, AttentionUnit
 from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
 from recsys.models.mlp import MLP, LinearTerms
-from recsys.models.sequence import (SequencePlan, SequenceSparseArch, plan_sequences, sequence_feature_tables,
-                                    sequence_inputs)
+from recsys.models.sequence import SequenceSparseArch, sequence_inputs
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan, plan_tables
-from recsys.table_plans import table_plans
+from recsys.table_plans import SequencePlan, plan_sequences, table_plans
 from recsys.models.two_tower import TwoTower
 from recsys.models.wide_deep import WideDeep
 
@@ -111,4 +104,4 @@ __all__ = ["ARCHS", "CTRModel", "build_model", "build_sparse_arch", "build_dense
            "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch",
            "DCN", "CrossNet", "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms",
            "TwoTower", "DIN", "AttentionUnit", "SequencePlan", "SequenceSparseArch", "plan_sequences",
-           "sequence_feature_tables", "sequence_inputs"]
+           "sequence_inputs"]

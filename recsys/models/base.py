@@ -2,12 +2,13 @@
 hooks), so that neither names an architecture.
 
     args, kwargs = model.extra_inputs(sparse, lookup, batch, train)    # after lookup.wait()
-    logits = model(dense, pooled, linear, *args, **kwargs)
+    logits = model(dense, pooled, linear, *args, **kwargs)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
     loss = model.loss(logits, labels) if model.in_batch_softmax else <the trainer's weighted BCE>
 
 The defaults are a CTR model's: called with (dense, pooled, linear) alone, one logit a row,
-trained on BCE. DIN adds the behavior rows of its lists; two-tower adds the batch's item ids in
-training and trains with its in-batch softmax.
+trained on BCE; `linear` holds the dim-1 rows of model.linear_feature_tables, pulled from the PS like
+any other embedding, for the models with `needs_linear_terms`. DIN adds the behavior rows of its
+lists; two-tower adds the batch's item ids in training and trains with its in-batch softmax.
 """
 
 from __future__ import annotations

@@ -64,10 +64,9 @@ class DCN(CTRModel):
         cfg = ModelConfig(arch="dcn", num_cross_layers=2, dcn_structure="parallel")
         model = DCN(cfg, num_dense=13, num_sparse=26, embedding_dim=16)
         logits = model(torch.rand(4, 13), torch.rand(4, 26, 16))   # [4]
-    """
 
-    needs_linear_terms = False
-    """The cross net's degree-1 terms already are the first-order part."""
+    No `needs_linear_terms`: the cross net's degree-1 terms already are the first-order part.
+    """
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()

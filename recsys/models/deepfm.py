@@ -81,7 +81,6 @@ class DeepFM(CTRModel):
     """
 
     needs_linear_terms = True
-    """Reads `pooled_linear` [B, F_lin], the dim-1 rows of `model.linear_feature_tables`."""
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()

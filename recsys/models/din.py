@@ -8,13 +8,9 @@
     interest_s = sum_l a_l k_l                        [B, D]
     logit = MLP([dense | interest_1..S | pooled of the other features, candidate included]) -> Linear -> [B]
 
-Weights are not normalized by default, as in the paper ("normalization with softmax is abandoned
-to reserve the intensity of user interests"): a history with more matching behaviors gives a larger
-interest vector. `model.attention_softmax = true` normalizes them over the real positions instead.
-Padding positions get weight exactly 0 (and their rows are zeros), and a list of length 0 gives a
-zero interest. The activation unit's MLP uses ReLU (the paper: PReLU / Dice) and no norm; the top
-MLP takes `model.norm` and `model.dropout` like every other arch. The pooled bags of the behavior
-lists themselves (the sparse arch pools every feature) are left out of the MLP's input.
+The weights (raw by default, as in the paper; `model.attention_softmax`), padding and the MLPs' norm /
+dropout: docs/models.md, "Behavior sequences: DIN". The activation unit's MLP uses ReLU (the paper:
+PReLU / Dice). The pooled bags of the behavior lists (the sparse arch pools every feature) are left out.
 """
 
 from __future__ import annotations
@@ -81,7 +77,6 @@ class DIN(CTRModel):
                        torch.rand(4, 1, 20, 8), torch.ones(4, 1, 20, dtype=torch.bool))   # [4]
     """
 
-    needs_linear_terms = False
     needs_sequences = True
 
     def extra_inputs(self, sparse, lookup, batch, train):

@@ -75,12 +75,8 @@ class InteractionArch(nn.Module):
         # Buffers follow .to(device); not persistent, so they never enter the saved state dict.
         self.register_buffer("triu_rows", rows, persistent=False)
         self.register_buffer("triu_cols", cols, persistent=False)
-
-    @property
-    def out_features_extra(self) -> int:
+        self.out_features_extra = rows.numel()
         """Number of dot products appended after the D front features: F(F+1)/2 (F(F-1)/2 without dense)."""
-        n = self.F + 1 if self.with_dense else self.F
-        return n * (n - 1) // 2
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """dense [B, D] (the bottom output; without dense columns the embeddings' mean), pooled
@@ -134,9 +130,6 @@ class DLRM(CTRModel):
         model = DLRM(cfg, num_dense=13, num_sparse=26, embedding_dim=16)
         logits = model(torch.rand(4, 13), torch.rand(4, 26, 16))   # [4]
     """
-
-    needs_linear_terms = False
-    """DLRM has no first-order terms: the trainer need not pull dim-1 rows for it."""
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()

@@ -1,13 +1,5 @@
-"""Blocks shared by the CTR architectures: the MLP tower and the first-order (linear) term.
-
-Every architecture in this package is called the same way, so the trainer never branches on the
-arch::
-
-    logits = model(dense, pooled, pooled_linear)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
-
-`pooled_linear` holds the dim-1 rows of the first-order tables, pulled from the PS like any other
-embedding; only models whose `needs_linear_terms` is True read it.
-"""
+"""Blocks shared by the CTR architectures: the MLP tower and the first-order (linear) term (how every
+model is called: `recsys.models.base`)."""
 
 from __future__ import annotations
 

@@ -21,10 +21,8 @@ run: it is saved with the weights (`model/replicated.pt`: `NAME.ids`, `NAME.weig
 run keeps it (ids new in the data then resolve to the default row; a table whose data grew past its
 vocabulary is retrained, or warm-started, with a new run).
 
-`resolve_placement` decides `auto` before any process starts: replicated when the table's distinct
-ids (over the columns that read it) number at most `ps.replicate_max_rows` and, smallest tables
-first, the replicated tables' bytes (weight, gradient and optimizer state) fit
-`ps.replicate_max_bytes`; else ps.
+`resolve_placement` decides `auto` before any process starts, by the table's distinct ids over the
+columns that read it (the rule: `ps.replicate_max_rows` / `ps.replicate_max_bytes`, docs/config.md).
 """
 
 from __future__ import annotations
@@ -106,10 +104,9 @@ def resolve_placement(cfg: JobConfig) -> Placement:
 
     Raises ConfigError when the `replicated` tables alone do not fit ps.replicate_max_bytes."""
     ps = cfg.ps
-    wanted = [t for t in ps.tables if t.placement in ("replicated", "auto")]
-    if not wanted:
+    if all(t.placement == "ps" for t in ps.tables):
         return Placement(cfg, {}, {t.name: {"placement": "ps", "why": "placement = 'ps'"} for t in ps.tables})
-    eligible = [t for t in wanted if t.placement == "replicated" or _auto_ok(t)]
+    eligible = [t for t in ps.tables if t.placement == "replicated" or _why_ps(t) is None]
     vocab = vocabularies(cfg, [t.name for t in eligible])
     report: dict[str, dict] = {}
     budget = ps.replicate_max_bytes
@@ -147,11 +144,8 @@ def resolve_placement(cfg: JobConfig) -> Placement:
     return Placement(new, keep, report)
 
 
-def _auto_ok(t: TableConfig) -> bool:
-    return t.optimizer != "ftrl" and t.kind == "dynamic" and t.cache_rows == 0 and not (t.ttl_steps or t.max_rows)
-
-
-def _why_ps(t: TableConfig) -> str:
+def _why_ps(t: TableConfig) -> str | None:
+    """Why a `ps` or `auto` table trains on the PS whatever its size; None: `auto` may replicate it."""
     if t.placement == "ps":
         return "placement = 'ps'"
     if t.optimizer == "ftrl":
@@ -160,7 +154,9 @@ def _why_ps(t: TableConfig) -> str:
         return "auto: a hashed table trains on the PS"
     if t.cache_rows:
         return "auto: cache_rows is set (a PS row cache)"
-    return "auto: ttl_steps / max_rows age rows out on the PS"
+    if t.ttl_steps or t.max_rows:
+        return "auto: ttl_steps / max_rows age rows out on the PS"
+    return None
 
 
 def log_placement(report: dict[str, dict]) -> None:
@@ -406,10 +402,6 @@ def _remapped(state: dict, pos: torch.Tensor, rows: int, tc: TableConfig) -> dic
     return out
 
 
-def replicated_configs(cfg: JobConfig) -> dict[str, TableConfig]:
-    return {t.name: t for t in cfg.ps.tables if t.placement == "replicated"}
-
-
 def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = None,
                      grow: bool = False) -> ReplicatedTables | None:
     """The job's replicated tables (None without any): from `state` (a saved model/replicated.pt: a
@@ -417,7 +409,7 @@ def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = Non
     both: the data's vocabularies joined with the saved ones (`ReplicatedTables.grow_from`)."""
     if any(t.placement == "auto" for t in cfg.ps.tables):
         raise ValueError("resolve_placement(cfg) first: the config still has placement = 'auto' tables")
-    configs = replicated_configs(cfg)
+    configs = {t.name: t for t in cfg.ps.tables if t.placement == "replicated"}
     if not configs:
         return None
     if state is not None and not grow:
@@ -433,7 +425,7 @@ def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = Non
 
 __all__ = ["REPLICATED_FILE", "Placement", "ReplicatedStore", "ReplicatedTables", "TableOptimizer", "TrainModules",
            "build_replicated", "read_replicated",
-           "load_bytes", "log_placement", "replicated_configs", "resolve_placement", "save_bytes",
+           "load_bytes", "log_placement", "resolve_placement", "save_bytes",
            "table_bytes", "table_columns", "vocabularies"]
 
 

@@ -26,7 +26,7 @@ import torch
 from data.batch import Batch, KeyedJagged
 from embedding_ps.store import EmbeddingStore
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan
-from recsys.table_plans import SequencePlan, plan_sequences, sequence_feature_tables  # noqa: F401
+from recsys.table_plans import SequencePlan
 
 
 def truncate_lists(kj: KeyedJagged, features: list[int], max_len: int) -> KeyedJagged:

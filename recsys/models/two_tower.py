@@ -1,9 +1,6 @@
-"""Two-tower retrieval (Yi et al., RecSys 2019, "Sampling-bias-corrected neural modeling"):
-a user tower and an item tower, each over its own sparse (PS tables) and dense features, each
-ending in an L2-normalized `model.tower_dim` vector, trained on positive (user, item) rows with the
-other items of the batch as negatives (in-batch sampled softmax) and the log-Q correction.
-
-::
+"""Two-tower retrieval (Yi et al., RecSys 2019, "Sampling-bias-corrected neural modeling"): a user
+and an item tower, trained on positive (user, item) rows with in-batch negatives and the log-Q
+correction (the negatives, log q and its buffers: docs/models.md, "Two-tower retrieval")::
 
     u = normalize(Linear(MLP([dense_user | flatten(pooled_user)])))     # [B, d]
     v = normalize(Linear(MLP([dense_item | flatten(pooled_item)])))     # [B, d]
@@ -11,19 +8,10 @@ other items of the batch as negatives (in-batch sampled softmax) and the log-Q c
                loss = mean_i cross_entropy(logits[i], i)
     eval:      score[i] = <u_i, v_i> / temperature                       # [B]: the row's own pair
 
-Negatives: under DDP the item vectors of every rank's batch are all-gathered
-(`torch.distributed.nn.all_gather`, which keeps gradients, on gloo too), so each row's softmax runs
-over the global batch (B_g = W * B; every rank must have the same B, hence data.drop_last). The
-columns are rolled so that the rank's own block comes first: row i's positive is column i.
-Another row holding the same item stays a negative of row i (no masking of "accidental hits", as
-in Yi et al.); log-Q, which lowers exactly the frequent items' logits, offsets most of it.
-
-log q(item): sampling probability of an item as a negative, i.e. its frequency in the stream,
-estimated by `FrequencyEstimator`: hashed counts (bucket = id mod num_freq_buckets, the
-count-sketch of Yi et al. with one hash and counts instead of their step gaps) of the item ids of
-every global training batch, the current one included; q = count[bucket] / total. All ranks see
-the same global ids, so their estimates are equal (DDP does not broadcast these buffers); they
-are buffers of the model, so checkpoints and the saved model keep them.
+B_g = W * B under DDP (`gather_items`, on gloo too): every rank must have the same B. Another row
+holding the same item stays a negative of row i (no masking of "accidental hits", as in Yi et al.);
+log-Q, which lowers exactly the frequent items' logits, offsets most of it. `FrequencyEstimator` is
+Yi et al.'s count-sketch with one hash and counts instead of their step gaps; q = count[bucket] / total.
 """
 
 from __future__ import annotations
@@ -162,7 +150,6 @@ class TwoTower(CTRModel):
         logits = model(torch.rand(4, 2), torch.rand(4, 3, 8), item_ids=torch.arange(4))  # [4, 4] (train)
     """
 
-    needs_linear_terms = False
     in_batch_softmax = True
     """In training: `item_ids` are passed (`extra_inputs`) and `loss` (not BCE) is taken of the [B, B_g] logits."""
 

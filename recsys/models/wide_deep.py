@@ -23,12 +23,7 @@ from recsys.models.base import CTRModel
 class WideDeep(CTRModel):
     """Wide & Deep's dense part: the wide linear logit plus the deep MLP's logit.
 
-    Args:
-        config: `model.top_mlp` (the deep part's hidden widths), `model.dropout`, `model.norm`.
-            `model.bottom_mlp` is not used.
-        num_dense: Dn (0 is allowed).
-        num_sparse: F.
-        embedding_dim: D.
+    Args: as `DeepFM`'s (`model.top_mlp` are the deep part's widths; `model.fm_interaction` is not read).
 
     Example::
 
@@ -38,7 +33,6 @@ class WideDeep(CTRModel):
     """
 
     needs_linear_terms = True
-    """Reads `pooled_linear` [B, F_lin], the dim-1 rows of `model.linear_feature_tables`."""
 
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()
