@@ -19,9 +19,8 @@ environment variables; the `recsys` entry points turn `EMBEDDING_PS_NATIVE=0` in
 
 The C paths check dtypes, contiguity and sizes before passing raw pointers.
 
-Threads: `map_find`, `gather`, `init_bits` and `update` take `threads` (ps.threads of the shard):
-the C side splits the items into contiguous chunks, one per thread, and ctypes releases the GIL
-for the call. Results are the same for every thread count (tests compare them).
+Threads: `map_find`, `gather`, `init_bits` and `update` take `threads` (ps.threads of the shard;
+how the C splits the items: `csrc/ps.c`'s header), and ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
@@ -419,7 +418,6 @@ def wait_word(word: np.ndarray, timeout_s: float) -> int:
 WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decoupled": 2, "global": 3}
 
 
-
 def update(optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, slots: np.ndarray,
            grads: torch.Tensor, lr: float, eps: float, meta: torch.Tensor | None, step: int,
            weight_decay: float = 0.0, weight_decay_mode: str = "l2", threads: int = 1, sort: bool = True,
@@ -434,12 +432,10 @@ def update(optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, sl
     increasing slot order (a radix sort in C; same results, faster on large tables: benchmarks/
     ps_table.py); False: arrival order (tests compare the two).
 
-    weight_decay > 0: "l2" adds weight_decay * w to each row's gradient, "decoupled" scales the row
-    by (1 - lr * weight_decay) before the update (the math of `optim.apply_update`); "global" (with
-    `decay_steps`, int32 [C], each row's decayed-through step) first catches a row k = step -
-    decay_steps[slot] > 0 steps behind up by (1 - lr * weight_decay)^k and sets its step to `step`
-    (`GlobalDecay.touch`'s math), then adds the update without decay. `meta` (int64 [C], count << 32
-    | last_seen): the row counters as `TableShard.push` updates them."""
+    weight_decay > 0: `weight_decay_mode` "l2" or "decoupled" as `optim.apply_update`, or "global" (with
+    `decay_steps`, int32 [C], each row's decayed-through step): `GlobalDecay.touch`'s catch-up, then the
+    update without decay. `meta` (int64 [C], count << 32 | last_seen): the row counters as
+    `TableShard.push` updates them."""
     c = lib()
     if c is None or optimizer not in OPTIMIZERS:
         return False

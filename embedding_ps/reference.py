@@ -111,7 +111,7 @@ def to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weigh
 
 
 def has_duplicates(slots: np.ndarray) -> bool:
-    """Whether int32 slots repeat (one int32 sort: numpy's vectorized sort)."""
+    """Whether int32 slots (or any values) repeat (one sort: numpy's vectorized sort)."""
     srt = np.sort(slots)
     return bool(srt.shape[0] > 1 and (srt[1:] == srt[:-1]).any())
 
@@ -165,6 +165,14 @@ def decay_scales(decay: float, behind: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.power(decay, behind.astype(np.float64)).astype(np.float32))
 
 
+def scale_behind(rows: torch.Tensor, behind: np.ndarray, decay: float) -> None:
+    """rows float32 [N, D] in place: each row behind[i] = k > 0 steps behind times decay^k."""
+    late = np.flatnonzero(behind > 0)
+    if late.shape[0]:
+        i = torch.from_numpy(late)
+        rows.index_copy_(0, i, rows.index_select(0, i).mul_(decay_scales(decay, behind[late]).unsqueeze(1)))
+
+
 def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, decay_steps: torch.Tensor | None = None,
            target: int = 0, decay: float = 1.0) -> int:
     """out[i] = weights[slots[i]] widened to float32 where slots[i] >= 0 (others untouched), scaled
@@ -179,10 +187,7 @@ def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, decay_st
     if decay_steps is not None and missing < s.shape[0]:
         k = target - decay_steps.numpy()[np.maximum(slots, 0)].astype(np.int64)       # [N]
         k[slots < 0] = 0
-        late = np.flatnonzero(k > 0)
-        if late.shape[0]:
-            i = torch.from_numpy(late)
-            out.index_copy_(0, i, out.index_select(0, i).mul_(decay_scales(decay, k[late]).unsqueeze(1)))
+        scale_behind(out, k, decay)
     return missing
 
 

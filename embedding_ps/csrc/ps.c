@@ -16,11 +16,10 @@
  * as torch does for a float32 tensor op with a Python scalar), so sgd and adagrad are bit-exact;
  * rowwise_adagrad's mean of g*g is a reduction whose order differs from torch's (~1 ulp).
  *
- * Threads (ps.threads): lookups, gathers and updates take `nthreads` and split
- * their n items into contiguous chunks, one per thread (`ps_parallel`, native.h).
- * Updates get unique slots (the caller merged duplicates), so two threads never touch one row;
- * every row's math is the same whatever the chunking, so results do not depend on nthreads.
- * Inserts (ps_map_place) stay on one thread.
+ * Threads (ps.threads): lookups, gathers, row inits and updates take `nthreads` and split their n
+ * items into contiguous chunks, one per thread (`ps_parallel`, native.h: results do not depend on
+ * nthreads; tests compare them). Updates get unique slots (the caller merged duplicates), so two
+ * threads never touch one row. Inserts (ps_map_place) stay on one thread.
  */
 #include "native.h"
 
@@ -408,18 +407,13 @@ static int64_t ps_gather_range(const void *w, int half, int64_t d, const int32_t
         const char *row = base + (int64_t)slots[i] * d * es;
         float *o = out + i * d;
         const int64_t k = dstep ? target - (int64_t)dstep[slots[i]] : 0;
-        if (k > 0) {
-            const float sc = ps_decay_pow(decay, k);
-            if (half) {
-                const uint16_t *h = (const uint16_t *)row;
-                for (int64_t j = 0; j < d; j++) o[j] = ps_h2f(h[j]) * sc;
-            } else {
-                const float *r = (const float *)row;
-                for (int64_t j = 0; j < d; j++) o[j] = r[j] * sc;
-            }
-        } else if (half) {
+        const float sc = k > 0 ? ps_decay_pow(decay, k) : 1.0f; /* x * 1.0f is x, bit for bit */
+        if (half) {
             const uint16_t *h = (const uint16_t *)row;
-            for (int64_t j = 0; j < d; j++) o[j] = ps_h2f(h[j]);
+            for (int64_t j = 0; j < d; j++) o[j] = ps_h2f(h[j]) * sc;
+        } else if (k > 0) {
+            const float *r = (const float *)row;
+            for (int64_t j = 0; j < d; j++) o[j] = r[j] * sc;
         } else {
             memcpy(o, row, (size_t)(d * 4));
         }
@@ -484,8 +478,9 @@ static inline void ps_adagrad_f32(float *restrict w, float *restrict h, const fl
     }
 }
 
-/* Update rows slots [order[k]] for k in [0, n) (order NULL: k itself; slots unique) of w [C, d] (fp32, or fp16 when half != 0) and the optimizer
- * state from grads g [n, d] (read-only): the math of optim._sgd / _adagrad / _rowwise_adagrad
+/* Update rows slots [order[k]] for k in [0, n) (order NULL: k itself; slots unique) of w [C, d] (fp32, or
+ * fp16 when half != 0) and the optimizer state from grads g [n, d] (read-only, indexed like slots): the
+ * math of optim._sgd / _adagrad / _rowwise_adagrad
  * (state: sum_sq [C, d] for adagrad, [C] for rowwise_adagrad, unused for sgd). `neg_lr` is
  * (float)(-lr), `eps` (float)eps. With meta != NULL also the row's counters, as table.push:
  * count = min(count + 1, 2**31 - 1), last_seen = step (meta = count << 32 | last_seen).
@@ -604,12 +599,10 @@ struct ps_update_ctx {
 
 static void ps_update_chunk(void *p, int64_t lo, int64_t hi) {
     struct ps_update_ctx *c = (struct ps_update_ctx *)p;
-    if (c->order) /* the chunk is a range of the sorted order; grads stay indexed by request position */
-        ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots, c->order + lo, hi - lo, c->g, c->neg_lr,
-                        c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay, c->dstep);
-    else
-        ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots + lo, NULL, hi - lo, c->g + lo * c->d,
-                        c->neg_lr, c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay, c->dstep);
+    /* sorted: the chunk is a range of the order, slots and grads stay indexed by request position */
+    const int64_t at = c->order ? 0 : lo;
+    ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots + at, c->order ? c->order + lo : NULL, hi - lo,
+                    c->g + at * c->d, c->neg_lr, c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay, c->dstep);
 }
 
 #define PS_SORT_MIN 2048 /* rows below which sorting costs more than the cache misses it saves */

@@ -174,12 +174,13 @@ class CowSave:
 
     `cond` is a Condition over the shard's lock; `tables` gives, per table, a callable returning its
     live slot-major tensors {name: [C, ...]} and its frozen row count; `fixed_bytes` are the small
-    arrays copied at the snapshot; `bound_bytes` the most extra memory the save may hold.
+    arrays copied at the snapshot; `extra_memory` the most extra memory the save may hold, as a
+    fraction of the frozen rows' bytes (`ps.checkpoint_extra_memory`; `bound_bytes` in bytes).
     """
 
     def __init__(self, cond: threading.Condition, tables: list[tuple[Callable[[], dict[str, torch.Tensor]], int]],
-                 fixed_bytes: int, bound_bytes: int, where: str = "") -> None:
-        self.cond, self.bound_bytes, self.where = cond, int(bound_bytes), where
+                 fixed_bytes: int, extra_memory: float, where: str = "") -> None:
+        self.cond, self.where = cond, where
         self.closed = False
         self.progress = 0                   # chunks the writer has taken, over all tables
         self.preserved = 0                  # pre-images saved, over all tables
@@ -188,6 +189,7 @@ class CowSave:
         probes = [RowStream(self, i, fn, rows, 0) for i, (fn, rows) in enumerate(tables)]
         rows_bytes = [p.rows * p.row_bytes for p in probes]
         self.rows_bytes = sum(rows_bytes)
+        self.bound_bytes = int(math.floor(extra_memory * self.rows_bytes))
         self.fixed_bytes = int(fixed_bytes) + sum(p.rows for p in probes)      # + the "saved" flags
         # the chunk buffer (and its temporary): at most CHUNK_BYTES, and at most an eighth of the bound
         chunk = max(1, min(CHUNK_BYTES, self.bound_bytes // 8))
@@ -293,9 +295,4 @@ class CowSave:
         self.cond.notify_all()
 
 
-def bound_bytes(fraction: float, rows_bytes: int) -> int:
-    """`ps.checkpoint_extra_memory` (fraction of the rows' bytes) in bytes."""
-    return int(math.floor(fraction * rows_bytes))
-
-
-__all__ = ["CHUNK_BYTES", "CowSave", "RowStream", "bound_bytes"]
+__all__ = ["CHUNK_BYTES", "CowSave", "RowStream"]

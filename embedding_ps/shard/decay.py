@@ -42,12 +42,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from embedding_ps.reference import decay_scales
+from embedding_ps.reference import decay_scales, scale_behind
 from embedding_ps.wire.config import TableConfig
-
-CHUNK_ROWS = 1 << 16
-"""Rows per chunk a blocking save catches up on a copy (the copy-on-write save uses its own chunks)."""
-
 
 def is_global(cfg: TableConfig) -> bool:
     """True if the table decays every row every step (a weight decay of mode "global")."""
@@ -124,11 +120,7 @@ class GlobalDecay:
         returns their decay steps then (int32 [R])."""
         if self.clock is None:
             return steps.clone()
-        k = self.clock - steps.numpy().astype(np.int64)
-        late = np.flatnonzero(k > 0)
-        if late.shape[0]:
-            i = torch.from_numpy(late)
-            rows.index_copy_(0, i, rows.index_select(0, i).mul_(decay_scales(self.factor, k[late]).unsqueeze(1)))
+        scale_behind(rows, self.clock - steps.numpy().astype(np.int64), self.factor)
         return torch.maximum(steps, torch.tensor(self.clock, dtype=torch.int32))
 
     def catch_up_chunk(self, chunk: dict[str, np.ndarray], target: int | None) -> dict[str, np.ndarray]:
@@ -152,29 +144,20 @@ class GlobalDecay:
 class CaughtUpRows:
     """What `TableSnapshot.rows` takes (`specs`, `chunks()`), with the weights caught up through `target`.
 
-    `source`: a copy-on-write `cow.RowStream` (its chunks are copies already), or the live slot-major
-    arrays {name: ndarray [hwm, ...]} of a blocking save (the weights and decay steps are copied chunk
-    by chunk: the live rows are not modified, and the copy stays one chunk).
+    `source`: a copy-on-write `cow.RowStream` (its chunks are copies already), or a blocking save's
+    `snapshot.LiveRows` that copies the arrays `CHANGED` chunk by chunk (the live rows are not modified,
+    and the copy stays one chunk).
     """
 
+    CHANGED = ("weights", "decay_step")
+    """The arrays of a chunk that `GlobalDecay.catch_up_chunk` writes."""
+
     def __init__(self, source, decay: GlobalDecay, target: int | None) -> None:
-        self.source, self.decay, self.target = source, decay, target
-        if isinstance(source, dict):
-            self.specs = {n: (a.shape, a.dtype) for n, a in source.items()}
-        else:
-            self.specs = source.specs
+        self.source, self.decay, self.target, self.specs = source, decay, target, source.specs
 
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
-        parts = self._live() if isinstance(self.source, dict) else self.source.chunks()
-        for part in parts:
+        for part in self.source.chunks():
             yield self.decay.catch_up_chunk(part, self.target)
-
-    def _live(self) -> Iterator[dict[str, np.ndarray]]:
-        rows = next(iter(self.source.values())).shape[0] if self.source else 0
-        copied = ("weights", "decay_step")
-        for lo in range(0, rows, CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, rows)
-            yield {n: a[lo:hi].copy() if n in copied else a[lo:hi] for n, a in self.source.items()}
 
 
 __all__ = ["CaughtUpRows", "GlobalDecay", "is_global"]

@@ -4,8 +4,8 @@ Kernels (`TableConfig.kernel`):
 
     native   (default) the shard's own update: `csrc/ps.c`'s ps_update (sgd, adagrad, rowwise_adagrad)
              when the C library is loaded, else the vectorized torch of `optim.py` (always for adam, ftrl)
-    fbgemm   fbgemm's fused CPU TBE backward (sgd, adagrad, rowwise_adagrad), `fbgemm_update` below,
-             only when a table asks for it
+    fbgemm   fbgemm's fused CPU TBE backward (sgd, adagrad, rowwise_adagrad, as the C update: no Adam,
+             LAMB or FTRL on CPU), `fbgemm_update` below, only when a table asks for it
     auto, torch   older names of `native`: configs that name them keep loading
 
 `resolve` turns a table's config into a concrete one once, when the table is made
@@ -31,11 +31,8 @@ import math
 
 import torch
 
+from embedding_ps import native
 from embedding_ps.wire.config import TableConfig
-
-FBGEMM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-"""The optimizers fbgemm's CPU TBE backward updates (no Adam, LAMB or FTRL on CPU); also those the C
-library updates (`native.OPTIMIZERS`)."""
 
 _IMPORT: dict[str, Exception | None] = {}  # "error": None once fbgemm_gpu imported; absent: not tried yet
 
@@ -69,18 +66,13 @@ def resolve(cfg: TableConfig, native_loaded: bool) -> tuple[TableConfig, str]:
         return cfg, "fbgemm (configured)"
     if not native_loaded:
         body = "vectorized torch: C library not loaded"
-    elif cfg.optimizer not in FBGEMM_OPTIMIZERS:
+    elif cfg.optimizer not in native.OPTIMIZERS:
         body = f"vectorized torch: no C {cfg.optimizer} update"
     else:
         body = "C"
     if cfg.kernel != "native":
         body += f"; {cfg.kernel!r} is an old name of 'native'"
     return dataclasses.replace(cfg, kernel="native"), f"native ({body})"
-
-
-def kernel_name(cfg: TableConfig) -> str:
-    """"fbgemm" or "native": which update a table's resolved config runs."""
-    return "fbgemm" if cfg.kernel == "fbgemm" else "native"
 
 
 def fbgemm_update(

@@ -2,8 +2,8 @@
 
 Every optimizer updates only the rows it is given. `apply_update` is the vectorized path: it
 receives unique slots [U] with gradients [U, D] that were already summed per id (the update is
-non-linear, so duplicate ids must be merged first; `table.py` does it with torch.unique +
-index_add_). `tests/optim_reference.py` writes the same math for one row at a time (the tests' oracle).
+non-linear, so duplicate ids must be merged first: `native.merge_rows`). `tests/optim_reference.py`
+writes the same math for one row at a time (the tests' oracle).
 
 Math per row (g: the summed gradient [D], w: the row [D]; all in fp32):
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from embedding_ps.shard import kernels
 from embedding_ps.wire.config import TableConfig
 
 
@@ -91,8 +92,6 @@ def apply_update(
     if cfg.weight_decay and cfg.weight_decay_mode == "l2":
         grads = l2_grads(cfg, weights, slots, grads)
     if cfg.kernel == "fbgemm":
-        from embedding_ps.shard import kernels  # the only module that imports fbgemm_gpu
-
         if cfg.weight_decay and cfg.weight_decay_mode != "l2":   # the decoupled shrink, before the op's update
             _add_rows(weights, slots, None, decay_factor(cfg))
         kernels.fbgemm_update(cfg, weights, state, slots, grads)

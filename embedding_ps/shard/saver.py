@@ -4,8 +4,7 @@ The server's loop calls `start` (background) or `save` (blocking) while handling
 `status` for SAVE_STATUS. `start` takes the snapshot (`ShardState.snapshot`: copy-on-write, the
 shard's only pause) and a thread writes it while the loop keeps serving. Phases: idle -> writing ->
 idle. While `busy` the server parks SAVE and LOAD requests and retries them once `take_finished`
-says the write ended. Nothing is prepared ahead any more: the copy-on-write snapshot allocates
-no copy of the rows (`prepare` is kept for the protocol and does nothing).
+says the write ended.
 
 Status of the last save (what SAVE_STATUS returns)::
 
@@ -14,9 +13,10 @@ Status of the last save (what SAVE_STATUS returns)::
      "snapshot_s": s | None, "prepare_s": s | None, "background": bool | None, "step": t | None,
      "extra_bytes_peak": n | None, "extra_bytes_bound": n | None, "push_wait_s": s | None}
 
-snapshot_s is the pause (the snapshot under the shard's lock); prepare_s is 0 (kept for readers of
-the old status); extra_bytes_peak / _bound the background save's accounted extra memory and its
-bound (`ps.checkpoint_extra_memory`), push_wait_s how long updates waited for the writer.
+snapshot_s is the pause (the snapshot under the shard's lock); prepare_s is 0 (the copy-on-write
+snapshot prepares nothing ahead; kept for readers of the old status); extra_bytes_peak / _bound the
+background save's accounted extra memory and its bound (`ps.checkpoint_extra_memory`), push_wait_s
+how long updates waited for the writer.
 
 A failed write leaves no half directory behind (`ShardSnapshot.write` removes its tmp dir), is
 logged, and is reported here; the server keeps serving.

@@ -7,7 +7,8 @@ A saved shard is one directory (format 2)::
     manifest.json        {"format_version": 2, "shard_index": i, "num_shards": n,
                           "tables": [{"layout": {...}, "meta": {...}, "arrays": [names]}, ...],
                           "files": {"table0/weights.npy": {"size": bytes, "sha256": hex}, ...}}
-    table<t>/<name>.npy  one plain .npy file per array of `TableShard.to_arrays` (no pickle)
+    table<t>/<name>.npy  one plain .npy file per array of `TableShard.to_arrays` and `slot_tensors`
+                         (no pickle)
 
 Every data file is listed under "files" with its size and SHA-256, computed while it is written
 (never by reading it back). Readers check both before using a file and raise CorruptShardError
@@ -34,7 +35,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ LAYOUT_FIELDS = ("name", "dim", "kind", "num_embeddings", "dtype", "optimizer", 
 _SHARD = "shard"
 LOW32 = 0xFFFFFFFF
 """The low half of a row's saved `meta` (`count << 32 | last_seen`): its last_seen step."""
+CHUNK_ROWS = 1 << 16
+"""Rows per chunk a blocking save writes (`LiveRows`; the copy-on-write save sizes its own chunks)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,17 +154,32 @@ def unpack_meta(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class TableSnapshot:
-    """One table: its layout fields (checked on load), scalar meta and arrays, as `to_arrays` gives them.
+    """One table: its layout fields (checked on load), arrays and scalar meta, as `to_arrays` gives them.
 
-    `rows`: where the slot-major arrays come from instead, when they are not in `arrays`: an object
-    with `specs` {name: (shape, dtype)} and `chunks()` yielding {name: ndarray [n, ...]} for
-    consecutive row ranges (`embedding_ps.shard.cow.RowStream`).
+    `rows`: its slot-major arrays (`TableShard.saved_rows`), an object with `specs` {name: (shape,
+    dtype)} and `chunks()` yielding {name: ndarray [n, ...]} for consecutive row ranges (`LiveRows`,
+    `embedding_ps.shard.cow.RowStream`, `embedding_ps.shard.decay.CaughtUpRows`).
     """
 
     layout: dict
-    meta: dict
     arrays: dict[str, np.ndarray]
+    meta: dict
     rows: Any = None
+
+
+class LiveRows:
+    """A blocking save's `TableSnapshot.rows`: the live slot-major arrays {name: ndarray [hwm, ...]}
+    in chunks of CHUNK_ROWS rows, views except those named in `copied` (copies a reader may change)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], copied: Sequence[str] = ()) -> None:
+        self.arrays, self.copied = arrays, copied
+        self.specs = {n: (a.shape, a.dtype) for n, a in arrays.items()}
+
+    def chunks(self) -> Iterator[dict[str, np.ndarray]]:
+        rows = next(iter(self.arrays.values())).shape[0]
+        for lo in range(0, rows, CHUNK_ROWS):
+            yield {n: a[lo : lo + CHUNK_ROWS].copy() if n in self.copied else a[lo : lo + CHUNK_ROWS]
+                   for n, a in self.arrays.items()}
 
 
 @dataclass
@@ -184,7 +202,7 @@ class ShardSnapshot:
     def nbytes(self) -> int:
         """Bytes of the arrays the files hold (the streamed slot-major ones included)."""
         streamed = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                       for t in self.tables if t.rows is not None for shape, dtype in t.rows.specs.values())
+                       for t in self.tables for shape, dtype in t.rows.specs.values())
         return streamed + sum(a.nbytes for t in self.tables for a in t.arrays.values())
 
     def close(self) -> None:
@@ -242,7 +260,7 @@ class ShardSnapshot:
                           "num_shards": self.num_shards, "tables": [], "files": {}}
         for i, t in enumerate(self.tables):
             os.makedirs(os.path.join(tmp, f"table{i}"))
-            files = write_streamed(os.path.join(tmp, f"table{i}"), t.rows) if t.rows is not None else {}
+            files = write_streamed(os.path.join(tmp, f"table{i}"), t.rows)
             for name in sorted(t.arrays):
                 files[name] = write_array(os.path.join(tmp, f"table{i}", f"{name}.npy"), t.arrays[name])
             names = sorted(files)
@@ -425,6 +443,6 @@ def verify_shard(directory: str) -> None:
         map_checked(os.path.join(directory, rel), expect)          # hashed through a mapping: no copy
 
 
-__all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "LOW32", "CorruptShardError", "SavedShard", "ShardSnapshot",
+__all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "LOW32", "CorruptShardError", "LiveRows", "SavedShard", "ShardSnapshot",
            "TableSnapshot", "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
            "table_layout", "unpack_meta", "verify_shard", "write_array"]

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from embedding_ps.wire.config import PSConfig, shard_threads
-from embedding_ps.shard.cow import CowSave, bound_bytes
+from embedding_ps.shard.cow import CowSave
 from embedding_ps.wire.sharding import keys_of, shard_of
 from embedding_ps.shard.snapshot import (FORMAT_VERSION, CorruptShardError, SavedShard, ShardSnapshot, TableSnapshot,
                                    table_layout, verify_shard)
@@ -237,15 +237,10 @@ class ShardState:
         with self._lock:
             if self._cow is not None:
                 raise RuntimeError(f"shard {self.shard_index}: a background save is still being written")
-            tables, fixed = [], 0
-            for t in self.tables:
-                arrays, meta = t.to_arrays(copy=True, rows=False)
-                fixed += sum(a.nbytes for a in arrays.values())
-                tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays))
-            rows_bytes = sum(t.hwm * t.row_bytes() for t in self.tables)
-            bound = bound_bytes(self.config.checkpoint_extra_memory, rows_bytes)
-            cow = CowSave(self._cond, [(t.slot_tensors, t.hwm) for t in self.tables], fixed, bound,
-                          where=f"shard {self.shard_index}")
+            tables = [TableSnapshot(table_layout(t.cfg), *t.to_arrays(copy=True)) for t in self.tables]
+            fixed = sum(a.nbytes for s in tables for a in s.arrays.values())
+            cow = CowSave(self._cond, [(t.slot_tensors, t.hwm) for t in self.tables], fixed,
+                          self.config.checkpoint_extra_memory, where=f"shard {self.shard_index}")
             for snap_table, stream, t in zip(tables, cow.streams, self.tables):
                 snap_table.rows = t.saved_rows(stream)     # global decay: caught up, chunk by chunk
             self._cow = cow
@@ -297,10 +292,7 @@ class ShardState:
     # ------------------------------------------------------------------ helpers
     def _snapshot(self) -> ShardSnapshot:
         """Views of the live state (valid while the lock is held)."""
-        tables = []
-        for t in self.tables:
-            arrays, meta = t.to_arrays(rows=t.decay is None)      # global decay: rows caught up on copies
-            tables.append(TableSnapshot(layout=table_layout(t.cfg), meta=meta, arrays=arrays, rows=t.saved_rows()))
+        tables = [TableSnapshot(table_layout(t.cfg), *t.to_arrays(), t.saved_rows()) for t in self.tables]
         return ShardSnapshot(self.shard_index, self.config.num_shards, tables)
 
     def _open(self, directory: str) -> SavedShard:

@@ -28,15 +28,15 @@ more than `max_rows` rows evicts the least frequently pushed ones (lowest `count
 it is pushed, so it is also the row's last-update step (`dump` reports it under both names,
 `last_seen` and `last_update`). A pull changes nothing.
 
-Global weight decay (`weight_decay_mode = "global"`, `embedding_ps.shard.decay`): `decay_step` [C] int32
-holds each row's decayed-through step; a pull returns rows caught up to its step, a push catches
-its rows up before the update (which then runs without decay), saves and dumps write caught-up rows.
+Global weight decay (`weight_decay_mode = "global"`): `decay_step` [C] int32 holds each row's
+decayed-through step; pulls, pushes, saves and dumps catch rows up as `embedding_ps.shard.decay` says.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 import torch
@@ -48,8 +48,8 @@ from embedding_ps.shard.decay import CaughtUpRows, GlobalDecay, is_global
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.init import init_rows
 from embedding_ps.shard.optim import apply_update, fill_value, state_specs
-from embedding_ps.shard.snapshot import LOW32, unpack_meta
-from embedding_ps.reference import seed_mix
+from embedding_ps.shard.snapshot import LOW32, LiveRows, unpack_meta
+from embedding_ps.reference import has_duplicates, seed_mix
 from embedding_ps.wire.sharding import splitmix64_np
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ _MAX_SCRATCH = 1 << 24  # floats (64 MB): the largest update buffer a table keep
 RESERVED_MAP_LOAD = 0.85
 """Load factor of the id map of a table with a `capacity` hint, at the hint (12 / 0.85 = 14.1 bytes a row)."""
 _RESERVE_SLACK = 0.01  # a shard's share of `capacity` varies with the id hash: reserve 1% + 1024 more
+_COUNTERS = ("meta", "decay_step")  # the slot-major int tensors beside the rows (None where a table has none)
 
 
 def reserve_rows(cfg: TableConfig, num_shards: int) -> int:
@@ -74,7 +75,6 @@ class TableShard:
 
     def __init__(self, cfg: TableConfig, where: str = "", threads: int = 1, num_shards: int = 1) -> None:
         self.where = where or f"table {cfg.name!r}"
-        self.num_shards = num_shards  # the capacity hint is split over this many shards
         # the kernel resolved once, to "native" or "fbgemm": all the push path sees
         self.cfg, why = kernels.resolve(cfg, native.available())
         # the default, native, at debug level: a job or an eval with many tables logs one line each
@@ -212,10 +212,8 @@ class TableShard:
     # ------------------------------------------------------------------ admission / allocation
     def _admit_missing(self, knp: np.ndarray, slots: np.ndarray, miss: np.ndarray, step: int) -> None:
         """Give rows to the missing keys that pass admission; writes their slots into `slots` [N]."""
-        mk = knp[miss]
-        srt = np.sort(mk)
-        inv = None
-        if srt.shape[0] > 1 and (srt[1:] == srt[:-1]).any():  # the same new id twice in one push
+        mk, inv = knp[miss], None
+        if has_duplicates(mk):  # the same new id twice in one push
             mk, inv = np.unique(mk, return_inverse=True)
         admit = self._admission(mk, step)
         if not admit.any():
@@ -258,16 +256,13 @@ class TableShard:
         r = torch.from_numpy(reuse).long()
         self.weights.index_copy_(0, r, rows[:take])
         self.weights[lo:hi] = rows[take:]
-        for spec in self.specs:
-            fill = fill_value(cfg, spec)
-            self.state[spec.name].index_fill_(0, r, fill)
-            self.state[spec.name][lo:hi] = fill
-        if self.meta is not None:
-            self.meta.index_fill_(0, r, step)  # count 0, last_seen = step
-            self.meta[lo:hi] = step
-        if self.decay_step is not None:  # its init value at the start of `step`: step's decay applies to it
-            self.decay_step.index_fill_(0, r, step - 1)
-            self.decay_step[lo:hi] = step - 1
+        # meta: count 0, last_seen = step; decay_step: the init value is the one at the start of `step`
+        # (step's decay applies to it)
+        fills = [(self.state[spec.name], fill_value(cfg, spec)) for spec in self.specs]
+        for t, fill in [*fills, (self.meta, step), (self.decay_step, step - 1)]:
+            if t is not None:
+                t.index_fill_(0, r, fill)
+                t[lo:hi] = fill
         self.map.insert(keys, slots)
         self.totals["admitted"] += k
         return slots
@@ -342,13 +337,8 @@ class TableShard:
 
     # ------------------------------------------------------------------ stats / dump
     def row_bytes(self) -> int:
-        """Bytes of one slot across weights, optimizer state and counters."""
-        d = self.cfg.dim
-        per = d * self.weights.element_size() + (8 if self.meta is not None else 0)  # + meta
-        per += 4 if self.decay_step is not None else 0  # + decay_step
-        for spec in self.specs:
-            per += (d if spec.per_coordinate else 1) * torch.empty(0, dtype=spec.dtype).element_size()
-        return per
+        """Bytes of one slot across weights, optimizer state and counters (`slot_tensors`)."""
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.slot_tensors().values())
 
     def stats(self) -> dict[str, int | float | str]:
         """Counters and sizes, and `kernel`: the update this table runs ("fbgemm" or "native")."""
@@ -365,7 +355,7 @@ class TableShard:
             "bytes_reserved": self.cap * self.row_bytes() + aux,
             "map_buckets": self.map.num_buckets,
             "eviction_log": self.evlog_len,
-            "kernel": kernels.kernel_name(self.cfg),
+            "kernel": self.cfg.kernel,
             **self.totals,
         }
 
@@ -409,19 +399,13 @@ class TableShard:
         last = last.long() if last is not None else meta & LOW32
         self.meta.index_copy_(0, s, (count << 32) | last)
 
-
     # ------------------------------------------------------------------ save / load
-    def to_arrays(self, copy: bool = False, rows: bool = True) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        """Every piece of state as plain arrays (slot-major ones cut at hwm) plus scalar metadata.
-
-        copy=False: the slot-major arrays and the free stack view the live state (valid until the
-        next push); copy=True: the free stack is copied too (the others are new arrays anyway).
-        rows=False leaves the slot-major arrays (`slot_tensors`) out: a copy-on-write snapshot
-        streams them (`embedding_ps.shard.cow`).
-        """
+    def to_arrays(self, copy: bool = False) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Every piece of state but the slot-major arrays (a save streams those: `saved_rows`) as plain
+        arrays, plus scalar metadata. copy=False: the free stack views the live state (valid until the
+        next push); copy=True: it is copied too (the others are new arrays anyway)."""
         h = self.hwm
-        arrays = {name: t[:h].numpy() for name, t in self.slot_tensors().items()} if rows else {}
-        arrays["free"] = self.free[: self.nfree].copy() if copy else self.free[: self.nfree]
+        arrays = {"free": self.free[: self.nfree].copy() if copy else self.free[: self.nfree]}
         arrays["map_keys"], arrays["map_slots"] = self.map.items()
         for name, a in self.pending.state().items():
             arrays[f"pending.{name}"] = a
@@ -446,28 +430,21 @@ class TableShard:
         """The slot-major tensors [C, ...]: weights, each optimizer state, the counters."""
         out = {"weights": self.weights}
         out.update({f"state.{name}": t for name, t in self.state.items()})
-        out.update({name: t for name, t in self._counters().items() if t is not None})
+        out.update({name: t for name, t in zip(_COUNTERS, (self.meta, self.decay_step)) if t is not None})
         return out
 
-    def _counters(self) -> dict[str, torch.Tensor | None]:
-        """The slot-major int tensors beside the rows, None where the table has none."""
-        return {"meta": self.meta, "decay_step": self.decay_step}
-
     def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
-        """Replace all state with what `to_arrays` returned (arrays are copied)."""
+        """Replace all state with a saved table's: `to_arrays`' and the slot-major arrays (copied)."""
         self._reset()
         h = int(meta["hwm"])
         if max(h, int(meta["capacity"]), 64) > self.cap:
             self._grow(max(h, int(meta["capacity"]), 64))
         self.hwm = h
         # np.copyto: the arrays may be read-only memory maps of a saved shard (torch.from_numpy warns on those)
-        np.copyto(self.weights[:h].numpy(), arrays["weights"], casting="no")
-        for name, t in self.state.items():
-            np.copyto(t[:h].numpy(), arrays[f"state.{name}"], casting="no")
-        for name, t in self._counters().items():
-            if t is not None and name in arrays:
+        for name, t in self.slot_tensors().items():
+            if name in arrays or name not in _COUNTERS:
                 np.copyto(t[:h].numpy(), arrays[name], casting="no")
-            elif t is not None:  # saved without row counters: count 0, last seen at step 0
+            else:  # saved without row counters: count 0, last seen at step 0
                 t[:h] = 0
         self.free = np.array(arrays["free"], dtype=np.int32)
         self.nfree = self.free.shape[0]
@@ -490,14 +467,13 @@ class TableShard:
             self.decay.advance(self.decay_step, self.hwm, step - 1)
 
     def saved_rows(self, stream=None):
-        """What a save writes of the slot-major arrays: `stream` (a copy-on-write `cow.RowStream`, or
-        None: the live arrays) with the rows caught up through the clock; for a table without global
-        decay `stream` itself (None: the arrays come from `to_arrays`)."""
-        if self.decay is None:
-            return stream
+        """What a save writes of the slot-major arrays (`TableSnapshot.rows`): `stream` (a copy-on-write
+        `cow.RowStream`) or, for None, the live arrays (`LiveRows`); with global decay, the rows caught
+        up through the clock (`CaughtUpRows`)."""
         if stream is None:
-            stream = {name: t[: self.hwm].numpy() for name, t in self.slot_tensors().items()}
-        return CaughtUpRows(stream, self.decay, self.decay.clock)
+            live = {name: t[: self.hwm].numpy() for name, t in self.slot_tensors().items()}
+            stream = LiveRows(live, copied=() if self.decay is None else CaughtUpRows.CHANGED)
+        return stream if self.decay is None else CaughtUpRows(stream, self.decay, self.decay.clock)
 
 
 def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, int]]:

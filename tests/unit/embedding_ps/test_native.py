@@ -16,6 +16,7 @@ from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.reference import home as _home
 from embedding_ps.shard.state import ShardState
+from tests.init_reference import init_row_reference
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native library off or unavailable (no C compiler?)")
 
@@ -340,7 +341,7 @@ def test_init_bits_native_equals_numpy_bit_for_bit(dim: int, threads: int) -> No
             slow = init.init_rows(t, dim, 7, kind, 0.05)
         assert torch.equal(fast, slow), kind
     row = init.init_rows(t[:1], dim, 7, "uniform", 0.05)[0].tolist()         # the docstring's formula
-    assert row == pytest.approx(init.init_row_reference(int(t[0]), dim, 7, "uniform", 0.05), rel=1e-6)
+    assert row == pytest.approx(init_row_reference(int(t[0]), dim, 7, "uniform", 0.05), rel=1e-6)
 
 
 @needs_native

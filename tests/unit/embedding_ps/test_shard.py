@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from embedding_ps.wire.config import PSConfig, TableConfig
-from embedding_ps.init import init_row_reference, init_rows
+from embedding_ps.init import init_rows
 from embedding_ps.local import LocalStore
 from embedding_ps.shard.optim import state_specs
+from tests.init_reference import init_row_reference
 from tests.optim_reference import ReferenceTable
 from embedding_ps.wire.sharding import hashed_row
 from embedding_ps.shard.state import ShardState
