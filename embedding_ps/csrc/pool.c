@@ -94,123 +94,83 @@ static inline void sv_uniform(float *x, int64_t key, const int64_t *sl, int64_t 
 }
 
 /* ------------------------------------------------------------------ row ops
- * One id's row into a bag's accumulator acc [d] (on the stack). Each output element gets the same
- * operations in the same order in the scalar (portable) and the AVX2 versions, so both give the
- * same bits. The AVX2 ones exist because GCC unrolls the scalar loops of small constant widths
- * (8, 16) into scalar code before its vectorizer sees them, and never vectorizes the int4 one. */
-static inline __attribute__((always_inline)) void sv_add_c(float *restrict acc, const float *restrict x, int64_t d) {
-    for (int64_t j = 0; j < d; j++) acc[j] += x[j];
-}
-
-static inline __attribute__((always_inline)) void sv_fma_c(float *restrict acc, float w, const float *restrict x,
-                                                           int64_t d) {
-    for (int64_t j = 0; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
-}
-
-
-/* fp16 rows, from element j on: acc += (float)x or acc = fma(w, (float)x, acc) */
-static inline __attribute__((always_inline)) void sv_addh_c(float *restrict acc, const uint16_t *restrict x,
-                                                            int64_t j, int64_t d) {
-    for (; j < d; j++) acc[j] += ps_h2f(x[j]);
-}
-
-static inline __attribute__((always_inline)) void sv_fmah_c(float *restrict acc, float w,
-                                                            const uint16_t *restrict x, int64_t j, int64_t d) {
-    for (; j < d; j++) acc[j] = fmaf(w, ps_h2f(x[j]), acc[j]);
-}
-
-/* int8 codes: acc = fma(scale, code, acc + bias) */
-static inline __attribute__((always_inline)) void sv_int8_c(float *restrict acc, float scale, float bias,
-                                                            const uint8_t *restrict q, int64_t j, int64_t d) {
-    for (; j < d; j++) acc[j] = fmaf(scale, (float)q[j], acc[j] + bias);
-}
-
-/* int4 codes from element j (even) on: element 2i is the low nibble of byte i, 2i + 1 the high one */
-static inline __attribute__((always_inline)) void sv_int4_c(float *restrict acc, float scale, float bias,
-                                                            const uint8_t *restrict q, int64_t j, int64_t d) {
-    for (; j + 1 < d; j += 2) {
-        const uint8_t byte = q[j >> 1];
-        acc[j] = fmaf(scale, (float)(byte & 15), acc[j] + bias);
-        acc[j + 1] = fmaf(scale, (float)(byte >> 4), acc[j + 1] + bias);
+ * One id's row, from element j on, into a bag's accumulator acc [d] (on the stack). Per element,
+ * x = the row's element widened to float32 (kind 0 fp32, 1 fp16 (exact), 2 int8 code, 3 int4 code:
+ * element 2i the low nibble of byte i, 2i + 1 the high one):
+ *   kind 0, 1: acc += x, or acc = fma(w, x, acc) when weighted;
+ *   kind 2, 3: acc = fma(w, x, acc + bias).
+ * kind and weighted are constants at every call (sv_bag), so each call compiles to its case's loop
+ * alone. Each output element gets the same operations in the same order in the scalar (portable)
+ * and the AVX2 versions, so both give the same bits. The AVX2 one exists because GCC unrolls the
+ * scalar loops of small constant widths (8, 16) into scalar code before its vectorizer sees them,
+ * and never vectorizes the int4 one. */
+static inline __attribute__((always_inline)) void sv_row_c(float *restrict acc, const void *restrict row, int kind,
+                                                           int weighted, float w, float bias, int64_t j, int64_t d) {
+    const float *f = row;
+    const uint16_t *h = row;
+    const uint8_t *q = row;
+    if (kind == 3) {                                /* j even */
+        for (; j + 1 < d; j += 2) {
+            const uint8_t byte = q[j >> 1];
+            acc[j] = fmaf(w, (float)(byte & 15), acc[j] + bias);
+            acc[j + 1] = fmaf(w, (float)(byte >> 4), acc[j + 1] + bias);
+        }
+        if (d & 1) acc[d - 1] = fmaf(w, (float)(q[(d - 1) >> 1] & 15), acc[d - 1] + bias);
+        return;
     }
-    if (d & 1) acc[d - 1] = fmaf(scale, (float)(q[(d - 1) >> 1] & 15), acc[d - 1] + bias);
+    for (; j < d; j++) {
+        const float x = kind == 0 ? f[j] : kind == 1 ? ps_h2f(h[j]) : (float)q[j];
+        acc[j] = kind >= 2 ? fmaf(w, x, acc[j] + bias) : weighted ? fmaf(w, x, acc[j]) : acc[j] + x;
+    }
 }
 
 /* SV_PORTABLE (a -D flag): no AVX2 path at all, as on a machine other than x86 (tests build it so). */
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(SV_PORTABLE)
 #define SV_FMA_DISPATCH 1
 #include <immintrin.h>
-/* 8 floats a step, the scalar versions for the rest; only inlined into sv_pool_chunk_fma (flatten),
- * the generic code never calls them (sv_bag's V = 0). */
-#define SV_AVX static inline __attribute__((target("avx2,fma,f16c")))
-SV_AVX void sv_add_avx(float *restrict acc, const float *restrict x, int64_t d) {
+/* 8 elements a step (fp16 widened by vcvtph2ps, exact; int4: 16), sv_row_c for the rest; only
+ * inlined into sv_pool_chunk_fma (flatten), the generic code never calls it (sv_bag's V = 0). */
+static inline __attribute__((target("avx2,fma,f16c"))) void sv_row_avx(float *restrict acc, const void *restrict row,
+                                                                        int kind, int weighted, float w, float bias,
+                                                                        int64_t d) {
+    const __m256 vw = _mm256_set1_ps(w), vb = _mm256_set1_ps(bias);
+    const float *f = row;
+    const uint16_t *h = row;
+    const uint8_t *q = row;
     int64_t j = 0;
-    for (; j + 8 <= d; j += 8)
-        _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), _mm256_loadu_ps(x + j)));
-    for (; j < d; j++) acc[j] += x[j];
-}
-
-SV_AVX void sv_fma_avx(float *restrict acc, float w, const float *restrict x, int64_t d) {
-    const __m256 vw = _mm256_set1_ps(w);
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8)
-        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + j), _mm256_loadu_ps(acc + j)));
-    for (; j < d; j++) acc[j] = fmaf(w, x[j], acc[j]);
-}
-
-/* fp16 rows: 8 halves widened by vcvtph2ps (exact) a step */
-SV_AVX void sv_addh_avx(float *restrict acc, const uint16_t *restrict x, int64_t d) {
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8) {
-        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + j)));
-        _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), v));
+    if (kind == 3) {
+        const __m128i m15 = _mm_set1_epi8(15);
+        for (; j + 16 <= d; j += 16) {              /* 8 bytes: 16 codes */
+            const __m128i by = _mm_loadl_epi64((const __m128i *)(q + (j >> 1)));
+            const __m128i lo = _mm_and_si128(by, m15), hi = _mm_and_si128(_mm_srli_epi16(by, 4), m15);
+            const __m128i codes = _mm_unpacklo_epi8(lo, hi);                   /* [16] bytes in element order */
+            const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+            const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+            _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vw, c0, _mm256_add_ps(_mm256_loadu_ps(acc + j), vb)));
+            _mm256_storeu_ps(acc + j + 8, _mm256_fmadd_ps(vw, c1, _mm256_add_ps(_mm256_loadu_ps(acc + j + 8), vb)));
+        }
+    } else {
+        for (; j + 8 <= d; j += 8) {
+            const __m256 a = _mm256_loadu_ps(acc + j);
+            const __m256 x = kind == 0 ? _mm256_loadu_ps(f + j)
+                             : kind == 1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j)))
+                             : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
+            _mm256_storeu_ps(acc + j, kind >= 2 ? _mm256_fmadd_ps(vw, x, _mm256_add_ps(a, vb))
+                                      : weighted ? _mm256_fmadd_ps(vw, x, a) : _mm256_add_ps(a, x));
+        }
     }
-    sv_addh_c(acc, x, j, d);
-}
-
-SV_AVX void sv_fmah_avx(float *restrict acc, float w, const uint16_t *restrict x, int64_t d) {
-    const __m256 vw = _mm256_set1_ps(w);
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8) {
-        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + j)));
-        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vw, v, _mm256_loadu_ps(acc + j)));
-    }
-    sv_fmah_c(acc, w, x, j, d);
-}
-
-SV_AVX void sv_int8_avx(float *restrict acc, float scale, float bias, const uint8_t *restrict q, int64_t d) {
-    const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8) {
-        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
-        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vs, code, _mm256_add_ps(_mm256_loadu_ps(acc + j), vb)));
-    }
-    sv_int8_c(acc, scale, bias, q, j, d);
-}
-
-SV_AVX void sv_int4_avx(float *restrict acc, float scale, float bias, const uint8_t *restrict q, int64_t d) {
-    const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
-    const __m128i m15 = _mm_set1_epi8(15);
-    int64_t j = 0;
-    for (; j + 16 <= d; j += 16) {                  /* 8 bytes: 16 codes */
-        const __m128i by = _mm_loadl_epi64((const __m128i *)(q + (j >> 1)));
-        const __m128i lo = _mm_and_si128(by, m15), hi = _mm_and_si128(_mm_srli_epi16(by, 4), m15);
-        const __m128i codes = _mm_unpacklo_epi8(lo, hi);                   /* [16] bytes in element order */
-        const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-        const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
-        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vs, c0, _mm256_add_ps(_mm256_loadu_ps(acc + j), vb)));
-        _mm256_storeu_ps(acc + j + 8, _mm256_fmadd_ps(vs, c1, _mm256_add_ps(_mm256_loadu_ps(acc + j + 8), vb)));
-    }
-    sv_int4_c(acc, scale, bias, q, j, d);
+    sv_row_c(acc, row, kind, weighted, w, bias, j, d);
 }
 #else
-#define sv_add_avx sv_add_c
-#define sv_fma_avx sv_fma_c
-#define sv_addh_avx(acc, x, d) sv_addh_c(acc, x, 0, d)
-#define sv_fmah_avx(acc, w, x, d) sv_fmah_c(acc, w, x, 0, d)
-#define sv_int8_avx(acc, scale, bias, q, d) sv_int8_c(acc, scale, bias, q, 0, d)
-#define sv_int4_avx(acc, scale, bias, q, d) sv_int4_c(acc, scale, bias, q, 0, d)
+#define sv_row_avx(acc, row, kind, weighted, w, bias, d) sv_row_c(acc, row, kind, weighted, w, bias, 0, d)
 #endif
+
+/* sv_row_avx (V: 1, only in sv_pool_chunk_fma) or sv_row_c (V: 0) */
+static inline __attribute__((always_inline)) void sv_row(float *restrict acc, const void *restrict row, int kind,
+                                                         int weighted, float w, float bias, int64_t d, const int V) {
+    if (V) sv_row_avx(acc, row, kind, weighted, w, bias, d);
+    else sv_row_c(acc, row, kind, weighted, w, bias, 0, d);
+}
 
 /* ------------------------------------------------------------------ pooling */
 #define SV_DMAX 1024 /* widest row the kernel pools (the caller checks) */
@@ -228,8 +188,7 @@ struct sv_pool_ctx {
  * row; r <= -4: the float32 default row at defaults + (-r - 4). Default rows are summed in id
  * order like a matrix row (fp32, fp16) or, for int8 / int4, weighted and summed apart and added at the
  * end (as tbe_pool.QuantizedPooling adds them after fbgemm's TBE).
- * DC: the width when known at compile time (0: the slot's, at most SV_DMAX); V: 1 for the AVX2 row
- * ops (only in sv_pool_chunk_fma), 0 for the scalar ones. */
+ * DC: the width when known at compile time (0: the slot's, at most SV_DMAX); V: see sv_row. */
 static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ctx *c, int64_t k, const int64_t *sl,
                                                          int64_t s, int64_t send, const int64_t DC, const int V) {
     const int64_t b = k - s * c->B;
@@ -247,14 +206,9 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
         const int32_t r = c->rows[i];
         if (r == -1 || r == -3) continue;
         if (kind == 1 && r >= 0) {                  /* an fp16 row (default rows are float32: below) */
-            const uint16_t *h = (const uint16_t *)(mat + rb * r);
-            if (wts) {
-                if (V) sv_fmah_avx(acc, wts[i], h, d);
-                else sv_fmah_c(acc, wts[i], h, 0, d);
-            } else {
-                if (V) sv_addh_avx(acc, h, d);
-                else sv_addh_c(acc, h, 0, d);
-            }
+            const uint8_t *h = mat + rb * r;
+            if (wts) sv_row(acc, h, 1, 1, wts[i], 0.0f, d, V);
+            else sv_row(acc, h, 1, 0, 0.0f, 0.0f, d, V);
             continue;
         }
         const float *x;
@@ -264,13 +218,8 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
             x = def;
         } else x = c->defaults + (-(int64_t)r - 4);
         if (kind <= 1) {
-            if (wts) {
-                if (V) sv_fma_avx(acc, wts[i], x, d);
-                else sv_fma_c(acc, wts[i], x, d);
-            } else {
-                if (V) sv_add_avx(acc, x, d);
-                else sv_add_c(acc, x, d);
-            }
+            if (wts) sv_row(acc, x, 0, 1, wts[i], 0.0f, d, V);
+            else sv_row(acc, x, 0, 0, 0.0f, 0.0f, d, V);
             continue;
         }
         const float w = wts ? wts[i] : inv;
@@ -285,15 +234,8 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
         const uint8_t *row = mat + rb * r;
         float sb[2];
         memcpy(sb, row, sizeof sb);
-        const float scale = sb[0] * w, bias = sb[1] * w;
-        const uint8_t *q = row + 8;
-        if (kind == 2) {
-            if (V) sv_int8_avx(acc, scale, bias, q, d);
-            else sv_int8_c(acc, scale, bias, q, 0, d);
-        } else {
-            if (V) sv_int4_avx(acc, scale, bias, q, d);
-            else sv_int4_c(acc, scale, bias, q, 0, d);
-        }
+        if (kind == 2) sv_row(acc, row + 8, 2, 0, sb[0] * w, sb[1] * w, d, V);
+        else sv_row(acc, row + 8, 3, 0, sb[0] * w, sb[1] * w, d, V);
     }
     if (mean && kind <= 1 && i1 > i0) {
         const float n = (float)(i1 - i0);

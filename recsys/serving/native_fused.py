@@ -157,12 +157,8 @@ class NativePooling:
         self.any_hashed = bool((self.hashed > 0).any())
         # defaults: per-slot class of (dim, seed, init, scale); -1: zeros
         classes: dict[tuple, int] = {}
-        cls = []
-        for c in cfgs:
-            if c.unadmitted == "init" and c.init != "zeros":
-                cls.append(classes.setdefault((c.dim, c.seed, c.init, c.init_scale), len(classes)))
-            else:
-                cls.append(-1)
+        cls = [classes.setdefault((c.dim, c.seed, c.init, c.init_scale), len(classes))
+               if tables[p.table].has_default else -1 for (p, _), c in zip(slots, cfgs)]
         self.classes = list(classes)                      # class index -> (dim, seed, init, scale)
         self.slot_class = torch.tensor(cls, dtype=torch.int64)                              # [S]
         return slots

@@ -8,8 +8,7 @@
     rows = p.lookup("C1", ids)            # float32 [N, D] (dequantized for int8 / int4)
     ids, scores = p.topk(user_rows, k)    # two_tower exports: the ANN index of `export --index ann`, else exact
 
-Lookup (`export_store.TableView`): raw ids -> keys -> `np.searchsorted` on the sorted ids; an id
-the table lacks gets the table's default, exactly what a PS pull returns in training and eval.
+Lookup: `export_store.TableView` (an id the table lacks gets the table's default, as a PS pull).
 
 Pooling (the hot path): `native_fused.make_pooling`, called when the Predictor opens, builds
 `NativePooling` (a C kernel compiled on first use: per-table hash maps and pooling straight into
@@ -21,11 +20,8 @@ BENCHMARKS.md, "benchmarks/serving.py".
 Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
 `embedding_ps.store.RowSource` over the export's tables), to the `recsys.models.SparseArch`
 that training uses (unique ids -> rows -> `embedding_bag` per group of tables), so fp32 scores
-equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's
-`IntNBitTableBatchedEmbeddingBagsCodegen` (SUM with per-id weights; mean pooling as weights 1/length); ids without a
-row point at an
-all-zero extra row and their default rows are added in float32. The TBE holds its own copy of
-the quantized rows (its row layout is f16 scale | f16 bias | codes, see quantize.py).
+equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's TBE
+(`tbe_pool.QuantizedPooling`).
 
 Scores: sigmoid(logits), calibrated for the training data's negative downsampling as the manifest's
 "calibration" section says (`recsys.calibration`: sigmoid(logit + log r) when r < 1 and the model

@@ -5,7 +5,8 @@ without a row point), one "feature" per (table, sparse feature) in `SparseArch` 
 pooling with per-id weights: a feature's own weights for sum-pooled tables, 1 / bag length for
 mean-pooled ones (= mean). Ids without a row add their table's default row (init or zeros) in
 float32 afterwards, so an unknown id scores as it does in training. int4 tables of a width that is
-not a multiple of 4 carry padding columns, dropped from the output.
+not a multiple of 4 carry padding columns, dropped from the output. The TBE holds its own copy of
+the quantized rows (its row layout is f16 scale | f16 bias | codes, see quantize.py).
 """
 
 from __future__ import annotations
