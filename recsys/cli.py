@@ -17,7 +17,7 @@ from pathlib import Path
 
 from data.paths import fill_date, parse_date
 from embedding_ps.wire.auth import AuthConfigError
-from recsys.config import ConfigError, load_config, load_ps_config, to_toml
+from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
 from recsys.training.procs import StopNow
 from recsys.training.tune import add_tune_parser
@@ -72,21 +72,14 @@ def _port_arg(text: str) -> int:
     return port
 
 
-class _SetDate(argparse.Action):
-    """`--date D` is `--set data.date='D'` (where both are given, the later one wins)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, "overrides", [*getattr(namespace, "overrides", []), f"data.date='{values}'"])
-
-
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="job config (TOML)")
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
                    help="override config values (TOML syntax): --set a.b=1 c.d=2, or --set repeated")
-    p.add_argument("--date", action=_SetDate, type=_date_arg, metavar="YYYY-MM-DD",
-                   help="the day this job is for (data.date): fills {date}, {date-N}, {date+N} in data.*_paths "
-                        "and train.run_dir")
+    # `--date D` is `--set data.date='D'` (where both are given, the later one wins)
+    p.add_argument("--date", dest="overrides", action="append", type=lambda d: f"data.date='{_date_arg(d)}'",
+                   metavar="YYYY-MM-DD", help="the day this job is for (data.date): fills {date}, {date-N}, "
+                   "{date+N} in data.*_paths and train.run_dir")
 
 
 def _fill_dates(args: argparse.Namespace) -> None:
@@ -209,14 +202,11 @@ def _cmd_ps(args: argparse.Namespace) -> int:
     if not 0 <= args.shard < ps.num_shards:
         raise ConfigError(f"--shard {args.shard} is outside 0..{ps.num_shards - 1} (ps.num_shards)")
     factory = None
-    if args.restore:
-        from recsys.training.reshard import restore_shard
+    if args.restore or args.init_from:
+        from recsys.training import reshard
 
-        factory = lambda config, shard: restore_shard(config, shard, args.restore)   # noqa: E731
-    elif args.init_from:
-        from recsys.training.reshard import init_shard
-
-        factory = lambda config, shard: init_shard(config, shard, args.init_from)   # noqa: E731
+        load, saved = (reshard.restore_shard, args.restore) if args.restore else (reshard.init_shard, args.init_from)
+        factory = lambda config, shard: load(config, shard, saved)   # noqa: E731
     stop = threading.Event()
     _stop_on_signals(stop)
     serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory,
@@ -242,16 +232,21 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prestart(cfg: JobConfig) -> None:
+    """The local launcher's zygote imports torch and the trainer while this process checks and prepares the run."""
+    if cfg.cluster.engine == "local":
+        from recsys.training.procs import prestart
+
+        prestart()
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from recsys.preflight import preflight_train
 
     cfg = load_config(args.config, args.overrides)
     if args.init_from:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
-    if cfg.cluster.engine == "local":
-        from recsys.training.procs import prestart
-
-        prestart()     # the zygote imports torch and the trainer while this process checks and prepares the run
+    _prestart(cfg)
     # config, data footers, the checkpoint, before any process (and before torch: bad input fails in < 1 s)
     preflight_train(cfg, resume=args.resume)
     from recsys.training.launch import launch_train
@@ -267,10 +262,7 @@ def _cmd_daily(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if not cfg.data.date:
         raise ConfigError("recsys daily needs --date YYYY-MM-DD (the day to train on)")
-    if cfg.cluster.engine == "local":
-        from recsys.training.procs import prestart
-
-        prestart()     # the zygote imports torch and the trainer while the day's run is prepared
+    _prestart(cfg)
     record = run_daily(cfg, cfg.data.date, root=args.root, publish=args.publish, keep=args.keep,
                        source=getattr(args, "from"), next_day=args.next_day, resume=args.resume,
                        overwrite=args.overwrite)
@@ -295,19 +287,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.rundir import local_run, run_path
 
     _fill_dates(args)
-    if args.export is not None:
-        from recsys.serving.offline import evaluate_export
-
-        with contextlib.ExitStack() as stack:
-            out = None if args.out is None else stack.enter_context(storage.local_output(args.out, directory=False))
-            metrics = evaluate_export(args.export, args.data, out)
-        sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
-        return 0
-    out = args.out or (run_path(args.run, "eval_metrics.json") if storage.is_uri(args.run) else None)
-    with local_run(args.run, args.last) as run, contextlib.ExitStack() as stack:   # a URI run / out: staged
+    uri_run = args.export is None and storage.is_uri(args.run)
+    out = args.out or (run_path(args.run, "eval_metrics.json") if uri_run else None)
+    with contextlib.ExitStack() as stack:             # a URI run / out: staged
         local_out = None if out is None else stack.enter_context(storage.local_output(out, directory=False))
-        _preflight_run_data(str(run), args.data)
-        metrics = evaluate_run(run, args.data, out=local_out, last=args.last)
+        if args.export is not None:
+            from recsys.serving.offline import evaluate_export
+
+            metrics = evaluate_export(args.export, args.data, local_out)
+        else:
+            run = stack.enter_context(local_run(args.run, args.last))
+            _preflight_run_data(str(run), args.data)
+            metrics = evaluate_run(run, args.data, out=local_out, last=args.last)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
     return 0
 
@@ -320,15 +311,15 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
     _fill_dates(args)
     _check_keep(args.keep, args.data)
-    if args.export is not None:
-        from recsys.serving.offline import predict_export
+    with storage.local_output(args.out, directory=False) as out:      # a URI run / out: staged
+        if args.export is not None:
+            from recsys.serving.offline import predict_export
 
-        with storage.local_output(args.out, directory=False) as out:
             predict_export(args.export, args.data, out, keep=tuple(args.keep))
-        return 0
-    with local_run(args.run, args.last) as run, storage.local_output(args.out, directory=False) as out:
-        _preflight_run_data(str(run), args.data)
-        predict_run(run, args.data, out, last=args.last, keep=tuple(args.keep))
+        else:
+            with local_run(args.run, args.last) as run:
+                _preflight_run_data(str(run), args.data)
+                predict_run(run, args.data, out, last=args.last, keep=tuple(args.keep))
     return 0
 
 
@@ -415,14 +406,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("print-config", help="print the resolved job config as TOML")
-    _add_config_args(p, required=False)
+    def command(name: str, func, config: bool | None = None, **kw) -> argparse.ArgumentParser:
+        """Subcommand `name` running `func`; with `config` (True: required) --config, --set and --date."""
+        p = sub.add_parser(name, **kw)
+        if config is not None:
+            _add_config_args(p, required=config)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("print-config", _cmd_print_config, config=False, help="print the resolved job config as TOML")
     p.add_argument("--explain", metavar="KEY", help="what a config key means (type, default, valid values), "
                    "e.g. ps.table_defaults.lr, or every key of a section (train); docs/config.md has them all")
-    p.set_defaults(func=_cmd_print_config)
 
-    p = sub.add_parser("init-config", help="write a job config from your Parquet data (columns classified, "
-                       "tables sized by their distinct ids)")
+    p = command("init-config", _cmd_init_config, help="write a job config from your Parquet data (columns "
+                                                      "classified, tables sized by their distinct ids)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="Parquet files, directories or globs")
     p.add_argument("--label", required=True, help="the 0/1 label column")
     p.add_argument("--out", default=None, help="the config file to write (default: print it)")
@@ -430,16 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore", nargs="*", default=[], metavar="COL", help="columns to leave out")
     p.add_argument("--sample-rows", type=int, default=1_000_000, help="rows read to count distinct ids")
     p.add_argument("--run-dir", default="", help="train.run_dir of the config (default: runs/<--out's name>)")
-    p.set_defaults(func=_cmd_init_config)
 
-    p = sub.add_parser("gen-data", help="write a synthetic CTR dataset as Parquet",
-                       description="Writes OUT/part-00000.parquet, part-00001, ...: --rows rows in --files files of "
-                                   "equal rows, or --split A,B,C: file i gets the next i-th count of rows (e.g. "
-                                   "train, validation, test). Rows are one i.i.d. stream, the same for a --seed "
-                                   "whatever the split. --preset onehot (ten one-hot fields: user, item, "
-                                   "item_category and context ids; data/onehot.py) without --rows or --split "
-                                   "writes its default split 50000,6000,30000: part-00000 train, part-00001 "
-                                   "validation, part-00002 test.")
+    p = command("gen-data", _cmd_gen_data, help="write a synthetic CTR dataset as Parquet",
+                description="Writes OUT/part-00000.parquet, part-00001, ...: --rows rows in --files files of "
+                            "equal rows, or --split A,B,C: file i gets the next i-th count of rows (e.g. "
+                            "train, validation, test). Rows are one i.i.d. stream, the same for a --seed "
+                            "whatever the split. --preset onehot (ten one-hot fields: user, item, "
+                            "item_category and context ids; data/onehot.py) without --rows or --split "
+                            "writes its default split 50000,6000,30000: part-00000 train, part-00001 "
+                            "validation, part-00002 test.")
     p.add_argument("--preset", default="criteo-like",
                    choices=["criteo-like", "longtail", "onehot", "tiny", "retrieval", "sequence", "daily"])
     p.add_argument("--rows", type=int, default=None, help="total rows (required unless --split or --preset onehot)")
@@ -453,18 +449,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=3, help="--preset daily: day partitions OUT/day=YYYY-MM-DD/ "
                                                        "of --rows rows each")
     p.add_argument("--start", default="2026-11-25", help="--preset daily: the first day (YYYY-MM-DD)")
-    p.set_defaults(func=_cmd_gen_data)
 
-    p = sub.add_parser("convert-criteo", help="Criteo Display Advertising TSV -> Parquet (streaming)")
+    p = command("convert-criteo", _cmd_convert_criteo, help="Criteo Display Advertising TSV -> Parquet (streaming)")
     p.add_argument("input", help="TSV file: label, 13 integer, 26 hex categorical columns")
     p.add_argument("out_dir")
     p.add_argument("--rows-per-file", type=int, default=4_000_000)
     p.add_argument("--row-group-rows", type=int, default=131072)
     p.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "gzip", "none"])
-    p.set_defaults(func=_cmd_convert_criteo)
 
-    p = sub.add_parser("ps", help="serve one parameter-server shard")
-    _add_config_args(p)
+    p = command("ps", _cmd_ps, config=True, help="serve one parameter-server shard")
     p.add_argument("--shard", type=int, required=True, help="shard index in 0..ps.num_shards-1")
     p.add_argument("--bind", default=None, help="address to bind (default ps.bind, 127.0.0.1)")
     p.add_argument("--port", type=_port_arg, default=0, help="TCP port (0: an ephemeral one)")
@@ -473,10 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first load this shard's part of a saved PS (a checkpoint's model/ps; any shard count)")
     p.add_argument("--init-from", default=None, metavar="PS_DIR",
                    help="warm start: take the rows of these saved shards' tables that this config has, by name")
-    p.set_defaults(func=_cmd_ps)
 
-    p = sub.add_parser("train", help="train: start the PS shards and trainers on this machine")
-    _add_config_args(p)
+    p = command("train", _cmd_train, config=True, help="train: start the PS shards and trainers on this machine")
     p.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the run's newest good checkpoint, or from a checkpoint directory")
     p.add_argument("--overwrite", action="store_true",
@@ -484,11 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None, metavar="RUN_DIR|CHECKPOINT",
                    help="warm start from another run's model (train.init_from): rows, optimizer state, dense "
                         "weights; a fresh data position")
-    p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("daily", help="the daily job: warm-start from yesterday's run, train on day --date, "
-                                     "evaluate on the next day, publish a full export and a delta")
-    _add_config_args(p)
+    p = command("daily", _cmd_daily, config=True, help="the daily job: warm-start from yesterday's run, train on "
+                                                       "day --date, evaluate on the next day, publish a full export "
+                                                       "and a delta")
     p.add_argument("--root", default=None, help="runs live in ROOT/DATE (default: the config's train.run_dir)")
     p.add_argument("--publish", default=None, help="exports and published.json (default: ROOT/published)")
     p.add_argument("--keep", type=int, default=3, help="full exports kept for rollback")
@@ -503,10 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "publication is replaced")
     p.add_argument("--next-day", nargs="+", default=None, metavar="PATH",
                    help="next-day evaluation data (default: the config's data.eval_paths, e.g. day={date+1})")
-    p.set_defaults(func=_cmd_daily)
 
-    p = sub.add_parser("ray-submit", help="submit `recsys train --config X` to a Ray cluster as a Ray job")
-    _add_config_args(p)
+    p = command("ray-submit", _cmd_ray_submit, config=True,
+                help="submit `recsys train --config X` to a Ray cluster as a Ray job")
     p.add_argument("--address", required=True, metavar="http://HOST:8265",
                    help="the Ray dashboard's address (the Job Submission API)")
     wait = p.add_mutually_exclusive_group()
@@ -516,16 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="submit `recsys print-config` of the config instead of train (checks the cluster's install)")
     p.add_argument("--submission-id", default=None, help="the job's id (default: Ray makes one)")
-    p.set_defaults(func=_cmd_ray_submit)
 
-    p = sub.add_parser("reshard", help="write a checkpoint re-sharded into a different number of PS shards")
+    p = command("reshard", _cmd_reshard, help="write a checkpoint re-sharded into a different number of PS shards")
     p.add_argument("checkpoint", help="checkpoint directory (run_dir/checkpoints/step-*)")
     p.add_argument("--shards", type=int, required=True, help="the new ps.num_shards")
     p.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
-    p.set_defaults(func=_cmd_reshard)
 
     def scoring(name: str, help_: str, func, out_help: str, out_required: bool) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
+        p = command(name, func, help=help_)
         src = p.add_mutually_exclusive_group(required=True)
         src.add_argument("--run", help="run directory written by `recsys train`")
         src.add_argument("--export", metavar="DIR|URI", help="an export (recsys export): score with the serving model")
@@ -534,7 +521,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--last", action="store_true", help="the run's last model, not its best (RUN_DIR/best)")
         p.add_argument("--date", type=_date_arg, default=None, metavar="YYYY-MM-DD",
                        help="fills {date}, {date-N}, {date+N} in --run, --data and --out")
-        p.set_defaults(func=func)
         return p
 
     scoring("eval", "evaluate a trained run (or an export) on Parquet data", _cmd_eval,
@@ -544,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", nargs="+", default=[], metavar="COLUMN",
                    help="columns of --data to write beside each score (a row key, e.g. user_id item_id)")
 
-    p = sub.add_parser("export", help="export embeddings + dense model for serving (see recsys/serving/export.py)")
+    p = command("export", _cmd_export,
+                help="export embeddings + dense model for serving (see recsys/serving/export.py)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory written by `recsys train`")
     src.add_argument("--checkpoint", help="checkpoint directory (config.toml, model/, manifest.json)")
@@ -557,16 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", default="exact", choices=["exact", "ann"],
                    help="two_tower: 'ann' also writes an ANN index of the items, which topk then searches "
                         "(docs/serving.md)")
-    p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("export-apply", help="apply a delta export to a base export -> a full export")
+    p = command("export-apply", _cmd_export_apply, help="apply a delta export to a base export -> a full export")
     p.add_argument("base", help="full export directory")
     p.add_argument("delta", help="delta export directory (recsys export --since)")
     p.add_argument("--out", required=True, help="the resulting full export directory")
-    p.set_defaults(func=_cmd_export_apply)
 
-    p = sub.add_parser("serve", help="HTTP JSON API over an export: predict, topk, reload, metrics "
-                                     "(docs/serving.md)")
+    p = command("serve", _cmd_serve, help="HTTP JSON API over an export: predict, topk, reload, metrics "
+                                          "(docs/serving.md)")
     p.add_argument("--export", required=True, metavar="DIR|URI", help="full export directory (recsys export)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --token-file)")
     p.add_argument("--port", type=_port_arg, default=8080, help="TCP port (0: an ephemeral one)")
@@ -580,16 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=None, help="file (mode 0600) of a bearer token every request but "
                                                       "/v1/health must send")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413")
-    p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("plot", help="write PNG curves (loss, AUC, samples/s) of a run")
+    p = command("plot", _cmd_plot, help="write PNG curves (loss, AUC, samples/s) of a run")
     p.add_argument("run_dir")
-    p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("demo", help="quickstart: generate data and run the main job")
+    p = command("demo", _cmd_demo, help="quickstart: generate data and run the main job")
     p.add_argument("--out", default="demo")
     p.add_argument("--rows", type=int, default=600_000)
-    p.set_defaults(func=_cmd_demo)
     add_tune_parser(sub, _add_config_args)
     return parser
 

@@ -248,16 +248,7 @@ class JobConfig:
             if self.model.table_pooling.get(table, "sum") != "sum":
                 raise ValueError(f"data.weight_columns.{column}: per-id weights need sum pooling, but "
                                  f"model.table_pooling.{table} = {self.model.table_pooling[table]!r}")
-        check_two_tower(self.model, self.data)
-        if self.model.arch == "two_tower" and (self.data.example_weight_column or self.data.negative_sampling_rate < 1):
-            raise ValueError("data.example_weight_column / data.negative_sampling_rate weigh the binary cross-entropy "
-                             "of CTR models; model.arch = 'two_tower' trains an in-batch softmax: leave them unset")
-        if self.model.arch == "two_tower" and self.train.num_trainers > 1 and not self.data.drop_last:
-            raise ValueError("model.arch = 'two_tower' with train.num_trainers > 1 needs data.drop_last = true "
-                             "(the ranks' item vectors are all-gathered as negatives: equal batch sizes)")
-        if self.model.arch == "two_tower" and self.train.validate_every != 0:
-            raise ValueError("train.validate_every is not supported with model.arch = 'two_tower' "
-                             "(retrieval metrics come from `recsys eval` and the end of training)")
+        check_two_tower(self.model, self.data, self.train)
         self._check_cache_and_prefetch()
         if self.cluster.use_gpu != (self.train.device == "cuda") and self.cluster.engine == "ray":
             raise ValueError(f"cluster.use_gpu = {str(self.cluster.use_gpu).lower()} needs train.device = "
@@ -298,16 +289,32 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> JobConfig:
     """Read `path` (TOML; None: all defaults), apply `section.key=value` overrides, validate."""
+    return _load(path, overrides, JobConfig, "")
+
+
+def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
+    """PSConfig from the `[ps]` section of TOML file `path` (other sections are not read or checked),
+    with `ps.key=value` overrides: what a shard needs of a job config."""
+    return _load(path, overrides, PSConfig, "ps")
+
+
+def _load(path: str | Path | None, overrides: typing.Sequence[str], cls: type, section: str) -> Any:
+    """The one pipeline of load_config and load_ps_config: read, override, fill in the dates, rename old keys,
+    group optimizers, expand the table defaults, build `cls` from the whole file or from `section`."""
     source = str(path) if path is not None else "<defaults>"
     raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     with _blaming(overrides, source):
-        fill_dates(raw, source)
+        fill_dates(raw, source)             # train.run_dir may be dated (runs/ctr/{date})
         rename_keys(raw, source)
         group_optimizers(raw, source)
-        expand_tables(raw, source)
-        return build(JobConfig, raw, source=source, prefix="")
+        expand_tables(raw, source)          # reads [data] and [model] only for the tables they imply
+        cfg = build(cls, raw.get(section, {}) if section else raw, source=source, prefix=section and f"{section}.")
+    if cls is PSConfig and not cfg.storage_root:    # a shard (`recsys ps`) is confined to the job's run directory
+        run_dir = raw["train"].get("run_dir") if isinstance(raw.get("train"), dict) else None
+        cfg = dataclasses.replace(cfg, storage_root=run_dir if isinstance(run_dir, str) else TrainConfig().run_dir)
+    return cfg
 
 
 @contextlib.contextmanager
@@ -323,24 +330,6 @@ def _blaming(overrides: typing.Sequence[str], source: str):
             if rest is not None and (rest.startswith(key) or f"'{key}'" in rest):
                 raise ConfigError(f"--set {item}: {rest}") from None
         raise
-
-
-def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PSConfig:
-    """PSConfig from the `[ps]` section of TOML file `path` (other sections are not read or checked),
-    with `ps.key=value` overrides: what a shard needs of a job config."""
-    raw = read_toml(path)
-    for item in overrides:
-        _apply_override(raw, item)
-    with _blaming(overrides, str(path)):
-        fill_dates(raw, str(path))           # train.run_dir may be dated (runs/ctr/{date})
-        group_optimizers(raw, str(path))
-        expand_tables(raw, str(path))        # reads [data] and [model] only for the tables they imply
-        ps = build(PSConfig, raw.get("ps", {}), source=str(path), prefix="ps.")
-    if not ps.storage_root:              # a shard (`recsys ps`) is confined to the job's run directory
-        train = raw.get("train", {})
-        run_dir = train.get("run_dir") if isinstance(train, dict) else None
-        ps = dataclasses.replace(ps, storage_root=run_dir if isinstance(run_dir, str) else TrainConfig().run_dir)
-    return ps
 
 
 RENAMED_KEYS = {("train", "prefetch_batches"): "pull_ahead_batches"}
@@ -481,12 +470,11 @@ def _warn_unused_defaults(defaults: dict, own: dict[str, list], n_given: int, cr
 
 DATED_KEYS = (("data", "train_paths"), ("data", "eval_paths"), ("data", "test_paths"), ("data", "item_paths"),
               ("train", "run_dir"), ("train", "scratch_dir"), ("train", "init_from"))
-"""The values whose `{date}`, `{date-N}`, `{date+N}` placeholders (data/paths.py) load_config fills in
-with data.date."""
 
 
 def fill_dates(raw: dict[str, Any], source: str) -> None:
-    """Fill in the date placeholders of DATED_KEYS with data.date, in place; ConfigError naming the key."""
+    """Fill in the `{date}`, `{date-N}`, `{date+N}` placeholders (data/paths.py) of DATED_KEYS with data.date,
+    in place; ConfigError naming the key."""
     data = raw.get("data", {})
     date = data.get("date", "") if isinstance(data, dict) else ""
     if isinstance(date, datetime.date) and not isinstance(date, datetime.datetime):

@@ -33,12 +33,13 @@ class EvalConfig:
             raise ValueError(f"eval.batch_users must be >= 1, got {self.batch_users}")
 
 
-def check_two_tower(model: Any, data: Any) -> None:
+def check_two_tower(model: Any, data: Any, train: Any) -> None:
     """Cross-section rules of model.arch = "two_tower" (ValueError naming the dotted key).
 
     Every feature of model.user_features / model.item_features is a column of data.sparse_columns
     or data.dense_columns, no column is in both towers, every sparse column is in one tower,
-    model.item_id_feature is a sparse column of the item tower, and there are no linear tables.
+    model.item_id_feature is a sparse column of the item tower, and there are no linear tables;
+    no example weights, equal batches across trainers, no validation passes.
     """
     if model.arch != "two_tower":
         for key in ("user_features", "item_features"):
@@ -70,6 +71,15 @@ def check_two_tower(model: Any, data: Any) -> None:
     if (data.eval_paths or data.test_paths) and not data.item_paths:
         raise ValueError("two_tower: data.eval_paths / data.test_paths are ranked against the item corpus: "
                          "set data.item_paths (one row per item)")
+    if data.example_weight_column or data.negative_sampling_rate < 1:
+        raise ValueError("data.example_weight_column / data.negative_sampling_rate weigh the binary cross-entropy "
+                         "of CTR models; model.arch = 'two_tower' trains an in-batch softmax: leave them unset")
+    if train.num_trainers > 1 and not data.drop_last:
+        raise ValueError("model.arch = 'two_tower' with train.num_trainers > 1 needs data.drop_last = true "
+                         "(the ranks' item vectors are all-gathered as negatives: equal batch sizes)")
+    if train.validate_every != 0:
+        raise ValueError("train.validate_every is not supported with model.arch = 'two_tower' "
+                         "(retrieval metrics come from `recsys eval` and the end of training)")
 
 
 

@@ -16,9 +16,9 @@ RUN_DIR may be a URI (`s3://bucket/run`, see `recsys.storage`): then what only l
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -39,10 +39,14 @@ def run_path(run_dir: str | Path, *parts: str) -> Path | str:
 
 def local_run_dir(run_dir: str | Path, scratch_dir: str = "") -> Path:
     """Where this machine's processes keep pids, ready files, logs and errors: RUN_DIR itself when
-    local, else the scratch directory (`train.scratch_dir`, or one under the system temp dir)."""
-    if storage.is_uri(str(run_dir)):
-        return storage.scratch_dir(str(run_dir), scratch_dir)
-    return Path(run_dir)
+    local, else `scratch_dir` (`train.scratch_dir`) if set, else <system temp>/recsys-scratch/<name>-<hash
+    of the URI>."""
+    if not storage.is_uri(str(run_dir)):
+        return Path(run_dir)
+    if scratch_dir:
+        return Path(scratch_dir)
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "recsys-scratch" / f"{storage.basename(run_dir) or 'run'}-{digest}"
 
 
 def best_dir(run_dir: str | Path) -> Path | str:
@@ -69,9 +73,8 @@ def local_run(run_dir: str | Path, last: bool = False) -> Iterator[Path]:
     if not storage.is_uri(str(run_dir)):
         yield Path(run_dir)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="recsys-run-"))
-    try:
-        local = tmp / "run"
+    with tempfile.TemporaryDirectory(prefix="recsys-run-", ignore_cleanup_errors=True) as tmp:
+        local = Path(tmp) / "run"
         local.mkdir()
         for name in ("config.toml", "metrics.json"):
             if storage.is_file(run_path(run_dir, name)):
@@ -80,8 +83,6 @@ def local_run(run_dir: str | Path, last: bool = False) -> Iterator[Path]:
         storage.download_dir(run_path(run_dir, BEST_DIR if use_best else "model"),
                              local / (BEST_DIR if use_best else "model"))
         yield local
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 READY_TIMEOUT_S = 120.0

@@ -23,7 +23,6 @@ access denied, ...); a missing file raises FileNotFoundError naming the URI.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -34,9 +33,6 @@ import pyarrow.fs as pafs
 
 from embedding_ps import remote
 from embedding_ps.remote import is_uri, join
-
-SCRATCH_ROOT = "recsys-scratch"
-
 
 class StorageError(OSError):
     """A storage operation failed; the message names the URI, the operation and why."""
@@ -184,12 +180,9 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
     if not is_uri(path):
         yield Path(path)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="recsys-fetch-"))
-    try:
-        download_dir(path, tmp / "d")
-        yield tmp / "d"
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="recsys-fetch-", ignore_cleanup_errors=True) as tmp:
+        download_dir(path, Path(tmp) / "d")
+        yield Path(tmp) / "d"
 
 
 @contextlib.contextmanager
@@ -200,28 +193,15 @@ def local_output(path: str | os.PathLike, directory: bool = True) -> Iterator[st
     if not is_uri(path):
         yield os.fspath(path)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="recsys-out-"))
-    try:
-        local = tmp / (basename(path) or "out")
+    with tempfile.TemporaryDirectory(prefix="recsys-out-", ignore_cleanup_errors=True) as tmp:
+        local = Path(tmp) / (basename(path) or "out")
         yield str(local)
         if directory:
             upload_dir(local, path)
         else:
             write_bytes(path, local.read_bytes())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def scratch_dir(run_dir: str, scratch: str = "") -> Path:
-    """The local directory for what only local processes need (pid and ready files, logs) when
-    `run_dir` is a URI: `scratch` if set, else <system temp>/recsys-scratch/<name>-<hash of the URI>."""
-    if scratch:
-        return Path(scratch)
-    name = basename(run_dir) or "run"
-    digest = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / SCRATCH_ROOT / f"{name}-{digest}"
 
 
 __all__ = ["StorageError", "delete_tree", "download_dir", "exists", "is_file", "is_uri", "join", "list_dir",
-           "list_files", "local_copy", "local_output", "read_bytes", "read_text", "resolve", "scratch_dir",
-           "upload_dir", "write_bytes", "write_text"]
+           "list_files", "local_copy", "local_output", "read_bytes", "read_text", "resolve", "upload_dir",
+           "write_bytes", "write_text"]
