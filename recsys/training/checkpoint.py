@@ -18,18 +18,14 @@ The cut (`Checkpointer.save` at step t, called by every rank between steps):
   steps < t and none of step t. Each shard's rows are as the PS applied them, so a resumed async run
   continues from that state; it does not replay the same staleness pattern (no async run does).
 
-With `train.checkpoint_background` the shards take a copy-on-write snapshot (the only pause; extra
-memory within `ps.checkpoint_extra_memory`, `embedding_ps.shard.cow`) and write it while training goes
-on. A thread of rank 0 waits for the writes, writes the manifest and
-renames the temporary directory into place, so a directory named `step-*` is always complete.
-`resolve_resume` verifies checksums and, for `latest`, falls back to the newest good checkpoint.
+With `train.checkpoint_background` the shards snapshot copy-on-write (`embedding_ps.shard.cow`, docs/
+operations.md "Pause") and write it while training goes on; a thread of rank 0 waits for the writes,
+writes the manifest and renames the temporary directory into place: a `step-*` directory is complete.
 
-A run directory on a URI (`s3://...`, `recsys.storage`): object stores cannot rename a directory,
-so a checkpoint is written in place and is complete once its manifest.json exists (written last).
-The shards upload their own parts (`embedding_ps.remote`); rank 0 stages its files in the local
-scratch directory (`recsys.rundir.local_run_dir`), uploads them and then the manifest. There
-`verify_checkpoint` checks that every file exists with its size (the sha256 of each file is
-checked when it is read: by the shards on restore and by `restore_trainer`).
+A run directory on a URI (`s3://...`, docs/storage.md "Checkpoints"): a checkpoint is written in place,
+complete once its manifest.json exists (written last); the shards upload their own parts
+(`embedding_ps.remote`), rank 0 stages its files in the local scratch directory
+(`recsys.rundir.local_run_dir`) and uploads them, then the manifest.
 """
 
 from __future__ import annotations
@@ -167,8 +163,8 @@ def read_manifest(root: Path | str) -> dict[str, Any]:
 def verify_checkpoint(root: str | Path, checksums: bool = True) -> dict[str, Any]:
     """Check every file of checkpoint `root` against its manifest; returns the manifest.
 
-    Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI, or
-    without `checksums`, only presence and sizes are checked here (see the module docstring).
+    Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI, or without
+    `checksums`, only presence and sizes are checked here (sha256: when read, by the shards, `read_checked`).
     """
     if _is_remote(root):
         manifest = read_manifest(root)
@@ -416,13 +412,13 @@ def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any] | Non
 
 
 def read_checked(root: Path | str, rel: str, manifest: dict[str, Any]) -> bytes:
-    """File `rel` of checkpoint `root` (a path or a URI), checked against its manifest entry."""
+    """File `rel` of checkpoint `root` (a path or a URI), checked against its manifest entry (if any)."""
     path = run_path(root, *rel.split("/"))
     try:
         data = storage.read_bytes(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: missing (listed in its manifest.json)") from None
-    want = manifest["files"].get(rel)
+    want = manifest.get("files", {}).get(rel)
     if want is not None and (len(data) != want["size"] or hashlib.sha256(data).hexdigest() != want["sha256"]):
         raise CorruptCheckpointError(f"{path}: {len(data)} bytes, sha256 differs from the manifest's (altered)")
     return data

@@ -1,30 +1,7 @@
-"""The daily job: yesterday's model continues on today's partition, is evaluated on tomorrow's, and its
-changed rows are published as a delta (`recsys daily`).
-
-    recsys daily --config configs/daily.toml --date 2026-11-26 [--root runs/ctr] [--publish exports/ctr]
-
-One config serves every day: its `data.*_paths` name `{date}` (`data.date` is set to --date), e.g.
-`train_paths = ["data/day={date}/*.parquet"]`, `eval_paths = ["data/day={date+1}/*.parquet"]`. For
-day D the job:
-
-1. trains in ROOT/D (ROOT: --root, else the config's train.run_dir), warm-started (`--init-from`) from
-   ROOT/D-1 when that run finished (its best model if it kept one), else from scratch (the first day,
-   or --from RUN to name another source);
-2. evaluates the model on `--next-day` files (default: the config's data.eval_paths, which name
-   {date+1}): the next-day AUC, written into ROOT/D/metrics.json as "next_day" (skipped, with a line in
-   the log, while that day's files do not exist yet);
-3. publishes under PUBLISH (--publish, default ROOT/published): a full export PUBLISH/full-D, and a
-   delta PUBLISH/delta-D since the last published step when the last publication is of a run in this
-   run's lineage (ROOT/D-1's, normally), so serving applies the delta to what it has; records both in
-   PUBLISH/published.json (date, run id, step, since, paths, bytes); keeps the newest --keep full
-   exports for rollback (older ones are deleted; deltas stay, they are small).
-
-A day that ran already is refused (its run directory holds a run): `--resume` continues a run that was
-cut short from its latest checkpoint, `--overwrite` moves the day's run aside and trains it again;
-both then replace the day's publication (its record in published.json, full-D and delta-D).
-
-The steps are the existing commands' functions (train with --init-from, eval, export --since), so a
-cron line is one command, and each step can also be run by hand.
+"""The daily job (`recsys daily --config X --date D`): yesterday's model continues on today's partition,
+is evaluated on tomorrow's, and its changed rows are published as a delta. What it does, step by step,
+and its refusal / `--resume` / `--overwrite` rules: docs/daily.md ("The daily job"). Each step is an
+existing command's function (train with --init-from, eval, export --since).
 """
 
 from __future__ import annotations
@@ -37,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from recsys.config import ConfigError, JobConfig
+from recsys.manifest import write_json_atomic
 from recsys.rundir import has_best
 
 logger = logging.getLogger(__name__)
@@ -64,14 +42,10 @@ def _bytes(path: Path) -> int:
 def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: str | None = None,
               keep: int = 3, source: str | None = None, next_day: list[str] | None = None,
               resume: bool = False, overwrite: bool = False) -> dict:
-    """Train, evaluate and publish day `date` (see the module docstring); returns the day's record.
-
-    A day whose run exists already is refused (the run directory's rule), unless `resume` (the run was
-    cut short: continue it from its latest checkpoint) or `overwrite` (move it aside, train again);
-    either replaces that day's publication."""
+    """Train, evaluate and publish day `date` (docs/daily.md); returns the day's record. `next_day`:
+    the files of the next-day evaluation (default: data.eval_paths, which name {date+1}). A day whose
+    run exists already is refused unless `resume` or `overwrite`; either replaces that day's publication."""
     from recsys.preflight import preflight_train
-    from recsys.serving.export import export_model
-    from recsys.serving.source import resolve_source
     from recsys.training.evaluate import evaluate_run
     from recsys.training.launch import launch_train
 
@@ -81,10 +55,8 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
         raise ConfigError(f"--date {date!r}: not a date (YYYY-MM-DD)") from None
     if keep < 1:
         raise ConfigError(f"--keep must be >= 1, got {keep}")
-    if root is None:           # train.run_dir, or its parent when it names the day (runs/ctr/{date})
-        own = Path(cfg.train.run_dir)
-        root = str(own.parent if own.name == date else own)
-    root_dir = Path(root)
+    own = Path(cfg.train.run_dir)     # no --root: train.run_dir, or its parent when it names the day (runs/ctr/{date})
+    root_dir = Path(root) if root is not None else own.parent if own.name == date else own
     run_dir = root_dir / date
     prev = root_dir / day_before(date)
     init = source or (str(prev) if (prev / "metrics.json").exists() else "")
@@ -102,33 +74,41 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
     preflight_train(cfg)
     # --resume: continue the day's run, or (a finished day without checkpoints) train it again in place
     metrics = launch_train(cfg, resume="latest" if resume else None, overwrite=None if resume else overwrite)
-    if "stopped" in metrics and metrics.get("stopped") == 1:
+    if metrics.get("stopped") == 1:
         raise RuntimeError(f"daily {date}: the training was stopped; continue it with recsys daily --date {date} "
                            f"--resume")
 
     record: dict = {"date": date, "run_dir": str(run_dir), "init_from": init or None}
     trained = json.loads((run_dir / "metrics.json").read_text())
+    nd = None
     if paths and next_day is None and "auc" in trained and not has_best(run_dir):
         # the job's final eval already scored the last model on data.eval_paths, the next day: reuse it
         keys = ("auc", "logloss", "ne", "calibration", "eval_examples", "oracle_auc")
-        trained["next_day"] = {k: trained[k] for k in keys if k in trained}
-        (run_dir / "metrics.json").write_text(json.dumps(trained, indent=1))
-        record["next_day_auc"] = trained["auc"]
+        nd = {k: trained[k] for k in keys if k in trained}
     elif paths:
         try:
             nd = evaluate_run(run_dir, paths, out=str(run_dir / "next_day_metrics.json"))
         except (FileNotFoundError, ValueError) as e:     # tomorrow's data is not there yet
             logger.warning("daily %s: no next-day evaluation (%s)", date, e)
-        else:
-            m = json.loads((run_dir / "metrics.json").read_text())
-            m["next_day"] = nd
-            (run_dir / "metrics.json").write_text(json.dumps(m, indent=1))
-            record["next_day_auc"] = nd.get("auc")
+    if nd is not None:
+        trained["next_day"] = nd
+        (run_dir / "metrics.json").write_text(json.dumps(trained, indent=1))
+        record["next_day_auc"] = nd.get("auc")
 
-    pub = Path(publish) if publish else root_dir / "published"
+    publish_day(Path(publish) if publish else root_dir / "published", date, run_dir, record, resume or overwrite, keep)
+    logger.info("daily %s: %s", date, json.dumps(record))
+    return record
+
+
+def publish_day(pub: Path, date: str, run_dir: Path, record: dict, again: bool, keep: int) -> None:
+    """Publish day `date`'s run into `pub` (full-D, delta-D when the last publication is in its lineage,
+    published.json; the newest `keep` full exports stay) and add what was published to `record`.
+    `again`: the day's earlier publication is replaced."""
+    from recsys.serving.export import export_model
+    from recsys.serving.source import resolve_source
+
     pub.mkdir(parents=True, exist_ok=True)
     log = json.loads((pub / PUBLISHED).read_text()) if (pub / PUBLISHED).exists() else []
-    again = resume or overwrite                      # this day's earlier publication is replaced
     if again:
         log = [e for e in log if e.get("date") != date]
     src = resolve_source(run=run_dir)
@@ -145,15 +125,10 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
         logger.warning("daily %s: the last publication (%s, run %s) is not in this run's lineage: publishing a "
                        "full export only", date, last["date"], last["run_id"])
     log.append(record)
-    tmp = pub / f".{PUBLISHED}.tmp"
-    tmp.write_text(json.dumps(log, indent=1))
-    tmp.replace(pub / PUBLISHED)
+    write_json_atomic(pub / PUBLISHED, log)
     fulls = [e for e in log if e.get("full") and Path(e["full"]).exists()]
-    for old in fulls[:-keep]:                        # rollback keeps the newest `keep` full exports
+    for old in fulls[:-keep]:                        # rollback keeps the newest `keep` full exports (deltas stay)
         shutil.rmtree(old["full"], ignore_errors=True)
         logger.info("daily: removed full export %s (keeping %d)", old["full"], keep)
-    logger.info("daily %s: %s", date, json.dumps(record))
-    return record
-
 
 __all__ = ["run_daily", "day_before", "PUBLISHED"]

@@ -141,14 +141,11 @@ def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
 
 def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
     """Create the run directory and write the resolved config (atomically); `fresh` forgets a
-    previous run's trainer pids."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "pids").mkdir(exist_ok=True)
-    for old in (run_dir / "pids").glob("trainer-*.json") if fresh else ():
-        old.unlink()
-    for old in (run_dir / "errors").glob("trainer-*.json") if fresh else ():
-        old.unlink()
+    previous run's trainer pids and errors and its stop."""
+    (run_dir / "pids").mkdir(parents=True, exist_ok=True)
     if fresh:
+        for old in [*(run_dir / "pids").glob("trainer-*.json"), *(run_dir / "errors").glob("trainer-*.json")]:
+            old.unlink()
         (run_dir / "stopped.json").unlink(missing_ok=True)
     path = run_dir / "config.toml"
     tmp = run_dir / f"config.toml.{os.getpid()}.tmp"
@@ -166,8 +163,7 @@ def write_processes(run_dir: Path, shards: list[subprocess.Popen] | list[dict], 
     entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **(node or {})}, *helpers]
     entries += [{"role": "ps", "rank": i, **(p if isinstance(p, dict) else {"pid": p.pid})}
                 for i, p in enumerate(shards)]
-    for f in sorted((run_dir / "pids").glob("trainer-*.json")):
-        entries.append(json.loads(f.read_text()))
+    entries += trainer_records(run_dir, "pids")
     entries += [e for e in earlier if e["role"] not in ("launcher", *(h["role"] for h in helpers))]
     (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
     return entries
@@ -322,7 +318,8 @@ def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
 def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | None, stops: StopRequests,
                  verbose: bool, attempt, init: InitSource | None = None) -> dict:
     """The attempt loop (restarts after a kill); `attempt`: one start of the job, `launch._attempt`
-    (local) or the Ray engine's (recsys.training.ray_launch), with launch._attempt's arguments.
+    (local) or the Ray engine's (recsys.training.ray_launch), with launch._attempt's arguments: the
+    final metrics (logged here with the closing summary), or None after a graceful stop.
     `init`: a warm start's source, used while the run has no checkpoint of its own."""
     earlier: list[dict] = []
     restarts = 0
@@ -331,8 +328,12 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
         while True:
             try:
                 extra = {"init": init} if init is not None and checkpoint is None else {}
+                (run_dir / "metrics.json").unlink(missing_ok=True)
                 metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose, **extra)
-                return _stopped(run_dir, config_path, checkpoint) if metrics is None else metrics
+                if metrics is None:
+                    return _stopped(run_dir, config_path, checkpoint)
+                logger.info("%s", closing_summary(cfg, metrics))
+                return metrics
             except JobFailure as e:
                 checkpoint = _before_restart(cfg, run_dir, checkpoint, stops, e, restarts)
                 restarts += 1

@@ -8,20 +8,12 @@ Both are forks of one process that imported torch and the rest once (`recsys.tra
 It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
 waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
 
-Recovery: when a shard or a trainer is killed (it exits by a signal: kill -9, the OOM killer),
-every process of the attempt is stopped and the job starts again from the latest good checkpoint
-(fresh shards load their part of it, any shard count), up to `train.max_restarts` times; each
-restart is logged and appended to `run_dir/restarts.jsonl`. An error the job raises itself (bad
-data, bad config) is not retried: it would fail the same way; the first failing trainer's one-line
-error (`run_dir/errors/`) is raised as `WorkerError`, its traceback stays in `run_dir/logs/`.
-
-Graceful stop: the launcher keeps SIGTERM / SIGINT for itself. The first one is forwarded to the
-trainers as SIGUSR1: they finish the current step, agree on it, write a checkpoint and exit 0; the
-shards are stopped after them and `launch_train` returns `{"stopped": 1, "step": N, "checkpoint":
-DIR}`. A second signal (or a SIGHUP / SIGQUIT) raises `StopNow`: the trainers are terminated at once
-(SIGTERM), the shards are stopped, nothing is saved. Shards and trainers leave the terminal's
-process group, so a Ctrl-C reaches the launcher alone; both die with it (PR_SET_PDEATHSIG, through
-the zygote) if it is killed.
+Recovery (restarts after a kill, `job.run_attempts`) and the graceful stop (first SIGTERM / SIGINT:
+SIGUSR1 to the trainers, a checkpoint, `{"stopped": 1, ...}`; a second, or SIGHUP / SIGQUIT: `StopNow`,
+nothing saved) are as docs/operations.md describes them. An error the job raises itself is not
+retried: the first failing trainer's one-line error (`run_dir/errors/`) is raised as `WorkerError`,
+its traceback stays in `run_dir/logs/`. Shards and trainers leave the terminal's process group and
+die with the launcher (PR_SET_PDEATHSIG, through the zygote).
 """
 
 from __future__ import annotations
@@ -41,12 +33,11 @@ from recsys.config import JobConfig
 from recsys.training.warm_start import InitSource
 from recsys.training.jobauth import job_auth
 from recsys.rundir import run_path, wait_for_shards
-from recsys.training.procs import (ForkedProcess, StopNow, TrainersFailed, child_env, free_port,  # noqa: F401
+# free_port and write_run_dir: also imported from here (tests, benchmarks, recsys.train)
+from recsys.training.procs import (ForkedProcess, TrainersFailed, child_env, free_port,  # noqa: F401
                                    job_zygote, run_trainers, stop, zygote, zygote_pid)
-# the job's life, shared with the Ray engine (also importable from here)
-from recsys.training.job import (PEER_LOST, JobFailure, closing_summary, StopRequests, WorkerError,  # noqa: F401
-                                 placements_of, prepared_run, read_worker_error, run_attempts, silent_ranks,
-                                 with_run_id, write_processes, write_run_dir)
+from recsys.training.job import (JobFailure, StopRequests, WorkerError, prepared_run,  # noqa: F401
+                                 read_worker_error, run_attempts, silent_ranks, write_processes, write_run_dir)
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +200,6 @@ def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, 
     """One start of the shards and trainers; the final metrics, or None after a graceful stop.
     auth: the job's `--set` values for ps.auth (`jobauth.job_auth`), given to shards and trainers.
     Raises JobFailure when a process of it is killed, WorkerError when a trainer fails."""
-    (run_dir / "metrics.json").unlink(missing_ok=True)
     started = time.time()                 # trainer errors written from now on are this attempt's
     shards: list[ForkedProcess] = []
     try:
@@ -230,11 +220,7 @@ def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, 
         except (ShardDied, TrainersFailed) as e:
             raise _failure(e, watchdog, cfg, run_dir, started) from None
         write_processes(run_dir, shards, earlier, helpers=_helpers())
-        if (run_dir / "stopped.json").exists():
-            return None
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-        logger.info("%s", closing_summary(cfg, metrics))
-        return metrics
+        return None if (run_dir / "stopped.json").exists() else json.loads((run_dir / "metrics.json").read_text())
     finally:
         stop(shards)
         earlier[:] = write_processes(run_dir, shards, earlier, helpers=_helpers())

@@ -14,13 +14,17 @@ CURVES = {
 }
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, partial: bool = False) -> list[dict]:
+    """The lines of a metrics.jsonl; ValueError naming a line that is not JSON, or with `partial` (a
+    file still being written) the lines before it."""
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
+                if partial:
+                    break
                 raise ValueError(f"{path}:{n}: not a JSON line: {e}") from None
     return rows
 
@@ -34,15 +38,35 @@ def best_step(run: Path) -> int | None:
     return int(step) if isinstance(step, (int, float)) and step >= 0 else None
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write one PNG per curve that has data into RUN_DIR/plots; return their paths."""
+def pyplot(who: str):
+    """matplotlib.pyplot on the Agg backend; ImportError saying that `who` needs it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("recsys plot needs matplotlib: pip install matplotlib") from None
+        raise ImportError(f"{who} needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def save_plot(fig, ax, path: Path, ylabel: str, title: str) -> Path:
+    """A plot of values per step labelled, written to `path` (PNG, 100 dpi) and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write one PNG per curve that has data into RUN_DIR/plots; return their paths."""
+    plt = pyplot("recsys plot")
     run = Path(run_dir)
     rows = read_metrics(run / "metrics.jsonl")
     best = best_step(run)
@@ -62,13 +86,5 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             ax.axvline(best, color="grey", linestyle="--", linewidth=1, label=f"best (step {best})")
         if len(series) > 1 or best is not None:
             ax.legend()
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        ax.set_title(f"{run.name}: {name}")
-        ax.grid(alpha=0.3)
-        path = out_dir / f"{name}.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_plot(fig, ax, out_dir / f"{name}.png", name, f"{run.name}: {name}"))
     return written

@@ -7,22 +7,12 @@
                              Ray Train sets up torch.distributed (gloo / NCCL); each runs `run_worker`,
                              the local launcher's trainer loop, with the shard addresses from the driver
 
-It is a launcher, not a second trainer: the run directory gets the same files as with the local
-launcher (config.toml, processes.json, metrics.jsonl, metrics.json, checkpoints/, model/), so the
-run directory must be on storage every node sees (a shared file system) when the cluster has more
-than one machine.
-
-Recovery is the local launcher's attempt loop (`job.run_attempts`): when a shard actor or a trainer dies
-(kill -9, OOM, a lost node), every process of the attempt is stopped and a new attempt starts from
-the latest good checkpoint (fresh shards load their part of it), up to `train.max_restarts` times;
-sync mode then ends exactly where an uninterrupted run ends. A trainer's own error (bad data) is not
-retried: `WorkerError` with its one line. Resources that the cluster cannot grant within
-`cluster.start_timeout_s` end the job with `ClusterResourceError`, one line naming the role, the
-resources missing and the dead nodes.
-
-The token never touches a disk: Ray hands it to each actor and trainer (actor arguments, the train
-loop's config), which keeps it for `ps.token_file` in an in-memory file of its own (memfd, mode
-600, opened as /proc/self/fd/N) that vanishes with the process, even after kill -9.
+It is a launcher, not a second trainer: the run directory gets the local launcher's files, recovery
+is its attempt loop (`job.run_attempts`), and a trainer's own error is `WorkerError`, as
+docs/cluster.md ("Ray engine") describes; resources the cluster cannot grant within
+`cluster.start_timeout_s` end the job with `ClusterResourceError`. The token never touches a disk:
+Ray hands it to each actor and trainer, which keeps it for `ps.token_file` in an in-memory file of
+its own (`jobauth.memory_file`) that vanishes with the process, even after kill -9.
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, t
 from recsys.rundir import run_path
 from recsys.rundir import READY_TIMEOUT_S
 from recsys.training.jobauth import memory_file
-from recsys.training.job import JobFailure, WorkerError, closing_summary, read_worker_error, write_processes
+from recsys.training.job import JobFailure, WorkerError, read_worker_error, write_processes
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +355,6 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    (run_dir / "metrics.json").unlink(missing_ok=True)
     actors, infos, pg = [], [], None
     try:
         restore = None if checkpoint is None else run_path(checkpoint, "model", "ps")
@@ -395,9 +384,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
                 raise JobFailure(f"{dead[0]} died during training", killed=True) from e
             raise _trainer_failure(e, run_dir) from e
         lines.stop()
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-        logger.info("%s", closing_summary(cfg, metrics))
-        return metrics
+        return json.loads((run_dir / "metrics.json").read_text())
     finally:
         if actors:
             stop_shards(actors, pg)

@@ -188,12 +188,9 @@ class Trainer:
         """Continue from a checkpoint (see recsys.training.checkpoint); the shards load their part
         separately. Async mode: tells the shards this worker's progress, for the staleness bound."""
         restored = restore_trainer(self.parts, self.loader, checkpoint, world_size=self.world_size)
-        self.step = restored.step
-        self.start_step = self.checkpointer.last_step = self.step    # no second checkpoint of this step
-        self.store.step = self.step        # the step its pushes carry (a barrier advances it from here)
+        self._continue_at(restored.step)
         self._start_epoch = int(self.loader.state_dict()["epoch"])
         self.validation.load_state_dict(restored.validation)      # best so far and patience go on
-        self.strategy.resumed(self.step)
         return restored.manifest
 
     def warm_start(self, source: InitSource) -> None:
@@ -201,12 +198,15 @@ class Trainer:
         dense weights and optimizer state, the step counter continuing from its step, a fresh data
         position, LR schedule and early-stopping record."""
         warm_start(self.parts, source)
-        self.step = self.start_step = self.checkpointer.last_step = source.step
-        self.store.step = self.step
-        self.strategy.resumed(self.step)
+        self._continue_at(source.step)
         if self.rank == 0:
             logger.info("warm start from %s at step %d (train.max_steps counts the steps of this run)",
                         source.root, self.step)
+
+    def _continue_at(self, step: int) -> None:
+        """Go on from `step`: no second checkpoint of it, the pushes carry it, async shards learn it."""
+        self.step = self.start_step = self.checkpointer.last_step = self.store.step = step
+        self.strategy.resumed(step)
 
     def _schedule_steps(self) -> int:
         """Optimizer steps a linear / cosine LR decay spans: train.max_steps / grad_accum_steps, or

@@ -209,13 +209,12 @@ def write_best(path: Path, row: dict, params: list[Param], config: str, override
 
 def plot_trials(path: Path, rows: list[dict], metric: str) -> Path | None:
     """trials.png: `metric` per step of every trial (dashed: stopped by ASHA); None without matplotlib."""
-    try:
-        import matplotlib
+    from recsys.training.plot import pyplot, save_plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("no trials.png: the plot needs matplotlib (pip install matplotlib)")
+    try:
+        plt = pyplot("trials.png")
+    except ImportError as e:
+        logger.warning("no %s: %s", path.name, e)
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = 0
@@ -225,16 +224,9 @@ def plot_trials(path: Path, rows: list[dict], metric: str) -> Path | None:
             plotted += 1
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".",
                     linestyle="--" if r["status"] == "stopped" else "-", label=f"{r['trial_id']} ({r['status']})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.set_title(f"recsys tune: {metric} of {len(rows)} trials")
-    ax.grid(alpha=0.3)
     if 0 < plotted <= 12:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_plot(fig, ax, path, metric, f"recsys tune: {metric} of {len(rows)} trials")
 
 
 def add_tune_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:

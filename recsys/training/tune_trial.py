@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ray import tune
 
+from recsys.training.plot import read_metrics
 from recsys.training.procs import die_with_parent
 from recsys.tune_space import override, trial_overrides
 
@@ -66,20 +67,12 @@ def job_env(spec: JobSpec) -> dict[str, str] | None:
 
 def val_lines(run_dir: Path) -> list[dict]:
     """The validation passes in `run_dir/metrics.jsonl` so far (a line being written is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    out = []
     try:
-        text = path.read_text()
+        rows = read_metrics(run_dir / "metrics.jsonl", partial=True)
     except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if any(k.startswith("val/") for k in row):
-            out.append({k: v for k, v in row.items() if k == "step" or k.startswith("val/")})
-    return out
+        return []
+    return [{k: v for k, v in row.items() if k == "step" or k.startswith("val/")}
+            for row in rows if any(k.startswith("val/") for k in row)]
 
 
 def record(run_dir: Path, kind: str) -> Path:

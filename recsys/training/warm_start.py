@@ -135,22 +135,21 @@ def warm_start(parts: TrainParts, source: InitSource) -> None:
     """Put the source's dense weights, replicated tables and (from a checkpoint) dense and table
     optimizer state into `parts`; the data position, LR schedule and early-stopping record stay new."""
     root = source.root
-    manifest = source.manifest
     if source.export:          # the dense program's weights; rows came without optimizer state
         program = torch.export.load(str(Path(root) / "dense.pt2"))
         parts.model.load_state_dict({k.removeprefix("model."): v for k, v in program.state_dict.items()})
         logger.info("warm start from the export %s: rows and dense weights without optimizer state (the "
                     "optimizers start fresh)", root)
         return
-    read = (lambda rel: read_checked(root, rel, manifest)) if source.checkpoint else \
-        (lambda rel: storage.read_bytes(run_path(root, *rel.split("/"))))
-    parts.model.load_state_dict(torch.load(io.BytesIO(read("model/dense.pt")), weights_only=True))
+    # (a run's last model has no manifest: nothing to check against)
+    parts.model.load_state_dict(torch.load(io.BytesIO(read_checked(root, "model/dense.pt", source.manifest)),
+                                           weights_only=True))
     # (the replicated tables came from the source when the trainer was built: `build_replicated(grow=)`)
     if not source.checkpoint:
         logger.info("warm start from %s: no dense optimizer state there (a run's last model); it starts fresh",
                     root)
         return
-    state = torch.load(io.BytesIO(read("trainer/state.pt")), weights_only=True)
+    state = torch.load(io.BytesIO(read_checked(root, "trainer/state.pt", source.manifest)), weights_only=True)
     try:
         parts.optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as e:

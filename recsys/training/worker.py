@@ -1,10 +1,6 @@
-"""One trainer process: joins the process group, trains, evaluates, saves (rank 0), reports.
-
-A trainer that fails writes its error as one line to `run_dir/errors/trainer-R.json` and the full
-traceback to its log, `run_dir/logs/trainer-R.log` (also to stderr with `--debug`), and exits with
-code 2; the launcher prints the first rank's line last. A trainer asked to stop (see
-`recsys.training.stopping`) ends after the current step with a checkpoint, writes
-`run_dir/stopped.json` (rank 0) and exits 0.
+"""One trainer process: joins the process group, trains, evaluates, saves (rank 0), reports: an error
+as one line and its traceback in the rank's log (`report_failure`, exit code 2; the launcher prints the
+first rank's line last), a stop request with a checkpoint and `run_dir/stopped.json` (`worker_main`).
 """
 
 from __future__ import annotations
@@ -111,30 +107,23 @@ def log_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"trainer-{rank}.log"
 
 
-def error_path(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / "errors" / f"trainer-{rank}.json"
-
-
-def _write_record(path: Path, record: dict) -> None:
-    """`record` at `path` (`manifest.write_json_atomic`: whole or not at all), its directory made:
-    the launcher reads these files while trainers may still write them."""
+def write_record(run_dir: str | Path, kind: str, rank: int, record: dict) -> Path:
+    """RUN_DIR/KIND/trainer-R.json (KIND: pids, errors, exits; `job.trainer_records` reads them), written
+    whole or not at all (`manifest.write_json_atomic`): the launcher reads them while trainers write."""
+    path = Path(run_dir) / kind / f"trainer-{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, record)
-
-
-def exit_path(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / "exits" / f"trainer-{rank}.json"
+    return path
 
 
 def report_exit(run_dir: str | Path, rank: int) -> None:
     """exits/trainer-R.json: this rank returned from its job (exit code 0) at this time. The launcher
-    then never takes its silence for a kill (`launch.silent_ranks`). A record that cannot be
+    then never takes its silence for a kill (`job.silent_ranks`). A record that cannot be
     written is logged, never an error: the job itself succeeded."""
-    path = exit_path(run_dir, rank)
     try:
-        _write_record(path, {"rank": rank, "time": time.time(), "code": 0})
+        write_record(run_dir, "exits", rank, {"rank": rank, "time": time.time(), "code": 0})
     except OSError as e:
-        logger.warning("could not record this trainer's exit in %s: %s", path, e)
+        logger.warning("could not record this trainer's exit in %s: %s", Path(run_dir) / "exits", e)
 
 
 def one_line(e: BaseException) -> str:
@@ -158,8 +147,8 @@ def report_failure(e: BaseException, run_dir: str | Path, rank: int, verbose: bo
         f.write(f"trainer {rank} failed: {text}")
     if verbose:
         logger.error("failed:\n%s", text)
-    _write_record(error_path(run_dir, rank), {"rank": rank, "time": time.time(), "error": line, "log": str(log),
-                                              "own": isinstance(e, ValueError)})
+    write_record(run_dir, "errors", rank, {"rank": rank, "time": time.time(), "error": line, "log": str(log),
+                                           "own": isinstance(e, ValueError)})
     return line
 
 
@@ -208,9 +197,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
                          f"the shards would wait for workers that never come")
     _setup_process(cfg, rank, world)
     out = Path(run_dir)
-    (out / "pids").mkdir(parents=True, exist_ok=True)
-    (out / "pids" / f"trainer-{rank}.json").write_text(
-        json.dumps({"role": "trainer", "rank": rank, "pid": os.getpid(), **(node or {})}))
+    write_record(out, "pids", rank, {"role": "trainer", "rank": rank, "pid": os.getpid(), **(node or {})})
     if resume is not None and rank == 0:
         trim_metrics(out / "metrics.jsonl", read_manifest(resume)["step"])
     metric_logger = (MetricLogger(out / "metrics.jsonl", append=resume is not None) if rank == 0

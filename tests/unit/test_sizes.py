@@ -12,13 +12,13 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
 KNOWN_FILES = {
-    "recsys/cli.py", "recsys/config.py", "recsys/training/checkpoint.py",
-    "recsys/training/trainer.py", "embedding_ps/wire/shm.py", "embedding_ps/shard/table.py",
+    "recsys/cli.py", "recsys/config.py",
+    "recsys/training/trainer.py", "embedding_ps/wire/shm.py",
 }
 KNOWN_FUNCTIONS = {
     "recsys/cli.py::build_parser",              # one add_argument per flag: a table, not logic
-    "recsys/config.py::expand_tables", "recsys/config.py::__post_init__",
-    "recsys/training/daily.py::run_daily", "recsys/training/job.py::prepared_run",
+    "recsys/config.py::expand_tables",
+    "recsys/training/job.py::prepared_run",
     "recsys/training/worker.py::run_worker",
     "embedding_ps/client/client.py::push_many_async",
 }
