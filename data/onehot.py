@@ -15,10 +15,10 @@ w_f(r) = w_scale_f * N(0, 1) and v_f(r) ~ N(0, I_K) are functions of (model_seed
 interaction has no linear part. The planted pairs: user x item_category (a user's taste for a
 category: the strongest), item x hour, device x item_category, city x item_category.
 
-Ranks: `user`, `item` and the Zipf context fields draw rank ~ `data.synthetic.zipf_ranks(zipf)`
+Ranks: `user`, `item` and the Zipf context fields draw rank ~ `data.genbase.zipf_ranks(zipf)`
 (zipf 0: uniform); `item_category` is not drawn: it is category(item), a fixed random map of the
 items onto its values (`model_seed`), so popular items make popular categories. The id written is
-`data.synthetic.ids_of_ranks(field, rank)` (64-bit-looking, non-negative).
+`data.genbase.ids_of_ranks(field, rank)` (64-bit-looking, non-negative).
 
 Columns: label f32, the ten fields (int64, never null) in ONEHOT_FIELDS order, row_id int64, p_true f32.
 Rows are i.i.d. from one stream; the default split (`ONEHOT_SPLIT`, rows of part-00000 / 00001 /

@@ -1,21 +1,8 @@
 """Data path templates (`{date}`, `{date-1}`, ...) and the glob rule shared by local paths and URIs.
 
-Date placeholders let one job config serve every day of a date-partitioned dataset::
-
-    train_paths = ["s3://bucket/ctr/day={date-1}/"]     # with date 2026-11-27: .../day=2026-11-26/
-    eval_paths  = ["s3://bucket/ctr/day={date}/*.parquet"]
-
-- `{date}` is the date, `YYYY-MM-DD`; `{date-N}` / `{date+N}` the date N days before / after it
-  (calendar arithmetic: month and year ends, leap days).
-- `{date:FMT}` / `{date-N:FMT}` write it with a `strftime` format instead, for other layouts:
-  `year={date:%Y}/month={date:%m}/day={date:%d}`, `{date-1:%Y%m%d}`.
-- Any other brace (`{day}`, `{0}`) is not a placeholder and is left as it is (a path that names
-  nothing fails where it is listed); one that starts like a date placeholder but is not one
-  (`{date+x}`, `{Date}`, `{date:}`) is an error.
-
-Globs (`*`, `?`, `[...]` inside one name, `**` across directories) match name by name, on local
-paths and URIs alike, and like a directory listing they skip names that start with `.` or `_`
-(`_SUCCESS`, `_temporary/`, `.crc` files) unless the pattern's own name starts with that character.
+What the placeholders and globs mean, and which names a listing or a glob skips: docs/daily.md,
+"Date-partitioned data, warm start and the daily job" (Paths). A path that names nothing fails where
+it is listed, not here.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ names that start with `.` or `_`, as for local paths - or a glob in the path par
 name as a local glob is, see `data.paths.glob_match`), and each file
 is opened through its filesystem. A file's URI keeps the query of the path it came from
 (`?endpoint_override=...&scheme=http`), so it can be opened again on its own. Endpoint and
-credentials are what pyarrow takes (environment variables such as AWS_ACCESS_KEY_ID, or the
-URI's query parameters).
+credentials: docs/storage.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ candidate's category::
     label ~ Bernoulli(sigmoid(logit)), p_true = sigmoid(logit)
 
 Within a category an item's rank is Zipf(item_zipf); item index = perm[category * per_category + rank]
-with a permutation of `model_seed`, and the id is `data.synthetic.ids_of_ranks("item", index)`, the
+with a permutation of `model_seed`, and the id is `data.genbase.ids_of_ranks("item", index)`, the
 same for the candidate and the list. Only the last `window` behaviors count, so a model reading
 older ones (no `model.max_seq_len` cut) is misled by the old categories. A model without `hist`
 knows only the candidate's average appeal.

@@ -1,6 +1,6 @@
 """`PartWriter`: streams Arrow tables into `part-%05d.parquet` files of given row counts.
 
-Used by `data.synthetic.generate` and `data.criteo.convert_criteo`::
+Used by `data.genbase.write_parts` (every synthetic preset) and `data.criteo.convert_criteo`::
 
     w = PartWriter(out_dir, schema, rows_of_file=lambda i: 100_000, row_group_rows=65536, compression="zstd")
     for table in tables:

@@ -75,7 +75,7 @@ static inline void ps_parallel(ps_chunk_fn fn, void *ctx, int64_t n, int nthread
 }
 
 /* ------------------------------------------------------------------ hashing */
-/* the SplitMix64 finalizer (embedding_ps.sharding.splitmix64_np is its numpy copy) */
+/* the SplitMix64 finalizer (embedding_ps.wire.sharding.splitmix64_np is its numpy copy) */
 static inline uint64_t ps_splitmix64(uint64_t z) {
     z ^= z >> 30;
     z *= 0xBF58476D1CE4E5B9ULL;

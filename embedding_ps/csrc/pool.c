@@ -2,10 +2,9 @@
  * every slot straight into the model's output layout, fp32 and int8 / int4 rows dequantized in
  * the loop, fp16 rows widened to float32 in the loop (F16C 8 at a time where the CPU has it).
  *
- * Part of the one native library (with ps.c; shared pieces in native.h), compiled by
- * `embedding_ps/native.py` on first use; `recsys/serving/native_pool.py` calls it through ctypes
- * with raw pointers (after checking dtypes, contiguity and sizes).
- * The per-table path (`recsys.serving.Predictor(fused=False)`) stays the reference; tests compare the two bit for bit.
+ * Part of the one native library (how it is built, loaded and called: native.h), through
+ * `recsys/serving/native_pool.py`. The per-table path (`recsys.serving.Predictor(fused=False)`) stays
+ * the reference; tests compare the two bit for bit.
  *
  * Hash map of one table: int64 [C, 2] buckets (key, value), C = 2**bits, value -1 = empty (so any
  * int64 key, -1 included, can be stored). Linear probing from

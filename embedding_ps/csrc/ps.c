@@ -1,11 +1,8 @@
 /* The hot operations of shards and clients: id -> slot map probes, gathers, fused sparse optimizer
  * updates, dedup, row init and the shared-memory handshakes.
  *
- * Part of the one native library (with pool.c; shared pieces in native.h), compiled by
- * `embedding_ps/native.py` (-O3 -ffp-contract=off, never -march=native) on first use and called
- * through ctypes with raw pointers into numpy arrays / torch tensors (native.py checks dtype,
- * contiguity and bounds). Every function has a numpy/torch twin in `embedding_ps/reference.py`
- * that runs where the library does not load and that tests compare it with.
+ * Part of the one native library (how it is built, loaded and called: native.h); every function
+ * has a numpy/torch twin in `embedding_ps/reference.py`.
  *
  * Map layout (idmap.py): keys int64 [C], vals int32 [C], any C in [1, 2**32); vals >= 0 occupied,
  * -1 EMPTY (ends a probe chain), -2 TOMBSTONE (probed past, reusable by inserts). Linear

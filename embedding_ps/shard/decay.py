@@ -1,9 +1,7 @@
 """Global weight decay (`weight_decay_mode = "global"`): every row decays every step, applied lazily.
 
-What such a table equals (the eager form): at each step s every row of the table is scaled by
-f = 1 - lr * weight_decay, then the rows step s touches get their optimizer update from the plain
-gradient (accumulators and moments never see the decay). For SGD that is L2 decay of every row; it
-is the decay of a torch optimizer over the whole table and fbgemm TBE's DECOUPLED_GLOBAL.
+What such a table equals (the eager form, f = 1 - lr * weight_decay every step): docs/models.md,
+"Sparse regularization"; fbgemm TBE calls it DECOUPLED_GLOBAL.
 
 Lazily: each row keeps `decay_step` (int32, slot-major beside the weights, so it is regrown, saved,
 re-sharded and kept copy-on-write with them): the step through which its decay is applied. The

@@ -9,11 +9,9 @@ Kernels (`TableConfig.kernel`):
     auto, torch   older names of `native`: configs that name them keep loading
 
 `resolve` turns a table's config into a concrete one once, when the table is made
-(`TableShard.__init__`): kernel "native" or "fbgemm", so the push path only sees those two. Which
-path is faster depends on the CPU (fbgemm-gpu-cpu 1.8.0's row-wise Adagrad won on one machine and lost
-by several times on the next: `benchmarks/ps_table.py --kernels`, BENCHMARKS.md, "benchmarks/ps_table.py"), so
-the product keeps one default, the native update, and a table that measured faster with fbgemm on its
-machine can ask for it.
+(`TableShard.__init__`): kernel "native" or "fbgemm", so the push path only sees those two. Why one
+default, the native update, and fbgemm only on a table's request (the faster path depends on the CPU):
+docs/performance.md, "The update kernel of a table"; BENCHMARKS.md, "benchmarks/ps_table.py".
 
 `fbgemm_update` calls the CPU backward op of fbgemm's table-batched embedding (TBE) directly,
 with one table whose rows are our slot-major `weights` [C, D] and one bag per unique slot (SUM

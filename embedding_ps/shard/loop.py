@@ -1,8 +1,9 @@
-"""The shard's socket loop: `serve` (the code behind `recsys ps`, see `embedding_ps.shard.server`) binds a
-ZeroMQ ROUTER socket and runs `run_loop` over a `ShardServer` (which decodes requests and encodes
-replies; no sockets there). The loop is one thread and never blocks on a request: one that must wait
-(a sync-mode pull for a step whose predecessor is not applied yet, a SAVE / LOAD during a background
-write) is parked and handled again after a barrier or once the write ended.
+"""The shard's socket loop: `serve`, the code behind `recsys ps --config job.toml --shard I [--bind ADDR]
+[--port P] [--ready-file F]`, binds a ZeroMQ ROUTER socket and runs `run_loop` over a `ShardServer`
+(`embedding_ps.shard.server`: decodes requests and encodes replies; no sockets there). The loop is one
+thread and never blocks on a request: one that must wait (a sync-mode pull for a step whose predecessor
+is not applied yet, an async pull too far ahead, a SAVE / LOAD during a background write) is parked and
+handled again after a barrier or once the write ended.
 """
 
 from __future__ import annotations

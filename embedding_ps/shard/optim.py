@@ -15,15 +15,11 @@ Math per row (g: the summed gradient [D], w: the row [D]; all in fp32):
     ftrl             n' = n + g*g; sigma = (sqrt(n') - sqrt(n)) / lr; z += g - sigma * w; n = n'
                      w = 0 if |z| <= l1 else -(z - sign(z) l1) / ((ftrl_beta + sqrt(n)) / lr + l2)
 
-Weight decay (`weight_decay` wd > 0; sgd, adagrad, rowwise_adagrad, adam), on the touched rows only:
-
-    l2               g = g + wd * w before the update above (accumulators and moments see it too;
-                     fbgemm TBE's WeightDecayMode.L2)
-    decoupled        w = (1 - lr * wd) * w, then the update above with the plain g
-                     (AdamW; fbgemm TBE's WeightDecayMode.DECOUPLED)
-    global           every row, touched or not, decays as in decoupled every step: `embedding_ps.shard.decay`
-                     catches the rows up before the update, which then runs with wd = 0 (`TableShard.ucfg`;
-                     the tests' one-row oracle leaves it to its caller too)
+Weight decay (`weight_decay` wd > 0; sgd, adagrad, rowwise_adagrad, adam; the three modes:
+docs/models.md, "Sparse regularization"): `l2` (g = g + wd * w, fbgemm TBE's WeightDecayMode.L2) and
+`decoupled` (w = (1 - lr * wd) * w first, WeightDecayMode.DECOUPLED) run here, on the touched rows;
+`global` rows are caught up by `embedding_ps.shard.decay` before the update, which then runs with
+wd = 0 (`TableShard.ucfg`; the tests' one-row oracle leaves it to its caller too).
 
 The two Adagrads are fbgemm's EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD: the
 row-wise accumulator adds the mean over the row of g*g, and eps is added after the sqrt.

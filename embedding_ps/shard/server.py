@@ -1,31 +1,17 @@
-"""One PS shard process: a ZeroMQ ROUTER socket in front of a shard state (`ShardState`).
-
-    recsys ps --config job.toml --shard I [--bind ADDR] [--port P] [--ready-file F]
-
-(`recsys ps` is the one entry point; it calls `embedding_ps.shard.loop.serve`, the socket loop around
-this file's `ShardServer`.) The server only decodes requests and
-encodes replies (wire format: `embedding_ps.wire.protocol`); rows, optimizer state and save/load live in
-`embedding_ps.shard.state.ShardState`, and the order of pushes and pulls in the mode's gate
-(`embedding_ps.shard.gates`: `SyncGate` or `AsyncGate`, chosen at start). It is one thread and never
-blocks: a request that must wait (a sync-mode pull for a step whose predecessor is not applied yet,
-an async pull too far ahead) is parked and answered when a later barrier unblocks it. Every request
-is validated and a bad one gets an error reply; the loop never dies on input.
+"""One PS shard's requests: `ShardServer` decodes a request, validates it, calls the shard's state
+(`embedding_ps.shard.state.ShardState`: rows, optimizer state, save/load) and the mode's gate
+(`embedding_ps.shard.gates`: `SyncGate` or `AsyncGate`, chosen at start), and encodes the reply
+(wire format: docs/wire.md). No sockets here: the loop that binds, parks the requests that must
+wait and retries them is `embedding_ps.shard.loop` (`recsys ps`). A bad request gets an error reply;
+the loop never dies on input.
 
 Rows travel on one path: PULL and PUSH carry the parts of several tables (a trainer's whole step
 for this shard); every part is validated before any is applied (a bad request changes nothing).
 A LOAD forgets every step (trainers restarted from a checkpoint count again from its step).
-
-Saves: SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files
-before replying; with protocol.FLAG_BACKGROUND the shard takes a copy-on-write snapshot (its only
-pause; `ShardState.snapshot`), replies, and a thread writes it while the loop keeps serving
-(`embedding_ps.shard.saver`; SAVE_STATUS reports the write). While a save is written, new SAVE and LOAD
-requests are parked and retried when that ends.
-
-With ps.shared_memory a client on the same host passes PULL / PUSH rows in its shared-memory
-segments (`embedding_ps.wire.shm`, protocol.FLAG_SHM): the shard gathers the rows into, or reads the
-gradients from, the segment the request names (sync mode copies them: the gate keeps them). A
-shard that does not take shared memory, or cannot open the segment (no /dev/shm shared with the
-client), answers status NO_SHM before applying anything; the client resends through the socket.
+SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files before
+replying, or with protocol.FLAG_BACKGROUND snapshots, replies and writes on a thread
+(`embedding_ps.shard.saver`). Shared-memory rows (FLAG_SHM, the NO_SHM answer): docs/wire.md; sync
+mode copies pushed gradients out of the segment (the gate keeps them).
 
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.

@@ -14,10 +14,8 @@ Every public method takes one lock, so a threaded server may call them from seve
 Steps are int32 counters on the rows: 0 <= step < 2**31.
 
 Checkpoints: `save(dir)` / `load(dir)`, or `snapshot()` (under the lock: the only pause) then
-`ShardSnapshot.write(dir)` from any thread while the shard serves. The snapshot copies the small
-arrays and keeps the rows copy-on-write (`embedding_ps.shard.cow`): its extra memory stays within
-`ps.checkpoint_extra_memory` of the rows' bytes, and updates wait for the writer when that is
-used up. Files are checksummed; the format, `verify_shard` and `CorruptShardError` live in
+`ShardSnapshot.write(dir)` from any thread while the shard serves (copy-on-write, bounded extra
+memory: `embedding_ps.shard.cow`). The format, `verify_shard` and `CorruptShardError` live in
 `embedding_ps.shard.snapshot` and are exported here.
 """
 

@@ -1,22 +1,17 @@
 """A batch's ids and a step's rows between the host and the training device (issue #32).
 
 With train.device = "cuda" the trainer's sparse arch (`SparseArch.device_ids`) works on the GPU as
-TorchRec does, and only what the PS needs crosses to the host:
-
-    ids      host -> GPU once a batch (pinned, non-blocking, on a side stream)
-    dedup    every PS table's ids at once on the GPU (`dedup_tables`: two stable sorts, no
-             per-table call); the unique ids (and their counts) -> host in ONE copy, for the pulls
-    rows     host -> GPU (pinned, non-blocking, on the side stream); pooling and its backward
-             (the per-row gradient reduction) on the GPU
-    grads    GPU -> host (pinned, non-blocking, on the side stream, after an event on the compute
-             stream); the push waits for that copy's event, not for the GPU
+TorchRec does, and only what the PS needs crosses to the host; what crosses, when and on which stream:
+docs/performance.md, "Training on a GPU". Here besides: `dedup_tables` is two stable sorts over every
+PS table's ids at once (no per-table call); the gradients' copy starts after an event of the compute
+stream, and the push waits for that copy's event, not for the GPU.
 
 Pinned buffers come from torch's caching host allocator (`pin_memory()` / `pin_memory=True`): a block
 is reused once the copies that used it have finished (torch records their events), so no step
 allocates page-locked memory anew. The compute stream waits for the side stream by events
 (`wait_stream`), never by a host synchronization; the host waits only where it must have a value:
 the unique ids it pulls with (and whether a replicated table's ids all hit its vocabulary), a gradient
-it sends, and the trainer's loss (its finiteness is checked before backward).
+it sends, and the trainer's loss.
 
 The same code runs with device = cpu (tests run it so): no streams, no pinning, the copies are the
 tensors themselves. The CPU trainer keeps the C dedup of `embedding_ps.native.unique` (one hash

@@ -9,9 +9,8 @@ The index is faiss's `IndexHNSWFlat` with METRIC_INNER_PRODUCT: the same score a
 (<user, item>, the vectors stored unquantized), so a found item's score equals its exact score and
 only the set can differ. Its labels are row numbers of items.parquet. Parameters (in the manifest):
 `M` (graph degree), `ef_construction` (build beam) and `ef_search` (search beam; at least k).
-faiss-cpu over hnswlib: on 1M x d64 the same graph gave the same recall and queries/s within the
-noise of each other, and faiss built it faster, is maintained, ships wheels (hnswlib compiles at
-install, no release since 2023) and maps the stored vectors at load (BENCHMARKS.md, "benchmarks/retrieval.py").
+Why faiss-cpu over hnswlib: BENCHMARKS.md, "benchmarks/retrieval.py" (hnswlib also compiles at install
+and has had no release since 2023).
 """
 
 from __future__ import annotations

@@ -7,22 +7,13 @@
     (ids, scores), by = await batcher.submit("topk", rows, k=10)
     batcher.served = Served(...)                             # reload: one reference, swapped
 
-Requests queue as jobs (one per request, never split). A batching loop takes the first job, then
-more until the batch holds `max_batch` rows or `max_wait_ms` has passed since the first (0: only
-the jobs already queued: while a batch runs, the requests that arrive meanwhile queue up and form
-the next one, so batches grow with the load without a fixed wait). A job that would overflow the
-batch, or of the other kind (predict / topk), waits for the next batch. The batch runs in the
-loop's own thread (`run_batch`: rows -> one Arrow table -> `Predictor.predict` / `topk`; torch
-releases the GIL), so the event loop keeps reading and answering requests meanwhile.
-
-`workers` K: K batching loops, each with its own thread and its own `Predictor` of the export
-(a `Predictor` is not thread-safe: scratch buffers), pulling from one queue. K copies of the
-tables in memory; on a machine with few cores K = 1 (the default) is the fast choice, since the
-event loop needs a core too.
-
-Reload: `Served` is built whole (every Predictor opened and checked) before it replaces
-`batcher.served`; a batch reads that reference once, when it starts, so a request is scored by
-exactly one model, and batches running at the swap finish on the old one.
+What a batch takes, `max_wait_ms`, `workers` and reload as the user sees them: docs/serving.md,
+"`recsys serve`: the HTTP API" (Micro-batching, Reload). Here besides: a job that would overflow the
+batch, or of the other kind (predict / topk), waits for the next batch; a batch runs in its loop's
+own thread (`run_batch`: rows -> one Arrow table -> `Predictor.predict` / `topk`); the K loops pull
+from one queue, each with its own `Predictor` (not thread-safe: scratch buffers); `Served` is built
+whole (every Predictor opened and checked) before it replaces `batcher.served`, which a batch reads
+once, when it starts.
 """
 
 from __future__ import annotations

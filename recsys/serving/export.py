@@ -11,24 +11,13 @@ An export directory::
     tables/NAME.parquet           id int64, vector fixed_size_list<...>[W'] [, scale float32, bias float32]
     tables/NAME.tombstones.parquet   (delta exports) id int64: ids to delete
 
-"weight" is the matrix of quantize.py for the precision: float32 / float16 [R, D], or fbgemm's
-fused rows uint8 (int8: D codes | f32 scale | f32 bias; int4: packed nibbles | f16 scale | f16
-bias). The Parquet file splits the quantized rows into `vector` (the codes: fixed_size_list<uint8>,
-int4 packed two per byte, low nibble first), `scale` and `bias` (value = code * scale + bias); for
-fp32/fp16 `vector` is fixed_size_list<float>/<halffloat>[D]. Ids are raw ids for `dynamic` tables
-and hashed row indices (`embedding_ps.wire.sharding.keys_of`) for `hashed` ones. An id a table lacks
-serves the table's `unadmitted` default: the deterministic init row of (seed, key) or zeros,
-exactly what a PS pull returns. The manifest's "calibration" ({"negative_sampling_rate": r,
-"correction": ...}) says how the Predictor turns the dense model's logits into calibrated click
-probabilities (recsys/calibration.py).
-
-A delta export (`--since S`, manifest kind "delta") holds the rows updated at steps >= S and the
-tombstones of ids evicted since (see source.py), plus the full dense model; `export-apply`
-(delta.py) or `Predictor(base, deltas=[...])` applies it to a base export of a step >= S.
-
-The export is written table by table (each read shard by shard, see source.py) into a temporary
-directory beside DIR, which is renamed into place at the end. Live shards writing their own part
-is not supported: the export reads saved shards.
+"weight" is the matrix of quantize.py for the precision (its layouts there). The Parquet file splits
+quantized rows into `vector` (the codes: fixed_size_list<uint8>, int4 packed two per byte, low nibble
+first), `scale` and `bias`; for fp32/fp16 `vector` is fixed_size_list<float>/<halffloat>[D]. What the
+rows, ids, defaults, deltas and the write into a temporary directory mean to a user: docs/serving.md,
+"Export for serving" (calibration: docs/models.md, "Example weights and negative downsampling"); the
+delta's rows and tombstones: source.py. Live shards writing their own part is not supported: the
+export reads saved shards.
 """
 
 from __future__ import annotations

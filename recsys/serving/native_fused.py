@@ -5,38 +5,26 @@
 
 A "slot" is one (table, sparse feature) pair of the `SparseArch` plans; slots are ordered by
 pooling group (dim, pooling mode, linear or not), as `SparseArch` groups them; the batch's values
-are gathered into slot order when that order is not the batch's. Per request:
+are gathered into slot order when that order is not the batch's. The kernel's side (the hash map's
+buckets and probing, the slot descriptor, the float math that makes the outputs bit-equal to the
+per-table path, the threads) is `embedding_ps/csrc/pool.c`'s header; this module builds what it
+indexes: one hash map per table (its load: `_build_maps`; hashed tables' keys are computed in the
+kernel's loop), the row matrices (fp32: one float32 matrix per width, the tables back to back; fp16:
+float16, one per table; int8 / int4: f32 scale | f32 bias | codes, the f16-rounded values fbgemm's
+TBE uses) and the outputs, pooled [B, F, D] (feature order) and linear [B, F_lin] in one buffer.
 
-1. Lookup: every (slot, id) -> row through per-table open-addressing hash maps built at load
-   (int64 key | int64 row buckets, power-of-two buckets, splitmix64 home, linear probing,
-   load <= 0.25 in maps of up to 2**16 buckets (1 MiB), <= 0.5 in larger ones: fewer second
-   probes and mispredicted branches; any int64 id can be a key). Hashed tables'
-   keys (`splitmix64(id) % num_embeddings`) are computed in the loop. An unknown id gets its
-   slot's code: -1 (zeros default: nothing to add), -2 (uniform default: computed in the pooling
-   loop exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal:
-   Python's, `init_rows` once per class of tables sharing (dim, seed, init, init_scale)).
-2. Pooling: every bag k = s * B + b straight into its place in the outputs: pooled [B, F, D]
-   (feature order) and linear [B, F_lin], one buffer, examples in blocks of 64 (slot by slot
-   within a block, so the block's output rows stay in cache). Rows: fp32 from one float32 matrix
-   per width (the tables back to back); fp16 as float16, one matrix per table (the kernel widens
-   each row as it adds it, exactly); int8 / int4 from rows f32 scale | f32 bias | codes (the
-   f16-rounded scale and bias fbgemm's TBE uses).
-   Default rows: fp32 / fp16 sum them in id order among the bag's rows (as `F.embedding_bag`);
-   int8 / int4 sum them (weighted) apart and add that to the bag (as `tbe_pool.QuantizedPooling`
-   adds them after fbgemm's TBE). Same float formulas as embedding_bag / fbgemm (see
-   `embedding_ps/csrc/pool.c`), so the results are bit-equal to the per-table path (the training
-   `SparseArch` over the `ExportStore`; `QuantizedPooling` for int8 / int4), which the Predictor
-   uses where the kernel does not build or handle a layout (tests/unit/recsys/serving/test_native_fused.py,
-   test_native_half.py).
-   When no slot has code -3 (the usual case), one call (`sv_pool`) does both: each block's ids
-   are looked up before it is pooled, their hash buckets prefetched while the block before is
-   pooled and their rows right after the lookup. Otherwise `sv_lookup` first, `sv_misses` lists
-   the -3 ids, Python computes their rows into one float32 buffer and points them there
-   (-4 - offset), then `sv_pool`.
+An unknown id gets its slot's code: -1 (zeros default), -2 (uniform default, computed in the kernel
+exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal: Python's,
+`init_rows` once per class of tables sharing (dim, seed, init, init_scale)). When no slot has code
+-3 (the usual case), one call (`sv_pool`) looks up and pools, block by block; otherwise `sv_lookup`
+first, `sv_misses` lists the -3 ids, Python computes their rows into one float32 buffer and points
+them there (-4 - offset), then `sv_pool` (how a bag sums its default rows: pool.c's `sv_bag`).
 
-Threads: the calls split their work over `torch.get_num_threads()` threads (results do not
-depend on the count). Not thread-safe (scratch buffers per instance), like the `Predictor`.
-Figures: BENCHMARKS.md, "benchmarks/serving.py".
+The per-table path (the training `SparseArch` over the `ExportStore`; `QuantizedPooling` for int8 /
+int4) is the reference, which the Predictor uses where the kernel does not build or handle a layout
+(tests/unit/recsys/serving/test_native_fused.py, test_native_half.py). Work is split over
+`torch.get_num_threads()` threads; not thread-safe (scratch buffers per instance), like the
+`Predictor`. Figures: BENCHMARKS.md, "benchmarks/serving.py".
 """
 
 from __future__ import annotations
@@ -211,7 +199,8 @@ class NativePooling:
 
     def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
         """One hash map per table read by some slot: ids -> local rows, 2**bits >= 4 * rows buckets
-        while that is at most _SMALL_MAP buckets, else 2**bits >= 2 * rows."""
+        while that is at most _SMALL_MAP buckets, else 2**bits >= 2 * rows (a low load: fewer second probes
+        and mispredicted branches)."""
         used = sorted({p.table for p, _ in slots})
         bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
         bits = {t: b + 1 if 2 << b <= _SMALL_MAP else b for t, b in bits.items()}

@@ -5,12 +5,9 @@
     probs = predictor.predict(rows_of_many_requests)  # decoded as training did (straight to a Batch where
                                                     # `TableDecoder.decode_rows` can, else through to_table)
 
-A row is an object of column -> value: dense columns a number (or null: `data.dense_fill`), sparse
-columns an id (integer or string, as in the training data) or a list of ids (multi-hot), weight
-columns a number or a list of numbers; null is a missing value as in Parquet. Other keys are
-ignored (a client may send the label or passthrough columns). Checks here are the ones JSON needs
-(types, presence, 64-bit range); value checks (negative ids, over-long lists, ...) are the data
-decoder's, which raises `DataError` naming the column, as for a Parquet file.
+What a row may hold: docs/serving.md, "Rows:". Checks here are the ones JSON needs (types, presence,
+64-bit range); value checks (negative ids, over-long lists, ...) are the data decoder's, which raises
+`DataError` naming the column, as for a Parquet file.
 """
 
 from __future__ import annotations

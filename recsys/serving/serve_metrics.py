@@ -1,10 +1,5 @@
-"""`recsys serve`'s /metrics: counters and histograms in the Prometheus text format (version 0.0.4).
-
-    recsys_serve_requests_total{endpoint="/v1/predict",code="200"}     requests answered
-    recsys_serve_request_seconds_bucket{endpoint=...,le=...}           latency histogram (the handler's time)
-    recsys_serve_rows_total                                            rows scored
-    recsys_serve_batch_rows_bucket{le=...}, recsys_serve_batch_seconds_bucket{le=...}   per micro-batch
-    recsys_serve_model_generation, recsys_serve_model_step, recsys_serve_queued_requests   gauges
+"""`recsys serve`'s /metrics: counters and histograms in the Prometheus text format (version 0.0.4);
+the series: docs/serving.md, the `GET /metrics` row.
 
 Written here rather than with prometheus_client: a few counters, updated only from the event
 loop's thread, need no locks or registry, and no further dependency.

@@ -1,33 +1,7 @@
 """`recsys serve`: an HTTP JSON API over an export, micro-batched (batcher.py), on aiohttp.
 
-    recsys serve --export DIR|URI [--host 127.0.0.1] [--port 8080] [--max-batch 256] [--max-wait-ms 0]
-                 [--workers 1] [--threads 1] [--token-file FILE] [--max-body-mb 8]
-
-    POST /v1/predict  {"rows": [{"I1": 3, "C1": 12345, "M1": [7, 8], ...}, ...]}
-                      -> {"probabilities": [...], "step": S, "generation": G}   (calibrated, as Predictor.predict)
-    POST /v1/topk     {"rows": [{user columns}], "k": 10} -> {"ids": [[...]], "scores": [[...]], ...}  (two_tower)
-    GET  /v1/health   -> {"status": "ok", "step": S, "generation": G}           (no token needed)
-    GET  /v1/metadata -> run id, step, precision, tables, columns, calibration, batching settings
-    GET  /metrics     -> Prometheus text: requests, rows, batch sizes, latency histograms
-    POST /v1/reload   {"export": DIR|URI} (another full export) or {"delta": DIR|URI} (applied to the current one)
-
-Why aiohttp: a maintained asyncio HTTP/1.1 server (already a dependency of Ray, our cluster
-engine) whose request body is a stream with a size cap (`client_max_size`), so an oversized body
-is refused (413) from its Content-Length before any of it is read, and a chunked one once it passes
-the cap; the handlers, the micro-batcher and the reload share one event loop without locks. The
-standard library's `http.server` is a thread per connection, without keep-alive tuning or body
-limits, and documented as not for production.
-
-Errors are JSON `{"error": "...", "field": "..."}`: 400 for a bad body (the field names the column
-or key), 401 without the bearer token (`--token-file`: the file's secret, mode 0600, >= 16 bytes,
-compared with `hmac.compare_digest`; every endpoint but /v1/health), 404 / 405 for a wrong path
-or method, 413 for a body over `--max-body-mb` or more rows than `max_rows`, 500 for a scoring failure.
-A non-loopback --host without --token-file is refused (the API can load any export path the
-server can read, through /v1/reload).
-
-Reload: the new export is opened in full (files checked, Predictors built) in a thread while the
-old one serves; then one reference is swapped (see batcher.py). A failed reload answers 400 and
-the old model goes on serving.
+The command line, the endpoints and their bodies, the errors, the token and the non-loopback rule,
+reload, and why aiohttp: docs/serving.md, "`recsys serve`: the HTTP API".
 """
 
 from __future__ import annotations
@@ -254,9 +228,9 @@ class Server:
 
 
 def _freeze_heap() -> None:
-    """Collect, then move every object alive now (the model, torch, the libraries: ~350k objects) out of the
-    cyclic collector's sight (`gc.freeze`): a full pass over them takes ~0.16 s, a pause in the
-    requests' latency. The previous freeze is undone first, so a reloaded-away model can be freed."""
+    """Collect, then move every object alive now (the model, torch, the libraries) out of the cyclic
+    collector's sight (`gc.freeze`; why: docs/serving.md, on `gc.freeze`). The previous freeze is undone
+    first, so a reloaded-away model can be freed."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

@@ -4,9 +4,9 @@ The saved PS shards are loaded into in-process shard states (same sharding as in
 dense state into the model, and the trainer's own forward path scores the data, so offline
 scores are the training job's scores, not a re-implementation of them.
 
-Scores are calibrated for `data.negative_sampling_rate` (recsys.calibration). With
-`data.example_weight_column` set, the data must have that column and every metric is weighted by
-it (auc over weighted pairs, logloss, ne and calibration); `eval_examples` stays a row count.
+Scores are calibrated for `data.negative_sampling_rate` (recsys.calibration); the metrics are
+weighted by `data.example_weight_column` when the files have it (docs/models.md, "Example weights and
+negative downsampling"; how each metric is weighted: recsys.metrics).
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@
                                ──fork──> trainer rank 0..W-1 (`worker.worker_main`, RANK / WORLD_SIZE /
                                                               MASTER_ADDR / MASTER_PORT set; gloo / NCCL)
 
-Why: a fresh interpreter spends ~1.5 s importing torch on one core, and a local job used to pay it
-three times over on the way to its first step (launcher, then shard and trainer side by side on two
-cores). The zygote starts when `recsys train` does and imports while the launcher reads the config
-and the data footers; each shard and trainer is then a fork of an interpreter that has imported
-everything and run nothing (no torch op, so no OpenMP threads: PLATFORM-NOTES' fork hazard does not
-arise), in milliseconds. A child gets the launcher's environment and working directory of the moment
-it is asked for (not the zygote's, which are those of its start).
+Why: a fresh interpreter spends a long time importing torch, and a local job used to pay it three
+times over on the way to its first step (launcher, then shard and trainer side by side; the figures:
+BENCHMARKS.md, "benchmarks/startup.py"). The zygote starts when `recsys train` does and imports
+while the launcher reads the config and the data footers; each shard and trainer is then a fork of
+an interpreter that has imported everything and run nothing (no torch op, so no OpenMP threads:
+PLATFORM-NOTES' fork hazard does not arise), in milliseconds. A child gets the launcher's
+environment and working directory of the moment it is asked for (not the zygote's, which are those
+of its start).
 
 The pipes carry JSON lines, nothing pickled: requests `{"id", "target", "args", "env", "cwd", "log",
 "session", "deathsig"}` (target: one of TARGETS), events `{"id", "pid"}` once forked and `{"id",

@@ -1,24 +1,13 @@
 """`recsys ray-submit`: run `recsys train --config X` on a remote Ray cluster as a Ray job.
 
-The job goes through Ray's Job Submission SDK (`ray.job_submission.JobSubmissionClient`, the
-dashboard's HTTP address, `http://HOST:8265`). What is shipped: the job config, validated here
-first and written out resolved (`--set` overrides applied, `recsys print-config`'s form) as
-`job.toml`, alone in a fresh directory that becomes the job's runtime_env `working_dir`. Ray
-uploads that directory to the cluster and runs the entrypoint in its unpacked copy, so the
-entrypoint is always `recsys train --config job.toml`; the project itself must already be
-installed on the cluster's nodes (the image of deploy/Dockerfile). Every path in the config
-(data, run directory, storage root, token file) must therefore be absolute or a URI: a relative one
-would land in Ray's temporary copy of the working directory on whichever node runs the driver.
-
-The plain Ray CLI does the same with the config shipped in a directory of your own:
-
-    ray job submit --address http://HOST:8265 --working-dir . -- recsys train --config job.toml
-
-`--check` submits `recsys print-config --config job.toml` instead of train: a job of a few seconds
-that shows the cluster runs the installed project and reads the config as this machine does.
-With `--wait` (the default) the job's log is streamed here and the exit code is the job's: 0 when
-it succeeded, the entrypoint's own exit code when it failed (2: bad input, see the README's exit
-codes), 1 when it was stopped or failed without one. Ray is imported only in here.
+What is shipped and run (the resolved config alone, as `job.toml`, the runtime_env `working_dir`;
+`recsys train --config job.toml`), why every path must be absolute or a URI, `--check`, `--no-wait` and
+the plain Ray CLI equivalent: docs/cluster.md, "Run on a Ray cluster: VMs". The job goes through Ray's
+Job Submission SDK (`ray.job_submission.JobSubmissionClient`, the dashboard's HTTP address,
+`http://HOST:8265`); the project itself must already be installed on the cluster's nodes (the image
+of deploy/Dockerfile). Waiting (the default), the exit code is the job's: 0 when it succeeded, the
+entrypoint's own exit code when it failed (2: bad input, see the README's exit codes), 1 when it was
+stopped or failed without one. Ray is imported only in here.
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
     metrics = retrieval_metrics_of(cfg, sparse, store, model, cfg.data.eval_paths)
     # {"recall@10": .., "ndcg@10": .., ..., "popular_recall@10": .., ..., "eval_users", "items", "eval_examples"}
 
-Items: every row of data.item_paths (one per item, the item tower's columns) -> item vectors [I, d].
-Users: the eval rows grouped by model.user_id_feature; a user's query is the user tower of its
-first row, its relevant items are the item ids of its rows. Top-K by dot product (exact, users in
-blocks of eval.batch_users), scored by `recsys.metrics.retrieval_metrics`; the most-popular
-baseline ranks the items by their count in data.train_paths, the same list for every user.
-Every rank computes the same numbers (reads everything; pulls only), so the call is not collective.
+Items, users, their queries and relevant items, and the most-popular baseline (by item count in
+data.train_paths, the same list for every user): docs/models.md, "Two-tower retrieval". The top-K is
+exact (users in blocks of eval.batch_users), scored by `recsys.metrics.retrieval_metrics`. Every rank
+computes the same numbers (reads everything; pulls only), so the call is not collective.
 """
 
 from __future__ import annotations

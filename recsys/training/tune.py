@@ -1,24 +1,14 @@
 """`recsys tune`: hyperparameter search over a job config with Ray Tune and an ASHA scheduler.
 
-    recsys tune --config X --space SPACE.toml [--trials N] [--max-concurrent K] --out TUNE_DIR
-
-The space file (recsys/tune_space.py) is read and checked against the config before Ray starts.
-Each trial is a real `recsys train` job (recsys/training/tune_trial.py) of the config plus that
-trial's values as `--set` overrides, in `TUNE_DIR/trials/<trial id>/` (the job runs on the config's
-engine: the local launcher, or with `cluster.engine = "ray"` and `cluster.address` the Ray cluster,
-while Tune itself runs on a local Ray instance of `--max-concurrent` CPUs), validating every epoch with
-early stopping (`train.validate_every = "epoch"`, `train.early_stop_patience = 2` where the config
-sets neither); each validation pass is reported to Tune, and ASHA stops the trials that trail
-(`stopped` in results.csv). A trial whose job fails is recorded (`error`, its one-line error), the
-others go on. At the end:
-
-    TUNE_DIR/results.csv   one row per trial: id, status, each searched key, best metric and its step, run dir
-    TUNE_DIR/best.toml     the complete config of the best trial (`recsys train --config best.toml`)
-    TUNE_DIR/trials.png    the metric of every trial per step (needs matplotlib)
-
-Tune's own state is in TUNE_DIR/ray: after a Ctrl-C, the same command resumes the search (finished
-trials are kept; a stopped job continues from its checkpoint); the search space and --trials of the
-first run hold (Tune restores them), a changed --space is not read again.
+What a search runs and writes (one real `recsys train` job per trial, recsys/training/tune_trial.py,
+in `TUNE_DIR/trials/<trial id>/`; the engine its jobs run on; results.csv, best.toml, trials.png):
+README.md, "Hyperparameter search". Here besides: the space file (recsys/tune_space.py) is checked
+before Ray starts; Tune itself runs on a local Ray instance of `--max-concurrent` CPUs; a trial
+validates every epoch with early stopping (`train.validate_every = "epoch"`,
+`train.early_stop_patience = 2` where the config sets neither), each pass reported to Tune. Tune's
+own state is in TUNE_DIR/ray: after a Ctrl-C the same command resumes the search (finished trials are
+kept; a stopped job continues from its checkpoint); the search space and --trials of the first run
+hold (Tune restores them), a changed --space is not read again. trials.png needs matplotlib.
 """
 
 from __future__ import annotations

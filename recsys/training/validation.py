@@ -1,9 +1,5 @@
-"""Periodic validation, early stopping and the best model's bookkeeping.
-
-    train.validate_every = 200 | "epoch"     # a pass over data.eval_paths every 200 steps / each epoch
-    train.early_stop_metric = "logloss"      # or "auc"
-    train.early_stop_patience = 3            # stop after 3 passes without a new best (0: never)
-    train.keep_best = true                   # RUN_DIR/best/: a checkpoint of the best pass's model
+"""Periodic validation, early stopping and the best model's bookkeeping (the settings,
+`train.validate_every`, `early_stop_metric`, `early_stop_patience` and `keep_best`: docs/config.md).
 
 `Validation` decides when a pass is due and whether its metrics are a new best; the trainer runs
 the pass (every rank scores its part of the eval files, the metrics are reduced over the ranks, so
