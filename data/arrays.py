@@ -3,7 +3,7 @@
 Fixed-width numbers are read straight from their value buffers (zero-copy, read-only views where the
 callers allow it; slots under nulls hold unspecified values, masked with `_valid`); string ids are
 hashed (`data.hashing`). Nothing here goes through Arrow's `to_numpy` for numbers: that imports pandas
-(~0.35 s of a process's start) the first time it runs.
+(seconds of a process's start: benchmarks/history/figures-from-the-code.md) the first time it runs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ _NUMPY = {
     pa.int64(): np.dtype(np.int64), pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
     pa.uint32(): np.dtype(np.uint32), pa.uint64(): np.dtype(np.uint64), pa.float16(): np.dtype(np.float16),
     pa.float32(): np.dtype(np.float32), pa.float64(): np.dtype(np.float64)}
-"""numpy dtypes of Arrow's fixed-width numbers (`DataType.to_pandas_dtype` imports pandas: ~0.35 s of a
-process's start)."""
+"""numpy dtypes of Arrow's fixed-width numbers (`DataType.to_pandas_dtype` imports pandas)."""
 
 
 def _raw(arr: pa.Array) -> np.ndarray:

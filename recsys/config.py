@@ -103,8 +103,9 @@ class TrainConfig:
     a delta of this run applies to an export of any of them (export-apply, Predictor)."""
     save_program: bool = False
     """Also write the served dense program (`model/dense.pt2`, torch.export) when the run's model is
-    saved: the trainer has torch.export's imports loaded already (~0.5 s to trace), and an export of
-    this model then copies it instead of importing and tracing again (~3 s). `recsys daily` sets it."""
+    saved: the trainer has torch.export's imports loaded already, and an export of this model then copies
+    it instead of importing and tracing again (figures: benchmarks/history/figures-from-the-code.md).
+    `recsys daily` sets it."""
     scratch_dir: str = ""
     """When `run_dir` is a URI (`s3://...`, see docs/storage.md): the local directory for what
     only this machine's processes need (pid and ready files, logs, errors, processes.json, checkpoint

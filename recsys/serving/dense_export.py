@@ -79,7 +79,7 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
 def export_program(module: nn.Module, args: tuple[torch.Tensor, ...], out_path: Path) -> None:
     """`module` traced by torch.export on `args`, dim 0 of every input a batch of 1..MAX_BATCH, saved
     to `out_path` (the dense program, the user tower)."""
-    from torch.export import Dim           # torch.export imports torch._dynamo: ~2.5 s, only when tracing
+    from torch.export import Dim           # imports torch._dynamo (slow: figures-from-the-code.md): only when tracing
 
     B = Dim("batch", min=1, max=MAX_BATCH)
     with torch.no_grad():

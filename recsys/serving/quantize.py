@@ -26,7 +26,7 @@ import torch
 
 
 def _fbgemm():
-    """torch.ops.fbgemm, importing fbgemm_gpu (which registers it, ~1 s) on the first int8 / int4 use."""
+    """torch.ops.fbgemm, importing fbgemm_gpu (which registers it; slow to import) on the first int8 / int4 use."""
     import fbgemm_gpu  # noqa: F401
 
     return torch.ops.fbgemm

@@ -132,7 +132,7 @@ class Trainer:
         """`replicated_state`: saved replicated tables (model/replicated.pt) to start from; without it
         their vocabularies are read from data.train_paths (recsys.models.replicated); with `warm` (a
         warm start) both, joined (`build_replicated(grow=True)`). `scoring_only` (eval, predict): no
-        optimizers and no LR schedule (a torch optimizer's first use imports torch._dynamo, ~2 s);
+        optimizers and no LR schedule (a torch optimizer's first use imports torch._dynamo);
         `train` is then refused."""
         if any(t.placement == "auto" for t in cfg.ps.tables):    # the launcher resolves it; library use here
             cfg = resolve_placement(cfg).config
