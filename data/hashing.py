@@ -93,8 +93,3 @@ def hash_strings(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     z = splitmix64_finalize(fnv1a64_bytes(data, offsets))
     z &= _MASK63
     return z.view(np.int64)
-
-
-def hash_python_strings(values: list[str]) -> np.ndarray:
-    """int64 [N] ids of Python strings (convenience for callers without an Arrow array)."""
-    return hash_strings(pa.array(values, type=pa.string()))

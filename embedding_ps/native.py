@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from embedding_ps import reference as ref
+from embedding_ps.wire.config import FUSED_OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ _SIGS = {
     "sv_misses": ([_P, _P, _I64, _P, _P], _I64),
     "sv_pool": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
 }
-OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
-"""The optimizers `update` runs in C (the others: `optim.apply_update`'s torch ops)."""
+OPTIMIZERS = {name: code for code, name in enumerate(FUSED_OPTIMIZERS)}
+"""The optimizers `update` runs in C, by ps.c's enum value (the others: `optim.apply_update`'s torch ops)."""
 
 
 def set_enabled(enabled: bool) -> bool:

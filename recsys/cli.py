@@ -196,21 +196,16 @@ def _stop_on_signals(stop: threading.Event) -> None:
 def _cmd_ps(args: argparse.Namespace) -> int:
     from embedding_ps.shard.loop import serve
     from recsys.training.jobauth import require_explicit
+    from recsys.training.reshard import shard_factory
 
     ps = load_ps_config(args.config, args.overrides)     # a shard reads only the [ps] section
     require_explicit(ps, f"recsys ps --shard {args.shard}")
     if not 0 <= args.shard < ps.num_shards:
         raise ConfigError(f"--shard {args.shard} is outside 0..{ps.num_shards - 1} (ps.num_shards)")
-    factory = None
-    if args.restore or args.init_from:
-        from recsys.training import reshard
-
-        load, saved = (reshard.restore_shard, args.restore) if args.restore else (reshard.init_shard, args.init_from)
-        factory = lambda config, shard: load(config, shard, saved)   # noqa: E731
     stop = threading.Event()
     _stop_on_signals(stop)
-    serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file, state_factory=factory,
-          stop=stop)
+    serve(ps, args.shard, bind=args.bind, port=args.port, ready_file=args.ready_file,
+          state_factory=shard_factory(args.restore, args.init_from), stop=stop)
     return 0
 
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from data.config import DataConfig
 from data.paths import fill_date, parse_date
-from embedding_ps.wire.config import OPTIMIZER_KEYS, PSConfig, TableConfig
+from embedding_ps.wire.config import OPTIMIZER_KEYS, PSConfig, TableConfig, at_least
 from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig, sequence_feature_tables
 from recsys.config_retrieval import EvalConfig, check_two_tower
@@ -153,17 +153,13 @@ class TrainConfig:
     pulls nothing ahead (a step's rows exist only after the previous step's barrier): 0 or 1 there."""
 
     def __post_init__(self) -> None:
-        for key in ("num_trainers", "epochs", "grad_accum_steps", "log_every", "keep_checkpoints"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        at_least("train", self, 1, "num_trainers", "epochs", "grad_accum_steps", "log_every", "keep_checkpoints")
         if self.num_trainers > MAX_LOCAL_TRAINERS:
             raise ValueError(f"train.num_trainers must be <= {MAX_LOCAL_TRAINERS} (processes started on this "
                              f"machine; more trainers: torchrun on several hosts), got {self.num_trainers}")
-        for key in ("max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts", "init_step",
-                    "checkpoint_every_s", "early_stop_patience", "dense_weight_decay", "lr_step_size",
-                    "pull_ahead_batches"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        at_least("train", self, 0, "max_steps", "warmup_steps", "num_threads", "checkpoint_every", "max_restarts",
+                 "init_step", "checkpoint_every_s", "early_stop_patience", "dense_weight_decay", "lr_step_size",
+                 "pull_ahead_batches")
         if self.dense_lr <= 0:
             raise ValueError(f"train.dense_lr must be > 0, got {self.dense_lr}")
         if any(not r or not all(c in "0123456789abcdef" for c in r) for r in self.lineage):

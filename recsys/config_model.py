@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from embedding_ps.wire.config import at_least
+
 
 def default_bottom_mlp(embedding_dim: int) -> tuple[int, int]:
     """DLRM's bottom MLP when `model.bottom_mlp` is not given: one hidden layer, then the tables' dim D
@@ -89,17 +91,14 @@ class ModelConfig:
         for table, pooling in self.table_pooling.items():
             if pooling not in ("sum", "mean"):
                 raise ValueError(f"model.table_pooling.{table} must be 'sum' or 'mean', got {pooling!r}")
-        if self.num_cross_layers < 0:
-            raise ValueError(f"model.num_cross_layers must be >= 0, got {self.num_cross_layers}")
+        at_least("model", self, 0, "num_cross_layers")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.linear_tables and self.arch not in ("deepfm", "wide_deep"):
             raise ValueError(f"model.linear_tables is only used by deepfm and wide_deep, not {self.arch!r}")
         if self.fm_interaction != "fm" and self.arch != "deepfm":
             raise ValueError(f"model.fm_interaction is only used by deepfm, not {self.arch!r}")
-        for key in ("tower_dim", "num_freq_buckets", "max_seq_len"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        at_least("model", self, 1, "tower_dim", "num_freq_buckets", "max_seq_len")
         if self.temperature <= 0:
             raise ValueError(f"model.temperature must be > 0, got {self.temperature}")
         if self.arch == "din" and not self.sequence_features:

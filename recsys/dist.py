@@ -3,6 +3,7 @@
     total = all_reduce(torch.tensor([x]))                       # sum over every rank (float64 [1])
     fewest = all_reduce(torch.tensor([n]), dist.ReduceOp.MIN)   # the smallest n of any rank
     parts = all_gather_parts(ids)                               # every rank's 1-D tensor, in rank order
+    barrier()                                                   # wait for every rank
 
 Without an initialized process group (or with one rank) the result is a copy of the input, so
 callers need no `if distributed:` of their own.
@@ -17,6 +18,12 @@ import torch.distributed as dist
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
     """Whether a process group of more than one rank is initialized."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of `group` gets here (nothing in one process)."""
+    if is_distributed(group):
+        dist.barrier(group=group)
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -53,4 +60,4 @@ def all_gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     return [p[:k].cpu() for p, k in zip(parts, lens)]
 
 
-__all__ = ["all_gather_parts", "all_reduce", "collective_device", "is_distributed"]
+__all__ = ["all_gather_parts", "all_reduce", "barrier", "collective_device", "is_distributed"]

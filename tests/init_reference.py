@@ -1,11 +1,20 @@
 """The row init's test oracle in plain Python (`init_row_reference`), what `embedding_ps.init.init_rows`
-and the C `ps_init_bits` are compared with."""
+and the C `ps_init_bits` are compared with, and the SplitMix64 finalizer's (`splitmix64_reference`),
+what `embedding_ps.wire.sharding.splitmix64_np` is."""
 
 from __future__ import annotations
 
 import math
 
-from embedding_ps.wire.sharding import splitmix64_reference
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def splitmix64_reference(x: int) -> int:
+    """Plain-Python reference of the finalizer on one integer (any sign)."""
+    z = x & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
 def init_row_reference(key: int, dim: int, seed: int, init: str, scale: float) -> list[float]:

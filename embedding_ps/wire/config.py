@@ -18,6 +18,8 @@ OPTIMIZER_KEYS: dict[str, tuple[str, ...]] = {
 }
 """The TableConfig fields each optimizer reads: what a table's grouped form takes,
 `optimizer = { name = "adam", lr = 0.01, beta1 = 0.9 }` (`recsys.config` flattens it)."""
+FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+"""The optimizers with a C update (`embedding_ps.native.OPTIMIZERS`, in ps.c's enum order) and an fbgemm one."""
 
 MAX_SHARDS = 4096
 """Most PS shards of a job (each is a process)."""
@@ -148,9 +150,9 @@ class TableConfig:
         if self.weight_decay_mode in ("decoupled", "global") and not self.lr * self.weight_decay < 1.0:
             raise ValueError(f"{p}: {self.weight_decay_mode} weight decay needs lr * weight_decay < 1 (a row would "
                              f"flip sign or vanish each step), got {self.lr} * {self.weight_decay}")
-        if self.kernel == "fbgemm" and self.optimizer not in ("sgd", "adagrad", "rowwise_adagrad"):
+        if self.kernel == "fbgemm" and self.optimizer not in FUSED_OPTIMIZERS:
             raise ValueError(
-                f"{p}.kernel='fbgemm' supports optimizer sgd, adagrad, rowwise_adagrad; got {self.optimizer!r}"
+                f"{p}.kernel='fbgemm' supports optimizer {', '.join(FUSED_OPTIMIZERS)}; got {self.optimizer!r}"
             )
         at_least(p, self, 0, "min_count", "ttl_steps", "max_rows", "cache_rows", "capacity")
         for key in ("beta1", "beta2"):

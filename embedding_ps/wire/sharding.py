@@ -24,7 +24,6 @@ import torch
 
 from embedding_ps.wire.config import TableConfig
 
-MASK64 = 0xFFFFFFFFFFFFFFFF
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
@@ -77,14 +76,6 @@ def keys_of(ids: torch.Tensor, table: TableConfig) -> torch.Tensor:
 def route(ids: torch.Tensor, table: TableConfig, num_shards: int) -> torch.Tensor:
     """int64 [N] -> int64 [N]: the shard that owns each raw id of `table` (`shard_of(keys_of(ids))`)."""
     return shard_of(keys_of(ids, table), num_shards)
-
-
-def splitmix64_reference(x: int) -> int:
-    """Plain-Python reference of the finalizer on one integer (any sign), for tests."""
-    z = x & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
 
 
 def _as_numpy(ids: torch.Tensor) -> np.ndarray:

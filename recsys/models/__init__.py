@@ -24,7 +24,7 @@ from recsys.models.deepfm import DeepFM, FactorizationMachine, FieldWeightedFM
 from recsys.models.din import DIN, AttentionUnit
 from recsys.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch
 from recsys.models.mlp import MLP, LinearTerms
-from recsys.models.sequence import SequenceSparseArch, sequence_inputs
+from recsys.models.sequence import SequenceSparseArch
 from recsys.models.sparse_arch import SparseArch, SparseLookup, TablePlan, plan_tables
 from recsys.table_plans import SequencePlan, plan_sequences, table_plans
 from recsys.models.two_tower import TwoTower
@@ -103,5 +103,4 @@ def build_job_model(cfg: JobConfig) -> tuple[SparseArch, CTRModel]:
 __all__ = ["ARCHS", "CTRModel", "build_model", "build_sparse_arch", "build_dense_model", "build_job_model",
            "SparseArch", "SparseLookup", "TablePlan", "plan_tables", "DLRM", "DenseArch", "InteractionArch", "OverArch",
            "DCN", "CrossNet", "DeepFM", "FactorizationMachine", "FieldWeightedFM", "WideDeep", "MLP", "LinearTerms",
-           "TwoTower", "DIN", "AttentionUnit", "SequencePlan", "SequenceSparseArch", "plan_sequences",
-           "sequence_inputs"]
+           "TwoTower", "DIN", "AttentionUnit", "SequencePlan", "SequenceSparseArch", "plan_sequences"]

@@ -105,7 +105,7 @@ class DIN(CTRModel):
                 behaviors: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """dense [B, Dn], pooled [B, F, D], (unused), behaviors [B, S, L, D], mask bool [B, S, L] -> logits [B]."""
         if behaviors is None or mask is None:
-            raise ValueError("DIN needs the behavior rows and mask (recsys.models.sequence.sequence_inputs)")
+            raise ValueError("DIN needs the behavior rows and mask (SequenceSparseArch.behaviors)")
         interests = [unit(pooled[:, c], behaviors[:, s], mask[:, s])[0]         # [B, D] each
                      for s, (unit, c) in enumerate(zip(self.attention, self.candidates))]
         others = pooled.index_select(1, self.keep).flatten(1)                    # [B, (F - S) * D]

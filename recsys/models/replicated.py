@@ -425,7 +425,7 @@ def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = Non
 
 __all__ = ["REPLICATED_FILE", "Placement", "ReplicatedStore", "ReplicatedTables", "TableOptimizer", "TrainModules",
            "build_replicated", "read_replicated",
-           "load_bytes", "log_placement", "resolve_placement", "save_bytes",
+           "load_bytes", "pull_each", "log_placement", "resolve_placement", "save_bytes",
            "table_bytes", "table_columns", "vocabularies"]
 
 
@@ -441,6 +441,13 @@ class TrainModules(nn.Module):
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 (the dense model's signature)
         return self.model(*args, **kwargs)
+
+
+def pull_each(store: RowSource, tables: Sequence[int], ids: Sequence[torch.Tensor],
+              step: int | None = None) -> Future[torch.Tensor]:
+    """`pull_many_async` of a store that answers at once: a done Future of its `pull`s, in order."""
+    parts = [store.pull(t, x, step) for t, x in zip(tables, ids)]
+    return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
 class ReplicatedStore:
@@ -463,8 +470,7 @@ class ReplicatedStore:
     def pull_many_async(self, tables, ids, step=None, **kwargs):  # noqa: ANN001, ANN003 (the Protocol's)
         if not any(t in self.local for t in tables):
             return self.inner.pull_many_async(tables, ids, step, **kwargs)
-        parts = [self.pull(t, x, step) for t, x in zip(tables, ids)]
-        return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return pull_each(self, tables, ids, step)
 
     @property
     def step(self) -> int:

@@ -3,18 +3,18 @@
 A behavior list column (`model.sequence_features = {hist = "item"}`) reads the table of its
 candidate feature, so it sits in the same `TablePlan` as the candidate: its ids are in the same
 unique set, pulled once, in the same leaf [U_g, D]. The sparse arch pools it like any feature (the
-DIN model leaves that pooled bag out); `sequence_inputs` gathers the same leaf again, one row per
+DIN model leaves that pooled bag out); `SequenceSparseArch.behaviors` gathers the same leaf again, one row per
 position, so the rows' gradient is the sum of both uses and goes back in the usual push::
 
     arch = SequenceSparseArch(plans, plan_sequences(features, {"hist": "item"}), max_len=50)
     lookup = arch.lookup(batch, store)                   # the lists cut to their last 50 ids first
     pooled, linear = lookup.wait()                       # [B, F, D], as for every arch
-    behaviors, mask = sequence_inputs(arch, lookup)      # [B, S, L, D] f32, [B, S, L] bool
+    behaviors, mask = arch.behaviors(lookup)             # [B, S, L, D] f32, [B, S, L] bool
     logits = din(dense, pooled, linear, behaviors, mask)
 
 A list keeps the column's order (most recent last). Truncation keeps the last `max_len` ids;
 position l < length holds the list's l-th kept id, positions from the length on are padding (row 0
-of nothing: zeros, mask False). For any other arch `sequence_inputs` returns ().
+of nothing: zeros, mask False).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class SequenceSparseArch(SparseArch):
         arch = SequenceSparseArch(plans, [SequencePlan("hist", 3, 2)], max_len=20)
         lookup = arch.lookup(batch, store)
         pooled, _ = lookup.wait()                          # [B, F, D]
-        behaviors, mask = sequence_inputs(arch, lookup)    # [B, 1, 20, D], [B, 1, 20]
+        behaviors, mask = arch.behaviors(lookup)           # [B, 1, 20, D], [B, 1, 20]
     """
 
     def __init__(self, plans: list[TablePlan], sequences: list[SequencePlan], max_len: int) -> None:
@@ -124,10 +124,3 @@ class SequenceSparseArch(SparseArch):
         parts = [sequence_rows(lookup, s.feature, self.max_len) for s in self.sequences]
         return torch.stack([r for r, _ in parts], dim=1), torch.stack([m for _, m in parts], dim=1)
 
-
-def sequence_inputs(sparse: SparseArch, lookup: SparseLookup) -> tuple[torch.Tensor, ...]:
-    """The model's extra inputs after (dense, pooled, linear): (behaviors [B, S, L, D], mask [B, S, L])
-    for a SequenceSparseArch, () for any other (call after `lookup.wait()`)."""
-    if isinstance(sparse, SequenceSparseArch):
-        return sparse.behaviors(lookup)
-    return ()

@@ -21,6 +21,7 @@ from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.wire.sharding import keys_of
 from embedding_ps.store import done_future
+from recsys.models.replicated import pull_each
 from recsys.serving.quantize import dequantize
 
 
@@ -90,8 +91,7 @@ class ExportStore:
 
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> "Future[torch.Tensor]":
-        parts = [self.tables[t].rows(x) for t, x in zip(tables, ids)]
-        return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return pull_each(self, tables, ids, step)
 
     # -- steps ------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from data.batch import Batch
 from data.decode import TableDecoder
 from recsys.calibration import manifest_score_rate, probabilities
 from recsys.config import load_config
-from recsys.models import build_sparse_arch, sequence_inputs
+from recsys.models import build_sparse_arch
 from recsys.models.two_tower import tower_data, tower_sparse_arch
 from recsys.serving.ann import AnnIndex
 from recsys.serving.delta import check_applicable, merge_table, read_table
@@ -180,7 +180,7 @@ class Predictor:
         if self.sequences:          # din: (dense, pooled, behaviors, mask), from one lookup
             lookup = self.sparse.lookup(batch, self._store)
             pooled, _ = lookup.wait()
-            behaviors, mask = sequence_inputs(self.sparse, lookup)                # [B, S, L, D], [B, S, L]
+            behaviors, mask = self.sparse.behaviors(lookup)                       # [B, S, L, D], [B, S, L]
             return self.scorer(batch.dense, pooled.detach(), behaviors.detach(), mask)
         pooled, linear = self.pooled(batch)
         args = (batch.dense, pooled.detach()) + ((linear.detach(),) if self.num_inputs == 3 else ())

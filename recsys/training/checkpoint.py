@@ -52,7 +52,7 @@ from embedding_ps.shard.snapshot import saved_file_checksums, saved_files
 from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
-from recsys.dist import all_gather_parts, collective_device
+from recsys.dist import all_gather_parts, barrier, collective_device
 from recsys.manifest import check_files, file_entry, parse_manifest
 from recsys.manifest import write_manifest as write_files_manifest
 from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
@@ -121,15 +121,11 @@ def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
 # manifest
 
 
-def _known_checksums(root: Path) -> dict[str, dict[str, Any]]:
-    """Checksums the shards already computed while writing (their manifest.json `files`), by path
-    relative to `root`; hashing them again would re-read every row."""
-    return {f"model/ps/{rel}": entry for rel, entry in saved_file_checksums(root / "model" / "ps").items()}
-
-
 def write_manifest(root: Path, info: dict[str, Any]) -> dict[str, Any]:
-    """manifest.json of checkpoint directory `root`: `info` plus size and sha256 of every file."""
-    return write_files_manifest(root, {"format": FORMAT, "version": VERSION, **info}, _known_checksums(root))
+    """manifest.json of checkpoint directory `root`: `info` plus size and sha256 of every file (the
+    shards' files with the checksums they computed while writing: hashing them again would re-read every row)."""
+    known = {f"model/ps/{rel}": entry for rel, entry in saved_file_checksums(root / "model" / "ps").items()}
+    return write_files_manifest(root, {"format": FORMAT, "version": VERSION, **info}, known)
 
 
 def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str, Any]:
@@ -313,7 +309,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._raise_finisher_error()
         loader_states = gather_json(loader_state, self.world_size)
-        self._barrier()                   # async: every rank's pushes acknowledged before the snapshot
+        barrier()                         # async: every rank's pushes acknowledged before the snapshot
         if self.rank == 0:
             self.join()                   # one checkpoint in flight at a time
             root = checkpoint_path(self.run_dir, step) if target is None else target
@@ -346,7 +342,7 @@ class Checkpointer:
                                               args=(parts.store, ps_dir, tmp, root, info, background,
                                                     target is None))
             self._finisher.start()
-        self._barrier()                   # no rank pushes step t before the shards snapshot
+        barrier()                         # no rank pushes step t before the shards snapshot
         if target is not None:
             return
         self._last_time = time.monotonic()
@@ -390,10 +386,6 @@ class Checkpointer:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"a background checkpoint failed: {err}") from err
-
-    def _barrier(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
 
 
 # ---------------------------------------------------------------------------------------------

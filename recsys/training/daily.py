@@ -49,10 +49,6 @@ def run_daily(cfg: JobConfig, date: str, *, root: str | None = None, publish: st
     from recsys.training.evaluate import evaluate_run
     from recsys.training.launch import launch_train
 
-    try:
-        dt.date.fromisoformat(date)
-    except ValueError:
-        raise ConfigError(f"--date {date!r}: not a date (YYYY-MM-DD)") from None
     if keep < 1:
         raise ConfigError(f"--keep must be >= 1, got {keep}")
     own = Path(cfg.train.run_dir)     # no --root: train.run_dir, or its parent when it names the day (runs/ctr/{date})

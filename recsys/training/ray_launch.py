@@ -77,17 +77,13 @@ class ShardActor:
     def __init__(self, config_toml: str, shard: int, token: str, run_dir: str, restore: str | None) -> None:
         from embedding_ps.shard.loop import serve
         from recsys.runtime import apply_environment, setup_logging
+        from recsys.training.reshard import shard_factory
 
         setup_logging(role=f"ps{shard}", log_file=str(Path(run_dir) / f"ps-{shard}.log"))
         apply_environment()
         self._fds, path, overrides = _private_config(config_toml, token)
         ps = load_ps_config(path, overrides)
         self._dir = Path(tempfile.mkdtemp(prefix=f"recsys-ps{shard}-"))   # the ready file (no secret)
-        factory = None
-        if restore is not None:
-            from recsys.training.reshard import restore_shard
-
-            factory = lambda config, index: restore_shard(config, index, restore)   # noqa: E731
         self._ready = self._dir / "ready"
         self._node = this_node()
         self._stop = threading.Event()
@@ -97,7 +93,7 @@ class ShardActor:
         def run() -> None:
             try:
                 serve(ps, shard, bind=self._node["node_ip"], port=0, ready_file=str(self._ready),
-                      state_factory=factory, stop=self._stop)
+                      state_factory=shard_factory(restore), stop=self._stop)
             except BaseException as e:        # reported by ready() / wait()
                 self._error = e
 

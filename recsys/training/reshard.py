@@ -12,8 +12,10 @@ Admission counts of ids still waiting and eviction logs stay behind (they are pe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from embedding_ps.wire.config import PSConfig
@@ -80,6 +82,14 @@ def init_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardS
                 taken += state.load_dump(index[name], *saved.dump_table(i))
     logger.info("shard %d/%d: warm start took %d rows from %s", shard_index, config.num_shards, taken, ps_dir)
     return state
+
+
+def shard_factory(restore: str | Path | None, init_from: str | Path | None = None) -> Callable | None:
+    """`serve`'s state_factory: each shard's part of checkpoint PS directory `restore` (`restore_shard`),
+    else of warm-start source `init_from` (`init_shard`); None (empty shards) without either."""
+    if not (restore or init_from):
+        return None
+    return functools.partial(restore_shard if restore else init_shard, ps_dir=restore or init_from)
 
 
 def reshard_checkpoint(checkpoint: str | Path, num_shards: int, out: str | Path) -> Path:

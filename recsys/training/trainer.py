@@ -43,7 +43,7 @@ from embedding_ps.client.cache import CachingStore, cache_metrics
 from embedding_ps.store import EmbeddingStore, RowSource
 from recsys.calibration import data_score_rate, probabilities
 from recsys.config import JobConfig
-from recsys.dist import all_reduce, is_distributed
+from recsys.dist import all_reduce, barrier, is_distributed
 from recsys.metrics import MetricSink, StreamingAUC, eval_metrics
 from recsys.models import SparseLookup, build_job_model
 from recsys.models.on_device import to_host_async
@@ -450,10 +450,9 @@ class Trainer:
         """One pass over data.eval_paths (every rank its part; metrics over all ranks): log `val/*`,
         keep a new best model in run_dir/best, decide on early stopping (the same on every rank)."""
         self.drain()
-        if self.world_size > 1 and is_distributed():
-            # async: every rank's pushes applied before any rank pulls rows to score, so the pass
-            # scores the very rows the best model's snapshot then saves (it waits the same way)
-            dist.barrier()
+        # async: every rank's pushes applied before any rank pulls rows to score, so the pass
+        # scores the very rows the best model's snapshot then saves (it waits the same way)
+        barrier()
         t0 = time.perf_counter()
         metrics = self.evaluate(self.cfg.data.eval_paths)
         v = self.validation

@@ -23,7 +23,7 @@ from data.parquet import DataError
 from embedding_ps.client.client import PSClient
 from embedding_ps.store import EmbeddingStore
 from recsys.config import JobConfig, load_config
-from recsys.dist import all_reduce
+from recsys.dist import all_reduce, barrier
 from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
 from recsys.models.replicated import REPLICATED_FILE, save_bytes
@@ -218,8 +218,8 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         if resume is not None:
             if load_shards and rank == 0:
                 store.load(ps_dir(run_path(resume, "model")))
-            if load_shards and dist.is_initialized():
-                dist.barrier()            # nobody pulls before the shards hold the checkpoint's rows
+            if load_shards:
+                barrier()                 # nobody pulls before the shards hold the checkpoint's rows
             trainer.restore(resume)
         elif source is not None:
             trainer.warm_start(source)        # the shards took the source's rows when they started
@@ -236,8 +236,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
                 logger.info("stopped at step %d; checkpoint %s", trainer.step, where)
                 if storage.is_uri(cfg.train.run_dir):      # the log so far, for a resume on another machine
                     publish_run_files(out, cfg.train.run_dir, ("metrics.jsonl",))
-            if dist.is_initialized():
-                dist.barrier()
+            barrier()
             return
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
@@ -247,13 +246,11 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             if key in summary:
                 final[key] = summary[key]
         trainer.drain()
-        if dist.is_initialized():
-            dist.barrier()      # every rank's last pushes are acknowledged before the shards save
+        barrier()      # every rank's last pushes are acknowledged before the shards save
         if rank == 0:           # the model first: a failing eval below loses nothing of the training
             save_model(trainer, store, run_path(cfg.train.run_dir, "model"))
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
-        if dist.is_initialized():
-            dist.barrier()      # nobody pulls rows to score while the shards save
+        barrier()      # nobody pulls rows to score while the shards save
         if cfg.data.eval_paths:
             final.update(trainer.evaluate(cfg.data.eval_paths))
         report: dict = {"run_id": cfg.train.run_id, **final}
@@ -270,8 +267,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             logger.info("final metrics: %s", report)
             if storage.is_uri(cfg.train.run_dir):
                 publish_run_files(out, cfg.train.run_dir)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
     finally:
         if trainer is not None:
             trainer.close()
@@ -290,12 +286,10 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
     best = best_dir(out)
     use_best = trainer.validation.keep_best and trainer.validation.state.best_step >= 0 and has_best(out)
     if use_best:
-        if dist.is_initialized():
-            dist.barrier()                 # every rank is done with the last model's rows
+        barrier()                 # every rank is done with the last model's rows
         if rank == 0:
             store.load(ps_dir(run_path(best, "model")))
-        if dist.is_initialized():
-            dist.barrier()                 # nobody pulls before the shards hold the best rows
+        barrier()                 # nobody pulls before the shards hold the best rows
         dense = storage.read_bytes(run_path(best, "model", "dense.pt"))
         trainer.model.load_state_dict(torch.load(io.BytesIO(dense), weights_only=True))
         if trainer.replicated is not None:

@@ -17,7 +17,8 @@ from data.synthetic import splitmix64 as splitmix64_next
 from embedding_ps import native
 from embedding_ps.idmap import EMPTY
 from embedding_ps.reference import home as _home
-from embedding_ps.wire.sharding import GOLDEN, splitmix64_np, splitmix64_reference
+from embedding_ps.wire.sharding import GOLDEN, splitmix64_np
+from tests.init_reference import splitmix64_reference
 
 # SplitMix64 seeded with 0 outputs finalizer(k * GOLDEN): e220a8397b1dcdaf, 6e789e6aa1b965f4, ...
 PUBLISHED = {GOLDEN: 0xE220A8397B1DCDAF, 2 * GOLDEN % (1 << 64): 0x6E789E6AA1B965F4}

@@ -10,8 +10,8 @@ from embedding_ps.wire.sharding import (
     route,
     shard_of,
     splitmix64_np,
-    splitmix64_reference,
 )
+from tests.init_reference import splitmix64_reference
 
 GOLDEN = 0x9E3779B97F4A7C15
 EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 12345678901234, -987654321]

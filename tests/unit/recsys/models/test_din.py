@@ -13,8 +13,7 @@ from torch import nn
 from data.batch import Batch, KeyedJagged
 from embedding_ps.wire.config import TableConfig
 from recsys.config import ConfigError, ModelConfig, load_config
-from recsys.models import (DIN, AttentionUnit, SequenceSparseArch, build_model, plan_sequences, plan_tables,
-                           sequence_inputs)
+from recsys.models import DIN, AttentionUnit, SequenceSparseArch, build_model, plan_sequences, plan_tables
 from recsys.models.sequence import truncate_batch, truncate_lists
 
 V, D = 30, 4
@@ -176,7 +175,7 @@ def test_sequence_lookup_and_row_grads_match_a_dense_reference() -> None:
     store = DictStore(dense_tables)
     lookup = arch.lookup(batch, store)
     pooled, _ = lookup.wait()
-    behaviors, mask = sequence_inputs(arch, lookup)                           # [B, 1, L, D], [B, 1, L]
+    behaviors, mask = arch.behaviors(lookup)                                  # [B, 1, L, D], [B, 1, L]
     assert len(lookup.rows) == 1                                              # one pull: one leaf for both tables
     # reference: the last L ids of each list, left-aligned, zeros after
     E = {t: w.clone().requires_grad_(True) for t, w in dense_tables.items()}
