@@ -12,15 +12,13 @@ C is a power of two as the map grows by itself, or any multiple of 64 after `res
 sizes the map for n entries at exactly `max_load` (a table with a capacity hint: 12 / max_load
 bytes per entry, with no power-of-two rounding and no rehash until n).
 
-Every operation works on whole batches with numpy: one probe round handles every key still
-searching, and the next round only those that moved on. An insert claims a free bucket by
-scatter-then-verify: all candidates write their key (the last write wins), read it back, and
-the losers probe on. The map grows (rehashes into twice the buckets) when live entries plus
-tombstones pass `max_load`, and rehashes in place when tombstones crowd it.
-
+Every operation takes a whole batch of keys. The map grows (rehashes into twice the buckets) when
+live entries plus tombstones pass `max_load`, and rehashes in place when tombstones crowd it.
 Probes and inserts are `native.map_find` / `native.map_place`: one key at a time in C on the same
-arrays (inserts then simply take the first free bucket of the chain, in order), or the numpy
-rounds above (`embedding_ps.reference`) where the library does not load.
+arrays (an insert takes the first free bucket of its chain), or, where the library does not load,
+numpy probe rounds over every key still searching and inserts by scatter-then-verify (all
+candidates write their key, the last write wins, read it back, the losers probe on:
+`embedding_ps.reference`).
 
 `BoundedCounter` (at the end) counts sightings of ids that are not admitted yet, with a hard
 bound on how many ids it remembers.
@@ -106,15 +104,10 @@ class IdMap:
             self._rehash(self._size)
         return out
 
-    def items(self, keys_out: np.ndarray | None = None,
-              vals_out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """All (keys int64 [R], vals int32 [R]), in bucket order; new arrays, or the first R entries
-        of `keys_out` / `vals_out` when both are given and long enough (a snapshot's pre-faulted buffers)."""
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All (keys int64 [R], vals int32 [R]), in bucket order (new arrays)."""
         live = self._vals >= 0
-        if keys_out is None or vals_out is None or min(keys_out.shape[0], vals_out.shape[0]) < self._size:
-            return self._keys[live], self._vals[live]   # boolean indexing copies
-        n = int(np.count_nonzero(live))
-        return np.compress(live, self._keys, out=keys_out[:n]), np.compress(live, self._vals, out=vals_out[:n])
+        return self._keys[live], self._vals[live]   # boolean indexing copies
 
     def reserve(self, n: int) -> None:
         """Room for `n` entries in all (live + tombstones) without a rehash, in the fewest buckets:

@@ -28,10 +28,10 @@ from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.state import ShardState
 from embedding_ps.wire.sharding import route
 from embedding_ps.shard.snapshot import shard_dir
-from embedding_ps.store import done_future
+from embedding_ps.store import EmbeddingStore, done_future
 
 
-class LocalStore:
+class LocalStore(EmbeddingStore):
     """`config.num_shards` ShardStates (state `i` is shard `i`), used through the EmbeddingStore Protocol."""
 
     def __init__(self, config: PSConfig, states: list[ShardState]) -> None:
@@ -90,14 +90,6 @@ class LocalStore:
             x, g = (xs[0], gs[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(gs))   # [N, D]
             self._push(t, x, g, step)
         return done_future(None)
-
-    def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        """float32 rows [N, D] of one table's int64 ids [N]."""
-        return self.pull_many_async([table], [ids], step).result()
-
-    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
-        """Apply one table's grads [N, D] of ids [N]."""
-        self.push_many_async([table], [ids], grads, step).result()
 
     # -- steps ------------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ members): `EmbeddingStore`, implemented by `embedding_ps.client.client.PSClient`
 network), `embedding_ps.local.LocalStore` (the shards' states in this process: offline eval, tests)
 and `embedding_ps.client.cache.CachingStore` (a row cache in front of either); and its read-only half
 `RowSource`, all that the export-backed store of `recsys.serving` (the rows of an export) is.
-Test doubles implement these Protocols too.
+Test doubles implement these Protocols too. A store that subclasses one explicitly (`LocalStore`,
+`CachingStore`) inherits `pull` / `push` as one-part calls of the `*_many_async` ones.
 
 Rows are addressed by table index (into `ps.tables`) and int64 ids; the tables of one multi-table
 call share the embedding dim D; rows and gradients are in the caller's order, table after table.
@@ -40,7 +41,7 @@ class RowSource(Protocol):
 
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """float32 rows [N, D] of one table's int64 ids [N] (a one-part pull, blocking)."""
-        ...
+        return self.pull_many_async([table], [ids], step).result()
 
     def barrier(self, step: int) -> None:
         """Wait for this worker's pushes, then tell the store it is done with `step` (sync mode: the
@@ -72,7 +73,7 @@ class EmbeddingStore(RowSource, Protocol):
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
         """Send one table's grads [N, D] of ids [N] and wait for the acknowledgement."""
-        ...
+        self.push_many_async([table], [ids], grads, step).result()
 
     def sweep(self, step: int) -> list[dict]:
         """Every shard drops rows unseen for their table's ttl_steps as of `step`; per-shard counts."""

@@ -65,23 +65,19 @@ import numpy as np
 import torch
 
 from embedding_ps.wire.config import PSConfig
-from embedding_ps.client.plan import dedup_ids
-from embedding_ps.client.rowcache import FusedRowCache, move_rows
-from embedding_ps.store import EmbeddingStore
+from embedding_ps.client.plan import combine, dedup_ids, gather_of
+from embedding_ps.client.rowcache import COUNTS, FusedRowCache, move_rows
+from embedding_ps.store import EmbeddingStore, done_future
 
 logger = logging.getLogger(__name__)
 
 Policy = Literal["lfu", "lru"]
 
 DEFAULT_POLICY: Policy = "lfu"
-"""The eviction policy the trainer uses: the better hit rate of the two over the Zipf streams of
-`benchmarks/row_cache.py` (BENCHMARKS.md, "benchmarks/row_cache.py")."""
-
-COUNTS = ("hits", "misses", "refreshes", "lookups", "lookup_hits")
-"""The per-table counters of `cache_counts()`."""
+"""The eviction policy the trainer uses: the better hit rate of the two (module docstring, "Eviction")."""
 
 
-class CachingStore:
+class CachingStore(EmbeddingStore):
     """An `EmbeddingStore` that serves hot rows from memory and forwards everything else.
 
     Example::
@@ -158,21 +154,17 @@ class CachingStore:
         plan = _Plan(self, tables, ids, cached, counts)
         with self._lock:
             plan.look(step, self.max_age, self.refresh_after)
-        fut = plan.issue(self.inner, step)
         out: Future = Future()
 
         def arrived(f: Future) -> None:
             try:
-                pulled = f.result() if f is not None else None
+                pulled = f.result()
                 with self._lock:
                     out.set_result(plan.assemble(pulled, step))
             except BaseException as e:   # the caller's .result() raises it
                 out.set_exception(e)
 
-        if fut is None:
-            arrived(None)   # type: ignore[arg-type]
-        else:
-            fut.add_done_callback(arrived)
+        plan.issue(self.inner, step).add_done_callback(arrived)
         plan.issue_refresh(self.inner, step, self._lock)
         return out
 
@@ -180,14 +172,8 @@ class CachingStore:
                     counts: Sequence[torch.Tensor] | None) -> Future[torch.Tensor]:
         """A call the fused path does not take (parts of several dims, or one table twice): one
         call per part, in order (a repeated id is looked up once per part, as two steps' lookups)."""
-        futs = [self._pull([t], [x], step, None if counts is None else [counts[i]])
-                for i, (t, x) in enumerate(zip(tables, ids))]
-        out: Future = Future()
-        try:
-            out.set_result(torch.cat([f.result() for f in futs]))
-        except BaseException as e:
-            out.set_exception(e)
-        return out
+        return combine([self._pull([t], [x], step, None if counts is None else [counts[i]])
+                        for i, (t, x) in enumerate(zip(tables, ids))], torch.cat)
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
@@ -216,12 +202,6 @@ class CachingStore:
     def _call(self, fn, *args):
         """fn(*args), on the cache's thread after every call made before (with `background`)."""
         return fn(*args) if self._worker is None else self._worker.submit(fn, *args).result()
-
-    def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        return self.pull_many_async([table], [ids], step).result()
-
-    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int | None = None) -> None:
-        self.push_many_async([table], [ids], grads, step).result()
 
     # -- statistics -------------------------------------------------------------------------------
 
@@ -291,13 +271,13 @@ class _Plan:
                  counts: Sequence[torch.Tensor] | None) -> None:
         self.tables = list(tables)
         self.uniq: list[torch.Tensor] = []                 # per part: distinct ids [U] (cpu)
-        self.inverse: list[torch.Tensor | None] = []       # per part: inverse [N] into them, or None
-        cnt = []
+        inverse, cnt = [], []
         for i, x in enumerate(ids):
             u, inv, c = _distinct(x.to("cpu", torch.int64), None if counts is None else counts[i])
             self.uniq.append(u)
-            self.inverse.append(inv)
+            inverse.append(inv)
             cnt.append(c)
+        self.gather = gather_of(self.uniq, inverse)        # [N] caller position -> buffer row, or None
         sizes = np.array([u.numel() for u in self.uniq], dtype=np.int64)            # [P]
         self.starts = np.cumsum(sizes) - sizes                                       # [P] first buffer row
         dim = store.config.tables[tables[0]].dim
@@ -329,8 +309,9 @@ class _Plan:
             move_rows(self.buf, self.pos[h], self.cache.rows, self.lk.slot[h])
         self.miss = np.flatnonzero(~self.lk.hit)                                    # [M] entries
 
-    def issue(self, inner: EmbeddingStore, step: int) -> Future | None:
-        """One call to the wrapped store: the uncached parts' ids, then each cached part's misses."""
+    def issue(self, inner: EmbeddingStore, step: int) -> Future:
+        """One call to the wrapped store: the uncached parts' ids, then each cached part's misses (a
+        done Future of None when there are none)."""
         tables = [self.tables[i] for i in self.uparts]
         ids = [self.uniq[i] for i in self.uparts]
         if self.cache is not None and self.miss.size:
@@ -338,7 +319,7 @@ class _Plan:
                                        [self.tables[i] for i in self.cparts])
             tables += tables_m
             ids += ids_m
-        return inner.pull_many_async(tables, ids, step) if tables else None
+        return inner.pull_many_async(tables, ids, step) if tables else done_future(None)
 
     def assemble(self, pulled: torch.Tensor | None, step: int) -> torch.Tensor:
         """The pulled rows [sum U_uncached + M, D] into the buffer and the cache; the rows [sum N, D]."""
@@ -354,12 +335,7 @@ class _Plan:
             move_rows(self.buf, self.pos[self.miss], got, None)
             self.cache.fill(self.ids[self.miss], self.tab[self.miss], self.lk.slot[self.miss], got, step,
                             self.lk.generation)
-        if all(inv is None for inv in self.inverse):
-            return self.buf
-        out = [self.buf[s:s + u.numel()] if inv is None
-               else self.buf[s:s + u.numel()].index_select(0, inv.to(self.buf.device))
-               for s, u, inv in zip(self.starts, self.uniq, self.inverse)]
-        return out[0] if len(out) == 1 else torch.cat(out)                          # [sum N_t, D]
+        return self.buf if self.gather is None else self.buf.index_select(0, self.gather.to(self.buf.device))
 
     def issue_refresh(self, inner: EmbeddingStore, step: int, lock: threading.Lock) -> None:
         """The hits due for a refresh, pulled again for `step` in a call nobody waits for."""
@@ -419,10 +395,9 @@ def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
 
 
 def cache_metrics(counts: dict[str, dict[str, int]]) -> dict[str, float]:
-    """Metrics of `cache_counts()` (NaN, written as null, where nothing was counted):
-    `cache/<table>/hit_rate` and `cache/hit_rate` (hits / distinct ids looked up, per call),
-    `cache/hit_rate_per_lookup` (hits / ids looked up, duplicates of a batch counted: needs counts),
-    `cache/refresh_rate` (rows refreshed ahead / distinct ids looked up)."""
+    """Metrics of `cache_counts()`, as docs/performance.md ("Row cache") defines them: `cache/<table>/hit_rate`,
+    `cache/hit_rate`, `cache/hit_rate_per_lookup` (needs counts), `cache/refresh_rate`; NaN (written as
+    null) where nothing was counted."""
     def rate(a: int, b: int) -> float:
         return a / b if b else float("nan")
 

@@ -122,22 +122,8 @@ class PSClient:
             return done_future(torch.empty(0, dim))
         if self._too_big("pull", tables, shards, dim):     # one request per table instead
             return combine([self.pull_async(t, x, step) for t, x in zip(tables, ids)], torch.cat)
-        reqs, segs, fallbacks, words = [], {}, {}, []
         notify = self.notify and native.available()
-        for shard, parts in shards.items():
-            m = sum(c.numel() for _, c in parts)
-            rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
-            seg = self._shm_segment(shard, rows_bytes, parts, trailer=notify)   # rows, ids
-            flags = (P.FLAG_SHM | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
-            h = self._header(P.Op.PULL, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
-            if seg:
-                if notify:
-                    words.append(_done_word(shm.trailer(seg[1], rows_bytes, m)))
-                segs[shard] = seg[1][:rows_bytes]
-                fallbacks[shard] = self._fallback(shard, h, tables, parts, segs)
-                reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
-            else:
-                reqs.append((shard, h, frames(tables, parts)))
+        reqs, segs, fallbacks, words = self._requests(P.Op.PULL, tables, shards, dim, step, notify)
         counts = {s: [c.numel() for _, c in parts] for s, parts in shards.items()}
         call = [] if segs else None        # the Call, to see retries (the done callback lets go of it)
 
@@ -170,35 +156,11 @@ class PSClient:
             splits = torch.split(grads, [x.numel() for x in ids])
             return combine([self.push_async(t, x, g, step) for t, x, g in zip(tables, ids, splits)],
                             lambda _: None)
-        grad_parts = plan.by_shard(plan.to_sent(grads))
-        reqs, segs, fallbacks, words = [], {}, {}, []
         fast = native.available()         # late grads and done words wait on C's futexes
         late = LateGrads() if self.late_grads and self.wire == P.DType.FP32 and fast else None
-        notify = self.notify and fast
-        for shard, parts in shards.items():
-            g = [c for _, c in grad_parts[shard]]
-            m = sum(c.shape[0] for c in g)
-            rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
-            seg = self._shm_segment(shard, rows_bytes, parts, trailer=bool(late or notify))
-            flags = (P.FLAG_SHM | (P.FLAG_GRADS_LATE if late else 0) | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
-            h = self._header(P.Op.PUSH, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
-            if seg:          # the grads go into the segment, cast to the wire type: [M_s, D]
-                if notify:
-                    words.append(_done_word(shm.trailer(seg[1], rows_bytes, m)))
-                segs[shard] = seg[1]
-                dst = P.frame_tensor(memoryview(seg[1][:rows_bytes]), self.wire, m, dim)
-                if late:     # written once the request is on its way (LateGrads.write)
-                    late.add(h.request, g, dst, shm.trailer(seg[1], rows_bytes, m))
-                elif len(g) > 1 and self.wire == P.DType.FP32:
-                    torch.cat(g, out=dst)
-                else:
-                    dst.copy_(g[0] if len(g) == 1 else torch.cat(g))
-                fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst, late)
-                reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
-            else:
-                # [M_s, D] cast to the wire dtype (no copy for fp32)
-                payload = P.tensor_frame((g[0] if len(g) == 1 else torch.cat(g)).to(P.TORCH_DTYPES[self.wire]))
-                reqs.append((shard, h, [*frames(tables, parts), payload]))
+        reqs, segs, fallbacks, words = self._requests(P.Op.PUSH, tables, shards, dim, step, self.notify and fast,
+                                                      plan.by_shard(plan.to_sent(grads)), late)
+
         def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
             return None
 
@@ -379,16 +341,43 @@ class PSClient:
         self._io.submit(items, wake)
         return call.future
 
-    def _shm_segment(self, shard: int, rows_bytes: int, parts: list[tuple[int, torch.Tensor]],
-                     trailer: bool = False) -> tuple[bytes, "np.ndarray"] | None:
-        """(name, uint8 view) of a segment for a request to `shard` with the ids int64 [M] of `parts`
-        written after rows_bytes of rows (shm.ids_offset) and, with `trailer`, a trailer after them
-        (shm.seg_bytes), or None: the socket."""
-        m = sum(c.numel() for _, c in parts)
-        seg = self._shm.take(shard, shm.seg_bytes(rows_bytes, m, trailer))
-        if seg is not None:
-            torch.cat([c for _, c in parts], out=shm.ids_view(seg[1], rows_bytes, m))   # [M]
-        return seg
+    def _requests(self, op: P.Op, tables: Sequence[int], shards: dict[int, list[tuple[int, torch.Tensor]]],
+                  dim: int, step: int | None, notify: bool, grads: dict | None = None,
+                  late: "LateGrads | None" = None) -> tuple[list, dict, dict, list]:
+        """(requests [(shard, header, payload)], segs {shard: the rows of its segment}, fallbacks {shard:
+        `_fallback`}, done words with `notify`) of a PULL (grads None) or PUSH of `shards`' parts: through
+        a shared-memory segment where `self._shm` gives one (a shard on this host), else the socket.
+        grads: {shard: [(part, grads [M_p, D])]}, written cast to the wire dtype into the segment (by
+        `late` when given) or into a frame."""
+        reqs, segs, fallbacks, words = [], {}, {}, []
+        for shard, parts in shards.items():
+            m = sum(c.numel() for _, c in parts)
+            rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
+            seg = self._shm.take(shard, shm.seg_bytes(rows_bytes, m, bool(late or notify)))   # rows, ids, trailer
+            if seg is not None:      # the ids int64 [M_s] after the rows (shm.ids_offset)
+                torch.cat([c for _, c in parts], out=shm.ids_view(seg[1], rows_bytes, m))
+            flags = (P.FLAG_SHM | (P.FLAG_GRADS_LATE if late else 0) | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
+            h = self._header(op, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
+            g = None if grads is None else [c for _, c in grads[shard]]
+            if seg is None:          # grads [M_s, D] cast to the wire dtype (no copy for fp32)
+                rows = [] if g is None else [P.tensor_frame(_cat(g).to(P.TORCH_DTYPES[self.wire]))]
+                reqs.append((shard, h, [*frames(tables, parts), *rows]))
+                continue
+            if notify:
+                words.append(_done_word(shm.trailer(seg[1], rows_bytes, m)))
+            segs[shard] = seg[1][:rows_bytes]
+            dst = None
+            if g is not None:        # the grads go into the segment, cast to the wire type: [M_s, D]
+                dst = P.frame_tensor(memoryview(segs[shard]), self.wire, m, dim)
+                if late:             # written once the request is on its way (LateGrads.write)
+                    late.add(h.request, g, dst, shm.trailer(seg[1], rows_bytes, m))
+                elif len(g) > 1 and self.wire == P.DType.FP32:
+                    torch.cat(g, out=dst)
+                else:
+                    dst.copy_(_cat(g))
+            fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst, late)
+            reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
+        return reqs, segs, fallbacks, words
 
     def _fallback(self, shard: int, h: P.Header, tables: Sequence[int], parts: list, segs: dict,
                   grads: torch.Tensor | None = None, late: "LateGrads | None" = None
@@ -454,6 +443,10 @@ class PSClient:
                              f"{self.addresses[shard]} is {size} bytes, over ps.max_frame_bytes = {limit}; "
                              f"split the ids")
         return False
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _done_word(trailer: np.ndarray) -> np.ndarray:

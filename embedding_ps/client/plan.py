@@ -88,14 +88,8 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     gather = None
     if dedup:
         pairs = [dedup_ids(x)[:2] for x in ids]
-        if any(inv is not None for _, inv in pairs):
-            offsets = itertools.accumulate((u.numel() for u, _ in pairs), initial=0)
-            parts = []
-            for (u, inv), off in zip(pairs, offsets):
-                inv = torch.arange(u.numel()) if inv is None else inv
-                parts.append(inv + off if off else inv)
-            gather = parts[0] if len(parts) == 1 else torch.cat(parts)
         ids = [u for u, _ in pairs]
+        gather = gather_of(ids, [inv for _, inv in pairs])
     lens = [x.numel() for x in ids]
     x = torch.cat(ids) if len(ids) > 1 else ids[0]                                    # [U]
     n, S, P_ = x.numel(), config.num_shards, len(ids)
@@ -122,6 +116,18 @@ def dedup_ids(ids: torch.Tensor, counts: bool = False
     if uniq.numel() == ids.numel() and torch.equal(uniq, ids):
         return ids, None, c
     return uniq, inverse, c
+
+
+def gather_of(uniq: Sequence[torch.Tensor], inverse: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Every part's distinct ids [U_p] and inverse [N_p] into them (None: the part is its distinct ids)
+    -> int64 [sum N_p]: each caller position's row in the parts' distinct ids back to back; None when
+    every inverse is."""
+    if all(inv is None for inv in inverse):
+        return None
+    offsets = itertools.accumulate((u.numel() for u in uniq), initial=0)
+    parts = [torch.arange(u.numel()) if inv is None else inv for u, inv in zip(uniq, inverse)]
+    parts = [p + off if off else p for p, off in zip(parts, offsets)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _reply_rows(shard: int, cs: list[int], replies: dict[int, tuple[P.Header, list]], dim: int,
@@ -178,4 +184,4 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
     return out
 
 
-__all__ = ["Plan", "combine", "dedup_ids", "frames", "index_frame", "plan_call"]
+__all__ = ["Plan", "combine", "dedup_ids", "frames", "gather_of", "index_frame", "plan_call"]

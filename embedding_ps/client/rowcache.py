@@ -37,6 +37,8 @@ SMALL = 127
 bigger one by itself. Both evict max(needed, cap // 64) rows, which is exactly the rows needed here."""
 UNCACHED = -1
 """Slot of a looked-up id that is not cached (no slot free for it)."""
+COUNTS = ("hits", "misses", "refreshes", "lookups", "lookup_hits")
+"""The per-table counters (`take_counts`; what they count: `embedding_ps.client.cache`, "Counting")."""
 
 
 @dataclass
@@ -76,7 +78,7 @@ class FusedRowCache:
         self.rows = torch.zeros(total, dim, device=device)              # [C, D]
         self._mix = splitmix64_np(np.arange(1, len(caps) + 1, dtype=np.uint64))   # [T] per-table salt
         self.generation = 0
-        self._zero_counts()
+        self.counts = {c: np.zeros(len(caps), dtype=np.int64) for c in COUNTS}   # per table [T], since taken
 
     def key(self, ids: np.ndarray, tab: np.ndarray) -> np.ndarray:
         """Combined keys int64 [U] of ids int64 [U] in local tables tab [U]."""
@@ -134,13 +136,13 @@ class FusedRowCache:
             self.pulled[ns] = self.refreshing[ns] = NEVER
             self.count[ns], self.last[ns] = 1, step
             slot[a] = new
-        T = self.cap.shape[0]
-        self.hits += np.bincount(tab[hit], minlength=T)
-        self.misses += np.bincount(tab[~hit], minlength=T)
-        self.refreshes += np.bincount(tab[refresh], minlength=T)
+        T, c = self.cap.shape[0], self.counts
+        c["hits"] += np.bincount(tab[hit], minlength=T)
+        c["misses"] += np.bincount(tab[~hit], minlength=T)
+        c["refreshes"] += np.bincount(tab[refresh], minlength=T)
         if counts is not None:
-            self.lookups += np.bincount(tab, weights=counts, minlength=T).astype(np.int64)
-            self.lookup_hits += np.bincount(tab[hit], weights=counts[hit], minlength=T).astype(np.int64)
+            c["lookups"] += np.bincount(tab, weights=counts, minlength=T).astype(np.int64)
+            c["lookup_hits"] += np.bincount(tab[hit], weights=counts[hit], minlength=T).astype(np.int64)
         return Lookup(hit, slot, refresh, self.generation)
 
     def _hottest_first(self, a: np.ndarray, tab: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -194,17 +196,10 @@ class FusedRowCache:
         new[np.isin(a, dup)] = UNCACHED
 
     def take_counts(self) -> dict[str, np.ndarray]:
-        """Per local table: hits, misses, refreshes, lookups, lookup_hits since the last call (then 0)."""
-        out = {"hits": self.hits, "misses": self.misses, "refreshes": self.refreshes,
-               "lookups": self.lookups, "lookup_hits": self.lookup_hits}
-        self._zero_counts()
+        """Per local table: the COUNTS since the last call (then 0)."""
+        out = self.counts
+        self.counts = {c: np.zeros_like(a) for c, a in out.items()}
         return out
-
-    def _zero_counts(self) -> None:
-        """Fresh per-table counters int64 [T] (hits, misses, refreshes, lookups, lookup_hits), all 0."""
-        n = self.cap.shape[0]
-        self.hits, self.misses, self.refreshes = (np.zeros(n, dtype=np.int64) for _ in range(3))
-        self.lookups, self.lookup_hits = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
 
     # -- slots ------------------------------------------------------------------------------------
 
@@ -250,20 +245,23 @@ class FusedRowCache:
         caps = self.cap[ks]
         slots = np.repeat(self.base[ks] - np.cumsum(caps) + caps, caps) + np.arange(int(caps.sum()))   # [S]
         owner = np.repeat(np.arange(ks.shape[0]), caps)                 # [S] index into ks
-        key = self._rank_key(slots)
-        key[(self.tab[slots] != ks[owner]) | (self.last[slots] == step)] = _KEEP
+        key = self._rank_key(slots, ks[owner], step)
         order = np.lexsort((key, owner))                                # by table, then rank
         slots, owner, key = slots[order], owner[order], key[order]
         rank = np.arange(slots.shape[0]) - np.repeat(np.cumsum(caps) - caps, caps)   # [S] within table
         take = (rank < need[owner]) & (key != _KEEP)
         return ks[owner[take]], rank[take], slots[take]
 
-    def _rank_key(self, slots: np.ndarray | slice) -> np.ndarray:
-        """Eviction order of `slots` (lowest first): LRU the last lookup step, LFU the lookups
-        while cached, ties broken by the last lookup step."""
+    def _rank_key(self, slots: np.ndarray | slice, k: np.ndarray | int, step: int) -> np.ndarray:
+        """Eviction order of `slots` of tables k (lowest first): LRU the last lookup step, LFU the
+        lookups while cached, ties broken by the last lookup step; _KEEP where a slot is not k's
+        (free) or was looked up at `step`."""
         if self.policy == "lru":
-            return self.last[slots].copy()
-        return (np.minimum(self.count[slots], (1 << 30) - 1) << 32) | (self.last[slots] & 0xFFFFFFFF)
+            key = self.last[slots].copy()
+        else:
+            key = (np.minimum(self.count[slots], (1 << 30) - 1) << 32) | (self.last[slots] & 0xFFFFFFFF)
+        key[(self.tab[slots] != k) | (self.last[slots] == step)] = _KEEP
+        return key
 
     def _reuse(self, k: int, need: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(up to `need` slots of full table k, the slots to evict now): spare ones, then evicted
@@ -277,8 +275,7 @@ class FusedRowCache:
         if need <= 0:
             return out, none
         lo, hi = int(self.base[k]), int(self.base[k] + self.cap[k])
-        key = self._rank_key(slice(lo, hi))
-        key[(self.tab[lo:hi] != k) | (self.last[lo:hi] == step)] = _KEEP
+        key = self._rank_key(slice(lo, hi), k, step)
         m = min(int((key != _KEEP).sum()), max(need, int(self.cap[k]) // 64))
         if m <= 0:
             return out, none
@@ -302,4 +299,4 @@ def move_rows(dst: torch.Tensor, at: np.ndarray, src: torch.Tensor, rows: np.nda
     dst.index_copy_(0, at_t, src if rows is None else src.index_select(0, torch.from_numpy(rows).to(src.device)))
 
 
-__all__ = ["FusedRowCache", "Lookup", "NEVER", "UNCACHED", "move_rows"]
+__all__ = ["COUNTS", "FusedRowCache", "Lookup", "NEVER", "UNCACHED", "move_rows"]

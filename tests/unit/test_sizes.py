@@ -20,7 +20,6 @@ KNOWN_FUNCTIONS = {
     "recsys/config.py::expand_tables",
     "recsys/training/job.py::prepared_run",
     "recsys/training/worker.py::run_worker",
-    "embedding_ps/client/client.py::push_many_async",
 }
 
 
