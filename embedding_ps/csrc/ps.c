@@ -359,7 +359,8 @@ void ps_notify(int32_t *word, int32_t value) {
 }
 
 /* Wait until *word != 0 or timeout_ns passed, asleep in the kernel (a futex; elsewhere: yielding);
- * returns the value last read (0: timed out). */
+ * returns the value last read (0: timed out). Each sleep lasts at most 1 ms, as ps_wait_flag's: a
+ * writer that stores without a wake (a peer without this library: reference.notify) is seen then. */
 int32_t ps_wait_word(int32_t *word, int64_t timeout_ns) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -369,7 +370,8 @@ int32_t ps_wait_word(int32_t *word, int64_t timeout_ns) {
         int64_t left = ps_ns_left(&t0, timeout_ns);
         if (left <= 0) return 0;
 #ifdef __linux__
-        struct timespec rel = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        if (left > 1000000) left = 1000000;
+        struct timespec rel = {0, (long)left};
         syscall(SYS_futex, word, FUTEX_WAIT, 0, &rel, NULL, 0); /* returns at once if *word != 0 */
 #else
         sched_yield();

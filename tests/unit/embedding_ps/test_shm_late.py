@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import native
+from embedding_ps import native, reference
 
 from embedding_ps.wire import shm
 from embedding_ps.wire import protocol as P
@@ -74,6 +74,16 @@ def test_notify_wakes_a_waiting_thread() -> None:
     t0 = time.monotonic()
     assert native.wait_word(word, 5.0) == shm.DONE_OK
     assert time.monotonic() - t0 < 4.0
+
+
+def test_a_store_without_a_wake_ends_the_wait() -> None:
+    # a shard without the C library sets the done word with a plain store (reference.notify, no futex
+    # wake): a client waiting in C sees it at its next check, not at its timeout (it waited 60 s)
+    word = np.zeros(1, dtype=np.int32)
+    threading.Timer(0.05, lambda: reference.notify(word, shm.DONE_OK)).start()
+    t0 = time.monotonic()
+    assert native.wait_word(word, 30.0) == shm.DONE_OK
+    assert time.monotonic() - t0 < 20.0
 
 
 # ---------------------------------------------------------------------------- the shard's side
