@@ -188,7 +188,12 @@ def test_retried_pull_returns_a_copy_and_drops_its_segment() -> None:
             rows = fut.result(timeout=10)
             seg.view("float32")[:] = 2.0                                         # the late attempt
             assert rows.shape == (ROWS, D) and bool((rows == 1.0).all())
-            assert not os.path.exists(os.path.join(shm.SHM_DIR, first[5].decode()))
+            # the segment is dropped by the request's done callback, on the I/O thread, which may run
+            # just after the caller's result() returned
+            path, deadline = os.path.join(shm.SHM_DIR, first[5].decode()), time.monotonic() + 10.0
+            while os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not os.path.exists(path)
     finally:
         router.close()
         ctx.term()
