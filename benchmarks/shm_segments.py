@@ -7,7 +7,7 @@ segment to settle) against two alternated (it does not), in one run.
 One shard process on 127.0.0.1 (ps.shared_memory true, the tables of benchmarks/ps_throughput.py,
 row-wise Adagrad, prefilled with --pool ids) and one client in this process. The client makes
 --block pulls back to back (d64, client 0's id batches of ps_throughput.py), then --block pushes,
-with its segment settle on (`ClientSegments.settle_s` = shm.SETTLE_S, the default) and off (0), the
+with its segment settle on (`embedding_ps.client.segments.ClientSegments.settle_s` = shm.SETTLE_S, the default) and off (0), the
 two alternated --blocks times each so that load drift hits both alike. A pull's caller drops its rows
 at once and the next request follows at once: the shape of ps_throughput.py's phases, and of a
 client that does not hold on to what it pulled.

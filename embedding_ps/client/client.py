@@ -54,7 +54,7 @@ from embedding_ps.wire import shm
 from embedding_ps.wire.auth import job_tag, load_token
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.client.plan import combine, frames, index_frame, plan_call
-from embedding_ps.wire.shm import LateGrads
+from embedding_ps.client.segments import ClientSegments, LateGrads, NotifiedFuture
 from embedding_ps.store import done_future
 from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardError, ShardUnavailableError
 
@@ -86,7 +86,7 @@ class PSClient:
     needs CUDA). late_grads: a push of fp32 grads sends the request first, then copies
     the grads into the segment (protocol.FLAG_GRADS_LATE; the shard waits for them). notify: the shard
     wakes the caller through the segment once it served the request (protocol.FLAG_NOTIFY,
-    `shm.NotifiedFuture`) instead of the caller waiting for the reply.
+    `segments.NotifiedFuture`) instead of the caller waiting for the reply.
     """
 
     def __init__(self, config: PSConfig, addresses: Sequence[str], worker_id: int = 0, *,
@@ -105,7 +105,7 @@ class PSClient:
         self._pushes: set[Future] = set()
         self._lock = threading.Lock()
         # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.wire.shm)
-        self._shm = shm.ClientSegments(self.addresses, config.shared_memory, job=job_tag(config, self._token))
+        self._shm = ClientSegments(self.addresses, config.shared_memory, job=job_tag(config, self._token))
         self._io = IOThread(config, self.addresses, torch.get_num_threads(), self._token)
         self._io.start()
         self._closed = False
@@ -133,7 +133,7 @@ class PSClient:
         future = None
         if words and len(words) == len(shards):     # every shard notifies: the rows without the replies
             stub = {s: (P.Header(op=P.Op.PULL, dtype=self.wire), []) for s in shards}
-            future = shm.NotifiedFuture(words, lambda: assemble(stub), lambda out: self._shm.settle(segs, out))
+            future = NotifiedFuture(words, lambda: assemble(stub), lambda out: self._shm.settle(segs, out))
         fut = self._submit(P.Op.PULL, reqs, assemble, call, fallbacks, future)
         if segs:
             fut.add_done_callback(self._shm.on_done(segs, call))
@@ -165,7 +165,7 @@ class PSClient:
             return None
 
         call = [] if segs else None
-        future = (shm.NotifiedFuture(words, lambda: None, lambda _: self._shm.settle(segs))
+        future = (NotifiedFuture(words, lambda: None, lambda _: self._shm.settle(segs))
                   if words and len(words) == len(shards) else None)
         sent = False
         try:            # late: the I/O thread is woken by the first copy (no contention for the GIL)

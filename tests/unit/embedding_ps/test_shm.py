@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from embedding_ps.client.segments import ClientSegments
 from embedding_ps.wire import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
@@ -139,14 +140,14 @@ def test_auto_is_the_default_and_tries_loopback_shards_only() -> None:
     assert shm.shard_accepts("auto", "127.0.0.1") and shm.shard_accepts("auto", "::1")
     assert not shm.shard_accepts("auto", "0.0.0.0") and not shm.shard_accepts("auto", "10.0.0.7")
     assert shm.shard_accepts(True, "10.0.0.7") and not shm.shard_accepts(False, "127.0.0.1")
-    segs = shm.ClientSegments([local, remote], "auto")
+    segs = ClientSegments([local, remote], "auto")
     try:
         assert segs.local == {0}
         assert segs.take(1, 2 << 20) is None                  # the other node's shard: the socket
         assert segs.take(0, 2 << 20) is not None
     finally:
         segs.close()
-    assert shm.ClientSegments([local], False).pool is None   # off: not even a pool
+    assert ClientSegments([local], False).pool is None   # off: not even a pool
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
@@ -158,7 +159,7 @@ def test_shared_memory_setting_is_validated(value) -> None:
 
 
 def test_refused_shard_falls_back_once_with_one_warning(caplog) -> None:
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
+    segs = ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
     try:
         with caplog.at_level("WARNING", logger="embedding_ps.wire.shm"):
             segs.refused(0, "segment not opened here")
@@ -172,7 +173,7 @@ def test_refused_shard_falls_back_once_with_one_warning(caplog) -> None:
 @pytest.fixture
 def segs():
     """A client's segments for one shard on this host (shared memory on), closed afterwards."""
-    segments = shm.ClientSegments(["tcp://127.0.0.1:1"], True)
+    segments = ClientSegments(["tcp://127.0.0.1:1"], True)
     try:
         yield segments
     finally:
@@ -186,7 +187,7 @@ def _release_later(holder: list, delay_s: float) -> threading.Thread:
     return t
 
 
-def test_a_settling_segment_is_waited_for_and_reused(segs: shm.ClientSegments) -> None:
+def test_a_settling_segment_is_waited_for_and_reused(segs: ClientSegments) -> None:
     # back-to-back requests: the last one's caller has its result (notify), its reply is still being
     # handled; the next request waits for that segment instead of making (and alternating with) a second
     segs.settle_s = 30.0                   # a wait far longer than the release takes, even on a loaded machine
@@ -205,7 +206,7 @@ def test_a_settling_segment_is_waited_for_and_reused(segs: shm.ClientSegments) -
 WAIT_S, NO_WAIT_S = 10.0, 5.0
 
 
-def test_a_segment_not_settling_is_not_waited_for(segs: shm.ClientSegments) -> None:
+def test_a_segment_not_settling_is_not_waited_for(segs: ClientSegments) -> None:
     segs.settle_s = WAIT_S
     name, held = segs.take(0, 3 << 20)     # the caller keeps its rows: busy, not settling
     t0 = time.monotonic()
@@ -213,7 +214,7 @@ def test_a_segment_not_settling_is_not_waited_for(segs: shm.ClientSegments) -> N
     assert name2 != name and time.monotonic() - t0 < NO_WAIT_S
 
 
-def test_the_wait_for_a_settling_segment_is_bounded(segs: shm.ClientSegments) -> None:
+def test_the_wait_for_a_settling_segment_is_bounded(segs: ClientSegments) -> None:
     # the caller kept the result it had through the segment: after SETTLE_S another segment is used
     name, held = segs.take(0, 3 << 20)
     segs.settle({0: held})
@@ -224,18 +225,18 @@ def test_the_wait_for_a_settling_segment_is_bounded(segs: shm.ClientSegments) ->
     assert not segs.settling                   # the expired mark is gone
 
 
-def test_a_handled_reply_shortens_the_wait(segs: shm.ClientSegments) -> None:
+def test_a_handled_reply_shortens_the_wait(segs: ClientSegments) -> None:
     # done(): the reply was handled; if the segment is still busy after SETTLE_GRACE_S the caller holds it
     name, held = segs.take(0, 3 << 20)
     segs.settle({0: held})
     fut: Future = Future()
     fut.set_result(None)
     segs.done(fut, {0: held}, [])
-    until, _ = segs.settling[id(shm._root(held))]
+    until, _ = segs.settling[id(shm.root(held))]
     assert until <= time.monotonic() + shm.SETTLE_GRACE_S
 
 
-def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for(segs: shm.ClientSegments) -> None:
+def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for(segs: ClientSegments) -> None:
     # a trainer keeps the rows it pulled (fast path) while it asks for the next batch: no wait
     segs.settle_s = WAIT_S
     name, view = segs.take(0, 3 << 20)
@@ -251,7 +252,7 @@ def test_a_settling_segment_whose_result_the_caller_holds_is_not_waited_for(segs
 def test_a_taken_segment_is_no_longer_waited_for() -> None:
     # a request to two shards: the first takes the segment the last request settled; the second must
     # not wait for it (it is busy with this very request), but take another at once
-    segs = shm.ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
+    segs = ClientSegments(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], True)
     try:
         segs.settle_s = WAIT_S
         name, view = segs.take(0, 3 << 20)

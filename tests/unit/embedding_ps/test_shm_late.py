@@ -17,6 +17,7 @@ import torch
 
 from embedding_ps import native, reference
 
+from embedding_ps.client.segments import NotifiedFuture
 from embedding_ps.wire import shm
 from embedding_ps.wire import protocol as P
 from embedding_ps.wire.config import PSConfig, TableConfig
@@ -265,13 +266,13 @@ def test_notified_pull_sets_the_done_word_after_the_rows() -> None:
 
 def test_notified_future_returns_once_the_word_is_set_and_lets_go_of_it() -> None:
     word = np.zeros(1, dtype=np.int32)
-    fut = shm.NotifiedFuture([word], lambda: "fast")
+    fut = NotifiedFuture([word], lambda: "fast")
     threading.Timer(0.02, lambda: native.notify(word, shm.DONE_OK)).start()
     assert fut.result(timeout=5) == "fast" and not fut.done()
     fut.set_result("reply")
     assert fut.result() == "reply" and fut.words == [] and fut.fast is None
     other = np.zeros(1, dtype=np.int32)
-    err = shm.NotifiedFuture([other], lambda: "fast")
+    err = NotifiedFuture([other], lambda: "fast")
     threading.Timer(0.02, lambda: err.set_exception(RuntimeError("shard said no"))).start()
     with pytest.raises(RuntimeError, match="shard said no"):      # the reply wakes the caller
         err.result(timeout=5)
