@@ -99,4 +99,12 @@ def done_future(value: object) -> Future:
     return fut
 
 
-__all__ = ["EmbeddingStore", "done_future"]
+def pull_each(store: RowSource, tables: Sequence[int], ids: Sequence[torch.Tensor],
+              step: int | None = None) -> Future[torch.Tensor]:
+    """`pull_many_async` of a store that answers at once (an export, replicated tables): a done Future of
+    its one-table `pull`s, in order."""
+    parts = [store.pull(t, x, step) for t, x in zip(tables, ids)]
+    return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
+__all__ = ["EmbeddingStore", "RowSource", "done_future", "pull_each"]

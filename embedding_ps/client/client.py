@@ -53,7 +53,7 @@ from embedding_ps import native
 from embedding_ps.wire import shm
 from embedding_ps.wire.auth import job_tag, load_token
 from embedding_ps.wire.config import PSConfig
-from embedding_ps.client.plan import combine, frames, index_frame, plan_call
+from embedding_ps.client.plan import cat, combine, frames, index_frame, plan_call
 from embedding_ps.client.segments import ClientSegments, LateGrads, NotifiedFuture
 from embedding_ps.store import done_future
 from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardError, ShardUnavailableError
@@ -360,7 +360,7 @@ class PSClient:
             h = self._header(op, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             g = None if grads is None else [c for _, c in grads[shard]]
             if seg is None:          # grads [M_s, D] cast to the wire dtype (no copy for fp32)
-                rows = [] if g is None else [P.tensor_frame(_cat(g).to(P.TORCH_DTYPES[self.wire]))]
+                rows = [] if g is None else [P.tensor_frame(cat(g).to(P.TORCH_DTYPES[self.wire]))]
                 reqs.append((shard, h, [*frames(tables, parts), *rows]))
                 continue
             if notify:
@@ -374,7 +374,7 @@ class PSClient:
                 elif len(g) > 1 and self.wire == P.DType.FP32:
                     torch.cat(g, out=dst)
                 else:
-                    dst.copy_(_cat(g))
+                    dst.copy_(cat(g))
             fallbacks[shard] = self._fallback(shard, h, tables, parts, segs, dst, late)
             reqs.append((shard, h, [index_frame(tables, parts), b"", seg[0]]))
         return reqs, segs, fallbacks, words
@@ -443,10 +443,6 @@ class PSClient:
                              f"{self.addresses[shard]} is {size} bytes, over ps.max_frame_bytes = {limit}; "
                              f"split the ids")
         return False
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _done_word(trailer: np.ndarray) -> np.ndarray:

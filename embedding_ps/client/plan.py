@@ -126,8 +126,12 @@ def gather_of(uniq: Sequence[torch.Tensor], inverse: Sequence[torch.Tensor | Non
         return None
     offsets = itertools.accumulate((u.numel() for u in uniq), initial=0)
     parts = [torch.arange(u.numel()) if inv is None else inv for u, inv in zip(uniq, inverse)]
-    parts = [p + off if off else p for p, off in zip(parts, offsets)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return cat([p + off if off else p for p, off in zip(parts, offsets)])
+
+
+def cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts back to back (a single part itself: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
 def _reply_rows(shard: int, cs: list[int], replies: dict[int, tuple[P.Header, list]], dim: int,
@@ -155,7 +159,7 @@ def index_frame(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]):
 
 def frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> list:
     """The index [T, 2] and ids [M] frames of one shard's parts."""
-    ids = parts[0][1] if len(parts) == 1 else torch.cat([c for _, c in parts])
+    ids = cat([c for _, c in parts])
     return [index_frame(tables, parts), P.tensor_frame(ids)]
 
 
@@ -184,4 +188,4 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
     return out
 
 
-__all__ = ["Plan", "combine", "dedup_ids", "frames", "gather_of", "index_frame", "plan_call"]
+__all__ = ["Plan", "cat", "combine", "dedup_ids", "frames", "gather_of", "index_frame", "plan_call"]

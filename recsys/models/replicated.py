@@ -40,7 +40,7 @@ from torch import nn
 from data.vocab import distinct_ids
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
-from embedding_ps.store import RowSource, done_future
+from embedding_ps.store import RowSource, pull_each
 from recsys import eager_optim, storage
 from recsys.config import ConfigError, JobConfig
 from recsys.rundir import run_path
@@ -425,7 +425,7 @@ def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = Non
 
 __all__ = ["REPLICATED_FILE", "Placement", "ReplicatedStore", "ReplicatedTables", "TableOptimizer", "TrainModules",
            "build_replicated", "read_replicated",
-           "load_bytes", "pull_each", "log_placement", "resolve_placement", "save_bytes",
+           "load_bytes", "log_placement", "resolve_placement", "save_bytes",
            "table_bytes", "table_columns", "vocabularies"]
 
 
@@ -441,13 +441,6 @@ class TrainModules(nn.Module):
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 (the dense model's signature)
         return self.model(*args, **kwargs)
-
-
-def pull_each(store: RowSource, tables: Sequence[int], ids: Sequence[torch.Tensor],
-              step: int | None = None) -> Future[torch.Tensor]:
-    """`pull_many_async` of a store that answers at once: a done Future of its `pull`s, in order."""
-    parts = [store.pull(t, x, step) for t, x in zip(tables, ids)]
-    return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
 class ReplicatedStore:

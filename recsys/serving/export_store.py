@@ -20,8 +20,7 @@ import torch
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.init import init_rows
 from embedding_ps.wire.sharding import keys_of
-from embedding_ps.store import done_future
-from recsys.models.replicated import pull_each
+from embedding_ps.store import done_future, pull_each
 from recsys.serving.quantize import dequantize
 
 
