@@ -49,6 +49,8 @@ def cut(spans: Sequence[Any], lo: int, hi: int) -> list[Any]:
     to end, in order."""
     out, base = [], 0
     for s in spans:
+        if base >= hi:
+            break
         a, b = max(lo, base), min(hi, base + s.num_rows)
         if a < b:
             out.append(s.part(a - base, b - base))
