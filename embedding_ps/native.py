@@ -1,18 +1,13 @@
 """The native library: one self-choosing function per hot operation, each running C when the
 library loads and its numpy/torch body (`embedding_ps.reference`) otherwise. Callers never ask
 which: they call `gather`, `map_find`, `update`, ... here and get the same values either way
-(tests compare the two paths; `update` is the one that can decline, see its docstring).
+(tests compare the two paths; `update` is the one that can decline, see its docstring). The
+`sv_*` functions wrap the serving kernel, which has no per-operation twin.
 
 The library is built from `csrc/` (`ps.c`: the shard's and client's operations, `pool.c`: the
-serving kernel that `recsys.serving.native_pool` wraps, `native.h`: their shared parallel-for,
-SplitMix64, fp16 conversion and default-row formula), with no Python or torch headers. On first
-use it is compiled with the system C compiler (`cc`, else `gcc`, else `clang`; `-O3 -shared
--fPIC -ffp-contract=off`, never `-march=native`: the cached library may move between machines)
-into the directory given to `set_cache_dir` (the `recsys` entry points pass
-`$XDG_CACHE_HOME/recsys-hybrid/`), else `~/.cache/recsys-hybrid/`, else a per-user temp
-directory, named by a hash of the sources, the flags and the machine, and written atomically
-(compiled to a temporary name, then renamed); its `ps_abi_version()` must be `_ABI`. If there is
-no compiler or anything fails, one warning is logged and the reference bodies run.
+serving kernel, `native.h`: their shared parallel-for, SplitMix64, fp16 conversion and
+default-row formula; no Python or torch headers) by `embedding_ps.native_build` on first use. If
+there is no compiler or anything fails, one warning is logged and the reference bodies run.
 
 `set_enabled(False)` forces the reference bodies (a plain setting: embedding_ps reads no
 environment variables; the `recsys` entry points turn `EMBEDDING_PS_NATIVE=0` into this call).
@@ -25,62 +20,21 @@ how the C splits the items: `csrc/ps.c`'s header), and ctypes releases the GIL f
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from embedding_ps import reference as ref
+from embedding_ps.native_build import build, set_cache_dir  # noqa: F401  (re-exported: callers say native.build)
 from embedding_ps.wire.config import FUSED_OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("ps.c", "pool.c")
-_HEADERS = ("native.h",)
-_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
-_LIBS = ("-lm",)
-_ABI = 10
-
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "lib": None, "enabled": True, "cache_dir": None}
+_state: dict = {"loaded": False, "lib": None, "enabled": True}
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_SIGS = {
-    "ps_abi_version": ([], ctypes.c_int),
-    "ps_map_find": ([_P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int),
-    "ps_map_place": ([_P, _P, _I64, _P, _P, _I64], _I64),
-    "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
-    "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, ctypes.c_int], _I64),
-    "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
-                   ctypes.c_int, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int], None),
-    "ps_f2h_array": ([_P, _P, _I64], None),
-    "ps_copy_finite": ([_P, _P, _I64, ctypes.c_int], ctypes.c_int),
-    "ps_publish": ([_P, _I64], None),
-    "ps_wait_flag": ([_P, _I64, _I64], _I64),
-    "ps_notify": ([_P, ctypes.c_int32], None),
-    "ps_wait_word": ([_P, _I64], ctypes.c_int32),
-    "ps_h2f_array": ([_P, _P, _I64], None),
-    "ps_init_bits": ([_P, _I64, _I64, ctypes.c_uint64, _P, ctypes.c_int], None),
-    "ps_merge_rows": ([_P, _P, _I64, _I64, _P, _P], _I64),
-    "ps_unique": ([_P, _I64, _P, _P, _P], _I64),
-    "ps_to_example_major": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _P], None),
-    # the serving kernel (pool.c), wrapped by recsys.serving.native_pool
-    "sv_map_build": ([_P, _I64, _P, _I64], _I64),
-    "sv_lookup": ([_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int], _I64),
-    "sv_misses": ([_P, _P, _I64, _P, _P], _I64),
-    "sv_pool": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int], None),
-}
 OPTIMIZERS = {name: code for code, name in enumerate(FUSED_OPTIMIZERS)}
 """The optimizers `update` runs in C, by ps.c's enum value (the others: `optim.apply_update`'s torch ops)."""
 
@@ -92,15 +46,9 @@ def set_enabled(enabled: bool) -> bool:
     return prev
 
 
-def set_cache_dir(path: str | Path | None) -> None:
-    """Where to cache the compiled library first (None: only the defaults, ~/.cache or temp)."""
-    _state["cache_dir"] = None if path is None else Path(path)
-
-
 def lib():
-    """The loaded ctypes library, or None (disabled, no compiler, or the build failed). Only the
-    serving kernel's wrappers (`recsys.serving.native_pool`) take it: every other operation is a
-    function of this module that chooses for itself."""
+    """The loaded ctypes library, or None (disabled, no compiler, or the build failed); only this
+    module calls it (callers ask `available()`)."""
     if not _state["enabled"]:
         return None
     if not _state["loaded"]:
@@ -115,90 +63,12 @@ def available() -> bool:
     return lib() is not None
 
 
-def _cache_dirs() -> list[Path]:
-    dirs = []
-    if _state["cache_dir"] is not None:
-        dirs.append(_state["cache_dir"])
-    try:
-        dirs.append(Path.home() / ".cache" / "recsys-hybrid")
-    except RuntimeError:  # no home directory
-        pass
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    dirs.append(Path(tempfile.gettempdir()) / f"recsys-hybrid-{uid}")
-    return dirs
-
-
-def _compiler() -> str | None:
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def cached_library(flags: tuple[str, ...] = _FLAGS) -> Path:
-    """The shared library built from `csrc/` with `flags`: the cached `_native-<hash of sources,
-    flags, machine>.so` of the first cache directory that has it, else compiled now into the first
-    writable one. RuntimeError: no compiler, failed build, no directory."""
-    key = b"".join((_CSRC / f).read_bytes() for f in _SOURCES + _HEADERS)
-    key += repr((flags, _LIBS, platform.machine(), platform.system())).encode()
-    name = f"_native-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    for d in _cache_dirs():
-        if (d / name).is_file():
-            return d / name
-    return _compile(name, flags)
-
-
-def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """`cached_library` with `extra_flags` added, loaded with ctypes, each function of `_SIGS`
-    typed and `ps_abi_version()` checked; e.g. ("-DSV_PORTABLE",): the serving kernel without its
-    AVX2 / F16C path, as on a CPU other than x86 (tests compare the two). Raises on any failure;
-    `lib()` is the process's build."""
-    so = cached_library(_FLAGS + tuple(extra_flags))
-    loaded = ctypes.CDLL(str(so))
-    for fn, (args, res) in _SIGS.items():
-        f = getattr(loaded, fn)
-        f.argtypes, f.restype = args, res
-    got = loaded.ps_abi_version()
-    if got != _ABI:
-        raise RuntimeError(f"{so}: ABI version {got}, expected {_ABI}")
-    logger.debug("native library: %s", so)
-    return loaded
-
-
 def _load():
     try:
         return build()
     except Exception as e:  # noqa: BLE001 - any failure means: the reference bodies run
         logger.warning("embedding_ps: native library unavailable, using numpy/torch (%s)", e)
         return None
-
-
-def _compile(name: str, flags: tuple[str, ...]) -> Path:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
-    errors = []
-    for d in _cache_dirs():
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp.so", dir=d)
-            os.close(fd)
-        except OSError as e:
-            errors.append(f"{d}: {e}")
-            continue
-        try:
-            srcs = [str(_CSRC / f) for f in _SOURCES]
-            proc = subprocess.run([cc, *flags, "-o", tmp, *srcs, *_LIBS], capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, d / name)  # atomic: a concurrent process sees no library or a whole one
-            return d / name
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError("no writable cache directory: " + "; ".join(errors))
 
 
 # ---------------------------------------------------------------------------- the operations
@@ -466,3 +336,79 @@ def update(optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, sl
                 float(np.float32(-lr)), float(np.float32(eps)), mp, int(step), WEIGHT_DECAY_MODES[mode],
                 float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), dp, threads, int(sort))
     return True
+
+
+# ---------------------------------------------------------------------------- the serving kernel (pool.c)
+# No per-operation torch twin: the Predictor's per-table path is its reference as a whole, and
+# `recsys.serving.native_fused.make_pooling` takes that path where `available()` is False. `kernel`:
+# a library from `build(...)` (tests pass a -DSV_PORTABLE one), else the process's.
+SV_SLOT_FIELDS = 16         # columns of the slot descriptor (see pool.c)
+SV_MAX_DIM = 1024           # widest row the kernel pools (SV_DMAX)
+
+
+def _kernel(kernel):
+    c = kernel if kernel is not None else lib()
+    if c is None:
+        raise RuntimeError("native: the library is not loaded (callers check available() first)")
+    return c
+
+
+def sv_map_build(buckets: torch.Tensor, keys: torch.Tensor, kernel=None) -> None:
+    """Insert keys int64 [n] -> 0..n-1 into one table's map int64 [2**bits, 2] (values -1: empty)."""
+    _check(buckets, torch.int64, "map"), _check(keys, torch.int64, "keys")
+    cap = buckets.shape[0]
+    _require(not cap & (cap - 1) and cap >= 2 * keys.shape[0] and buckets.shape[1] == 2,
+             f"map of {cap} buckets for {keys.shape[0]} keys (a power of two >= 2 n)")
+    dup = _kernel(kernel).sv_map_build(buckets.data_ptr(), cap.bit_length() - 1, keys.data_ptr(), keys.shape[0])
+    _require(dup == 0, f"{dup} duplicate keys in a table's ids")
+
+
+def sv_lookup(buckets: torch.Tensor, slots: torch.Tensor, B: int, values: torch.Tensor, offsets: torch.Tensor,
+              rows: torch.Tensor, threads: int, kernel=None) -> int:
+    """rows int32 [N] <- each id's row, or its slot's code of unknown ids (-1, -2, -3); returns the
+    number of ids given -3 (those whose default rows the caller computes)."""
+    _check(buckets, torch.int64, "map"), _check(slots, torch.int64, "slots"), _check(values, torch.int64, "values")
+    _check(offsets, torch.int64, "offsets"), _check(rows, torch.int32, "rows")
+    S = slots.shape[0]
+    _require(slots.shape[1] == SV_SLOT_FIELDS and offsets.shape[0] == S * B + 1, "sv_lookup: slots or offsets")
+    _require(values.shape[0] == rows.shape[0] == int(offsets[-1]), "sv_lookup: values, rows and offsets differ")
+    return int(_kernel(kernel).sv_lookup(buckets.data_ptr(), slots.data_ptr(), S, B, values.data_ptr(),
+                                         offsets.data_ptr(), rows.data_ptr(), threads))
+
+
+def sv_misses(rows: torch.Tensor, offsets: torch.Tensor, count: int, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions int64 [M], bags int64 [M]) of the rows -3, in order; `count`: M, as `sv_lookup` returned it."""
+    _check(rows, torch.int32, "rows"), _check(offsets, torch.int64, "offsets")
+    _require(rows.shape[0] == int(offsets[-1]), "sv_misses: rows and offsets differ")
+    where, bag = torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64)
+    m = _kernel(kernel).sv_misses(rows.data_ptr(), offsets.data_ptr(), offsets.shape[0] - 1, where.data_ptr(),
+                                  bag.data_ptr())
+    if m != count:
+        raise RuntimeError(f"native: {m} rows -3, the lookup counted {count}")
+    return where, bag
+
+
+def sv_pool(rows: torch.Tensor, buckets: torch.Tensor | None, values: torch.Tensor, weights: torch.Tensor | None,
+            defaults: torch.Tensor | None, offsets: torch.Tensor, slots: torch.Tensor, B: int, out0: torch.Tensor,
+            out1: torch.Tensor | None, threads: int, kernel=None) -> None:
+    """Pool every bag into out0 / out1 (float32, laid out as the slots' columns and strides say);
+    rows -2 are the uniform default rows of their keys (from `values`), rows <= -4 read float32
+    `defaults` at offset -row - 4. `buckets`: None when `rows` holds the rows (`sv_lookup`), else
+    the hash maps: the kernel fills `rows` block by block as it pools (no slot of code -3)."""
+    _check(rows, torch.int32, "rows"), _check(offsets, torch.int64, "offsets"), _check(slots, torch.int64, "slots")
+    _check(values, torch.int64, "values"), _check(out0, torch.float32, "out0")
+    _require(values.shape == rows.shape, "sv_pool: values and rows differ")
+    if buckets is not None:
+        _check(buckets, torch.int64, "map")
+        _require(not bool((slots[:, 12] == -3).any()), "sv_pool: slots whose unknown ids need the caller's rows")
+    for t, name in ((weights, "weights"), (defaults, "defaults"), (out1, "out1")):
+        if t is not None:
+            _check(t, torch.float32, name)
+    _require(weights is None or weights.shape[0] == rows.shape[0], "sv_pool: a weight per row")
+    S = slots.shape[0]
+    _require(offsets.shape[0] == S * B + 1 and rows.shape[0] == int(offsets[-1]), "sv_pool: offsets and rows")
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+    _kernel(kernel).sv_pool(rows.data_ptr(), ptr(buckets), values.data_ptr(), ptr(weights), ptr(defaults),
+                            offsets.data_ptr(), slots.data_ptr(), S, B, out0.data_ptr(), ptr(out1), threads)

@@ -34,10 +34,10 @@ import logging
 import numpy as np
 import torch
 
+from embedding_ps import native as ps_native
 from embedding_ps.init import init_rows
 from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
-from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
 from recsys.serving.quantize import QUANTIZED, dequantize, split_fused, tbe_dim
 
@@ -61,10 +61,9 @@ class Unsupported(ValueError):
 
 def make_pooling(plans: list[TablePlan], tables: list[TableView], precision: str) -> NativePooling | None:
     """NativePooling when the kernel builds and handles the layout, else None (the per-table path)."""
-    native = native_pool.lib()
-    if native is not None:
+    if ps_native.available():
         try:
-            return NativePooling(plans, tables, precision, native)
+            return NativePooling(plans, tables, precision)
         except Unsupported as e:
             logger.info("serving: the per-table path instead of the native kernel (%s)", e)
     return None
@@ -74,17 +73,17 @@ class NativePooling:
     """Pools a Batch's ids over all tables in one native call (two when some default rows come from
     Python): [B, F, D] pooled and [B, F_lin] linear, bit-equal to the per-table path."""
 
-    def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str, native) -> None:
+    def __init__(self, plans: list[TablePlan], tables: list[TableView], precision: str, kernel=None) -> None:
         slots = self._plan(plans, tables, precision)
-        self.native = native
+        self.kernel = kernel                             # a `native.build(...)` of the caller's, else the process's
         pooled = sorted((f, s) for s, (p, f) in enumerate(slots) if not p.linear)
         linear = sorted((f, s) for s, (p, f) in enumerate(slots) if p.linear)
         if not pooled or len({slots[s][0].dim for _, s in pooled}) != 1:
             raise Unsupported("pooled features of mixed widths, or none")
         if any(slots[s][0].dim != 1 for _, s in linear):
             raise Unsupported("linear tables wider than 1")
-        if max(p.dim for p, _ in slots) > native_pool.MAX_DIM:
-            raise Unsupported(f"tables wider than {native_pool.MAX_DIM}")
+        if max(p.dim for p, _ in slots) > ps_native.SV_MAX_DIM:
+            raise Unsupported(f"tables wider than {ps_native.SV_MAX_DIM}")
         self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
         self.per_table = self.quantized or precision == "fp16"
         self.table_rows: dict[int, torch.Tensor] = {}    # per-table row matrices (fp16, int8, int4)
@@ -97,7 +96,7 @@ class NativePooling:
             self._build_matrices(slots, tables)          # one float32 matrix per width
         self._build_maps(slots, tables)
         # -- slot descriptors (see embedding_ps/csrc/pool.c) --------------------------------------------------------
-        desc = torch.zeros(len(slots), native_pool.SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
+        desc = torch.zeros(len(slots), ps_native.SV_SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
         for s, (p, _) in enumerate(slots):
             desc[s, 0], desc[s, 1] = self.map_at[p.table]
             desc[s, 2] = self.hashed[s]
@@ -215,7 +214,7 @@ class NativePooling:
         for t in used:
             at, b = self.map_at[t]
             ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
-            native_pool.map_build(self.native, self.buckets[at:at + (1 << b)], ids)
+            ps_native.sv_map_build(self.buckets[at:at + (1 << b)], ids, self.kernel)
 
     def _set_addresses(self) -> None:
         """Column 4 of the slot descriptors: the address of each slot's row matrix."""
@@ -245,15 +244,14 @@ class NativePooling:
         threads = torch.get_num_threads()
         defaults, fused = None, not self.caller_defaults  # fused: the pooling call looks the ids up too
         if not fused:
-            misses = native_pool.lookup(self.native, self.buckets, self.slots, B, values, offsets, rows, threads)
+            misses = ps_native.sv_lookup(self.buckets, self.slots, B, values, offsets, rows, threads, self.kernel)
             defaults = self._defaults(rows, values, offsets, misses, B) if misses else None
         if weights is not None:
             weights = weights.to(torch.float32).contiguous()
         F_all, F_lin = B * self.num_pooled * self.dim, B * self.num_linear
         out = self._output(F_all + F_lin)                                                # pooled | linear
-        native_pool.pool(self.native, rows, self.buckets if fused else None, values, weights, defaults, offsets,
-                         self.slots, B, out[:F_all],
-                         out[F_all:] if F_lin else None, threads)
+        ps_native.sv_pool(rows, self.buckets if fused else None, values, weights, defaults, offsets, self.slots, B,
+                          out[:F_all], out[F_all:] if F_lin else None, threads, self.kernel)
         pooled = out[:F_all].view(B, self.num_pooled, self.dim)
         return pooled, (out[F_all:].view(B, self.num_linear) if F_lin else None)
 
@@ -298,7 +296,7 @@ class NativePooling:
         """The default rows of the unknown ids of tables with a default the kernel does not compute
         (rows -3; `init_rows` per class), flat float32, and their rows pointed
         at them (-4 - offset)."""
-        where, bag = native_pool.misses(self.native, rows, offsets, misses)          # [M], [M]
+        where, bag = ps_native.sv_misses(rows, offsets, misses, self.kernel)          # [M], [M]
         slot = bag if B == 1 else bag.div(B, rounding_mode="floor")                   # [M]
         keys = self._miss_keys(values[where], slot)
         cls = self.slot_class[slot]                                                    # [M]

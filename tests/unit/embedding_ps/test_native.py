@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_ps import native, reference
+from embedding_ps import native, native_build, reference
 from embedding_ps.wire.config import PSConfig, TableConfig
 from embedding_ps.idmap import BoundedCounter, IdMap
 from embedding_ps.reference import home as _home
@@ -136,8 +136,8 @@ def test_bounded_counter_native_vs_numpy() -> None:
 
 # ---------------------------------------------------------------------------- fallback
 def test_fallback_without_compiler(monkeypatch, tmp_path, caplog) -> None:
-    monkeypatch.setattr(native, "_cache_dirs", lambda: [tmp_path])
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native_build, "_cache_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(native_build, "_compiler", lambda: None)
     monkeypatch.setitem(native._state, "enabled", True)
     monkeypatch.setitem(native._state, "loaded", False)
     monkeypatch.setitem(native._state, "lib", None)
@@ -153,14 +153,14 @@ def test_fallback_without_compiler(monkeypatch, tmp_path, caplog) -> None:
     assert state.pull(0, torch.tensor([1, 2])).shape == (2, 4)
 
 
-@pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
+@pytest.mark.skipif(native_build._compiler() is None, reason="no C compiler")
 def test_compile_into_fresh_cache_dir(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(native, "_cache_dirs", lambda: [tmp_path / "sub"])
+    monkeypatch.setattr(native_build, "_cache_dirs", lambda: [tmp_path / "sub"])
     monkeypatch.setitem(native._state, "enabled", True)
     monkeypatch.setitem(native._state, "loaded", False)
     monkeypatch.setitem(native._state, "lib", None)
     lib = native.lib()
-    assert lib is not None and lib.ps_abi_version() == native._ABI
+    assert lib is not None and lib.ps_abi_version() == native_build.ABI
     built = list((tmp_path / "sub").iterdir())
     assert len(built) == 1 and built[0].name.startswith("_native-") and built[0].suffix == ".so"  # no temp left
 

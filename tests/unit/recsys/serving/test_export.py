@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from data.loader import ParquetLoader
+from embedding_ps import native as ps_native
 from embedding_ps.wire.config import TableConfig
 from embedding_ps.local import LocalStore
 from recsys.metrics import CTRMetrics
-from recsys.serving import Predictor, native_pool
+from recsys.serving import Predictor
 from recsys.serving.dense_export import check_no_pickle, load_dense
 from recsys.serving.export import export_model, read_manifest, read_tensors
 from recsys.serving.quantize import dequantize
@@ -227,11 +228,11 @@ def test_fused_lookup_scores_equal_per_table_path(exports, export_data, precisio
     bit; without the kernel (no compiler) the Predictor opens on the per-table path."""
     predictor, reference = Predictor(exports[precision]), Predictor(exports[precision], fused=False)
     assert reference.native is None
-    prev = native_pool.set_enabled(False)
+    prev = ps_native.set_enabled(False)
     try:
         assert Predictor(exports[precision]).native is None
     finally:
-        native_pool.set_enabled(prev)
+        ps_native.set_enabled(prev)
     table = pq.read_table(export_data / "part-00001.parquet").slice(0, 3000)
     fused = predictor.predict(table)
     per_table = reference.predict(table)

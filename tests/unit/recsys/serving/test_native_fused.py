@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from data.batch import Batch, KeyedJagged
+from embedding_ps import native as ps_native
 from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import SparseArch, TablePlan, plan_tables
 from recsys.serving.export_store import ExportStore, TableView
-from recsys.serving import native_pool
 from recsys.serving.native_fused import NativePooling
 from recsys.serving.quantize import quantize
 from recsys.serving.tbe_pool import QuantizedPooling
@@ -78,10 +78,9 @@ def make_batch(views: list[TableView], B: int, seed: int, weighted: bool) -> Bat
 
 
 def build(plans, views, precision: str) -> NativePooling:
-    native = native_pool.lib()
-    if native is None:
+    if not ps_native.available():
         pytest.skip("no C compiler: the native serving kernel cannot build")
-    return NativePooling(plans, views, precision, native)
+    return NativePooling(plans, views, precision)
 
 
 def reference(precision: str, plans, views, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from data.batch import Batch, KeyedJagged
+from embedding_ps import native as ps_native
 from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import plan_tables
-from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
 from recsys.serving.native_fused import NativePooling, make_pooling
 from tests.unit.recsys.serving.test_native_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, TABLES, UNIFORM_TABLES,
@@ -28,10 +28,9 @@ from tests.unit.recsys.serving.test_native_fused import (FEATURE_TABLES, FEATURE
 @pytest.fixture(scope="module")
 def builds():
     """{"f16c": the process's kernel, "portable": the kernel built with -DSV_PORTABLE}."""
-    lib = native_pool.lib()
-    if lib is None:
+    if not ps_native.available():
         pytest.skip("no C compiler: the native serving kernel cannot build")
-    return {"f16c": lib, "portable": native_pool.build(("-DSV_PORTABLE",))}
+    return {"f16c": None, "portable": ps_native.build(("-DSV_PORTABLE",))}
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -92,7 +91,7 @@ def test_half_rows_bit_equal_to_the_widened_path(builds, build: str, dim: int, t
 
 def test_half_rows_held_as_float16() -> None:
     """NativePooling keeps each table's fp16 rows as float16 (2 bytes an element, no float32 copy)."""
-    if native_pool.lib() is None:
+    if not ps_native.available():
         pytest.skip("no C compiler: the native serving kernel cannot build")
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views("fp16")
@@ -114,13 +113,13 @@ def test_fallback_pools_half_rows() -> None:
     and 1: pooled and linear) like it."""
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views("fp16", seed=11)
-    prev = native_pool.set_enabled(False)
+    prev = ps_native.set_enabled(False)
     try:
         fallback = make_pooling(plans, views, "fp16")
     finally:
-        native_pool.set_enabled(prev)
+        ps_native.set_enabled(prev)
     assert fallback is None
-    native = make_pooling(plans, views, "fp16") if native_pool.lib() is not None else None
+    native = make_pooling(plans, views, "fp16") if ps_native.available() else None
     for seed, (B, weighted) in enumerate([(1, True), (5, False), (64, True)]):
         batch = make_batch(views, B, 60 + seed, weighted)
         want, want_lin = reference("fp16", plans, views, batch)
@@ -133,7 +132,7 @@ def test_fallback_pools_half_rows() -> None:
 def test_held_bytes_fp16_half_of_fp32() -> None:
     """`held_bytes` (what benchmarks/serving.py reports): fp16 rows take half of fp32's rows; the
     maps do not depend on the precision."""
-    if native_pool.lib() is None:
+    if not ps_native.available():
         pytest.skip("no C compiler: the native serving kernel cannot build")
     plans = plan_tables(FEATURES, TABLES, FEATURE_TABLES, LINEAR, POOLING)
     half = make_pooling(plans, make_views("fp16"), "fp16").held_bytes()

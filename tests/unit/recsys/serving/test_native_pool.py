@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from embedding_ps import native as ps_native
+from embedding_ps import native_build
 from embedding_ps.wire.config import TableConfig
 from recsys.models.sparse_arch import plan_tables
-from recsys.serving import native_pool
 from recsys.serving.export_store import TableView
 from recsys.serving.native_fused import NativePooling, make_pooling
 
@@ -22,16 +22,14 @@ I64 = np.iinfo(np.int64)
 
 
 @pytest.fixture
-def native():
-    lib = native_pool.lib()
-    if lib is None:
+def native() -> None:
+    if not ps_native.available():
         pytest.skip("no C compiler: the native serving kernel cannot build")
-    return lib
 
 
 def one_slot(bits: int, hashed: int = 0, miss: int = -3) -> torch.Tensor:
     """A slot descriptor reading map 0 (the other fields do not matter to lookups)."""
-    desc = torch.zeros(1, native_pool.SLOT_FIELDS, dtype=torch.int64)
+    desc = torch.zeros(1, ps_native.SV_SLOT_FIELDS, dtype=torch.int64)
     desc[0, 1], desc[0, 2], desc[0, 3], desc[0, 12] = bits, hashed, 10, miss     # row base 10
     return desc
 
@@ -44,7 +42,7 @@ def test_map_lookup_equals_a_dict(native) -> None:
     rng.shuffle(keys)
     bits = (2 * keys.size - 1).bit_length()
     buckets = torch.full((1 << bits, 2), -1, dtype=torch.int64)
-    native_pool.map_build(native, buckets, torch.from_numpy(keys))
+    ps_native.sv_map_build(buckets, torch.from_numpy(keys))
     index = {int(k): i for i, k in enumerate(keys)}
     queries = np.concatenate([keys, rng.integers(I64.min, I64.max, 20000, dtype=np.int64), np.arange(-60, 60)])
     rng.shuffle(queries)
@@ -52,8 +50,8 @@ def test_map_lookup_equals_a_dict(native) -> None:
     offsets = torch.tensor([0, queries.size], dtype=torch.int64)
     for threads, miss in [(1, -3), (4, -3), (1, -1), (4, -2)]:
         rows = torch.empty(queries.size, dtype=torch.int32)
-        misses = native_pool.lookup(native, buckets, one_slot(bits, miss=miss), 1, torch.from_numpy(queries),
-                                    offsets, rows, threads)
+        misses = ps_native.sv_lookup(buckets, one_slot(bits, miss=miss), 1, torch.from_numpy(queries),
+                                     offsets, rows, threads)
         assert np.array_equal(rows.numpy(), np.where(found >= 0, found + 10, miss))   # the slot's code when absent
         assert misses == (int((found < 0).sum()) if miss == -3 else 0)                # only -3 is the caller's
 
@@ -63,21 +61,20 @@ def test_map_hashed_keys(native) -> None:
     from embedding_ps.wire.sharding import splitmix64_np
     stored = np.arange(0, 13, 2, dtype=np.int64)                        # keys 0, 2, ..., 12 of 13
     buckets = torch.full((16, 2), -1, dtype=torch.int64)
-    native_pool.map_build(native, buckets, torch.from_numpy(stored))
+    ps_native.sv_map_build(buckets, torch.from_numpy(stored))
     ids = np.random.default_rng(1).integers(I64.min, I64.max, 500, dtype=np.int64)
     keys = (splitmix64_np(ids) % np.uint64(13)).astype(np.int64)
     want = np.where(keys % 2 == 0, keys // 2 + 10, -3)
     rows = torch.empty(500, dtype=torch.int32)
-    native_pool.lookup(native, buckets, one_slot(4, hashed=13), 1, torch.from_numpy(ids),
-                       torch.tensor([0, 500]), rows, 1)
+    ps_native.sv_lookup(buckets, one_slot(4, hashed=13), 1, torch.from_numpy(ids), torch.tensor([0, 500]), rows, 1)
     assert np.array_equal(rows.numpy(), want)
 
 
 def test_map_refuses_duplicates_and_small_maps(native) -> None:
     with pytest.raises(ValueError, match="duplicate"):
-        native_pool.map_build(native, torch.full((8, 2), -1, dtype=torch.int64), torch.tensor([5, 7, 5]))
+        ps_native.sv_map_build(torch.full((8, 2), -1, dtype=torch.int64), torch.tensor([5, 7, 5]))
     with pytest.raises(ValueError, match="power of two"):
-        native_pool.map_build(native, torch.full((4, 2), -1, dtype=torch.int64), torch.tensor([1, 2, 3]))
+        ps_native.sv_map_build(torch.full((4, 2), -1, dtype=torch.int64), torch.tensor([1, 2, 3]))
 
 
 def _plans_views():
@@ -90,12 +87,7 @@ def _plans_views():
 def test_make_pooling_native_or_disabled(native) -> None:
     plans, views = _plans_views()
     assert type(make_pooling(plans, views, "fp32")) is NativePooling
-    prev = native_pool.set_enabled(False)
-    try:
-        assert make_pooling(plans, views, "fp32") is None
-    finally:
-        native_pool.set_enabled(prev)
-    prev = ps_native.set_enabled(False)                               # EMBEDDING_PS_NATIVE=0 turns it off too
+    prev = ps_native.set_enabled(False)                               # EMBEDDING_PS_NATIVE=0 turns it off
     try:
         assert make_pooling(plans, views, "fp32") is None
     finally:
@@ -104,8 +96,8 @@ def test_make_pooling_native_or_disabled(native) -> None:
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog) -> None:
     """No cached library and no compiler: one warning, then the per-table path (make_pooling gives None)."""
-    monkeypatch.setattr(ps_native, "_compiler", lambda: None)
-    monkeypatch.setattr(ps_native, "_cache_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(native_build, "_compiler", lambda: None)
+    monkeypatch.setattr(native_build, "_cache_dirs", lambda: [tmp_path])
     monkeypatch.setitem(ps_native._state, "loaded", False)
     monkeypatch.setitem(ps_native._state, "lib", None)
     plans, views = _plans_views()
@@ -125,7 +117,7 @@ def test_map_sizes(native) -> None:
     sizes = (10, 16384, 40000)                      # 64 buckets; 2**16 (the largest small map); 2**17
     views = [TableView(c, np.arange(n, dtype=np.int64) * 7, np.zeros((n, 4), np.float32), "fp32")
              for c, n in zip(tables, sizes)]
-    pooling = NativePooling(plans, views, "fp32", native)
+    pooling = NativePooling(plans, views, "fp32")
     assert [pooling.map_at[t][1] for t in range(3)] == [6, 16, 17]
     assert pooling.buckets.shape[0] == 64 + 2**16 + 2**17
     for t, n in enumerate(sizes):
@@ -142,7 +134,7 @@ def test_portable_build_equals_the_reference(native, precision: str) -> None:
     pools every precision like the per-table paths, bit for bit (B = 300: several blocks)."""
     from tests.unit.recsys.serving.test_native_fused import (FEATURE_TABLES, FEATURES, LINEAR, POOLING, UNIFORM_TABLES,
                                                       make_batch, make_views, reference)
-    portable = native_pool.build(("-DSV_PORTABLE",))
+    portable = ps_native.build(("-DSV_PORTABLE",))
     plans = plan_tables(FEATURES, UNIFORM_TABLES, FEATURE_TABLES, LINEAR, POOLING)
     views = make_views(precision, seed=3, tables=UNIFORM_TABLES)
     pooling = NativePooling(plans, views, precision, portable)
