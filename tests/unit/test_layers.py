@@ -96,3 +96,17 @@ def test_room_checker_sees_relative_and_from_imports(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text("from ..training import trainer\nfrom recsys import training\n")
     assert {"recsys.training", "recsys.training.trainer"} <= imported_modules(src, "recsys.serving")
+
+
+def test_only_native_py_calls_the_native_library() -> None:
+    """#29: `lib()` (the loaded C library) is called in embedding_ps/native.py alone; every other
+    module calls native's operations, or asks `native.available()`."""
+    calls = []
+    for package in ("data", "embedding_ps", "recsys"):
+        for f in sorted((ROOT / package).rglob("*.py")):
+            if f == ROOT / "embedding_ps" / "native.py":
+                continue
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "lib":
+                    calls.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert not calls, f"native library handle taken outside embedding_ps/native.py: {calls}"
