@@ -31,7 +31,7 @@ def _raw(arr: pa.Array) -> np.ndarray:
 
     Slots under nulls hold unspecified values: callers mask them with `_valid`.
     """
-    dtype = _NUMPY.get(arr.type) or np.dtype(arr.type.to_pandas_dtype())
+    dtype = _NUMPY[arr.type]
     buf = arr.buffers()[1]
     if buf is None or len(arr) == 0:                  # e.g. an all-null column may have no values buffer
         return np.zeros(len(arr), dtype=dtype)

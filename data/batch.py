@@ -161,7 +161,7 @@ def _check_tensor(name: str, t: Any, dtype: torch.dtype, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dims, got shape {list(t.shape)}")
 
 
-def validate_keyed_jagged(kj: KeyedJagged, batch_size: int | None = None) -> None:
+def validate_keyed_jagged(kj: KeyedJagged, batch_size: int) -> None:
     """Raises ValueError naming the broken invariant of `kj` and the actual numbers."""
     _check_tensor("sparse.values", kj.values, torch.int64, 1)
     _check_tensor("sparse.lengths", kj.lengths, torch.int32, 1)
@@ -175,7 +175,7 @@ def validate_keyed_jagged(kj: KeyedJagged, batch_size: int | None = None) -> Non
         return
     if n_len % F:
         raise ValueError(f"sparse.lengths has {n_len} entries, not a multiple of F = {F} keys")
-    if batch_size is not None and n_len != F * batch_size:
+    if n_len != F * batch_size:
         raise ValueError(f"sparse.lengths has {n_len} entries, expected F * B = {F} * {batch_size}")
     if n_len and int(kj.lengths.min()) < 0:
         i = int(torch.argmin(kj.lengths))

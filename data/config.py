@@ -85,8 +85,6 @@ class DataConfig:
 
     def with_passthrough(self, columns: tuple[str, ...]) -> DataConfig:
         """This config with `columns` added to passthrough_columns (kept in order, once each)."""
-        if not columns:
-            return self
         return replace(self, passthrough_columns=tuple(dict.fromkeys((*self.passthrough_columns, *columns))))
 
     def __post_init__(self) -> None:
@@ -127,6 +125,4 @@ class DataConfig:
                     else 'expected "integer" or "string"'))
         for col in self.weight_columns:
             if col not in self.sparse_columns:
-                raise ValueError(
-                    f"data.weight_columns names '{col}', which is not in data.sparse_columns"
-                )
+                raise ValueError(f"data.weight_columns names '{col}', which is not in data.sparse_columns")

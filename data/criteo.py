@@ -206,7 +206,6 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
     t0 = time.perf_counter()
     writer = PartWriter(out_dir, CRITEO_SCHEMA, lambda i: rows_per_file,
                         row_group_rows=row_group_rows, compression=compression)
-    rows = 0
     try:
         rows = _convert_stream(path, writer)
     finally:
@@ -223,16 +222,15 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
 def _convert_stream(path: str, writer: PartWriter) -> int:
     """Reads `path` block by block into `writer`; returns the number of rows written."""
     rows = 0
-    reader = None
     try:
-        reader = pacsv.open_csv(path, *_csv_options())
-        for batch in reader:
-            table, bad = _convert(batch, rows + 1)
-            writer.write(table)
-            rows += table.num_rows
-            if bad is not None:
-                raise CriteoFormatError(f"{path}: line {rows + 1}: {bad[1]} "
-                                        f"({rows} lines before it were written)")
+        with pacsv.open_csv(path, *_csv_options()) as reader:
+            for batch in reader:
+                table, bad = _convert(batch, rows + 1)
+                writer.write(table)
+                rows += table.num_rows
+                if bad is not None:
+                    raise CriteoFormatError(f"{path}: line {rows + 1}: {bad[1]} "
+                                            f"({rows} lines before it were written)")
     except pa.ArrowInvalid as e:
         found = _locate_bad_line(path, rows + 1)
         if found is None:
@@ -240,7 +238,4 @@ def _convert_stream(path: str, writer: PartWriter) -> int:
         line, why, good = found
         rows += _write_good_lines(writer, good, rows + 1)
         raise CriteoFormatError(f"{path}: line {line}: {why} ({rows} lines before it were written)") from e
-    finally:
-        if reader is not None:
-            reader.close()
     return rows

@@ -30,7 +30,7 @@ import torch
 from data.batch import Batch, KeyedJagged
 from data.config import DataConfig
 from data.parquet import ColumnPlan, DataError, Decoder, _check_schema, read_columns
-from data.rows import BatchLayout, gather
+from data.rows import gather
 
 __all__ = ["DataError", "TableDecoder", "decode_table"]
 
@@ -49,10 +49,10 @@ class TableDecoder:
 
     def __init__(self, cfg: DataConfig) -> None:
         self.cfg = cfg
-        self._plans: dict[pa.Schema, tuple[ColumnPlan, Decoder, BatchLayout]] = {}
+        self._plans: dict[pa.Schema, Decoder] = {}
         self._shapes: dict[tuple[type, ...], tuple] = {}       # decode_rows: per kinds of the sparse values
 
-    def _plan(self, schema: pa.Schema, where: str) -> tuple[ColumnPlan, Decoder, BatchLayout]:
+    def _plan(self, schema: pa.Schema, where: str) -> Decoder:
         cfg = self.cfg
         keep = tuple(c for c in cfg.passthrough_columns if c in schema.names)
         if keep != cfg.passthrough_columns:
@@ -60,20 +60,17 @@ class TableDecoder:
         if cfg.example_weight_column and cfg.example_weight_column not in schema.names:
             cfg = dataclasses.replace(cfg, example_weight_column="")
         is_list = _check_schema(where, schema, cfg, 1)
-        plan = ColumnPlan(read_columns(cfg), is_list)
-        layout = BatchLayout(tuple(cfg.sparse_columns), plan.layout, bool(cfg.weight_columns))
         if len(self._plans) >= self._MAX_SCHEMAS:
             self._plans.clear()
-        self._plans[schema] = entry = (plan, Decoder(cfg, plan), layout)
-        return entry
+        self._plans[schema] = decoder = Decoder(cfg, ColumnPlan(read_columns(cfg), is_list))
+        return decoder
 
     def decode(self, table: pa.Table, where: str = "<table>") -> Batch:
         if self.cfg.label_column not in table.column_names:
             table = table.append_column(self.cfg.label_column, pa.array(np.zeros(table.num_rows, np.float32)))
-        entry = self._plans.get(table.schema)
-        plan, decoder, layout = entry if entry is not None else self._plan(table.schema, where)
-        rows, _, _ = decoder.decode(table.select(list(plan.columns)), where, 0)
-        return gather([(rows, slice(0, len(rows)))], layout)
+        decoder = self._plans.get(table.schema) or self._plan(table.schema, where)
+        rows, _, _ = decoder.decode(table.select(list(decoder.plan.columns)), where, 0)
+        return gather([(rows, slice(0, len(rows)))], decoder.layout)
 
     def decode_rows(self, rows: list[dict]) -> Batch | None:
         """The Batch `decode` makes of a table of `rows` (dicts column -> JSON value: numbers, integer or
@@ -114,8 +111,7 @@ class TableDecoder:
                 parts.append(one_values[ends[a]:ends[b]])
         return Batch(dense=torch.from_numpy(dense), labels=torch.zeros(B),
                      sparse=KeyedJagged(tuple(cfg.sparse_columns), torch.from_numpy(np.concatenate(parts)),
-                                        torch.from_numpy(lengths.reshape(-1))),
-                     weights=None, extras={}, example_weights=None)
+                                        torch.from_numpy(lengths.reshape(-1))))
 
     def _row_shape(self, rows: list[dict]) -> tuple | None:
         """(one-id columns, list columns, the one-id features' indices, runs) of rows whose sparse values are

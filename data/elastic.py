@@ -128,7 +128,7 @@ def plan_row_groups(parts: Sequence[Part], streams: Mapping[tuple[int, int], Win
     """(source, row group) in the order reading `parts` needs them (a window two parts in a row
     share is read once; a row group that follows itself is listed once)."""
     keys = [(q.source, q.row_group) for i, p in enumerate(parts) if i == 0 or not p.same_window(parts[i - 1])
-            for q in streams[p.world, p.rank].pieces_of(p.window)]
+            for q in streams[p.world, p.rank].windows[p.window]]
     return [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
 
 

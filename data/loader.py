@@ -132,21 +132,12 @@ class _LoaderIter:
 
 
 class ParquetLoader:
-    """Batches of one rank from Parquet files, directories or globs; see the module docstring.
-
-    Example::
-
-        with ParquetLoader(cfg, ["data/train"], rank=0, world_size=2) as loader:
-            loader.set_epoch(0)
-            for batch in loader:    # dense [B, Dn], sparse KeyedJagged [F * B], labels [B]
-                ...
-    """
+    """Batches of one rank from Parquet files, directories or globs (also a context manager: `close()`
+    on exit); see the module docstring."""
 
     def __init__(self, config: DataConfig, paths: Sequence[str], *, rank: int = 0, world_size: int = 1) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        if isinstance(paths, str):
-            paths = [paths]
         if not paths:
             raise DataError("no data paths given")
         self._reader = Reader(config, paths, rank, world_size)
@@ -284,10 +275,9 @@ class ParquetLoader:
         """Continue an epoch from the `state_dict()`s of every rank of a previous run (index = old
         rank), of any world size W_old, all at the same epoch.
 
-        W_old = this world size: exactly load_state_dict(states[rank]). Otherwise the rows no old
-        rank has read yet (old rank 0's in its order, then old rank 1's, ...) are split into
-        contiguous shares within one row of each other, and this rank reads its share; later
-        epochs are ordinary (data/elastic.py). num_bad_rows: rank 0 takes the old ranks' sum.
+        W_old = this world size: exactly load_state_dict(states[rank]). Otherwise this rank reads its
+        share of the rows no old rank has read yet (data/elastic.py); later epochs are ordinary.
+        num_bad_rows: rank 0 takes the old ranks' sum.
         """
         epoch = check_old_states(states)
         plans = [self._check_state(st, f"states[{i}]") for i, st in enumerate(states)]
@@ -319,7 +309,7 @@ class ParquetLoader:
         last = int(after["window"]) - (1 if int(after["offset"]) == 0 else 0)
         parts = []
         for w in range(int(before["window"]), min(last, windows.num_windows - 1) + 1):
-            for p in windows.pieces_of(w):
+            for p in windows.windows[w]:
                 src = self._reader.sources[p.source]
                 first = sum(src.row_group_rows[: p.row_group])      # the row group's first row in the file
                 parts.append(f"{src.path} rows {first + p.start}..{first + p.stop} (row group {p.row_group})")

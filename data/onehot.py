@@ -21,17 +21,14 @@ items onto its values (`model_seed`), so popular items make popular categories. 
 `data.genbase.ids_of_ranks(field, rank)` (64-bit-looking, non-negative).
 
 Columns: label f32, the ten fields (int64, never null) in ONEHOT_FIELDS order, row_id int64, p_true f32.
-Rows are i.i.d. from one stream; the default split (`ONEHOT_SPLIT`, rows of part-00000 / 00001 /
-00002) is 50,000 train, 6,000 validation, 30,000 test rows. Determinism as in `data.synthetic`:
-chunks of GEN_CHUNK rows, chunk c from RNGs seeded by (seed, c, column), so the same seed gives
-the same rows whatever the split, and the hidden model depends on `model_seed` only.
+Rows are i.i.d. from one stream, cut into files by `ONEHOT_SPLIT` by default. Determinism as in
+`data.synthetic` (the same seed gives the same rows whatever the split).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,8 +36,6 @@ import pyarrow as pa
 
 from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, iter_chunks,
                             write_parts, zipf_pmf, zipf_ranks)
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,17 +152,11 @@ def onehot_schema(p: OnehotPreset = ONEHOT) -> pa.Schema:
                       pa.field("row_id", pa.int64(), nullable=False), pa.field("p_true", pa.float32(), nullable=False)])
 
 
-def iter_onehot_rows(rows: int, seed: int, model_seed: int = 0, preset: OnehotPreset = ONEHOT) -> Iterator[pa.Table]:
-    """Tables of at most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
-    truth = OnehotTruth(preset, model_seed)
-    return iter_chunks(lambda c: _chunk(truth, seed, c), rows)
-
-
 def generate_onehot(*, out_dir: str, seed: int, split: Sequence[int] = ONEHOT_SPLIT, row_group_rows: int = 65536,
                     compression: str = "zstd", model_seed: int = 0) -> dict:
     """Writes sum(split) rows of the onehot preset, file i (`out_dir/part-%05d.parquet`) holding the
     next split[i] rows (default: train, validation, test); returns `data.synthetic.generate`'s summary."""
-    rows = sum(split)
-    return write_parts("onehot", onehot_schema(), lambda: iter_onehot_rows(rows, seed, model_seed), rows=rows,
-                       num_files=len(split), out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
+    rows, truth = sum(split), OnehotTruth(ONEHOT, model_seed)
+    return write_parts("onehot", onehot_schema(), lambda: iter_chunks(lambda c: _chunk(truth, seed, c), rows),
+                       rows=rows, num_files=len(split), out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
                        compression=compression, model_seed=model_seed, rows_per_file=tuple(split))

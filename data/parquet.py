@@ -16,6 +16,7 @@ import glob
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ from data.arrays import (_column, _ids, _list_parts, _negative_id, _numbers, _ow
 from data.config import DataConfig
 from data.paths import HIDDEN, glob_match
 from data.remote import is_uri, list_files, parquet_file
-from data.rows import ListColumn, Rows, ScalarColumn
+from data.rows import BatchLayout, ListColumn, Rows, ScalarColumn
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def _dir_files(root: str) -> list[str]:
     return sorted(out)
 
 
-def resolve_paths(paths: tuple[str, ...] | list[str]) -> list[str]:
+def resolve_paths(paths: str | Sequence[str]) -> list[str]:
     """Files named by `paths` (files, directories - recursively, skipping names that start with
     `.` or `_` - and glob patterns, which skip such names too (see `data.paths`); local paths or
     URIs, see `data.remote`), in a deterministic order (sorted by path within each entry, so the
@@ -137,9 +138,8 @@ def id_type(t: pa.DataType) -> str:
 
 def with_id_types(cfg: DataConfig, known: dict[str, str] | None = None, read_footer: bool = True) -> DataConfig:
     """`cfg` with data.id_types for every sparse column: as `cfg` gives them, else as `known` (the run a
-    job warm-starts from), else (`read_footer`) as the first training file's footer holds them. Training
-    (the launcher, `Trainer`) fills them in so the loaders refuse a file of the other type and checkpoints
-    and exports carry them (eval, predict and serving refuse ids of the wrong type)."""
+    job warm-starts from), else (`read_footer`) as the first training file's footer holds them (why
+    training fills them in: `DataConfig.id_types`)."""
     types = {c: t for c, t in {**(known or {}), **cfg.id_types}.items() if c in cfg.sparse_columns}
     if len(types) < len(cfg.sparse_columns) and cfg.train_paths and read_footer:
         with parquet_file(resolve_paths(cfg.train_paths)[0]) as pf:
@@ -164,14 +164,13 @@ def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> t
             raise DataError(f"{where}, column '{col}': missing ({role} column); the file has "
                             f"{schema.names}")
         t = schema.field(col).type
-        ok = {"label": _is_number(t), "dense": _is_number(t), "passthrough": True,
-              "sparse": _is_id(t) or (_is_list(t) and _is_id(t.value_type)),
-              "weight": _is_number(t) or (_is_list(t) and _is_number(t.value_type)),
-              "per-row weight": _is_number(t)}[role]
+        ok, expect = {"label": (_is_number(t), "a number"), "dense": (_is_number(t), "a number"),
+                      "sparse": (_is_id(t) or (_is_list(t) and _is_id(t.value_type)),
+                                 "an integer, a string or a list of those"),
+                      "weight": (_is_number(t) or (_is_list(t) and _is_number(t.value_type)),
+                                 "a number or a list of numbers"),
+                      "per-row weight": (_is_number(t), "a number"), "passthrough": (True, "")}[role]
         if not ok:
-            expect = {"label": "a number", "dense": "a number",
-                      "sparse": "an integer, a string or a list of those",
-                      "weight": "a number or a list of numbers", "per-row weight": "a number"}[role]
             raise DataError(f"{where}, column '{col}': wrong type {t} for a {role} column, expected {expect}")
         if role == "sparse" and cfg.id_types.get(col, id_type(t)) != id_type(t):
             want = cfg.id_types[col]
@@ -321,10 +320,11 @@ def check_example_weights(column: str, files: list[str]) -> None:
 
 
 class Decoder:
-    """Turns a row range of a `pa.Table` (one row group) into checked `Rows`."""
+    """Turns a row range of a `pa.Table` (one row group) into checked `Rows`; `layout` gathers them into batches."""
 
     def __init__(self, cfg: DataConfig, plan: ColumnPlan) -> None:
         self.cfg, self.plan = cfg, plan
+        self.layout = BatchLayout(tuple(cfg.sparse_columns), plan.layout, bool(cfg.weight_columns))
         self.list_cols = [c for c, is_list in zip(cfg.sparse_columns, plan.sparse_is_list) if is_list]
         self.scalar_cols = [c for c, is_list in zip(cfg.sparse_columns, plan.sparse_is_list) if not is_list]
 
@@ -334,14 +334,14 @@ class Decoder:
         where = "FILE: row group G"; row0 = the table's first row inside the row group (for messages).
         """
         cfg = self.cfg
-        n = table.num_rows
-        chk = _Checker(where, n, row0, cfg.on_bad_rows == "skip")
+        chk = _Checker(where, table.num_rows, row0, cfg.on_bad_rows == "skip")
         labels = self._labels(table, chk)
         dense = self._dense(table, chk)
         scalars = [self._scalar(table, col, chk) for col in self.scalar_cols]
         lists = [self._list(table, col, chk) for col in self.list_cols]
         extras = {c: _owned(_column(table, c)) for c in cfg.passthrough_columns}
-        rows = Rows(labels, dense, scalars, lists, extras, self._example_weights(table, chk))
+        weights = example_weights(table, cfg.example_weight_column, chk) if cfg.example_weight_column else None
+        rows = Rows(labels, dense, scalars, lists, extras, weights)
         if not chk.counts:
             return rows, 0, chk.counts
         return rows.keep(~chk.bad), int(np.count_nonzero(chk.bad)), chk.counts
@@ -368,10 +368,6 @@ class Decoder:
         labels = np.array(_numbers(arr, 0.0), dtype=np.float32)                # [n], owned
         chk.flag(col, ~((labels >= 0) & (labels <= 1)), "label outside [0, 1]", labels)
         return labels
-
-    def _example_weights(self, table: pa.Table, chk: _Checker) -> np.ndarray | None:
-        col = self.cfg.example_weight_column
-        return example_weights(table, col, chk) if col else None
 
     def _dense(self, table: pa.Table, chk: _Checker) -> np.ndarray:
         cfg = self.cfg

@@ -28,7 +28,7 @@ from data.config import DataConfig
 from data.elastic import Part, Segment, plan_parts, plan_row_groups, plan_rows
 from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
 from data.remote import parquet_file
-from data.rows import BatchLayout, Index, Rows, gather
+from data.rows import Index, Rows, gather
 from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
 
 logger = logging.getLogger(__name__)
@@ -136,12 +136,11 @@ class Reader:
 
     def __init__(self, cfg: DataConfig, paths: Sequence[str], rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.sources, self.plan, self.skipped = scan_files(cfg, resolve_paths(tuple(paths)))
+        self.sources, self.plan, self.skipped = scan_files(cfg, resolve_paths(paths))
         self.decoder = Decoder(cfg, self.plan)
         self.units = list_units([s.row_group_rows for s in self.sources])
         self.row_shuffle = cfg.shuffle and cfg.shuffle_buffer_rows > 0
         self.window_rows = cfg.shuffle_buffer_rows if self.row_shuffle else DEFAULT_WINDOW_ROWS
-        self.layout = BatchLayout(tuple(cfg.sparse_columns), self.plan.layout, bool(cfg.weight_columns))
         self.pin = cfg.pin_memory and torch.cuda.is_available()
         h = hashlib.sha1()
         for s in self.sources:
@@ -158,7 +157,7 @@ class Reader:
     def _window(self, files: _Files, windows: Windows, w: int) -> tuple[Rows | None, int]:
         """(the kept rows of window w in file order - None if none, rows dropped)."""
         parts, dropped = [], 0
-        for p in windows.pieces_of(w):
+        for p in windows.windows[w]:
             path = self.sources[p.source].path
             try:
                 table = files.row_group(p.source, p.row_group)
@@ -179,7 +178,7 @@ class Reader:
         return (Rows.concat(parts) if parts else None), dropped
 
     def _batch(self, segments: list[tuple[Rows, Index]]) -> Batch:
-        batch = gather(segments, self.layout)
+        batch = gather(segments, self.decoder.layout)
         if self.cfg.validate_batches:
             validate_batch(batch)
         return batch.pin_memory() if self.pin else batch

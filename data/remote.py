@@ -1,11 +1,9 @@
 """Data files on a pyarrow filesystem URI (`s3://bucket/data/`, `gs://...`, `hdfs://...`, `file:///...`).
 
-`data.*_paths` entries that are URIs are listed here (a file, a directory - recursively, skipping
-names that start with `.` or `_`, as for local paths - or a glob in the path part, matched name by
-name as a local glob is, see `data.paths.glob_match`), and each file
-is opened through its filesystem. A file's URI keeps the query of the path it came from
-(`?endpoint_override=...&scheme=http`), so it can be opened again on its own. Endpoint and
-credentials: docs/storage.md.
+`data.*_paths` entries that are URIs are listed here by the rules of local paths (a file, a directory
+or a glob: `data.parquet.resolve_paths`), and each file is opened through its filesystem. A file's
+URI keeps the query of the path it came from (`?endpoint_override=...&scheme=http`), so it can be
+opened again on its own. Endpoint and credentials: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -65,17 +63,8 @@ def list_files(uri: str) -> list[str]:
         raise
     except OSError as e:
         raise OSError(f"data path '{uri}': listing failed ({e})") from e
-    found = []
-    for i in infos:
-        rel = i.path[len(base):].lstrip("/")
-        if i.type != pafs.FileType.File:
-            continue
-        if pattern is None and not _visible(rel):
-            continue
-        if pattern is not None and not _glob_names(pattern, i.path, base):
-            continue
-        found.append(f"{prefix}{i.path}{query}")
-    return sorted(found)
+    return sorted(f"{prefix}{i.path}{query}" for i in infos if i.type == pafs.FileType.File
+                  and (_visible(i.path[len(base):]) if pattern is None else _glob_names(pattern, i.path, base)))
 
 
 def _glob_names(pattern: str, path: str, base: str) -> bool:

@@ -20,13 +20,11 @@ older ones (no `model.max_seq_len` cut) is misled by the old categories. A model
 knows only the candidate's average appeal.
 
 Columns: label f32, I1 int64, ctx int64, item int64, hist list<int64>, row_id int64, p_true f32.
-Determinism as in `data.synthetic`: chunks of GEN_CHUNK rows, chunk c from RNGs seeded by
-(seed, c, column); the hidden model depends on `model_seed` only.
+Determinism as in `data.synthetic`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,8 +33,6 @@ import pyarrow as pa
 
 from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, iter_chunks,
                             write_parts, zipf_ranks)
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +124,9 @@ def sequence_schema() -> pa.Schema:
                       pa.field("row_id", pa.int64(), nullable=False), pa.field("p_true", pa.float32(), nullable=False)])
 
 
-def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0,
-                       preset: SequencePreset = SEQUENCE) -> Iterator[pa.Table]:
+def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:
     """Tables of at most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
-    truth = SequenceTruth(preset, model_seed)
+    truth = SequenceTruth(SEQUENCE, model_seed)
     return iter_chunks(lambda c: _chunk(truth, seed, c), rows)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -85,8 +86,8 @@ class Windows:
     """
 
     def __init__(self, pieces: list[Piece], window_rows: int) -> None:
-        self.window_rows = window_rows
         self.windows: list[list[Piece]] = []
+        """window w: the (parts of) pieces it is made of, in stream order"""
         cur: list[Piece] = []
         cur_rows = 0
         for p in pieces:
@@ -100,16 +101,10 @@ class Windows:
                 cur_rows += part.num_rows
         if cur:
             self.windows.append(cur)
-        self.num_rows = sum(p.num_rows for p in pieces)
-        self.starts = [0]
+        self.starts = [0, *accumulate(sum(p.num_rows for p in win) for win in self.windows)]
         """[num_windows + 1]: window w holds rows [starts[w], starts[w + 1]) of the stream"""
-        for win in self.windows:
-            self.starts.append(self.starts[-1] + sum(p.num_rows for p in win))
+        self.num_rows = self.starts[-1]
 
     @property
     def num_windows(self) -> int:
         return len(self.windows)
-
-    def pieces_of(self, w: int) -> list[Piece]:
-        """The (parts of) pieces that make up window w, in stream order."""
-        return self.windows[w]

@@ -25,7 +25,6 @@ different seeds are samples of the same task.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,10 +33,8 @@ import numpy as np
 import pyarrow as pa
 
 # the generators' shared parts (data/genbase.py), re-exported here
-from data.genbase import (GEN_CHUNK, MASK63, MASK64, _hash_normals, _mix_scalar, _name_salt, _rng,  # noqa: F401
+from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng,  # noqa: F401
                           file_rows, ids_of_ranks, iter_chunks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
-
-logger = logging.getLogger(__name__)
 
 _TABLE_MAX = 1 << 16
 """Features with at most this many ids keep their w/v in a table; larger ones hash per row."""
@@ -172,18 +169,16 @@ class GroundTruth:
         self.preset = preset
         self.dim = preset.dim
         self._specs = {f.name: f for f in (*preset.sparse, *preset.lists)}
-        in_pairs = {name for a, b, _ in preset.pairs for name in (a, b)}
         self._salt = {name: _mix_scalar(model_seed, _name_salt(name)) for name in self._specs}
-        self._has_v = in_pairs
+        self._has_v = {name for a, b, _ in preset.pairs for name in (a, b)}
         self._tables: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
         self._v_mean: dict[str, np.ndarray] = {}
         for name, spec in self._specs.items():
             if spec.vocab <= _TABLE_MAX:
                 self._tables[name] = self._compute(name, np.arange(spec.vocab, dtype=np.int64))
-            if name in in_pairs:
-                pmf = zipf_pmf(spec.vocab, spec.zipf)
-                _, v = self._tables.get(name) or self._compute(name, np.arange(spec.vocab))
-                self._v_mean[name] = pmf @ v  # [K]: E[v_f] under the feature's id distribution
+            if name in self._has_v:      # (a pair feature has a table: Preset checks it)
+                # [K]: E[v_f] under the feature's id distribution
+                self._v_mean[name] = zipf_pmf(spec.vocab, spec.zipf) @ self._tables[name][1]
 
     def _compute(self, name: str, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         spec = self._specs[name]

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from data.config import DataConfig
 from data.arrays import _ids, _list_parts, _valid
@@ -22,16 +21,6 @@ from data.parquet import ColumnPlan, DataError, _is_list, read_row_group, resolv
 from data.remote import parquet_file
 
 __all__ = ["distinct_ids"]
-
-
-def _column_ids(arr: pa.Array) -> np.ndarray:
-    """int64 [n'] ids of one column chunk, nulls dropped (lists: their child values)."""
-    if _is_list(arr.type):
-        _, arr = _list_parts(arr)
-    ids, _ = _ids(arr)
-    if arr.null_count:
-        ids = ids[_valid(arr)]
-    return ids
 
 
 def distinct_ids(cfg: DataConfig, paths: Sequence[str], columns: Sequence[str]) -> dict[str, np.ndarray]:
@@ -52,11 +41,12 @@ def distinct_ids(cfg: DataConfig, paths: Sequence[str], columns: Sequence[str]) 
             for rg in range(len(source.row_group_rows)):
                 table = read_row_group(source, pf, rg, plan)
                 for col in columns:
-                    c = table.column(col)
-                    for chunk in c.chunks:
-                        seen[col].append(np.unique(_column_ids(chunk)))
+                    for arr in table.column(col).chunks:
+                        if _is_list(arr.type):
+                            _, arr = _list_parts(arr)                 # lists: their values
+                        ids, _ = _ids(arr)
+                        seen[col].append(np.unique(ids[_valid(arr)] if arr.null_count else ids))
                     if len(seen[col]) > 64:          # bound the memory of the partial uniques
                         seen[col] = [np.unique(np.concatenate(seen[col]))]
-    return {c: (np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)).astype(np.int64, copy=False)
-            for c, parts in seen.items()}
+    return {c: np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64) for c, parts in seen.items()}
 

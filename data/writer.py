@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 
 class PartWriter:
-    """Streams tables into `out_dir/part-%05d.parquet`: file i gets `rows_of_file(i)` rows, in
+    """Streams tables into `out_dir/part-%05d.parquet`: file i gets `rows_of_file(i)` (>= 1) rows, in
     row groups of `row_group_rows` (the last of a file may be shorter). Memory: one row group.
 
     A file is written as `NAME.tmp` and renamed when complete, so every `part-*.parquet` on disk
@@ -58,9 +58,6 @@ class PartWriter:
         self._finish_file()
         self._file_index += 1
         self._file_left = self._rows_of_file(self._file_index)
-        if self._file_left < 1:
-            raise ValueError(f"more rows than files: file {self._file_index} would get "
-                             f"{self._file_left} rows")
         path = self.out_dir / f"part-{self._file_index:05d}.parquet.tmp"
         self._writer = pq.ParquetWriter(path, self.schema, compression=self._compression)
         self.files.append((str(path)[: -len(".tmp")], 0))
