@@ -92,7 +92,7 @@ class IdMap:
     def delete(self, keys: np.ndarray) -> np.ndarray:
         """Remove keys int64 [N]; returns int32 [N]: the removed value, -1 where a key was absent."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)
-        pos = self._find(keys)
+        pos = native.map_find(self._keys, self._vals, keys, "pos", self.threads)   # bucket, -1 absent
         hit = pos >= 0
         out = np.full(keys.shape[0], EMPTY, dtype=np.int32)
         p = np.unique(pos[hit])  # duplicate keys in one call delete once
@@ -143,10 +143,6 @@ class IdMap:
         self._alloc(self._reserved if fits else max(self._buckets_for(n), 64))
         self._tombs = 0
         self._place(keys, vals)
-
-    def _find(self, keys: np.ndarray) -> np.ndarray:
-        """int64 [N] -> int64 [N]: bucket of each key, -1 where absent."""
-        return native.map_find(self._keys, self._vals, keys, "pos", self.threads)
 
     def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
         """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE)."""

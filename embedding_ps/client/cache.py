@@ -40,9 +40,8 @@ Eviction when a table's cache is full: `lfu` (fewest lookups while cached, ties:
 used) or `lru` (least recently used). Rows looked up at the current step are never evicted;
 misses beyond the free and evictable slots are pulled but not cached. When a table cannot take all
 of a call's misses, the slots go to the misses that occur most often in the batch (`counts`, which
-the sparse arch passes), not to the first ones to arrive (BENCHMARKS.md,
-"benchmarks/row_cache.py"). `benchmarks/row_cache.py`
-measures both on Zipf(1.05) streams: DEFAULT_POLICY is its pick.
+the sparse arch passes), not to the first ones to arrive. `benchmarks/row_cache.py` measures both
+(and both policies) on Zipf(1.05) streams (BENCHMARKS.md): DEFAULT_POLICY is its pick.
 
 Counting (`cache_counts()`, per table, since the last call): `hits` and `misses` per distinct id
 of each call (a hit: served from the cache without waiting for the store; what `cache/hit_rate`
@@ -150,7 +149,10 @@ class CachingStore(EmbeddingStore):
         cached = [t in self.where and x.numel() > 0 for t, x in zip(tables, ids)]
         caches = {id(self.where[t][0]) for t, c in zip(tables, cached) if c}
         if len(caches) > 1 or len({t for t, c in zip(tables, cached) if c}) < sum(cached):
-            return self._pull_parts(tables, ids, step, counts)   # mixed dims or a table twice: part by part
+            # mixed dims or a table twice: one call per part, in order (a repeated id is looked up once
+            # per part, as two steps' lookups)
+            return combine([self._pull([t], [x], step, None if counts is None else [counts[i]])
+                            for i, (t, x) in enumerate(zip(tables, ids))], torch.cat)
         plan = _Plan(self, tables, ids, cached, counts)
         with self._lock:
             plan.look(step, self.max_age, self.refresh_after)
@@ -168,13 +170,6 @@ class CachingStore(EmbeddingStore):
         plan.issue_refresh(self.inner, step, self._lock)
         return out
 
-    def _pull_parts(self, tables: Sequence[int], ids: Sequence[torch.Tensor], step: int,
-                    counts: Sequence[torch.Tensor] | None) -> Future[torch.Tensor]:
-        """A call the fused path does not take (parts of several dims, or one table twice): one
-        call per part, in order (a repeated id is looked up once per part, as two steps' lookups)."""
-        return combine([self._pull([t], [x], step, None if counts is None else [counts[i]])
-                        for i, (t, x) in enumerate(zip(tables, ids))], torch.cat)
-
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
         """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not; with
@@ -190,9 +185,15 @@ class CachingStore(EmbeddingStore):
         """A Future of the Future that `call()` returns, called on the cache's thread in order."""
         out: Future = Future()
 
+        def relay(f: Future) -> None:
+            try:
+                out.set_result(f.result())
+            except BaseException as e:
+                out.set_exception(e)
+
         def run() -> None:
             try:
-                call().add_done_callback(lambda f: _relay(f, out))
+                call().add_done_callback(relay)
             except BaseException as e:   # the caller's .result() raises it
                 out.set_exception(e)
 
@@ -360,14 +361,6 @@ class _Plan:
         fut.add_done_callback(arrived)
 
 
-def _relay(src: Future, dst: Future) -> None:
-    """dst gets src's result or exception."""
-    try:
-        dst.set_result(src.result())
-    except BaseException as e:
-        dst.set_exception(e)
-
-
 def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """Entries ids [M] of cached parts part [M] (nondecreasing) -> (tables, ids per part) of the
     parts that have any, in part order."""
@@ -384,8 +377,6 @@ def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
     their own order (always with the C pass), which keeps the caller's order; the occurrences are
     `counts` then (None when not given)."""
     given = None if counts is None else counts.to("cpu", torch.int64)
-    if ids.numel() < 2:
-        return ids, None, None if given is None else given.numpy()
     u, inv, c = dedup_ids(ids, counts=True)
     if inv is None:
         return ids, None, None if given is None else given.numpy()

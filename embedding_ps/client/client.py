@@ -6,12 +6,11 @@
         rows = ps.pull(0, ids)                 # one table: a request with one part
         ps.barrier(step)                       # sync mode: "this worker is done with `step`"
 
-`PSClient` implements `embedding_ps.store.EmbeddingStore`. A trainer's step touches every table:
-each shard gets one PULL / PUSH whose parts are the tables' ids routed to it (wire:
-`embedding_ps.wire.protocol`). The tables of one call must share the embedding dim D. Rows and gradients
-are in the caller's order: table by table, each table's ids in the order given. A shard request
-over ps.max_frame_bytes is sent as one request per table instead (and one table's request over it
-is refused: split the ids).
+`PSClient` implements `embedding_ps.store.EmbeddingStore` (the contract: rows in the caller's order,
+one dim D per call). A trainer's step touches every table: each shard gets one PULL / PUSH whose
+parts are the tables' ids routed to it (wire: `embedding_ps.wire.protocol`). A shard request over
+ps.max_frame_bytes is sent as one request per table instead (and one table's request over it is
+refused: split the ids).
 
 The caller's thread deduplicates (when `dedup`: `plan.dedup_ids`), routes (`plan.plan_call`, argsort +
 bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.client.transport`) sends, matches
@@ -45,7 +44,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 
 from embedding_ps.wire import protocol as P
@@ -79,14 +77,13 @@ class PSClient:
     library; a duplicate's gradients are summed here, in arrival order). A caller whose ids are
     already unique (the sparse arch) passes False and saves that pass; duplicates stay correct
     either way (the shard sums duplicate gradients), they only cost wire bytes.
-    late_grads, notify: the request orders of shared-memory transfers, both on in the product (the
-    measured winners); off gives the order before them, which benchmarks/ps_shm_push.py and
-    ps_throughput.py compare. pin_rows: pulled rows assembled from several shards' replies land in
-    page-locked memory (a trainer on a GPU: `recsys.models.on_device` then copies them without staging;
-    needs CUDA). late_grads: a push of fp32 grads sends the request first, then copies
-    the grads into the segment (protocol.FLAG_GRADS_LATE; the shard waits for them). notify: the shard
-    wakes the caller through the segment once it served the request (protocol.FLAG_NOTIFY,
-    `segments.NotifiedFuture`) instead of the caller waiting for the reply.
+    late_grads: a shared-memory push of fp32 grads sends the request first, then copies the grads into
+    the segment (protocol.FLAG_GRADS_LATE; the shard waits for them). notify: the shard wakes the
+    caller through the segment once it served the request (protocol.FLAG_NOTIFY,
+    `segments.NotifiedFuture`) instead of the caller waiting for the reply. Both on in the product (the
+    measured winners); benchmarks/ps_shm_push.py and ps_throughput.py compare them with off.
+    pin_rows: pulled rows assembled from several shards' replies land in page-locked memory (a
+    trainer on a GPU: `recsys.models.on_device` then copies them without staging; needs CUDA).
     """
 
     def __init__(self, config: PSConfig, addresses: Sequence[str], worker_id: int = 0, *,
@@ -106,7 +103,7 @@ class PSClient:
         self._lock = threading.Lock()
         # ps.shared_memory: row frames of shards on this host go through shared memory (embedding_ps.wire.shm)
         self._shm = ClientSegments(self.addresses, config.shared_memory, job=job_tag(config, self._token))
-        self._io = IOThread(config, self.addresses, torch.get_num_threads(), self._token)
+        self._io = IOThread(config, self.addresses, self._token)
         self._io.start()
         self._closed = False
 
@@ -311,17 +308,6 @@ class PSClient:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _table(self, table: int):
-        if not 0 <= table < len(self.config.tables):
-            raise ValueError(f"table {table} is outside 0..{len(self.config.tables) - 1} (ps.tables)")
-        return self.config.tables[table]
-
-    @staticmethod
-    def _check_ids(table: int, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise ValueError(f"table {table}: ids must be int64 [N], got {ids.dtype} {list(ids.shape)}")
-        return ids.detach().cpu()
-
     def _header(self, op: P.Op, table: int = 0, step: int | None = None, **fields: int) -> P.Header:
         return P.Header(op=op, table=table, step=self.step if step is None else step, worker=self.worker_id,
                         client=self._client, request=next(self._ids), **fields)
@@ -363,8 +349,9 @@ class PSClient:
                 rows = [] if g is None else [P.tensor_frame(cat(g).to(P.TORCH_DTYPES[self.wire]))]
                 reqs.append((shard, h, [*frames(tables, parts), *rows]))
                 continue
-            if notify:
-                words.append(_done_word(shm.trailer(seg[1], rows_bytes, m)))
+            if notify:               # its done word, reset to "not served"
+                words.append(shm.done_word(shm.trailer(seg[1], rows_bytes, m)))
+                words[-1][0] = 0
             segs[shard] = seg[1][:rows_bytes]
             dst = None
             if g is not None:        # the grads go into the segment, cast to the wire type: [M_s, D]
@@ -420,12 +407,20 @@ class PSClient:
             self._pushes.discard(fut)
 
     def _many_args(self, op: str, tables: Sequence[int], ids: Sequence[torch.Tensor]):
+        """(D, the ids on the CPU) of a call; ValueError unless its tables are in ps.tables, share one
+        dim and each has int64 ids [N]."""
         if len(tables) != len(ids) or not tables:
             raise ValueError(f"{op}_many: {len(tables)} tables and {len(ids)} id tensors (need as many, >= 1)")
-        dims = {self._table(t).dim for t in tables}
+        for t in tables:
+            if not 0 <= t < len(self.config.tables):
+                raise ValueError(f"table {t} is outside 0..{len(self.config.tables) - 1} (ps.tables)")
+        dims = {self.config.tables[t].dim for t in tables}
         if len(dims) != 1:
             raise ValueError(f"{op}_many: tables {list(tables)} have dims {sorted(dims)}; one call takes one dim")
-        return dims.pop(), [self._check_ids(t, x) for t, x in zip(tables, ids)]
+        for t, x in zip(tables, ids):
+            if x.dtype != torch.int64 or x.dim() != 1:
+                raise ValueError(f"table {t}: ids must be int64 [N], got {x.dtype} {list(x.shape)}")
+        return dims.pop(), [x.detach().cpu() for x in ids]
 
     def _too_big(self, op: str, tables: Sequence[int], shards: dict[int, list[tuple[int, torch.Tensor]]],
                  dim: int) -> bool:
@@ -443,13 +438,6 @@ class PSClient:
                              f"{self.addresses[shard]} is {size} bytes, over ps.max_frame_bytes = {limit}; "
                              f"split the ids")
         return False
-
-
-def _done_word(trailer: np.ndarray) -> np.ndarray:
-    """A request's done word (int32 [1] in its segment's trailer), reset to "not served"."""
-    word = shm.done_word(trailer)
-    word[0] = 0
-    return word
 
 
 __all__ = ["PSClient", "ShardUnavailableError", "PSRequestError", "SaveFailedError", "SaveTimeoutError"]

@@ -65,12 +65,7 @@ class ClientSegments:
         if self.settle_s <= 0:
             return
         until = time.monotonic() + self.settle_s
-        held = None
-        if result is not None:
-            try:
-                held = weakref.ref(result)
-            except TypeError:            # cannot tell whether the caller lets go of it: never wait
-                held = _held
+        held = None if result is None else weakref.ref(result)
         with self.lock:                  # _settle iterates the dict under it
             for seg in segs.values():
                 self.settling[id(root(seg))] = (until, held)
@@ -212,10 +207,6 @@ def _wake(fut: NotifiedFuture) -> None:
         if word[0] == 0:
             native.notify(word, DONE_REPLY)
     fut.words, fut.fast, fut.on_fast = [], None, None
-
-
-def _held() -> bool:
-    return True
 
 
 __all__ = ["ClientSegments", "LateGrads", "NotifiedFuture"]

@@ -87,9 +87,9 @@ class Request:
 class IOThread(threading.Thread):
     """Owns the sockets: sends requests, receives replies, retries, completes futures."""
 
-    def __init__(self, config: PSConfig, addresses: Sequence[str], num_threads: int, token: bytes = b"") -> None:
+    def __init__(self, config: PSConfig, addresses: Sequence[str], token: bytes) -> None:
         super().__init__(name="ps-client-io", daemon=True)
-        self.num_threads, self.token = num_threads, token
+        self.num_threads, self.token = torch.get_num_threads(), token   # the creating thread's
         self.config, self.addresses = config, list(addresses)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
@@ -306,16 +306,15 @@ class IOThread(threading.Thread):
             call.future.set_exception(err)
 
     def _fail_all(self, err: BaseException) -> None:
-        calls = {id(r.call): r.call for r in self.pending.values()}
+        calls = {r.call for r in self.pending.values()}     # a Call hashes by identity (eq=False)
         self.pending.clear()
         while True:
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            for req in item or ():
-                calls[id(req.call)] = req.call
-        for call in calls.values():
+            calls.update(req.call for req in item or ())
+        for call in calls:
             if not call.future.done():
                 call.future.set_exception(err)
 

@@ -229,9 +229,9 @@ class PSConfig:
     threads: int = 0
     """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
     of a request are split into contiguous chunks of its (unique) rows, one per
-    thread, so two threads never update one row; inserts stay on one thread. 1: one thread (the
-    behaviour before this setting); 0: what the machine has to spare, half the CPUs this process
-    may run on, at most 4 (`shard_threads`; 1 on a 2-core machine). Results do not depend on it."""
+    thread, so two threads never update one row; inserts stay on one thread. 1: one thread; 0: what
+    the machine has to spare, half the CPUs this process may run on, at most 4 (`shard_threads`; 1 on
+    a 2-core machine). Results do not depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
     replicate_max_rows: int = 10_000

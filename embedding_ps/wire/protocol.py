@@ -36,8 +36,8 @@ class Op(enum.IntEnum):
     SHUTDOWN = 8
     SWEEP = 9
     SAVE_STATUS = 10
-    PULL = 11   # multi-table (version 1's single-table PULL was op 1)
-    PUSH = 12   # multi-table (version 1's PUSH was op 2)
+    PULL = 11   # multi-table (ops 1 and 2: version 1's single-table ones, docs/wire.md)
+    PUSH = 12
 
 
 FLAG_BACKGROUND = 1

@@ -62,7 +62,9 @@ def hashed_row(ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
 def _mix_mod(ids: torch.Tensor, n: int, what: str) -> torch.Tensor:
     if n < 1:
         raise ValueError(f"{what} must be >= 1, got {n}")
-    z = splitmix64_np(_as_numpy(ids))
+    if ids.dtype != torch.int64:
+        raise TypeError(f"ids must be int64, got {ids.dtype}")
+    z = splitmix64_np(ids.detach().cpu().contiguous().numpy())
     return torch.from_numpy((z % np.uint64(n)).astype(np.int64))
 
 
@@ -76,9 +78,3 @@ def keys_of(ids: torch.Tensor, table: TableConfig) -> torch.Tensor:
 def route(ids: torch.Tensor, table: TableConfig, num_shards: int) -> torch.Tensor:
     """int64 [N] -> int64 [N]: the shard that owns each raw id of `table` (`shard_of(keys_of(ids))`)."""
     return shard_of(keys_of(ids, table), num_shards)
-
-
-def _as_numpy(ids: torch.Tensor) -> np.ndarray:
-    if ids.dtype != torch.int64:
-        raise TypeError(f"ids must be int64, got {ids.dtype}")
-    return ids.detach().cpu().contiguous().numpy()

@@ -127,8 +127,7 @@ def _forget_in_child() -> None:
         pool.fds, pool.bufs, pool.names, pool.total = [], [], [], 0
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def best_fit(sizes: list[int], nbytes: int, idle: Callable[[int], bool]) -> int | None:

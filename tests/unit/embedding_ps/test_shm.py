@@ -125,8 +125,8 @@ def test_full_shm_falls_back_to_the_socket(monkeypatch) -> None:
     assert pool.take(2 << 20) is None and pool.failed
     monkeypatch.undo()
     assert pool.take(2 << 20) is None                              # not tried again
-    mine = f"recsys-ps-{os.getpid():08x}"
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)]   # the file made for it is gone
+    mine = [n for n in os.listdir(shm.SHM_DIR) if (m := shm.NAME_RE.fullmatch(n)) and int(m["pid"], 16) == os.getpid()]
+    assert not mine                                                 # the file made for it is gone
 
 
 def test_auto_is_the_default_and_tries_loopback_shards_only() -> None:
