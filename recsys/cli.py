@@ -62,7 +62,7 @@ def _date_arg(text: str) -> str:
 
 
 def _port_arg(text: str) -> int:
-    """A TCP port: 0 (an ephemeral one) .. 65535 (#28: 70000 was taken and served on 70000 % 65536)."""
+    """A TCP port: 0 (an ephemeral one) .. 65535 (a bigger number would be served modulo 65536)."""
     try:
         port = int(text)
     except ValueError:
@@ -265,21 +265,20 @@ def _cmd_daily(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight_run_data(run: str, data: list[str]) -> None:
+def _preflight_run_data(run: Path, data: list[str]) -> None:
     """The files to score have the run's columns (footers only), before the model is loaded."""
     from recsys.preflight import preflight_data
 
-    config = Path(run) / "config.toml"
+    config = run / "config.toml"
     if not config.exists():
         raise ConfigError(f"{run}: not a finished run, {config} is missing (give the run directory of `recsys train`)")
     preflight_data(load_config(config), data, "--data")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from recsys.training.evaluate import evaluate_run
-
     from recsys import storage
     from recsys.rundir import local_run, run_path
+    from recsys.training.evaluate import evaluate_run
 
     _fill_dates(args)
     uri_run = args.export is None and storage.is_uri(args.run)
@@ -292,17 +291,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             metrics = evaluate_export(args.export, args.data, local_out)
         else:
             run = stack.enter_context(local_run(args.run, args.last))
-            _preflight_run_data(str(run), args.data)
+            _preflight_run_data(run, args.data)
             metrics = evaluate_run(run, args.data, out=local_out, last=args.last)
     sys.stdout.write(json.dumps(metrics, indent=1) + "\n")
     return 0
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from recsys.training.evaluate import predict_run
-
     from recsys import storage
     from recsys.rundir import local_run
+    from recsys.training.evaluate import predict_run
 
     _fill_dates(args)
     _check_keep(args.keep, args.data)
@@ -313,7 +311,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
             predict_export(args.export, args.data, out, keep=tuple(args.keep))
         else:
             with local_run(args.run, args.last) as run:
-                _preflight_run_data(str(run), args.data)
+                _preflight_run_data(run, args.data)
                 predict_run(run, args.data, out, last=args.last, keep=tuple(args.keep))
     return 0
 
@@ -332,13 +330,11 @@ def _check_keep(keep: list[str], data: list[str]) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from recsys import storage
+    from recsys.preflight import preflight_export
+    from recsys.rundir import local_run
     from recsys.serving.export import export_model
     from recsys.serving.source import resolve_source
-
-    from recsys.preflight import preflight_export
-
-    from recsys import storage
-    from recsys.rundir import local_run
 
     with contextlib.ExitStack() as stack:      # URIs (run, checkpoint, out): staged in local temporary copies
         run = None if args.run is None else stack.enter_context(local_run(args.run, args.last))

@@ -296,8 +296,7 @@ def load_ps_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> PS
 
 
 def _load(path: str | Path | None, overrides: typing.Sequence[str], cls: type, section: str) -> Any:
-    """The one pipeline of load_config and load_ps_config: read, override, fill in the dates, rename old keys,
-    group optimizers, expand the table defaults, build `cls` from the whole file or from `section`."""
+    """The one pipeline of load_config and load_ps_config: `cls` from the whole file or from `section`."""
     source = str(path) if path is not None else "<defaults>"
     raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
@@ -353,7 +352,7 @@ def group_optimizers(raw: dict[str, Any], source: str) -> None:
     """A table's `optimizer = { name = "adam", lr = 0.01, beta1 = 0.9 }` (in `[[ps.tables]]` or
     `[ps.table_defaults]`) into the flat keys TableConfig holds, in place; ConfigError naming the key
     when `name` is missing, a key does not apply to that optimizer, or a flat key says otherwise.
-    The flat form (`optimizer = "adam"`, `lr = 0.01` beside it) loads as before."""
+    The flat form (`optimizer = "adam"`, `lr = 0.01` beside it) loads too."""
     ps = raw.get("ps")
     if not isinstance(ps, dict):
         return
@@ -528,18 +527,14 @@ def build(cls: type, raw: Any, *, source: str, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key '{prefix}{unknown[0]}'; valid: {', '.join(fields)}"
-        )
+        raise ConfigError(f"{source}: unknown key '{prefix}{unknown[0]}'; valid: {', '.join(fields)}")
     kwargs = {name: _convert(hints[name], value, source=source, key=f"{prefix}{name}")
               for name, value in raw.items()}
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{source}: {where}: {e}") from None
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
+    except ValueError as e:   # a __post_init__ check (the fields were converted above)
         raise ConfigError(f"{source}: {e}") from None
 
 
@@ -554,9 +549,7 @@ def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
         return build(tp, value, source=source, prefix=f"{key}.")
     if origin is Literal:
         if value not in args:
-            raise ConfigError(
-                f"{source}: {key} must be one of {', '.join(repr(a) for a in args)}, got {value!r}"
-            )
+            raise bad(f"one of {', '.join(repr(a) for a in args)}")
         return value
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:

@@ -34,13 +34,7 @@ class EvalConfig:
 
 
 def check_two_tower(model: Any, data: Any, train: Any) -> None:
-    """Cross-section rules of model.arch = "two_tower" (ValueError naming the dotted key).
-
-    Every feature of model.user_features / model.item_features is a column of data.sparse_columns
-    or data.dense_columns, no column is in both towers, every sparse column is in one tower,
-    model.item_id_feature is a sparse column of the item tower, and there are no linear tables;
-    no example weights, equal batches across trainers, no validation passes.
-    """
+    """Cross-section rules of model.arch = "two_tower" (ValueError naming the dotted key)."""
     if model.arch != "two_tower":
         for key in ("user_features", "item_features"):
             if getattr(model, key):
@@ -80,7 +74,6 @@ def check_two_tower(model: Any, data: Any, train: Any) -> None:
     if train.validate_every != 0:
         raise ValueError("train.validate_every is not supported with model.arch = 'two_tower' "
                          "(retrieval metrics come from `recsys eval` and the end of training)")
-
 
 
 __all__ = ["EvalConfig", "check_two_tower"]

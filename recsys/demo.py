@@ -4,9 +4,8 @@
 
 Writes `OUT/data` (4 Parquet files: 3 train, 1 eval) once, then runs the quickstart config (package
 data `recsys/configs/quickstart.toml`, so an installed package has it; `configs/quickstart.toml`
-of a checkout is the same file, a test checks) with the local launcher into `OUT/run` and prints the eval AUC next
-to the oracle AUC (the AUC
-of the true click probabilities the generator drew the labels from).
+of a checkout is the same file, a test checks) with the local launcher into `OUT/run` and prints the eval
+AUC next to the oracle AUC (the AUC of the true click probabilities the generator drew the labels from).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def write_manifest(root: Path, manifest: dict[str, Any], known: dict[str, dict[s
 
 
 def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format: str,
-                  version: tuple[str, int], required: tuple[str, ...] = ("files",)) -> dict[str, Any]:
+                  version: tuple[str, int], required: tuple[str, ...] = ()) -> dict[str, Any]:
     """`root/manifest.json` of a checkpoint or export: a JSON object of `format` whose `version[0]`
     key is `version[1]`, holding the `required` keys and a `files` table. Raises `error` naming the
     file: missing ("not {kind}"), not JSON, of another format or version, or without a key. The
@@ -73,11 +73,11 @@ def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format
 
 
 def parse_manifest(text: str, path: str, error: type[Exception], *, format: str, version: tuple[str, int],
-                   required: tuple[str, ...] = ("files",)) -> dict[str, Any]:
+                   required: tuple[str, ...] = ()) -> dict[str, Any]:
     """The checks of `read_manifest` on manifest text read from `path` (a file or a URI)."""
     try:
         manifest = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != format:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__

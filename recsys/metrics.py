@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,13 +63,6 @@ def _pair(labels: ArrayLike, scores: ArrayLike) -> tuple[torch.Tensor, torch.Ten
         bad = y[(y != 0) & (y != 1)][:5].tolist()
         raise ValueError(f"labels must be 0 or 1, got values such as {bad}")
     return y, s
-
-
-def _binary_entropy(p: float) -> float:
-    """-(p log p + (1 - p) log(1 - p)) in nats; 0 at p = 0 or 1."""
-    if p <= 0.0 or p >= 1.0:
-        return 0.0
-    return -(p * math.log(p) + (1.0 - p) * math.log(1.0 - p))
 
 
 def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> float:
@@ -129,7 +122,8 @@ def _of_sums(sums: torch.Tensor) -> dict[str, float]:
     """{"logloss", "ne", "calibration", "count"} of `_sums` (added up over batches and ranks)."""
     loss_sum, label_sum, score_sum, weight_sum, count = sums.tolist()
     ll = loss_sum / weight_sum if weight_sum > 0 else math.nan        # every weight 0: undefined
-    h = _binary_entropy(label_sum / weight_sum) if weight_sum > 0 else 0.0
+    p = label_sum / weight_sum if weight_sum > 0 else 0.0
+    h = -(p * math.log(p) + (1.0 - p) * math.log(1.0 - p)) if 0.0 < p < 1.0 else 0.0   # H(base rate), nats
     return {"logloss": ll, "ne": ll / h if h > 0 else math.nan,
             "calibration": score_sum / label_sum if label_sum > 0 else math.nan, "count": count}
 
@@ -325,10 +319,6 @@ def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tenso
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Metric logging
-
-
 def retrieval_metrics(top: np.ndarray, relevant: Sequence[np.ndarray], ks: Sequence[int]) -> dict[str, float]:
     """recall@K and ndcg@K, averaged over users, of ranked lists `top` [U, L] (best first; L may be
     below K: a shorter list) against each user's relevant item ids (distinct, non-empty).
@@ -354,6 +344,10 @@ def retrieval_metrics(top: np.ndarray, relevant: Sequence[np.ndarray], ks: Seque
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Metric logging
+
+
 LINE_KEYS = ("loss/train", "auc/train", "val/auc", "val/logloss", "perf/samples_per_s", "data/wait_frac",
              "ps/pull_ms", "cache/hit_rate")
 """The metrics a step's log line shows (the rest are in metrics.jsonl and TensorBoard; --verbose shows all)."""
@@ -377,25 +371,28 @@ def step_line(values: Mapping[str, float], step: int, verbose: bool = False) -> 
     return f"{head} | " + " ".join(f"{k}={v:.4g}" for k, v in shown)
 
 
-class MetricSink(Protocol):
-    """Where training metrics go: `MetricLogger`, or `NullMetricLogger` when metrics are off."""
+class MetricSink:
+    """Where training metrics go (`MetricLogger`, `MemoryMetricLogger`); this base, as `NullMetricLogger`,
+    drops them. A context manager that closes on exit."""
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        pass
 
+    def __enter__(self) -> MetricSink:
+        return self
 
-def _open_tensorboard(log_dir: Path) -> Any:
-    """A SummaryWriter, or None when torch.utils.tensorboard or tensorboard itself is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:   # tensorboard is an optional extra: no scalars, and no noise about it
-        logger.debug("tensorboard is not installed; metrics go to %s only", log_dir.parent)
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-class MetricLogger:
+class NullMetricLogger(MetricSink):
+    """A MetricSink that drops everything: ranks other than 0, or metrics turned off."""
+
+
+class MetricLogger(MetricSink):
     """Writes each `log(metrics, step)` call as one JSON line, one log line and TensorBoard scalars.
 
     Keys must carry a namespace, `section/name` (`loss/train`, `ps/pull_ms`, `data/wait_frac`);
@@ -418,7 +415,14 @@ class MetricLogger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
-        self._tb = _open_tensorboard(self.path.parent / "tensorboard") if tensorboard else None
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:   # tensorboard is an optional extra: no scalars, and no noise about it
+                logger.debug("tensorboard is not installed; metrics go to %s only", self.path.parent)
+            else:
+                self._tb = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         values: dict[str, float] = {}
@@ -446,30 +450,8 @@ class MetricLogger:
             self._tb.close()
             self._tb = None
 
-    def __enter__(self) -> MetricLogger:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class NullMetricLogger:
-    """A MetricSink that drops everything: ranks other than 0, or metrics turned off."""
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> NullMetricLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-class MemoryMetricLogger(NullMetricLogger):
+class MemoryMetricLogger(MetricSink):
     """A MetricSink that keeps every line in memory, `{"step": step, **metrics}` in call order
     (in-process runs of benchmarks and tests read them back)."""
 

@@ -241,6 +241,6 @@ def _alive(pid: object) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:     # alive, of another user
+        pass
     return True

@@ -20,10 +20,10 @@ def setup_logging(verbose: bool = False, role: str | None = None, log_file: str 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt)
     # a host that configured logging first (a Ray worker) keeps its handlers; our level still applies
     logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
-    if not verbose:       # fbgemm_gpu logs one INFO line per library it loads, on the root logger
-        for handler in logging.getLogger().handlers:
+    if not verbose:
+        for handler in logging.getLogger().handlers:    # fbgemm_gpu logs an INFO line per library it loads
             handler.addFilter(_quiet_fbgemm)
-    if not verbose:       # torch elastic logs each failed worker with a traceback; recsys says it in one line
+        # torch elastic logs each failed worker with a traceback; recsys says it in one line
         for noisy in ("torch.distributed.elastic", "torch.multiprocessing"):
             logging.getLogger(noisy).setLevel(logging.CRITICAL)
     if log_file is not None:

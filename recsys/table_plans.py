@@ -77,9 +77,7 @@ def table_plans(cfg: JobConfig) -> tuple[list[TablePlan], list[SequencePlan]]:
     """A job's table plans and (din: `model.sequence_features`) sequence plans. Raises ValueError
     naming a feature or table that does not fit."""
     m = cfg.model
-    # a list reads its candidate's table
-    feature_tables = sequence_feature_tables(m.feature_tables, m.sequence_features)
-    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, feature_tables,
-                        m.linear_feature_tables, m.table_pooling)
-    sequences = plan_sequences(cfg.data.sparse_columns, m.sequence_features) if m.sequence_features else []
-    return plans, sequences
+    feature_tables = sequence_feature_tables(m.feature_tables, m.sequence_features)   # a list: its candidate's table
+    plans = plan_tables(cfg.data.sparse_columns, cfg.ps.tables, feature_tables, m.linear_feature_tables,
+                        m.table_pooling)
+    return plans, plan_sequences(cfg.data.sparse_columns, m.sequence_features)

@@ -23,9 +23,11 @@ from recsys.config import ConfigError, JobConfig, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-
-    from recsys.training.launch import write_run_dir
+    from recsys.rundir import local_run_dir
     from recsys.training import stopping
+    from recsys.training.checkpoint import resolve_resume
+    from recsys.training.jobauth import require_explicit
+    from recsys.training.launch import write_run_dir
     from recsys.training.worker import report_failure, run_worker
 
     p = argparse.ArgumentParser(prog="python -m recsys.train", description=__doc__)
@@ -34,19 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", default=None, metavar="latest|PATH")
     p.add_argument("--debug", action="store_true", help="tracebacks on stderr too")
     args = p.parse_args(argv)
-    setup_logging(args.debug, role=f"trainer{os.environ.get('RANK', '0')}")
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(args.debug, role=f"trainer{rank}")
     apply_environment()
     cfg = load_config(args.config, args.overrides)
     if not cfg.ps.addresses:
         raise ConfigError(f"{args.config}: ps.addresses must list the shards for `recsys.train` "
                           f"(the local launcher `recsys train` starts its own)")
-    from recsys.training.checkpoint import resolve_resume
-    from recsys.training.jobauth import require_explicit
-
     require_explicit(cfg.ps, f"{args.config}: python -m recsys.train")
-
-    from recsys.rundir import local_run_dir
-
     local = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)      # the run_dir itself unless a URI
     resolved = write_run_dir(cfg, local, fresh=False)   # every rank: same file, atomic
     resume = args.resume
@@ -59,9 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_worker(str(resolved), list(cfg.ps.addresses), str(local),
                    None if checkpoint is None else str(checkpoint), load_shards=True)
     except Exception as e:         # one line on stderr, the traceback in run_dir/logs/trainer-R.log
-        line = report_failure(e, local, int(os.environ.get("RANK", "0")), args.debug)
+        line = report_failure(e, local, rank, args.debug)
         sys.stderr.write(f"error: {line}\n")
-        if int(os.environ.get("RANK", "0")) == 0 and stop_shards_after(e, cfg):
+        if rank == 0 and stop_shards_after(e, cfg):
             sys.stderr.write("the shards were told to exit: a restart would fail the same way\n")
         return 2
     return 0

@@ -132,24 +132,21 @@ def read_space(path: str | Path) -> list[Param]:
     return params
 
 
-def _check_key(key: str, source: str) -> None:
-    """A config key `recsys.config_doc` knows (ps.table_defaults.X: a table key)."""
+def check_space(params: Sequence[Param], config: str | Path, overrides: Sequence[str], source: str) -> JobConfig:
+    """Every key known (to `recsys.config_doc`; ps.table_defaults.X: a table key) and every corner value
+    loading into a different config; the base config."""
     from recsys import config_doc
 
-    section, _, name = key.rpartition(".")
-    if (section, name) in RENAMED_KEYS:
-        raise ConfigError(f"{source}: {key!r} is the old name of {section}.{RENAMED_KEYS[section, name]}; use that")
-    try:
-        config_doc.explain(key)
-    except ValueError as e:
-        raise ConfigError(f"{source}: unknown config key: {e}") from None
-
-
-def check_space(params: Sequence[Param], config: str | Path, overrides: Sequence[str], source: str) -> JobConfig:
-    """Every key known and every corner value loading into a different config; the base config."""
     base = load_config(config, overrides)
     for p in params:
-        _check_key(p.key, source)
+        section, _, name = p.key.rpartition(".")
+        if (section, name) in RENAMED_KEYS:
+            raise ConfigError(f"{source}: {p.key!r} is the old name of {section}.{RENAMED_KEYS[section, name]}; "
+                              f"use that")
+        try:
+            config_doc.explain(p.key)
+        except ValueError as e:
+            raise ConfigError(f"{source}: unknown config key: {e}") from None
         seen: list[JobConfig] = []
         for value in p.corners():
             try:
