@@ -58,10 +58,10 @@ def write_manifest(root: Path, manifest: dict[str, Any], known: dict[str, dict[s
 
 def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format: str,
                   version: tuple[str, int], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`root/manifest.json` of a checkpoint or export: a JSON object of `format` whose `version[0]`
-    key is `version[1]`, holding the `required` keys and a `files` table. Raises `error` naming the
-    file: missing ("not {kind}"), not JSON, of another format or version, or without a key. The
-    one reader of recsys' manifests (a saved PS shard's is `embedding_ps.shard.snapshot`'s)."""
+    """`root/manifest.json` of an export (a checkpoint's is read through `storage`, then checked by
+    `parse_manifest`): a JSON object of `format` whose `version[0]` key is `version[1]`, holding the
+    `required` keys and a `files` table. Raises `error` naming the file: missing ("not {kind}"), not
+    JSON, of another format or version, or without a key. (A saved PS shard's: `embedding_ps.shard.snapshot`.)"""
     path = Path(root) / "manifest.json"
     try:
         text = path.read_text()
@@ -72,9 +72,9 @@ def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format
     return parse_manifest(text, str(path), error, format=format, version=version, required=required)
 
 
-def parse_manifest(text: str, path: str, error: type[Exception], *, format: str, version: tuple[str, int],
+def parse_manifest(text: str | bytes, path: str, error: type[Exception], *, format: str, version: tuple[str, int],
                    required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The checks of `read_manifest` on manifest text read from `path` (a file or a URI)."""
+    """The checks of `read_manifest` on manifest text or bytes read from `path` (a file or a URI)."""
     try:
         manifest = json.loads(text)
     except ValueError as e:

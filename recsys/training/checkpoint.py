@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
@@ -57,7 +56,6 @@ from recsys.manifest import check_files, file_entry, parse_manifest
 from recsys.manifest import write_manifest as write_files_manifest
 from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
                                       save_bytes)
-from recsys.manifest import read_manifest as _read_manifest
 from recsys.rundir import local_run_dir, run_path
 
 logger = logging.getLogger(__name__)
@@ -84,15 +82,6 @@ class TrainParts:
     table_optimizer: TableOptimizer | None = None           # their optimizers (trainer/state.pt)
 
 
-@dataclass(frozen=True, slots=True)
-class Restored:
-    """What `restore_trainer` read: the step to continue from and the checkpoint's manifest."""
-
-    step: int
-    manifest: dict[str, Any]
-    validation: dict[str, Any]                              # recsys.training.validation state ({} if none)
-
-
 def checkpoints_dir(run_dir: str | Path) -> Path | str:
     return run_path(run_dir, "checkpoints")
 
@@ -102,14 +91,10 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
     return run_path(run_dir, "checkpoints", f"{PREFIX}{step:010d}")
 
 
-def _is_remote(path: str | Path) -> bool:
-    return storage.is_uri(str(path))
-
-
 def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
     """Complete checkpoint directories (renamed into place; on a URI: with their manifest), oldest first."""
     root = checkpoints_dir(run_dir)
-    if _is_remote(root):
+    if storage.is_uri(root):
         names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
         return [run_path(root, n) for n in names if storage.is_file(run_path(root, n, "manifest.json"))]
     if not root.is_dir():
@@ -145,15 +130,12 @@ def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str
 
 
 def read_manifest(root: Path | str) -> dict[str, Any]:
-    if _is_remote(root):
-        path = run_path(root, "manifest.json")
-        try:
-            text = storage.read_text(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
-        return parse_manifest(text, str(path), CorruptCheckpointError, format=FORMAT, version=("version", VERSION))
-    return _read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint", format=FORMAT,
-                          version=("version", VERSION))
+    path = run_path(root, "manifest.json")
+    try:
+        data = storage.read_bytes(path)         # bytes: json.loads refuses bad UTF-8 as invalid JSON
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
+    return parse_manifest(data, str(path), CorruptCheckpointError, format=FORMAT, version=("version", VERSION))
 
 
 def verify_checkpoint(root: str | Path, checksums: bool = True) -> dict[str, Any]:
@@ -162,7 +144,7 @@ def verify_checkpoint(root: str | Path, checksums: bool = True) -> dict[str, Any
     Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI, or without
     `checksums`, only presence and sizes are checked here (sha256: when read, by the shards, `read_checked`).
     """
-    if _is_remote(root):
+    if storage.is_uri(root):
         manifest = read_manifest(root)
         stored = storage.list_files(root)
         for rel, want in manifest["files"].items():
@@ -185,7 +167,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
     path must verify.
     """
     if resume != "latest":
-        path = resume if _is_remote(resume) else Path(resume)
+        path = resume if storage.is_uri(resume) else Path(resume)
         try:
             verify_checkpoint(path)
         except CorruptCheckpointError as e:
@@ -210,23 +192,18 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
 
 
 def prune(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and temporary leftovers of older saves."""
+    """Delete all but the newest `keep` complete checkpoints, and the unfinished saves of steps before
+    the newest (a killed attempt's `.tmp-step-*`; on a URI, `step-*` without a manifest)."""
     done = list_checkpoints(run_dir)
-    if _is_remote(checkpoints_dir(run_dir)):
-        newest = storage.basename(done[-1]) if done else ""
-        root = checkpoints_dir(run_dir)
-        for name in storage.list_dir(root):       # older ones, and unfinished ones before the newest
-            if name.startswith(PREFIX) and name < newest and run_path(root, name) not in done[-keep:]:
-                storage.delete_tree(run_path(root, name))
+    root = checkpoints_dir(run_dir)
+    newest = storage.basename(done[-1]) if done else ""
+    kept = {storage.basename(path) for path in done[-keep:]}
+    for name in storage.list_dir(root):
+        step_name = name.removeprefix(".tmp-")
+        if step_name.startswith(PREFIX) and step_name < newest and name not in kept:
+            storage.delete_tree(run_path(root, name))
+            if name == step_name:
                 logger.info("removed old checkpoint %s", name)
-        return
-    for path in done[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-        logger.info("removed old checkpoint %s", path.name)
-    if done:     # a killed attempt's unfinished saves of steps before the newest complete one
-        for tmp in checkpoints_dir(run_dir).glob(f".tmp-{PREFIX}*"):
-            if tmp.name[len(".tmp-"):] < done[-1].name:
-                shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +249,6 @@ class Checkpointer:
 
     def __init__(self, cfg: JobConfig, *, rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.run_dir = cfg.train.run_dir if _is_remote(cfg.train.run_dir) else Path(cfg.train.run_dir)
         self.local_dir = local_run_dir(cfg.train.run_dir, cfg.train.scratch_dir)   # staging for a URI run_dir
         self.enabled = cfg.train.checkpoint_every > 0 or cfg.train.checkpoint_every_s > 0
         self._last_time = time.monotonic()
@@ -298,7 +274,7 @@ class Checkpointer:
         return False
 
     def save(self, parts: TrainParts, step: int, loader_state: dict[str, Any], *,
-             validation: dict[str, Any] | None = None, target: Path | None = None) -> None:
+             validation: dict[str, Any], target: Path | str | None = None) -> None:
         """A checkpoint of a trainer's `parts` (and its store's rows) after `step` steps; collective.
 
         `loader_state`: this rank's data position after the last trained batch (in async mode the
@@ -312,13 +288,12 @@ class Checkpointer:
         barrier()                         # async: every rank's pushes acknowledged before the snapshot
         if self.rank == 0:
             self.join()                   # one checkpoint in flight at a time
-            root = checkpoint_path(self.run_dir, step) if target is None else target
-            remote = _is_remote(root)
+            root = checkpoint_path(self.cfg.train.run_dir, step) if target is None else target
+            remote = storage.is_uri(root)
             if remote:         # written in place, complete once its manifest is (module docstring)
                 tmp = self.local_dir / "staging" / storage.basename(root)
                 storage.delete_tree(root)
             else:
-                root = Path(root)
                 tmp = root.with_name(f".tmp-{root.name}")
             shutil.rmtree(tmp, ignore_errors=True)
             try:
@@ -333,14 +308,12 @@ class Checkpointer:
             except (OSError, RuntimeError) as e:     # torch.save wraps the OSError of a full disk in a RuntimeError
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointWriteError(write_failure(str(root), e)) from e
-            background = self.cfg.train.checkpoint_background
             ps_dir = run_path(root, "model", "ps") if remote else str((tmp / "model" / "ps").resolve())
-            parts.store.save(ps_dir, step=step, background=background)
+            parts.store.save(ps_dir, step=step, background=self.cfg.train.checkpoint_background)
             info = {"step": step, "num_shards": self.cfg.ps.num_shards, "num_trainers": self.world_size,
                     "mode": self.cfg.ps.mode, "time": time.time(), "run_id": self.cfg.train.run_id}
             self._finisher = threading.Thread(target=self._finish, name="checkpoint-finish", daemon=True,
-                                              args=(parts.store, ps_dir, tmp, root, info, background,
-                                                    target is None))
+                                              args=(parts.store, ps_dir, tmp, root, info, target is None))
             self._finisher.start()
         barrier()                         # no rank pushes step t before the shards snapshot
         if target is not None:
@@ -354,12 +327,12 @@ class Checkpointer:
                         "background" if self.cfg.train.checkpoint_background else "blocking")
 
     def _finish(self, store: EmbeddingStore, ps_dir: str, tmp: Path, root: Path | str, info: dict,
-                background: bool, periodic: bool) -> None:
+                periodic: bool) -> None:
         try:
             t0 = time.perf_counter()
-            if background:
+            if self.cfg.train.checkpoint_background:
                 store.wait_saved(ps_dir, timeout_s=SAVE_TIMEOUT_S)
-            if _is_remote(root):
+            if storage.is_uri(root):
                 publish_checkpoint(tmp, str(root), info)
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
@@ -368,7 +341,7 @@ class Checkpointer:
                     shutil.rmtree(root)
                 os.replace(tmp, root)
             if periodic:
-                prune(self.run_dir, self.cfg.train.keep_checkpoints)
+                prune(self.cfg.train.run_dir, self.cfg.train.keep_checkpoints)
             logger.info("checkpoint %s complete (%.2f s after the pause)", root, time.perf_counter() - t0)
         except BaseException as e:     # raised in the training thread at the next save or join
             logger.error("checkpoint %s failed: %s", storage.basename(root), e)
@@ -392,12 +365,12 @@ class Checkpointer:
 # trainer state
 
 
-def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any] | None = None) -> dict[str, Any]:
+def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any]) -> dict[str, Any]:
     """The dense optimizer, LR schedule, step, RNG and early-stopping record of a trainer (tensors
     and numbers only)."""
     state = {"step": step, "optimizer": parts.optimizer.state_dict(),
              "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-             "validation": dict(validation or {})}
+             "validation": dict(validation)}
     if parts.table_optimizer is not None:
         state["table_optimizer"] = parts.table_optimizer.state_dict()
     return state
@@ -416,20 +389,21 @@ def read_checked(root: Path | str, rel: str, manifest: dict[str, Any]) -> bytes:
     return data
 
 
-def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, *, world_size: int) -> Restored:
+def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, *,
+                    world_size: int) -> tuple[int, dict[str, Any]]:
     """Put checkpoint `root`'s dense model, optimizer, schedule and RNG into `parts` and every rank's
     data position into `loader` (any trainer count, `world_size` now: the data remainder is
-    re-partitioned); returns the step to continue from and the manifest."""
+    re-partitioned); returns the step to continue from and the early-stopping record
+    (recsys.training.validation's state, {} if none)."""
     manifest = read_manifest(root)
-    parts.model.load_state_dict(torch.load(io.BytesIO(read_checked(root, "model/dense.pt", manifest)),
-                                           weights_only=True))
+    parts.model.load_state_dict(load_bytes(read_checked(root, "model/dense.pt", manifest)))
     if parts.replicated is not None:
         rel = f"model/{REPLICATED_FILE}"
         if rel not in manifest["files"]:
             raise CorruptCheckpointError(f"{run_path(root, rel)}: missing: the checkpoint has no replicated tables "
                                          f"(a table's placement cannot change on resume)")
         parts.replicated.load_state(load_bytes(read_checked(root, rel, manifest)), where=str(run_path(root, rel)))
-    state = torch.load(io.BytesIO(read_checked(root, "trainer/state.pt", manifest)), weights_only=True)
+    state = load_bytes(read_checked(root, "trainer/state.pt", manifest))
     parts.optimizer.load_state_dict(state["optimizer"])
     if parts.table_optimizer is not None:
         parts.table_optimizer.load_state_dict(state.get("table_optimizer", {}))
@@ -440,7 +414,7 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
     loader.resume_from(loaders)
     logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, step,
                 manifest["num_trainers"], world_size)
-    return Restored(step=step, manifest=manifest, validation=dict(state.get("validation", {})))
+    return step, dict(state.get("validation", {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +426,7 @@ def load_saved_config(root: Path | str) -> JobConfig:
     from recsys.config import load_config
 
     path = run_path(root, "config.toml")
-    if _is_remote(path):
+    if storage.is_uri(path):
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:

@@ -17,15 +17,14 @@ logger = logging.getLogger(__name__)
 
 
 def _bf16_hook(state, bucket):  # no annotations: DDP rejects the string form `from __future__` makes
-    """Cast a bucket (dist.GradBucket) to bf16, allreduce, cast back and average; returns a Future.
+    """Cast a bucket (dist.GradBucket) to bf16, allreduce over the default group (`state` is None),
+    cast back and average; returns a Future.
 
     torch's stock bf16_compress_hook refuses gloo (it needs NCCL); this one works on both.
     """
-    group = state if isinstance(state, dist.ProcessGroup) else dist.group.WORLD
-    world = dist.get_world_size(group)
     buf = bucket.buffer()
-    compressed = buf.to(torch.bfloat16).div_(world)
-    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+    compressed = buf.to(torch.bfloat16).div_(dist.get_world_size())
+    fut = dist.all_reduce(compressed, async_op=True).get_future()
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
         buf.copy_(f.value()[0])
@@ -84,8 +83,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The dense optimizer of `model` (`train.dense_optimizer`, `dense_lr`, `dense_weight_decay`).
 
-    Without weight decay: one group of every parameter, as before the option existed (the same
-    numbers, and the same optimizer state layout, so older checkpoints load). With it, two groups
+    Without weight decay: one group of every parameter (the optimizer state layout of the checkpoints
+    of runs without the option, which therefore load). With it, two groups
     (`param_groups`): adam becomes AdamW (decoupled: p -= lr * wd * p beside the Adam step); sgd and
     adagrad take torch's `weight_decay`, which adds wd * p to the gradient (for sgd that is the same
     as a decoupled shrink by lr * wd; for adagrad the term goes through the adaptive scaling).

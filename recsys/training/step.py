@@ -10,8 +10,8 @@ Both strategies have the same small interface, called by the Trainer::
 `SyncStep`: wait for step t's pushes, then send `barrier(t)` without waiting for its reply; the
 shards apply the step once every worker is there, and a pull for step t + 1 is parked there until
 then. The trainer meanwhile runs its dense optimizer step and prepares the next batch (reads it,
-finds its unique ids, sends its pulls), which before waited behind the shard's update. The
-barrier's reply is waited for at the next step (or `drain`), so its errors still surface.
+finds its unique ids, sends its pulls). The barrier's reply is waited for at the next step (or
+`drain`), so its errors still surface.
 `AsyncStep`: step t's pushes (and a progress report, `barrier_async(t)`, for ps.max_staleness)
 fly while the next batch computes; the previous step's are waited for first, so errors surface
 and at most one step of gradients is in flight.
@@ -24,26 +24,9 @@ barrier, so a push that had to be resent (timeout, shared-memory fallback) canno
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Literal, Protocol
+from typing import Literal
 
 from embedding_ps.store import EmbeddingStore
-
-
-class StepStrategy(Protocol):
-    prefetch: bool
-    """Whether the next batch's rows are pulled before this step's pushes are applied."""
-
-    def after_backward(self, futures: list[Future], step: int) -> None:
-        """Step `step`'s pushes (`futures`) were sent."""
-        ...
-
-    def drain(self) -> None:
-        """Wait until every push sent so far is acknowledged."""
-        ...
-
-    def resumed(self, step: int) -> None:
-        """A restored run continues at step `step` (its pushes carry `step`)."""
-        ...
 
 
 class SyncStep:
@@ -98,6 +81,6 @@ class AsyncStep:
             self.store.barrier(step - 1)
 
 
-def step_strategy(mode: Literal["sync", "async"], store: EmbeddingStore) -> StepStrategy:
+def step_strategy(mode: Literal["sync", "async"], store: EmbeddingStore) -> SyncStep | AsyncStep:
     """The strategy of `ps.mode`."""
     return SyncStep(store) if mode == "sync" else AsyncStep(store)

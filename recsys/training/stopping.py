@@ -1,20 +1,19 @@
 """Graceful stop of a training process: the first signal asks, a second one stops at once.
 
-    requests = install(signal.SIGTERM, signal.SIGINT)   # in the main thread, before training
+    install(signal.SIGTERM, signal.SIGINT)              # in the main thread, before training
     ...
     agreement = StopAgreement(world_size)
     if agreement.after_step():         # at every step boundary, on every rank
         checkpoint; exit 0
 
 The handler only sets a flag (a signal may arrive in the middle of a collective or a PS call; the
-step that is running finishes normally). Ranks see a signal at different moments, so the flag is
-combined over the process group at each step boundary (MAX): every rank stops after the same step,
-which is what a consistent checkpoint needs. `StopAgreement` reduces step t's flags while step t + 1
-trains (async_op) and reads the result after step t + 1: every rank stops after the same step, one
-step after the request, and no rank waits at the boundary for a slower one (a blocking all_reduce
-there was one more sync point of the ranks a step; `stop_agreed` is that blocking form). A second
-signal (more than DUPLICATE_WINDOW_S after the first) restores the default action and re-sends
-itself: the process dies by it at once (no checkpoint).
+step that is running finishes normally). Ranks see a signal at different moments, so the flags are
+combined over the process group (MAX): every rank stops after the same step, which is what a
+consistent checkpoint needs. `StopAgreement` reduces step t's flags while step t + 1 trains
+(async_op) and reads the result after step t + 1: one step after the request, and no rank waits at
+the boundary for a slower one (`stop_agreed`, the blocking form, is one more sync point a step).
+A second signal (more than DUPLICATE_WINDOW_S after the first) restores the default action and
+re-sends itself: the process dies by it at once (no checkpoint).
 
 Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
 launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a
@@ -102,9 +101,8 @@ class StopAgreement:
     """The ranks' stop requests combined one step behind, without waiting at the step boundary.
 
     after_step() at every step boundary, on every rank: True when some rank had asked to stop at the
-    previous boundary (the same answer on every rank, so all stop after the same step). One process:
-    this process's request, at once. close() waits for the reduction in flight (call it on every rank
-    when training ends, before other collectives)."""
+    previous boundary (one process: this process's request, at once). close() waits for the reduction
+    in flight (call it on every rank when training ends, before other collectives)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size

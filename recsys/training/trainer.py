@@ -11,12 +11,9 @@ gradients, W trainers compute exactly what one process computes on the concatena
 `async`: the next batch's rows are pulled while the current batch computes, and each push is
 applied by the PS on arrival. The mode is chosen once, as a `recsys.training.step` strategy.
 
-The loop (`train`), as in torchtitan's::
-
-    for prepared in self._prepared_steps(run):     # PreparedStep: batch, lookup (pulls in flight), position
-        loss = self.train_step(prepared.batch, prepared.lookup, run.window)
-        self.step += 1
-        self._after_step(run, prepared, loss)      # progress, log window + TTL sweep, checkpoint
+The loop (`train`, as torchtitan's): `_prepared_steps` hands out batches whose rows are being pulled,
+`train_step` trains each, `_after_step` keeps the books (progress, log window + TTL sweep, validation,
+checkpoint).
 """
 
 from __future__ import annotations
@@ -102,7 +99,6 @@ class PreparedStep:
 
     batch: Batch
     lookup: SparseLookup
-    wait_s: float                   # seconds spent waiting for the batch from the reader
     position: dict                  # the reader's state after this batch (what a checkpoint saves)
     end_of_epoch: bool = False      # the epoch's last step (train.validate_every = "epoch")
 
@@ -184,14 +180,13 @@ class Trainer:
         return TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, store=self.store,
                           replicated=self.replicated, table_optimizer=self.table_optimizer)
 
-    def restore(self, checkpoint: str) -> dict:
+    def restore(self, checkpoint: str) -> None:
         """Continue from a checkpoint (see recsys.training.checkpoint); the shards load their part
         separately. Async mode: tells the shards this worker's progress, for the staleness bound."""
-        restored = restore_trainer(self.parts, self.loader, checkpoint, world_size=self.world_size)
-        self._continue_at(restored.step)
+        step, validation = restore_trainer(self.parts, self.loader, checkpoint, world_size=self.world_size)
+        self._continue_at(step)
         self._start_epoch = int(self.loader.state_dict()["epoch"])
-        self.validation.load_state_dict(restored.validation)      # best so far and patience go on
-        return restored.manifest
+        self.validation.load_state_dict(validation)      # best so far and patience go on
 
     def warm_start(self, source: InitSource) -> None:
         """Start from another run's model (train.init_from; the shards load its rows separately): its
@@ -391,8 +386,8 @@ class Trainer:
                 return None
             batch, wait_s, position, end_of_epoch = nxt
             run.window.data += wait_s
-            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), wait_s,
-                                position, end_of_epoch)
+            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), position,
+                                end_of_epoch)
 
         max_steps = self._last_step
         depth = self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0
@@ -439,7 +434,7 @@ class Trainer:
         values.update({"progress/epoch": float(run.position.get("epoch", 0)) + 1,
                        "progress/epochs": float(self.cfg.train.epochs), "progress/total_steps": float(run.total),
                        "progress/eta_s": eta})
-        if self._in_batch:                  # no per-row click probability: no train AUC (it was logged as nan)
+        if self._in_batch:                  # no per-row click probability: no train AUC
             values.pop("auc/train")
         if isinstance(self.store, CachingStore):
             values.update(cache_metrics(self.store.cache_counts()))

@@ -2,7 +2,7 @@
 model, or a full fp32 export.
 
     source = resolve_init(cfg.train.init_from)          # InitSource: what the path holds, its config and step
-    taken = check_init_tables(cfg, source)              # the tables carried over (ConfigError on a changed layout)
+    check_init_tables(cfg, source)                      # ConfigError on a carried-over table's changed layout
     warm_start(parts, source)                           # dense weights (+ optimizer state from a checkpoint)
 
 Shards load the source's rows themselves (`ps/shard{i}/`, or an export's table files; any shard
@@ -12,7 +12,6 @@ position, LR schedule and early-stopping record start new.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import torch
 
 from recsys import storage
 from recsys.config import JobConfig
-from recsys.models.replicated import read_replicated
+from recsys.models.replicated import load_bytes, read_replicated
 from recsys.rundir import run_path
 from recsys.training.checkpoint import (TrainParts, changed_layout, load_saved_config, read_checked,
                                         read_manifest, verify_checkpoint)
@@ -114,8 +113,8 @@ def source_replicated(source: InitSource) -> dict[str, torch.Tensor] | None:
     return out
 
 
-def check_init_tables(cfg: JobConfig, source: InitSource) -> list[str]:
-    """The source's tables the new run takes (by name); raises ConfigError naming a table whose
+def check_init_tables(cfg: JobConfig, source: InitSource) -> None:
+    """ConfigError naming a table of both `cfg` and the source (by name: the new run takes those) whose
     layout or optimizer changed. Tables only in `cfg` start empty."""
     from recsys.config import ConfigError
 
@@ -127,8 +126,6 @@ def check_init_tables(cfg: JobConfig, source: InitSource) -> list[str]:
             f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but train.init_from = {source.root} trained it "
             f"with {key} = {getattr(old, key)!r}: its rows and optimizer state do not carry over (keep "
             f"{key}, rename the table to start it afresh, or drop init_from)")
-    theirs = {t.name for t in source.config.ps.tables}
-    return [t.name for t in cfg.ps.tables if t.name in theirs]
 
 
 def warm_start(parts: TrainParts, source: InitSource) -> None:
@@ -142,14 +139,13 @@ def warm_start(parts: TrainParts, source: InitSource) -> None:
                     "optimizers start fresh)", root)
         return
     # (a run's last model has no manifest: nothing to check against)
-    parts.model.load_state_dict(torch.load(io.BytesIO(read_checked(root, "model/dense.pt", source.manifest)),
-                                           weights_only=True))
+    parts.model.load_state_dict(load_bytes(read_checked(root, "model/dense.pt", source.manifest)))
     # (the replicated tables came from the source when the trainer was built: `build_replicated(grow=)`)
     if not source.checkpoint:
         logger.info("warm start from %s: no dense optimizer state there (a run's last model); it starts fresh",
                     root)
         return
-    state = torch.load(io.BytesIO(read_checked(root, "trainer/state.pt", source.manifest)), weights_only=True)
+    state = load_bytes(read_checked(root, "trainer/state.pt", source.manifest))
     try:
         parts.optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as e:
