@@ -117,9 +117,9 @@ def in_batch_logits(u: torch.Tensor, v: torch.Tensor, log_q: torch.Tensor | None
     return logits.roll(-first, dims=1) if first else logits
 
 
-def in_batch_loss(logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+def in_batch_loss(logits: torch.Tensor) -> torch.Tensor:
     """Sampled softmax loss of `in_batch_logits` [B, B_g]: mean cross entropy with target column i
-    (labels are not read: every row is a positive)."""
+    (no labels: every row is a positive)."""
     target = torch.arange(logits.shape[0], device=logits.device)
     return F.cross_entropy(logits, target)
 
@@ -175,7 +175,7 @@ class TwoTower(CTRModel):
         return (), ({"item_ids": item_ids_of(batch, self.item_id_feature)} if train else {})
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return in_batch_loss(logits, labels)
+        return in_batch_loss(logits)
 
     @classmethod
     def from_job(cls, cfg: JobConfig, embedding_dim: int) -> "TwoTower":
@@ -211,7 +211,6 @@ class TwoTower(CTRModel):
             self.freq.update(ids_all)
         log_q = self.freq.log_prob(ids_all) if self.logq else None       # [B_g]
         return in_batch_logits(u, v_all, log_q, self.temperature, first)  # [B, B_g]
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Micro-batching for `recsys serve`: the rows of concurrent requests scored in one `Predictor` call.
 
     served = Served("exports/base", workers=1)               # the model: K Predictors + its metadata
-    batcher = MicroBatcher(served, max_batch=256, max_wait_ms=0.0, workers=1, on_batch=metrics.batch)
+    batcher = MicroBatcher(served, max_batch=256, max_wait_ms=0.0, on_batch=metrics.batch)   # a loop per Predictor
     batcher.start()                                          # inside the event loop
     probs, by = await batcher.submit("predict", rows)        # float32 [len(rows)], the Served that scored them
     (ids, scores), by = await batcher.submit("topk", rows, k=10)
@@ -111,11 +111,11 @@ def run_batch(served: Served, worker: int, jobs: list[Job]) -> list[object]:
 class MicroBatcher:
     """Jobs from the event loop -> batches of <= max_batch rows -> K worker threads (see the module docstring)."""
 
-    def __init__(self, served: Served, max_batch: int, max_wait_ms: float, workers: int = 1,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+    def __init__(self, served: Served, max_batch: int, max_wait_ms: float, on_batch: Callable[[int, float], None]
+                 ) -> None:
         self.served = served
         self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000.0
-        self.workers = workers
+        self.workers = workers = len(served.predictors)      # a reload keeps the count (the server's --workers)
         self.on_batch = on_batch                   # (rows, seconds) of every batch run
         self._queue: asyncio.Queue[Job] = asyncio.Queue()
         self._held: collections.deque[Job] = collections.deque()      # taken, but for the next batch
@@ -181,8 +181,7 @@ class MicroBatcher:
                 results = await loop.run_in_executor(self._executors[worker], run_batch, served, worker, jobs)
             except Exception as e:                  # noqa: BLE001 - every job of the batch gets it
                 results = [e] * len(jobs)
-            if self.on_batch is not None:
-                self.on_batch(sum(len(j.rows) for j in jobs), time.perf_counter() - t0)
+            self.on_batch(sum(len(j.rows) for j in jobs), time.perf_counter() - t0)
             for job, r in zip(jobs, results):
                 if job.future.done():
                     continue

@@ -19,6 +19,7 @@ import numpy as np
 
 from recsys.config import load_config
 from recsys.serving.errors import ExportError
+from recsys.serving.export_store import find_sorted
 from recsys.serving.export import new_manifest, publish, read_manifest, read_tensors, staging_dir, write_table
 
 logger = logging.getLogger(__name__)
@@ -53,32 +54,23 @@ def merge_table(base_ids: np.ndarray, base_rows: np.ndarray, delta_ids: np.ndarr
     All id arrays sorted and distinct; the result is sorted. Memory: one table.
     """
     drop = np.union1d(delta_ids, tombstones)                                 # sorted, distinct
-    keep = ~_in_sorted(base_ids, drop)                                        # [R_base]
+    keep = ~find_sorted(drop, base_ids)[1]                                    # [R_base]
     ids = np.concatenate([base_ids[keep], delta_ids])
     rows = np.concatenate([base_rows[keep], delta_rows])
     order = np.argsort(ids, kind="stable")
     return ids[order], rows[order]
 
 
-def _in_sorted(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """bool [N]: x[i] is in the sorted array `sorted_set`."""
-    if sorted_set.size == 0:
-        return np.zeros(x.shape[0], dtype=bool)
-    pos = np.minimum(np.searchsorted(sorted_set, x), sorted_set.size - 1)
-    return sorted_set[pos] == x
-
-
 def read_table(root: Path, entry: dict) -> dict[str, np.ndarray]:
     """{"ids", "weight"[, "tombstones"]} of one table of an export, memory-mapped."""
-    tensors, _ = read_tensors(root / entry["files"]["safetensors"])
-    return tensors
+    return read_tensors(root / entry["files"]["safetensors"])[0]
 
 
-def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path, verify: bool = True) -> dict:
+def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path) -> dict:
     """Write the full export `out` = base + delta; returns its manifest."""
     base_dir, delta_dir, out = Path(base_dir), Path(delta_dir), Path(out)
     t0 = time.perf_counter()
-    base, delta = read_manifest(base_dir, verify), read_manifest(delta_dir, verify)
+    base, delta = read_manifest(base_dir), read_manifest(delta_dir)
     check_applicable(base, delta, str(base_dir), str(delta_dir))
     precision = delta["precision"]
     tmp = staging_dir(out)

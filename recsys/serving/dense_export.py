@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch import nn
 from recsys.config import JobConfig
 from recsys.manifest import sha256_file
 from recsys.serving.errors import ExportError
-from recsys.models import build_job_model
+from recsys.models import build_job_model, build_sparse_arch
 
 logger = logging.getLogger(__name__)
 
@@ -102,20 +103,12 @@ def program_inputs(cfg: JobConfig, sparse) -> tuple[dict, tuple[torch.Tensor, ..
     pooled_plans = [p for p in sparse.plans if not p.linear]
     F = sum(len(p.features) for p in pooled_plans)
     F_lin = sum(len(p.features) for p in sparse.plans if p.linear)
-    D = pooled_plans[0].dim
-    Dn = len(cfg.data.dense_columns)
-    args: tuple[torch.Tensor, ...] = (torch.zeros(2, Dn), torch.zeros(2, F, D))
-    if F_lin:
-        args += (torch.zeros(2, F_lin),)
-    S, L = len(sparse.sequences), cfg.model.max_seq_len
+    D, S, L = pooled_plans[0].dim, len(sparse.sequences), cfg.model.max_seq_len
+    specs = [("dense", [len(cfg.data.dense_columns)]), ("pooled", [F, D])] + ([("linear", [F_lin])] if F_lin else [])
     if S:              # din: the behavior lists' rows per position and their mask (recsys.models.sequence)
-        args += (torch.zeros(2, S, L, D), torch.ones(2, S, L, dtype=torch.bool))
-    inputs = [{"name": "dense", "shape": ["B", Dn]}, {"name": "pooled", "shape": ["B", F, D]}]
-    if F_lin:
-        inputs.append({"name": "linear", "shape": ["B", F_lin]})
-    if S:
-        inputs += [{"name": "behaviors", "shape": ["B", S, L, D]},
-                   {"name": "mask", "shape": ["B", S, L], "dtype": "bool"}]
+        specs += [("behaviors", [S, L, D]), ("mask", [S, L])]
+    args = tuple(torch.ones(2, *s, dtype=torch.bool) if n == "mask" else torch.zeros(2, *s) for n, s in specs)
+    inputs = [{"name": n, "shape": ["B", *s], **({"dtype": "bool"} if n == "mask" else {})} for n, s in specs]
     info = {"file": "dense.pt2", "arch": cfg.model.arch, "inputs": inputs, "output": "logits [B] float32",
             "max_batch": MAX_BATCH, "autocast_bf16": cfg.train.autocast}
     return info, args
@@ -136,12 +129,9 @@ def dense_program(cfg: JobConfig, model_dir: Path, out_path: Path) -> dict:
         fresh = False
     if not fresh:
         return export_dense(cfg, model_dir / "dense.pt", out_path)
-    import shutil
-
     check_no_pickle(saved)
     shutil.copyfile(saved, out_path)
-    sparse, _ = build_job_model(cfg)
-    return program_inputs(cfg, sparse)[0]
+    return program_inputs(cfg, build_sparse_arch(cfg))[0]
 
 
 def check_no_pickle(path: Path) -> None:
@@ -195,9 +185,7 @@ class FastScorer:
             return None
         lifted = []
         for spec in sig.input_specs[:len(kinds) - user]:
-            value = program.state_dict.get(spec.target)
-            if value is None:
-                value = program.constants.get(spec.target)
+            value = program.state_dict.get(spec.target, program.constants.get(spec.target))
             if not isinstance(value, torch.Tensor):
                 return None
             lifted.append(value.detach())
@@ -218,10 +206,7 @@ class FastScorer:
 
 def _inline_disabled_autocast(gm: nn.Module) -> None:
     """Replace `wrap_with_autocast(device, dtype, False, cache, f, *args)` nodes by `f(*args)`."""
-    hop = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
-    graph = getattr(gm, "graph", None)
-    if hop is None or graph is None:
-        return
+    hop, graph = torch.ops.higher_order.wrap_with_autocast, gm.graph
     changed = False
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not hop or node.args[2] is not False:

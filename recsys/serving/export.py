@@ -88,16 +88,12 @@ def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return tensors, metadata
 
 
-def table_files(name: str) -> dict[str, str]:
-    if not _SAFE_NAME.match(name) or name.startswith("."):
-        raise ExportError(f"table {name!r}: name is not usable as a file name (letters, digits, _ . - only)")
-    return {"safetensors": f"tables/{name}.safetensors", "parquet": f"tables/{name}.parquet"}
-
-
 def write_table(root: Path, name: str, ids: np.ndarray, matrix: np.ndarray, precision: str, dim: int,
                 tombstones: np.ndarray | None = None) -> dict[str, str]:
     """Write one table's safetensors + Parquet files under `root`; returns their relative paths."""
-    files = table_files(name)
+    if not _SAFE_NAME.match(name) or name.startswith("."):
+        raise ExportError(f"table {name!r}: name is not usable as a file name (letters, digits, _ . - only)")
+    files = {"safetensors": f"tables/{name}.safetensors", "parquet": f"tables/{name}.parquet"}
     tensors = {"ids": ids.astype(np.int64, copy=False)}
     if tombstones is not None:
         tensors["tombstones"] = tombstones.astype(np.int64, copy=False)

@@ -24,6 +24,14 @@ from embedding_ps.store import done_future, pull_each
 from recsys.serving.quantize import dequantize
 
 
+def find_sorted(sorted_ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions int64 [N], found bool [N]) of keys [N] in the sorted, distinct array `sorted_ids`."""
+    if sorted_ids.size == 0:
+        return np.zeros(keys.shape[0], np.int64), np.zeros(keys.shape[0], bool)
+    pos = np.minimum(np.searchsorted(sorted_ids, keys), sorted_ids.size - 1)
+    return pos, sorted_ids[pos] == keys
+
+
 class TableView:
     """One table of an export: sorted ids [R] and their stored rows [R, W] (memory-mapped or merged)."""
 
@@ -42,10 +50,7 @@ class TableView:
 
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(positions int64 [N], found bool [N]) of keys in the sorted ids."""
-        if self.num_rows == 0:
-            return np.zeros(keys.shape[0], np.int64), np.zeros(keys.shape[0], bool)
-        pos = np.minimum(np.searchsorted(self.ids, keys), self.num_rows - 1)
-        return pos, self.ids[pos] == keys
+        return find_sorted(self.ids, keys)
 
     def defaults(self, keys: np.ndarray) -> torch.Tensor:
         """float32 [N, D]: what a PS pull returns for keys without a row."""

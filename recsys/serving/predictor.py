@@ -10,22 +10,14 @@
 
 Lookup: `export_store.TableView` (an id the table lacks gets the table's default, as a PS pull).
 
-Pooling (the hot path): `native_fused.make_pooling`, called when the Predictor opens, builds
-`NativePooling` (a C kernel compiled on first use: per-table hash maps and pooling straight into
-[B, F, D] in one or two calls, every table of a request at once), with the same results (bit for
-bit) as the per-table path below. Without a C compiler (or `Predictor(..., fused=False)`, the
-reference tests and benchmarks compare with) the per-table path pools. Latency and throughput:
-BENCHMARKS.md, "benchmarks/serving.py".
+Pooling (the hot path): `native_fused.NativePooling` (`make_pooling`, when the Predictor opens), else
+(no C compiler, or `fused=False`: the reference tests and benchmarks compare with) the per-table path:
+fp32 / fp16 rows through `ExportStore` (a read-only `embedding_ps.store.RowSource`) to the training
+`recsys.models.SparseArch`, int8 / int4 through fbgemm's TBE (`tbe_pool.QuantizedPooling`). Both, and
+what they cost: docs/serving.md, "Export for serving"; BENCHMARKS.md, "benchmarks/serving.py".
 
-Per-table pooling: fp32 / fp16 exports feed the rows, through `ExportStore` (a read-only
-`embedding_ps.store.RowSource` over the export's tables), to the `recsys.models.SparseArch`
-that training uses (unique ids -> rows -> `embedding_bag` per group of tables), so fp32 scores
-equal the trained model's eval scores. int8 / int4 exports pool in one call of fbgemm's TBE
-(`tbe_pool.QuantizedPooling`).
-
-Scores: sigmoid(logits), calibrated for the training data's negative downsampling as the manifest's
-"calibration" section says (`recsys.calibration`: sigmoid(logit + log r) when r < 1 and the model
-was not trained with negatives weighted by 1 / r); `logits` stay the dense model's own.
+Scores: sigmoid(logits), calibrated as the manifest's "calibration" section says (`recsys.calibration`);
+`logits` stay the dense model's own.
 """
 
 from __future__ import annotations
@@ -52,7 +44,7 @@ from recsys.serving.export import read_manifest
 from recsys.serving.export_store import ExportStore, TableView
 from recsys.serving.native_fused import NativePooling, make_pooling
 from recsys.serving.quantize import QUANTIZED
-from recsys.serving.retrieval import ExactIndex, ItemIndex, load_user_tower, read_items
+from recsys.serving.retrieval import ExactIndex, ItemIndex, read_items
 from recsys.serving.rows import Columns, to_table
 from recsys.serving.tbe_pool import QuantizedPooling
 from recsys.serving.errors import ExportError
@@ -68,12 +60,9 @@ class Predictor:
 
     def __init__(self, export_dir: str | Path, deltas: list[str | Path] | tuple = (), verify: bool = True,
                  fused: bool = True, index: str = "auto") -> None:
-        """`fused` False: pool through the per-table path (the training SparseArch over the export's
-        rows, or fbgemm's per-table TBE for int8 / int4), the reference that tests and
-        benchmarks/serving.py compare the native pooling with (and the path without a C compiler).
-        `export_dir` and `deltas` may be URIs
-        (`s3://...`, as `recsys.storage` reads them): they are fetched into a temporary directory
-        that lives as long as the Predictor (its tables are memory-mapped from there). `index`
+        """`fused` False: pool through the per-table path (module docstring). `export_dir` and `deltas`
+        may be URIs (`s3://...`, as `recsys.storage` reads them): they are fetched into a temporary
+        directory that lives as long as the Predictor (its tables are memory-mapped from there). `index`
         (two_tower exports: what `topk` searches): "auto" the export's ANN index when it has one,
         else exact; "exact"; "ann" the export's ANN index, or one built at load when it has none."""
         if index not in ("auto", "exact", "ann"):
@@ -110,7 +99,7 @@ class Predictor:
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
         self.exact_index: ExactIndex | None = None    # ... always exact (the same as index without an ANN)
         if "retrieval" in self.manifest:
-            self._open_retrieval(self.manifest["retrieval"])
+            self._open_retrieval(self.manifest["retrieval"], self.root)
         self.fused = fused              # pooled() through NativePooling where it builds (False: the per-table path)
         for d in deltas:
             self._merge_delta(d)
@@ -188,15 +177,14 @@ class Predictor:
 
     # -- retrieval (two_tower exports) ---------------------------------------------------------------
 
-    def _open_retrieval(self, info: dict, root: Path | None = None) -> None:
-        root = self.root if root is None else root
+    def _open_retrieval(self, info: dict, root: Path) -> None:
         ids, vectors = read_items(root, info)
         self.index = self.exact_index = ExactIndex(ids, vectors)
         if self.index_mode != "exact" and "index" in info:
             self.index = AnnIndex.load(root, info["index"], ids, self.exact_index)
         elif self.index_mode == "ann":
             self.index = AnnIndex.build(ids, vectors, self.exact_index)
-        self.user_tower = load_user_tower(root, info)
+        self.user_tower = load_dense(root / info["user_tower_file"])
         self.user_decoder = TableDecoder(dataclasses.replace(
             tower_data(self.config, self.config.model.user_features), on_bad_rows="error"))
         self._user_sparse = tower_sparse_arch(self.config, self.config.model.user_features)

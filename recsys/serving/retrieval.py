@@ -31,7 +31,7 @@ from recsys.config import JobConfig
 from recsys.models import build_job_model
 from recsys.models.replicated import ReplicatedStore, build_replicated, read_replicated
 from recsys.models.two_tower import TwoTower, item_vectors, tower_data
-from recsys.serving.dense_export import export_program, load_dense
+from recsys.serving.dense_export import export_program
 from recsys.serving.ann import AnnIndex
 from recsys.serving.errors import ExportError
 
@@ -145,10 +145,4 @@ def read_items(root: Path, info: dict) -> tuple[np.ndarray, torch.Tensor]:
     return table.column("item_id").to_numpy(), torch.from_numpy(matrix)
 
 
-def load_user_tower(root: Path, info: dict) -> nn.Module:
-    """The exported user tower (after dense_export's pickle check)."""
-    return load_dense(root / info["user_tower_file"])
-
-
-__all__ = ["ExactIndex", "ItemIndex", "export_retrieval", "read_items", "load_user_tower", "ITEMS_FILE",
-           "USER_TOWER_FILE"]
+__all__ = ["ExactIndex", "ItemIndex", "export_retrieval", "read_items", "ITEMS_FILE", "USER_TOWER_FILE"]

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from data.config import DataConfig
 
-_INT64 = (-(1 << 63), (1 << 63) - 1)
+_LO, _HI = -(1 << 63), (1 << 63) - 1          # int64
 _COLUMN_IN_MESSAGE = re.compile(r"column '([^']+)'")
 
 
@@ -29,9 +29,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str, status: int = 400) -> None:
         super().__init__(message)
         self.field, self.status = field, status
-
-    def body(self) -> dict:
-        return {"error": str(self), "field": self.field}
 
 
 def field_of(message: str, default: str = "rows") -> str:
@@ -61,26 +58,18 @@ class Columns:
 
 def _is_number(v: object) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and (not isinstance(v, int) or _INT64[0] <= v <= _INT64[1]))
+            and (not isinstance(v, int) or _LO <= v <= _HI))
 
 
 def _is_id(v: object) -> bool:
-    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1])
-
-
-def _check_value(i: int, col: str, v: object, one, what: str) -> None:
-    if v is None or one(v):
-        return
-    if isinstance(v, list) and all(x is None or one(x) for x in v):
-        return
-    raise RequestError(f"rows[{i}], column '{col}': {json_type(v)} is not {what} (or a list of them, or null)", col)
+    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool) and _LO <= v <= _HI)
 
 
 def json_type(v: object) -> str:
     if isinstance(v, bool):
         return "a boolean"
     if isinstance(v, int):
-        return "an integer" + ("" if _INT64[0] <= v <= _INT64[1] else " outside int64")
+        return "an integer" + ("" if _LO <= v <= _HI else " outside int64")
     return {str: "a string", float: "a number", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
 
 
@@ -102,22 +91,21 @@ def check_rows(body: object, cols: Columns, max_rows: int) -> list[dict]:
         for kind, names, one, what in (("dense", cols.dense, _is_number, "a number"),
                                        ("sparse", cols.sparse, _is_id, "an id (integer or string)"),
                                        ("weight", cols.weights, _is_number, "a number")):
+            lists = kind != "dense"                # ids and weights may come as lists (multi-hot)
             for c in names:
                 v = row.get(c, _MISSING)
                 if v is _MISSING:
                     raise RequestError(f"rows[{i}]: missing column '{c}' ({kind}); a row needs "
                                        f"{len(cols.dense)} dense, {len(cols.sparse)} sparse"
                                        f"{f', {len(cols.weights)} weight' if cols.weights else ''} columns", c)
-                if kind == "dense":
-                    if v is not None and not _is_number(v):
-                        raise RequestError(f"rows[{i}], column '{c}': {json_type(v)} is not a number (or null)", c)
-                else:
-                    _check_value(i, c, v, one, what)
+                if v is None or one(v) or (lists and isinstance(v, list) and all(x is None or one(x) for x in v)):
+                    continue
+                raise RequestError(f"rows[{i}], column '{c}': {json_type(v)} is not {what} "
+                                   f"({'or a list of them, or null' if lists else 'or null'})", c)
     return rows
 
 
 _MISSING = object()
-_LO, _HI = _INT64
 
 
 def _plain(row: dict, cols: Columns) -> bool:
@@ -167,13 +155,6 @@ def _type_of(values: list, empty: pa.DataType) -> pa.DataType:
     return pa.list_(empty) if listed else empty
 
 
-def _array(values: list, col: str, typ: pa.DataType) -> pa.Array:
-    try:
-        return pa.array(values, typ)
-    except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
-        raise RequestError(f"column '{col}': values of mixed types ({e})", col) from None
-
-
 def to_table(rows: list[dict], cols: Columns) -> pa.Table:
     """One Arrow table of checked rows: dense float64, ids int64 or string (lists of them for multi-hot; a
     column of nulls only: the type of `data.id_types`), weights float64 (the types training data may have)."""
@@ -182,7 +163,10 @@ def to_table(rows: list[dict], cols: Columns) -> pa.Table:
         for c in names_of:
             values = [r[c] for r in rows]
             empty = pa.float64() if number else pa.string() if cols.id_types.get(c) == "string" else pa.int64()
-            arrays.append(_array(values, c, empty if names_of is cols.dense else _type_of(values, empty)))
+            try:
+                arrays.append(pa.array(values, empty if names_of is cols.dense else _type_of(values, empty)))
+            except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+                raise RequestError(f"column '{c}': values of mixed types ({e})", c) from None
             names.append(c)
     return pa.Table.from_arrays(arrays, names=names)
 

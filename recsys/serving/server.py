@@ -54,11 +54,6 @@ class ServeOptions:
                                   f"--token-file (a bearer token), or bind 127.0.0.1")
 
 
-def load_token(path: str) -> bytes:
-    """The bearer token of --token-file (stripped); the file must not be readable by group or others."""
-    return read_secret(path, "--token-file")
-
-
 def _error(status: int, message: str, field: str) -> web.Response:
     return web.json_response({"error": message, "field": field}, status=status)
 
@@ -73,7 +68,7 @@ class Server:
     def __init__(self, options: ServeOptions, served: Served | None = None) -> None:
         options.check()
         self.options = options
-        self.token = None if options.token_file is None else load_token(options.token_file)
+        self.token = None if options.token_file is None else read_secret(options.token_file, "--token-file")
         self._initial = served
         self.metrics = Metrics()
         self.batcher: MicroBatcher | None = None
@@ -88,7 +83,7 @@ class Server:
         served = self._initial or await asyncio.to_thread(Served, o.export, (), o.workers)
         self._initial = None
         _freeze_heap()
-        self.batcher = MicroBatcher(served, o.max_batch, o.max_wait_ms, o.workers, self.metrics.batch)
+        self.batcher = MicroBatcher(served, o.max_batch, o.max_wait_ms, self.metrics.batch)
         self.batcher.start()
         self._reload_lock = asyncio.Lock()
         app = web.Application(client_max_size=o.max_body_bytes, middlewares=[self._middleware])
@@ -128,9 +123,10 @@ class Server:
             else:
                 response = await handler(request)
         except RequestError as e:
-            response = web.json_response(e.body(), status=e.status)
+            response = _error(e.status, str(e), e.field)
         except web.HTTPRequestEntityTooLarge:
-            response = self._too_large(request)
+            response = _error(413, f"the body is over {self.options.max_body_bytes} bytes (--max-body-mb)", "body")
+            response.force_close()
         except web.HTTPException as e:            # 404, 405 from the router
             response = _error(e.status, e.reason, "path" if e.status == 404 else "method")
         except Exception as e:                    # noqa: BLE001 - a bug: a JSON 500, the server goes on
@@ -143,11 +139,6 @@ class Server:
     def _authorized(self, request: web.Request) -> bool:
         scheme, _, got = request.headers.get("Authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(self.token, got.strip().encode())
-
-    def _too_large(self, request: web.Request) -> web.Response:
-        response = _error(413, f"the body is over {self.options.max_body_bytes} bytes (--max-body-mb)", "body")
-        response.force_close()
-        return response
 
     async def _body(self, request: web.Request) -> object:
         """The request's JSON, refused (413) by its Content-Length before reading, or once over the cap."""
@@ -187,7 +178,7 @@ class Server:
         except RequestError:
             raise
         except Exception as e:                    # noqa: BLE001 - logged in the batch thread
-            raise _ServerError(f"{type(e).__name__}: {e}") from None
+            raise RequestError(f"{type(e).__name__}: {e}", "", 500) from None
 
     async def _health(self, request: web.Request) -> web.Response:
         s = self.batcher.served
@@ -236,11 +227,6 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-class _ServerError(RequestError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "", 500)
-
-
 def serve(options: ServeOptions, stop: threading.Event, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve until `stop` is set (the CLI's SIGTERM / SIGINT)."""
     import torch
@@ -269,4 +255,4 @@ def serve(options: ServeOptions, stop: threading.Event, on_ready: Callable[[str]
         uvloop.run(main())
 
 
-__all__ = ["ServeOptions", "Server", "load_token", "serve"]
+__all__ = ["ServeOptions", "Server", "serve"]

@@ -103,16 +103,16 @@ class SavedShards:
     def __init__(self, source: Source) -> None:
         self.source = source
         self._replicated_state: dict | None = None
-        ps = source.config.ps
-        self.shards = [_guard(lambda i=i: self._open(i, ps.num_shards)) for i in range(ps.num_shards)]
+        self.shards = [_guard(lambda i=i: self._open(i)) for i in range(source.config.ps.num_shards)]
 
-    def _open(self, index: int, num_shards: int) -> SavedShard:
+    def _open(self, index: int) -> SavedShard:
+        ps = self.source.config.ps
         directory = shard_dir(self.source.model_dir / "ps", index)
         try:
             saved = SavedShard(directory)
         except FileNotFoundError:
-            raise ExportError(f"{directory}: missing (ps.num_shards = {num_shards})") from None
-        saved.check(self.source.config.ps.tables, shard_index=index, num_shards=num_shards, fields=_LAYOUT)
+            raise ExportError(f"{directory}: missing (ps.num_shards = {ps.num_shards})") from None
+        saved.check(ps.tables, shard_index=index, num_shards=ps.num_shards, fields=_LAYOUT)
         return saved
 
     def read_table(self, t: int, since: int | None = None) -> TableRows:
@@ -125,7 +125,7 @@ class SavedShards:
             return self._replicated(cfg)
         parts = [_guard(lambda s=s: self._read_shard(s, t, cfg, since)) for s in self.shards]
         ids = np.concatenate([p[0] for p in parts])
-        rows = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, cfg.dim), np.float32)
+        rows = np.concatenate([p[1] for p in parts])
         tomb = np.unique(np.concatenate([p[2] for p in parts]))
         del parts
         order = np.argsort(ids, kind="stable")

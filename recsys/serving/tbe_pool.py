@@ -28,13 +28,13 @@ class QuantizedPooling:
 
     def __init__(self, plans: list[TablePlan], tables: list, precision: str) -> None:
         """`tables`: predictor TableViews indexed like ps.tables (ids sorted, matrix quantized)."""
-        self.plans, self.tables, self.precision = plans, tables, precision
+        self.plans, self.tables = plans, tables
         used = sorted({p.table for p in plans})
-        self.slot = {t: i for i, t in enumerate(used)}                 # ps table index -> TBE table
+        slot = {t: i for i, t in enumerate(used)}                      # ps table index -> TBE table
         ty = SparseType.INT8 if precision == "int8" else SparseType.INT4
         specs = [(tables[t].cfg.name, tables[t].num_rows + 1, tbe_dim(precision, tables[t].cfg.dim), ty,
                   EmbeddingLocation.HOST) for t in used]
-        feature_map = [self.slot[p.table] for p in plans for _ in p.features]
+        feature_map = [slot[p.table] for p in plans for _ in p.features]
         self.tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
             specs, feature_table_map=feature_map, pooling_mode=PoolingMode.SUM, device="cpu",
             output_dtype=SparseType.FP32, bounds_check_mode=BoundsCheckMode.NONE)
