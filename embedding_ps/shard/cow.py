@@ -69,23 +69,26 @@ class RowStream:
     the next chunk is asked for).
     """
 
-    def __init__(self, save: "CowSave", index: int, tensors: Callable[[], dict[str, torch.Tensor]],
-                 rows: int, capacity: int) -> None:
+    def __init__(self, save: "CowSave", index: int, tensors: Callable[[], dict[str, torch.Tensor]], rows: int) -> None:
         self.save, self.index, self.tensors, self.rows = save, index, tensors, rows
         live = tensors()
         self.specs = {n: ((rows, *t.shape[1:]), t.numpy().dtype) for n, t in live.items()}
         self.row_bytes = sum(int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size() for t in live.values())
         self.entry_bytes = self.row_bytes + 8           # + the entry's slot and free-stack place (int32 each)
-        self.capacity = capacity                        # side buffer entries
         self.done = 0                                   # rows [0, done) are written: no pre-image needed
         self.saved = np.zeros(rows, dtype=bool)         # row has a pre-image (calloc: pages on first touch)
         self._side: dict[str, torch.Tensor] | None = None
         self._slot = np.full(0, -1, dtype=np.int32)     # entry -> row, -1: free
+        self._ehwm = 0                                  # entries [0, _ehwm) have been used
+        self.size(0, 1)
+
+    def size(self, capacity: int, chunk_rows: int) -> None:
+        """Set the side buffer's entries and the rows per chunk (`CowSave`: its share of the bound)."""
+        self.capacity = capacity
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int32)   # stack of free entries, top at the end
         self._nfree = capacity
-        self._ehwm = 0                                  # entries [0, _ehwm) have been used
-        self.chunk_rows = 0                             # set by CowSave (its share of the bound)
-        self.piece = 1                                  # rows per temporary: min(chunk_rows, PIECE_ROWS)
+        self.chunk_rows = chunk_rows
+        self.piece = min(chunk_rows, PIECE_ROWS)        # rows per temporary
 
     @property
     def used(self) -> int:
@@ -186,15 +189,15 @@ class CowSave:
         self.preserved = 0                  # pre-images saved, over all tables
         self.waits, self.wait_s, self.wait_max_s, self.hold_max_s, self.hold_total_s = 0, 0.0, 0.0, 0.0, 0.0
         self._chunk_bytes = 0
-        probes = [RowStream(self, i, fn, rows, 0) for i, (fn, rows) in enumerate(tables)]
-        rows_bytes = [p.rows * p.row_bytes for p in probes]
+        self.streams = [RowStream(self, i, fn, rows) for i, (fn, rows) in enumerate(tables)]
+        rows_bytes = [s.rows * s.row_bytes for s in self.streams]
         self.rows_bytes = sum(rows_bytes)
         self.bound_bytes = int(math.floor(extra_memory * self.rows_bytes))
-        self.fixed_bytes = int(fixed_bytes) + sum(p.rows for p in probes)      # + the "saved" flags
+        self.fixed_bytes = int(fixed_bytes) + sum(s.rows for s in self.streams)      # + the "saved" flags
         # the chunk buffer (and its temporary): at most CHUNK_BYTES, and at most an eighth of the bound
         chunk = max(1, min(CHUNK_BYTES, self.bound_bytes // 8))
-        chunk_rows = [max(1, chunk // max(p.row_bytes, 1)) for p in probes]
-        chunk_max = max(((r + min(r, PIECE_ROWS)) * p.row_bytes for r, p in zip(chunk_rows, probes)), default=0)
+        chunk_rows = [max(1, chunk // max(s.row_bytes, 1)) for s in self.streams]
+        chunk_max = max(((r + min(r, PIECE_ROWS)) * s.row_bytes for r, s in zip(chunk_rows, self.streams)), default=0)
         side = self.bound_bytes - self.fixed_bytes - chunk_max
         if side < 0:                        # the bound cannot hold: pass it by the least that keeps pushes going
             side = int(SIDE_FLOOR * self.rows_bytes)
@@ -202,12 +205,9 @@ class CowSave:
                            "%d (ps.checkpoint_extra_memory): the side buffer gets %d bytes (%.0f%% of the rows') "
                            "and the save holds up to %d", where, self.fixed_bytes + chunk_max, self.bound_bytes,
                            side, 100 * SIDE_FLOOR, self.fixed_bytes + chunk_max + side)
-        self.streams = []
-        for i, ((fn, rows), p, rb) in enumerate(zip(tables, probes, rows_bytes)):
+        for s, rb, r in zip(self.streams, rows_bytes, chunk_rows):
             share = side * rb // self.rows_bytes if self.rows_bytes else 0
-            s = RowStream(self, i, fn, rows, int(share // p.entry_bytes))
-            s.chunk_rows, s.piece = chunk_rows[i], min(chunk_rows[i], PIECE_ROWS)
-            self.streams.append(s)
+            s.size(int(share // s.entry_bytes), r)
         self.extra_bytes_peak = self.extra_bytes
 
     # -- accounting --------------------------------------------------------------------------------

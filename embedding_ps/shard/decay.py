@@ -104,14 +104,13 @@ class GlobalDecay:
             d[slots] = step
         self.clock = step if self.clock is None else max(self.clock, step)
 
-    def pull_target(self, step: int | None) -> int | None:
-        """The step a pull of `step` returns rows caught up through: step - 1 (None: the clock), noted
-        on the clock; None while the clock is unset (rows as stored)."""
+    def pull_target(self, step: int) -> int | None:
+        """The step a pull of `step` returns rows caught up through: step - 1, noted on the clock; None
+        while the clock is unset (rows as stored)."""
         if self.clock is None:
             return None
-        target = self.clock if step is None else step - 1
-        self.clock = max(self.clock, target)
-        return target
+        self.clock = max(self.clock, step - 1)
+        return step - 1
 
     def caught_up(self, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """Scale copies rows float32 [R, D] with decay steps int32 [R] through the clock, in place;

@@ -43,20 +43,6 @@ class RowSink(Protocol):
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None: ...
 
 
-class Gate(Protocol):
-    holds_pushes: bool
-
-    def must_wait(self, step: int) -> bool: ...
-
-    def pulled(self, step: int) -> None: ...
-
-    def push(self, worker: int, step: int, parts: list[Part]) -> None: ...
-
-    def barrier(self, worker: int, step: int) -> None: ...
-
-    def stats(self) -> dict: ...
-
-
 def check_worker(config: PSConfig, worker: int, what: str) -> None:
     if worker >= config.num_workers:
         raise P.ProtocolError(f"{what}: worker {worker} is outside 0..{config.num_workers - 1} (ps.num_workers)",
@@ -177,6 +163,10 @@ class AsyncGate:
 
     def stats(self) -> dict:
         return {"max_pull_lead": self.max_pull_lead, "worker_progress": list(self.progress)}
+
+
+Gate = SyncGate | AsyncGate
+"""A gate of either mode: the interface the module doc lists."""
 
 
 def make_gate(config: PSConfig, state: RowSink) -> Gate:

@@ -25,6 +25,7 @@ fbgemm_gpu, and only when a table uses it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -32,22 +33,18 @@ import torch
 from embedding_ps import native
 from embedding_ps.wire.config import TableConfig
 
-_IMPORT: dict[str, Exception | None] = {}  # "error": None once fbgemm_gpu imported; absent: not tried yet
-
 _HOST = 3  # fbgemm_gpu.split_table_batched_embeddings_ops_common.EmbeddingLocation.HOST
 _SUM = 0  # PoolingMode.SUM
 
 
+@functools.cache
 def fbgemm_error() -> Exception | None:
     """None if fbgemm_gpu imports (imported on first call, only where a table uses it), else the error."""
-    if "error" not in _IMPORT:
-        try:
-            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-
-            _IMPORT["error"] = None
-        except Exception as e:  # pragma: no cover - depends on the install
-            _IMPORT["error"] = e
-    return _IMPORT["error"]
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    except Exception as e:  # pragma: no cover - depends on the install
+        return e
+    return None
 
 
 def fbgemm_available() -> bool:

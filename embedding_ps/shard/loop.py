@@ -22,14 +22,15 @@ from embedding_ps.wire import protocol as P
 from embedding_ps.wire.auth import check_bind_auth, is_loopback, load_token, setup_server_curve, setup_server_plain
 from embedding_ps.wire.shm import REAP_S
 from embedding_ps.wire.config import PSConfig
-from embedding_ps.shard.server import DEFERRED, ShardServer, ShardStateLike, StateFactory, _buf
+from embedding_ps.shard.server import DEFERRED, ShardServer, StateFactory, _buf
+from embedding_ps.shard.state import ShardState
 
 logger = logging.getLogger("embedding_ps.shard.server")
 
 POLL_MS = 200
 """The loop wakes at least this often to notice a stop request (SIGTERM, stop())."""
 BUSY_POLL_MS = 2
-"""... and this often while a background save is prepared or written."""
+"""... and this often while a background save is written."""
 
 
 def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> None:
@@ -39,9 +40,9 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
     deferred: list[list] = []
     reaped = time.monotonic()
     while not (server.stopping or stop.is_set()):
-        if deferred and server.wakeup():      # the saver's phase ended: a parked SAVE / LOAD goes on
+        if deferred and server.wakeup():      # the background write ended: a parked SAVE / LOAD goes on
             deferred = _retry(server, sock, deferred)
-        # while the saver works, wake often to notice the end of its phase
+        # while the saver works, wake often to notice the end of its write
         if not poller.poll(BUSY_POLL_MS if server.saver.busy else POLL_MS):
             if server.shm is not None and time.monotonic() - reaped > REAP_S:   # idle: segments of dead clients
                 reaped = time.monotonic()
@@ -87,7 +88,7 @@ def _endpoint(host: str, port: int) -> str:
 def _advertised(endpoint: str, host: str) -> str:
     """The address clients use: a wildcard bind is advertised under a name of this machine that is
     not a loopback one (its FQDN, else its host name, else an address its name resolves to), as
-    clients on other hosts must reach it (a host whose FQDN is `localhost` advertised that before)."""
+    clients on other hosts must reach it."""
     if host not in ("0.0.0.0", "*", "::"):
         return endpoint
     port = endpoint.rsplit(":", 1)[1]
@@ -116,12 +117,6 @@ def _write_ready(path: str, address: str) -> None:
     with open(tmp, "w") as f:
         f.write(address + "\n")
     os.replace(tmp, path)
-
-
-def _default_state(config: PSConfig, shard_index: int) -> ShardStateLike:
-    from embedding_ps.shard.state import ShardState
-
-    return ShardState(config, shard_index)
 
 
 def _prime_malloc() -> None:
@@ -158,7 +153,7 @@ def serve(config: PSConfig, shard_index: int, *, bind: str | None = None, port: 
     host = bind or config.bind
     check_bind_auth(config, host, shard_index)
     token = load_token(config) if config.auth == "token" else None
-    state = (state_factory or _default_state)(config, shard_index)
+    state = (state_factory or ShardState)(config, shard_index)
     _prime_malloc()
     server = ShardServer(config, shard_index, state, token, bind=host)
     own_stop = stop is None              # a caller's `stop` comes with the caller's signal handling

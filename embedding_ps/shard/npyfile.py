@@ -2,7 +2,7 @@
 
     info = write_array(path, a)                        # {"size": bytes, "sha256": hex}, fsynced
     with NpyWriter(path, shape, dtype) as w: w.write(rows_part) ...   # the same, streamed
-    a = parse_npy(path, read_checked(path, info))      # or map_checked: memory-mapped, no copy
+    a = parse_npy(path, read_checked(path, info))      # mmap=True: memory-mapped, no copy
 
 `embedding_ps.shard.snapshot` (the saved shard's format and manifest) writes and reads its data files
 through these; any mismatch raises `CorruptShardError` naming the file. No pickle: arrays of
@@ -105,7 +105,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def check_size(path: str, expect: dict) -> int:
+def read_checked(path: str, expect: dict, mmap: bool = False) -> np.ndarray:
+    """The bytes of `path` as uint8 [size], checked against expect {"size", "sha256"}: read into memory,
+    or (`mmap`) memory-mapped read-only and hashed through the mapping."""
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
@@ -114,40 +116,23 @@ def check_size(path: str, expect: dict) -> int:
         raise CorruptShardError(f"{path}: truncated, {size} bytes, manifest says {expect['size']}")
     if size > expect["size"]:
         raise CorruptShardError(f"{path}: {size} bytes, longer than the {expect['size']} the manifest says")
-    return size
-
-
-def check_sha256(path: str, h: Any, expect: dict) -> None:
-    """CorruptShardError unless the digest of hash `h` (of file `path`) is the manifest's sha256."""
+    h = hashlib.sha256()
+    if mmap:
+        buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+        for lo in range(0, size, CHUNK):
+            h.update(buf[lo : lo + CHUNK])
+    else:
+        buf = np.empty(size, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size:
+                n = f.readinto(memoryview(buf[pos : pos + CHUNK]))
+                if not n:
+                    raise CorruptShardError(f"{path}: truncated while reading, {pos} bytes, manifest says {size}")
+                h.update(buf[pos : pos + n])
+                pos += n
     if h.hexdigest() != expect["sha256"]:
         raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
-
-
-def read_checked(path: str, expect: dict) -> np.ndarray:
-    """The bytes of `path` as uint8 [size], checked against expect {"size", "sha256"}."""
-    size = check_size(path, expect)
-    buf = np.empty(size, dtype=np.uint8)
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while pos < size:
-            n = f.readinto(memoryview(buf[pos : pos + CHUNK]))
-            if not n:
-                raise CorruptShardError(f"{path}: truncated while reading, {pos} bytes, manifest says {size}")
-            h.update(buf[pos : pos + n])
-            pos += n
-    check_sha256(path, h, expect)
-    return buf
-
-
-def map_checked(path: str, expect: dict) -> np.ndarray:
-    """`path` memory-mapped read-only as uint8 [size], hashed through the mapping and checked."""
-    size = check_size(path, expect)
-    buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-    h = hashlib.sha256()
-    for lo in range(0, size, CHUNK):
-        h.update(buf[lo : lo + CHUNK])
-    check_sha256(path, h, expect)
     return buf
 
 
@@ -170,5 +155,5 @@ def parse_npy(path: str, buf: np.ndarray) -> np.ndarray:
     return buf[start:].view(dtype).reshape(shape, order="F" if fortran else "C")
 
 
-__all__ = ["CHUNK", "CorruptShardError", "NpyWriter", "check_size", "fsync_dir", "map_checked", "parse_npy",
-           "read_checked", "write_array", "write_streamed"]
+__all__ = ["CHUNK", "CorruptShardError", "NpyWriter", "fsync_dir", "parse_npy", "read_checked", "write_array",
+           "write_streamed"]

@@ -85,8 +85,8 @@ def apply_update(
     """
     if slots.numel() == 0:
         return
-    if cfg.weight_decay and cfg.weight_decay_mode == "l2":
-        grads = l2_grads(cfg, weights, slots, grads)
+    if cfg.weight_decay and cfg.weight_decay_mode == "l2":     # grads + wd * w (a new tensor: `grads` is only read)
+        grads = weights.index_select(0, slots).float().mul_(cfg.weight_decay).add_(grads)
     if cfg.kernel == "fbgemm":
         if cfg.weight_decay and cfg.weight_decay_mode != "l2":   # the decoupled shrink, before the op's update
             _add_rows(weights, slots, None, decay_factor(cfg))
@@ -95,11 +95,6 @@ def apply_update(
     if scratch is None:
         scratch = torch.empty_like(grads)
     _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)
-
-
-def l2_grads(cfg: TableConfig, weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """grads + weight_decay * w of rows `slots`, float32 [U, D] (a new tensor; `grads` is only read)."""
-    return weights.index_select(0, slots).float().mul_(cfg.weight_decay).add_(grads)
 
 
 def decay_factor(cfg: TableConfig) -> float:

@@ -78,10 +78,8 @@ def finite_rows(config: PSConfig, tables: list[int], counts: list[int], grads: t
         return finite
     bad = int((~finite).sum())
     first = int((~finite).nonzero()[0])
-    start, part = 0, 0
-    while start + counts[part] <= first:
-        start += counts[part]
-        part += 1
+    part = int(np.searchsorted(np.cumsum(counts), first, side="right"))     # the part holding row `first`
+    start = sum(counts[:part])
     name = config.tables[tables[part]].name
     raise P.ProtocolError(f"PUSH: {bad} row(s) with NaN or infinite gradients (first: part {part}, table "
                           f"{name!r}, row {first - start}); nothing applied (ps.on_nonfinite = 'error')",

@@ -34,12 +34,10 @@ class ReplyBuffers(BufferPool):
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         """An uninitialized contiguous tensor backed by a pool buffer."""
-        n = shape[0] * shape[1]
-        item = torch.empty(0, dtype=dtype).element_size()
-        if n * item < self.MIN_BYTES:
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
-        raw = torch.from_numpy(self.take(n * item))
-        return raw.view(dtype).view(shape)
+        return torch.from_numpy(self.take(nbytes)).view(dtype).view(shape)
 
 
 __all__ = ["ReplyBuffers"]

@@ -2,9 +2,8 @@
 
 The server's loop calls `start` (background) or `save` (blocking) while handling a SAVE request and
 `status` for SAVE_STATUS. `start` takes the snapshot (`ShardState.snapshot`: copy-on-write, the
-shard's only pause) and a thread writes it while the loop keeps serving. Phases: idle -> writing ->
-idle. While `busy` the server parks SAVE and LOAD requests and retries them once `take_finished`
-says the write ended.
+shard's only pause) and a thread writes it while the loop keeps serving. While `busy` the server
+parks SAVE and LOAD requests and retries them once `take_finished` says the write ended.
 
 Status of the last save (what SAVE_STATUS returns)::
 
@@ -45,20 +44,15 @@ class BackgroundSaver:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._snap: Any = None
-        self.phase = "idle"
-        """"idle" | "writing"."""
+        self.busy = False
+        """True while a write runs (its status is not final yet)."""
         self._finished = threading.Event()
         self._status = self._fresh(None, "none")
-
-    @property
-    def busy(self) -> bool:
-        """True while a write runs (its status is not final yet)."""
-        return self.phase == "writing"
 
     def _refuse_if_busy(self) -> None:
         """RuntimeError while a write runs (`busy`: the caller parks the request)."""
         if self.busy:
-            raise RuntimeError(f"{self.name}: a background save is {self.phase} ({self._status['directory']})")
+            raise RuntimeError(f"{self.name}: a background save is writing ({self._status['directory']})")
 
     def start(self, state: Any, directory: str, step: int) -> dict:
         """Snapshot `state` now, write it to `directory` on a thread; returns the SAVE reply body.
@@ -69,9 +63,9 @@ class BackgroundSaver:
         self._refuse_if_busy()
         snap = state.snapshot()
         with self._lock:
-            self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s,
-                                       prepare_s=snap.prepare_s, background=True, step=step)
-        self.phase = "writing"
+            self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s, prepare_s=0.0,
+                                       background=True, step=step)
+        self.busy = True
         self._finished.clear()
         self._snap = snap          # handed over through an attribute, so the thread's args keep no reference
         self._thread = threading.Thread(target=self._write, args=(directory,), name=f"{self.name} save",
@@ -139,7 +133,7 @@ class BackgroundSaver:
             self._end(**end, **{k: stats.get(k) for k in _COW_KEYS})
         finally:
             snap = None            # the snapshot's memory goes back now, not when the next save starts
-            self.phase = "idle"
+            self.busy = False
             self._finished.set()
 
     def _end(self, state: str, **fields: Any) -> None:

@@ -58,11 +58,10 @@ _NOT_IDEMPOTENT = (P.Op.PUSH, P.Op.BARRIER)
 
 
 class ShardStateLike(Protocol):
-    """What the server needs of a shard's state: `embedding_ps.shard.state.ShardState`, or a test double."""
+    """What the server needs of a shard's state: `embedding_ps.shard.state.ShardState` (whose methods say
+    what each does), or a test double."""
 
-    def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 rows [N, D] of ids [N], written into `out` when given."""
-        ...
+    def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None: ...
 
@@ -76,14 +75,9 @@ class ShardStateLike(Protocol):
 
     def snapshot(self) -> ShardSnapshot: ...
 
-    def advance(self, step: int) -> None:
-        """Before a SAVE of `step`: bring every table's clock (global weight decay) to step - 1."""
-        ...
+    def advance(self, step: int) -> None: ...
 
-    def hint_slots(self, table: int, ids: torch.Tensor) -> None:
-        """Look the slots of ids up now (a PUSH whose grads are still being written); the push of
-        these very id tensors takes them over."""
-        ...
+    def hint_slots(self, table: int, ids: torch.Tensor) -> None: ...
 
     def clear_hints(self) -> None: ...
 
@@ -270,7 +264,7 @@ class ShardServer:
         return path
 
     def _json(self, h: P.Header, obj: Any) -> list:
-        body = json.dumps(_jsonable(obj)).encode()
+        body = json.dumps(obj, default=_json_default).encode()
         return [h.reply(dtype=P.DType.BYTES, count=len(body), dim=0).pack(), body]
 
     # -- ops ------------------------------------------------------------------------------------
@@ -453,15 +447,10 @@ def _buf(frame: Any) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+def _json_default(obj: Any) -> Any:
+    """What `json.dumps` writes for a tensor (its list), a numpy scalar (its value), anything else (its str)."""
     if isinstance(obj, torch.Tensor):
         return obj.tolist()
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
     if hasattr(obj, "item"):        # numpy scalars
         return obj.item()
     return str(obj)

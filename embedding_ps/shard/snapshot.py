@@ -44,8 +44,8 @@ import torch
 
 from embedding_ps import remote
 from embedding_ps.wire.config import TableConfig
-from embedding_ps.shard.npyfile import (CorruptShardError, fsync_dir, map_checked, parse_npy,
-                                        read_checked, write_array, write_streamed)
+from embedding_ps.shard.npyfile import (CorruptShardError, fsync_dir, parse_npy, read_checked, write_array,
+                                        write_streamed)
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,6 @@ class ShardSnapshot:
     tables: list[TableSnapshot]
     snapshot_s: float = 0.0
     """Seconds the snapshot took under the shard's lock (the shard's pause)."""
-    prepare_s: float = 0.0
-    """Seconds of preparation before that pause (0: a copy-on-write snapshot prepares nothing)."""
     on_close: Callable[[], None] | None = None
     """Ends the copy-on-write save (called once, by `close`)."""
     stats: Callable[[], dict] = field(default=dict)
@@ -306,30 +304,6 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
-def read_array(directory: str, manifest: dict, table: int, name: str, mmap: bool = False) -> np.ndarray:
-    """Array `name` of table `table`, after checking its size and SHA-256 against the manifest.
-
-    mmap=False: the file is read once into memory; the checksum is taken over those bytes and the
-    array is a view of them. mmap=True: the file is memory-mapped read-only and hashed through the
-    mapping once (one sequential read of the file, at SHA-256 speed); its pages
-    then sit in the OS page cache, not in this process's own memory, and the array is a view of the
-    mapping, so gathering a few rows of it later reads no more. Format 1 (no checksums): np.load,
-    unchecked.
-    """
-    rel = f"table{table}/{name}.npy"
-    path = os.path.join(directory, rel)
-    if manifest["format_version"] < 2:
-        try:
-            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except FileNotFoundError:
-            raise CorruptShardError(f"{path}: missing") from None
-        except (ValueError, EOFError, OSError) as e:
-            raise CorruptShardError(f"{path}: unreadable ({e})") from None
-    expect = manifest["files"][rel]
-    buf = map_checked(path, expect) if mmap else read_checked(path, expect)
-    return parse_npy(path, buf)
-
-
 class SavedShard:
     """One saved shard, opened for reading: the manifest is read and checked once, and every array
     read through it is checked against the manifest's size and SHA-256 first (CorruptShardError).
@@ -372,14 +346,30 @@ class SavedShard:
         return list(self.manifest["tables"][table]["arrays"])
 
     def array(self, table: int, name: str, mmap: bool = False) -> np.ndarray:
-        """Verified array `name` of table `table` (see `read_array` for what mmap costs)."""
+        """Array `name` of table `table`, after checking its size and SHA-256 against the manifest.
+
+        mmap=False: the file is read once into memory; the checksum is taken over those bytes and the
+        array is a view of them. mmap=True: the file is memory-mapped read-only and hashed through the
+        mapping once (one sequential read of the file, at SHA-256 speed); its pages then sit in the OS
+        page cache, not in this process's own memory, and the array is a view of the mapping, so
+        gathering a few rows of it later reads no more. Format 1 (no checksums): np.load, unchecked.
+        """
         if name not in self.manifest["tables"][table]["arrays"]:
             raise CorruptShardError(f"{self.directory}/table{table}/{name}.npy: not in the saved shard's manifest")
-        return read_array(self.directory, self.manifest, table, name, mmap=mmap)
+        rel = f"table{table}/{name}.npy"
+        path = os.path.join(self.directory, rel)
+        if self.manifest["format_version"] < 2:
+            try:
+                return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+            except FileNotFoundError:
+                raise CorruptShardError(f"{path}: missing") from None
+            except (ValueError, EOFError, OSError) as e:
+                raise CorruptShardError(f"{path}: unreadable ({e})") from None
+        return parse_npy(path, read_checked(path, self.manifest["files"][rel], mmap))
 
-    def table_arrays(self, table: int, names: Sequence[str] | None = None, mmap: bool = False) -> dict[str, np.ndarray]:
-        """{name: verified array} of table `table` (all of its arrays by default)."""
-        return {n: self.array(table, n, mmap) for n in (self.array_names(table) if names is None else names)}
+    def table_arrays(self, table: int, mmap: bool = False) -> dict[str, np.ndarray]:
+        """{name: verified array} of every array of table `table`."""
+        return {n: self.array(table, n, mmap) for n in self.array_names(table)}
 
     def check(self, tables: Sequence[TableConfig], shard_index: int | None = None, num_shards: int | None = None,
               fields: Sequence[str] = LAYOUT_FIELDS) -> None:
@@ -440,9 +430,9 @@ def verify_shard(directory: str) -> None:
                     raise CorruptShardError(f"{path}: missing")
         return
     for rel, expect in sorted(manifest["files"].items()):
-        map_checked(os.path.join(directory, rel), expect)          # hashed through a mapping: no copy
+        read_checked(os.path.join(directory, rel), expect, mmap=True)      # hashed through a mapping: no copy
 
 
 __all__ = ["FORMAT_VERSION", "LAYOUT_FIELDS", "LOW32", "CorruptShardError", "LiveRows", "SavedShard", "ShardSnapshot",
-           "TableSnapshot", "read_array", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir",
-           "table_layout", "unpack_meta", "verify_shard", "write_array"]
+           "TableSnapshot", "read_manifest", "saved_file_checksums", "saved_shard_dirs", "shard_dir", "table_layout",
+           "unpack_meta", "verify_shard", "write_array"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import threading
 import time
@@ -263,8 +264,9 @@ class ShardState:
         """
         if step is not None:
             self.advance(step)
-        with self._lock:
-            return self._snapshot().write(directory)
+        with self._lock:     # views of the live state, valid while the lock is held
+            tables = [TableSnapshot(table_layout(t.cfg), *t.to_arrays(), t.saved_rows()) for t in self.tables]
+            return ShardSnapshot(self.shard_index, self.config.num_shards, tables).write(directory)
 
     def load(self, directory: str) -> None:
         """Replace all state with a `save`d shard; the saved layout must match this config.
@@ -288,11 +290,6 @@ class ShardState:
         logger.info("shard %d loaded from %s", self.shard_index, directory)
 
     # ------------------------------------------------------------------ helpers
-    def _snapshot(self) -> ShardSnapshot:
-        """Views of the live state (valid while the lock is held)."""
-        tables = [TableSnapshot(table_layout(t.cfg), *t.to_arrays(), t.saved_rows()) for t in self.tables]
-        return ShardSnapshot(self.shard_index, self.config.num_shards, tables)
-
     def _open(self, directory: str) -> SavedShard:
         try:
             return SavedShard(directory)
@@ -316,7 +313,15 @@ class ShardState:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {MAX_STEP}], got {step}")
 
 
-_LIBC: list = []
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, if it has `malloc_trim` (glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
 def release_free_heap() -> None:
@@ -326,16 +331,8 @@ def release_free_heap() -> None:
     glibc's heap that still count as resident memory. A shard calls this after sweeps and loads,
     never on the hot path (trimmed pages fault in again, ~several us each on a VM).
     """
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name) if name else None
-            _LIBC.append(lib if lib is not None and hasattr(lib, "malloc_trim") else None)
-        except OSError:
-            _LIBC.append(None)
-    if _LIBC[0] is not None:
-        _LIBC[0].malloc_trim(0)
+    if _libc() is not None:
+        _libc().malloc_trim(0)
 
 
-__all__ = ["FORMAT_VERSION", "MAX_STEP", "CorruptShardError", "ShardSnapshot", "ShardState", "release_free_heap",
-           "shard_threads", "verify_shard"]
+__all__ = ["FORMAT_VERSION", "MAX_STEP", "CorruptShardError", "ShardState", "release_free_heap", "verify_shard"]

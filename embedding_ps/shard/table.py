@@ -127,26 +127,23 @@ class TableShard:
         return len(self.map)
 
     # ------------------------------------------------------------------ pull / push
-    def pull(self, keys: torch.Tensor, step: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def pull(self, keys: torch.Tensor, step: int, out: torch.Tensor | None) -> torch.Tensor:
         """int64 [N] keys (dups ok) -> float32 [N, D] (written into `out`, contiguous, when given).
         Missing keys get their init row, or zeros. `step`: the request's step (global decay: rows
-        caught up through step - 1; None: through the table's clock)."""
+        caught up through step - 1)."""
         snp = self.map.lookup(keys.numpy())  # int32 [N], -1: no row
         target = self.decay.pull_target(step) if self.decay is not None else None
         if out is None:
             out = torch.empty(keys.shape[0], self.cfg.dim, dtype=torch.float32)
         # one pass copies (widens fp16, catches up global decay) the rows that exist
         decay = (self.decay_step, target, self.decay.factor) if target is not None else (None, 0, 1.0)
-        if native.gather(self.weights, snp, out, self.threads, *decay) != 0:
-            self._fill_missing(keys, torch.from_numpy(snp < 0), out)
+        if native.gather(self.weights, snp, out, self.threads, *decay) != 0:   # keys without a row
+            miss = torch.from_numpy(snp < 0)
+            if self.cfg.unadmitted == "zeros":
+                out[miss] = 0.0
+            else:
+                out[miss] = init_rows(keys[miss], self.cfg.dim, self.cfg.seed, self.cfg.init, self.cfg.init_scale)
         return out
-
-    def _fill_missing(self, keys: torch.Tensor, miss: torch.Tensor, out: torch.Tensor) -> None:
-        """out[miss] = the rows a pull returns for keys without a row: init rows, or zeros."""
-        if self.cfg.unadmitted == "zeros":
-            out[miss] = 0.0
-        else:
-            out[miss] = init_rows(keys[miss], self.cfg.dim, self.cfg.seed, self.cfg.init, self.cfg.init_scale)
 
     def push(self, keys: torch.Tensor, grads: torch.Tensor, step: int, slots: np.ndarray | None = None) -> None:
         """Apply grads float32 [N, D] of keys int64 [N] (dups summed) at `step`; `grads` is not modified.
@@ -395,8 +392,7 @@ class TableShard:
             return
         meta = self.meta.index_select(0, s)
         count = extra["count"].long() if "count" in extra else meta >> 32
-        last = extra.get("last_seen", extra.get("last_update"))
-        last = last.long() if last is not None else meta & LOW32
+        last = extra["last_seen"].long() if "last_seen" in extra else meta & LOW32
         self.meta.index_copy_(0, s, (count << 32) | last)
 
     # ------------------------------------------------------------------ save / load
@@ -452,8 +448,11 @@ class TableShard:
         self.map.insert(arrays["map_keys"], arrays["map_slots"])
         self.pending.set_state(arrays["pending.keys"], arrays["pending.count"], arrays["pending.last_seen"])
         self.pending.dropped = int(meta["pending_dropped"])
-        self.evlog = [(k.copy(), int(s)) for k, s in _split_log(arrays["evlog_keys"], arrays["evlog_steps"])]
-        self.evlog_len = int(arrays["evlog_keys"].shape[0])
+        log_keys, log_steps = arrays["evlog_keys"], arrays["evlog_steps"]
+        cut = np.flatnonzero(np.diff(log_steps)) + 1      # the eviction log: one chunk per step
+        self.evlog = [(k.copy(), int(s[0])) for k, s in zip(np.split(log_keys, cut), np.split(log_steps, cut))
+                      if k.shape[0]]
+        self.evlog_len = int(log_keys.shape[0])
         self.evlog_lost_through = int(meta["evlog_lost_through"])
         for key in self.totals:
             self.totals[key] = int(meta[key])
@@ -474,14 +473,6 @@ class TableShard:
             live = {name: t[: self.hwm].numpy() for name, t in self.slot_tensors().items()}
             stream = LiveRows(live, copied=() if self.decay is None else CaughtUpRows.CHANGED)
         return stream if self.decay is None else CaughtUpRows(stream, self.decay, self.decay.clock)
-
-
-def _split_log(keys: np.ndarray, steps: np.ndarray) -> list[tuple[np.ndarray, int]]:
-    """Flat (keys [E], steps [E]) of the eviction log -> chunks of one step each."""
-    if keys.shape[0] == 0:
-        return []
-    cut = np.flatnonzero(np.diff(steps)) + 1
-    return [(k, int(s[0])) for k, s in zip(np.split(keys, cut), np.split(steps, cut))]
 
 
 def admission_coin(keys: np.ndarray, step: int, key: int) -> np.ndarray:
