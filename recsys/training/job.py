@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 import tomllib
@@ -84,10 +83,8 @@ class StopRequests:
             for pid in [r["pid"] for r in trainer_records(self.run_dir, "pids") if "pid" in r]:
                 if pid not in self._signalled:
                     self._signalled.add(pid)
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGUSR1)
-                    except ProcessLookupError:
-                        pass
             if self._done.wait(0.1):
                 return
 
@@ -154,15 +151,14 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
     return path
 
 
-def write_processes(run_dir: Path, shards: list[subprocess.Popen] | list[dict], earlier: list[dict] = (),
+def write_processes(run_dir: Path, shards: list[dict], earlier: list[dict] = (),
                     node: dict | None = None, helpers: list[dict] = ()) -> list[dict]:
     """processes.json: this launcher and its `helpers` (the local launcher's zygote), the current
-    attempt's shards and trainers, then `earlier` attempts' processes. shards: the shard processes, or
-    each shard's fields (a "pid" and where it runs: the Ray engine's actors); node: fields added to the
-    launcher's entry (its Ray node)."""
+    attempt's shards and trainers, then `earlier` attempts' processes. shards: each shard's fields (a
+    "pid", and where it runs for the Ray engine's actors); node: fields added to the launcher's entry
+    (its Ray node)."""
     entries = [{"role": "launcher", "rank": 0, "pid": os.getpid(), **(node or {})}, *helpers]
-    entries += [{"role": "ps", "rank": i, **(p if isinstance(p, dict) else {"pid": p.pid})}
-                for i, p in enumerate(shards)]
+    entries += [{"role": "ps", "rank": i, **p} for i, p in enumerate(shards)]
     entries += trainer_records(run_dir, "pids")
     entries += [e for e in earlier if e["role"] not in ("launcher", *(h["role"] for h in helpers))]
     (run_dir / "processes.json").write_text(json.dumps(entries, indent=1))
@@ -276,14 +272,10 @@ def _warm_start_of(cfg: JobConfig, checkpoint: Path | str) -> JobConfig:
 def with_run_id(cfg: JobConfig, checkpoint: Path | str | None, resume: str | None) -> JobConfig:
     """`cfg` with train.run_id: the resumed run's (its checkpoint's, or with `--resume latest` and no
     checkpoint yet the run directory's config), else a new random one."""
-    run_id = ""
-    for source in ([run_path(checkpoint, "config.toml")] if checkpoint is not None else []) + \
-            ([run_path(cfg.train.run_dir, "config.toml")] if resume else []):
-        value = _saved_train(source).get("run_id", "")
-        run_id = value if isinstance(value, str) else ""
-        if run_id:
-            break
-    run_id = run_id or uuid.uuid4().hex[:16]        # a new run: a new id (a copied config.toml's is not kept)
+    runs = ([checkpoint] if checkpoint is not None else []) + ([cfg.train.run_dir] if resume else [])
+    saved = (_saved_train(run_path(run, "config.toml")).get("run_id") for run in runs)     # read lazily, in order
+    # none saved: a new run, a new id (a copied config.toml's is not kept)
+    run_id = next((x for x in saved if isinstance(x, str) and x), None) or uuid.uuid4().hex[:16]
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_id=run_id))
 
 

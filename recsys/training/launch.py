@@ -3,7 +3,8 @@
     launcher ──zygote──> ps shard 0..N-1   (`recsys ps ...`; die with the launcher)
              ──zygote──> trainer rank 0..W-1 (worker_main; gloo / NCCL)
 
-Both are forks of one process that imported torch and the rest once (`recsys.training.procs`).
+Both are forks of one process that imported torch and the rest once (`recsys.training.procs`), out of
+the terminal's process group, and die with the launcher (PR_SET_PDEATHSIG, through that process).
 
 It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
 waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
@@ -12,8 +13,7 @@ Recovery (restarts after a kill, `job.run_attempts`) and the graceful stop (firs
 SIGUSR1 to the trainers, a checkpoint, `{"stopped": 1, ...}`; a second, or SIGHUP / SIGQUIT: `StopNow`,
 nothing saved) are as docs/operations.md describes them. An error the job raises itself is not
 retried: the first failing trainer's one-line error (`run_dir/errors/`) is raised as `WorkerError`,
-its traceback stays in `run_dir/logs/`. Shards and trainers leave the terminal's process group and
-die with the launcher (PR_SET_PDEATHSIG, through the zygote).
+its traceback stays in `run_dir/logs/`.
 """
 
 from __future__ import annotations
@@ -116,19 +116,18 @@ class ShardWatchdog:
                                  "during training" if served else "before it was ready")
                     break
         if self.dead is not None:
-            raise ShardDied(*self.dead)
+            raise ShardDied(f"ps shard {self.dead[0]} exited with code {self.dead[1]}")
 
 
 class ShardDied(RuntimeError):
-    def __init__(self, shard: int, code: int, served: bool) -> None:
-        super().__init__(f"ps shard {shard} exited with code {code}")
-        self.shard, self.code, self.served = shard, code, served
+    """A PS shard process exited (`ShardWatchdog.dead` says which, its code, whether it had served)."""
 
 
-def _helpers() -> list[dict]:
-    """processes.json's entry for the zygote (it forks the shards and trainers: `procs`)."""
+def _write_processes(run_dir: Path, shards: list[ForkedProcess], earlier: list[dict]) -> list[dict]:
+    """processes.json, with the zygote's entry (it forks the shards and trainers: `procs`)."""
     pid = zygote_pid()
-    return [] if pid is None else [{"role": "zygote", "rank": 0, "pid": pid}]
+    return write_processes(run_dir, [{"pid": p.pid} for p in shards], earlier,
+                           helpers=[] if pid is None else [{"role": "zygote", "rank": 0, "pid": pid}])
 
 
 def _failure(e: ShardDied | TrainersFailed, watchdog: ShardWatchdog, cfg: JobConfig, run_dir: Path,
@@ -208,7 +207,7 @@ def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, 
                                            None if checkpoint is None else run_path(checkpoint, "model", "ps"),
                                            None if init is None else
                                            init.root if init.export else run_path(init.model_dir, "ps"), auth)
-        write_processes(run_dir, shards, earlier, helpers=_helpers())
+        _write_processes(run_dir, shards, earlier)
         if stops.requested.is_set():
             return None              # asked to stop while the shards started: no trainer yet
         watchdog = ShardWatchdog(shards, ready_files)
@@ -219,8 +218,8 @@ def _attempt(auth: list[str], cfg: JobConfig, config_path: Path, run_dir: Path, 
                           None if init is None else str(init.root), list(auth)], check=watchdog.check)
         except (ShardDied, TrainersFailed) as e:
             raise _failure(e, watchdog, cfg, run_dir, started) from None
-        write_processes(run_dir, shards, earlier, helpers=_helpers())
+        _write_processes(run_dir, shards, earlier)
         return None if (run_dir / "stopped.json").exists() else json.loads((run_dir / "metrics.json").read_text())
     finally:
         stop(shards)
-        earlier[:] = write_processes(run_dir, shards, earlier, helpers=_helpers())
+        earlier[:] = _write_processes(run_dir, shards, earlier)

@@ -6,7 +6,7 @@
                                ──fork──> trainer rank 0..W-1 (`worker.worker_main`, RANK / WORLD_SIZE /
                                                               MASTER_ADDR / MASTER_PORT set; gloo / NCCL)
 
-Why: a fresh interpreter spends a long time importing torch, and a local job used to pay it three
+Why: a fresh interpreter spends a long time importing torch, and a local job would pay it three
 times over on the way to its first step (launcher, then shard and trainer side by side; the figures:
 BENCHMARKS.md, "benchmarks/startup.py"). The zygote starts when `recsys train` does and imports
 while the launcher reads the config and the data footers; each shard and trainer is then a fork of
@@ -23,9 +23,8 @@ terminate, kill): the zygote is the children's parent, so their exit codes arriv
 
 Lifetimes: one zygote a job (`job_zygote`: it serves the job's restarts too, and ends with it); it
 dies with the launcher (PR_SET_PDEATHSIG) and exits when its request pipe closes; each child dies
-with the zygote (its `deathsig`), so a killed launcher leaves no process.
-`run_trainers` is the trainer group: start every rank, wait, and on the first failure stop the rest
-(SIGTERM, then SIGKILL) and raise `TrainersFailed` with every failed rank's exit code.
+with the zygote (its `deathsig`), so a killed launcher leaves no process. `run_trainers` is the
+trainer group.
 """
 
 from __future__ import annotations
@@ -181,10 +180,13 @@ class Zygote:
         zygote dies."""
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r} (one of {sorted(TARGETS)})")
+        cwd = None
+        with contextlib.suppress(FileNotFoundError):     # removed: the child keeps the zygote's
+            cwd = os.getcwd()
         with self._lock:
             self._next += 1
             ident = self._next
-            request = {"id": ident, "target": target, "args": list(args), "env": env, "cwd": _cwd(),
+            request = {"id": ident, "target": target, "args": list(args), "env": env, "cwd": cwd,
                        "log": log, "session": session, "deathsig": int(deathsig)}
             try:
                 self._cmd.write(json.dumps(request).encode() + b"\n")
@@ -219,14 +221,6 @@ class Zygote:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()                  # nothing of its own to save; it may still be importing
         self.proc.wait(timeout=30)
-
-
-def _cwd() -> str | None:
-    """This process's working directory (None if it was removed: the child keeps the zygote's)."""
-    try:
-        return os.getcwd()
-    except FileNotFoundError:
-        return None
 
 
 def _zombie(pid: int) -> bool:
@@ -287,7 +281,7 @@ class TrainersFailed(RuntimeError):
 
 
 def run_trainers(world: int, args: Sequence, check: Callable[[], None] = lambda: None,
-                 poll_s: float = 0.05, stop_timeout_s: float = 30.0, target: str = "trainer") -> None:
+                 stop_timeout_s: float = 30.0, target: str = "trainer") -> None:
     """Run `world` trainer processes (worker_main(*args); `target`: another of TARGETS) on this
     machine until every one exits 0.
 
@@ -320,7 +314,7 @@ def run_trainers(world: int, args: Sequence, check: Callable[[], None] = lambda:
                 raise TrainersFailed(failed)
             if all(c == 0 for c in codes):
                 return
-            time.sleep(poll_s)
+            time.sleep(0.05)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
@@ -384,11 +378,10 @@ def _run_child(request: dict, zygote_pid: int) -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     module, name = TARGETS[request["target"]].split(":")
     fn = getattr(importlib.import_module(module), name)
-    if request["target"] == "shard":
-        sys.argv = ["recsys", *request["args"]]
-        fn()                                  # recsys.cli.entry: atexit handlers, then os._exit
-        return 0
-    fn(*request["args"])
+    args = request["args"]
+    if request["target"] == "shard":          # recsys.cli.entry reads sys.argv (atexit handlers, then os._exit)
+        sys.argv, args = ["recsys", *args], []
+    fn(*args)
     return 0
 
 

@@ -18,6 +18,7 @@ its own (`jobauth.memory_file`) that vanishes with the process, even after kill 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -28,16 +29,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
-from recsys.rundir import run_path
-from recsys.rundir import READY_TIMEOUT_S
+from recsys.rundir import READY_TIMEOUT_S, run_path
 from recsys.training.jobauth import memory_file
-from recsys.training.job import JobFailure, WorkerError, read_worker_error, write_processes
+from recsys.training.job import (JobFailure, WorkerError, prepared_run, read_worker_error, run_attempts,
+                                 write_processes)
 
 logger = logging.getLogger(__name__)
 
@@ -387,20 +389,10 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
         earlier[:] = _write_processes(run_dir, infos, earlier)
 
 
-class _NoStops:
-    """The Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see docs/cluster.md)."""
-
-    requested = threading.Event()
-
-
 def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = False,
                      overwrite: bool | None = None) -> dict:
     """Run a whole training job on Ray (cluster.address, or a local Ray instance); the final metrics,
     as `launch_train` returns them. Same run directory, same resume and restart rules."""
-    import functools
-
-    from recsys.training.job import prepared_run, run_attempts
-
     cfg = _absolute(cfg)
     if cfg.train.init_from and not resume:
         raise ConfigError("train.init_from: a warm start runs with cluster.engine = 'local' for now (the Ray "
@@ -408,8 +400,10 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
     with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, _):
         token = secrets.token_hex(32)       # per job; only Ray carries it (task arguments), never a shared file
         started = connect(cfg)
+        # the Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see docs/cluster.md)
+        no_stops = SimpleNamespace(requested=threading.Event())
         try:
-            return run_attempts(cfg, config_path, run_dir, checkpoint, _NoStops(), verbose,   # type: ignore[arg-type]
+            return run_attempts(cfg, config_path, run_dir, checkpoint, no_stops, verbose,   # type: ignore[arg-type]
                                 functools.partial(_attempt, token))
         finally:
             if started:

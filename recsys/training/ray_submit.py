@@ -57,7 +57,7 @@ def relative_paths(cfg: JobConfig) -> list[str]:
     found = []
     for key in _PATH_KEYS:
         section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name, None)
+        value = getattr(getattr(cfg, section), name)
         for path in (value if isinstance(value, tuple) else (value,)):
             if isinstance(path, str) and path and "://" not in path and not Path(path).is_absolute():
                 found.append(f"{key} = {path!r}")
@@ -76,14 +76,13 @@ def build_submission(config: str | Path, overrides: Sequence[str] = (), *, check
         raise ConfigError(f"{config}: {'; '.join(relative)}: a job on a Ray cluster needs absolute paths or "
                           f"URIs (a relative path resolves inside Ray's temporary copy of the job's working "
                           f"directory on the node that runs it)")
-    cluster = getattr(cfg, "cluster", None)      # the [cluster] section (Ray launcher); absent: local only
-    if cluster is not None and getattr(cluster, "engine", "ray") != "ray":
+    if cfg.cluster.engine != "ray":
         logger.warning("%s: cluster.engine = %r: the whole job runs on the one node that runs the "
                        "entrypoint (set cluster.engine = \"ray\" to place shards and trainers across the "
-                       "cluster)", config, cluster.engine)
-    elif cluster is not None and getattr(cluster, "address", "auto") not in ("auto",):
+                       "cluster)", config, cfg.cluster.engine)
+    elif cfg.cluster.address != "auto":
         logger.warning("%s: cluster.address = %r: inside a Ray job, \"auto\" joins the cluster that runs it",
-                       config, cluster.address)
+                       config, cfg.cluster.address)
     command = "print-config" if check else "train"
     return Submission(entrypoint=f"recsys {command} --config {JOB_CONFIG_NAME}", config_text=to_toml(cfg),
                       metadata={"recsys_command": command, "recsys_config": str(config)},
@@ -124,7 +123,6 @@ def submit(submission: Submission, address: str) -> tuple[Any, str]:
     except Exception as e:
         if type(e).__name__ != "AuthenticationError":     # ray.exceptions.AuthenticationError
             raise
-        from recsys.config import ConfigError
         raise ConfigError(f"the Ray cluster at {address} uses token authentication and refused this client "
                           f"({' '.join(str(e).split())[:200]}): set RAY_AUTH_MODE=token and give its token, in "
                           f"RAY_AUTH_TOKEN or in ~/.ray/auth_token (on the head node: `ray get-auth-token`), "

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recsys.config import ConfigError, JobConfig, load_config, to_toml
+from recsys.config import ConfigError, load_config, to_toml
 from recsys.tune_space import Param, check_space, distinct_trials, override, read_space, trial_overrides
 
 logger = logging.getLogger(__name__)
@@ -47,19 +47,15 @@ def trial_defaults(config: str, overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def metric_and_mode(cfg: JobConfig, metric: str | None, mode: str | None) -> tuple[str, str]:
-    metric = metric or f"val/{cfg.train.early_stop_metric}"
-    if not metric.startswith("val/"):
-        raise ConfigError(f"--metric {metric!r}: trials report validation metrics, val/auc, val/logloss, val/ne, ...")
-    return metric, mode or ("max" if metric.endswith("auc") else "min")
-
-
 def run_tune(config: str, overrides: Sequence[str], space: str, out: str, *, trials: int, max_concurrent: int,
              metric: str | None = None, mode: str | None = None) -> int:
     params = read_space(space)
     overrides = [*overrides, *trial_defaults(config, overrides)]
     base = check_space(params, config, overrides, space)       # before Ray: a bad key is one line, exit 2
-    metric, mode = metric_and_mode(base, metric, mode)
+    metric = metric or f"val/{base.train.early_stop_metric}"
+    if not metric.startswith("val/"):
+        raise ConfigError(f"--metric {metric!r}: trials report validation metrics, val/auc, val/logloss, val/ne, ...")
+    mode = mode or ("max" if metric.endswith("auc") else "min")
     try:
         import ray
         from recsys.training.tune_trial import JobSpec
@@ -143,7 +139,8 @@ def collect(grid: object, params: list[Param], root: Path, metric: str, mode: st
     for result in grid:
         trial_id = Path(result.path).name
         run_dir = root / "trials" / trial_id
-        value, step = best_of(val_lines(run_dir), metric, mode)
+        curve = val_lines(run_dir)
+        value, step = best_of(curve, metric, mode)
         saved = record(run_dir, "error")
         error = saved.read_text().strip() if saved.exists() else _one_line(result.error)
         values = result.config or (json.loads(record(run_dir, "json").read_text())
@@ -156,7 +153,7 @@ def collect(grid: object, params: list[Param], root: Path, metric: str, mode: st
             state = "stopped" if record(run_dir, STOPPED).exists() else "unfinished"    # unfinished: a Ctrl-C
         rows.append({"trial_id": trial_id, "status": state, **{p.key: values.get(p.key) for p in params},
                      "best": value, "best_step": step, "run_dir": str(run_dir), "error": error,
-                     "curve": val_lines(run_dir)})
+                     "curve": curve})
     return sorted(rows, key=lambda r: r["trial_id"])
 
 

@@ -57,14 +57,6 @@ class JobSpec:
     may be secrets) need not carry them through Ray's object store."""
 
 
-def job_env(spec: JobSpec) -> dict[str, str] | None:
-    """The environment of a trial's job (see JobSpec.env_names); None: this process's, unchanged."""
-    if not spec.env_names:
-        return None
-    names = set(spec.env_names)
-    return {k: v for k, v in os.environ.items() if k in names}
-
-
 def val_lines(run_dir: Path) -> list[dict]:
     """The validation passes in `run_dir/metrics.jsonl` so far (a line being written is skipped)."""
     try:
@@ -105,11 +97,13 @@ class JobTrial(tune.Trainable):
             record(self.run_dir, kind).unlink(missing_ok=True)
         record(self.run_dir, "json").write_text(json.dumps(config, default=lambda v: v.item()))   # its values
         cmd = job_command(spec, config, self.run_dir)
+        names = set(spec.env_names)       # none: the job gets this process's environment, unchanged
+        env = {k: v for k, v in os.environ.items() if k in names} if names else None
         with open(self.log_path, "ab") as log:
             # the job gets SIGTERM (a graceful stop) if this trial's worker dies
             self.proc = subprocess.Popen(cmd, cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
-                                         start_new_session=True, env=job_env(spec))
+                                         start_new_session=True, env=env)
 
     def step(self) -> dict:
         while True:

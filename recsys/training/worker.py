@@ -22,11 +22,11 @@ import torch.distributed as dist
 from data.parquet import DataError
 from embedding_ps.client.client import PSClient
 from embedding_ps.store import EmbeddingStore
-from recsys.config import JobConfig, load_config
+from recsys.config import ConfigError, JobConfig, load_config
 from recsys.dist import all_reduce, barrier
 from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
-from recsys.models.replicated import REPLICATED_FILE, save_bytes
+from recsys.models.replicated import REPLICATED_FILE, load_bytes, save_bytes
 from recsys.models.replicated import read_replicated as saved_replicated
 from recsys.training import stopping
 from recsys.training.checkpoint import checkpoint_path, read_manifest
@@ -89,8 +89,6 @@ def check_shards(store: PSClient, world: int) -> None:
     ConfigError naming the shard and the flag to start it with (a shard started with another
     ps.num_workers refused the first PUSH of a worker outside its range, under a gloo traceback).
     Shards started by hand are then told to exit by `recsys.train` (`stop_shards_after`)."""
-    from recsys.config import ConfigError
-
     for info, address in zip(store.health(), store.addresses):
         workers = info.get("num_workers", world)
         if workers != world:
@@ -291,7 +289,7 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
             store.load(ps_dir(run_path(best, "model")))
         barrier()                 # nobody pulls before the shards hold the best rows
         dense = storage.read_bytes(run_path(best, "model", "dense.pt"))
-        trainer.model.load_state_dict(torch.load(io.BytesIO(dense), weights_only=True))
+        trainer.model.load_state_dict(load_bytes(dense))
         if trainer.replicated is not None:
             trainer.replicated.load_state(saved_replicated(run_path(best, "model")), where=str(best))
         trainer.strategy.resumed(trainer.step)       # async: progress again after the LOAD
