@@ -394,10 +394,14 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
     """Run a whole training job on Ray (cluster.address, or a local Ray instance); the final metrics,
     as `launch_train` returns them. Same run directory, same resume and restart rules."""
     cfg = _absolute(cfg)
+    no_warm_start = ConfigError("train.init_from: a warm start runs with cluster.engine = 'local' for now (the "
+                                "Ray engine's shard actors restore only checkpoints); use --resume of a run with a "
+                                "checkpoint, or the local engine")
     if cfg.train.init_from and not resume:
-        raise ConfigError("train.init_from: a warm start runs with cluster.engine = 'local' for now (the Ray "
-                          "engine's shard actors restore only checkpoints); use --resume, or the local engine")
-    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, _):
+        raise no_warm_start
+    with prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init):
+        if init is not None:                # --resume of a run without a checkpoint yet: the warm start
+            raise no_warm_start
         token = secrets.token_hex(32)       # per job; only Ray carries it (task arguments), never a shared file
         started = connect(cfg)
         # the Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see docs/cluster.md)

@@ -106,3 +106,39 @@ def test_a_cluster_with_token_auth_and_no_token_is_one_line(tmp_path: Path, monk
                                           r"this client \(Token authentication is enabled but no authentication "
                                           r"token was found\): set RAY_AUTH_MODE=token and give its token"):
         ray_submit.submit(sub, "http://h:8265")
+
+
+def test_the_ray_engine_refuses_a_warm_start_also_under_resume(tmp_path: Path, monkeypatch) -> None:
+    """train.init_from on the Ray engine is refused before any Ray call: without --resume at once, and
+    with `--resume latest` of a run that has no checkpoint yet (where the warm start would apply) once
+    the run is prepared; a resume that finds a checkpoint goes on (the warm start does not apply)."""
+    import contextlib
+    import dataclasses
+
+    pytest.importorskip("ray")
+    from recsys.training import ray_launch
+
+    cfg = load_config(None, absolute(tmp_path))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(tmp_path / "day1")))
+    init = []
+
+    @contextlib.contextmanager
+    def prepared(cfg, resume, overwrite):
+        yield cfg, tmp_path, tmp_path / "config.toml", None, init[0]
+
+    class Connected(Exception):
+        pass
+
+    def connect(cfg):
+        raise Connected
+
+    monkeypatch.setattr(ray_launch, "prepared_run", prepared)
+    monkeypatch.setattr(ray_launch, "connect", connect)
+    with pytest.raises(ConfigError, match="train.init_from: a warm start runs with cluster.engine = 'local'"):
+        ray_launch.launch_train_ray(cfg)
+    init.append(object())                                    # --resume latest, no checkpoint: a warm start
+    with pytest.raises(ConfigError, match="train.init_from: a warm start runs with cluster.engine = 'local'"):
+        ray_launch.launch_train_ray(cfg, resume="latest")
+    init[0] = None                                           # a checkpoint to resume: no warm start
+    with pytest.raises(Connected):
+        ray_launch.launch_train_ray(cfg, resume="latest")
