@@ -1,5 +1,5 @@
-"""What the trainer and the predictor ask of every model: its extra inputs and its loss (the model
-hooks), so that neither names an architecture.
+"""What the trainer asks of every model: its extra inputs and its loss (the model hooks), so that it
+names no architecture (the predictor runs the exported dense program, `recsys/serving/dense_export.py`).
 
     args, kwargs = model.extra_inputs(sparse, lookup, batch, train)    # after lookup.wait()
     logits = model(dense, pooled, linear, *args, **kwargs)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
