@@ -2,7 +2,7 @@
  * `pool.c`: the serving kernel), compiled together into one shared object by
  * `embedding_ps/native.py`: one loader, one cache directory, one ABI number (`ps_abi_version`).
  *
- * Plain C99 (GNU attributes where the compiler has them), no Python or torch headers: callers
+ * GNU C99 (gcc or clang: builtins, attributes, __atomic), no Python or torch headers: callers
  * pass raw pointers through ctypes after `native.py` checked dtypes, contiguity and sizes.
  * Here: the parallel-for, SplitMix64, IEEE fp16 <-> fp32, and the formula of a default row
  * (`embedding_ps/init.py`'s symmetric bits), each in one copy.
@@ -17,15 +17,9 @@
 
 #define PS_GOLDEN 0x9E3779B97F4A7C15ULL
 
-#if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
 #define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1)
 #define PS_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
-#else
-#define PREFETCH(p) ((void)0)
-#define PREFETCH_W(p) ((void)0)
-#define PS_ADD(p, v) (*(p) += (v)) /* single-threaded builds only */
-#endif
 
 /* ------------------------------------------------------------------ parallel for */
 #define PS_MAX_THREADS 64

@@ -280,16 +280,25 @@ void ps_h2f_array(const uint16_t *src, float *dst, int64_t n) {
 static inline void ps_wake(int32_t *word) {
 #ifdef __linux__
     syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-#else
-    (void)word;
 #endif
 }
 
-/* Nanoseconds left of timeout_ns since t0 (CLOCK_MONOTONIC); <= 0: none. */
-static inline int64_t ps_ns_left(const struct timespec *t0, int64_t timeout_ns) {
+/* Sleep on the futex `word` while it holds `seen` (it returns at once otherwise), for at most 1 ms and
+ * what is left of timeout_ns since t0 (CLOCK_MONOTONIC); elsewhere than Linux: yield. Returns 0 (no
+ * sleep) when no time is left. A writer that stores without a wake is seen at the next sleep. */
+static int ps_sleep(int32_t *word, int32_t seen, const struct timespec *t0, int64_t timeout_ns) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
-    return timeout_ns - ((t.tv_sec - t0->tv_sec) * 1000000000LL + (t.tv_nsec - t0->tv_nsec));
+    int64_t left = timeout_ns - ((t.tv_sec - t0->tv_sec) * 1000000000LL + (t.tv_nsec - t0->tv_nsec));
+    if (left <= 0) return 0;
+#ifdef __linux__
+    if (left > 1000000) left = 1000000;
+    struct timespec rel = {0, (long)left};
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, &rel, NULL, 0);
+#else
+    sched_yield();
+#endif
+    return 1;
 }
 
 /* dst [n] = src [n] (32-bit values: fp32 grads), in one pass that also checks every value is
@@ -323,11 +332,9 @@ void ps_publish(int64_t *flag, int64_t value) {
 }
 
 /* Wait until *flag is `want` or `-want` (the writer gave up) or timeout_ns passed: spins on an
- * acquire load for the first few thousand checks (the copy is usually done by then), then sleeps in
- * the kernel on a futex of the flag's low 32 bits in slices of at most 1 ms (ps_publish wakes it;
- * a writer without the wake is seen at the next slice), where it spun on sched_yield before: with
- * more processes than cores the spinning took CPU from the very writer it waited for. Returns the
- * value last read. */
+ * acquire load for the first few thousand checks (the copy is usually done by then), then sleeps on
+ * a futex of the flag's low 32 bits (ps_sleep; ps_publish wakes it), as spinning with more processes
+ * than cores would take CPU from the very writer it waits for. Returns the value last read. */
 int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
     struct timespec t0;
     for (int i = 0; i < 4096; i++) {
@@ -338,16 +345,7 @@ int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
     for (;;) {
         int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
         if (v == want || v == -want) return v;
-        int64_t left = ps_ns_left(&t0, timeout_ns);
-        if (left <= 0) return v;
-#ifdef __linux__
-        if (left > 1000000) left = 1000000;
-        struct timespec rel = {0, (long)left};
-        /* returns at once if the low half changed since v was read */
-        syscall(SYS_futex, (int32_t *)flag, FUTEX_WAIT, (int32_t)(uint32_t)(uint64_t)v, &rel, NULL, 0);
-#else
-        sched_yield();
-#endif
+        if (!ps_sleep((int32_t *)flag, (int32_t)(uint32_t)(uint64_t)v, &t0, timeout_ns)) return v;
     }
 }
 
@@ -358,24 +356,16 @@ void ps_notify(int32_t *word, int32_t value) {
     ps_wake(word);
 }
 
-/* Wait until *word != 0 or timeout_ns passed, asleep in the kernel (a futex; elsewhere: yielding);
- * returns the value last read (0: timed out). Each sleep lasts at most 1 ms, as ps_wait_flag's: a
- * writer that stores without a wake (a peer without this library: reference.notify) is seen then. */
+/* Wait until *word != 0 or timeout_ns passed, asleep in the kernel (ps_sleep: a writer without the
+ * wake, a peer without this library: reference.notify, is seen within 1 ms); returns the value last
+ * read (0: timed out). */
 int32_t ps_wait_word(int32_t *word, int64_t timeout_ns) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if (v != 0) return v;
-        int64_t left = ps_ns_left(&t0, timeout_ns);
-        if (left <= 0) return 0;
-#ifdef __linux__
-        if (left > 1000000) left = 1000000;
-        struct timespec rel = {0, (long)left};
-        syscall(SYS_futex, word, FUTEX_WAIT, 0, &rel, NULL, 0); /* returns at once if *word != 0 */
-#else
-        sched_yield();
-#endif
+        if (!ps_sleep(word, 0, &t0, timeout_ns)) return 0;
     }
 }
 
