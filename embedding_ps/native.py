@@ -332,9 +332,11 @@ def update(optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, sl
         _check(decay_steps, torch.int32, "decay_steps")
         _require(decay_steps.shape[0] == weights.shape[0], "update: decay_steps needs a step per weights row")
         dp = decay_steps.data_ptr()
-    c.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
-                float(np.float32(-lr)), float(np.float32(eps)), mp, int(step), WEIGHT_DECAY_MODES[mode],
-                float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), dp, threads, int(sort))
+    if c.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
+                   float(np.float32(-lr)), float(np.float32(eps)), mp, int(step), WEIGHT_DECAY_MODES[mode],
+                   float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), dp, threads,
+                   int(sort)) != 0:
+        raise MemoryError(f"native update of {n} rows of width {d}: out of memory (some rows were not updated)")
     return True
 
 

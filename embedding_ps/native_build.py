@@ -27,7 +27,7 @@ _SOURCES = ("ps.c", "pool.c")
 _HEADERS = ("native.h",)
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-ffp-contract=off", "-fno-fast-math")
 _LIBS = ("-lm",)
-ABI = 10
+ABI = 11
 
 _state: dict = {"cache_dir": None}
 
@@ -40,7 +40,7 @@ _SIGS = {
     "ps_has_duplicates": ([_P, _I64, _P], ctypes.c_int),
     "ps_gather": ([_P, ctypes.c_int, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, ctypes.c_int], _I64),
     "ps_update": ([ctypes.c_int, _P, ctypes.c_int, _P, _I64, _P, _I64, _P, ctypes.c_float, ctypes.c_float, _P, _I64,
-                   ctypes.c_int, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int], None),
+                   ctypes.c_int, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "ps_f2h_array": ([_P, _P, _I64], None),
     "ps_copy_finite": ([_P, _P, _I64, ctypes.c_int], ctypes.c_int),
     "ps_publish": ([_P, _I64], None),

@@ -37,7 +37,7 @@
 #define PS_MIN_CHUNK 4096 /* items per thread below which starting a thread costs more than it saves */
 
 /* the ABI of the whole library (ps.c and pool.c): native.py refuses a cached build of another one */
-int ps_abi_version(void) { return 10; }
+int ps_abi_version(void) { return 11; }
 
 static inline uint64_t ps_home(int64_t key, uint64_t nb) {
     const uint64_t z = ps_splitmix64((uint64_t)key + PS_GOLDEN);
@@ -479,7 +479,7 @@ static inline void ps_adagrad_f32(float *restrict w, float *restrict h, const fl
  * ((float)(1 - lr * wd)) before adding the update, AdamW-style; wd_mode 3 ("global", decay.py)
  * first catches a row k = step - dstep[s] > 0 steps behind up by decay^k and sets dstep[s] = step
  * (a row already past `step` is not scaled), then adds the update; 0: none. */
-static void ps_update_range(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots,
+static int ps_update_range(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots,
                             const int32_t *order, int64_t n, const float *g, float neg_lr, float eps, int64_t *meta,
                             int64_t step, int wd_mode, float wd, float decay, int32_t *dstep) {
     const int64_t es = half ? 2 : 4;
@@ -488,7 +488,7 @@ static void ps_update_range(int opt, void *w, int half, float *state, int64_t d,
     float *gbuf = NULL; /* l2: the row's gradient + wd * w [d] */
     if (wd_mode == 1) {
         gbuf = (float *)malloc((size_t)d * sizeof(float));
-        if (!gbuf) return; /* the caller checks the library before; allocation of d floats */
+        if (!gbuf) return -1; /* out of memory: nothing of the range updated */
     }
     for (int64_t k = 0; k < n; k++) {
         if (k + PFU < n) {
@@ -567,6 +567,7 @@ static void ps_update_range(int opt, void *w, int half, float *state, int64_t d,
         }
     }
     free(gbuf);
+    return 0;
 }
 
 struct ps_update_ctx {
@@ -584,14 +585,17 @@ struct ps_update_ctx {
     int wd_mode;
     float wd, decay;
     int32_t *dstep;
+    int failed; /* a range found no memory (set by any thread, read after the join) */
 };
 
 static void ps_update_chunk(void *p, int64_t lo, int64_t hi) {
     struct ps_update_ctx *c = (struct ps_update_ctx *)p;
     /* sorted: the chunk is a range of the order, slots and grads stay indexed by request position */
     const int64_t at = c->order ? 0 : lo;
-    ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots + at, c->order ? c->order + lo : NULL, hi - lo,
-                    c->g + at * c->d, c->neg_lr, c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay, c->dstep);
+    if (ps_update_range(c->opt, c->w, c->half, c->state, c->d, c->slots + at, c->order ? c->order + lo : NULL,
+                        hi - lo, c->g + at * c->d, c->neg_lr, c->eps, c->meta, c->step, c->wd_mode, c->wd, c->decay,
+                        c->dstep) != 0)
+        __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
 }
 
 #define PS_SORT_MIN 2048 /* rows below which sorting costs more than the cache misses it saves */
@@ -625,15 +629,16 @@ static int32_t *ps_slot_order(const int32_t *slots, int64_t n) {
 /* ps_update_range over nthreads threads: slots must be unique, so each row has one owner thread.
  * sort != 0 (and n >= PS_SORT_MIN): rows are updated grouped by slot range, in increasing order
  * (ps_slot_order; each row's math is the same in any order: same results, fewer cache and TLB
- * misses on a large table). */
-void ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
+ * misses on a large table). Returns 0, or -1 when out of memory (some rows not updated). */
+int ps_update(int opt, void *w, int half, float *state, int64_t d, const int32_t *slots, int64_t n,
                const float *g, float neg_lr, float eps, int64_t *meta, int64_t step, int wd_mode, float wd,
                float decay, int32_t *dstep, int nthreads, int sort) {
     int32_t *order = sort && n >= PS_SORT_MIN ? ps_slot_order(slots, n) : NULL;
     struct ps_update_ctx c = {opt, w, half, state, d, slots, order, g, neg_lr, eps, meta, step, wd_mode, wd, decay,
-                              dstep};
+                              dstep, 0};
     ps_parallel(ps_update_chunk, &c, n, nthreads, PS_MIN_CHUNK);
     free(order);
+    return c.failed ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------ row init (init.py) */

@@ -5,7 +5,11 @@ Every test runs the same operations twice, once with the native library and once
 """
 
 import contextlib
+import os
+import subprocess
+import sys
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -394,3 +398,30 @@ def test_unique_of_random_ids_with_collisions() -> None:
     uniq, inverse, counts = native.unique(x, counts=True)
     assert torch.equal(uniq[inverse], x) and int(counts.sum()) == x.numel()
     assert torch.equal(torch.sort(uniq).values, torch.unique(x))
+
+
+_OOM_UPDATE = """
+import resource, sys
+import numpy as np, torch
+from embedding_ps import native
+d = 1 << 22                                   # one 16 MB row: the l2 scratch row is a 16 MB malloc
+w, g, slots = torch.zeros(1, d), torch.ones(1, d), np.zeros(1, dtype=np.int32)
+args = ("sgd", w, None, slots, g, 0.1, 1e-8, None, 0)
+native.update(*args, weight_decay=0.01, weight_decay_mode="l2")
+vm = int([x for x in open("/proc/self/status") if x.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))
+try:
+    native.update(*args, weight_decay=0.01, weight_decay_mode="l2")
+except MemoryError as e:
+    sys.exit("out of memory (some rows were not updated)" not in str(e))
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not native.available() or not Path("/proc/self/status").exists(), reason="C library, Linux")
+def test_update_out_of_memory_raises() -> None:
+    """An l2 update whose scratch row cannot be allocated raises MemoryError (it updated nothing silently)."""
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", _OOM_UPDATE], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
