@@ -197,7 +197,7 @@ def background_save(state: ShardState, directory: str, pusher: Pusher) -> dict:
     hwm = proc_status_kb("VmHWM")
     stats = snap.stats()
     rss_extra = (hwm - rss0) * 1024 if measured and hwm is not None and rss0 is not None else None
-    return {"snapshot_s": snap.snapshot_s, "prepare_s": snap.prepare_s, "write_s": write_s, "nbytes": snap.nbytes,
+    return {"snapshot_s": snap.snapshot_s, "prepare_s": 0.0, "write_s": write_s, "nbytes": snap.nbytes,
             "rss_extra": rss_extra, "pushes": pushes, "push_rate": pushes * pusher.n / done_s,
             "push_rate_alone": pusher.alone_rate, **stats}
 
