@@ -399,18 +399,19 @@ def sv_pool(rows: torch.Tensor, buckets: torch.Tensor | None, values: torch.Tens
     the hash maps: the kernel fills `rows` block by block as it pools (no slot of code -3)."""
     _check(rows, torch.int32, "rows"), _check(offsets, torch.int64, "offsets"), _check(slots, torch.int64, "slots")
     _check(values, torch.int64, "values"), _check(out0, torch.float32, "out0")
-    _require(values.shape == rows.shape, "sv_pool: values and rows differ")
     if buckets is not None:
         _check(buckets, torch.int64, "map")
         _require(not bool((slots[:, 12] == -3).any()), "sv_pool: slots whose unknown ids need the caller's rows")
-    for t, name in ((weights, "weights"), (defaults, "defaults"), (out1, "out1")):
-        if t is not None:
-            _check(t, torch.float32, name)
-    _require(weights is None or weights.shape[0] == rows.shape[0], "sv_pool: a weight per row")
-    S = slots.shape[0]
-    _require(offsets.shape[0] == S * B + 1 and rows.shape[0] == int(offsets[-1]), "sv_pool: offsets and rows")
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-    _kernel(kernel).sv_pool(rows.data_ptr(), ptr(buckets), values.data_ptr(), ptr(weights), ptr(defaults),
-                            offsets.data_ptr(), slots.data_ptr(), S, B, out0.data_ptr(), ptr(out1), threads)
+    if weights is not None:
+        _check(weights, torch.float32, "weights")
+    if defaults is not None:
+        _check(defaults, torch.float32, "defaults")
+    if out1 is not None:
+        _check(out1, torch.float32, "out1")
+    S, n = slots.shape[0], rows.shape[0]
+    _require(values.shape[0] == n and (weights is None or weights.shape[0] == n) and offsets.shape[0] == S * B + 1
+             and n == int(offsets[-1]), "sv_pool: rows, values, weights and offsets differ")
+    _kernel(kernel).sv_pool(rows.data_ptr(), None if buckets is None else buckets.data_ptr(), values.data_ptr(),
+                            None if weights is None else weights.data_ptr(),
+                            None if defaults is None else defaults.data_ptr(), offsets.data_ptr(), slots.data_ptr(),
+                            S, B, out0.data_ptr(), None if out1 is None else out1.data_ptr(), threads)

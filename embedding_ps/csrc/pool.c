@@ -19,7 +19,7 @@
  *      default: the caller computes it and points the row at it)
  *   13 uniform default: splitmix64(seed)            14 uniform default: the float32 bits of its scale
  *
- * Float math (so that results are bit-equal to the per-table path's):
+ * Float math (so that results are bit-equal to today's paths):
  *   fp32 (torch embedding_bag on CPU, fbgemm SpMDM): acc = 0; per id acc += row (unweighted) or
  *     acc = fma(w, row, acc) (per-id weights, sum bags only); mean bags: acc / (float)len.
  *   fp16: the same, on the row widened to float32 (exact: every half is a float), so the results
@@ -31,8 +31,9 @@
  *   key, computed in the loop exactly as embedding_ps/init.py's `init_rows` computes it; <= -4:
  *   a default row the caller computed (see sv_bag).
  *
- * Threads: lookups and pooling split the examples between threads (`ps_parallel`, native.h: results
- * do not depend on the thread count).
+ * Threads: lookups and pooling split the examples into contiguous chunks, one per thread
+ * (`ps_parallel`, native.h); every item's math is the same whatever
+ * the chunking, so results do not depend on the thread count.
  */
 #include "native.h"
 
@@ -123,7 +124,7 @@ static inline __attribute__((always_inline)) void sv_row_c(float *restrict acc, 
 }
 
 /* SV_PORTABLE (a -D flag): no AVX2 path at all, as on a machine other than x86 (tests build it so). */
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(SV_PORTABLE)
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(SV_PORTABLE)
 #define SV_FMA_DISPATCH 1
 #include <immintrin.h>
 /* 8 elements a step (fp16 widened by vcvtph2ps, exact; int4: 16), sv_row_c for the rest; only
@@ -180,7 +181,6 @@ struct sv_pool_ctx {
     const int64_t *offsets, *slots;
     int64_t B, S;
     float *out[2];
-    int64_t misses; /* sv_lookup's count of code -3 */
 };
 
 /* One bag k = s * B + b. Rows r >= 0: the slot's matrix; -1: nothing; -2: the key's uniform default
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void sv_bag(const struct sv_pool_ct
         const float w = wts ? wts[i] : inv;
         if (r < 0) {
             if (!defaults) {
-                memset(dacc, 0, (size_t)d * sizeof(float));
+                for (int64_t j = 0; j < d; j++) dacc[j] = 0.0f;
                 defaults = 1;
             }
             for (int64_t j = 0; j < d; j++) dacc[j] += x[j] * w;
@@ -290,9 +290,15 @@ static inline __attribute__((always_inline)) void sv_probe_block(const struct sv
 
 #define SV_BLOCK 64
 
+struct sv_lookup_ctx {
+    struct sv_pool_ctx c;
+    int64_t misses;
+};
+
 /* Examples [lo, hi) of every slot looked up as the pooling looks them up, block by block */
 static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
-    struct sv_pool_ctx *c = (struct sv_pool_ctx *)p;
+    struct sv_lookup_ctx *l = (struct sv_lookup_ctx *)p;
+    const struct sv_pool_ctx *c = &l->c;
     for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
         sv_home_block(c, b0, b1);
@@ -301,16 +307,16 @@ static void sv_lookup_chunk(void *p, int64_t lo, int64_t hi) {
     int64_t misses = 0;
     for (int64_t s = 0; s < c->S; s++)
         for (int64_t i = c->offsets[s * c->B + lo]; i < c->offsets[s * c->B + hi]; i++) misses += c->rows[i] == -3;
-    PS_ADD(&c->misses, misses);
+    PS_ADD(&l->misses, misses);
 }
 
 /* rows[i] = the row of values[i] (slot of i: bag i falls in, bags k = s * B + b), or the slot's
  * code of unknown ids when its table lacks the key. Returns how many got code -3 (the caller's). */
 int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B, const int64_t *values,
                   const int64_t *offsets, int32_t *rows, int nthreads) {
-    struct sv_pool_ctx c = {rows, map, values, NULL, NULL, offsets, slots, B, S, {NULL, NULL}, 0};
-    ps_parallel(sv_lookup_chunk, &c, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);
-    return c.misses;
+    struct sv_lookup_ctx l = {{rows, map, values, NULL, NULL, offsets, slots, B, S, {NULL, NULL}}, 0};
+    ps_parallel(sv_lookup_chunk, &l, B, nthreads, S > 0 ? (SV_MIN_BAGS + S - 1) / S : SV_MIN_BAGS);
+    return l.misses;
 }
 
 /* Examples [lo, hi) of every slot, in blocks of SV_BLOCK examples: for each block, slot by slot, so
@@ -321,8 +327,7 @@ int64_t sv_lookup(const int64_t *map, const int64_t *slots, int64_t S, int64_t B
     for (int64_t b = b0; b < b1; b++) sv_bag(c, s * c->B + b, sl, s, end, DC, V);                  \
     break;
 static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_ctx *c, int64_t lo, int64_t hi,
-                                                          const int V) {
-    const int64_t S = c->S;
+                                                          int64_t S, const int V) {
     for (int64_t b0 = lo; b0 < hi; b0 += SV_BLOCK) {
         const int64_t b1 = b0 + SV_BLOCK < hi ? b0 + SV_BLOCK : hi;
         if (c->map) {                               /* this block's rows; the next block's buckets in flight */
@@ -347,14 +352,14 @@ static inline __attribute__((always_inline)) void sv_bags(const struct sv_pool_c
 }
 
 static void sv_pool_chunk_generic(void *p, int64_t lo, int64_t hi) {
-    sv_bags((const struct sv_pool_ctx *)p, lo, hi, 0);
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S, 0);
 }
 
 #ifdef SV_FMA_DISPATCH
 /* The same code with hardware fma (fmaf is one instruction there, a libm call otherwise) and the
  * AVX2 / F16C row ops (flatten: inlined here with the constant widths). */
 __attribute__((target("avx2,fma,f16c"), flatten)) static void sv_pool_chunk_fma(void *p, int64_t lo, int64_t hi) {
-    sv_bags((const struct sv_pool_ctx *)p, lo, hi, 1);
+    sv_bags((const struct sv_pool_ctx *)p, lo, hi, ((const struct sv_pool_ctx *)p)->S, 1);
 }
 #endif
 
@@ -367,7 +372,7 @@ __attribute__((target("avx2,fma,f16c"), flatten)) static void sv_pool_chunk_fma(
 void sv_pool(int32_t *rows, const int64_t *map, const int64_t *values, const float *weights, const float *defaults,
              const int64_t *offsets, const int64_t *slots, int64_t S, int64_t B, float *out0, float *out1,
              int nthreads) {
-    struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}, 0};
+    struct sv_pool_ctx c = {rows, map, values, weights, defaults, offsets, slots, B, S, {out0, out1}};
     ps_chunk_fn fn = sv_pool_chunk_generic;
 #ifdef SV_FMA_DISPATCH
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
