@@ -16,6 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from recsys import storage
+from recsys.rundir import run_path
+
 
 def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
@@ -58,18 +61,17 @@ def write_manifest(root: Path, manifest: dict[str, Any], known: dict[str, dict[s
 
 def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format: str,
                   version: tuple[str, int], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`root/manifest.json` of an export (a checkpoint's is read through `storage`, then checked by
-    `parse_manifest`): a JSON object of `format` whose `version[0]` key is `version[1]`, holding the
-    `required` keys and a `files` table. Raises `error` naming the file: missing ("not {kind}"), not
-    JSON, of another format or version, or without a key. (A saved PS shard's: `embedding_ps.shard.snapshot`.)"""
-    path = Path(root) / "manifest.json"
+    """`root/manifest.json` (a local path or a URI) of a checkpoint or export: a JSON object of `format`
+    whose `version[0]` key is `version[1]`, holding the `required` keys and a `files` table. Raises
+    `error` naming the file: missing ("not {kind}"), not JSON, of another format or version, or
+    without a key. The one reader of recsys' manifests (a saved PS shard's is
+    `embedding_ps.shard.snapshot`'s)."""
+    path = run_path(root, "manifest.json")
     try:
-        text = path.read_text()
+        data = storage.read_bytes(path)         # bytes: json.loads refuses bad UTF-8 as invalid JSON
     except FileNotFoundError:
         raise error(f"{path}: missing (not {kind})") from None
-    except UnicodeDecodeError as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
-    return parse_manifest(text, str(path), error, format=format, version=version, required=required)
+    return parse_manifest(data, str(path), error, format=format, version=version, required=required)
 
 
 def parse_manifest(text: str | bytes, path: str, error: type[Exception], *, format: str, version: tuple[str, int],

@@ -52,7 +52,8 @@ from embedding_ps.store import EmbeddingStore
 from recsys import storage
 from recsys.config import JobConfig, to_toml
 from recsys.dist import all_gather_parts, barrier, collective_device
-from recsys.manifest import check_files, file_entry, parse_manifest
+from recsys.manifest import check_files, file_entry
+from recsys.manifest import read_manifest as _read_manifest
 from recsys.manifest import write_manifest as write_files_manifest
 from recsys.models.replicated import (REPLICATED_FILE, ReplicatedTables, TableOptimizer, load_bytes,
                                       save_bytes)
@@ -130,12 +131,8 @@ def publish_checkpoint(local: Path, root: str, info: dict[str, Any]) -> dict[str
 
 
 def read_manifest(root: Path | str) -> dict[str, Any]:
-    path = run_path(root, "manifest.json")
-    try:
-        data = storage.read_bytes(path)         # bytes: json.loads refuses bad UTF-8 as invalid JSON
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
-    return parse_manifest(data, str(path), CorruptCheckpointError, format=FORMAT, version=("version", VERSION))
+    return _read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint", format=FORMAT,
+                          version=("version", VERSION))
 
 
 def verify_checkpoint(root: str | Path, checksums: bool = True) -> dict[str, Any]:
