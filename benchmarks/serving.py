@@ -288,7 +288,7 @@ def check_baseline(p: Predictor, base: Baseline, decoded: Batch, a: float) -> fl
 
 
 def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, requests: int,
-                    allow_missing: bool) -> tuple[dict, str, dict[str, list[float]]]:
+                    allow_missing: bool, min_s: float = 0.3) -> tuple[dict, str, dict[str, list[float]]]:
     """One precision's figures, the baseline's label and every batch-1 call's latency (ms)."""
     t0 = time.perf_counter()
     p = Predictor(export)
@@ -318,14 +318,14 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
         out.update(pooling_rows_mib=round(held["rows"] / 2**20, 1), pooling_maps_mib=round(held["maps"] / 2**20, 1))
     per_table = Predictor(export, fused=False)                               # the per-table path, same requests
     r = rates({"ours": p.pooled, "baseline": base, "per_table": per_table.pooled},
-              {"ours": bigs, "baseline": base_bigs, "per_table": bigs}, BIG)
+              {"ours": bigs, "baseline": base_bigs, "per_table": bigs}, BIG, min_s=min_s)
     out["pooled_per_s_b4096"] = round(r["ours"])
     out["per_table_per_s_b4096"] = round(r["per_table"])
     out["baseline_per_s_b4096"] = round(r["baseline"])
-    out["predictions_per_s_b4096"] = round(rate(p.predict, bigs, BIG))
+    out["predictions_per_s_b4096"] = round(rate(p.predict, bigs, BIG, min_s=min_s))
     out["ratio_b4096_vs_baseline"] = round(out["pooled_per_s_b4096"] / out["baseline_per_s_b4096"], 3)
     # like for like: the baseline plus the raw id -> row map it needs (per-table np.searchsorted)
-    out["baseline_with_id_map_per_s_b4096"] = round(rate(lambda b: base(base.inputs(b)), bigs, BIG))
+    out["baseline_with_id_map_per_s_b4096"] = round(rate(lambda b: base(base.inputs(b)), bigs, BIG, min_s=min_s))
     out["ratio_b4096_vs_baseline_with_id_map"] = round(
         out["pooled_per_s_b4096"] / out["baseline_with_id_map_per_s_b4096"], 3)
     lat = latencies(per_table.predict, ones[:max(200, requests // 5)], warmup=20)
@@ -348,7 +348,7 @@ def run(a: argparse.Namespace) -> dict:
         res, label, calls = {}, "", {}
         for prec in PRECISIONS:
             res[prec], label, calls[prec] = bench_precision(Path(tmp) / prec, decoded, a.zipf, a.unseen,
-                                                            a.requests, a.allow_missing_baseline)
+                                                            a.requests, a.allow_missing_baseline, a.timed_s)
     b1 = {"p50_ms_b1": max(res[x]["p50_ms_b1"] for x in TARGETED),
           "p99_ms_b1": max(res[x]["p99_ms_b1"] for x in TARGETED)}
     if a.latencies:
@@ -371,6 +371,8 @@ def main() -> int:
     ap.add_argument("--unseen", type=float, default=0.05, help="fraction of ids never seen by the export")
     ap.add_argument("--requests", type=int, default=2000, help="batch-1 requests timed per precision")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (ours and the baseline alike)")
+    ap.add_argument("--timed-s", type=float, default=0.3,
+                    help="seconds of each batch-4096 timing (5 of them per rate); small for a smoke run")
     ap.add_argument("--allow-missing-baseline", action="store_true",
                     help="without torchrec, measure plain nn.EmbeddingBag as the baseline instead of failing")
     ap.add_argument("--latencies", metavar="FILE",
