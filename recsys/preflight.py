@@ -42,11 +42,10 @@ def preflight_train(cfg: JobConfig, resume: str | None = None) -> None:
 
         known = resolve_init(cfg.train.init_from, verify=False).config.data.id_types
         cfg = dataclasses.replace(cfg, data=with_id_types(cfg.data, known, read_footer=False))
+    if not cfg.data.train_paths:
+        raise PreflightError("data.train_paths: empty (list the training Parquet files, directories or globs)")
     for key in ("train_paths", "eval_paths", "test_paths"):
-        paths = getattr(cfg.data, key)
-        if key == "train_paths" and not paths:
-            raise PreflightError("data.train_paths: empty (list the training Parquet files, directories or globs)")
-        if paths:
+        if paths := getattr(cfg.data, key):
             preflight_data(cfg, paths, f"data.{key}", scoring=key != "train_paths")
     if storage.is_uri(cfg.train.run_dir):
         check_remote_run_dir(cfg.train.run_dir)
@@ -132,9 +131,7 @@ def preflight_export(source_dir: Path, is_checkpoint: bool, out: Path) -> None:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").exists())):
         raise PreflightError(f"--out {out}: exists and is not an export; refusing to replace it "
                              f"(choose a new directory)")
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = next((p for p in out.parents if p.exists()), out.parent)      # the nearest that exists
     if not os.access(parent, os.W_OK):
         raise PreflightError(f"--out {out}: {parent} is not writable (choose a writable directory)")
 

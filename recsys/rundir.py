@@ -79,9 +79,8 @@ def local_run(run_dir: str | Path, last: bool = False) -> Iterator[Path]:
         for name in ("config.toml", "metrics.json"):
             if storage.is_file(run_path(run_dir, name)):
                 (local / name).write_bytes(storage.read_bytes(run_path(run_dir, name)))
-        use_best = not last and has_best(run_dir)
-        storage.download_dir(run_path(run_dir, BEST_DIR if use_best else "model"),
-                             local / (BEST_DIR if use_best else "model"))
+        model = BEST_DIR if not last and has_best(run_dir) else "model"
+        storage.download_dir(run_path(run_dir, model), local / model)
         yield local
 
 
@@ -218,10 +217,8 @@ class UriLock:
 
     def release(self) -> None:
         if self.held:
-            try:
+            with contextlib.suppress(OSError):
                 storage.delete_tree(self.path)
-            except OSError:
-                pass
             self.held = False
 
 
@@ -235,11 +232,9 @@ def _describe(holder: dict) -> str:
 
 
 def _alive(pid: object) -> bool:
-    if not isinstance(pid, int):
-        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, TypeError):     # gone, or no pid recorded
         return False
     except PermissionError:     # alive, of another user
         pass

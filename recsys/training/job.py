@@ -46,8 +46,6 @@ class StopRequests:
     gets SIGUSR1, also those that start later (a thread watches until `close`). Second: StopNow.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.requested = threading.Event()
@@ -58,7 +56,7 @@ class StopRequests:
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -145,9 +143,7 @@ def write_run_dir(cfg: JobConfig, run_dir: Path, *, fresh: bool = True) -> Path:
             old.unlink()
         (run_dir / "stopped.json").unlink(missing_ok=True)
     path = run_dir / "config.toml"
-    tmp = run_dir / f"config.toml.{os.getpid()}.tmp"
-    tmp.write_text(to_toml(cfg))
-    os.replace(tmp, path)
+    storage.write_text(path, to_toml(cfg))
     return path
 
 
@@ -319,9 +315,9 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
     try:
         while True:
             try:
-                extra = {"init": init} if init is not None and checkpoint is None else {}
                 (run_dir / "metrics.json").unlink(missing_ok=True)
-                metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose, **extra)
+                metrics = attempt(cfg, config_path, run_dir, checkpoint, earlier, stops, verbose,
+                                  init=init if checkpoint is None else None)
                 if metrics is None:
                     return _stopped(run_dir, config_path, checkpoint)
                 logger.info("%s", closing_summary(cfg, metrics))

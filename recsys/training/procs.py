@@ -427,9 +427,8 @@ def _serve(cmd_fd: int, evt_fd: int) -> None:
             data = os.read(cmd_fd, 1 << 20)
             if not data:
                 return                              # the launcher is done (or gone)
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
+            *lines, buf = (buf + data).split(b"\n")
+            for line in lines:
                 request = json.loads(line)
                 pid = _fork(request, (cmd_fd, evt_fd))
                 children[pid] = request["id"]

@@ -28,8 +28,8 @@ import re
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -38,12 +38,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.rundir import READY_TIMEOUT_S, run_path
 from recsys.training.jobauth import memory_file
-from recsys.training.job import (JobFailure, WorkerError, prepared_run, read_worker_error, run_attempts,
-                                 write_processes)
+from recsys.training.job import (JobFailure, StopRequests, WorkerError, prepared_run, read_worker_error,
+                                 run_attempts, write_processes)
 
 logger = logging.getLogger(__name__)
-
-STRATEGY = {"spread": "SPREAD", "pack": "PACK"}
 
 
 class ClusterResourceError(RuntimeError):
@@ -179,11 +177,10 @@ def connect(cfg: JobConfig) -> bool:
     if cfg.cluster.address:
         ray.init(address=cfg.cluster.address, log_to_driver=False)
         return True
-    need: dict[str, float] = {}
+    need: Counter[str] = Counter()
     for bundle, count in ((cfg.cluster.ps_bundle(), cfg.ps.num_shards),
                           (cfg.cluster.trainer_bundle(), cfg.train.num_trainers)):
-        for k, v in bundle.items():
-            need[k] = need.get(k, 0.0) + v * count
+        need.update({k: v * count for k, v in bundle.items()})
     custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU", "memory")}
     ray.init(address="local",                 # a new instance, not one `ray start` left on this machine
              num_cpus=max(os.cpu_count() or 1, int(need.get("CPU", 0) + 0.999)), resources=custom or None,
@@ -205,14 +202,11 @@ def _absolute(cfg: JobConfig) -> JobConfig:
 
 def _missing(role: str, key: str, bundle: dict[str, float], count: int) -> str:
     """One line: what the cluster lacks for `count` bundles of `role`, and which nodes are dead.
-    Totals count the living nodes only: `ray.cluster_resources()` still counts a node lost moments
-    ago, which made the line say e.g. "0 free of 2" of a resource no living node has."""
+    Totals count the living nodes only (`ray.cluster_resources()` still counts a node lost moments ago)."""
     nodes, free = ray.nodes(), ray.available_resources()
-    total: dict[str, float] = {}
+    total: Counter[str] = Counter()
     for n in nodes:
-        if n["Alive"]:
-            for k, v in n["Resources"].items():
-                total[k] = total.get(k, 0.0) + v
+        total.update(n["Resources"] if n["Alive"] else {})
     short = [f"{k} {v * count:g} needed, {free.get(k, 0.0):g} free of {total.get(k, 0.0):g}"
              for k, v in bundle.items() if v * count > free.get(k, 0.0) + 1e-9]
     dead = [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n in nodes if not n["Alive"]]
@@ -233,26 +227,20 @@ def _reserve(role: str, key: str, bundle: dict[str, float], count: int, strategy
     return pg
 
 
-def _actor_options(bundle: dict[str, float]) -> dict:
-    """Ray actor options reserving exactly `bundle` (num_cpus always explicit)."""
-    opts = {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0)}
-    if "memory" in bundle:
-        opts["memory"] = bundle["memory"]
-    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
-    return opts | ({"resources": custom} if custom else {})
-
-
 def start_shards(cfg: JobConfig, token: str, restore: Path | str | None) -> tuple[list, list[dict], object]:
     """ps.num_shards shard actors in one placement group; their handles, infos (address, pid, node) and the group."""
     bundle = cfg.cluster.ps_bundle()
     pg = _reserve("ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards,
-                  STRATEGY[cfg.cluster.placement], cfg.cluster.start_timeout_s)
+                  cfg.cluster.placement.upper(), cfg.cluster.start_timeout_s)
     remote = ray.remote(ShardActor)
     text = to_toml(cfg)
-    actors = [remote.options(**_actor_options(bundle), max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                             name=None).remote(text, i, token, cfg.train.run_dir,
-                                               None if restore is None else str(restore))
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    options = {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),   # exactly one bundle
+               **({"memory": bundle["memory"]} if "memory" in bundle else {}),
+               **({"resources": custom} if custom else {})}
+    actors = [remote.options(**options, max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                             ).remote(text, i, token, cfg.train.run_dir, None if restore is None else str(restore))
               for i in range(cfg.ps.num_shards)]
     try:
         infos = ray.get([a.ready.remote(READY_TIMEOUT_S) for a in actors], timeout=READY_TIMEOUT_S + 30)
@@ -347,7 +335,7 @@ class StepLines(threading.Thread):
 
 
 def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: Path | str | None,
-             earlier: list[dict], stops: object, verbose: bool) -> dict:
+             earlier: list[dict], stops: StopRequests, verbose: bool, init: None = None) -> dict:
     """One start of the shard actors and the Ray Train trainers; the final metrics. Raises JobFailure
     when a process of it died, WorkerError when a trainer failed, ClusterResourceError."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -359,7 +347,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
         actors, infos, pg = start_shards(cfg, token, restore)
         _write_processes(run_dir, infos, earlier)
         logger.info("ps shards ready at %s", ", ".join(f"{i['address']} (node {i['node_id'][:12]})" for i in infos))
-        bundle, strategy = cfg.cluster.trainer_bundle(), STRATEGY[cfg.cluster.placement]
+        bundle, strategy = cfg.cluster.trainer_bundle(), cfg.cluster.placement.upper()    # SPREAD | PACK
         remove_placement_group(_reserve("trainer", "cluster.trainer_resources", bundle, cfg.train.num_trainers,
                                         strategy, cfg.cluster.start_timeout_s))   # fail fast, in one line
         trainer = TorchTrainer(
@@ -404,10 +392,9 @@ def launch_train_ray(cfg: JobConfig, resume: str | None = None, verbose: bool = 
             raise no_warm_start
         token = secrets.token_hex(32)       # per job; only Ray carries it (task arguments), never a shared file
         started = connect(cfg)
-        # the Ray engine forwards no stop request to its trainers (Ctrl-C ends the driver; see docs/cluster.md)
-        no_stops = SimpleNamespace(requested=threading.Event())
+        # never entered: the Ray engine forwards no stop request (Ctrl-C ends the driver; see docs/cluster.md)
         try:
-            return run_attempts(cfg, config_path, run_dir, checkpoint, no_stops, verbose,   # type: ignore[arg-type]
+            return run_attempts(cfg, config_path, run_dir, checkpoint, StopRequests(run_dir), verbose,
                                 functools.partial(_attempt, token))
         finally:
             if started:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -92,12 +91,9 @@ def build_submission(config: str | Path, overrides: Sequence[str] = (), *, check
 @contextmanager
 def working_dir(submission: Submission) -> Iterator[str]:
     """A fresh directory holding only `job.toml`: the job's runtime_env working_dir (removed after)."""
-    tmp = tempfile.mkdtemp(prefix="recsys-job-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="recsys-job-", ignore_cleanup_errors=True) as tmp:
         (Path(tmp) / JOB_CONFIG_NAME).write_text(submission.config_text)
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _client(address: str) -> Any:
