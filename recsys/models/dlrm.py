@@ -9,9 +9,6 @@
 With no dense columns (Dn = 0) there is no bottom MLP: the interaction runs over the F embeddings
 alone (F(F-1)/2 dot products), and the mean of the embeddings [B, D] takes the bottom output's
 place in front, so the top MLP still sees first-order terms (and F = 1 still has an input).
-
-The sparse arch (lookups on the PS and pooling) lives in `recsys.models.sparse_arch`; DLRM gets
-its output `pooled` [B, F, D] and owns only the dense parameters.
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ class InteractionArch(nn.Module):
 
     def __init__(self, num_sparse_features: int, with_dense: bool = True) -> None:
         super().__init__()
-        self.F = num_sparse_features
         self.with_dense = with_dense
-        n = self.F + 1 if with_dense else self.F                            # vectors that interact
+        n = num_sparse_features + 1 if with_dense else num_sparse_features  # vectors that interact
         rows, cols = torch.triu_indices(n, n, offset=1)                      # [n(n-1)/2] each
         # Buffers follow .to(device); not persistent, so they never enter the saved state dict.
         self.register_buffer("triu_rows", rows, persistent=False)

@@ -7,38 +7,18 @@ import torch
 from torch import nn
 
 
-NORMS = ("none", "batch", "layer")
-"""`model.norm`: what follows each Linear of an MLP, before its ReLU."""
-
-
-def norm_layer(norm: str, width: int) -> nn.Module | None:
-    """The normalization of `model.norm` over `width` features ([B, width] -> [B, width]), or None.
-
-    "batch": BatchNorm1d (batch statistics in training, running ones in eval mode; under DDP each
-    rank normalizes over its own rows). "layer": LayerNorm over the features of each row (no batch
-    statistics, so train and eval compute the same function, whatever the batch split).
-    """
-    if norm == "batch":
-        return nn.BatchNorm1d(width)
-    if norm == "layer":
-        return nn.LayerNorm(width)
-    if norm == "none":
-        return None
-    raise ValueError(f"model.norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
-
-
 class MLP(nn.Module):
     """Linear (-> Norm) -> ReLU (-> Dropout) for each size in `layer_sizes`.
 
     Every layer, the last included, ends in a ReLU, as in torchrec's `MLP`: the callers add their
     own final `nn.Linear(..., 1)` where they need an unbounded logit. With norm "none" the layers
-    (and so the state dict keys and the init draws) are exactly those of the MLP before norms existed.
+    (and so the state dict keys and the init draws) are those of a plain MLP.
 
     Args:
         in_features: width of the input, Din.
         layer_sizes: output width of each layer; the last one is the output width H.
         dropout: dropout probability after each ReLU (0 disables it).
-        norm: "none", "batch" (BatchNorm1d) or "layer" (LayerNorm) after each Linear.
+        norm: "none", "batch" (BatchNorm1d) or "layer" (LayerNorm) after each Linear (`model.norm`).
 
     Example::
 
@@ -49,11 +29,13 @@ class MLP(nn.Module):
     def __init__(self, in_features: int, layer_sizes: tuple[int, ...], dropout: float = 0.0,
                  norm: str = "none") -> None:
         super().__init__()
+        if norm not in ("none", "batch", "layer"):
+            raise ValueError(f"model.norm must be one of 'none', 'batch', 'layer', got {norm!r}")
         layers: list[nn.Module] = []
         for size in layer_sizes:
             layers.append(nn.Linear(in_features, size))
-            if (n := norm_layer(norm, size)) is not None:
-                layers.append(n)
+            if norm != "none":
+                layers.append(nn.BatchNorm1d(size) if norm == "batch" else nn.LayerNorm(size))
             layers.append(nn.ReLU())
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))

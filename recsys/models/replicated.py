@@ -109,32 +109,24 @@ def resolve_placement(cfg: JobConfig) -> Placement:
     eligible = [t for t in ps.tables if t.placement == "replicated" or _why_ps(t) is None]
     vocab = vocabularies(cfg, [t.name for t in eligible])
     report: dict[str, dict] = {}
-    budget = ps.replicate_max_bytes
-    used = 0
-    for t in eligible:
-        if t.placement == "replicated":
-            size = table_bytes(t, vocab[t.name].size)
+    budget, used, max_rows = ps.replicate_max_bytes, 0, ps.replicate_max_rows
+    # the `replicated` tables first (in config order), then the `auto` ones, smallest first
+    for t in sorted(eligible, key=lambda t: -1 if t.placement == "replicated" else table_bytes(t, vocab[t.name].size)):
+        rows, size = int(vocab[t.name].size), table_bytes(t, vocab[t.name].size)
+        if t.placement == "replicated" or (rows <= max_rows and used + size <= budget):
             used += size
-            report[t.name] = {"placement": "replicated", "rows": int(vocab[t.name].size), "bytes": size,
-                              "why": "placement = 'replicated'"}
-            if used > budget:
+            if used > budget:          # only a `replicated` table gets here
                 raise ConfigError(
-                    f"ps.tables[{t.name}].placement = 'replicated': {vocab[t.name].size} distinct ids in "
+                    f"ps.tables[{t.name}].placement = 'replicated': {rows} distinct ids in "
                     f"data.train_paths take {size} bytes on each trainer (weight, gradient, optimizer state); "
                     f"the replicated tables need {used} > ps.replicate_max_bytes = {budget} (raise it, or "
                     f"set placement = 'ps' or 'auto')")
-    for t in sorted((t for t in eligible if t.placement == "auto"), key=lambda t: table_bytes(t, vocab[t.name].size)):
-        rows, size = int(vocab[t.name].size), table_bytes(t, vocab[t.name].size)
-        if rows > ps.replicate_max_rows:
-            why = f"{rows} distinct ids > ps.replicate_max_rows = {ps.replicate_max_rows}"
-        elif used + size > budget:
-            why = f"{size} bytes would pass ps.replicate_max_bytes = {budget} ({used} used)"
+            why = f"auto: {rows} ids <= {max_rows}" if t.placement == "auto" else "placement = 'replicated'"
+            report[t.name] = {"placement": "replicated", "rows": rows, "bytes": size, "why": why}
         else:
-            used += size
-            report[t.name] = {"placement": "replicated", "rows": rows, "bytes": size,
-                              "why": f"auto: {rows} ids <= {ps.replicate_max_rows}"}
-            continue
-        report[t.name] = {"placement": "ps", "rows": rows, "why": f"auto: {why}"}
+            why = (f"{rows} distinct ids > ps.replicate_max_rows = {max_rows}" if rows > max_rows
+                   else f"{size} bytes would pass ps.replicate_max_bytes = {budget} ({used} used)")
+            report[t.name] = {"placement": "ps", "rows": rows, "why": f"auto: {why}"}
     tables = []
     for t in ps.tables:
         entry = report.setdefault(t.name, {"placement": "ps", "why": _why_ps(t)})

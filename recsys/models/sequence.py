@@ -71,13 +71,11 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
     plan: TablePlan = lookup.plans[p]
     g = next(i for i, group in enumerate(lookup.groups) if p in group)
     base = sum(lookup.ids[q].numel() for q in lookup.groups[g][:lookup.groups[g].index(p)])  # plan p's rows in the leaf
-    B = lookup.batch_size
-    k = plan.features.index(feature)
-    lens_all = lookup.lengths[p].view(len(plan.features), B)                 # [F_t, B]
-    counts = [lookup.feature_ids[f] for f in plan.features]                 # ids per feature of the plan (host)
-    start = sum(counts[:k])
-    inv = lookup.inverse[p][start:start + counts[k]]                         # [N_f] into the plan's unique ids
-    lens = lens_all[k]                                                       # [B]
+    B, k = lookup.batch_size, plan.features.index(feature)
+    start = sum(lookup.feature_ids[f] for f in plan.features[:k])          # the plan's ids before feature's
+    n = lookup.feature_ids[feature]                                          # feature's ids (host counts)
+    inv = lookup.inverse[p][start:start + n]                                 # [n] into the plan's unique ids
+    lens = lookup.lengths[p].view(len(plan.features), B)[k]                  # [B]
     dev = lens.device
     mask = torch.arange(max_len, device=dev).unsqueeze(0) < lens.unsqueeze(1)   # [B, L]
     rows = lookup.rows[g]                                                    # [U_g, D] leaf
@@ -85,7 +83,6 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
         return rows.new_zeros(B, max_len, rows.shape[1]), mask.to(rows.device)
     # bag b's ids in order at [b, 0 .. len_b): flat positions from the lengths (no boolean-mask write,
     # which reads the mask's count back from a GPU)
-    n = counts[k]
     bag = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=n)          # [n]
     within = torch.arange(n, device=dev) - (torch.cumsum(lens, 0) - lens).index_select(0, bag)
     idx = torch.zeros(B * max_len, dtype=torch.int64, device=dev).index_copy_(

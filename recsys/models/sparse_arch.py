@@ -12,7 +12,7 @@ The rows of each group of tables sharing (dim, pooling mode) come back as one le
 request per shard), so autograd gives their gradient
 directly; no embedding table lives in the trainer. Pooling is one `F.embedding_bag` per group, so
 the whole batch pools in a handful of kernel calls, not one per feature; sum pooling's backward is
-one index_add_ (`_SumPool`), and the usual single group pools example-major, straight into
+one more embedding_bag (`_SumPool`), and the usual single group pools example-major, straight into
 [B, F, D].
 """
 
@@ -115,7 +115,7 @@ class SparseLookup:
             # the usual case: one group holds every embedded feature, in order; pooled straight
             # into [B, F, D] (bags example-major), with no stack and no copy of its gradient
             g = dense_groups[0]
-            stacked = self._pool_group(g, self.groups[g], example_major=True).view(B, len(feats_of[g]), -1)
+            stacked = self._pool_group(g, example_major=True).view(B, len(feats_of[g]), -1)
         else:
             stacked = None
         pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
@@ -123,7 +123,7 @@ class SparseLookup:
         for g, group in enumerate(self.groups):
             if stacked is not None and g in dense_groups:
                 continue
-            out = self._pool_group(g, group)                # [sum(F_t) * B, D]
+            out = self._pool_group(g)                       # [sum(F_t) * B, D]
             feats = feats_of[g]
             linear_group = self.plans[group[0]].linear
             # one view + unbind: its backward is one stack, where B-row slices would each
@@ -138,29 +138,25 @@ class SparseLookup:
         lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
         return stacked, lin
 
-    def _pool_group(self, g: int, group: list[int], example_major: bool = False) -> torch.Tensor:
-        """embedding_bag over the group's rows [U_g, D] (tables sharing dim and pooling mode).
+    def _pool_group(self, g: int, example_major: bool = False) -> torch.Tensor:
+        """embedding_bag over group g's rows [U_g, D] (tables sharing dim and pooling mode).
 
         Bags are feature-major ([F_g * B, D]: feature after feature), or with `example_major`
         example-major ([B * F_g, D], i.e. [B, F_g, D]): the ids are permuted into that order first.
         """
-        base = 0
-        indices, offsets, weights = [], [], []
-        num_ids = 0
+        group, base, num_ids = self.groups[g], 0, 0
+        indices, offsets = [], []
         for p in group:
             indices.append(self.inverse[p] + base if base else self.inverse[p])
             offsets.append(self.offsets[p] + num_ids if num_ids else self.offsets[p])
             base += self.ids[p].numel()
             num_ids += self.inverse[p].numel()
-            w = self.weights[p]
-            weights.append(w if w is not None else torch.ones(self.inverse[p].numel(), device=self.inverse[p].device))
         mode = self.plans[group[0]].pooling
-        # batch.weights covers every feature (1.0 where a feature has no weight column); only sum
-        # pooling takes per-id weights, and JobConfig rejects weight columns on mean-pooled tables
-        use_weights = mode == "sum" and any(self.weights[p] is not None for p in group)
+        # batch.weights covers every feature (1.0 where a feature has no weight column): every plan has
+        # weights or none does; only sum pooling takes them (JobConfig rejects them on mean-pooled tables)
         cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
-        idx, offs, w = cat(indices), cat(offsets), (cat(weights) if use_weights else None)
-        lens = cat([self.lengths[p] for p in group])
+        idx, offs, lens = cat(indices), cat(offsets), cat([self.lengths[p] for p in group])
+        w = cat([self.weights[p] for p in group]) if mode == "sum" and self.weights[group[0]] is not None else None
         single = all(self.single[p] for p in group)                   # one id per bag (from the host lengths)
         if example_major:
             idx, offs, lens, w = _to_example_major(idx, lens, self.batch_size, w, single)

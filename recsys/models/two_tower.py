@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.batch import Batch
 from data.config import DataConfig
 from data.loader import ParquetLoader
 from embedding_ps.store import EmbeddingStore
@@ -51,19 +50,15 @@ class FrequencyEstimator(nn.Module):
         self.register_buffer("counts", torch.zeros(num_buckets, dtype=torch.float64))
         self.register_buffer("total", torch.zeros((), dtype=torch.float64))
 
-    def bucket(self, ids: torch.Tensor) -> torch.Tensor:
-        """int64 [N] ids -> int64 [N] buckets in [0, H)."""
-        return torch.remainder(ids, self.num_buckets)
-
     @torch.no_grad()
     def update(self, ids: torch.Tensor) -> None:
         """Count the item ids [N] of one (global) batch."""
-        self.counts.index_add_(0, self.bucket(ids), torch.ones(ids.numel(), dtype=torch.float64))
+        self.counts.index_add_(0, torch.remainder(ids, self.num_buckets), torch.ones(ids.numel(), dtype=torch.float64))
         self.total += ids.numel()
 
     def log_prob(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [N]: log of the estimated sampling probability of each id (count / total)."""
-        counts = self.counts[self.bucket(ids)].clamp_min(1.0)          # an unseen id counts as one
+        counts = self.counts[torch.remainder(ids, self.num_buckets)].clamp_min(1.0)   # an unseen id counts as one
         return (counts.log() - self.total.clamp_min(1.0).log()).float()
 
 
@@ -124,15 +119,6 @@ def in_batch_loss(logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target)
 
 
-def item_ids_of(batch: Batch, feature: str) -> torch.Tensor:
-    """The item id of every row: int64 [B] from sparse column `feature` (exactly one id per row)."""
-    jag = batch.sparse[feature]
-    if jag.values.numel() != batch.batch_size or bool((jag.lengths != 1).any()):
-        raise ValueError(f"model.item_id_feature {feature!r} must hold exactly one id per row "
-                         f"(got {jag.values.numel()} ids for {batch.batch_size} rows)")
-    return jag.values
-
-
 class TwoTower(CTRModel):
     """The two towers and the in-batch softmax; called like every model, plus `item_ids` in training.
 
@@ -171,8 +157,15 @@ class TwoTower(CTRModel):
         self._ddp_params_and_buffers_to_ignore = ["freq.counts", "freq.total"]
 
     def extra_inputs(self, sparse, lookup, batch, train):
-        """Training: the item id of every row (`model.item_id_feature`), for log-Q and the targets."""
-        return (), ({"item_ids": item_ids_of(batch, self.item_id_feature)} if train else {})
+        """Training: the item id of every row, int64 [B] from `model.item_id_feature` (exactly one id
+        a row), for log-Q and the targets."""
+        if not train:
+            return (), {}
+        jag = batch.sparse[self.item_id_feature]
+        if jag.values.numel() != batch.batch_size or bool((jag.lengths != 1).any()):
+            raise ValueError(f"model.item_id_feature {self.item_id_feature!r} must hold exactly one id per row "
+                             f"(got {jag.values.numel()} ids for {batch.batch_size} rows)")
+        return (), {"item_ids": jag.values}
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return in_batch_loss(logits)
@@ -253,4 +246,4 @@ def item_vectors(cfg: JobConfig, store: EmbeddingStore, model: TwoTower) -> tupl
 
 
 __all__ = ["FrequencyEstimator", "Tower", "TwoTower", "gather_items", "in_batch_logits", "in_batch_loss",
-           "item_ids_of", "item_vectors", "tower_data", "tower_sparse_arch"]
+           "item_vectors", "tower_data", "tower_sparse_arch"]

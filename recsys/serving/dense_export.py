@@ -72,8 +72,7 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     model.load_state_dict(state)
     model.eval()
     info, args = program_inputs(cfg, sparse)
-    S = len(sparse.sequences)
-    export_program((SequenceScorer if S else Scorer)(model, cfg.train.autocast).eval(), args, out_path)
+    export_program((SequenceScorer if sparse.sequences else Scorer)(model, cfg.train.autocast).eval(), args, out_path)
     return info
 
 

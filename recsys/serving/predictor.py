@@ -89,7 +89,6 @@ class Predictor:
             self.tables.append(TableView(cfg, t["ids"], t["weight"], self.precision))
         self._by_name = {t.cfg.name: i for i, t in enumerate(self.tables)}
         self.scorer = load_dense(self.root / "dense.pt2")
-        self.num_inputs = len(self.manifest["dense"]["inputs"])
         # tables -> Batch as training decodes them, but a bad value is an error: a dropped row would leave
         # fewer scores than rows (data.on_bad_rows = "skip" is for training files)
         self.decoder = TableDecoder(dataclasses.replace(self.config.data, on_bad_rows="error"))
@@ -172,7 +171,7 @@ class Predictor:
             behaviors, mask = self.sparse.behaviors(lookup)                       # [B, S, L, D], [B, S, L]
             return self.scorer(batch.dense, pooled.detach(), behaviors.detach(), mask)
         pooled, linear = self.pooled(batch)
-        args = (batch.dense, pooled.detach()) + ((linear.detach(),) if self.num_inputs == 3 else ())
+        args = (batch.dense, pooled.detach()) + ((linear.detach(),) if linear is not None else ())
         return self.scorer(*args)
 
     # -- retrieval (two_tower exports) ---------------------------------------------------------------

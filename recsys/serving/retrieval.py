@@ -24,13 +24,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torch import nn
 
 from embedding_ps.local import LocalStore
 from recsys.config import JobConfig
 from recsys.models import build_job_model
 from recsys.models.replicated import ReplicatedStore, build_replicated, read_replicated
-from recsys.models.two_tower import TwoTower, item_vectors, tower_data
+from recsys.models.two_tower import item_vectors, tower_data
 from recsys.serving.dense_export import export_program
 from recsys.serving.ann import AnnIndex
 from recsys.serving.errors import ExportError
@@ -88,17 +87,6 @@ class ExactIndex:
         return best.values, rows_c.gather(1, best.indices)
 
 
-class _UserTower(nn.Module):
-    """The user tower as served: (dense_user [B, Dn_u], pooled_user [B, F_u, D]) -> [B, d] float32."""
-
-    def __init__(self, model: TwoTower) -> None:
-        super().__init__()
-        self.tower = model.user_tower
-
-    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.tower(dense, pooled).float()
-
-
 def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path, index: str = "exact") -> dict:
     """Write items.parquet and user_tower.pt2 into `out`; returns the manifest's "retrieval" section.
     `index` "ann": also an ANN index over the item vectors (ann.py: items.faiss, its parameters in
@@ -120,7 +108,7 @@ def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path, index: str = "e
     user_cfg = tower_data(cfg, cfg.model.user_features)
     Dn, F = len(user_cfg.dense_columns), len(user_cfg.sparse_columns)
     D = next(p.dim for p in sparse.plans if not p.linear)
-    export_program(_UserTower(model).eval(), (torch.zeros(2, Dn), torch.zeros(2, F, D)), out / USER_TOWER_FILE)
+    export_program(model.user_tower, (torch.zeros(2, Dn), torch.zeros(2, F, D)), out / USER_TOWER_FILE)
     logger.info("retrieval export: %d item vectors of dim %d, user tower over %s", ids.size, d,
                 list(cfg.model.user_features))
     section = {"items_file": ITEMS_FILE, "user_tower_file": USER_TOWER_FILE, "num_items": int(ids.size), "dim": d,

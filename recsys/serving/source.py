@@ -124,16 +124,14 @@ class SavedShards:
         if cfg.placement == "replicated":
             return self._replicated(cfg)
         parts = [_guard(lambda s=s: self._read_shard(s, t, cfg, since)) for s in self.shards]
-        ids = np.concatenate([p[0] for p in parts])
-        rows = np.concatenate([p[1] for p in parts])
-        tomb = np.unique(np.concatenate([p[2] for p in parts]))
+        ids, rows, tomb = (np.concatenate(column) for column in zip(*parts))
         del parts
         order = np.argsort(ids, kind="stable")
         ids, rows = ids[order], rows[order]
         if ids.size > 1 and (ids[1:] == ids[:-1]).any():
             dup = ids[1:][ids[1:] == ids[:-1]][0]
             raise ExportError(f"table {cfg.name!r}: id {dup} is saved by two shards")
-        return TableRows(ids, torch.from_numpy(rows), tomb)
+        return TableRows(ids, torch.from_numpy(rows), np.unique(tomb))
 
     def _replicated(self, cfg: TableConfig) -> TableRows:
         path = self.source.model_dir / REPLICATED_FILE
