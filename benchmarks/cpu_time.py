@@ -96,7 +96,10 @@ class ProcessCpuSampler:
         try:
             _, mine = _stat(f"/proc/{me}/stat")
             _, sampler = _stat(f"/proc/{me}/task/{self._tid}/stat")
-            self.series.setdefault(me, []).append((now, mine - sampler))
+            # the two reads are a few ticks apart (the sampler's own ticks land between them), so the
+            # difference can dip: keep it monotone, as a CPU counter is (a dip read as negative CPU)
+            s = self.series.setdefault(me, [])
+            s.append((now, max(mine - sampler, s[-1][1] if s else 0.0)))
             self.roles[me] = "launcher"
         except (OSError, IndexError, ValueError):
             pass
