@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -47,10 +48,10 @@ import torch.distributed as dist
 from torch import nn
 
 from data.loader import ParquetLoader
-from embedding_ps.shard.snapshot import saved_file_checksums, saved_files
+from embedding_ps.shard.snapshot import LAYOUT_FIELDS, saved_file_checksums, saved_files
 from embedding_ps.store import EmbeddingStore
 from recsys import storage
-from recsys.config import JobConfig, to_toml
+from recsys.config import ConfigError, JobConfig, load_config, to_toml
 from recsys.dist import all_gather_parts, barrier, collective_device
 from recsys.manifest import check_files, file_entry
 from recsys.manifest import read_manifest as _read_manifest
@@ -141,19 +142,17 @@ def verify_checkpoint(root: str | Path, checksums: bool = True) -> dict[str, Any
     Raises CorruptCheckpointError naming the first missing, truncated or altered file. On a URI, or without
     `checksums`, only presence and sizes are checked here (sha256: when read, by the shards, `read_checked`).
     """
-    if storage.is_uri(root):
-        manifest = read_manifest(root)
-        stored = storage.list_files(root)
-        for rel, want in manifest["files"].items():
-            if rel not in stored:
-                raise CorruptCheckpointError(f"{run_path(root, rel)}: missing (listed in its manifest.json)")
-            if stored[rel] != want["size"]:
-                raise CorruptCheckpointError(f"{run_path(root, rel)}: {stored[rel]} bytes, the manifest says "
-                                             f"{want['size']} (truncated or changed)")
-        return manifest
-    root = Path(root)
     manifest = read_manifest(root)
-    check_files(root, manifest["files"], CorruptCheckpointError, verify=checksums)
+    if not storage.is_uri(root):
+        check_files(Path(root), manifest["files"], CorruptCheckpointError, verify=checksums)
+        return manifest
+    stored = storage.list_files(root)
+    for rel, want in manifest["files"].items():
+        if rel not in stored:
+            raise CorruptCheckpointError(f"{run_path(root, rel)}: missing (listed in its manifest.json)")
+        if stored[rel] != want["size"]:
+            raise CorruptCheckpointError(f"{run_path(root, rel)}: {stored[rel]} bytes, the manifest says "
+                                         f"{want['size']} (truncated or changed)")
     return manifest
 
 
@@ -407,8 +406,7 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
     parts.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     step = int(state["step"])
-    loaders = json.loads(read_checked(root, "trainer/loaders.json", manifest))
-    loader.resume_from(loaders)
+    loader.resume_from(json.loads(read_checked(root, "trainer/loaders.json", manifest)))
     logger.info("resumed from %s at step %d (%d trainers then, %d now)", root, step,
                 manifest["num_trainers"], world_size)
     return step, dict(state.get("validation", {}))
@@ -420,12 +418,8 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
 
 def load_saved_config(root: Path | str) -> JobConfig:
     """The resolved config.toml a run, checkpoint or export directory holds (local or a URI)."""
-    from recsys.config import load_config
-
     path = run_path(root, "config.toml")
     if storage.is_uri(path):
-        import tempfile
-
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
             f.write(storage.read_text(path))
         try:
@@ -435,29 +429,23 @@ def load_saved_config(root: Path | str) -> JobConfig:
     return load_config(path)
 
 
-def changed_layout(tables, saved_tables, keys: tuple[str, ...]):
-    """The first (table, key, saved table) among `tables` whose `key` differs from the table of the
-    same name in `saved_tables`, or None; tables not saved are skipped."""
+def check_layout(tables, saved_tables, keys: tuple[str, ...], saved_as: str, advice: str) -> None:
+    """ConfigError naming the first table among `tables` whose `key` differs from the table of the same
+    name in `saved_tables` (tables not saved are skipped): "ps.tables[T].KEY = new, but `saved_as` KEY =
+    old: `advice`" (`advice` may name {key})."""
     saved = {t.name: t for t in saved_tables}
     for t in tables:
         old = saved.get(t.name)
         for key in keys if old is not None else ():
             if getattr(old, key) != getattr(t, key):
-                return t, key, old
-    return None
+                raise ConfigError(f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but {saved_as} {key} = "
+                                  f"{getattr(old, key)!r}: {advice.format(key=key)}")
 
 
 def check_resume_tables(cfg: JobConfig, checkpoint: Path | str) -> None:
     """Before any process starts: ConfigError naming a table whose saved layout (the fields a shard
     checks when it loads, `snapshot.LAYOUT_FIELDS`) differs in `cfg` from the checkpoint's config,
     e.g. a changed dim (a shard would refuse to load it, after the job had started)."""
-    from embedding_ps.shard.snapshot import LAYOUT_FIELDS
-    from recsys.config import ConfigError
-
-    changed = changed_layout(cfg.ps.tables, load_saved_config(checkpoint).ps.tables, LAYOUT_FIELDS)
-    if changed is not None:
-        t, key, old = changed
-        raise ConfigError(
-            f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but the checkpoint {checkpoint} saved it with "
-            f"{key} = {getattr(old, key)!r}: --resume continues the same tables (set {key} back, or start "
-            f"a new run from it with --init-from and a renamed table)")
+    check_layout(cfg.ps.tables, load_saved_config(checkpoint).ps.tables, LAYOUT_FIELDS,
+                 f"the checkpoint {checkpoint} saved it with", "--resume continues the same tables (set {key} back, "
+                 "or start a new run from it with --init-from and a renamed table)")

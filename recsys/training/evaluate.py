@@ -11,6 +11,7 @@ negative downsampling"; how each metric is weighted: recsys.metrics).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -50,10 +51,8 @@ def open_run(run_dir: str | Path, last: bool = False, keep: tuple[str, ...] = ()
 def evaluate_run(run_dir: str | Path, data: list[str], out: str | None = None,
                  last: bool = False) -> dict[str, float]:
     _, trainer = open_run(run_dir, last)
-    try:                                 # two_tower: recall@K / ndcg@K over data.item_paths (training/retrieval.py)
+    with contextlib.closing(trainer):    # two_tower: recall@K / ndcg@K over data.item_paths (training/retrieval.py)
         metrics = trainer.evaluate(tuple(data))      # ValueError "no rows in [...]" before anything is written
-    finally:
-        trainer.close()
     path = Path(out) if out else Path(run_dir) / "eval_metrics.json"
     path.write_text(json.dumps(metrics, indent=1))
     logger.info("eval on %s: %s (written to %s)", data, metrics, path)
@@ -66,10 +65,8 @@ def predict_run(run_dir: str | Path, data: list[str], out: str, last: bool = Fal
     if not Path(out).parent.is_dir():        # before any work, and naming --out (not the .tmp written first)
         raise ConfigError(f"--out {out}: the directory {Path(out).parent} does not exist")
     cfg, trainer = open_run(run_dir, last, keep)
-    try:
+    with contextlib.closing(trainer):
         _, scores, extras = trainer.predict(tuple(data))
-    finally:
-        trainer.close()
     n = write_scores(out, scores.numpy(), {c: extras[c] for c in cfg.data.passthrough_columns if c in extras})
     logger.info("wrote %d scores to %s", n, out)
     return n

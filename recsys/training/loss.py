@@ -37,8 +37,7 @@ def row_weights(labels: torch.Tensor, example_weights: torch.Tensor | None, data
     w = None if example_weights is None else example_weights.to(labels.device, torch.float32)
     if neg == 1.0:
         return w
-    scale = torch.where(labels == 0, torch.tensor(neg, dtype=torch.float32, device=labels.device),
-                        torch.tensor(1.0, dtype=torch.float32, device=labels.device))      # [B]
+    scale = torch.where(labels == 0, neg, 1.0).to(torch.float32)      # [B], on labels' device
     return scale if w is None else w * scale
 
 

@@ -139,9 +139,13 @@ class Trainer:
         # cache's rows name it so, and a bare "cuda" compares unequal to "cuda:0")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.device == "cuda" \
             else torch.device(cfg.train.device)
-        self.store = cached_store(store, cfg, self.device)      # `store` itself when no table caches
+        # a row cache (async mode only: JobConfig refuses it in sync), which train lookups pass the ids' counts;
+        # rows pulled K = train.pull_ahead_batches batches ahead already miss K steps of updates, so cached
+        # rows may be ps.max_staleness - K steps older
+        self._cached = any(t.cache_rows > 0 for t in cfg.ps.tables)
+        self.store = CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.pull_ahead_batches,
+                                  device=self.device, background=True) if self._cached else store
         self.sparse, model = build_job_model(cfg)
-        self._cached = self.store is not store     # a row cache: train lookups pass it the ids' counts
         if self.device.type != "cpu":
             self.sparse.device = self.device     # pool on the GPU (SparseArch.device), ids deduplicated there
             self.sparse.device_ids = True
@@ -326,8 +330,13 @@ class Trainer:
             raise RuntimeError("this Trainer was built with scoring_only=True (eval / predict): it has no optimizer")
         run = self._start_run()
         agreement = stopping.StopAgreement(self.world_size)
-        with _logging_above(run.bar):          # log lines print above the bar, not over it
+        if run.bar is None:
             self._train_loop(run, agreement)
+        else:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            with logging_redirect_tqdm():      # log lines print above the bar, not over it
+                self._train_loop(run, agreement)
         agreement.close()              # the reduction still in flight (on an error: the process ends)
         return self._finish_run(run)
 
@@ -444,7 +453,7 @@ class Trainer:
     def _validate(self, run: _Run) -> None:
         """One pass over data.eval_paths (every rank its part; metrics over all ranks): log `val/*`,
         keep a new best model in run_dir/best, decide on early stopping (the same on every rank)."""
-        self.drain()
+        self.strategy.drain()
         # async: every rank's pushes applied before any rank pulls rows to score, so the pass
         # scores the very rows the best model's snapshot then saves (it waits the same way)
         barrier()
@@ -467,14 +476,17 @@ class Trainer:
                             self.step, v.metric, v.patience, v.state.best_value, v.state.best_step)
 
     def _finish_run(self, run: _Run) -> dict[str, float]:
-        self.drain()
+        self.strategy.drain()
         if (self.checkpointer.enabled or self.stopped) and self.checkpointer.last_step != self.step:
             self.checkpoint(run.position)       # the end of this run: a later one can continue it
         self.checkpointer.join()
         if run.bar is not None:
             run.bar.close()
         if run.trace:
-            self._write_trace(np.concatenate(run.trace))
+            trace_dir = local_run_dir(self.cfg.train.run_dir, self.cfg.train.scratch_dir) / "trace"
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            np.save(trace_dir / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", np.concatenate(run.trace),
+                    allow_pickle=False)
         elapsed = time.perf_counter() - run.t_start
         out = {"steps": float(self.step), "train_s": elapsed, "samples": float(run.samples)}
         max_steps = self._last_step
@@ -493,19 +505,10 @@ class Trainer:
             out["checkpoint_pause_s"] = float(np.median(self.checkpointer.pauses))
         return out
 
-    def drain(self) -> None:
-        """Wait until every push this rank sent is acknowledged (async mode keeps one step in flight)."""
-        self.strategy.drain()
-
     def checkpoint(self, position: dict) -> None:
         """A checkpoint after `self.step` steps; `position`: the reader state after the last trained batch."""
-        self.drain()
+        self.strategy.drain()
         self.checkpointer.save(self.parts, self.step, position, validation=self.validation.state_dict())
-
-    def _write_trace(self, values: np.ndarray) -> None:
-        out = local_run_dir(self.cfg.train.run_dir, self.cfg.train.scratch_dir) / "trace"
-        out.mkdir(parents=True, exist_ok=True)
-        np.save(out / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", values, allow_pickle=False)
 
     @property
     def scoring_store(self) -> RowSource:
@@ -586,16 +589,6 @@ class Trainer:
             self._loader.close()
 
 
-def cached_store(store: EmbeddingStore, cfg: JobConfig, device: torch.device) -> EmbeddingStore:
-    """`store` behind a `CachingStore` when some table has cache_rows > 0 (async mode: JobConfig
-    refuses it in sync mode), else `store` itself. Rows pulled K = train.pull_ahead_batches batches
-    ahead already miss K steps of updates, so cached rows may be ps.max_staleness - K steps older."""
-    if not any(t.cache_rows > 0 for t in cfg.ps.tables):
-        return store
-    return CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.pull_ahead_batches, device=device,
-                        background=True)
-
-
 def progress_bar(total: int, enabled: bool):
     """A tqdm bar on stderr when it is a terminal (rank 0 only), else None."""
     if not enabled or not sys.stderr.isatty():
@@ -605,11 +598,3 @@ def progress_bar(total: int, enabled: bool):
     except ImportError:
         return None
     return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
-
-
-def _logging_above(bar):
-    """tqdm's logging_redirect_tqdm while a bar shows (a log line otherwise overwrites it), else nothing."""
-    if bar is None:
-        return contextlib.nullcontext()
-    from tqdm.contrib.logging import logging_redirect_tqdm
-    return logging_redirect_tqdm()

@@ -68,10 +68,8 @@ class Validation:
         return asdict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = ValidationState(best_value=float(state.get("best_value", math.nan)),
-                                     best_step=int(state.get("best_step", -1)),
-                                     passes=int(state.get("passes", 0)),
-                                     passes_since_best=int(state.get("passes_since_best", 0)))
+        """A saved record; a key it lacks keeps its default (each value is cast to its default's type)."""
+        self.state = ValidationState(**{k: type(v)(state.get(k, v)) for k, v in asdict(ValidationState()).items()})
 
 
 __all__ = ["Validation", "ValidationState"]

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from recsys import storage
-from recsys.config import JobConfig
+from recsys.config import ConfigError, JobConfig
 from recsys.models.replicated import load_bytes, read_replicated
-from recsys.rundir import run_path
-from recsys.training.checkpoint import (TrainParts, changed_layout, load_saved_config, read_checked,
-                                        read_manifest, verify_checkpoint)
+from recsys.rundir import model_root, run_path
+from recsys.training.checkpoint import (TrainParts, check_layout, load_saved_config, read_checked, read_manifest,
+                                        verify_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,6 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
     model, RUN_DIR/best, when it kept one, else RUN_DIR/model with metrics.json's step count).
 
     Raises CorruptCheckpointError or ConfigError naming what is missing or damaged."""
-    from recsys.config import ConfigError
-    from recsys.rundir import model_root
-
     remote = storage.is_uri(path)
     root = path if remote else Path(path)
     if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "tables")):
@@ -77,7 +74,6 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
 
 def _export_source(root: Path | str, verify: bool) -> InitSource:
     """An export directory as a warm start's source (fp32 only: quantized rows would not train on)."""
-    from recsys.config import ConfigError
     from recsys.serving.export import read_manifest as read_export
 
     if storage.is_uri(root):
@@ -116,16 +112,10 @@ def source_replicated(source: InitSource) -> dict[str, torch.Tensor] | None:
 def check_init_tables(cfg: JobConfig, source: InitSource) -> None:
     """ConfigError naming a table of both `cfg` and the source (by name: the new run takes those) whose
     layout or optimizer changed. Tables only in `cfg` start empty."""
-    from recsys.config import ConfigError
-
-    changed = changed_layout(cfg.ps.tables, source.config.ps.tables,
-                              ("dim", "kind", "num_embeddings", "optimizer", "placement", "weight_decay_mode"))
-    if changed is not None:
-        t, key, old = changed
-        raise ConfigError(
-            f"ps.tables[{t.name}].{key} = {getattr(t, key)!r}, but train.init_from = {source.root} trained it "
-            f"with {key} = {getattr(old, key)!r}: its rows and optimizer state do not carry over (keep "
-            f"{key}, rename the table to start it afresh, or drop init_from)")
+    check_layout(cfg.ps.tables, source.config.ps.tables,
+                 ("dim", "kind", "num_embeddings", "optimizer", "placement", "weight_decay_mode"),
+                 f"train.init_from = {source.root} trained it with", "its rows and optimizer state do not carry "
+                 "over (keep {key}, rename the table to start it afresh, or drop init_from)")
 
 
 def warm_start(parts: TrainParts, source: InitSource) -> None:

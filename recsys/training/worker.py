@@ -239,11 +239,9 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         samples_per_s = summary["samples"] / max(summary["train_s"], 1e-9)
         final: dict[str, float] = {"steps": summary["steps"], "train_s": time.perf_counter() - t0}
         final["samples_per_s"] = float(all_reduce(torch.tensor([samples_per_s], dtype=torch.float64)).item())
-        for key in ("checkpoint_pause_s", "val_passes", "best_step", "best_val_logloss", "best_val_auc",
-                    "early_stopped"):
-            if key in summary:
-                final[key] = summary[key]
-        trainer.drain()
+        final.update({k: summary[k] for k in ("checkpoint_pause_s", "val_passes", "best_step", "best_val_logloss",
+                                              "best_val_auc", "early_stopped") if k in summary})
+        trainer.strategy.drain()
         barrier()      # every rank's last pushes are acknowledged before the shards save
         if rank == 0:           # the model first: a failing eval below loses nothing of the training
             save_model(trainer, store, run_path(cfg.train.run_dir, "model"))
