@@ -18,11 +18,8 @@ def _column(table: pa.Table, name: str) -> pa.Array:
     return col.chunk(0) if col.num_chunks == 1 else pa.concat_arrays(col.chunks)
 
 
-_NUMPY = {
-    pa.int8(): np.dtype(np.int8), pa.int16(): np.dtype(np.int16), pa.int32(): np.dtype(np.int32),
-    pa.int64(): np.dtype(np.int64), pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
-    pa.uint32(): np.dtype(np.uint32), pa.uint64(): np.dtype(np.uint64), pa.float16(): np.dtype(np.float16),
-    pa.float32(): np.dtype(np.float32), pa.float64(): np.dtype(np.float64)}
+_NUMPY = {getattr(pa, t)(): np.dtype(t) for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                                  "uint64", "float16", "float32", "float64")}
 """numpy dtypes of Arrow's fixed-width numbers (`DataType.to_pandas_dtype` imports pandas)."""
 
 

@@ -82,16 +82,6 @@ class KeyedJagged:
         start, B = sum(per_key[:f]), self.stride
         return Jagged(self.values[start:start + per_key[f]], self.lengths[f * B:(f + 1) * B])
 
-    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> KeyedJagged:
-        """The same keys with f(values) and f(lengths)."""
-        return KeyedJagged(self.keys, f(self.values), f(self.lengths))
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> KeyedJagged:
-        return self._map(lambda t: t.pin_memory())
-
     def to_torchrec(self, weights: torch.Tensor | None = None) -> Any:
         """A `torchrec.sparse.jagged_tensor.KeyedJaggedTensor` over the same tensors (needs torchrec)."""
         KJT = _torchrec_kjt()
@@ -139,7 +129,8 @@ class Batch:
 
     def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """f of every tensor (extras, numpy, are kept as they are)."""
-        return Batch(dense=f(self.dense), sparse=self.sparse._map(f), labels=f(self.labels),
+        kj = KeyedJagged(self.sparse.keys, f(self.sparse.values), f(self.sparse.lengths))
+        return Batch(dense=f(self.dense), sparse=kj, labels=f(self.labels),
                      weights=None if self.weights is None else f(self.weights), extras=self.extras,
                      example_weights=None if self.example_weights is None else f(self.example_weights))
 

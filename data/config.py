@@ -98,16 +98,11 @@ class DataConfig:
             if left:      # the loader fills them in (load_config); a config built in code must too
                 raise ValueError(f"data.{key}: {left[0]!r} holds a date placeholder: fill it in first "
                                  f"(data.paths.fill_date, done by load_config with data.date)")
-        if self.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        for key, low in ("batch_size", 1), ("max_ids_per_row", 1), ("shuffle_buffer_rows", 0), ("prefetch_batches", 0):
+            if getattr(self, key) < low:
+                raise ValueError(f"data.{key} must be >= {low}, got {getattr(self, key)}")
         if self.batch_size > 1 << 24:
             raise ValueError(f"data.batch_size must be in 1..{1 << 24} (rows per rank per step), got {self.batch_size}")
-        if self.max_ids_per_row < 1:
-            raise ValueError(f"data.max_ids_per_row must be >= 1, got {self.max_ids_per_row}")
-        if self.shuffle_buffer_rows < 0:
-            raise ValueError(f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
-        if self.prefetch_batches < 0:
-            raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
         for key in ("dense_columns", "sparse_columns", "passthrough_columns"):
             cols = getattr(self, key)
             if len(set(cols)) != len(cols):

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
+from data.hashing import string_buffers
 from data.writer import PartWriter
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,8 @@ def hex_to_int64(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, int]:
     """
     arr = arr.cast(pa.string())
     n = len(arr)
-    offsets = np.frombuffer(arr.buffers()[1], np.int32, n + 1, arr.offset * 4).astype(np.int64)
-    data = arr.buffers()[2]
-    chars = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+    chars, offsets = string_buffers(arr)
+    offsets = offsets.astype(np.int64)
     lengths = np.diff(offsets)
     null = lengths == 0
     if arr.null_count:
@@ -91,9 +91,7 @@ def hex_to_int64(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, int]:
         return value, null, -1
     bad = lengths > _MAX_HEX
     row = np.repeat(np.arange(n), lengths)
-    bad_char = nib == 255
-    if bad_char.any():
-        bad[row[bad_char]] = True
+    bad[row[nib == 255]] = True
     bad &= ~null
     first_bad = int(np.argmax(bad)) if bad.any() else -1
     keep = ~bad[row] & (lengths[row] <= _MAX_HEX)
@@ -122,9 +120,7 @@ def _convert(batch: pa.RecordBatch, first_line: int) -> tuple[pa.Table, tuple[in
         why = ("empty line or empty label" if label_np[i] == -1
                else f"label must be 0 or 1, got {label_np[i]}")
         bad = (i, why)
-    cols: dict[str, pa.Array] = {"label": pa.array(label_np.astype(np.float32))}
-    for c in DENSE_COLUMNS:
-        cols[c] = batch.column(c)
+    cols = {"label": pa.array(label_np.astype(np.float32)), **{c: batch.column(c) for c in DENSE_COLUMNS}}
     for c in SPARSE_COLUMNS:
         raw = batch.column(c)
         values, null, first_bad = hex_to_int64(raw)
@@ -180,17 +176,6 @@ def _locate_bad_line(path: str, start_line: int) -> tuple[int, str, list[bytes]]
     return None
 
 
-def _write_good_lines(writer: PartWriter, lines: list[bytes], first_line: int) -> int:
-    """Parses and writes lines already checked by `_line_problem`; returns how many."""
-    if not lines:
-        return 0
-    read, parse, convert = _csv_options()
-    batch = pacsv.read_csv(io.BytesIO(b"".join(lines)), read, parse, convert)
-    table, _ = _convert(batch.combine_chunks().to_batches()[0], first_line)
-    writer.write(table)
-    return table.num_rows
-
-
 def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_000,
                    row_group_rows: int = 131072, compression: str = "zstd") -> dict:
     """Converts a Criteo TSV into `out_dir/part-%05d.parquet` files of `rows_per_file` rows.
@@ -236,6 +221,10 @@ def _convert_stream(path: str, writer: PartWriter) -> int:
         if found is None:
             raise CriteoFormatError(f"{path}: after line {rows}: {e}") from e
         line, why, good = found
-        rows += _write_good_lines(writer, good, rows + 1)
+        if good:                                       # the lines `_line_problem` passed, before the bad one
+            batch = pacsv.read_csv(io.BytesIO(b"".join(good)), *_csv_options())
+            table, _ = _convert(batch.combine_chunks().to_batches()[0], rows + 1)
+            writer.write(table)
+            rows += table.num_rows
         raise CriteoFormatError(f"{path}: line {line}: {why} ({rows} lines before it were written)") from e
     return rows

@@ -83,11 +83,9 @@ def plan_rows(plan: Sequence[Segment]) -> int:
 
 
 def merge(plan: Sequence[Segment]) -> list[Segment]:
-    """`plan` without empty segments, neighbours that continue each other's stream joined."""
+    """`plan` (`cut`'s parts: none empty) with neighbours that continue each other's stream joined."""
     out: list[Segment] = []
     for s in plan:
-        if s.num_rows <= 0:
-            continue
         if out and (out[-1].world, out[-1].rank, out[-1].hi) == (s.world, s.rank, s.lo):
             out[-1] = Segment(s.world, s.rank, out[-1].lo, s.hi)
         else:

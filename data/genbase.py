@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.hashing import GOLDEN, splitmix64_finalize
+from data.sharding import epoch_seed as _rng  # noqa: F401  (the generators' RNG: _rng(seed, chunk, column))
 from data.writer import PartWriter
 
 logger = logging.getLogger("data.synthetic")
@@ -88,10 +89,6 @@ def zipf_pmf(vocab: int, s: float) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # chunks and parts
 # ---------------------------------------------------------------------------------------------
-def _rng(seed: int, chunk: int, column: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([seed & MASK64, chunk, column]))
-
-
 def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:
     """AUC from histograms of a score over the same bins (ties within a bin count half)."""
     neg_below = np.cumsum(neg) - neg

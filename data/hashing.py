@@ -64,7 +64,7 @@ def fnv1a64_bytes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return h
 
 
-def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(data uint8 [bytes], offsets [N + 1]) of a string / binary array, zero-copy, slice-aware."""
     t = arr.type
     if pa.types.is_string_view(t) or pa.types.is_binary_view(t):
@@ -89,7 +89,7 @@ def hash_strings(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         table = hash_strings(arr.dictionary)
         idx = arr.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         return table[idx] if table.size else np.zeros(len(arr), np.int64)
-    data, offsets = _string_buffers(arr)
+    data, offsets = string_buffers(arr)
     z = splitmix64_finalize(fnv1a64_bytes(data, offsets))
     z &= _MASK63
     return z.view(np.int64)

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from data.batch import Batch
@@ -94,43 +94,6 @@ class _Prefetcher:
             logger.warning("the Parquet prefetch thread did not stop within 60 s")
 
 
-class _LoaderIter:
-    """One pass over a rank's epoch; reports each received item back to its loader."""
-
-    def __init__(self, loader: ParquetLoader, items: Iterator[Item] | _Prefetcher) -> None:
-        self._loader = loader
-        self._items = items
-        self._done = False
-
-    def __iter__(self) -> _LoaderIter:
-        return self
-
-    def __next__(self) -> Batch:
-        if self._done:
-            raise StopIteration
-        try:
-            item = next(self._items)
-        except BaseException:
-            self.close()
-            raise
-        self._loader._consume(item)
-        if item.batch is None:
-            self.close()
-            raise StopIteration
-        return item.batch
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._items.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:                  # interpreter shutdown: nothing left to stop cleanly
-            pass
-
-
 class ParquetLoader:
     """Batches of one rank from Parquet files, directories or globs (also a context manager: `close()`
     on exit); see the module docstring."""
@@ -142,7 +105,7 @@ class ParquetLoader:
             raise DataError("no data paths given")
         self._reader = Reader(config, paths, rank, world_size)
         self.config = config
-        self._active: weakref.ref[_LoaderIter] | None = None
+        self._active: weakref.ref[Generator[Batch, None, None]] | None = None
         self._epoch = self._window = self._offset = self._batches = self._bad = 0
         self._resume = False
         self._plan: list[Segment] | None = None
@@ -216,18 +179,29 @@ class ParquetLoader:
             items = self._reader.stream(self._epoch, self._window, self._offset)
         else:                                   # the rest of an elastic plan (see resume_from)
             items = self._reader.plan_stream(self._epoch, self._plan, self._offset)
-        depth = self.config.prefetch_batches
-        it = _LoaderIter(self, _Prefetcher(items, depth) if depth > 0 else items)
+        it = self._pass(items)
         self._active = weakref.ref(it)
         return it
 
-    def _consume(self, item: Item) -> None:
-        self._window, self._offset = item.window, item.offset
-        self._bad += item.bad_rows
-        if item.batch is not None:
-            self._batches += 1
-        elif self._bad:
-            logger.info("epoch %d rank %d: %d bad rows skipped so far", self._epoch, self._reader.rank, self._bad)
+    def _pass(self, items: Iterator[Item]) -> Generator[Batch, None, None]:
+        """The batches of `items` (decoded on a prefetch thread, started at the first batch asked for, when
+        prefetch_batches > 0), the position moved by each one received; closing the pass stops the thread."""
+        depth = self.config.prefetch_batches
+        source = _Prefetcher(items, depth) if depth > 0 else items
+        try:
+            while True:
+                item = next(source)
+                self._window, self._offset = item.window, item.offset
+                self._bad += item.bad_rows
+                if item.batch is None:
+                    if self._bad:
+                        logger.info("epoch %d rank %d: %d bad rows skipped so far", self._epoch, self._reader.rank,
+                                    self._bad)
+                    return
+                self._batches += 1
+                yield item.batch
+        finally:
+            source.close()
 
     def _stop_active(self) -> None:
         it = self._active() if self._active is not None else None

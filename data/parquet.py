@@ -101,16 +101,6 @@ class ColumnPlan:
     sparse_is_list: tuple[bool, ...]
     """per `config.sparse_columns`: a list column (True) or a one-id column (False)"""
 
-    @property
-    def layout(self) -> tuple[tuple[bool, int], ...]:
-        """per sparse feature: (is_list, index among the list or among the one-id features)."""
-        out, n_list, n_scalar = [], 0, 0
-        for is_list in self.sparse_is_list:
-            out.append((is_list, n_list if is_list else n_scalar))
-            n_list += is_list
-            n_scalar += not is_list
-        return tuple(out)
-
 
 def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
@@ -324,9 +314,11 @@ class Decoder:
 
     def __init__(self, cfg: DataConfig, plan: ColumnPlan) -> None:
         self.cfg, self.plan = cfg, plan
-        self.layout = BatchLayout(tuple(cfg.sparse_columns), plan.layout, bool(cfg.weight_columns))
-        self.list_cols = [c for c, is_list in zip(cfg.sparse_columns, plan.sparse_is_list) if is_list]
-        self.scalar_cols = [c for c, is_list in zip(cfg.sparse_columns, plan.sparse_is_list) if not is_list]
+        kinds = plan.sparse_is_list
+        where = tuple((k, kinds[:f].count(k)) for f, k in enumerate(kinds))    # (is_list, index among its kind)
+        self.layout = BatchLayout(tuple(cfg.sparse_columns), where, bool(cfg.weight_columns))
+        self.list_cols = [c for c, is_list in zip(cfg.sparse_columns, kinds) if is_list]
+        self.scalar_cols = [c for c, is_list in zip(cfg.sparse_columns, kinds) if not is_list]
 
     def decode(self, table: pa.Table, where: str, row0: int) -> tuple[Rows, int, Counter[str]]:
         """(good rows, number of rows dropped, dropped rows by 'column: problem').
@@ -354,11 +346,7 @@ class Decoder:
             neg = ids < 0
             what, shown = _negative_id(arr, ids)
             chk.flag(col, neg if valid is None else neg & valid, what, shown)
-        weights = None
-        if col in self.cfg.weight_columns:
-            weights = np.ones(len(arr), np.float32)
-            self._scalar_weights(table, col, valid if valid is not None else np.ones(len(arr), bool),
-                                 weights, chk)
+        weights = self._scalar_weights(table, col, valid, chk) if col in self.cfg.weight_columns else None
         return ScalarColumn(ids, valid, weights)
 
     def _labels(self, table: pa.Table, chk: _Checker) -> np.ndarray:
@@ -392,10 +380,12 @@ class Decoder:
             np.log1p(dense, out=dense)
         return np.ascontiguousarray(dense.T)                                       # [n, Dn]
 
-    def _scalar_weights(self, table: pa.Table, col: str, valid: np.ndarray, out: np.ndarray,
-                        chk: _Checker) -> None:
+    def _scalar_weights(self, table: pa.Table, col: str, valid: np.ndarray | None, chk: _Checker) -> np.ndarray:
+        """float32 [n] weights of the one-id column `col` (valid: bool [n] its rows with an id; None: all)."""
         wcol = self.cfg.weight_columns[col]
         arr = _column(table, wcol)
+        valid = np.ones(len(arr), bool) if valid is None else valid
+        out = np.ones(len(arr), np.float32)
         if _is_list(arr.type):
             offsets, child = _list_parts(arr)
             lens = np.diff(offsets)
@@ -408,6 +398,7 @@ class Decoder:
             out[:] = _numbers(arr, 1.0)
             out[~valid] = 1.0
         chk.flag(wcol, ~np.isfinite(out), "NaN or inf weight", out)
+        return out
 
     def _list(self, table: pa.Table, col: str, chk: _Checker) -> ListColumn:
         arr = _column(table, col)
@@ -425,9 +416,7 @@ class Decoder:
                 first[_row_of_value(offsets)[neg][::-1]] = values[neg][::-1]
                 what, shown = _negative_id(child, first, in_list=True)
                 chk.flag(col, _rows_with(offsets, neg), what, shown)
-        weights = None
-        if col in self.cfg.weight_columns:
-            weights = self._list_weights(table, col, offsets, chk)
+        weights = self._list_weights(table, col, offsets, chk) if col in self.cfg.weight_columns else None
         return ListColumn(values, offsets, weights)
 
     def _list_weights(self, table: pa.Table, col: str, offsets: np.ndarray, chk: _Checker) -> np.ndarray:

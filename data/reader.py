@@ -3,8 +3,8 @@
 `Reader` is what `data.loader.ParquetLoader` runs (on its prefetch thread): `_Files` keeps a few
 Parquet files open and reads row groups (the next ones ahead on a thread), `Reader.stream` /
 `plan_stream` name the window parts of the rank's stream (data/sharding.py) or of an elastic plan's
-segments (data/elastic.py), which `Reader._items` cuts into batches of exactly `batch_size` rows
-through one `_Carry`, and each `Item` carries the batch with the reader position after it.
+segments (data/elastic.py), which `Reader._items` cuts into batches of exactly `batch_size` rows,
+and each `Item` carries the batch with the reader position after it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -46,30 +45,6 @@ class Item:
     offset: int
     bad_rows: int
     """rows dropped in the windows this item entered first"""
-
-
-class _Carry:
-    """Rows gathered towards the next batch of `batch_size` rows, from one or more windows."""
-
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
-        self.parts: list[tuple[Rows, Index]] = []
-        self.n = 0
-
-    def take(self, rows: Rows, order: np.ndarray | None, pos: int, stop: int) -> Iterator[int]:
-        """Add rows [pos, stop) of `rows` (in `order` when shuffled); yields the position after
-        each batch it completes, which the caller takes with `pop` before the next one fills."""
-        while pos < stop:
-            take = min(self.batch_size - self.n, stop - pos)
-            self.parts.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
-            self.n += take
-            pos += take
-            if self.n == self.batch_size:
-                yield pos
-
-    def pop(self) -> list[tuple[Rows, Index]]:
-        parts, self.parts, self.n = self.parts, [], 0
-        return parts
 
 
 class _Files:
@@ -210,8 +185,7 @@ class Reader:
         """
         files = _Files(self.sources, self.plan, plan_row_groups(parts, streams),
                        1 if self.cfg.prefetch_batches > 0 else 0)
-        carry = _Carry(self.cfg.batch_size)
-        bad = 0
+        B, carry, filled, bad = self.cfg.batch_size, [], 0, 0   # carry: (rows, index) of the next batch's `filled` rows
         try:
             for i, p in enumerate(parts):
                 if i == 0 or not p.same_window(parts[i - 1]):
@@ -224,12 +198,16 @@ class Reader:
                 if strict and p.a > n:
                     raise ValueError(f"resume position (window {p.window}, offset {p.a}) is past the "
                                      f"window's {n} rows: the data changed since the state was saved")
-                stop = min(p.c, n)
-                for pos in carry.take(rows, order, min(p.a, n), stop):
-                    yield Item(self._batch(carry.pop()), *at(p, pos, stop), bad)
-                    bad = 0
-            if carry.n and not self.cfg.drop_last:
-                yield Item(self._batch(carry.pop()), *end, bad)
+                pos, stop = min(p.a, n), min(p.c, n)
+                while pos < stop:
+                    take = min(B - filled, stop - pos)
+                    carry.append((rows, slice(pos, pos + take) if order is None else order[pos:pos + take]))
+                    filled, pos = filled + take, pos + take
+                    if filled == B:
+                        yield Item(self._batch(carry), *at(p, pos, stop), bad)
+                        carry, filled, bad = [], 0, 0
+            if filled and not self.cfg.drop_last:
+                yield Item(self._batch(carry), *end, bad)
                 bad = 0
             yield Item(None, *end, bad)
         finally:

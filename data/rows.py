@@ -92,8 +92,6 @@ class Rows:
 
     def keep(self, mask: np.ndarray) -> Rows:
         """The rows where `mask` (bool [n]) is True, as new arrays."""
-        if bool(mask.all()):
-            return self
         idx = np.flatnonzero(mask)
         scalars = [ScalarColumn(c.ids.take(idx), None if c.valid is None else c.valid.take(idx),
                                 None if c.weights is None else c.weights.take(idx)) for c in self.scalars]

@@ -35,6 +35,8 @@ import pyarrow as pa
 # the generators' shared parts (data/genbase.py), re-exported here
 from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng,  # noqa: F401
                           file_rows, ids_of_ranks, iter_chunks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
+from data.onehot import generate_onehot
+from data.retrieval import generate_retrieval
 
 _TABLE_MAX = 1 << 16
 """Features with at most this many ids keep their w/v in a table; larger ones hash per row."""
@@ -301,13 +303,9 @@ def generate(*, preset: str, rows: int, num_files: int, out_dir: str, seed: int,
     Presets with their own generator: `retrieval` (data.retrieval), `onehot` (data.onehot).
     """
     if preset == "onehot":               # ten one-hot fields, its own generator (data/onehot.py)
-        from data.onehot import generate_onehot
-
         return generate_onehot(out_dir=out_dir, seed=seed, split=file_rows(rows, num_files, rows_per_file),
                                row_group_rows=row_group_rows, compression=compression, model_seed=model_seed)
     if preset == "retrieval":            # its own generator and files (data/retrieval.py)
-        from data.retrieval import generate_retrieval
-
         if rows_per_file is not None:
             raise ValueError("preset 'retrieval' writes files of equal rows: rows_per_file is not supported")
         return generate_retrieval(rows=rows, num_files=num_files, out_dir=out_dir, seed=seed,
