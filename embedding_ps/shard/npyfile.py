@@ -11,6 +11,7 @@ Python objects are refused both ways.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -77,23 +78,12 @@ class NpyWriter:
 
 def write_streamed(directory: str, rows: Any) -> dict[str, dict]:
     """Write a `RowStream`'s arrays, one .npy file each, all in one pass over its chunks."""
-    writers = {}
-    try:
-        for name, (shape, dtype) in rows.specs.items():
-            writers[name] = NpyWriter(os.path.join(directory, f"{name}.npy"), shape, dtype)
-        chunks = rows.chunks()
-        try:
-            for part in chunks:
-                for name, a in part.items():
-                    writers[name].write(a)
-        finally:
-            chunks.close()
-    except BaseException as e:
-        for w in writers.values():
-            w.__exit__(type(e), e, None)
-        raise
-    for w in writers.values():
-        w.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack:
+        writers = {name: stack.enter_context(NpyWriter(os.path.join(directory, f"{name}.npy"), shape, dtype))
+                   for name, (shape, dtype) in rows.specs.items()}
+        for part in stack.enter_context(contextlib.closing(rows.chunks())):
+            for name, a in part.items():
+                writers[name].write(a)
     return {name: w.result for name, w in writers.items()}
 
 

@@ -33,8 +33,7 @@ WRITER_CHECK_S = 0.05
 """How often a shard waiting for late grads asks whether their writer still lives (`alive`)."""
 
 
-def wait_late(request: int, trailer: np.ndarray, timeout_s: float,
-              alive: Callable[[], bool] | None = None) -> bool:
+def wait_late(request: int, trailer: np.ndarray, timeout_s: float, alive: Callable[[], bool]) -> bool:
     """Wait until the client wrote request `request`'s grads (trailer int64 [2]: ready, finite),
     and tell whether it found them all finite. ProtocolError (nothing applied) if it gave up, took
     longer than min(timeout_s, GRADS_WAIT_S), or `alive()` (asked every WRITER_CHECK_S while it
@@ -46,11 +45,11 @@ def wait_late(request: int, trailer: np.ndarray, timeout_s: float,
     deadline = time.monotonic() + wait
     while True:
         left = deadline - time.monotonic()
-        slice_s = max(0.0, min(left, WRITER_CHECK_S if alive is not None else left))
+        slice_s = max(0.0, min(left, WRITER_CHECK_S))
         got = native.wait_flag(trailer[0:1], request, slice_s)
         if got in (request, -request) or left <= slice_s:
             break
-        if alive is not None and not alive():
+        if not alive():
             got = int(trailer[0])         # written just before it went: take it
             if got not in (request, -request):
                 raise P.ProtocolError("PUSH: the client is gone (it died or closed its shared memory) before "

@@ -49,18 +49,11 @@ class BackgroundSaver:
         self._finished = threading.Event()
         self._status = self._fresh(None, "none")
 
-    def _refuse_if_busy(self) -> None:
-        """RuntimeError while a write runs (`busy`: the caller parks the request)."""
-        if self.busy:
-            raise RuntimeError(f"{self.name}: a background save is writing ({self._status['directory']})")
-
     def start(self, state: Any, directory: str, step: int) -> dict:
         """Snapshot `state` now, write it to `directory` on a thread; returns the SAVE reply body.
-
-        Raises RuntimeError if busy (the caller parks the request), and whatever
-        `state.snapshot()` raises (nothing is started then).
+        Not while `busy` (the caller parks the request); raises whatever `state.snapshot()` raises
+        (nothing is started then).
         """
-        self._refuse_if_busy()
         snap = state.snapshot()
         with self._lock:
             self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s, prepare_s=0.0,
@@ -76,8 +69,7 @@ class BackgroundSaver:
         return {"shard": self.shard, "directory": directory, "snapshot_s": snap.snapshot_s, "background": True}
 
     def save(self, state: Any, directory: str, step: int) -> dict:
-        """`state.save(directory)` now (blocking); recorded in the status, errors re-raised."""
-        self._refuse_if_busy()
+        """`state.save(directory)` now (blocking, not while `busy`); recorded in the status, errors re-raised."""
         t0 = time.perf_counter()
         with self._lock:
             self._status = self._fresh(directory, "writing", background=False, step=step)

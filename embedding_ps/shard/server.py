@@ -194,34 +194,6 @@ class ShardServer:
 
     # -- validation helpers -------------------------------------------------------------------
 
-    def _parts(self, h: P.Header, index_buf: memoryview, ids_buf: memoryview
-               ) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """(tables [T], counts [T], ids int64 [M]) of a PULL / PUSH; ProtocolError naming what is wrong.
-        ids None: they are in the request's shared-memory segment (FLAG_SHM with an empty ids frame)."""
-        name = P.Op(h.op).name
-        limit = self.config.max_frame_bytes
-        if h.count < 1:
-            raise P.ProtocolError(f"{name}: count (parts) must be >= 1, got {h.count}", P.Status.BAD_VALUE)
-        P.expect_bytes(f"{name} index", len(index_buf), 2 * h.count, 8, limit)
-        index = P.frame_tensor(index_buf, P.DType.INT64, 2 * h.count).view(h.count, 2)
-        tables, counts = index[:, 0].tolist(), index[:, 1].tolist()
-        num_tables = len(self.config.tables)
-        for i, (t, n) in enumerate(zip(tables, counts)):
-            if not 0 <= t < num_tables:
-                raise P.ProtocolError(f"{name}: part {i}: unknown table {t} (this job has {num_tables} tables)",
-                                      P.Status.BAD_VALUE)
-            cfg = self.config.tables[t]
-            if cfg.dim != h.dim:
-                raise P.ProtocolError(f"{name}: part {i}: table {t} ({cfg.name}) has dim {cfg.dim}, request "
-                                      f"says {h.dim}", P.Status.BAD_VALUE)
-            if n < 0:
-                raise P.ProtocolError(f"{name}: part {i}: count must be >= 0, got {n}", P.Status.BAD_VALUE)
-        total = sum(counts)
-        if h.flags & P.FLAG_SHM and total and not len(ids_buf):
-            return tables, counts, None
-        P.expect_bytes(f"{name} ids", len(ids_buf), total, 8, limit)
-        return tables, counts, P.frame_tensor(ids_buf, P.DType.INT64, total)
-
     def _segment(self, h: P.Header, name: memoryview, nbytes: int) -> np.ndarray:
         """uint8 [nbytes] view of the client's shared-memory segment `name`; NO_SHM if this shard
         cannot open it (off here, another /dev/shm, another user), BAD_VALUE for a malformed name or size."""
@@ -241,27 +213,27 @@ class ShardServer:
         self.shm_requests += 1
         return seg
 
-    def _path(self, h: P.Header, payload: list) -> str:
-        P.expect_bytes(f"{P.Op(h.op).name} path", len(payload[0]), h.count, 1, 1 << 16)
-        path = P.frame_text(payload[0], f"{P.Op(h.op).name} path")
-        if not path:
-            raise P.ProtocolError(f"{P.Op(h.op).name}: empty directory", P.Status.BAD_VALUE)
-        return path
-
-    def _confined(self, h: P.Header, path: str) -> str:
-        """`path` if it lies under ps.storage_root once '..' and symlinks are resolved; else BAD_VALUE."""
+    def _paths(self, h: P.Header, payload: list) -> tuple[str, str]:
+        """(the directory a SAVE / LOAD names, this shard's directory under it); BAD_VALUE if that lies
+        outside ps.storage_root once '..' and symlinks are resolved."""
+        what = P.Op(h.op).name
+        P.expect_bytes(f"{what} path", len(payload[0]), h.count, 1, 1 << 16)
+        root = P.frame_text(payload[0], f"{what} path")
+        if not root:
+            raise P.ProtocolError(f"{what}: empty directory", P.Status.BAD_VALUE)
+        path = shard_dir(root, self.shard)
         if self.storage_root is None:
-            return path
+            return root, path
         if remote.is_uri(self.storage_root) or remote.is_uri(path):     # a URI root admits URIs under it
             if not remote.within(self.storage_root, path):
-                raise P.ProtocolError(f"{P.Op(h.op).name} of {path!r} refused: outside ps.storage_root "
-                                      f"{self.storage_root!r}", P.Status.BAD_VALUE)
-            return path
+                raise P.ProtocolError(f"{what} of {path!r} refused: outside ps.storage_root {self.storage_root!r}",
+                                      P.Status.BAD_VALUE)
+            return root, path
         real = os.path.realpath(path)
         if real != self.storage_root and not real.startswith(self.storage_root + os.sep):
-            raise P.ProtocolError(f"{P.Op(h.op).name} of {path!r} refused: it resolves to {real!r}, outside "
+            raise P.ProtocolError(f"{what} of {path!r} refused: it resolves to {real!r}, outside "
                                   f"ps.storage_root {self.storage_root!r}", P.Status.BAD_VALUE)
-        return path
+        return root, path
 
     def _json(self, h: P.Header, obj: Any) -> list:
         body = json.dumps(obj, default=_json_default).encode()
@@ -269,17 +241,39 @@ class ShardServer:
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def _rows(self, h: P.Header, payload: list, what: str) -> "RowsRequest":
-        """The PULL / PUSH `h` decoded and validated (`what`: its row data, for errors); its segment is
-        not opened yet (`_attach`): a pull that must wait opens it when it runs."""
+    def _rows(self, h: P.Header, payload: list, what: str) -> RowsRequest:
+        """The PULL / PUSH `h` decoded and validated (`what`: its row data; ProtocolError naming what is
+        wrong); its segment is not opened yet (`_attach`): a pull that must wait opens it when it runs."""
         dtype = P.row_dtype(h.dtype, what)
-        tables, counts, ids = self._parts(h, payload[0], payload[1])
+        name = P.Op(h.op).name
+        limit = self.config.max_frame_bytes
+        if h.count < 1:
+            raise P.ProtocolError(f"{name}: count (parts) must be >= 1, got {h.count}", P.Status.BAD_VALUE)
+        P.expect_bytes(f"{name} index", len(payload[0]), 2 * h.count, 8, limit)
+        index = P.frame_tensor(payload[0], P.DType.INT64, 2 * h.count).view(h.count, 2)
+        tables, counts = index[:, 0].tolist(), index[:, 1].tolist()
+        num_tables = len(self.config.tables)
+        for i, (t, n) in enumerate(zip(tables, counts)):
+            if not 0 <= t < num_tables:
+                raise P.ProtocolError(f"{name}: part {i}: unknown table {t} (this job has {num_tables} tables)",
+                                      P.Status.BAD_VALUE)
+            cfg = self.config.tables[t]
+            if cfg.dim != h.dim:
+                raise P.ProtocolError(f"{name}: part {i}: table {t} ({cfg.name}) has dim {cfg.dim}, request "
+                                      f"says {h.dim}", P.Status.BAD_VALUE)
+            if n < 0:
+                raise P.ProtocolError(f"{name}: part {i}: count must be >= 0, got {n}", P.Status.BAD_VALUE)
         total = sum(counts)
-        return RowsRequest(dtype, tables, counts, total, total * h.dim * P.ITEM_SIZE[dtype], ids,
-                           shm=bool(h.flags & P.FLAG_SHM), ids_in_seg=ids is None,
+        shm = bool(h.flags & P.FLAG_SHM)
+        ids_in_seg = shm and total > 0 and not len(payload[1])     # then they are read at `_attach`
+        if not ids_in_seg:
+            P.expect_bytes(f"{name} ids", len(payload[1]), total, 8, limit)
+        return RowsRequest(dtype, tables, counts, total, total * h.dim * P.ITEM_SIZE[dtype],
+                           None if ids_in_seg else P.frame_tensor(payload[1], P.DType.INT64, total),
+                           shm=shm, ids_in_seg=ids_in_seg,
                            bounds=list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts)))
 
-    def _attach(self, h: P.Header, req: "RowsRequest", name: memoryview) -> None:
+    def _attach(self, h: P.Header, req: RowsRequest, name: memoryview) -> None:
         """With FLAG_SHM: open the client's segment `name`; the row data, and the ids and the trailer
         when they travel there too, become views of it."""
         if not req.shm:
@@ -335,8 +329,13 @@ class ShardServer:
             req.ids = req.ids.clone()          # kept past the reply: not the client's memory
         part_ids = [req.ids[a:a + n] for _, a, n in req.bounds]
         try:
-            if late:   # the client still writes the grads: look the ids up meanwhile, then wait
-                self._hint_slots(req.tables, part_ids)
+            # the client still writes the grads: a gate that applies pushes on arrival looks the ids up
+            # meanwhile, each table once in the request (`ShardState.hint_slots`; the push of these very
+            # id tensors takes the slots over), then waits
+            if late and not self.gate.holds_pushes and len(set(req.tables)) == len(req.tables):
+                for t, i in zip(req.tables, part_ids):
+                    if i.numel():
+                        self.state.hint_slots(t, i)
             # `checked`: the client's copy found every grad finite
             checked = late and wait_late(h.request, req.trailer, self.config.timeout_s,
                                          functools.partial(writer_alive, bytes(payload[2])))
@@ -347,7 +346,7 @@ class ShardServer:
         req.notify_done(h)     # the caller may go on now
         return [h.reply().pack()]
 
-    def _push_parts(self, h: P.Header, req: "RowsRequest", part_ids: list, payload: list, checked: bool) -> list:
+    def _push_parts(self, h: P.Header, req: RowsRequest, part_ids: list, payload: list, checked: bool) -> list:
         """[(table, ids [n], grads float32 [n, D])] of a PUSH (grads from its frame or segment), after the
         finite check unless `checked`; ProtocolError under ps.on_nonfinite = "error"."""
         raw = memoryview(req.seg) if req.seg is not None else payload[2]
@@ -365,15 +364,6 @@ class ShardServer:
             if i.numel():
                 parts.append((t, i, g))
         return parts
-
-    def _hint_slots(self, tables: list[int], part_ids: list[torch.Tensor]) -> None:
-        """A gate that applies pushes on arrival, each table once in the request: the state looks up
-        the parts' slots now (`ShardState.hint_slots`; the push of these very id tensors takes them over)."""
-        if self.gate.holds_pushes or len(set(tables)) != len(tables):
-            return
-        for t, i in zip(tables, part_ids):
-            if i.numel():
-                self.state.hint_slots(t, i)
 
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)
@@ -394,9 +384,7 @@ class ShardServer:
                               "last_applied_step": self.gate.stats().get("last_applied_step")})
 
     def _save(self, h: P.Header, payload: list) -> Any:
-        root = self._path(h, payload)
-        path = shard_dir(root, self.shard)
-        self._confined(h, path)
+        root, path = self._paths(h, payload)
         if self.gate.must_wait(h.step) or self.saver.busy:    # busy: retried when the write ends
             return DEFERRED
         self.save_root = root     # the directory the client named (SAVE_STATUS: "root")
@@ -420,7 +408,7 @@ class ShardServer:
             logger.error("%s: background save still writing after %s s; abandoning it", self.name, timeout_s)
 
     def _load(self, h: P.Header, payload: list) -> Any:
-        path = self._confined(h, shard_dir(self._path(h, payload), self.shard))
+        path = self._paths(h, payload)[1]
         if self.saver.busy:
             return DEFERRED
         self.state.load(path)

@@ -73,8 +73,9 @@ def shard_dir(root: str | os.PathLike, shard_index: int) -> str:
 
 
 def _shard_indices(root: str) -> list[int]:
-    """Indices i of the `shard{i}` directories under `root`, sorted (tmp / old dirs are not)."""
-    names = os.listdir(root)
+    """Indices i of the `shard{i}` directories under `root`, sorted (tmp / old dirs are not); none if
+    `root` does not exist."""
+    names = os.listdir(root) if os.path.exists(root) else []
     return sorted(int(n[len(_SHARD):]) for n in names
                   if n.startswith(_SHARD) and n[len(_SHARD):].isdigit() and os.path.isdir(os.path.join(root, n)))
 
@@ -86,12 +87,10 @@ def saved_shard_dirs(root: str | os.PathLike) -> list[str]:
     no saved shard or one of them is missing, CorruptShardError if that manifest is unreadable.
     """
     root = os.fspath(root)
-    try:
-        found = _shard_indices(root)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{root}: no saved shards (the directory does not exist)") from None
+    found = _shard_indices(root)
     if not found:
-        raise FileNotFoundError(f"{root}: no saved shards ({_SHARD}0, {_SHARD}1, ...)")
+        why = f"{_SHARD}0, {_SHARD}1, ..." if os.path.exists(root) else "the directory does not exist"
+        raise FileNotFoundError(f"{root}: no saved shards ({why})")
     n = int(read_manifest(shard_dir(root, found[0]))["num_shards"])
     dirs = [shard_dir(root, i) for i in range(n)]
     missing = [d for d in dirs if not os.path.isdir(d)]
@@ -106,11 +105,7 @@ def saved_file_checksums(root: str | os.PathLike) -> dict[str, dict]:
     again). Best effort: a shard whose manifest is missing or unreadable is left out."""
     root = os.fspath(root)
     out: dict[str, dict] = {}
-    try:
-        found = _shard_indices(root)
-    except FileNotFoundError:
-        return out
-    for i in found:
+    for i in _shard_indices(root):
         try:
             files = read_manifest(shard_dir(root, i)).get("files", {})
         except (OSError, ValueError):

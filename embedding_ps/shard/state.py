@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -223,12 +224,10 @@ class ShardState:
         `step`: the save's step (`advance(step)` first; global decay: rows written caught up
         through step - 1, else through the latest step seen).
 
-        Under the lock (`snapshot_s`, the only pause) it copies the small arrays (id map items, free
-        stack, admission counters, eviction log) and freezes every table's slot-major arrays at
-        their `hwm` rows copy-on-write: until the writer has passed a row, an update of it first
-        saves its pre-image, within `ps.checkpoint_extra_memory` of the rows' bytes (updates wait
-        for the writer beyond that). The files equal a blocking `save` taken at the snapshot. One
-        such save at a time; `write` (or `close`) ends it.
+        Under the lock (`snapshot_s`, the only pause) it copies the small arrays and freezes the
+        slot-major ones copy-on-write (`embedding_ps.shard.cow`: within `ps.checkpoint_extra_memory`).
+        The files equal a blocking `save` taken at the snapshot. One such save at a time; `write` (or
+        `close`) ends it.
         """
         t0 = time.perf_counter()
         if step is not None:
@@ -243,10 +242,8 @@ class ShardState:
             for snap_table, stream, t in zip(tables, cow.streams, self.tables):
                 snap_table.rows = t.saved_rows(stream)     # global decay: caught up, chunk by chunk
             self._cow = cow
-        snap = ShardSnapshot(self.shard_index, self.config.num_shards, tables, on_close=lambda: self._end_save(cow),
-                             stats=cow.stats)
-        snap.snapshot_s = time.perf_counter() - t0
-        return snap
+        return ShardSnapshot(self.shard_index, self.config.num_shards, tables, time.perf_counter() - t0,
+                             on_close=lambda: self._end_save(cow), stats=cow.stats)
 
     def _end_save(self, cow: CowSave) -> None:
         with self._lock:
@@ -314,14 +311,13 @@ class ShardState:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """The C library, if it has `malloc_trim` (glibc)."""
+def _malloc_trim() -> Callable[[int], int] | None:
+    """The C library's `malloc_trim` (glibc), or None."""
     name = ctypes.util.find_library("c")
     try:
-        lib = ctypes.CDLL(name) if name else None
-    except OSError:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
         return None
-    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
 def release_free_heap() -> None:
@@ -331,8 +327,8 @@ def release_free_heap() -> None:
     glibc's heap that still count as resident memory. A shard calls this after sweeps and loads,
     never on the hot path (trimmed pages fault in again, ~several us each on a VM).
     """
-    if _libc() is not None:
-        _libc().malloc_trim(0)
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
 
 
 __all__ = ["FORMAT_VERSION", "MAX_STEP", "CorruptShardError", "ShardState", "release_free_heap", "verify_shard"]

@@ -50,7 +50,7 @@ from embedding_ps.init import init_rows
 from embedding_ps.shard.optim import apply_update, fill_value, state_specs
 from embedding_ps.shard.snapshot import LOW32, LiveRows, unpack_meta
 from embedding_ps.reference import has_duplicates, seed_mix
-from embedding_ps.wire.sharding import splitmix64_np
+from embedding_ps.wire.sharding import GOLDEN, splitmix64_np
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +224,10 @@ class TableShard:
         cfg = self.cfg
         need = max(cfg.min_count, 1)
         counted = np.ones(keys.shape[0], dtype=bool)
-        if cfg.admit_probability < 1.0:
-            counted = admission_coin(keys, step, self._admit_key) < cfg.admit_probability
+        if cfg.admit_probability < 1.0:     # the coin of (table seed, key, step): a float64 in [0, 1)
+            z = splitmix64_np(keys.view(np.uint64) ^ np.uint64(self._admit_key))
+            z += np.uint64((step * GOLDEN) & (2**64 - 1))
+            counted = (splitmix64_np(z) >> np.uint64(11)).astype(np.float64) * 2.0**-53 < cfg.admit_probability
         if need == 1:
             return counted
         counts = np.zeros(keys.shape[0], dtype=np.int32)
@@ -400,14 +402,13 @@ class TableShard:
         """Every piece of state but the slot-major arrays (a save streams those: `saved_rows`) as plain
         arrays, plus scalar metadata. copy=False: the free stack views the live state (valid until the
         next push); copy=True: it is copied too (the others are new arrays anyway)."""
-        h = self.hwm
         arrays = {"free": self.free[: self.nfree].copy() if copy else self.free[: self.nfree]}
         arrays["map_keys"], arrays["map_slots"] = self.map.items()
         for name, a in self.pending.state().items():
             arrays[f"pending.{name}"] = a
         log_keys, log_steps = self.eviction_log()
         arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
-        meta = {"hwm": h, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through,
+        meta = {"hwm": self.hwm, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through,
                 "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
         if self.decay is not None:
@@ -433,8 +434,8 @@ class TableShard:
         """Replace all state with a saved table's: `to_arrays`' and the slot-major arrays (copied)."""
         self._reset()
         h = int(meta["hwm"])
-        if max(h, int(meta["capacity"]), 64) > self.cap:
-            self._grow(max(h, int(meta["capacity"]), 64))
+        if (need := max(h, int(meta["capacity"]), 64)) > self.cap:
+            self._grow(need)
         self.hwm = h
         # np.copyto: the arrays may be read-only memory maps of a saved shard (torch.from_numpy warns on those)
         for name, t in self.slot_tensors().items():
@@ -473,14 +474,6 @@ class TableShard:
             live = {name: t[: self.hwm].numpy() for name, t in self.slot_tensors().items()}
             stream = LiveRows(live, copied=() if self.decay is None else CaughtUpRows.CHANGED)
         return stream if self.decay is None else CaughtUpRows(stream, self.decay, self.decay.clock)
-
-
-def admission_coin(keys: np.ndarray, step: int, key: int) -> np.ndarray:
-    """int64 [K] -> float64 [K] in [0, 1): the admission coin of (table seed, key, step)."""
-    z = splitmix64_np(keys.view(np.uint64) ^ np.uint64(key))
-    z += np.uint64((step * 0x9E3779B97F4A7C15) & (2**64 - 1))
-    z = splitmix64_np(z)
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def _regrow(t: torch.Tensor, cap: int, keep: int) -> torch.Tensor:
