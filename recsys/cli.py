@@ -127,7 +127,24 @@ def _cmd_print_config(args: argparse.Namespace) -> int:
 def _cmd_gen_data(args: argparse.Namespace) -> int:
     from data.synthetic import generate
 
-    split = _gen_data_split(args)
+    split = None                       # rows per file of --split (or onehot's default split); None: --rows in --files
+    if args.split is not None:
+        if args.rows is not None:
+            raise ConfigError("gen-data: give --rows (and --files) or --split, not both")
+        if args.preset in ("retrieval", "sequence", "daily"):
+            raise ConfigError(f"gen-data --split is not supported by --preset {args.preset} (use --rows, --files)")
+        try:
+            split = tuple(int(x) for x in args.split.split(","))
+        except ValueError:
+            raise ConfigError(f"gen-data --split must be row counts separated by commas, got {args.split!r}") from None
+        if min(split) < 1:
+            raise ConfigError(f"gen-data --split counts must be >= 1, got {args.split!r}")
+    elif args.rows is None:
+        if args.preset != "onehot":
+            raise ConfigError(f"gen-data --preset {args.preset} needs --rows (or --split)")
+        from data.onehot import ONEHOT_SPLIT
+
+        split = ONEHOT_SPLIT
     if args.preset == "daily":         # day partitions with ids that come and go (data/daily.py)
         from data.daily import generate_daily
 
@@ -144,29 +161,6 @@ def _cmd_gen_data(args: argparse.Namespace) -> int:
                            row_group_rows=args.row_group_rows, compression=args.compression, rows_per_file=split)
     logger.info("wrote %s", summary)
     return 0
-
-
-def _gen_data_split(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """Rows per file of --split (or the onehot preset's default split); None: --rows in --files equal files."""
-    if args.split is not None:
-        if args.rows is not None:
-            raise ConfigError("gen-data: give --rows (and --files) or --split, not both")
-        if args.preset in ("retrieval", "sequence", "daily"):
-            raise ConfigError(f"gen-data --split is not supported by --preset {args.preset} (use --rows, --files)")
-        try:
-            split = tuple(int(x) for x in args.split.split(","))
-        except ValueError:
-            raise ConfigError(f"gen-data --split must be row counts separated by commas, got {args.split!r}") from None
-        if min(split) < 1:
-            raise ConfigError(f"gen-data --split counts must be >= 1, got {args.split!r}")
-        return split
-    if args.rows is None:
-        if args.preset == "onehot":
-            from data.onehot import ONEHOT_SPLIT
-
-            return ONEHOT_SPLIT
-        raise ConfigError(f"gen-data --preset {args.preset} needs --rows (or --split)")
-    return None
 
 
 def _cmd_convert_criteo(args: argparse.Namespace) -> int:
@@ -298,12 +292,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    from data.parquet import resolve_paths
+    from data.remote import parquet_file
     from recsys import storage
     from recsys.rundir import local_run
     from recsys.training.evaluate import predict_run
 
     _fill_dates(args)
-    _check_keep(args.keep, args.data)
+    for path in resolve_paths(tuple(args.data)) if args.keep else ():     # --keep in every file (footers only)
+        with parquet_file(path) as pf:
+            missing = [c for c in args.keep if c not in pf.schema_arrow.names]
+        if missing:
+            raise ConfigError(f"--keep {' '.join(missing)}: not a column of {path} (columns: "
+                              f"{', '.join(pf.schema_arrow.names)})")
     with storage.local_output(args.out, directory=False) as out:      # a URI run / out: staged
         if args.export is not None:
             from recsys.serving.offline import predict_export
@@ -314,19 +315,6 @@ def _cmd_predict(args: argparse.Namespace) -> int:
                 _preflight_run_data(run, args.data)
                 predict_run(run, args.data, out, last=args.last, keep=tuple(args.keep))
     return 0
-
-
-def _check_keep(keep: list[str], data: list[str]) -> None:
-    """Every --keep column in every --data file (their footers only), before any scoring."""
-    from data.parquet import resolve_paths
-    from data.remote import parquet_file
-
-    for path in resolve_paths(tuple(data)) if keep else ():
-        with parquet_file(path) as pf:
-            missing = [c for c in keep if c not in pf.schema_arrow.names]
-        if missing:
-            raise ConfigError(f"--keep {' '.join(missing)}: not a column of {path} (columns: "
-                              f"{', '.join(pf.schema_arrow.names)})")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

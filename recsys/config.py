@@ -7,9 +7,8 @@ A job config is a TOML file with one section per package::
     [model]   -> ModelConfig (recsys/config_model.py)
     [train]   -> TrainConfig
 
-Every section is a frozen dataclass. The loader checks names, types and `Literal` choices
-itself (torchtitan's `_dict_to_dataclass` only rejected unknown names) and turns the
-dataclasses' own `__post_init__` range checks into `ConfigError`s naming the file.
+Every section is a frozen dataclass. The loader checks names, types and `Literal` choices itself
+and turns the dataclasses' own `__post_init__` range checks into `ConfigError`s naming the file.
 `--set section.key=value` overrides are parsed as TOML values and go through the same code.
 Then the `{date}`, `{date-N}`, `{date+N}` placeholders of the data paths and train.run_dir are filled
 in with data.date (`--date`, `fill_dates`), so the resolved config names the day's paths.
@@ -17,7 +16,6 @@ in with data.date (`--date`, `fill_dates`), so the resolved config names the day
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -35,7 +33,7 @@ from embedding_ps.wire.config import OPTIMIZER_KEYS, PSConfig, TableConfig, at_l
 from recsys.config_cluster import ClusterConfig
 from recsys.config_model import ModelConfig, sequence_feature_tables
 from recsys.config_retrieval import EvalConfig, check_two_tower
-from recsys.config_toml import to_dict, to_toml
+from recsys.config_toml import to_toml
 
 logger = logging.getLogger(__name__)
 
@@ -301,31 +299,23 @@ def _load(path: str | Path | None, overrides: typing.Sequence[str], cls: type, s
     raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
-    with _blaming(overrides, source):
+    try:
         fill_dates(raw, source)             # train.run_dir may be dated (runs/ctr/{date})
         rename_keys(raw, source)
         group_optimizers(raw, source)
         expand_tables(raw, source)          # reads [data] and [model] only for the tables they imply
         cfg = build(cls, raw.get(section, {}) if section else raw, source=source, prefix=section and f"{section}.")
+    except ConfigError as e:                # an error of a `--set` override names it, not the file it went into
+        rest = str(e).removeprefix(f"{source}: ")
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            if rest != str(e) and (rest.startswith(key) or f"'{key}'" in rest):
+                raise ConfigError(f"--set {item}: {rest}") from None
+        raise
     if cls is PSConfig and not cfg.storage_root:    # a shard (`recsys ps`) is confined to the job's run directory
         run_dir = raw["train"].get("run_dir") if isinstance(raw.get("train"), dict) else None
         cfg = dataclasses.replace(cfg, storage_root=run_dir if isinstance(run_dir, str) else TrainConfig().run_dir)
     return cfg
-
-
-@contextlib.contextmanager
-def _blaming(overrides: typing.Sequence[str], source: str):
-    """A key or value error of a `--set` override names the override, not the config file it went into."""
-    try:
-        yield
-    except ConfigError as e:
-        msg = str(e)
-        rest = msg[len(source) + 2:] if msg.startswith(f"{source}: ") else None
-        for item in overrides:
-            key = item.partition("=")[0].strip()
-            if rest is not None and (rest.startswith(key) or f"'{key}'" in rest):
-                raise ConfigError(f"--set {item}: {rest}") from None
-        raise
 
 
 RENAMED_KEYS = {("train", "prefetch_batches"): "pull_ahead_batches"}
@@ -369,7 +359,6 @@ def group_optimizers(raw: dict[str, Any], source: str) -> None:
         if name not in OPTIMIZER_KEYS:
             raise ConfigError(f"{source}: {key}.name must be one of {', '.join(map(repr, OPTIMIZER_KEYS))}, "
                               f"got {name!r}")
-        flat = {"optimizer": name}
         for k, v in grouped.items():
             if k == "name":
                 continue
@@ -378,34 +367,32 @@ def group_optimizers(raw: dict[str, Any], source: str) -> None:
                                   f"{', '.join(OPTIMIZER_KEYS[name])})")
             if k in table and table[k] != v:
                 raise ConfigError(f"{source}: {where}: {k} is set twice, {table[k]!r} and {key}.{k} = {v!r}")
-            flat[k] = v
-        table.update(flat)
+            table[k] = v
+        table["optimizer"] = name
 
 
 def expand_tables(raw: dict[str, Any], source: str) -> None:
     """Apply `[ps.table_defaults]` and `model.linear_tables` to the raw config, in place.
 
-    Every field of `ps.table_defaults` is the default of that field for every table (a table's own
-    value wins); a `data.sparse_columns` column whose table (`model.feature_tables`, else its own
-    name) is not in `ps.tables` gets one, made from the defaults; with `model.linear_tables` every
-    sparse column without a `model.linear_feature_tables` entry gets a dim-1 table `<column>_linear`
-    (same pooling as its embedding table). New tables follow the given ones, in column order, so
-    the expanded config (`print-config`) loads back to the same tables.
+    Every field of `ps.table_defaults` is the default of that field for every table (a table's own value
+    wins); a `data.sparse_columns` column whose table (`model.feature_tables`, else its own name) is not
+    in `ps.tables` gets one, made from the defaults; with `model.linear_tables` every sparse column
+    without a `model.linear_feature_tables` entry gets a dim-1 table `<column>_linear` (same pooling as
+    its embedding table). New tables follow the given ones, in column order, so the expanded config
+    (`print-config`) loads back to the same tables.
     """
     ps, model, data = raw.get("ps", {}), raw.get("model", {}), raw.get("data", {})
     if not all(isinstance(x, dict) for x in (ps, model, data)):
         return                                   # `build` names the section that is not a table
-    defaults = ps.pop("table_defaults", None)
     linear = model.get("linear_tables", False) is True
-    if defaults is None and not linear:
+    if "table_defaults" not in ps and not linear:
         return
-    defaults = {} if defaults is None else defaults
+    defaults = ps.pop("table_defaults", {})
     if not isinstance(defaults, dict):
         raise ConfigError(f"{source}: ps.table_defaults must be a table, got {defaults!r}")
     fields_ = [f.name for f in dataclasses.fields(TableConfig) if f.name != "name"]
-    for key in defaults:
-        if key not in fields_:
-            raise ConfigError(f"{source}: unknown key 'ps.table_defaults.{key}'; valid: {', '.join(fields_)}")
+    if unknown := [key for key in defaults if key not in fields_]:
+        raise ConfigError(f"{source}: unknown key 'ps.table_defaults.{unknown[0]}'; valid: {', '.join(fields_)}")
     tables = ps.setdefault("tables", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         return
@@ -417,11 +404,9 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
     names = {t.get("name") for t in tables}
     columns = data.get("sparse_columns", [])
     columns = [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
-    feature_tables = model.get("feature_tables", {})
-    feature_tables = feature_tables if isinstance(feature_tables, dict) else {}
-    sequences = model.get("sequence_features", {})
-    if isinstance(sequences, dict):
-        feature_tables = sequence_feature_tables(feature_tables, sequences)
+    feature_tables, sequences = model.get("feature_tables", {}), model.get("sequence_features", {})
+    feature_tables = sequence_feature_tables(feature_tables if isinstance(feature_tables, dict) else {},
+                                             sequences if isinstance(sequences, dict) else {})
     for column in columns:
         name = feature_tables.get(column, column)
         if name in names:
@@ -437,17 +422,14 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
         pooling = model.setdefault("table_pooling", {})
         if not isinstance(linear_map, dict) or not isinstance(pooling, dict):
             return
-        for column in columns:
-            if column in linear_map:
-                continue
+        for column in (c for c in columns if c not in linear_map):
             name = f"{column}_linear"
             if name not in names:
                 tables.append({"name": name, **defaults, "dim": 1})
                 names.add(name)
             linear_map[column] = name
-            own = feature_tables.get(column, column)
-            if own in pooling and name not in pooling:
-                pooling[name] = pooling[own]
+            if (own := feature_tables.get(column, column)) in pooling:      # the pooling of its embedding table
+                pooling.setdefault(name, pooling[own])
     _warn_unused_defaults(defaults, unused, n_given, tables[n_given:], source)
 
 
@@ -538,6 +520,11 @@ def build(cls: type, raw: Any, *, source: str, prefix: str) -> Any:
         raise ConfigError(f"{source}: {e}") from None
 
 
+_SCALARS = {bool: (bool, "true or false"), int: (int, "an integer"), float: ((int, float), "a number"),
+            str: (str, "a string")}
+"""A scalar config type: (the TOML values it takes, what an error says it must be)."""
+
+
 def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -573,26 +560,15 @@ def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
         if not isinstance(value, dict):
             raise bad("a table")
         return {str(k): _convert(args[1], v, source=source, key=f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad("true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad("an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
-        if not math.isfinite(value):          # TOML has nan and inf; no setting takes them
+    if tp in _SCALARS:
+        kinds, expected = _SCALARS[tp]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and tp is not bool):   # a bool is an int
+            raise bad(expected)
+        if tp is float and not math.isfinite(value):          # TOML has nan and inf; no setting takes them
             raise bad("a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad("a string")
-        return value
+        return float(value) if tp is float else value
     raise ConfigError(f"{source}: {key}: unsupported config type {tp!r}")
 
 
 __all__ = ["ConfigError", "JobConfig", "ModelConfig", "TrainConfig", "DataConfig", "PSConfig", "EvalConfig",
-           "TableConfig", "expand_tables", "fill_dates", "load_config", "load_ps_config", "to_dict", "to_toml"]
+           "TableConfig", "expand_tables", "fill_dates", "load_config", "load_ps_config", "to_toml"]

@@ -33,7 +33,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("eval", EvalConfig, "Offline evaluation (retrieval metrics)."),
     ("cluster", ClusterConfig, "Which engine places the processes: the local launcher or a Ray cluster."),
 )
-_SKIP = {("ps", "tables"), ("ps", "table_defaults")}     # documented as their own section
+_SKIP = ("ps", "tables")     # documented as its own section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +78,6 @@ def _default(f: dataclasses.Field) -> str:
         value = f.default_factory()
     else:
         return "(required)"
-    if dataclasses.is_dataclass(value):
-        return "(see its section)"
     return repr(value) if not isinstance(value, tuple) else repr(list(value))
 
 
@@ -89,9 +87,9 @@ def keys() -> list[Key]:
     for section, cls, _ in SECTIONS:
         docs = _docstrings(cls)
         for f in dataclasses.fields(cls):
-            if f.name.startswith("_") or (section, f.name) in _SKIP:
+            if (section, f.name) == _SKIP:
                 continue
-            annotation, doc = docs.get(f.name, (str(f.type), ""))
+            annotation, doc = docs[f.name]
             out.append(Key(section, f.name, annotation, _default(f), doc))
     return out
 

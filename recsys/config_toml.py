@@ -28,8 +28,7 @@ def to_dict(cfg: Any) -> Any:
 def to_toml(cfg: Any) -> str:
     """The resolved config as TOML text that `load_config` reads back into an equal config."""
     lines: list[str] = []
-    tree = to_dict(cfg)
-    for section, body in tree.items():
+    for section, body in to_dict(cfg).items():
         arrays = {k: v for k, v in body.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
         lines.append(f"[{section}]")
         lines += _toml_items({k: v for k, v in body.items() if k not in arrays})

@@ -15,48 +15,47 @@ import torch
 import torch.distributed as dist
 
 
-def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
+def is_distributed() -> bool:
     """Whether a process group of more than one rank is initialized."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def barrier(group: dist.ProcessGroup | None = None) -> None:
-    """Wait until every rank of `group` gets here (nothing in one process)."""
-    if is_distributed(group):
-        dist.barrier(group=group)
+def barrier() -> None:
+    """Wait until every rank gets here (nothing in one process)."""
+    if is_distributed():
+        dist.barrier()
 
 
-def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+def collective_device() -> torch.device:
     """NCCL only reduces CUDA tensors; gloo reduces CPU ones."""
-    if dist.get_backend(group) == "nccl":
+    if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, *,
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """`t` reduced element-wise over the ranks of `group` with `op` (a new CPU tensor; `t` is left as it is)."""
-    if not is_distributed(group):
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """`t` reduced element-wise over the ranks with `op` (a new CPU tensor; `t` is left as it is)."""
+    if not is_distributed():
         return t.detach().to("cpu", copy=True)
-    buf = t.to(collective_device(group), copy=True)
-    dist.all_reduce(buf, op=op, group=group)
+    buf = t.to(collective_device(), copy=True)
+    dist.all_reduce(buf, op=op)
     return buf.cpu()
 
 
-def all_gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """1-D tensor `t` of any length from every rank of `group`, in rank order, as CPU tensors (no
-    pickling; padded to the longest for the collective, on `collective_device`). One process: [t]."""
-    if not is_distributed(group):
+def all_gather_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """1-D tensor `t` of any length from every rank, in rank order, as CPU tensors (no pickling;
+    padded to the longest for the collective, on `collective_device`). One process: [t]."""
+    if not is_distributed():
         return [t.detach().cpu()]
-    device = collective_device(group)
+    device = collective_device()
     n = torch.tensor([t.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, n, group=group)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
     lens = [int(x.item()) for x in sizes]
     padded = torch.zeros(max(lens), dtype=t.dtype, device=device)        # all_gather needs equal sizes
     padded[: t.numel()] = t.to(device)
     parts = [torch.zeros_like(padded) for _ in lens]
-    dist.all_gather(parts, padded, group=group)
+    dist.all_gather(parts, padded)
     return [p[:k].cpu() for p, k in zip(parts, lens)]
 
 

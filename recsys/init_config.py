@@ -117,9 +117,7 @@ def _dense_column(name: str, t: pa.DataType, values: pa.ChunkedArray) -> Column:
     x = x[np.isfinite(x)]
     nulls = values.null_count / len(values) if len(values) else 0.0
     negative = bool(x.size and x.min() < 0)
-    skewed = False
-    if x.size > 1 and not negative and x.std() > 0:
-        skewed = float(np.mean(((x - x.mean()) / x.std()) ** 3)) > SKEWED
+    skewed = bool(x.size > 1 and not negative and x.std() > 0 and np.mean(((x - x.mean()) / x.std()) ** 3) > SKEWED)
     notes = [f"{nulls:.0%} null (dense_fill)" if nulls else "", "long right tail" if skewed else "",
              "negative values" if negative else ""]
     return Column(name, "dense", str(t), note="; ".join(n for n in notes if n), negative=negative, skewed=skewed)
@@ -139,10 +137,6 @@ def _log1p_line(dense: list[Column]) -> str | None:
                 f"in the data)")
     why = "integer counts" if not tails else "long right tails" if not counts else "counts and long right tails"
     return f"dense_log1p = true           # {why} ({', '.join(counts + tails)}): log(1 + x), the Criteo convention"
-
-
-def _dim(max_distinct: int) -> int:
-    return 8 if max_distinct <= 10_000 else 16 if max_distinct <= 1_000_000 else 32
 
 
 def _open(path: str):  # noqa: ANN202 (a pyarrow ParquetFile)
@@ -181,7 +175,8 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
         raise InitConfigError(f"{files[0]}: no id columns (integers, strings or lists of them) to embed")
     passthrough = [c.name for c in cols if c.kind == "passthrough"]
     train, val, test, how = split_files(files)
-    dim = _dim(max(c.distinct for c in ids))
+    vocab = max(c.distinct for c in ids)
+    dim = 8 if vocab <= 10_000 else 16 if vocab <= 1_000_000 else 32
     lines = [
         f"# Written by `recsys init-config` from {len(files)} file(s) ({sample:,} rows sampled). Check the column",
         "# classes below, then: recsys train --config THIS_FILE   (recsys print-config --config THIS_FILE shows it",
@@ -201,15 +196,14 @@ def render(files: list[str], label: str, cols: list[Column], sample: int, run_di
     lines += [f"label_column = {toml_value(label)}",
               f"dense_columns = {toml_value(dense)}",
               f"sparse_columns = {toml_value([c.name for c in ids])}"]
-    log1p = _log1p_line([c for c in cols if c.kind == "dense"])
-    if log1p:
+    if log1p := _log1p_line([c for c in cols if c.kind == "dense"]):
         lines.append(log1p)
     if passthrough:
         lines.append(f"passthrough_columns = {toml_value(passthrough)}")
     lines += ["batch_size = 256", "drop_last = true             # batch norm: no last batch of a few rows", "",
               "[ps]", "num_shards = 1", 'mode = "sync"', "",
               "[ps.table_defaults]          # every table: one per id column, plus the dim-1 linear ones",
-              f"dim = {dim}                      # from the largest vocabulary ({max(c.distinct for c in ids):,} ids)",
+              f"dim = {dim}                      # from the largest vocabulary ({vocab:,} ids)",
               f'placement = "auto"           # <= {REPLICATE_MAX:,} ids: a dense parameter on the trainers; '
               'more: the PS',
               'optimizer = { name = "adam", lr = 0.001, weight_decay = 0.0002 }   # weight_decay = 2 x an L2 penalty',

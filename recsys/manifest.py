@@ -20,12 +20,9 @@ from recsys import storage
 from recsys.rundir import run_path
 
 
-def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -71,14 +68,8 @@ def read_manifest(root: str | Path, error: type[Exception], *, kind: str, format
         data = storage.read_bytes(path)         # bytes: json.loads refuses bad UTF-8 as invalid JSON
     except FileNotFoundError:
         raise error(f"{path}: missing (not {kind})") from None
-    return parse_manifest(data, str(path), error, format=format, version=version, required=required)
-
-
-def parse_manifest(text: str | bytes, path: str, error: type[Exception], *, format: str, version: tuple[str, int],
-                   required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The checks of `read_manifest` on manifest text or bytes read from `path` (a file or a URI)."""
     try:
-        manifest = json.loads(text)
+        manifest = json.loads(data)
     except ValueError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != format:

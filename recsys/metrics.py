@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from recsys.dist import all_gather_parts, all_reduce, is_distributed
 
@@ -205,9 +204,6 @@ class StreamingAUC:
         pairs = float(pos.sum()) * float(neg.sum())
         return 0.5 * float((pos * neg).sum()) / pairs if pairs > 0 else math.nan
 
-    def reset(self) -> None:
-        self.hist.zero_()
-
 
 class CTRMetrics:
     """Accumulates auc / logloss / ne / calibration / count over batches and ranks.
@@ -260,24 +256,24 @@ class CTRMetrics:
         self._weights += other._weights
         return self
 
-    def reduced(self, group: dist.ProcessGroup | None = None) -> CTRMetrics:
-        """A copy holding the state of every rank of `group` (collective; a plain copy when not distributed).
+    def reduced(self) -> CTRMetrics:
+        """A copy holding the state of every rank (collective; a plain copy when not distributed).
 
         The sums and the histogram travel in one all_reduce; with `exact_auc` the labels and
         scores are all-gathered too.
         """
         out = copy.deepcopy(self)
-        if not is_distributed(group):
+        if not is_distributed():
             return out
         K = self.streaming_auc.num_buckets
         S = self.sums.numel()
-        total = all_reduce(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]), group=group)   # [S + 2K]
+        total = all_reduce(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]))   # [S + 2K]
         out.sums = total[:S].clone()
         out.streaming_auc.hist = total[S:].view(2, K).clone()
         if self.exact_auc:
             def gathered(parts: list[torch.Tensor]) -> list[torch.Tensor]:
                 mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-                return [torch.cat(all_gather_parts(mine, group))]
+                return [torch.cat(all_gather_parts(mine))]
 
             out._labels, out._scores = gathered(self._labels), gathered(self._scores)
             if self.weighted:
@@ -297,7 +293,7 @@ class CTRMetrics:
 
     def reset(self) -> None:
         self.sums.zero_()
-        self.streaming_auc.reset()
+        self.streaming_auc.hist.zero_()
         self._labels.clear()
         self._scores.clear()
         self._weights.clear()
@@ -372,8 +368,8 @@ def step_line(values: Mapping[str, float], step: int, verbose: bool = False) -> 
 
 
 class MetricSink:
-    """Where training metrics go (`MetricLogger`, `MemoryMetricLogger`); this base, as `NullMetricLogger`,
-    drops them. A context manager that closes on exit."""
+    """Where training metrics go (`MetricLogger`, `MemoryMetricLogger`); this base, as `NullMetricLogger`
+    (ranks other than 0, or metrics turned off), drops them. A context manager that closes on exit."""
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
@@ -388,8 +384,7 @@ class MetricSink:
         self.close()
 
 
-class NullMetricLogger(MetricSink):
-    """A MetricSink that drops everything: ranks other than 0, or metrics turned off."""
+NullMetricLogger = MetricSink
 
 
 class MetricLogger(MetricSink):
@@ -444,8 +439,7 @@ class MetricLogger(MetricSink):
 
     def close(self) -> None:
         """Flush and close the file (and the TensorBoard writer); calling it again does nothing."""
-        if not self._file.closed:
-            self._file.close()
+        self._file.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None

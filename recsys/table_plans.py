@@ -62,14 +62,9 @@ class SequencePlan:
 
 
 def plan_sequences(features: tuple[str, ...], sequence_features: dict[str, str]) -> list[SequencePlan]:
-    """The SequencePlans of `model.sequence_features` over the batch's features (in feature order)."""
-    out = []
-    for seq, cand in sequence_features.items():
-        for col in (seq, cand):
-            if col not in features:
-                raise ValueError(f"model.sequence_features.{seq}: {col!r} is not in data.sparse_columns "
-                                 f"{list(features)}")
-        out.append(SequencePlan(seq, features.index(seq), features.index(cand)))
+    """The SequencePlans of `model.sequence_features` over the batch's features (in feature order; both
+    columns of each are among them, as JobConfig checks)."""
+    out = [SequencePlan(seq, features.index(seq), features.index(cand)) for seq, cand in sequence_features.items()]
     return sorted(out, key=lambda s: s.feature)
 
 

@@ -17,7 +17,6 @@ KNOWN_FILES = {
 }
 KNOWN_FUNCTIONS = {
     "recsys/cli.py::build_parser",              # one add_argument per flag: a table, not logic
-    "recsys/config.py::expand_tables",
     "recsys/training/job.py::prepared_run",
     "recsys/training/worker.py::run_worker",
 }
