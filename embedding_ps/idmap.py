@@ -86,7 +86,7 @@ class IdMap:
             return
         if self._size + self._tombs + n > self.max_load * self.num_buckets:
             self._rehash(self._size + n)
-        self._place(keys, vals)
+        self._tombs -= native.map_place(self._keys, self._vals, keys, vals)   # takes free buckets, tombstones too
         self._size += n
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
@@ -142,11 +142,7 @@ class IdMap:
         fits = self._reserved > 0 and n <= self.max_load * self._reserved
         self._alloc(self._reserved if fits else max(self._buckets_for(n), 64))
         self._tombs = 0
-        self._place(keys, vals)
-
-    def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
-        """Write distinct absent keys into free buckets (EMPTY or TOMBSTONE)."""
-        self._tombs -= native.map_place(self._keys, self._vals, keys, vals)
+        native.map_place(self._keys, self._vals, keys, vals)
 
 
 class BoundedCounter:
@@ -188,8 +184,12 @@ class BoundedCounter:
         self.count[slots] += 1
         self.last_seen[slots] = step
         out = self.count[slots].copy()
-        if len(self.map) > self.max_entries:
-            self._shrink(self.max_entries * 3 // 4)
+        if len(self.map) > self.max_entries:          # shrink to 3/4 of the bound (the class docstring)
+            keys, slots = self.map.items()
+            drop = keys.shape[0] - self.max_entries * 3 // 4
+            prio = (self.count[slots].astype(np.int64) << 32) | self.last_seen[slots].astype(np.int64)
+            self.remove(keys[np.lexsort((keys, prio))[:drop]])
+            self.dropped += drop
         return out
 
     def remove(self, keys: np.ndarray) -> None:
@@ -210,8 +210,7 @@ class BoundedCounter:
 
     def set_state(self, keys: np.ndarray, count: np.ndarray, last_seen: np.ndarray) -> None:
         self.__init__(self.max_entries)
-        n = keys.shape[0]
-        slots = self._alloc(n)
+        slots = self._alloc(keys.shape[0])
         self.map.insert(keys, slots)
         self.count[slots], self.last_seen[slots] = count, last_seen
 
@@ -227,13 +226,3 @@ class BoundedCounter:
         out = np.concatenate([take, np.arange(self._hwm, self._hwm + k)]).astype(np.int32)
         self._hwm += k
         return out
-
-    def _shrink(self, keep: int) -> None:
-        keys, slots = self.map.items()
-        drop = keys.shape[0] - keep
-        if drop <= 0:
-            return
-        prio = (self.count[slots].astype(np.int64) << 32) | self.last_seen[slots].astype(np.int64)
-        order = np.lexsort((keys, prio))[:drop]
-        self.remove(keys[order])
-        self.dropped += drop

@@ -28,7 +28,7 @@ from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.state import ShardState
 from embedding_ps.wire.sharding import route
 from embedding_ps.shard.snapshot import shard_dir
-from embedding_ps.store import EmbeddingStore, done_future
+from embedding_ps.store import EmbeddingStore, call_dim, done_future
 
 
 class LocalStore(EmbeddingStore):
@@ -61,12 +61,17 @@ class LocalStore(EmbeddingStore):
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> Future[torch.Tensor]:
         """A done Future of float32 rows [sum N_t, D] of every table's int64 ids [N_t], in order."""
-        dim = self._dim(tables, ids)
+        dim = call_dim(self.config, tables, ids)
         step = self.step if step is None else step
         out = torch.empty(sum(x.numel() for x in ids), dim)                  # [sum N_t, D]
         start = 0
         for t, x in zip(tables, ids):
-            self._pull_into(t, x, step, out[start:start + x.numel()])
+            part = out[start:start + x.numel()]
+            if len(self.states) == 1:
+                self.states[0].pull(t, x, step, out=part)
+            else:
+                for state, pos in self._owners(t, x):
+                    part[pos] = state.pull(t, x[pos], step)
             start += x.numel()
         return done_future(out)
 
@@ -76,10 +81,7 @@ class LocalStore(EmbeddingStore):
 
         The parts of one table are joined first, so duplicate ids get one update with the sum.
         """
-        dim = self._dim(tables, ids)
-        total = sum(x.numel() for x in ids)
-        if grads.dim() != 2 or tuple(grads.shape) != (total, dim):
-            raise ValueError(f"push to tables {list(tables)}: grads must be [{total}, {dim}], got {list(grads.shape)}")
+        call_dim(self.config, tables, ids, grads)
         step = self.step if step is None else step
         by_table: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for t, x, g in zip(tables, ids, torch.split(grads.detach(), [x.numel() for x in ids])):
@@ -88,7 +90,11 @@ class LocalStore(EmbeddingStore):
             part[1].append(g)
         for t, (xs, gs) in by_table.items():
             x, g = (xs[0], gs[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(gs))   # [N, D]
-            self._push(t, x, g, step)
+            if len(self.states) == 1:
+                self.states[0].push(t, x, g, step)
+            else:
+                for state, pos in self._owners(t, x):
+                    state.push(t, x[pos], g[pos], step)
         return done_future(None)
 
     # -- steps ------------------------------------------------------------------------------------
@@ -144,17 +150,6 @@ class LocalStore(EmbeddingStore):
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _dim(self, tables: Sequence[int], ids: Sequence[torch.Tensor]) -> int:
-        if len(tables) != len(ids) or not tables:
-            raise ValueError(f"LocalStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
-        for t in tables:
-            if not 0 <= t < len(self.config.tables):
-                raise IndexError(f"LocalStore: table {t} out of range [0, {len(self.config.tables)})")
-        dims = {self.config.tables[t].dim for t in tables}
-        if len(dims) != 1:
-            raise ValueError(f"LocalStore: tables {list(tables)} of one call must share one dim, got {sorted(dims)}")
-        return dims.pop()
-
     def _owners(self, table: int, ids: torch.Tensor) -> list[tuple[ShardState, torch.Tensor]]:
         """(state, positions int64 [N_s]) of every shard that owns some of `ids` [N]."""
         owner = route(ids, self.config.tables[table], self.config.num_shards)      # [N]
@@ -164,20 +159,6 @@ class LocalStore(EmbeddingStore):
             if pos.numel():
                 out.append((state, pos))
         return out
-
-    def _pull_into(self, table: int, ids: torch.Tensor, step: int, out: torch.Tensor) -> None:
-        if len(self.states) == 1:
-            self.states[0].pull(table, ids, step, out=out)
-            return
-        for state, pos in self._owners(table, ids):
-            out[pos] = state.pull(table, ids[pos], step)
-
-    def _push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        if len(self.states) == 1:
-            self.states[0].push(table, ids, grads, step)
-            return
-        for state, pos in self._owners(table, ids):
-            state.push(table, ids[pos], grads[pos], step)
 
 
 __all__ = ["LocalStore"]

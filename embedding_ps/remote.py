@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
@@ -117,7 +116,6 @@ def download_dir(uri: str, local: str) -> None:
         raise FileNotFoundError(f"no saved shard at {uri} (nothing stored under it)")
     for info in files:
         rel = info.path[len(root):].lstrip("/")
-        os.makedirs(os.path.dirname(os.path.join(local, rel)) or local, exist_ok=True)
         _copy(fs, info.path, pafs.LocalFileSystem(), os.path.join(local, rel))
 
 
@@ -144,16 +142,13 @@ def write_via_local(directory: str, write: Callable[[str], dict]) -> dict:
 
     Returns what `write` returned, with "directory" = `directory`. The local copy is removed.
     """
-    tmp = tempfile.mkdtemp(prefix="ps-save-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="ps-save-", ignore_cleanup_errors=True) as tmp:
         local = os.path.join(tmp, "shard")
         info = dict(write(local))
         try:
             upload_dir(local, directory, last="manifest.json")
         except OSError as e:
             raise OSError(f"saving to {directory} failed: {e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     info["directory"] = directory
     return info
 

@@ -25,6 +25,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from embedding_ps.wire.config import PSConfig
+
 
 @runtime_checkable
 class RowSource(Protocol):
@@ -99,6 +101,36 @@ def done_future(value: object) -> Future:
     return fut
 
 
+class UnknownTableError(IndexError, ValueError):
+    """A table number outside ps.tables: an IndexError (as `LocalStore` and `ShardState` raise) and a
+    ValueError (a bad argument, as `PSClient` raised)."""
+
+
+def call_dim(config: PSConfig, tables: Sequence[int], ids: Sequence[torch.Tensor],
+             grads: torch.Tensor | None = None) -> int:
+    """The dim D of a `*_many_async` call's tables. ValueError unless tables and ids pair up (>= 1),
+    the tables share one dim, each part's ids are int64 [N_t] and a push's `grads` is float
+    [sum N_t, D]; UnknownTableError for a table outside ps.tables."""
+    if len(tables) != len(ids) or not tables:
+        raise ValueError(f"{len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
+    for t in tables:
+        if not 0 <= t < len(config.tables):
+            raise UnknownTableError(f"table {t} out of range [0, {len(config.tables)}) (ps.tables)")
+    dims = {config.tables[t].dim for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"tables {list(tables)} of one call must share one dim, got {sorted(dims)}")
+    for t, x in zip(tables, ids):
+        if x.dtype != torch.int64 or x.dim() != 1:
+            raise ValueError(f"table {t}: ids must be int64 [N], got {x.dtype} {list(x.shape)}")
+    dim = dims.pop()
+    if grads is not None:
+        total = sum(x.numel() for x in ids)
+        if grads.dim() != 2 or grads.shape != (total, dim) or not grads.is_floating_point():
+            raise ValueError(f"push to tables {list(tables)}: grads must be [{total}, {dim}] (float), got "
+                             f"{grads.dtype} {list(grads.shape)}")
+    return dim
+
+
 def pull_each(store: RowSource, tables: Sequence[int], ids: Sequence[torch.Tensor],
               step: int | None = None) -> Future[torch.Tensor]:
     """`pull_many_async` of a store that answers at once (an export, replicated tables): a done Future of
@@ -107,4 +139,4 @@ def pull_each(store: RowSource, tables: Sequence[int], ids: Sequence[torch.Tenso
     return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
-__all__ = ["EmbeddingStore", "RowSource", "done_future", "pull_each"]
+__all__ = ["EmbeddingStore", "RowSource", "UnknownTableError", "call_dim", "done_future", "pull_each"]

@@ -139,8 +139,6 @@ class CachingStore(EmbeddingStore):
         if len(tables) != len(ids) or not tables:
             raise ValueError(f"CachingStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
         step = self.step if step is None else step
-        if self._worker is None:
-            return self._pull(tables, ids, step, counts)
         return self._chain(lambda: self._pull(tables, ids, step, counts))
 
     def _pull(self, tables: Sequence[int], ids: Sequence[torch.Tensor], step: int,
@@ -176,13 +174,14 @@ class CachingStore(EmbeddingStore):
         `background` through the cache's thread, so that the wrapped store sees pulls and pushes in
         the order they were made (a pull made before a push never sees it: exact with max_age 0)."""
         grads = grads.detach().to("cpu")
-        if self._worker is None:
-            return self.inner.push_many_async(tables, ids, grads, step)
         step = self.step if step is None else step
         return self._chain(lambda: self.inner.push_many_async(tables, ids, grads, step))
 
     def _chain(self, call) -> Future:
-        """A Future of the Future that `call()` returns, called on the cache's thread in order."""
+        """A Future of the Future that `call()` returns, called on the cache's thread in order (without
+        `background`: that Future, called here)."""
+        if self._worker is None:
+            return call()
         out: Future = Future()
 
         def relay(f: Future) -> None:
@@ -230,8 +229,6 @@ class CachingStore(EmbeddingStore):
         self._call(self.inner.barrier, step)
 
     def barrier_async(self, step: int) -> Future:
-        if self._worker is None:
-            return self.inner.barrier_async(step)
         self._step = step + 1
         return self._chain(lambda: self.inner.barrier_async(step))
 
@@ -272,12 +269,16 @@ class _Plan:
                  counts: Sequence[torch.Tensor] | None) -> None:
         self.tables = list(tables)
         self.uniq: list[torch.Tensor] = []                 # per part: distinct ids [U] (cpu)
-        inverse, cnt = [], []
+        inverse, cnt = [], []                              # per part: inverse [N] or None, occurrences [U]
         for i, x in enumerate(ids):
-            u, inv, c = _distinct(x.to("cpu", torch.int64), None if counts is None else counts[i])
+            u, inv = dedup_ids(x.to("cpu", torch.int64))
             self.uniq.append(u)
             inverse.append(inv)
-            cnt.append(c)
+            if counts is not None:                         # the given occurrences, summed per distinct id
+                c = counts[i].to("cpu", torch.int64)
+                if inv is not None:
+                    c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, c)
+                cnt.append(c.numpy())
         self.gather = gather_of(self.uniq, inverse)        # [N] caller position -> buffer row, or None
         sizes = np.array([u.numel() for u in self.uniq], dtype=np.int64)            # [P]
         self.starts = np.cumsum(sizes) - sizes                                       # [P] first buffer row
@@ -368,21 +369,6 @@ def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list
     pieces = torch.from_numpy(ids).split(n.tolist())
     keep = np.flatnonzero(n)
     return [tables[i] for i in keep], [pieces[i] for i in keep]
-
-
-def _distinct(ids: torch.Tensor, counts: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
-    """(distinct ids [U], inverse [N] into them, occurrences int64 [U]) by `plan.dedup_ids`:
-    inverse None when `ids` [N] already are distinct (what the sparse arch sends) and come back in
-    their own order (always with the C pass), which keeps the caller's order; the occurrences are
-    `counts` then (None when not given)."""
-    given = None if counts is None else counts.to("cpu", torch.int64)
-    u, inv, c = dedup_ids(ids, counts=True)
-    if inv is None:
-        return ids, None, None if given is None else given.numpy()
-    if given is not None:   # occurrences of the given ids summed per distinct id
-        c = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, given)
-    return u, inv, c.numpy()
 
 
 def cache_metrics(counts: dict[str, dict[str, int]]) -> dict[str, float]:

@@ -53,7 +53,7 @@ from embedding_ps.wire.auth import job_tag, load_token
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.client.plan import cat, combine, frames, index_frame, plan_call
 from embedding_ps.client.segments import ClientSegments, LateGrads, NotifiedFuture
-from embedding_ps.store import done_future
+from embedding_ps.store import call_dim, done_future
 from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardError, ShardUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,8 @@ class PSClient:
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> "Future[torch.Tensor]":
         """A Future of float32 rows [sum N_t, D]: the rows of every table's int64 ids [N_t], in order."""
-        dim, ids = self._many_args("pull", tables, ids)
+        dim = call_dim(self.config, tables, ids)
+        ids = [x.detach().cpu() for x in ids]
         plan = plan_call(self.config, self.dedup, tables, ids)
         shards = plan.by_shard(plan.sent)
         if not shards:
@@ -139,11 +140,8 @@ class PSClient:
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> "Future[None]":
         """Send float32 grads [sum N_t, D] of every table's ids [N_t] (rows in pull_many's order)."""
-        dim, ids = self._many_args("push", tables, ids)
-        total = sum(x.numel() for x in ids)
-        if grads.dim() != 2 or grads.shape != (total, dim) or not grads.is_floating_point():
-            raise ValueError(f"push to tables {list(tables)}: grads must be float [{total}, {dim}], got "
-                             f"{grads.dtype} {list(grads.shape)}")
+        dim = call_dim(self.config, tables, ids, grads)
+        ids = [x.detach().cpu() for x in ids]
         grads = grads.detach().to("cpu", torch.float32)
         plan = plan_call(self.config, self.dedup, tables, ids)
         shards = plan.by_shard(plan.sent)
@@ -308,8 +306,8 @@ class PSClient:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _header(self, op: P.Op, table: int = 0, step: int | None = None, **fields: int) -> P.Header:
-        return P.Header(op=op, table=table, step=self.step if step is None else step, worker=self.worker_id,
+    def _header(self, op: P.Op, step: int | None = None, **fields: int) -> P.Header:
+        return P.Header(op=op, step=self.step if step is None else step, worker=self.worker_id,
                         client=self._client, request=next(self._ids), **fields)
 
     def _submit(self, op: P.Op, reqs: list[tuple[int, P.Header, list]],
@@ -343,7 +341,7 @@ class PSClient:
             if seg is not None:      # the ids int64 [M_s] after the rows (shm.ids_offset)
                 torch.cat([c for _, c in parts], out=shm.ids_view(seg[1], rows_bytes, m))
             flags = (P.FLAG_SHM | (P.FLAG_GRADS_LATE if late else 0) | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
-            h = self._header(op, 0, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
+            h = self._header(op, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             g = None if grads is None else [c for _, c in grads[shard]]
             if seg is None:          # grads [M_s, D] cast to the wire dtype (no copy for fp32)
                 rows = [] if g is None else [P.tensor_frame(cat(g).to(P.TORCH_DTYPES[self.wire]))]
@@ -405,22 +403,6 @@ class PSClient:
     def _push_done(self, fut: Future) -> None:
         with self._lock:
             self._pushes.discard(fut)
-
-    def _many_args(self, op: str, tables: Sequence[int], ids: Sequence[torch.Tensor]):
-        """(D, the ids on the CPU) of a call; ValueError unless its tables are in ps.tables, share one
-        dim and each has int64 ids [N]."""
-        if len(tables) != len(ids) or not tables:
-            raise ValueError(f"{op}_many: {len(tables)} tables and {len(ids)} id tensors (need as many, >= 1)")
-        for t in tables:
-            if not 0 <= t < len(self.config.tables):
-                raise ValueError(f"table {t} is outside 0..{len(self.config.tables) - 1} (ps.tables)")
-        dims = {self.config.tables[t].dim for t in tables}
-        if len(dims) != 1:
-            raise ValueError(f"{op}_many: tables {list(tables)} have dims {sorted(dims)}; one call takes one dim")
-        for t, x in zip(tables, ids):
-            if x.dtype != torch.int64 or x.dim() != 1:
-                raise ValueError(f"table {t}: ids must be int64 [N], got {x.dtype} {list(x.shape)}")
-        return dims.pop(), [x.detach().cpu() for x in ids]
 
     def _too_big(self, op: str, tables: Sequence[int], shards: dict[int, list[tuple[int, torch.Tensor]]],
                  dim: int) -> bool:

@@ -87,7 +87,7 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     `dedup`): one shard_of over all ids, one stable argsort, one bincount of (shard, part)."""
     gather = None
     if dedup:
-        pairs = [dedup_ids(x)[:2] for x in ids]
+        pairs = [dedup_ids(x) for x in ids]
         ids = [u for u, _ in pairs]
         gather = gather_of(ids, [inv for _, inv in pairs])
     lens = [x.numel() for x in ids]
@@ -106,16 +106,15 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     return Plan(x.index_select(0, order), order, counts, gather)
 
 
-def dedup_ids(ids: torch.Tensor, counts: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids, occurrences int64
-    [U] with `counts` else None) by `native.unique`; inverse None when the ids are distinct already
-    and come back in their own order (then `ids` itself comes back): always with the C pass, which
-    keeps first appearances."""
-    uniq, inverse, c = native.unique(ids, counts=counts)
+def dedup_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids int64 [N] -> (distinct ids [U], inverse [N]: distinct[inverse] == ids) by `native.unique`;
+    inverse None when the ids are distinct already and come back in their own order (then `ids`
+    itself comes back): always with the C pass, which keeps first appearances (what the sparse arch
+    sends: the caller's order is kept)."""
+    uniq, inverse, _ = native.unique(ids)
     if uniq.numel() == ids.numel() and torch.equal(uniq, ids):
-        return ids, None, c
-    return uniq, inverse, c
+        return ids, None
+    return uniq, inverse
 
 
 def gather_of(uniq: Sequence[torch.Tensor], inverse: Sequence[torch.Tensor | None]) -> torch.Tensor | None:

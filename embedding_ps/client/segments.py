@@ -26,14 +26,14 @@ class ClientSegments:
     """What a PSClient needs: segments for the shards on this host only, from one pool, thread-safe
     (taken on the caller's thread, discarded on the I/O thread)."""
 
-    def __init__(self, addresses: Sequence[str], mode: Mode, settle_s: float = SETTLE_S, job: str = NO_JOB) -> None:
-        """`settle_s`: how long a request that finds no idle segment may wait for one on its way
-        back (0: never wait; benchmarks/shm_segments.py compares the two). `job`: the job's tag."""
+    def __init__(self, addresses: Sequence[str], mode: Mode, job: str = NO_JOB) -> None:
+        """`job`: the job's tag. `settle_s` (SETTLE_S): how long a request that finds no idle segment
+        may wait for one on its way back (0: never wait; benchmarks/shm_segments.py compares the two)."""
         self.addresses = list(addresses)
         self.local = {s for s, a in enumerate(self.addresses) if client_uses(mode, a)}
         self.pool = ShmPool(POOL_BYTES, job) if self.local and available() else None
         self.lock = threading.Lock()
-        self.settle_s = settle_s
+        self.settle_s = SETTLE_S
         # id of a segment -> (until when a request may wait for it, weakref to the caller's result or None)
         self.settling: dict[int, tuple[float, Callable[[], object] | None]] = {}
 

@@ -1,11 +1,10 @@
 """The PS client's transport: one I/O thread owning a DEALER socket per shard.
 
 The caller's thread builds the requests (`embedding_ps.client.client.PSClient`); `IOThread` sends them,
-matches replies by request id, retries a request unanswered for ps.timeout_s up to ps.retries
-times (then fails its future with ShardUnavailableError naming the shard and address), fails a
-future with PSRequestError on an error reply, and completes a `Call` (one future over requests to
-several shards) once every shard answered. A request through shared memory that its shard answers
-with NO_SHM is sent again, once, as its `fallback` builds it (the rows in a frame).
+matches replies by request id, retries or fails them (the client's module docstring, "Timeouts and
+retries"), and completes a `Call` (one future over requests to several shards) once every shard
+answered. A request through shared memory that its shard answers with NO_SHM is sent again, once,
+as its `fallback` builds it (the rows in a frame).
 """
 
 from __future__ import annotations
@@ -208,16 +207,14 @@ class IOThread(threading.Thread):
                     break   # a socket was replaced: rebuild the poller
 
     def _take_inbox(self) -> bool:
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return True
+        while not self.inbox.empty():       # this thread alone takes from it
+            item = self.inbox.get_nowait()
             if item is None:
                 return False
             for req in item:
                 self.pending[req.request] = req
                 self._send(req)
+        return True
 
     def _send(self, req: Request) -> None:
         if self.refused[req.shard] is not None:
@@ -308,12 +305,8 @@ class IOThread(threading.Thread):
     def _fail_all(self, err: BaseException) -> None:
         calls = {r.call for r in self.pending.values()}     # a Call hashes by identity (eq=False)
         self.pending.clear()
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            calls.update(req.call for req in item or ())
+        while not self.inbox.empty():
+            calls.update(req.call for req in self.inbox.get_nowait() or ())
         for call in calls:
             if not call.future.done():
                 call.future.set_exception(err)

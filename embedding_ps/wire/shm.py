@@ -10,6 +10,7 @@ docs/wire.md, "Shared-memory segments".
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -120,10 +121,8 @@ def _forget_in_child() -> None:
     child makes new ones (or, as any PSClient in a forked child, should not be used at all)."""
     for pool in list(_POOLS):
         for fd in pool.fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         pool.fds, pool.bufs, pool.names, pool.total = [], [], [], 0
 
 
@@ -301,13 +300,11 @@ def writer_alive(name: bytes) -> bool:
     except FileNotFoundError:
         return False                        # unlinked: the client closed it, or never made it
     except OSError:
-        return True                         # cannot tell (out of fds, ...): wait for the timeout as before
+        return True                         # cannot tell (out of fds, ...): wait for the timeout
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True                         # someone holds a lock: the client lives
-    except OSError:
-        return True                         # cannot tell: wait for the timeout as before
+    except OSError:                         # BlockingIOError: someone holds a lock, the client lives;
+        return True                         # else cannot tell: wait for the timeout
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
@@ -372,10 +369,8 @@ def _open(name: bytes, job: str) -> np.ndarray:
 
 
 def _unlink(name: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(os.path.join(SHM_DIR, name.decode()))
-    except OSError:
-        pass
 
 
 def root(view: np.ndarray) -> np.ndarray:
@@ -386,7 +381,6 @@ def root(view: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["MIN_BYTES", "POOL_BYTES", "SETTLE_S", "SETTLE_GRACE_S", "TRAILER_BYTES", "DONE_OK", "DONE_REPLY",
-           "trailer", "done_word", "Mode", "ids_offset", "root",
-           "seg_bytes", "ids_view",
-           "ShmAttacher", "ShmPool", "BufferPool", "NO_JOB", "best_fit", "available", "owner_pid", "client_uses",
-           "is_local", "shard_accepts", "sweep_dead", "writer_alive"]
+           "trailer", "done_word", "Mode", "ids_offset", "root", "seg_bytes", "ids_view", "ShmAttacher", "ShmPool",
+           "BufferPool", "NO_JOB", "best_fit", "available", "owner_pid", "client_uses", "is_local", "shard_accepts",
+           "sweep_dead", "writer_alive"]

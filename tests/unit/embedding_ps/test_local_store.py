@@ -114,3 +114,29 @@ def test_input_errors() -> None:
         store.pull(9, torch.tensor([1]))
     with pytest.raises(ValueError, match="shards 0..1"):
         LocalStore(dataclasses.replace(store.config), store.states[::-1])
+
+
+def test_both_stores_check_a_call_the_same_way() -> None:
+    """One check (`store.call_dim`) for LocalStore and PSClient: a table outside ps.tables is an IndexError
+    and a ValueError (each store raised one of the two before); no request is sent."""
+    import socket
+
+    from embedding_ps.client.client import PSClient
+
+    local = store_of(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = PSClient(local.config, [f"tcp://127.0.0.1:{port}"])
+    try:
+        for store in (local, client):
+            for err in (IndexError, ValueError):
+                with pytest.raises(err, match=r"table 9 out of range \[0, 4\)"):
+                    store.pull_many_async([9], [torch.tensor([1])])
+            with pytest.raises(ValueError, match="ids must be int64"):
+                store.pull_many_async([0], [torch.tensor([1.0])])
+            with pytest.raises(ValueError, match=r"grads must be \[2, 4\]"):
+                store.push_many_async([0], [torch.tensor([1, 2])], torch.zeros(2, 3))
+    finally:
+        client.close()
+        local.close()
