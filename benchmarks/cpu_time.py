@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from recsys.training.procs import NAMES    # torch-free: the names the zygote gives its forks
+from recsys.training.procs import TARGETS    # torch-free: the names the zygote gives its forks
 
 _HZ = os.sysconf("SC_CLK_TCK")
 
@@ -32,7 +32,7 @@ def _stat(path: str) -> tuple[int, float]:
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _HZ
 
 
-_COMM_ROLES = {NAMES["shard"]: "ps", NAMES["trainer"]: "trainer"}
+_COMM_ROLES = {TARGETS["shard"][1]: "ps", TARGETS["trainer"][1]: "trainer"}
 """Names (/proc/PID/comm) the local launcher's zygote gives the shards and trainers it forks (the
 zygote itself and other forks are recsys-*: other)."""
 

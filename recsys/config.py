@@ -272,8 +272,12 @@ class JobConfig:
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """The parsed TOML file `path` (the one place recsys reads a config or search space file);
-    ConfigError naming it."""
+    ConfigError naming it. A local path or a storage URI (a saved run's config.toml)."""
     try:
+        if "://" in str(path):               # storage (pyarrow) only for a URI: print-config stays quick
+            from recsys import storage
+
+            return tomllib.loads(storage.read_text(path))
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:

@@ -274,9 +274,9 @@ class ReplicatedTables(nn.Module):
                 param.data = weight.to(param.device).contiguous()
 
 
-def save_bytes(tables: ReplicatedTables) -> bytes:
+def save_bytes(state: dict) -> bytes:
     buf = io.BytesIO()
-    torch.save(tables.state(), buf)
+    torch.save(state, buf)
     return buf.getvalue()
 
 

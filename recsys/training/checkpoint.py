@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -299,7 +298,7 @@ class Checkpointer:
                 (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
                 torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
                 if parts.replicated is not None:
-                    (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated))
+                    (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated.state()))
                 torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
             except (OSError, RuntimeError) as e:     # torch.save wraps the OSError of a full disk in a RuntimeError
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -418,15 +417,7 @@ def restore_trainer(parts: TrainParts, loader: ParquetLoader, root: str | Path, 
 
 def load_saved_config(root: Path | str) -> JobConfig:
     """The resolved config.toml a run, checkpoint or export directory holds (local or a URI)."""
-    path = run_path(root, "config.toml")
-    if storage.is_uri(path):
-        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-            f.write(storage.read_text(path))
-        try:
-            return load_config(f.name)
-        finally:
-            os.unlink(f.name)
-    return load_config(path)
+    return load_config(run_path(root, "config.toml"))
 
 
 def check_layout(tables, saved_tables, keys: tuple[str, ...], saved_as: str, advice: str) -> None:

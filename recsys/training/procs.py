@@ -47,9 +47,11 @@ PRELOAD = ("torch", "torch.distributed", "recsys.cli", "recsys.training.worker",
            "recsys.training.reshard")
 """What the zygote imports before it forks anything: everything a shard and a trainer import first."""
 
-TARGETS = {"shard": "recsys.cli:entry", "trainer": "recsys.training.worker:worker_main",
-           "probe": "recsys.training.procs:probe"}
-"""The only functions a child runs (a request names one by key)."""
+TARGETS = {"shard": ("recsys.cli:entry", "recsys-ps"),
+           "trainer": ("recsys.training.worker:worker_main", "recsys-trainer"),
+           "probe": ("recsys.training.procs:probe", "recsys-probe")}
+"""The only functions a child runs (a request names one by key), and the /proc/PID/comm it gets
+(benchmarks/cpu_time.py tells roles by it)."""
 
 START_TIMEOUT_S = 300.0
 """How long a request waits for its fork (the zygote may still be importing, on a loaded machine)."""
@@ -81,10 +83,6 @@ def set_name(name: str) -> None:
     """This process's name as `ps -o comm`, `top` and /proc/PID/comm show it (15 bytes at most): a fork
     of the zygote would otherwise show the zygote's `python` command line and name."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-NAMES = {"shard": "recsys-ps", "trainer": "recsys-trainer", "probe": "recsys-probe"}
-"""/proc/PID/comm of the zygote's children by target (benchmarks/cpu_time.py tells roles by it)."""
 
 
 def child_env(threads: int | None) -> dict[str, str]:
@@ -174,7 +172,7 @@ class Zygote:
 
     def start(self, target: str, args: Sequence, env: dict[str, str], log: str | None = None,
               session: bool = False, deathsig: int = signal.SIGTERM) -> ForkedProcess:
-        """Fork a child running TARGETS[target](*args) with environment `env` and this process's working
+        """Fork a child running TARGETS[target][0](*args) with environment `env` and this process's working
         directory; `log`: its stdout and stderr (appended), else this process's; `session`: in a new
         session (a Ctrl-C to the terminal's group does not reach it); `deathsig`: what it gets when the
         zygote dies."""
@@ -358,7 +356,8 @@ def _run_child(request: dict, zygote_pid: int) -> int:
     if request["session"]:
         os.setsid()
     die_with_parent(request["deathsig"])
-    set_name(NAMES.get(request["target"], "recsys-child"))
+    target, comm = TARGETS[request["target"]]
+    set_name(comm)
     if os.getppid() != zygote_pid:            # the zygote died before the prctl
         return 1
     if request["cwd"] is not None:
@@ -376,7 +375,7 @@ def _run_child(request: dict, zygote_pid: int) -> int:
     np.random.seed(int.from_bytes(os.urandom(4), "little"))     # as a fresh interpreter's would be
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    module, name = TARGETS[request["target"]].split(":")
+    module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)
     args = request["args"]
     if request["target"] == "shard":          # recsys.cli.entry reads sys.argv (atexit handlers, then os._exit)

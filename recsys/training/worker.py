@@ -6,7 +6,6 @@ first rank's line last), a stop request with a checkpoint and `run_dir/stopped.j
 from __future__ import annotations
 
 import gc
-import io
 import json
 import logging
 import os
@@ -55,11 +54,9 @@ RUN_FILES = ("metrics.json", "metrics.jsonl", "ps_stats.json")
 def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -> None:
     """Dense state (rank 0) plus every shard's own dump, written by the shards themselves
     (`model_dir` may be a URI: then the shards upload their parts, see embedding_ps.remote)."""
-    buf = io.BytesIO()
-    torch.save(trainer.model.state_dict(), buf)
-    storage.write_bytes(run_path(model_dir, "dense.pt"), buf.getvalue())      # atomic (tmp + rename locally)
+    storage.write_bytes(run_path(model_dir, "dense.pt"), save_bytes(trainer.model.state_dict()))   # atomic
     if trainer.replicated is not None:
-        storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(trainer.replicated))
+        storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(trainer.replicated.state()))
     if trainer.cfg.train.save_program and not storage.is_uri(model_dir):
         from recsys.serving.dense_export import save_program   # torch.export: loaded here by the optimizer
 
