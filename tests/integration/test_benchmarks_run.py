@@ -11,8 +11,10 @@ tested on hand-made inputs (tests/unit/test_benchmark_reports.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,10 +95,16 @@ def test_every_script_has_a_case() -> None:
 def test_benchmark_runs_to_its_report(script: str, tmp_path: Path) -> None:
     args, keys = CASES[script]
     cmd = [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--json", *args]
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=360,
-                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)})
-    assert p.returncode == 0, p.stderr[-3000:]
-    report = _report(p.stdout)
+    p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)})
+    try:
+        out, err = p.communicate(timeout=360)
+    finally:
+        with contextlib.suppress(ProcessLookupError):       # the script's own processes (shards, trainers, Ray) too
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    assert p.returncode == 0, err[-3000:]
+    report = _report(out)
     assert isinstance(report, dict) and report
     for key in keys:
         assert _positive(report.get(key)), (key, report.get(key))
