@@ -1,7 +1,7 @@
 """What every synthetic generator shares (data.synthetic, data.onehot, data.sequence): the splitmix64
-hashing of ranks to ids and weights, Zipf sampling, the per-chunk RNG and `write_parts`, which writes a
-generator's tables into Parquet parts and summarizes them (CTR, oracle AUC). `data.synthetic`
-re-exports these names."""
+hashing of ranks to ids and weights, Zipf sampling, the per-chunk RNG, the columns and label draw of a
+planted click model (`planted_table`) and `write_parts`, which writes a generator's tables into Parquet
+parts and summarizes them (CTR, oracle AUC). `data.synthetic` re-exports these names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from data.hashing import GOLDEN, splitmix64_finalize
+from data.hashing import GOLDEN, MASK63, splitmix64_finalize
 from data.sharding import epoch_seed as _rng  # noqa: F401  (the generators' RNG: _rng(seed, chunk, column))
 from data.writer import PartWriter
 
@@ -22,7 +22,6 @@ logger = logging.getLogger("data.synthetic")
 
 GEN_CHUNK = 32768
 """Rows per generation chunk; fixed, so the rows do not depend on how they are written."""
-MASK63 = (1 << 63) - 1
 MASK64 = (1 << 64) - 1
 _AUC_BINS = 1 << 20
 
@@ -52,7 +51,7 @@ def _name_salt(name: str) -> int:
 def ids_of_ranks(feature: str, ranks: np.ndarray) -> np.ndarray:
     """int64 [N] non-negative ids of 0-based ranks [N] of `feature` (same for every seed)."""
     h = splitmix64(ranks.astype(np.uint64) ^ np.uint64(_name_salt(feature)))
-    return (h & np.uint64(MASK63)).astype(np.int64)
+    return (h & MASK63).astype(np.int64)
 
 
 def _hash_normals(ranks: np.ndarray, salt: int) -> np.ndarray:
@@ -103,6 +102,23 @@ def iter_chunks(chunk: Callable[[int], pa.Table], rows: int) -> Iterator[pa.Tabl
         yield chunk(c).slice(0, min(GEN_CHUNK, rows - c * GEN_CHUNK))
 
 
+def planted_schema(*fields: pa.Field) -> pa.Schema:
+    """label f32, `fields`, row_id int64, p_true f32: the columns of a preset with a planted click model."""
+    return pa.schema([pa.field("label", pa.float32(), nullable=False), *fields,
+                      pa.field("row_id", pa.int64(), nullable=False), pa.field("p_true", pa.float32(), nullable=False)])
+
+
+def planted_table(schema: pa.Schema, chunk: int, cols: dict[str, pa.Array], logit: np.ndarray,
+                  rng: np.random.Generator) -> pa.Table:
+    """Chunk `chunk` of `planted_schema` columns: `cols`, p_true = sigmoid(logit) (float32), label ~
+    Bernoulli(p_true) drawn with `rng`, and row_id, the rows' global numbers."""
+    n = len(logit)
+    p_true = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+    label = (rng.random(n) < p_true.astype(np.float64)).astype(np.float32)
+    row_id = pa.array(np.arange(chunk * n, (chunk + 1) * n, dtype=np.int64))
+    return pa.table({"label": pa.array(label), **cols, "row_id": row_id, "p_true": pa.array(p_true)}, schema=schema)
+
+
 def file_rows(rows: int, num_files: int, rows_per_file: Sequence[int] | None = None) -> tuple[int, ...]:
     """Rows of each of `num_files` files: rows_per_file when given (counts >= 1 summing to `rows`),
     else an equal share (file i: rows [i * rows // num_files, (i + 1) * rows // num_files))."""
@@ -130,8 +146,7 @@ def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa
          "recsys.synthetic.model_seed": str(model_seed)})
     writer = PartWriter(out_dir, schema, lambda i: counts[i],
                         row_group_rows=row_group_rows, compression=compression)
-    pos_hist = np.zeros(_AUC_BINS, np.int64)
-    neg_hist = np.zeros(_AUC_BINS, np.int64)
+    hist = np.zeros((2, _AUC_BINS), np.int64)                      # rows per p_true bin: [negatives, positives]
     p_sum = 0.0
     oracle = "p_true" in schema.names
     try:
@@ -143,16 +158,15 @@ def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa
             p_true = t.column("p_true").to_numpy()
             p_sum += float(p_true.sum(dtype=np.float64))
             b = np.minimum((p_true * _AUC_BINS).astype(np.int64), _AUC_BINS - 1)
-            pos_hist += np.bincount(b[label], minlength=_AUC_BINS)
-            neg_hist += np.bincount(b[~label], minlength=_AUC_BINS)
+            hist += np.bincount(b + label * _AUC_BINS, minlength=2 * _AUC_BINS).reshape(2, _AUC_BINS)
     finally:
         files = writer.close()
     secs = time.perf_counter() - t0
     summary = {"preset": preset, "rows": rows, "seed": seed, "model_seed": model_seed,
                "files": [f for f, _ in files], "rows_per_file": [r for _, r in files], "seconds": round(secs, 3)}
     if oracle:
-        summary.update(ctr=float(pos_hist.sum() / rows), mean_p_true=p_sum / rows,
-                       oracle_auc=_binned_auc(pos_hist, neg_hist))
+        summary.update(ctr=float(hist[1].sum() / rows), mean_p_true=p_sum / rows,
+                       oracle_auc=_binned_auc(hist[1], hist[0]))
     logger.info("gen-data %s: %d rows in %d files%s, %.0f rows/s", preset, rows, num_files,
                 f", ctr {summary['ctr']:.4f}, oracle AUC {summary['oracle_auc']:.4f}" if oracle else "",
                 rows / max(secs, 1e-9))

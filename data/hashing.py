@@ -21,7 +21,7 @@ GOLDEN = 0x9E3779B97F4A7C15
 """SplitMix64's increment (the generator's n-th output is the finalizer of n * GOLDEN)."""
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
-_MASK63 = np.uint64((1 << 63) - 1)
+MASK63 = np.uint64((1 << 63) - 1)
 
 
 def splitmix64_finalize(z: np.ndarray) -> np.ndarray:
@@ -91,5 +91,5 @@ def hash_strings(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         return table[idx] if table.size else np.zeros(len(arr), np.int64)
     data, offsets = string_buffers(arr)
     z = splitmix64_finalize(fnv1a64_bytes(data, offsets))
-    z &= _MASK63
+    z &= MASK63
     return z.view(np.int64)

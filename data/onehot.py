@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, iter_chunks,
-                            write_parts, zipf_pmf, zipf_ranks)
+                          planted_schema, planted_table, write_parts, zipf_pmf, zipf_ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,25 +97,23 @@ class OnehotTruth:
     def __init__(self, p: OnehotPreset, model_seed: int = 0) -> None:
         self.p = p
         self.children: dict[str, np.ndarray] = {}                  # child field -> [parent V] child rank
-        pmf: dict[str, np.ndarray] = {}
+        self.pmf: dict[str, np.ndarray] = {}                       # field -> [V] probability of each rank
+        self.w: dict[str, np.ndarray] = {}
+        self.v: dict[str, np.ndarray] = {}
+        in_pairs = {n for a, b, _ in p.pairs for n in (a, b)}
         for f in p.fields:
             if f.parent:
                 rng = np.random.default_rng(np.random.SeedSequence([model_seed, _name_salt(f.name)]))
                 parent = next(g for g in p.fields if g.name == f.parent)
                 self.children[f.name] = rng.integers(0, f.vocab, parent.vocab)
-                pmf[f.name] = np.bincount(self.children[f.name], zipf_pmf(parent.vocab, parent.zipf), f.vocab)
+                self.pmf[f.name] = np.bincount(self.children[f.name], zipf_pmf(parent.vocab, parent.zipf), f.vocab)
             else:
-                pmf[f.name] = zipf_pmf(f.vocab, f.zipf)
-        in_pairs = {n for a, b, _ in p.pairs for n in (a, b)}
-        self.w: dict[str, np.ndarray] = {}
-        self.v: dict[str, np.ndarray] = {}
-        for f in p.fields:
+                self.pmf[f.name] = zipf_pmf(f.vocab, f.zipf)
             salt, ranks = _mix_scalar(model_seed, _name_salt(f.name)), np.arange(f.vocab)
             self.w[f.name] = f.w_scale * _hash_normals(ranks, _mix_scalar(salt, 0))
             if f.name in in_pairs:
                 v = np.stack([_hash_normals(ranks, _mix_scalar(salt, 1 + j)) for j in range(p.dim)], 1)
-                self.v[f.name] = v - pmf[f.name] @ v                  # [V, K], E[v_f] = 0
-        self.pmf = pmf
+                self.v[f.name] = v - self.pmf[f.name] @ v             # [V, K], E[v_f] = 0
 
     def logit(self, ranks: dict[str, np.ndarray]) -> np.ndarray:
         """float64 [N]: the planted logit of rows given each field's ranks [N]."""
@@ -137,19 +135,12 @@ def _chunk(t: OnehotTruth, seed: int, chunk: int) -> pa.Table:
     for f in t.p.fields:
         if f.parent:
             ranks[f.name] = t.children[f.name][ranks[f.parent]]
-    p_true = (1.0 / (1.0 + np.exp(-t.logit(ranks)))).astype(np.float32)
-    label = (_rng(seed, chunk, len(t.p.fields)).random(n) < p_true.astype(np.float64)).astype(np.float32)
-    cols = {"label": pa.array(label)}
-    cols.update({f.name: pa.array(ids_of_ranks(f.name, ranks[f.name])) for f in t.p.fields})
-    cols["row_id"] = pa.array(np.arange(chunk * n, (chunk + 1) * n, dtype=np.int64))
-    cols["p_true"] = pa.array(p_true)
-    return pa.table(cols, schema=onehot_schema(t.p))
+    cols = {f.name: pa.array(ids_of_ranks(f.name, ranks[f.name])) for f in t.p.fields}
+    return planted_table(onehot_schema(t.p), chunk, cols, t.logit(ranks), _rng(seed, chunk, len(t.p.fields)))
 
 
 def onehot_schema(p: OnehotPreset = ONEHOT) -> pa.Schema:
-    return pa.schema([pa.field("label", pa.float32(), nullable=False),
-                      *(pa.field(f.name, pa.int64(), nullable=False) for f in p.fields),
-                      pa.field("row_id", pa.int64(), nullable=False), pa.field("p_true", pa.float32(), nullable=False)])
+    return planted_schema(*(pa.field(f.name, pa.int64(), nullable=False) for f in p.fields))
 
 
 def generate_onehot(*, out_dir: str, seed: int, split: Sequence[int] = ONEHOT_SPLIT, row_group_rows: int = 65536,

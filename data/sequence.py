@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng, ids_of_ranks, iter_chunks,
-                            write_parts, zipf_ranks)
+                          planted_schema, planted_table, write_parts, zipf_ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,21 +107,16 @@ def _chunk(t: SequenceTruth, seed: int, chunk: int) -> pa.Table:
     dense = np.floor(np.exp(1.0 + 1.2 * extra.standard_normal(n))).astype(np.int64)
     logit = (p.bias + p.affinity * np.tanh(m / 3.0) + p.item_w * t.w_item[item] + p.ctx_w * t.w_ctx[ctx]
              + p.dense_beta * np.log1p(dense))
-    p_true = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    label = (extra.random(n) < p_true.astype(np.float64)).astype(np.float32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    cols = {"label": pa.array(label), "I1": pa.array(dense), "ctx": pa.array(ids_of_ranks("ctx", ctx)),
+    cols = {"I1": pa.array(dense), "ctx": pa.array(ids_of_ranks("ctx", ctx)),
             "item": pa.array(ids_of_ranks("item", item)),
-            "hist": pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks("item", hist))),
-            "row_id": pa.array(np.arange(chunk * n, (chunk + 1) * n, dtype=np.int64)), "p_true": pa.array(p_true)}
-    return pa.table(cols, schema=sequence_schema())
+            "hist": pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks("item", hist)))}
+    return planted_table(sequence_schema(), chunk, cols, logit, extra)
 
 
 def sequence_schema() -> pa.Schema:
-    return pa.schema([pa.field("label", pa.float32(), nullable=False), pa.field("I1", pa.int64()),
-                      pa.field("ctx", pa.int64()), pa.field("item", pa.int64()),
-                      pa.field("hist", pa.list_(pa.int64()), nullable=False),
-                      pa.field("row_id", pa.int64(), nullable=False), pa.field("p_true", pa.float32(), nullable=False)])
+    return planted_schema(pa.field("I1", pa.int64()), pa.field("ctx", pa.int64()), pa.field("item", pa.int64()),
+                          pa.field("hist", pa.list_(pa.int64()), nullable=False))
 
 
 def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:

@@ -34,7 +34,8 @@ import pyarrow as pa
 
 # the generators' shared parts (data/genbase.py), re-exported here
 from data.genbase import (GEN_CHUNK, _hash_normals, _mix_scalar, _name_salt, _rng,  # noqa: F401
-                          file_rows, ids_of_ranks, iter_chunks, splitmix64, write_parts, zipf_pmf, zipf_ranks)
+                          file_rows, ids_of_ranks, iter_chunks, planted_schema, planted_table, splitmix64,
+                          write_parts, zipf_pmf, zipf_ranks)
 from data.onehot import generate_onehot
 from data.retrieval import generate_retrieval
 
@@ -173,14 +174,11 @@ class GroundTruth:
         self._specs = {f.name: f for f in (*preset.sparse, *preset.lists)}
         self._salt = {name: _mix_scalar(model_seed, _name_salt(name)) for name in self._specs}
         self._has_v = {name for a, b, _ in preset.pairs for name in (a, b)}
-        self._tables: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
-        self._v_mean: dict[str, np.ndarray] = {}
+        self._tables: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}    # (w [V], v [V, K] with E[v_f] = 0)
         for name, spec in self._specs.items():
             if spec.vocab <= _TABLE_MAX:
-                self._tables[name] = self._compute(name, np.arange(spec.vocab, dtype=np.int64))
-            if name in self._has_v:      # (a pair feature has a table: Preset checks it)
-                # [K]: E[v_f] under the feature's id distribution
-                self._v_mean[name] = zipf_pmf(spec.vocab, spec.zipf) @ self._tables[name][1]
+                w, v = self._compute(name, np.arange(spec.vocab, dtype=np.int64))
+                self._tables[name] = w, (None if v is None else v - zipf_pmf(spec.vocab, spec.zipf) @ v)
 
     def _compute(self, name: str, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         spec = self._specs[name]
@@ -194,14 +192,10 @@ class GroundTruth:
 
     def effects(self, name: str, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(w [N], centered v [N, K] or None) of ranks [N] of feature `name`."""
-        if name in self._tables:
-            w_t, v_t = self._tables[name]
-            w, v = w_t[ranks], (v_t[ranks] if v_t is not None else None)
-        else:
-            w, v = self._compute(name, ranks)
-        if v is not None:
-            v = v - self._v_mean[name]
-        return w, v
+        if name not in self._tables:         # no table: not a pair feature (Preset checks it), so no v
+            return self._compute(name, ranks)
+        w, v = self._tables[name]
+        return w[ranks], (None if v is None else v[ranks])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,16 +238,12 @@ def _chunk(gt: GroundTruth, seed: int, chunk: int) -> pa.Table:
         cols[f.name] = pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks(f.name, ranks)))
     for a, b, scale in p.pairs:
         logit += scale / math.sqrt(gt.dim) * np.einsum("nk,nk->n", vecs[a], vecs[b])
-    p_true = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    label = (_rng(seed, chunk, col).random(n) < p_true.astype(np.float64)).astype(np.float32)
-    row_id = np.arange(chunk * n, (chunk + 1) * n, dtype=np.int64)
-    table = {"label": pa.array(label), **cols, "row_id": pa.array(row_id), "p_true": pa.array(p_true)}
-    return pa.table(table, schema=preset_arrow_schema(p))
+    return planted_table(preset_arrow_schema(p), chunk, cols, logit, _rng(seed, chunk, col))
 
 
-def iter_rows(preset: str | Preset, rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:
+def iter_rows(preset: Preset, rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:
     """Tables of at most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
-    gt = GroundTruth(PRESETS[preset] if isinstance(preset, str) else preset, model_seed)
+    gt = GroundTruth(preset, model_seed)
     return iter_chunks(lambda c: _chunk(gt, seed, c), rows)
 
 
@@ -267,13 +257,9 @@ def get_preset(preset: str) -> Preset:
 
 
 def preset_arrow_schema(p: Preset) -> pa.Schema:
-    fields = [pa.field("label", pa.float32(), nullable=False)]
-    fields += [pa.field(d.name, pa.int64()) for d in p.dense]
-    fields += [pa.field(f.name, pa.int64(), nullable=f.null_rate > 0) for f in p.sparse]
-    fields += [pa.field(f.name, pa.list_(pa.int64()), nullable=False) for f in p.lists]
-    fields += [pa.field("row_id", pa.int64(), nullable=False),
-               pa.field("p_true", pa.float32(), nullable=False)]
-    return pa.schema(fields)
+    return planted_schema(*(pa.field(d.name, pa.int64()) for d in p.dense),
+                          *(pa.field(f.name, pa.int64(), nullable=f.null_rate > 0) for f in p.sparse),
+                          *(pa.field(f.name, pa.list_(pa.int64()), nullable=False) for f in p.lists))
 
 
 def preset_schema(preset: str) -> dict[str, object]:
