@@ -29,7 +29,7 @@ def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) 
         return torch.zeros(n, dim, dtype=torch.float32)
     # float32 [N, D] in (-1, 1), per the module docstring (`native.init_bits`: a shard initialises
     # every new id's row, on its pull and again when admitted on its push)
-    v = torch.from_numpy(native.init_bits(keys.contiguous().numpy(), dim, seed_mix(seed)))
+    v = torch.from_numpy(native.init_bits(keys.numpy(), dim, seed_mix(seed)))
     if init == "uniform":
         return v.mul_(scale)
     if init == "normal":

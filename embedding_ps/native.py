@@ -54,21 +54,16 @@ def lib():
     if not _state["loaded"]:
         with _lock:
             if not _state["loaded"]:
-                _state["lib"] = _load()
+                try:
+                    _state["lib"] = build()
+                except Exception as e:  # noqa: BLE001 - any failure means: the reference bodies run
+                    logger.warning("embedding_ps: native library unavailable, using numpy/torch (%s)", e)
                 _state["loaded"] = True
     return _state["lib"]
 
 
 def available() -> bool:
     return lib() is not None
-
-
-def _load():
-    try:
-        return build()
-    except Exception as e:  # noqa: BLE001 - any failure means: the reference bodies run
-        logger.warning("embedding_ps: native library unavailable, using numpy/torch (%s)", e)
-        return None
 
 
 # ---------------------------------------------------------------------------- the operations
@@ -80,11 +75,8 @@ def _require(ok: bool, what: str) -> None:
 
 
 def _check(a, dtype, name: str) -> None:
-    if isinstance(a, np.ndarray):
-        ok = a.dtype == dtype and a.flags.c_contiguous
-    else:
-        ok = a.dtype == dtype and a.is_contiguous() and a.device.type == "cpu"
-    if not ok:
+    ok = a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_contiguous() and a.is_cpu
+    if not (ok and a.dtype == dtype):
         raise TypeError(f"native: {name} must be a contiguous {dtype} array, got {a.dtype}")
 
 
@@ -96,8 +88,7 @@ def map_find(kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, want: str, thread
              "map_find: keys and values of one size in [1, 2**32)")
     c = lib()
     if c is None:
-        out = ref.map_find(kv, vv, keys, want)
-        return out.astype(np.int32, copy=False) if want == "val" else out
+        return ref.map_find(kv, vv, keys, want)
     n, nb = keys.shape[0], kv.shape[0]
     out = np.empty(n, dtype=np.int32 if want == "val" else np.int64)
     vals, pos = (out.ctypes.data, None) if want == "val" else (None, out.ctypes.data)
@@ -130,7 +121,7 @@ def unique(ids: torch.Tensor, counts: bool = False) -> tuple[torch.Tensor, torch
     of first appearance (benchmarks/shard_ops.py: dedup_c_ms against dedup_torch_ms); otherwise
     torch.unique's sort (sorted distinct ids)."""
     c = lib()
-    if c is None or ids.dtype != torch.int64 or ids.device.type != "cpu":
+    if c is None or ids.dtype != torch.int64 or not ids.is_cpu:
         return ref.unique(ids, counts)
     ids = ids.contiguous()
     n = ids.shape[0]
@@ -151,7 +142,7 @@ def to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weigh
     (f, b) at b * F + f. In C for int64 CPU tensors (float32 weights): one pass, the same values as
     the torch ops (benchmarks/shard_ops.py: example_major_c_ms against example_major_torch_ms)."""
     c = lib()
-    if (c is None or indices.device.type != "cpu" or indices.dtype != torch.int64 or lengths.dtype != torch.int64
+    if (c is None or not indices.is_cpu or indices.dtype != torch.int64 or lengths.dtype != torch.int64
             or (weights is not None and weights.dtype != torch.float32)):
         return ref.to_example_major(indices, lengths, B, weights)
     indices, lengths = indices.contiguous(), lengths.contiguous()
@@ -231,9 +222,8 @@ def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads:
     c = lib()
     if c is None:
         return ref.gather(weights, slots, out, decay_steps, target, decay)
-    return c.ps_gather(weights.data_ptr(), int(half), d, slots.ctypes.data, n, out.data_ptr(),
-                       None if decay_steps is None else decay_steps.data_ptr(), int(target), float(np.float32(decay)),
-                       threads)
+    return c.ps_gather(weights.data_ptr(), half, d, slots.ctypes.data, n, out.data_ptr(),
+                       None if decay_steps is None else decay_steps.data_ptr(), int(target), decay, threads)
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1) -> bool:
@@ -252,9 +242,8 @@ def publish(flag: np.ndarray, value: int) -> None:
     _check(flag, np.int64, "flag")
     c = lib()
     if c is None:
-        ref.publish(flag, value)
-    else:
-        c.ps_publish(flag.ctypes.data, int(value))
+        return ref.publish(flag, value)
+    c.ps_publish(flag.ctypes.data, int(value))
 
 
 def wait_flag(flag: np.ndarray, want: int, timeout_s: float) -> int:
@@ -271,9 +260,8 @@ def notify(word: np.ndarray, value: int) -> None:
     _check(word, np.int32, "word")
     c = lib()
     if c is None:
-        ref.notify(word, value)
-    else:
-        c.ps_notify(word.ctypes.data, int(value))
+        return ref.notify(word, value)
+    c.ps_notify(word.ctypes.data, int(value))
 
 
 def wait_word(word: np.ndarray, timeout_s: float) -> int:
@@ -316,26 +304,22 @@ def update(optimizer: str, weights: torch.Tensor, state: torch.Tensor | None, sl
     n, d = grads.shape
     _require(slots.shape[0] == n and weights.shape[1] == d, f"{slots.shape[0]} slots for {n} rows of width {d}")
     opt = OPTIMIZERS[optimizer]
-    sp = None
+    sp = mp = dp = None
     if opt != OPTIMIZERS["sgd"]:
         _check(state, torch.float32, "optimizer state")
         _require(state.shape[0] == weights.shape[0], "update: state needs a row per weights row")
         sp = state.data_ptr()
-    mp = None
     if meta is not None:
         _check(meta, torch.int64, "meta")
         mp = meta.data_ptr()
     mode = weight_decay_mode if weight_decay else "none"
-    dp = None
     if mode == "global":
         _require(decay_steps is not None, "update: weight_decay_mode 'global' needs decay_steps")
         _check(decay_steps, torch.int32, "decay_steps")
         _require(decay_steps.shape[0] == weights.shape[0], "update: decay_steps needs a step per weights row")
         dp = decay_steps.data_ptr()
-    if c.ps_update(opt, weights.data_ptr(), int(half), sp, d, slots.ctypes.data, n, grads.data_ptr(),
-                   float(np.float32(-lr)), float(np.float32(eps)), mp, int(step), WEIGHT_DECAY_MODES[mode],
-                   float(np.float32(weight_decay)), float(np.float32(1.0 - lr * weight_decay)), dp, threads,
-                   int(sort)) != 0:
+    if c.ps_update(opt, weights.data_ptr(), half, sp, d, slots.ctypes.data, n, grads.data_ptr(), -lr, eps, mp,
+                   int(step), WEIGHT_DECAY_MODES[mode], weight_decay, 1.0 - lr * weight_decay, dp, threads, sort) != 0:
         raise MemoryError(f"native update of {n} rows of width {d}: out of memory (some rows were not updated)")
     return True
 

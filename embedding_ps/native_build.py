@@ -79,14 +79,10 @@ def _cache_dirs() -> list[Path]:
 
 
 def _compiler() -> str | None:
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
 
 
-def cached_library(flags: tuple[str, ...] = _FLAGS) -> Path:
+def cached_library(flags: tuple[str, ...]) -> Path:
     """The shared library built from `csrc/` with `flags`: the cached `_native-<hash of sources,
     flags, machine>.so` of the first cache directory that has it, else compiled now into the first
     writable one. RuntimeError: no compiler, failed build, no directory."""
@@ -96,27 +92,6 @@ def cached_library(flags: tuple[str, ...] = _FLAGS) -> Path:
     for d in _cache_dirs():
         if (d / name).is_file():
             return d / name
-    return _compile(name, flags)
-
-
-def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """`cached_library` with `extra_flags` added, loaded with ctypes, each function of `_SIGS`
-    typed and `ps_abi_version()` checked; e.g. ("-DSV_PORTABLE",): the serving kernel without its
-    AVX2 / F16C path, as on a CPU other than x86 (tests compare the two). Raises on any failure;
-    `native.lib()` is the process's build."""
-    so = cached_library(_FLAGS + tuple(extra_flags))
-    loaded = ctypes.CDLL(str(so))
-    for fn, (args, res) in _SIGS.items():
-        f = getattr(loaded, fn)
-        f.argtypes, f.restype = args, res
-    got = loaded.ps_abi_version()
-    if got != ABI:
-        raise RuntimeError(f"{so}: ABI version {got}, expected {ABI}")
-    logger.debug("native library: %s", so)
-    return loaded
-
-
-def _compile(name: str, flags: tuple[str, ...]) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
@@ -141,3 +116,20 @@ def _compile(name: str, flags: tuple[str, ...]) -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise RuntimeError("no writable cache directory: " + "; ".join(errors))
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """`cached_library` with `extra_flags` added, loaded with ctypes, each function of `_SIGS`
+    typed and `ps_abi_version()` checked; e.g. ("-DSV_PORTABLE",): the serving kernel without its
+    AVX2 / F16C path, as on a CPU other than x86 (tests compare the two). Raises on any failure;
+    `native.lib()` is the process's build."""
+    so = cached_library(_FLAGS + tuple(extra_flags))
+    loaded = ctypes.CDLL(str(so))
+    for fn, (args, res) in _SIGS.items():
+        f = getattr(loaded, fn)
+        f.argtypes, f.restype = args, res
+    got = loaded.ps_abi_version()
+    if got != ABI:
+        raise RuntimeError(f"{so}: ABI version {got}, expected {ABI}")
+    logger.debug("native library: %s", so)
+    return loaded

@@ -34,7 +34,7 @@ def home(keys: np.ndarray, buckets: int) -> np.ndarray:
 
 
 def map_find(kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, want: str) -> np.ndarray:
-    """int64 [N] keys -> int64 [N]: bucket of each key (want="pos") or its value (want="val"), -1
+    """int64 [N] keys -> int64 [N] bucket of each key (want="pos") or int32 [N] value (want="val"), -1
     where absent; probe rounds over every key still searching, then only those that moved on."""
     nb = kv.shape[0]
     pos = home(keys, nb)
@@ -143,14 +143,10 @@ def init_bits(keys: np.ndarray, dim: int, mix: int) -> np.ndarray:
     x = np.add(a[:, None], steps[None, :])  # uint32 [N, D], wraps
     x ^= b[:, None]
     t = np.empty_like(x)
-    np.right_shift(x, np.uint32(16), out=t)
-    x ^= t
-    x *= np.uint32(0x85EBCA6B)
-    np.right_shift(x, np.uint32(13), out=t)
-    x ^= t
-    x *= np.uint32(0xC2B2AE35)
-    np.right_shift(x, np.uint32(16), out=t)
-    x ^= t
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):     # fmix32 (t: the shifted copy)
+        x ^= np.right_shift(x, np.uint32(shift), out=t)
+        x *= np.uint32(mul)
+    x ^= np.right_shift(x, np.uint32(16), out=t)
     x >>= np.uint32(8)
     x <<= np.uint32(1)
     v = x.view(np.int32)
@@ -179,7 +175,7 @@ def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, decay_st
     by decay^k for a row k = target - decay_steps[slot] > 0 steps behind; the number of slots < 0."""
     s = torch.from_numpy(slots)
     hit = s >= 0
-    missing = int(s.shape[0] - int(hit.sum()))
+    missing = s.shape[0] - int(hit.sum())
     if missing == 0:
         out.copy_(weights.index_select(0, s))
     elif missing < s.shape[0]:

@@ -87,24 +87,20 @@ def apply_update(
         return
     if cfg.weight_decay and cfg.weight_decay_mode == "l2":     # grads + wd * w (a new tensor: `grads` is only read)
         grads = weights.index_select(0, slots).float().mul_(cfg.weight_decay).add_(grads)
+    decay = 1.0 - cfg.lr * cfg.weight_decay if cfg.weight_decay_mode == "decoupled" else 1.0   # rows shrink first
     if cfg.kernel == "fbgemm":
-        if cfg.weight_decay and cfg.weight_decay_mode != "l2":   # the decoupled shrink, before the op's update
-            _add_rows(weights, slots, None, decay_factor(cfg))
+        if decay != 1.0:
+            _add_rows(weights, slots, None, decay)
         kernels.fbgemm_update(cfg, weights, state, slots, grads)
         return
     if scratch is None:
         scratch = torch.empty_like(grads)
-    _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)
+    delta = _UPDATES[cfg.optimizer](cfg, weights, state, slots, grads, scratch)
+    if delta is not None:
+        _add_rows(weights, slots, delta, decay)
 
 
-def decay_factor(cfg: TableConfig) -> float:
-    """What a touched row is scaled by before its update: 1 - lr * wd (decoupled weight decay) or 1."""
-    if cfg.weight_decay and cfg.weight_decay_mode == "decoupled":
-        return 1.0 - cfg.lr * cfg.weight_decay
-    return 1.0
-
-
-def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor | None, decay: float = 1.0) -> None:
+def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor | None, decay: float) -> None:
     """weights[slots] = weights[slots] * decay + delta (float32 [U, D], or None: nothing added); fp16
     rows are updated in fp32 and rounded once."""
     if decay == 1.0 and weights.dtype == torch.float32 and delta is not None:
@@ -118,31 +114,33 @@ def _add_rows(weights: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor | 
     weights.index_copy_(0, slots, rows.to(weights.dtype))
 
 
-# Each update: (cfg, weights [C, D], state, slots int64 [U], g float32 [U, D] read-only, scratch [U, D]).
-def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
-    _add_rows(w, slots, torch.mul(g, -cfg.lr, out=tmp), decay_factor(cfg))
+# Each update: (cfg, weights [C, D], state, slots int64 [U], g float32 [U, D] read-only, scratch [U, D]) -> the
+# rows' delta [U, D] (`apply_update` adds it to the shrunk rows), or None: ftrl writes its rows itself.
+def _sgd(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor,
+         tmp: torch.Tensor) -> torch.Tensor:
+    return torch.mul(g, -cfg.lr, out=tmp)
 
 
 def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor,
-             tmp: torch.Tensor) -> None:
+             tmp: torch.Tensor) -> torch.Tensor:
     h = torch.index_select(st["sum_sq"], 0, slots, out=tmp).addcmul_(g, g)  # [U, D]
     st["sum_sq"].index_copy_(0, slots, h)
     denom = h.sqrt_().add_(cfg.eps)
-    _add_rows(w, slots, torch.div(g, denom, out=tmp).mul_(-cfg.lr), decay_factor(cfg))
+    return torch.div(g, denom, out=tmp).mul_(-cfg.lr)
 
 
-def _rowwise_adagrad(
-    cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor
-) -> None:
+def _rowwise_adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor,
+                     tmp: torch.Tensor) -> torch.Tensor:
     # mean of g*g over the row: ||g||^2 / D (vector_norm is one pass, no [U, D] temporary)
     g_sq_mean = torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1])  # [U]
     h = st["sum_sq"].index_select(0, slots).add_(g_sq_mean)
     st["sum_sq"].index_copy_(0, slots, h)
     mult = h.sqrt_().add_(cfg.eps).reciprocal_().mul_(-cfg.lr)  # [U]
-    _add_rows(w, slots, torch.mul(g, mult.unsqueeze(1), out=tmp), decay_factor(cfg))
+    return torch.mul(g, mult.unsqueeze(1), out=tmp)
 
 
-def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
+def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor,
+          tmp: torch.Tensor) -> torch.Tensor:
     b1, b2 = cfg.beta1, cfg.beta2
     t = st["steps"].index_select(0, slots).add_(1)  # int32 [U]
     st["steps"].index_copy_(0, slots, t)
@@ -154,7 +152,7 @@ def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: t
     bc1 = (1.0 - torch.pow(b1, t64)).to(torch.float32)  # [U, 1]
     bc2 = (1.0 - torch.pow(b2, t64)).to(torch.float32)
     denom = v.div_(bc2).sqrt_().add_(cfg.eps)
-    _add_rows(w, slots, m.div_(bc1).div_(denom).mul_(-cfg.lr), decay_factor(cfg))
+    return m.div_(bc1).div_(denom).mul_(-cfg.lr)
 
 
 def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
