@@ -65,9 +65,8 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
     if cls.needs_linear_terms and not model_cfg.linear_feature_tables:
         logger.info("%s: model.linear_feature_tables is empty, so the sparse first-order terms are left out",
                     model_cfg.arch)
-    num_params = sum(p.numel() for p in model.parameters())
     logger.info("built %s: Dn=%d F=%d D=%d, %d dense parameters", model_cfg.arch, num_dense, num_sparse,
-                embedding_dim, num_params)
+                embedding_dim, sum(p.numel() for p in model.parameters()))
     return model
 
 
@@ -88,10 +87,9 @@ def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> CTRModel:
     torch.manual_seed(cfg.train.seed)
     if cfg.model.arch == "two_tower":
         return TwoTower.from_job(cfg, embedding_dim=plans[0].dim)
-    sequences = tuple((s.feature, s.candidate) for s in sparse.sequences)
     return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
                        num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim,
-                       sequences=sequences)
+                       sequences=tuple((s.feature, s.candidate) for s in sparse.sequences))
 
 
 def build_job_model(cfg: JobConfig) -> tuple[SparseArch, CTRModel]:

@@ -22,6 +22,7 @@ gradients in another order of the unique ids (sorted).
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -122,9 +123,6 @@ def dedup_tables(values: list[torch.Tensor], counts: bool = False
     U = sum(u_sizes)
     uniq = list(host[P:P + U].split(u_sizes))
     occ = list(host[P + U:].split(u_sizes)) if counts else None
-    inv, start, ustart = [], 0, 0
-    for n, u in zip(sizes, u_sizes):
-        piece = inverse[start:start + n]
-        inv.append(piece - ustart if ustart else piece)
-        start, ustart = start + n, ustart + u
+    starts = itertools.accumulate(u_sizes, initial=0)                   # a table's offset in the unique ids
+    inv = [piece - s if s else piece for piece, s in zip(inverse.split(sizes), starts)]
     return uniq, inv, occ

@@ -37,21 +37,17 @@ def wrap_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Mod
     """DDP over the default process group with the configured comm hook (no-op for 1 process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
-    bucket_cap_mb = 25
-    if cfg.comm_hook == "powersgd" and dist.get_backend() == "gloo":
-        # PowerSGD deadlocks on gloo when gradients span several buckets (PLATFORM-NOTES): one bucket.
-        bucket_cap_mb = 1 << 14
+    # PowerSGD deadlocks on gloo when gradients span several buckets (PLATFORM-NOTES): one bucket.
+    bucket_cap_mb = 1 << 14 if cfg.comm_hook == "powersgd" and dist.get_backend() == "gloo" else 25
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=bucket_cap_mb, broadcast_buffers=has_state_buffers(model))
-    if cfg.comm_hook == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
+    if cfg.comm_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif cfg.comm_hook == "bf16":
         ddp.register_comm_hook(None, _bf16_hook)
     elif cfg.comm_hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                    start_powerSGD_iter=2, random_seed=cfg.seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)

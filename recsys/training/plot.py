@@ -29,15 +29,6 @@ def read_metrics(path: Path, partial: bool = False) -> list[dict]:
     return rows
 
 
-def best_step(run: Path) -> int | None:
-    """The step of the run's best validation pass (metrics.json `best_step`), or None."""
-    try:
-        step = json.loads((run / "metrics.json").read_text()).get("best_step")
-    except (OSError, ValueError):
-        return None
-    return int(step) if isinstance(step, (int, float)) and step >= 0 else None
-
-
 def pyplot(who: str):
     """matplotlib.pyplot on the Agg backend; ImportError saying that `who` needs it."""
     try:
@@ -69,7 +60,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     plt = pyplot("recsys plot")
     run = Path(run_dir)
     rows = read_metrics(run / "metrics.jsonl")
-    best = best_step(run)
+    try:                                    # the step of the best validation pass (metrics.json), or None
+        best = json.loads((run / "metrics.json").read_text()).get("best_step")
+    except (OSError, ValueError):
+        best = None
+    best = int(best) if isinstance(best, (int, float)) and best >= 0 else None
     out_dir = run / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardState:
     """Shard `shard_index` of `config` holding its part of the PS saved under `ps_dir` (any shard
     count; a URI too: with the same count the shard downloads only its own part)."""
+    state = ShardState(config, shard_index)
     if storage.is_uri(str(ps_dir)):
         own = shard_dir(str(ps_dir), shard_index)
         try:
@@ -39,18 +40,15 @@ def restore_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> Sha
         except FileNotFoundError:
             same = False
         if same:
-            state = ShardState(config, shard_index)
             state.load(own)                      # embedding_ps.remote fetches shard_index's files
             return state
-        with storage.local_copy(str(ps_dir)) as local:
-            return restore_shard(config, shard_index, local)
-    old = saved_shard_dirs(ps_dir)
-    state = ShardState(config, shard_index)
-    if len(old) == config.num_shards:
-        state.load(old[shard_index])
-    else:
-        rows = state.load_resharded(old)
-        logger.info("shard %d/%d: took %d rows from %d old shards", shard_index, config.num_shards, rows, len(old))
+    with storage.local_copy(str(ps_dir)) as local:      # a URI: downloaded first
+        old = saved_shard_dirs(local)
+        if len(old) == config.num_shards:
+            state.load(old[shard_index])
+        else:
+            rows = state.load_resharded(old)
+            logger.info("shard %d/%d: took %d rows from %d old shards", shard_index, config.num_shards, rows, len(old))
     return state
 
 
@@ -59,28 +57,25 @@ def init_shard(config: PSConfig, shard_index: int, ps_dir: str | Path) -> ShardS
     state and counters of the source's saved shards under `ps_dir` (any shard count) for every table of
     `config` the source has, matched by name; tables only in `config` start empty, tables only in the
     source are left behind. (The launcher checked that the kept tables' layout and optimizer match.)"""
-    if storage.is_uri(str(ps_dir)):
-        with storage.local_copy(str(ps_dir)) as local:
-            return init_shard(config, shard_index, local)
     state = ShardState(config, shard_index)
-    index = {t.name: i for i, t in enumerate(config.tables)}
+    index = {t.name: i for i, t in enumerate(config.tables) if t.placement != "replicated"}   # the PS's tables
     taken = 0
-    if (Path(ps_dir) / "tables").is_dir():        # an fp32 export: rows without optimizer state
-        source = resolve_init(ps_dir, verify=False)
-        for t in source.config.ps.tables:
-            if t.name in index and config.tables[index[t.name]].placement != "replicated" and \
-                    (got := export_rows(ps_dir, source.manifest, t.name)) is not None:
-                taken += state.load_dump(index[t.name], got[0], got[1], {}, step=source.step)
-        logger.info("shard %d/%d: warm start took %d rows (no optimizer state) from the export %s", shard_index,
-                    config.num_shards, taken, ps_dir)
-        return state
-    for directory in saved_shard_dirs(ps_dir):
-        saved = SavedShard(str(directory))
-        for i in range(saved.num_tables):
-            name = saved.layout(i).get("name")
-            if name in index and config.tables[index[name]].placement != "replicated":
-                taken += state.load_dump(index[name], *saved.dump_table(i))
-    logger.info("shard %d/%d: warm start took %d rows from %s", shard_index, config.num_shards, taken, ps_dir)
+    with storage.local_copy(str(ps_dir)) as local:      # a URI: downloaded first
+        if (local / "tables").is_dir():                  # an fp32 export: rows without optimizer state
+            source = resolve_init(local, verify=False)
+            for t in source.config.ps.tables:
+                if t.name in index and (got := export_rows(local, source.manifest, t.name)) is not None:
+                    taken += state.load_dump(index[t.name], got[0], got[1], {}, step=source.step)
+            what = "(no optimizer state) from the export"
+        else:
+            for directory in saved_shard_dirs(local):
+                saved = SavedShard(str(directory))
+                for i in range(saved.num_tables):
+                    name = saved.layout(i).get("name")
+                    if name in index:
+                        taken += state.load_dump(index[name], *saved.dump_table(i))
+            what = "from"
+    logger.info("shard %d/%d: warm start took %d rows %s %s", shard_index, config.num_shards, taken, what, ps_dir)
     return state
 
 

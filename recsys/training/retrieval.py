@@ -67,10 +67,8 @@ def top_items(users: torch.Tensor, items: torch.Tensor, item_ids: np.ndarray, k:
 def popular_items(cfg: JobConfig, k: int) -> np.ndarray:
     """The k item ids most frequent in data.train_paths (ties: smaller id first)."""
     data_cfg = dataclasses.replace(tower_data(cfg, (cfg.model.item_id_feature,)), dense_columns=())
-    parts = []
     with ParquetLoader(data_cfg, cfg.data.train_paths, rank=0, world_size=1) as loader:
-        for batch in loader:
-            parts.append(batch.sparse[cfg.model.item_id_feature].values.numpy())
+        parts = [batch.sparse[cfg.model.item_id_feature].values.numpy() for batch in loader]
     ids, counts = np.unique(np.concatenate(parts), return_counts=True)
     order = np.lexsort((ids, -counts))
     return ids[order[:k]]

@@ -1,4 +1,4 @@
-"""How a training step meets the PS, chosen once from `ps.mode` (`step_strategy`).
+"""How a training step meets the PS: one strategy a `ps.mode`, chosen once by the Trainer.
 
 Both strategies have the same small interface, called by the Trainer::
 
@@ -24,7 +24,6 @@ barrier, so a push that had to be resent (timeout, shared-memory fallback) canno
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Literal
 
 from embedding_ps.store import EmbeddingStore
 
@@ -42,8 +41,6 @@ class SyncStep:
         self.drain()                    # step t - 1's barrier (its reply came before this step's pull's)
         for fut in futures:
             fut.result()
-        # the shards apply the step once all workers are here; the next pull (sent after this on
-        # the same connection) waits there for that, so the trainer need not wait here
         self._barrier = self.store.barrier_async(step)
 
     def drain(self) -> None:
@@ -65,9 +62,6 @@ class AsyncStep:
         self._in_flight: list[Future] = []     # the last step's push and barrier futures
 
     def after_backward(self, futures: list[Future], step: int) -> None:
-        # the previous step's pushes must be acknowledged (errors surface, at most one step of
-        # gradients in flight); this step's fly while the next batch computes. The barrier reports
-        # progress so the shards can hold a trainer to ps.max_staleness.
         self.drain()
         self._in_flight = [*futures, self.store.barrier_async(step)]
 
@@ -79,8 +73,3 @@ class AsyncStep:
     def resumed(self, step: int) -> None:
         if step > 0:                    # tell the shards this worker's progress (staleness bound)
             self.store.barrier(step - 1)
-
-
-def step_strategy(mode: Literal["sync", "async"], store: EmbeddingStore) -> SyncStep | AsyncStep:
-    """The strategy of `ps.mode`."""
-    return SyncStep(store) if mode == "sync" else AsyncStep(store)

@@ -111,16 +111,15 @@ class StopAgreement:
     def after_step(self) -> bool:
         if self.world_size == 1:
             return requested()
-        stop = False
         if self._pending is not None:
             work, flag = self._pending
+            self._pending = None
             work.wait()
-            stop = bool(flag.item())
-        self._pending = None
-        if not stop:
-            flag = torch.tensor([int(requested())], device=collective_device())
-            self._pending = (dist.all_reduce(flag, dist.ReduceOp.MAX, async_op=True), flag)
-        return stop
+            if flag.item():
+                return True
+        flag = torch.tensor([int(requested())], device=collective_device())
+        self._pending = (dist.all_reduce(flag, dist.ReduceOp.MAX, async_op=True), flag)
+        return False
 
     def close(self) -> None:
         if self._pending is not None:

@@ -52,7 +52,7 @@ from recsys.training import stopping
 from recsys.training.dense import build_optimizer, build_scheduler, wrap_ddp
 from recsys.training.loss import ctr_loss, row_weights
 from recsys.training.retrieval import retrieval_metrics_of
-from recsys.training.step import step_strategy
+from recsys.training.step import AsyncStep, SyncStep
 from recsys.rundir import best_dir, local_run_dir
 from recsys.training.validation import Validation
 
@@ -163,7 +163,7 @@ class Trainer:
         self._in_batch = model.in_batch_softmax
         self.metric_logger = metric_logger
         self.step = 0
-        self.strategy = step_strategy(cfg.ps.mode, self.store)     # sync or async, chosen here once
+        self.strategy = (SyncStep if cfg.ps.mode == "sync" else AsyncStep)(self.store)   # chosen here once
         # sync mode with W ranks and a last batch that may be short: weight by each rank's share
         self._uneven_batches = cfg.ps.mode == "sync" and world_size > 1 and not cfg.data.drop_last
         # a rank's batch is short only at its epoch's last step, except when bad rows are skipped
@@ -330,46 +330,48 @@ class Trainer:
             raise RuntimeError("this Trainer was built with scoring_only=True (eval / predict): it has no optimizer")
         run = self._start_run()
         agreement = stopping.StopAgreement(self.world_size)
-        if run.bar is None:
-            self._train_loop(run, agreement)
-        else:
+        redirect = contextlib.nullcontext()
+        if run.bar is not None:
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            with logging_redirect_tqdm():      # log lines print above the bar, not over it
-                self._train_loop(run, agreement)
+            redirect = logging_redirect_tqdm()      # log lines print above the bar, not over it
+        with redirect:
+            for prepared in self._prepared_steps(run):
+                try:
+                    loss = self.train_step(prepared.batch, prepared.lookup, run.window,
+                                           end_of_epoch=prepared.end_of_epoch)
+                except NonFiniteLossError as e:
+                    rows = self.loader.describe_rows(run.position, prepared.position)
+                    raise NonFiniteLossError(f"{e} on the batch of {rows} (check those rows' values, or lower "
+                                             f"train.dense_lr / the tables' lr)") from None
+                self.step += 1
+                self._after_step(run, prepared, loss)
+                if run.stop:
+                    break
+                if agreement.after_step():     # SIGTERM / SIGINT: every rank stops here (one step later)
+                    self.stopped = True
+                    break
         agreement.close()              # the reduction still in flight (on an error: the process ends)
         return self._finish_run(run)
-
-    def _train_loop(self, run: _Run, agreement: stopping.StopAgreement) -> None:
-        for prepared in self._prepared_steps(run):
-            try:
-                loss = self.train_step(prepared.batch, prepared.lookup, run.window,
-                                       end_of_epoch=prepared.end_of_epoch)
-            except NonFiniteLossError as e:
-                rows = self.loader.describe_rows(run.position, prepared.position)
-                raise NonFiniteLossError(f"{e} on the batch of {rows} (check those rows' values, or lower "
-                                         f"train.dense_lr / the tables' lr)") from None
-            self.step += 1
-            self._after_step(run, prepared, loss)
-            if run.stop:
-                break
-            if agreement.after_step():     # SIGTERM / SIGINT: every rank stops here (one step later)
-                self.stopped = True
-                break
 
     def _start_run(self) -> _Run:
         self.model.train()
         total = self._last_step or self.start_step + self.cfg.train.epochs * self.loader.num_batches
-        bar = progress_bar(total, enabled=self.rank == 0)
-        if bar is not None:
+        bar = None
+        if self.rank == 0 and sys.stderr.isatty():      # a tqdm bar on stderr when it is a terminal
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
             bar.update(self.step)
         t = time.perf_counter()
         return _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar, total=total,
                     first=self.step)
 
-    def _batches(self) -> Iterator[tuple[Batch, float, dict, bool]]:
-        """Training batches over all epochs (from a restored position on), with the seconds spent
-        waiting for each, the reader position after it and whether it is the epoch's last."""
+    def _batches(self, run: _Run) -> Iterator[PreparedStep]:
+        """The training steps over all epochs (from a restored position on), numbered on from `self.step`:
+        each batch with its rows' pulls sent, the reader position after it and whether it is the epoch's
+        last. The seconds spent reading it go to the log window."""
+        step = self.step
         for epoch in range(self._start_epoch, self.cfg.train.epochs):
             self.loader.set_epoch(epoch)        # a restored position of this epoch is kept
             # ranks' shares differ by up to one row: every rank takes the smallest batch count, or
@@ -381,32 +383,26 @@ class Trainer:
                 batch = next(it, None)
                 if batch is None:    # rows skipped as bad (data.on_bad_rows = "skip")
                     break
-                yield batch, time.perf_counter() - t0, self.loader.state_dict(), i == steps - 1
+                run.window.data += time.perf_counter() - t0
+                position = self.loader.state_dict()
+                yield PreparedStep(batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), position,
+                                   i == steps - 1)
+                step += 1
 
     def _prepared_steps(self, run: _Run) -> Iterator[PreparedStep]:
         """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
         (async) the pulls of the next train.pull_ahead_batches batches (steps t + 1 .. t + K, not past
         max_steps) are issued before step t is handed out; sync mode pulls nothing ahead."""
-        batches = self._batches()
-
-        def prepare(step: int) -> PreparedStep | None:
-            nxt = next(batches, None)
-            if nxt is None:
-                return None
-            batch, wait_s, position, end_of_epoch = nxt
-            run.window.data += wait_s
-            return PreparedStep(batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), position,
-                                end_of_epoch)
-
+        batches = self._batches(run)
         max_steps = self._last_step
         depth = self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0
         ahead: deque[PreparedStep] = deque()      # steps self.step + 1, ... with their pulls in flight
         while not max_steps or self.step < max_steps:
-            current = ahead.popleft() if ahead else prepare(self.step)
+            current = ahead.popleft() if ahead else next(batches, None)
             if current is None:
                 return
             while len(ahead) < depth and (not max_steps or self.step + 1 + len(ahead) < max_steps):
-                nxt = prepare(self.step + 1 + len(ahead))
+                nxt = next(batches, None)
                 if nxt is None:
                     break
                 ahead.append(nxt)
@@ -496,11 +492,10 @@ class Trainer:
             if self.rank == 0:
                 logger.warning("train.max_steps = %d, but the data ended after %d steps (train.epochs = %d "
                                "over data.train_paths): stopped there", max_steps, self.step, self.cfg.train.epochs)
-        if self.validation.state.passes:
-            out["val_passes"] = float(self.validation.state.passes)
-            out["best_step"] = float(self.validation.state.best_step)
-            out[f"best_val_{self.validation.metric}"] = self.validation.state.best_value
-            out["early_stopped"] = float(run.stop)
+        state = self.validation.state
+        if state.passes:
+            out.update({"val_passes": float(state.passes), "best_step": float(state.best_step),
+                        f"best_val_{self.validation.metric}": state.best_value, "early_stopped": float(run.stop)})
         if self.checkpointer.pauses:
             out["checkpoint_pause_s"] = float(np.median(self.checkpointer.pauses))
         return out
@@ -555,20 +550,19 @@ class Trainer:
         data_cfg = scoring_config(data_cfg, paths)       # files without the example weight column: unweighted
         with torch.no_grad(), ParquetLoader(data_cfg, paths, rank=self.rank,
                                             world_size=self.world_size) as loader:
-            it = iter(loader)
-            batch = next(it, None)
             store = self.scoring_store
-            lookup = self.sparse.lookup(batch, store) if batch is not None else None
-            while batch is not None:
-                nxt = next(it, None)
-                nxt_lookup = self.sparse.lookup(nxt, store) if nxt is not None else None
+            pulled = ((batch, self.sparse.lookup(batch, store)) for batch in loader)   # pulls sent as it is read
+            current = next(pulled, None)
+            while current is not None:
+                nxt = next(pulled, None)
+                batch, lookup = current
                 scores.append(probabilities(self.forward(batch, lookup, train=False), rate))
                 labels.append(batch.labels)
                 if batch.example_weights is not None:
                     weights.append(batch.example_weights)
                 for name, col in batch.extras.items():
                     extras.setdefault(name, []).append(np.asarray(col))
-                batch, lookup = nxt, nxt_lookup
+                current = nxt
         self.model.train()
         def cat(xs: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(xs) if xs else torch.zeros(0)
@@ -588,13 +582,3 @@ class Trainer:
         if self._loader is not None:
             self._loader.close()
 
-
-def progress_bar(total: int, enabled: bool):
-    """A tqdm bar on stderr when it is a terminal (rank 0 only), else None."""
-    if not enabled or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)

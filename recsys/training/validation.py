@@ -40,11 +40,7 @@ class Validation:
 
     def due(self, step: int, end_of_epoch: bool) -> bool:
         """Whether a pass runs after `step` steps (`end_of_epoch`: the step ended an epoch)."""
-        if not self.enabled:
-            return False
-        if self.every == "epoch":
-            return end_of_epoch
-        return step % int(self.every) == 0
+        return self.enabled and (end_of_epoch if self.every == "epoch" else step % int(self.every) == 0)
 
     def record(self, metrics: dict[str, float], step: int) -> bool:
         """Note a pass's metrics; True if it is the best so far (lower logloss / higher auc)."""
