@@ -333,16 +333,36 @@ def bench_precision(export: Path, decoded: Batch, a: float, unseen: float, reque
     return out, base.label, calls
 
 
+def build(tmp: Path, a: argparse.Namespace) -> dict:
+    """The trained run and its export in every precision under `tmp`, built once: a `--workdir` that
+    holds them for the same sizes is reused, so two trees can be timed on one export."""
+    sizes = {"rows": a.rows, "extra_rows": a.extra_rows, "steps": a.steps}
+    done = tmp / "built.json"
+    if done.exists():
+        built = json.loads(done.read_text())
+        if built["sizes"] != sizes:
+            raise SystemExit(f"serving.py: --workdir {tmp} holds an export of {built['sizes']}, not {sizes}")
+        return built
+    t0 = time.perf_counter()
+    run_dir, eval_file = make_run(tmp, a.rows, a.extra_rows, a.steps)
+    build_s = time.perf_counter() - t0
+    source = resolve_source(run=run_dir)
+    for prec in PRECISIONS:
+        m = export_model(source, tmp / prec, prec)
+    built = {"sizes": sizes, "run_dir": str(run_dir), "eval_file": str(eval_file), "rows": m["rows"],
+             "build_s": round(build_s, 1)}
+    done.write_text(json.dumps(built))
+    return built
+
+
 def run(a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.threads)
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        t0 = time.perf_counter()
-        run_dir, eval_file = make_run(Path(tmp), a.rows, a.extra_rows, a.steps)
-        build_s = time.perf_counter() - t0
-        source = resolve_source(run=run_dir)
-        for prec in PRECISIONS:
-            m = export_model(source, Path(tmp) / prec, prec)
-        table = pq.read_table(eval_file)
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
+        tmp = Path(a.workdir).resolve() if a.workdir else Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        built = build(tmp, a)
+        source = resolve_source(run=built["run_dir"])
+        table = pq.read_table(built["eval_file"])
         cfg = dataclasses.replace(source.config.data, shuffle=False)
         decoded = decode_table(cfg, table)
         res, label, calls = {}, "", {}
@@ -356,8 +376,8 @@ def run(a: argparse.Namespace) -> dict:
     return {**b1,
             "ratio_b4096_vs_baseline": min(r["ratio_b4096_vs_baseline"] for r in res.values()),
             "baseline": label,
-            "detail": {"rows_C1": m["rows"]["C1"], "rows_total": sum(m["rows"].values()),
-                       "build_s": round(build_s, 1), "threads": a.threads, "cpus": os.cpu_count(),
+            "detail": {"rows_C1": built["rows"]["C1"], "rows_total": sum(built["rows"].values()),
+                       "build_s": built["build_s"], "threads": a.threads, "cpus": os.cpu_count(),
                        "zipf": a.zipf, "unseen": a.unseen, "requests_b1": a.requests, "results": res}}
 
 
@@ -371,6 +391,9 @@ def main() -> int:
     ap.add_argument("--unseen", type=float, default=0.05, help="fraction of ids never seen by the export")
     ap.add_argument("--requests", type=int, default=2000, help="batch-1 requests timed per precision")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (ours and the baseline alike)")
+    ap.add_argument("--workdir", metavar="DIR",
+                    help="build the run and its exports here (default: a temporary directory); a later run with "
+                         "the same DIR and sizes reuses them, e.g. to time two trees on one export")
     ap.add_argument("--timed-s", type=float, default=0.3,
                     help="seconds of each batch-4096 timing (5 of them per rate); small for a smoke run")
     ap.add_argument("--allow-missing-baseline", action="store_true",

@@ -53,7 +53,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "serve": (["--clients", "1", "--duration", "1", "--warmup", "0.5", "--repeats", "1", "--rows", "2000",
                "--steps", "3"], ["predictions_per_s_1", "inprocess_predictions_per_s"]),
     "serving": (["--rows", "8192", "--extra-rows", "1000", "--steps", "3", "--requests", "20",
-                 "--timed-s", "0.01", NO_BASE], ["p50_ms_b1", "p99_ms_b1"]),
+                 "--timed-s", "0.01", "--workdir", "w", NO_BASE], ["p50_ms_b1", "p99_ms_b1"]),
     "shard_ops": (["--rows", "1000", "--dim", "8", "--calls", "2", "--tables", "2", "--batch", "256"],
                   ["init_c_ms", "merge_c_ms"]),
     "shm_segments": ([*PS, "--blocks", "1", "--block", "3"], ["uniform_settle_pull_ms", "zipf_settle_push_ms"]),
