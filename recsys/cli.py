@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data.paths import fill_date, parse_date
-from embedding_ps.wire.auth import AuthConfigError
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.runtime import apply_environment, setup_logging
 from recsys.training.procs import StopNow
@@ -37,20 +36,16 @@ USER_ERRORS = (("recsys.config", "ConfigError"), ("recsys.training.job", "Worker
                ("embedding_ps.shard.snapshot", "CorruptShardError"),
                ("recsys.serving.errors", "ExportError"), ("data.parquet", "DataError"),
                ("data.criteo", "CriteoFormatError"), ("recsys.rundir", "RunDirError"),
-               ("recsys.init_config", "InitConfigError"))
-"""(module, class) of the errors a user's input causes (config, data, paths, checkpoints, exports,
-a trainer's error): one `error:` line and exit code 2. Looked up in sys.modules: an error of a
+               ("recsys.init_config", "InitConfigError"), ("embedding_ps.wire.auth", "AuthConfigError"))
+"""(module, class) of the errors a user's input causes (config, auth settings, data, paths, checkpoints,
+exports, a trainer's error): one `error:` line and exit code 2. Looked up in sys.modules: an error of a
 module that was never imported cannot have been raised, and the CLI starts without torch."""
 
 
 def _user_error(e: BaseException) -> bool:
-    if isinstance(e, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)):
-        return True               # a path given on the command line or in the config
-    for module, name in USER_ERRORS:
-        m = sys.modules.get(module)
-        if m is not None and isinstance(e, getattr(m, name)):
-            return True
-    return False
+    """A user's input caused `e`: a path given on the command line or in the config, or USER_ERRORS."""
+    paths = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+    return isinstance(e, paths + tuple(getattr(sys.modules[m], n) for m, n in USER_ERRORS if sys.modules.get(m)))
 
 
 def _date_arg(text: str) -> str:
@@ -561,9 +556,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_environment()
     try:
         return int(args.func(args) or 0)
-    except AuthConfigError as e:     # e.g. a non-loopback bind without ps.auth: fix the config
-        logger.error("config error: %s", e)
-        return 2
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:
         if _user_error(e):           # config, data, paths, checkpoints, exports, a trainer's error: one line
             if args.verbose:

@@ -1,13 +1,7 @@
 """Job configuration: `JobConfig` and `load_config(path, overrides)`.
 
-A job config is a TOML file with one section per package::
-
-    [data]    -> data.config.DataConfig
-    [ps]      -> embedding_ps.wire.config.PSConfig   ([[ps.tables]] -> TableConfig)
-    [model]   -> ModelConfig (recsys/config_model.py)
-    [train]   -> TrainConfig
-
-Every section is a frozen dataclass. The loader checks names, types and `Literal` choices itself
+A job config is a TOML file with one section per package (the fields of `JobConfig`; every key:
+docs/config.md), each a frozen dataclass. The loader checks names, types and `Literal` choices itself
 and turns the dataclasses' own `__post_init__` range checks into `ConfigError`s naming the file.
 `--set section.key=value` overrides are parsed as TOML values and go through the same code.
 Then the `{date}`, `{date-N}`, `{date+N}` placeholders of the data paths and train.run_dir are filled
@@ -197,9 +191,8 @@ class JobConfig:
         for key in ("feature_tables", "linear_feature_tables"):
             for feature, table in getattr(self.model, key).items():
                 if tables and table not in tables:
-                    raise ValueError(
-                        f"model.{key}.{feature} = {table!r} is not a table in ps.tables ({sorted(tables)})"
-                    )
+                    raise ValueError(f"model.{key}.{feature} = {table!r} is not a table in ps.tables "
+                                     f"({sorted(tables)})")
                 if key == "linear_feature_tables" and table in tables and tables[table].dim != 1:
                     raise ValueError(f"model.linear_feature_tables.{feature}: table {table!r} must have "
                                      f"dim 1, got {tables[table].dim}")
@@ -359,13 +352,11 @@ def group_optimizers(raw: dict[str, Any], source: str) -> None:
         if not isinstance(grouped, dict):
             continue
         key = f"{where}.optimizer"
-        name = grouped.get("name")
+        name = grouped.pop("name", None)         # `grouped` is replaced by `name` below
         if name not in OPTIMIZER_KEYS:
             raise ConfigError(f"{source}: {key}.name must be one of {', '.join(map(repr, OPTIMIZER_KEYS))}, "
                               f"got {name!r}")
         for k, v in grouped.items():
-            if k == "name":
-                continue
             if k not in OPTIMIZER_KEYS[name]:
                 raise ConfigError(f"{source}: {key}.{k} does not apply to optimizer {name!r} (it takes "
                                   f"{', '.join(OPTIMIZER_KEYS[name])})")
@@ -401,9 +392,7 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         return
     unused = {key: [t.get("name") for t in tables if key in t] for key in defaults}   # the tables' own values
-    for t in tables:
-        for key, value in defaults.items():
-            t.setdefault(key, value)
+    tables[:] = [{**defaults, **t} for t in tables]             # a table's own value wins
     n_given = len(tables)
     names = {t.get("name") for t in tables}
     columns = data.get("sparse_columns", [])
@@ -494,14 +483,13 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = text.strip()  # a bare word is a string: --set model.arch=dcn
-    parts = key.split(".")
+    *sections, name = key.split(".")
     node = raw
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+    for part in sections:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
+    node[name] = value
 
 
 def build(cls: type, raw: Any, *, source: str, prefix: str) -> Any:
@@ -511,8 +499,7 @@ def build(cls: type, raw: Any, *, source: str, prefix: str) -> Any:
         raise ConfigError(f"{source}: '{where}' must be a table, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
+    if unknown := sorted(set(raw) - set(fields)):
         raise ConfigError(f"{source}: unknown key '{prefix}{unknown[0]}'; valid: {', '.join(fields)}")
     kwargs = {name: _convert(hints[name], value, source=source, key=f"{prefix}{name}")
               for name, value in raw.items()}

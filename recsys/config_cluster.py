@@ -1,12 +1,4 @@
-"""The `[cluster]` section: which engine places the job's processes (`ClusterConfig`).
-
-    [cluster]
-    engine = "ray"                                   # "local" (default): this machine's launcher
-    address = "auto"                                 # "": a local Ray instance; "auto"; "ray://HOST:10001"
-    ps_resources = { CPU = 4, memory = "32GiB" }     # one shard's bundle (custom resources too: { ps = 1 })
-    trainer_resources = { CPU = 8, trainer = 1 }     # one trainer's bundle
-    use_gpu = false
-    placement = "spread"                             # "spread" -> SPREAD, "pack" -> PACK
+"""The `[cluster]` section: which engine places the job's processes (`ClusterConfig`; an example: docs/cluster.md).
 
 A resource table maps a Ray resource name to an amount: `CPU` and `GPU` (numbers, fractions allowed),
 `memory` (bytes, or a string such as "512MiB" / "32GiB" / "2GB"), and any custom resource of the
@@ -46,11 +38,10 @@ def resources(table: dict[str, float | str], key: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, amount in table.items():
         if name == "memory":
-            out[name] = float(parse_bytes(amount, f"{key}.memory"))
-            continue
-        if isinstance(amount, str):
+            amount = parse_bytes(amount, f"{key}.memory")
+        elif isinstance(amount, str):
             raise ValueError(f"{key}.{name} must be a number (only memory takes a size string), got {amount!r}")
-        if amount < 0:
+        elif amount < 0:
             raise ValueError(f"{key}.{name} must be >= 0, got {amount!r}")
         out[name] = float(amount)
     return out

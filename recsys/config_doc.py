@@ -50,15 +50,14 @@ class Key:
 
     @property
     def summary(self) -> str:
-        """The docstring's first sentence, on one line."""
-        text = " ".join(self.doc.split())
-        end = text.find(". ")
-        return text if end < 0 else text[:end + 1]
+        """The docstring's first sentence."""
+        end = self.doc.find(". ")
+        return self.doc if end < 0 else self.doc[:end + 1]
 
 
 @cache
 def _docstrings(cls: type) -> dict[str, tuple[str, str]]:
-    """{field: (annotation source, docstring)} from `cls`'s source."""
+    """{field: (annotation source, docstring on one line)} from `cls`'s source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     out = {}
@@ -66,19 +65,16 @@ def _docstrings(cls: type) -> dict[str, tuple[str, str]]:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             doc = ""
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                doc = inspect.cleandoc(nxt.value.value)
+                doc = " ".join(nxt.value.value.split())
             out[node.target.id] = (ast.unparse(node.annotation), doc)
     return out
 
 
 def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "(required)"
-    return repr(value) if not isinstance(value, tuple) else repr(list(value))
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return repr(list(value) if isinstance(value, tuple) else value)
 
 
 def keys() -> list[Key]:
@@ -101,7 +97,7 @@ def explain(dotted: str) -> str:
     for k in keys():
         if k.dotted == name:
             lines = [f"{dotted}: {k.type} = {k.default}", ""]
-            lines += textwrap.wrap(" ".join(k.doc.split()) or "(no description)", 100)
+            lines += textwrap.wrap(k.doc or "(no description)", 100)
             return "\n".join(lines)
     import difflib
     close = difflib.get_close_matches(name, [k.dotted for k in keys()], n=4)
@@ -132,8 +128,7 @@ def markdown() -> str:
         out += [f"## [{name}]", "", about, "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for k in keys():
             if k.section == name:
-                doc = " ".join(k.doc.split()) or "-"
-                out.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(doc)} |")
+                out.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.doc or '-')} |")
         out.append("")
     return "\n".join(out)
 

@@ -1,14 +1,5 @@
 """Config of retrieval (two-tower) jobs: the `[eval]` section and the cross-section checks of
-`model.arch = "two_tower"` (kept out of config.py, which holds the other sections).
-
-    [model]
-    arch = "two_tower"
-    user_features = ["user_id", "user_region", "user_age"]    # sparse or dense columns of the user tower
-    item_features = ["item_id", "item_cat", "item_price"]     # ... of the item tower
-    item_id_feature = "item_id"                               # the item's identity (log-Q, eval, export)
-
-    [eval]
-    recall_k = [10, 50, 100]
+`model.arch = "two_tower"` (kept out of config.py, which holds the other sections; an example: docs/models.md).
 """
 
 from __future__ import annotations
@@ -45,23 +36,20 @@ def check_two_tower(model: Any, data: Any, train: Any) -> None:
         feats = getattr(model, key)
         if not feats:
             raise ValueError(f"model.{key} must name the tower's columns for model.arch = 'two_tower', got []")
-        for f in feats:
-            if f not in columns:
-                raise ValueError(f"model.{key}: {f!r} is not in data.sparse_columns or data.dense_columns")
+        if outside := [f for f in feats if f not in columns]:
+            raise ValueError(f"model.{key}: {outside[0]!r} is not in data.sparse_columns or data.dense_columns")
         if not any(f in data.sparse_columns for f in feats):
             raise ValueError(f"model.{key} needs at least one sparse column (an id), got {list(feats)}")
-    both = sorted(set(model.user_features) & set(model.item_features))
-    if both:
+    if both := sorted(set(model.user_features) & set(model.item_features)):
         raise ValueError(f"model.user_features and model.item_features share {both}: a column is in one tower")
     missing = [c for c in data.sparse_columns if c not in model.user_features and c not in model.item_features]
     if missing:
         raise ValueError(f"data.sparse_columns {missing} are in neither model.user_features nor model.item_features")
-    if model.item_id_feature not in model.item_features or model.item_id_feature not in data.sparse_columns:
-        raise ValueError(f"model.item_id_feature = {model.item_id_feature!r} must be a sparse column of "
-                         f"model.item_features {list(model.item_features)}")
-    if model.user_id_feature not in model.user_features or model.user_id_feature not in data.sparse_columns:
-        raise ValueError(f"model.user_id_feature = {model.user_id_feature!r} must be a sparse column of "
-                         f"model.user_features {list(model.user_features)}")
+    for side in ("item", "user"):
+        feature, feats = getattr(model, f"{side}_id_feature"), getattr(model, f"{side}_features")
+        if feature not in feats or feature not in data.sparse_columns:
+            raise ValueError(f"model.{side}_id_feature = {feature!r} must be a sparse column of "
+                             f"model.{side}_features {list(feats)}")
     if (data.eval_paths or data.test_paths) and not data.item_paths:
         raise ValueError("two_tower: data.eval_paths / data.test_paths are ranked against the item corpus: "
                          "set data.item_paths (one row per item)")

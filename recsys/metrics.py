@@ -1,24 +1,14 @@
 """CTR metrics (AUC, logloss, NE, calibration), their streaming accumulator, and the metric logger.
 
-Functions take labels {0, 1} and scores (predicted probabilities in [0, 1]) as 1-D torch tensors
-or numpy arrays of equal length, and compute in float64 on the CPU::
+The functions take labels {0, 1} and scores (predicted probabilities in [0, 1]) as 1-D torch tensors
+or numpy arrays of equal length, and compute in float64 on the CPU. Undefined values are NaN, not
+errors, so one degenerate eval shard does not crash a job (AUC with only one label present, NE when
+the base rate is 0 or 1, calibration without positives); empty inputs, labels other than 0/1 and
+length mismatches raise ValueError.
 
-    auc(labels, scores)                  exact ROC AUC, ties counted half
-    logloss(labels, scores)              mean binary cross-entropy
-    normalized_entropy(labels, scores)   logloss / entropy of the base rate (NE < 1 beats the base rate)
-    calibration(labels, scores)          mean score / mean label (1 is calibrated)
-
-Undefined values are NaN, not errors, so one degenerate eval shard does not crash a job:
-AUC with only one label present, NE when the base rate is 0 or 1, calibration without positives.
-Empty inputs, labels other than 0/1 and length mismatches raise ValueError.
-
-`eval_metrics` is the eval of a job (every rank's part, plus the oracle AUC of synthetic data).
 With per-row weights w (`data.example_weight_column`) every metric is weighted: AUC counts a
 (positive, negative) pair as w_pos * w_neg, logloss = sum w l / sum w, the base rate of NE is
 sum w y / sum w, calibration = sum w p / sum w y; the count stays a row count.
-`CTRMetrics` accumulates the same quantities batch by batch as sums and histograms, which add up
-across ranks with one `all_reduce`. `MetricLogger` writes `metrics.jsonl` (one JSON object per
-`log` call), one log line, and TensorBoard scalars when tensorboard is installed.
 """
 
 from __future__ import annotations
@@ -31,7 +21,6 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -75,9 +64,7 @@ def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) 
     y, s = _pair(labels, scores)
     w = torch.ones_like(y) if weights is None else _weights(weights, y)
     _, inverse = torch.unique(s, sorted=True, return_inverse=True)
-    G = int(inverse.max()) + 1
-    pos = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * y)          # [G]
-    neg = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, w * (1 - y))    # [G]
+    pos, neg = torch.bincount(inverse, w * y), torch.bincount(inverse, w * (1 - y))   # [G] per distinct score
     value = _auc_of_groups(pos, neg)
     if math.isnan(value):
         logger.warning("auc is undefined without positive and negative examples (weight %g, %g); returning nan",
@@ -428,8 +415,8 @@ class MetricLogger(MetricSink):
                 values[key] = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"metric {key!r} must be a number, got {value!r}") from None
-        record: dict[str, Any] = {"step": int(step), "time": round(time.time(), 3)}
-        record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        record = {"step": int(step), "time": round(time.time(), 3),
+                  **{k: v if math.isfinite(v) else None for k, v in values.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         logger.info("%s", step_line(values, step, verbose=logger.isEnabledFor(logging.DEBUG)))

@@ -1,9 +1,5 @@
 """Checks a job can run before any process starts (`recsys train`, `eval`, `predict`, `export`).
 
-    preflight_train(cfg)                  # config cross-references, every data file's footer, the run dir
-    preflight_data(cfg, paths, "--data")  # eval / predict: the files to score
-    preflight_export(source, is_ckpt, out) # export: the checkpoint's checksums, the output directory
-
 Reads only Parquet footers (`data.parquet.scan_files`: columns, types, row counts), never rows, so a
 config or schema problem is reported in about a second instead of after the shards and trainers
 have started. Problems raise `PreflightError` (a `ConfigError`: the CLI prints one line

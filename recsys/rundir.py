@@ -1,14 +1,6 @@
-"""The run directory's layout, one owner for both training (writes it) and serving (reads it).
-
-    RUN_DIR/config.toml, metrics.json, metrics.jsonl     the resolved config and the metrics
-    RUN_DIR/model/                                       the last model (dense.pt, ps/shardI/)
-    RUN_DIR/best/                                        with validation: a checkpoint of the best pass
-    RUN_DIR/checkpoints/step-N/                          periodic checkpoints (recsys.training.checkpoint)
-
-RUN_DIR may be a URI (`s3://bucket/run`, see `recsys.storage`): then what only local processes use
-(pids, ready files, logs, errors, processes.json) lives in a local scratch directory
-(`local_run_dir`), and the files above on the URI.
-
+"""The run directory's layout (config.toml, metrics, model/, best/, checkpoints/: docs/operations.md), one
+owner for both training (writes it) and serving (reads it). RUN_DIR may be a URI (`recsys.storage`): what
+only this machine's processes use then lives in a local scratch directory (`local_run_dir`).
 `recsys eval`, `predict` and `export --run` use the best model when the run kept one, else the last
 (`--last` asks for the last).
 """

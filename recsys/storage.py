@@ -1,23 +1,11 @@
-"""Where run directories, checkpoints and exports live: a local path or any pyarrow filesystem URI.
+"""Where run directories, checkpoints and exports live: a local path or any pyarrow filesystem URI
+(`s3://bucket/prefix`, `gs://...`, `hdfs://host:port/...`, `file:///abs/path`; which paths, endpoint and
+credentials: docs/storage.md).
 
-Every path a command takes for its outputs or models (`train.run_dir`, `--resume`, `recsys eval /
-predict / export / reshard`) may be a local path or a URI: `s3://bucket/prefix`, `gs://...`,
-`hdfs://host:port/...`, `file:///abs/path`. This module resolves it to (pyarrow filesystem, path)
-and has the few operations the project needs; data paths are read by `data/` (pyarrow.fs too), a
-shard's own save by `embedding_ps.remote`, whose `is_uri` / `join` are used here so both name
-directories the same way.
-
-Endpoint and credentials: what pyarrow supports, i.e. the usual environment variables
-(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL;
-GOOGLE_APPLICATION_CREDENTIALS; HADOOP_HOME / CLASSPATH for HDFS) and URI query parameters, e.g.
-`s3://bucket/run?endpoint_override=127.0.0.1:9000&scheme=http`. `join` keeps the query at the end.
-
-Object stores cannot rename a directory atomically, so a remote directory is complete once its
-marker (`manifest.json`) is written, last. `write_bytes` of one object is atomic (a PUT appears
-whole or not at all); locally it writes a temporary file and renames it.
-
-Errors: `StorageError` (an OSError) naming the URI, the operation and the cause (a missing bucket,
-access denied, ...); a missing file raises FileNotFoundError naming the URI.
+`resolve` turns a path into (pyarrow filesystem, path inside it); the rest are the few operations the
+project needs. Data paths are read by `data/`, a shard's own save by `embedding_ps.remote`, whose
+`is_uri` / `join` are used here so both name directories the same way. Object stores cannot rename a
+directory atomically, so a remote directory is complete once its `manifest.json` is written, last.
 """
 
 from __future__ import annotations
@@ -35,7 +23,8 @@ from embedding_ps import remote
 from embedding_ps.remote import is_uri, join
 
 class StorageError(OSError):
-    """A storage operation failed; the message names the URI, the operation and why."""
+    """A storage operation failed; the message names the URI, the operation and why (a missing file is a
+    FileNotFoundError naming the URI)."""
 
 
 def _explain(detail: str) -> str:

@@ -24,13 +24,8 @@ class TablePlan:
     replicated: bool = False  # placement = "replicated": looked up in the trainer's own copy (replicated.py)
 
 
-def plan_tables(
-    features: tuple[str, ...],
-    tables: tuple[TableConfig, ...],
-    feature_tables: dict[str, str],
-    linear_feature_tables: dict[str, str],
-    table_pooling: dict[str, str],
-) -> list[TablePlan]:
+def plan_tables(features: tuple[str, ...], tables: tuple[TableConfig, ...], feature_tables: dict[str, str],
+                linear_feature_tables: dict[str, str], table_pooling: dict[str, str]) -> list[TablePlan]:
     """Group features by the table they read. Raises ValueError naming a feature or table."""
     index = {t.name: i for i, t in enumerate(tables)}
     plans: list[TablePlan] = []
