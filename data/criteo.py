@@ -49,9 +49,7 @@ CRITEO_SCHEMA = pa.schema(
 )
 
 _NIBBLE = np.full(256, 255, np.uint8)
-_NIBBLE[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
-_NIBBLE[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
-_NIBBLE[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_NIBBLE[np.frombuffer(b"0123456789abcdefABCDEF", np.uint8)] = [*range(16), *range(10, 16)]
 _INT_RE = re.compile(rb"-?[0-9]+")
 _HEX_RE = re.compile(rb"[0-9a-fA-F]{1,16}")
 
@@ -117,9 +115,7 @@ def _convert(batch: pa.RecordBatch, first_line: int) -> tuple[pa.Table, tuple[in
     bad: tuple[int, str] | None = None
     if bad_label.any():
         i = int(np.argmax(bad_label))
-        why = ("empty line or empty label" if label_np[i] == -1
-               else f"label must be 0 or 1, got {label_np[i]}")
-        bad = (i, why)
+        bad = (i, "empty line or empty label" if label_np[i] == -1 else f"label must be 0 or 1, got {label_np[i]}")
     cols = {"label": pa.array(label_np.astype(np.float32)), **{c: batch.column(c) for c in DENSE_COLUMNS}}
     for c in SPARSE_COLUMNS:
         raw = batch.column(c)
@@ -191,21 +187,6 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
     t0 = time.perf_counter()
     writer = PartWriter(out_dir, CRITEO_SCHEMA, lambda i: rows_per_file,
                         row_group_rows=row_group_rows, compression=compression)
-    try:
-        rows = _convert_stream(path, writer)
-    finally:
-        files = writer.close()
-    secs = time.perf_counter() - t0
-    summary = {"input": path, "rows": rows, "files": [f for f, _ in files],
-               "rows_per_file": [r for _, r in files], "seconds": round(secs, 3),
-               "rows_per_s": round(rows / max(secs, 1e-9))}
-    logger.info("convert-criteo %s: %d rows -> %d files in %.1f s (%.0f rows/s)", path, rows,
-                len(files), secs, summary["rows_per_s"])
-    return summary
-
-
-def _convert_stream(path: str, writer: PartWriter) -> int:
-    """Reads `path` block by block into `writer`; returns the number of rows written."""
     rows = 0
     try:
         with pacsv.open_csv(path, *_csv_options()) as reader:
@@ -227,4 +208,12 @@ def _convert_stream(path: str, writer: PartWriter) -> int:
             writer.write(table)
             rows += table.num_rows
         raise CriteoFormatError(f"{path}: line {line}: {why} ({rows} lines before it were written)") from e
-    return rows
+    finally:
+        files = writer.close()
+    secs = time.perf_counter() - t0
+    summary = {"input": path, "rows": rows, "files": [f for f, _ in files],
+               "rows_per_file": [r for _, r in files], "seconds": round(secs, 3),
+               "rows_per_s": round(rows / max(secs, 1e-9))}
+    logger.info("convert-criteo %s: %d rows -> %d files in %.1f s (%.0f rows/s)", path, rows,
+                len(files), secs, summary["rows_per_s"])
+    return summary

@@ -29,7 +29,7 @@ import torch
 
 from data.batch import Batch, KeyedJagged
 from data.config import DataConfig
-from data.parquet import ColumnPlan, DataError, Decoder, _check_schema, read_columns
+from data.parquet import DataError, Decoder, _check_schema
 from data.rows import gather
 
 __all__ = ["DataError", "TableDecoder", "decode_table"]
@@ -62,14 +62,14 @@ class TableDecoder:
         is_list = _check_schema(where, schema, cfg, 1)
         if len(self._plans) >= self._MAX_SCHEMAS:
             self._plans.clear()
-        self._plans[schema] = decoder = Decoder(cfg, ColumnPlan(read_columns(cfg), is_list))
+        self._plans[schema] = decoder = Decoder(cfg, is_list)
         return decoder
 
     def decode(self, table: pa.Table, where: str = "<table>") -> Batch:
         if self.cfg.label_column not in table.column_names:
             table = table.append_column(self.cfg.label_column, pa.array(np.zeros(table.num_rows, np.float32)))
         decoder = self._plans.get(table.schema) or self._plan(table.schema, where)
-        rows, _, _ = decoder.decode(table.select(list(decoder.plan.columns)), where, 0)
+        rows, _, _ = decoder.decode(table.select(list(decoder.columns)), where, 0)
         return gather([(rows, slice(0, len(rows)))], decoder.layout)
 
     def decode_rows(self, rows: list[dict]) -> Batch | None:

@@ -29,7 +29,7 @@ from typing import Any
 from data.sharding import Windows, cut
 
 __all__ = ["STATE_VERSION", "Segment", "Part", "after", "share", "plan_rows", "plan_parts", "plan_row_groups",
-           "plan_to_json", "plan_from_json", "stream_rows", "check_state", "check_old_states", "unread_segments"]
+           "plan_from_json", "stream_rows", "check_state", "check_old_states", "unread_segments"]
 
 STATE_VERSION = 2
 """Of ParquetLoader.state_dict(); 2 added 'elastic', 'segments' and 'done' (a version 1 state loads)."""
@@ -82,26 +82,21 @@ def plan_rows(plan: Sequence[Segment]) -> int:
     return sum(s.num_rows for s in plan)
 
 
-def merge(plan: Sequence[Segment]) -> list[Segment]:
-    """`plan` (`cut`'s parts: none empty) with neighbours that continue each other's stream joined."""
-    out: list[Segment] = []
-    for s in plan:
-        if out and (out[-1].world, out[-1].rank, out[-1].hi) == (s.world, s.rank, s.lo):
-            out[-1] = Segment(s.world, s.rank, out[-1].lo, s.hi)
-        else:
-            out.append(s)
-    return out
-
-
 def after(plan: Sequence[Segment], done: int) -> list[Segment]:
     """The segments of `plan` left once its first `done` rows are read."""
     return cut(plan, done, plan_rows(plan))
 
 
 def share(plan: Sequence[Segment], *, rank: int, world_size: int) -> list[Segment]:
-    """Rank `rank`'s contiguous part of `plan`: rows [rank R / W, (rank + 1) R / W) of its R rows."""
-    total = plan_rows(plan)
-    return merge(cut(plan, rank * total // world_size, (rank + 1) * total // world_size))
+    """Rank `rank`'s contiguous part of `plan`: rows [rank R / W, (rank + 1) R / W) of its R rows, with
+    neighbours that continue each other's stream joined."""
+    total, out = plan_rows(plan), []
+    for s in cut(plan, rank * total // world_size, (rank + 1) * total // world_size):    # no part is empty
+        if out and (out[-1].world, out[-1].rank, out[-1].hi) == (s.world, s.rank, s.lo):
+            out[-1] = Segment(s.world, s.rank, out[-1].lo, s.hi)
+        else:
+            out.append(s)
+    return out
 
 
 def plan_parts(plan: Sequence[Segment], done: int, streams: Mapping[tuple[int, int], Windows]) -> list[Part]:
@@ -131,11 +126,6 @@ def plan_row_groups(parts: Sequence[Part], streams: Mapping[tuple[int, int], Win
 
 
 # -- state ------------------------------------------------------------------------------------------
-
-def plan_to_json(plan: Sequence[Segment]) -> list[list[int]]:
-    """[[world, rank, lo, hi], ...]: plain ints, JSON-able."""
-    return [[s.world, s.rank, s.lo, s.hi] for s in plan]
-
 
 def plan_from_json(value: Any, done: Any, total_rows: int, where: str) -> list[Segment]:
     """The plan of a state's 'segments' with its 'done' checked against it; ValueError naming the key."""

@@ -36,8 +36,8 @@ from typing import Any
 
 from data.batch import Batch
 from data.config import DataConfig
-from data.elastic import (STATE_VERSION, Segment, check_old_states, check_state, plan_rows, plan_to_json, share,
-                          stream_rows, unread_segments)
+from data.elastic import (STATE_VERSION, Segment, check_old_states, check_state, plan_rows, share, stream_rows,
+                          unread_segments)
 from data.parquet import DataError
 from data.reader import Item, Reader
 
@@ -167,8 +167,7 @@ class ParquetLoader:
         self._stop_active()
         if self._resume and epoch == self._epoch:
             return
-        self._epoch, self._window, self._offset, self._batches, self._resume = epoch, 0, 0, 0, False
-        self._plan = None
+        self._epoch, self._window, self._offset, self._batches, self._resume, self._plan = epoch, 0, 0, 0, False, None
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_active()
@@ -225,7 +224,7 @@ class ParquetLoader:
                 "offset": self._offset if plan is None else 0, "batches": self._batches,
                 "num_bad_rows": self._bad, "rank": r.rank, "world_size": r.world_size, "seed": self.config.seed,
                 "shuffle": int(self.config.shuffle), "window_rows": r.window_rows, "dataset": r.fingerprint,
-                "elastic": int(plan is not None), "segments": [] if plan is None else plan_to_json(plan),
+                "elastic": int(plan is not None), "segments": [[s.world, s.rank, s.lo, s.hi] for s in plan or ()],
                 "done": 0 if plan is None else self._offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -239,11 +238,9 @@ class ParquetLoader:
                                  f"{current[key]!r}; the position would not match (resume_from takes the "
                                  f"states of all ranks of another world size)")
         self._stop_active()
-        self._epoch, self._window, self._offset = state["epoch"], state["window"], state["offset"]
-        self._batches, self._bad, self._resume = state["batches"], state["num_bad_rows"], True
-        self._plan = plan
-        if plan is not None:
-            self._window, self._offset = 0, state["done"]
+        self._epoch, self._batches, self._bad = state["epoch"], state["batches"], state["num_bad_rows"]
+        self._resume, self._plan = True, plan
+        self._window, self._offset = (state["window"], state["offset"]) if plan is None else (0, state["done"])
 
     def resume_from(self, states: Sequence[dict[str, Any]]) -> None:
         """Continue an epoch from the `state_dict()`s of every rank of a previous run (index = old

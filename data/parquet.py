@@ -67,11 +67,9 @@ def resolve_paths(paths: str | Sequence[str]) -> list[str]:
         elif os.path.isfile(p):
             found = [p]
         elif glob.has_magic(p):
-            found = []
-            for m in sorted(glob.glob(p, recursive=True)):
-                if not glob_match(os.path.normpath(p), os.path.normpath(m)):   # `_SUCCESS`, `_temporary/`
-                    continue
-                found += _dir_files(m) if os.path.isdir(m) else [m]
+            pattern = os.path.normpath(p)              # glob_match leaves out `_SUCCESS`, `_temporary/`
+            found = [f for m in sorted(glob.glob(p, recursive=True)) if glob_match(pattern, os.path.normpath(m))
+                     for f in (_dir_files(m) if os.path.isdir(m) else [m])]
         else:
             raise DataError(f"data path '{p}' does not exist")
         if not found:
@@ -90,16 +88,6 @@ class ParquetSource:
     path: str
     metadata: pq.FileMetaData
     row_group_rows: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ColumnPlan:
-    """What to read and how each sparse feature is laid out, fixed by the config and the first file."""
-
-    columns: tuple[str, ...]
-    """every column read, each once"""
-    sparse_is_list: tuple[bool, ...]
-    """per `config.sparse_columns`: a list column (True) or a one-id column (False)"""
 
 
 def _is_number(t: pa.DataType) -> bool:
@@ -174,8 +162,8 @@ def _check_schema(path: str, schema: pa.Schema, cfg: DataConfig, n_rg: int) -> t
     return tuple(_is_list(schema.field(c).type) for c in cfg.sparse_columns)
 
 
-def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], ColumnPlan, list[str]]:
-    """Reads every footer: (sources, column plan, skipped files).
+def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], tuple[bool, ...], list[str]]:
+    """Reads every footer: (sources, per `cfg.sparse_columns` whether it is a list column, skipped files).
 
     An unreadable or empty file raises DataError, or is skipped (and listed) under on_bad_rows="skip".
     Schema errors always raise: no row of such a file could be read.
@@ -214,14 +202,7 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
         sources.append(ParquetSource(path, md, tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))))
     if not sources:
         raise DataError(f"no readable rows in {len(files)} files (skipped: {skipped})")
-    return sources, ColumnPlan(read_columns(cfg), is_list), skipped
-
-
-def read_columns(cfg: DataConfig) -> tuple[str, ...]:
-    """Every column a batch is made of, each once, in a fixed order."""
-    cols = (cfg.label_column, *cfg.dense_columns, *cfg.sparse_columns, *cfg.weight_columns.values(),
-            *cfg.passthrough_columns, *((cfg.example_weight_column,) if cfg.example_weight_column else ()))
-    return tuple(dict.fromkeys(cols))
+    return sources, is_list, skipped
 
 
 def scoring_config(cfg: DataConfig, paths: tuple[str, ...] | list[str]) -> DataConfig:
@@ -250,10 +231,10 @@ def scoring_config(cfg: DataConfig, paths: tuple[str, ...] | list[str]) -> DataC
                     f"other files of the same data have (give every file the column, or none for unweighted metrics)")
 
 
-def read_row_group(source: ParquetSource, pf: pq.ParquetFile, rg: int, plan: ColumnPlan) -> pa.Table:
-    """The planned columns of one row group; an I/O or decoding failure becomes a DataError."""
+def read_row_group(source: ParquetSource, pf: pq.ParquetFile, rg: int, columns: Sequence[str]) -> pa.Table:
+    """`columns` of one row group; an I/O or decoding failure becomes a DataError."""
     try:
-        return pf.read_row_group(rg, columns=list(plan.columns))
+        return pf.read_row_group(rg, columns=list(columns))
     except Exception as e:
         raise DataError(f"{source.path}: row group {rg}: unreadable ({type(e).__name__}: {e})") from e
 
@@ -276,8 +257,7 @@ class _Checker:
             return
         if not self.skip:
             i = int(np.argmax(mask))
-            v = None if values is None else values[i]
-            shown = "" if values is None else f" (value {v.item() if hasattr(v, 'item') else v!r})"
+            shown = "" if values is None else f" (value {values[i].item()})"
             raise DataError(f"{self.where}, column '{column}': {what} at row {self.row0 + i}{shown}; "
                             f"{count} such rows in rows {self.row0}..{self.row0 + self.n - 1}")
         self.bad |= mask
@@ -310,11 +290,15 @@ def check_example_weights(column: str, files: list[str]) -> None:
 
 
 class Decoder:
-    """Turns a row range of a `pa.Table` (one row group) into checked `Rows`; `layout` gathers them into batches."""
+    """Turns a row range of a `pa.Table` (one row group) into checked `Rows`; `layout` gathers them into batches.
+    kinds: per `cfg.sparse_columns`, a list column (True) or a one-id column (False), as `scan_files` found."""
 
-    def __init__(self, cfg: DataConfig, plan: ColumnPlan) -> None:
-        self.cfg, self.plan = cfg, plan
-        kinds = plan.sparse_is_list
+    def __init__(self, cfg: DataConfig, kinds: tuple[bool, ...]) -> None:
+        self.cfg = cfg
+        self.columns = tuple(dict.fromkeys((cfg.label_column, *cfg.dense_columns, *cfg.sparse_columns,
+                                            *cfg.weight_columns.values(), *cfg.passthrough_columns,
+                                            *((cfg.example_weight_column,) if cfg.example_weight_column else ()))))
+        """every column a batch is made of, each once, in a fixed order"""
         where = tuple((k, kinds[:f].count(k)) for f, k in enumerate(kinds))    # (is_list, index among its kind)
         self.layout = BatchLayout(tuple(cfg.sparse_columns), where, bool(cfg.weight_columns))
         self.list_cols = [c for c, is_list in zip(cfg.sparse_columns, kinds) if is_list]

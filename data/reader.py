@@ -25,7 +25,7 @@ import torch
 from data.batch import Batch, validate_batch
 from data.config import DataConfig
 from data.elastic import Part, Segment, plan_parts, plan_row_groups, plan_rows
-from data.parquet import ColumnPlan, DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
+from data.parquet import DataError, Decoder, ParquetSource, read_row_group, resolve_paths, scan_files
 from data.remote import parquet_file
 from data.rows import Index, Rows, gather
 from data.sharding import DEFAULT_WINDOW_ROWS, Windows, epoch_seed, list_units, rank_stream
@@ -54,9 +54,9 @@ class _Files:
     few, LRU) are used by the worker thread only (or by the caller's thread when readahead = 0).
     """
 
-    def __init__(self, sources: list[ParquetSource], plan: ColumnPlan, keys: list[tuple[int, int]],
+    def __init__(self, sources: list[ParquetSource], columns: tuple[str, ...], keys: list[tuple[int, int]],
                  readahead: int) -> None:
-        self.sources, self.plan = sources, plan
+        self.sources, self.columns = sources, columns
         self.open: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self.keys = deque(keys)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-read") if readahead > 0 else None
@@ -76,10 +76,10 @@ class _Files:
         self.open[src] = pf
         if len(self.open) > _MAX_OPEN_FILES:
             self.open.popitem(last=False)[1].close()
-        return read_row_group(source, pf, rg, self.plan)
+        return read_row_group(source, pf, rg, self.columns)
 
     def row_group(self, src: int, rg: int) -> pa.Table:
-        """The planned columns of row group `rg` of source `src` (the last one is kept)."""
+        """The `columns` of row group `rg` of source `src` (the last one is kept)."""
         key = (src, rg)
         if self.key == key:
             return self.table
@@ -111,16 +111,15 @@ class Reader:
 
     def __init__(self, cfg: DataConfig, paths: Sequence[str], rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.sources, self.plan, self.skipped = scan_files(cfg, resolve_paths(paths))
-        self.decoder = Decoder(cfg, self.plan)
+        self.sources, is_list, self.skipped = scan_files(cfg, resolve_paths(paths))
+        self.decoder = Decoder(cfg, is_list)
         self.units = list_units([s.row_group_rows for s in self.sources])
         self.row_shuffle = cfg.shuffle and cfg.shuffle_buffer_rows > 0
         self.window_rows = cfg.shuffle_buffer_rows if self.row_shuffle else DEFAULT_WINDOW_ROWS
         self.pin = cfg.pin_memory and torch.cuda.is_available()
-        h = hashlib.sha1()
-        for s in self.sources:
-            h.update(f"{os.path.basename(s.path.partition('?')[0])}:{','.join(map(str, s.row_group_rows))};".encode())
-        self.fingerprint = h.hexdigest()
+        self.fingerprint = hashlib.sha1("".join(
+            f"{os.path.basename(s.path.partition('?')[0])}:{','.join(map(str, s.row_group_rows))};"
+            for s in self.sources).encode()).hexdigest()
 
     def windows(self, epoch: int, world: int | None = None, rank: int | None = None) -> Windows:
         """The windows of the stream of `rank` of `world` ranks (default: this loader's) in `epoch`."""
@@ -183,7 +182,7 @@ class Reader:
         that starts at its place 0. A part that starts past its window's kept rows (under "skip") is
         empty, or with `strict` (a resumed rank-stream position) a ValueError.
         """
-        files = _Files(self.sources, self.plan, plan_row_groups(parts, streams),
+        files = _Files(self.sources, self.decoder.columns, plan_row_groups(parts, streams),
                        1 if self.cfg.prefetch_batches > 0 else 0)
         B, carry, filled, bad = self.cfg.batch_size, [], 0, 0   # carry: (rows, index) of the next batch's `filled` rows
         try:

@@ -54,14 +54,10 @@ class SequencePreset:
     ctx_w: float = 0.5
     dense_beta: float = 0.15
 
-    def __post_init__(self) -> None:
-        if self.num_items % self.num_categories:
-            raise ValueError(f"num_items {self.num_items} must be a multiple of num_categories {self.num_categories}")
-        if not 1 <= 2 * self.num_favorites <= self.num_categories:
-            raise ValueError(f"need 1 <= 2 * num_favorites <= num_categories, got {self.num_favorites}")
-
 
 SEQUENCE = SequencePreset()
+SEQUENCE_SCHEMA = planted_schema(pa.field("I1", pa.int64()), pa.field("ctx", pa.int64()), pa.field("item", pa.int64()),
+                                 pa.field("hist", pa.list_(pa.int64()), nullable=False))
 
 
 class SequenceTruth:
@@ -111,12 +107,7 @@ def _chunk(t: SequenceTruth, seed: int, chunk: int) -> pa.Table:
     cols = {"I1": pa.array(dense), "ctx": pa.array(ids_of_ranks("ctx", ctx)),
             "item": pa.array(ids_of_ranks("item", item)),
             "hist": pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks("item", hist)))}
-    return planted_table(sequence_schema(), chunk, cols, logit, extra)
-
-
-def sequence_schema() -> pa.Schema:
-    return planted_schema(pa.field("I1", pa.int64()), pa.field("ctx", pa.int64()), pa.field("item", pa.int64()),
-                          pa.field("hist", pa.list_(pa.int64()), nullable=False))
+    return planted_table(SEQUENCE_SCHEMA, chunk, cols, logit, extra)
 
 
 def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:
@@ -129,6 +120,6 @@ def generate_sequence(*, rows: int, num_files: int, out_dir: str, seed: int, row
                       compression: str = "zstd", model_seed: int = 0) -> dict:
     """Writes `rows` rows of the sequence preset into `out_dir/part-%05d.parquet` (as
     `data.synthetic.generate` does); returns rows, files, CTR, mean p_true, oracle AUC, seconds."""
-    return write_parts("sequence", sequence_schema(), lambda: iter_sequence_rows(rows, seed, model_seed),
+    return write_parts("sequence", SEQUENCE_SCHEMA, lambda: iter_sequence_rows(rows, seed, model_seed),
                        rows=rows, num_files=num_files, out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
                        compression=compression, model_seed=model_seed)

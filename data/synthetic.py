@@ -170,7 +170,6 @@ class GroundTruth:
 
     def __init__(self, preset: Preset, model_seed: int = 0) -> None:
         self.preset = preset
-        self.dim = preset.dim
         self._specs = {f.name: f for f in (*preset.sparse, *preset.lists)}
         self._salt = {name: _mix_scalar(model_seed, _name_salt(name)) for name in self._specs}
         self._has_v = {name for a, b, _ in preset.pairs for name in (a, b)}
@@ -187,7 +186,7 @@ class GroundTruth:
         w = spec.w_scale * decay * _hash_normals(ranks, _mix_scalar(salt, 0))
         if name not in self._has_v:
             return w, None
-        v = np.stack([_hash_normals(ranks, _mix_scalar(salt, 1 + j)) for j in range(self.dim)], 1)
+        v = np.stack([_hash_normals(ranks, _mix_scalar(salt, 1 + j)) for j in range(self.preset.dim)], 1)
         return w, v * decay[:, None]
 
     def effects(self, name: str, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -232,12 +231,12 @@ def _chunk(gt: GroundTruth, seed: int, chunk: int) -> pa.Table:
         w, v = gt.effects(f.name, ranks)
         logit += np.bincount(row, w, minlength=n) / denom
         if v is not None:
-            vecs[f.name] = np.stack([np.bincount(row, v[:, j], minlength=n) for j in range(gt.dim)],
+            vecs[f.name] = np.stack([np.bincount(row, v[:, j], minlength=n) for j in range(p.dim)],
                                     1) / denom[:, None]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         cols[f.name] = pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks(f.name, ranks)))
     for a, b, scale in p.pairs:
-        logit += scale / math.sqrt(gt.dim) * np.einsum("nk,nk->n", vecs[a], vecs[b])
+        logit += scale / math.sqrt(p.dim) * np.einsum("nk,nk->n", vecs[a], vecs[b])
     return planted_table(preset_arrow_schema(p), chunk, cols, logit, _rng(seed, chunk, col))
 
 

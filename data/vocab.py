@@ -17,7 +17,7 @@ import numpy as np
 
 from data.config import DataConfig
 from data.arrays import _ids, _list_parts, _valid
-from data.parquet import ColumnPlan, DataError, _is_list, read_row_group, resolve_paths, scan_files
+from data.parquet import DataError, _is_list, read_row_group, resolve_paths, scan_files
 from data.remote import parquet_file
 
 __all__ = ["distinct_ids"]
@@ -35,11 +35,10 @@ def distinct_ids(cfg: DataConfig, paths: Sequence[str], columns: Sequence[str]) 
         raise DataError(f"no Parquet files in {list(paths)} to build a vocabulary from")
     sources, _, _ = scan_files(cfg, files)
     seen: dict[str, list[np.ndarray]] = {c: [] for c in columns}
-    plan = ColumnPlan(columns, ())                   # just these columns
     for source in sources:
         with parquet_file(source.path, source.metadata) as pf:
             for rg in range(len(source.row_group_rows)):
-                table = read_row_group(source, pf, rg, plan)
+                table = read_row_group(source, pf, rg, columns)
                 for col in columns:
                     for arr in table.column(col).chunks:
                         if _is_list(arr.type):

@@ -73,12 +73,10 @@ class PartWriter:
         self.files[-1] = (path, rows + n)
 
     def _finish_file(self) -> None:
-        if self._writer is None:
-            return
-        self._writer.close()
-        self._writer = None
-        path = self.files[-1][0]
-        Path(path + ".tmp").rename(path)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            Path(self.files[-1][0] + ".tmp").rename(self.files[-1][0])
 
     def close(self) -> list[tuple[str, int]]:
         """Writes what is pending (a short last row group), closes the file; (path, rows) per file."""
