@@ -53,9 +53,8 @@ chunk's rows: that temporary is accounted with the chunk buffer)."""
 WAIT_LOG_S = 10.0
 """An update waiting for the writer logs every this many seconds."""
 SIDE_FLOOR = 0.02
-"""The side buffer's size, as a fraction of the rows' bytes, when the copies alone pass the bound
-(small rows: the id map copy is 12 bytes a row): the bound is passed anyway, and a side buffer of
-no size would make every update of an unwritten row wait for the writer."""
+"""The side buffers' size, as a fraction of the rows' bytes, when the copies alone pass the bound
+(see the module doc)."""
 STALL_S = 120.0
 """An update that waited this long for room while the writer did not move on raises RuntimeError
 (e.g. `snapshot()` then updates on the thread that was to call `write`: nobody would write)."""
@@ -90,17 +89,10 @@ class RowStream:
         self.chunk_rows = chunk_rows
         self.piece = min(chunk_rows, PIECE_ROWS)        # rows per temporary
 
-    @property
-    def used(self) -> int:
-        return self.capacity - self._nfree
-
     def need(self, slots: np.ndarray) -> np.ndarray:
         """Distinct rows int32 [K] of `slots` that still need a pre-image before being modified."""
         s = slots[(slots >= self.done) & (slots < self.rows)]
-        if s.shape[0] == 0:
-            return s
-        s = s[~self.saved[s]]
-        return np.unique(s) if s.shape[0] else s
+        return np.unique(s[~self.saved[s]]) if s.shape[0] else s
 
     def preserve(self, rows: np.ndarray) -> None:
         """Copy rows int32 [K] (from `need`, K <= free entries) of every array into side entries."""
@@ -213,16 +205,14 @@ class CowSave:
     # -- accounting --------------------------------------------------------------------------------
     @property
     def extra_bytes(self) -> int:
-        """Bytes held now for the save: small copies, flags, chunk buffer, side entries in use."""
+        """Bytes held now for the save: small copies, flags, chunk buffer, 8 bytes per side entry and the
+        rows of the entries in use."""
         return (self.fixed_bytes + self._chunk_bytes
-                + sum(s.capacity * (s.entry_bytes - s.row_bytes) + s.used * s.row_bytes for s in self.streams))
-
-    def _note(self) -> None:
-        self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
+                + sum(s.capacity * s.entry_bytes - s._nfree * s.row_bytes for s in self.streams))
 
     def account_chunk(self, nbytes: int) -> None:
         self._chunk_bytes = nbytes
-        self._note()
+        self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
 
     def held(self, seconds: float) -> None:
         self.hold_total_s += seconds
@@ -249,7 +239,8 @@ class CowSave:
         `candidates()` int32 [N] (every row the update may write) that the writer has not passed.
 
         Waits (releasing the lock) while the side buffer has no room; `candidates` is called again
-        after each wait, as other updates may have run meanwhile.
+        after each wait, as other updates may have run meanwhile. RuntimeError when the writer has
+        not moved on for STALL_S.
         """
         stream = self.streams[table]
         t0, logged = None, 0.0
@@ -258,12 +249,20 @@ class CowSave:
                 rows = stream.need(candidates())
                 if rows.shape[0] <= stream._nfree:
                     stream.preserve(rows)
-                    self._note()
+                    self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
                     return
                 if t0 is None:
                     t0 = time.perf_counter()
                     self.waits += 1
-                self._wait_for_writer(table, rows.shape[0], stream)
+                progress, deadline = self.progress, time.monotonic() + STALL_S
+                while self.progress == progress and not self.closed:    # until the writer moves on
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RuntimeError(f"{self.where}: an update of table {table} needs room for {rows.shape[0]} "
+                                           f"pre-images ({stream._nfree} free) but the background save's writer has "
+                                           f"not moved on for {STALL_S:.0f} s (is `ShardSnapshot.write` running on "
+                                           "another thread?)")
+                    self.cond.wait(timeout=min(left, 1.0))
                 waited = time.perf_counter() - t0
                 if waited - logged >= WAIT_LOG_S:
                     logged = waited
@@ -274,18 +273,6 @@ class CowSave:
                 waited = time.perf_counter() - t0
                 self.wait_s += waited
                 self.wait_max_s = max(self.wait_max_s, waited)
-
-    def _wait_for_writer(self, table: int, need: int, stream: RowStream) -> None:
-        """Wait (lock released) until the writer moves on; RuntimeError when it stalls STALL_S."""
-        progress = self.progress
-        deadline = time.monotonic() + STALL_S
-        while self.progress == progress and not self.closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"{self.where}: an update of table {table} needs room for {need} pre-images "
-                                   f"({stream._nfree} free) but the background save's writer has not moved on for "
-                                   f"{STALL_S:.0f} s (is `ShardSnapshot.write` running on another thread?)")
-            self.cond.wait(timeout=min(left, 1.0))
 
     def close(self) -> None:
         """End the save (written or failed): no more pre-images, waiting updates go on. Under the lock."""

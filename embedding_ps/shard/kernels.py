@@ -70,9 +70,8 @@ def resolve(cfg: TableConfig, native_loaded: bool) -> tuple[TableConfig, str]:
     return dataclasses.replace(cfg, kernel="native"), f"native ({body})"
 
 
-def fbgemm_update(
-    cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor
-) -> None:
+def fbgemm_update(cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor,
+                  grads: torch.Tensor) -> None:
     """The fused update (without weight decay) of rows `slots` (int64 [U], unique) of weights [C, D] from
     grads float32 [U, D]."""
     if fbgemm_error() is not None:

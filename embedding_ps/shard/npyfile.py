@@ -106,21 +106,16 @@ def read_checked(path: str, expect: dict, mmap: bool = False) -> np.ndarray:
         raise CorruptShardError(f"{path}: truncated, {size} bytes, manifest says {expect['size']}")
     if size > expect["size"]:
         raise CorruptShardError(f"{path}: {size} bytes, longer than the {expect['size']} the manifest says")
-    h = hashlib.sha256()
     if mmap:
         buf = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-        for lo in range(0, size, CHUNK):
-            h.update(buf[lo : lo + CHUNK])
     else:
         buf = np.empty(size, dtype=np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            pos = 0
-            while pos < size:
-                n = f.readinto(memoryview(buf[pos : pos + CHUNK]))
-                if not n:
-                    raise CorruptShardError(f"{path}: truncated while reading, {pos} bytes, manifest says {size}")
-                h.update(buf[pos : pos + n])
-                pos += n
+        with open(path, "rb") as f:
+            if (n := f.readinto(memoryview(buf))) != size:
+                raise CorruptShardError(f"{path}: truncated while reading, {n} bytes, manifest says {size}")
+    h = hashlib.sha256()
+    for lo in range(0, size, CHUNK):
+        h.update(buf[lo : lo + CHUNK])
     if h.hexdigest() != expect["sha256"]:
         raise CorruptShardError(f"{path}: sha256 mismatch, file has {h.hexdigest()}, manifest says {expect['sha256']}")
     return buf

@@ -70,14 +70,8 @@ def fill_value(cfg: TableConfig, spec: StateSpec) -> float:
 
 
 # ---------------------------------------------------------------------------- vectorized path
-def apply_update(
-    cfg: TableConfig,
-    weights: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    slots: torch.Tensor,
-    grads: torch.Tensor,
-    scratch: torch.Tensor | None = None,
-) -> None:
+def apply_update(cfg: TableConfig, weights: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor,
+                 grads: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
     """Update rows `slots` (int64 [U], unique) of weights [C, D] and state in place from grads float32 [U, D].
 
     `grads` is only read. `scratch` (float32 [U, D], optional) is a buffer the update may

@@ -28,7 +28,6 @@ GRADS_WAIT_S = 10.0
 this bound only matters if the client hangs mid-copy: the shard serves no one meanwhile; a
 client that died is seen within WRITER_CHECK_S)."""
 
-
 WRITER_CHECK_S = 0.05
 """How often a shard waiting for late grads asks whether their writer still lives (`alive`)."""
 

@@ -12,10 +12,9 @@ Status of the last save (what SAVE_STATUS returns)::
      "snapshot_s": s | None, "prepare_s": s | None, "background": bool | None, "step": t | None,
      "extra_bytes_peak": n | None, "extra_bytes_bound": n | None, "push_wait_s": s | None}
 
-snapshot_s is the pause (the snapshot under the shard's lock); prepare_s is 0 (the copy-on-write
-snapshot prepares nothing ahead; kept for readers of the old status); extra_bytes_peak / _bound the
-background save's accounted extra memory and its bound (`ps.checkpoint_extra_memory`), push_wait_s
-how long updates waited for the writer.
+snapshot_s is the pause (the snapshot under the shard's lock); prepare_s is 0 (nothing is prepared
+ahead); extra_bytes_peak / _bound the background save's accounted extra memory and its bound
+(`ps.checkpoint_extra_memory`), push_wait_s how long updates waited for the writer.
 
 A failed write leaves no half directory behind (`ShardSnapshot.write` removes its tmp dir), is
 logged, and is reported here; the server keeps serving.
@@ -96,10 +95,8 @@ class BackgroundSaver:
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for a running write to end (shutdown); False if it still runs after `timeout_s`."""
         thread = self._thread
-        if thread is None:
-            return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while thread.is_alive():
+        while thread is not None and thread.is_alive():
             left = JOIN_LOG_S if deadline is None else min(JOIN_LOG_S, deadline - time.monotonic())
             if left <= 0:
                 return False
@@ -133,11 +130,9 @@ class BackgroundSaver:
             self._status.update(state=state, **fields)
 
     def _fresh(self, directory: str | None, state: str, **fields: Any) -> dict:
-        status = {"shard": self.shard, "directory": directory, "state": state, "error": None, "write_s": None,
-                  "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None,
-                  **dict.fromkeys(_COW_KEYS)}
-        status.update(fields)
-        return status
+        return {"shard": self.shard, "directory": directory, "state": state, "error": None, "write_s": None,
+                "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None,
+                **dict.fromkeys(_COW_KEYS), **fields}
 
 
 __all__ = ["BackgroundSaver"]

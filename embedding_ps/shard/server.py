@@ -118,6 +118,7 @@ class ShardServer:
                  bind: str | None = None) -> None:
         """bind: the host this shard is bound to (`serve`), for ps.shared_memory = "auto" (None: ps.bind)."""
         self.config, self.shard, self.state, self.token = config, shard_index, state, token
+        self.name = f"ps shard {shard_index}"
         self.save_root: str | None = None
         self.gate: Gate = make_gate(config, state)
         self.replay: OrderedDict[tuple[int, int], list] = OrderedDict()
@@ -140,10 +141,6 @@ class ShardServer:
         root = config.storage_root
         self.storage_root = (root if remote.is_uri(root) else os.path.realpath(root)) if root else None
 
-    @property
-    def name(self) -> str:
-        return f"ps shard {self.shard}"
-
     def handle(self, frames: list) -> Any:
         """Reply frames for request `frames` (zmq.Frame or bytes), or DEFERRED. Never raises."""
         header = None
@@ -164,7 +161,9 @@ class ShardServer:
             if reply is not DEFERRED:
                 self.counts[op.name.lower()] += 1
                 if op in _NOT_IDEMPOTENT:
-                    self._remember(key, reply)
+                    self.replay[key] = reply
+                    if len(self.replay) > REPLAY_ENTRIES:
+                        self.replay.popitem(last=False)
             return reply
         except P.ProtocolError as e:
             if e.status == P.Status.NO_SHM:     # not an error: the client falls back to the socket
@@ -186,11 +185,6 @@ class ShardServer:
             client, request = P.peek_ids(_buf(frames[0])) if frames else (0, 0)
             header = P.Header(op=0, client=client, request=request)
         return _text_reply(header, status, text)
-
-    def _remember(self, key: tuple[int, int], reply: list) -> None:
-        self.replay[key] = reply
-        if len(self.replay) > REPLAY_ENTRIES:
-            self.replay.popitem(last=False)
 
     # -- validation helpers -------------------------------------------------------------------
 

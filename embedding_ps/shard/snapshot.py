@@ -23,8 +23,7 @@ background thread while the shard serves. The files are the same bytes either wa
 
 Reading: `SavedShard(dir)` reads and checks the manifest once; its `array` / `table_arrays` /
 `dump_table` return verified arrays (read into memory, or memory-mapped), `layout(t)` / `meta(t)`
-the table's saved fields. Restore (`ShardState.load`), re-sharding (`load_resharded`), export
-(`recsys.serving.source`) and `verify_shard` all read through it.
+the table's saved fields. Every reader of a save (restore, re-sharding, export) goes through it.
 """
 
 from __future__ import annotations
@@ -205,13 +204,9 @@ class ShardSnapshot:
             fn()
 
     def write(self, directory: str) -> dict:
-        """Write to `directory` atomically (see the module docstring).
-
-        Returns {"directory", "bytes" (data files), "write_s"}. On any error the tmp dir is
-        removed, an older save at `directory` is left as it was, and the error is raised. Either
-        way the snapshot is closed. A URI `directory`: written locally, then uploaded with the
-        manifest last (`embedding_ps.remote`).
-        """
+        """Write to `directory` atomically (see the module docstring), then close the snapshot, also when
+        the write fails (the error is raised). Returns {"directory", "bytes" (data files), "write_s"}. A
+        URI `directory`: written locally, then uploaded with the manifest last (`embedding_ps.remote`)."""
         try:
             if remote.is_uri(directory):
                 return remote.write_via_local(directory, self._write)
@@ -227,7 +222,17 @@ class ShardSnapshot:
             os.makedirs(parent, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            manifest = self._write_files(tmp)
+            manifest: dict = {"format_version": FORMAT_VERSION, "shard_index": self.shard_index,
+                              "num_shards": self.num_shards, "tables": [], "files": {}}
+            for i, t in enumerate(self.tables):
+                table_dir = os.path.join(tmp, f"table{i}")
+                os.makedirs(table_dir)
+                files = write_streamed(table_dir, t.rows)
+                for name in sorted(t.arrays):
+                    files[name] = write_array(os.path.join(table_dir, f"{name}.npy"), t.arrays[name])
+                manifest["files"].update({f"table{i}/{name}.npy": files[name] for name in sorted(files)})
+                fsync_dir(table_dir)
+                manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": sorted(files)})
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -247,20 +252,6 @@ class ShardSnapshot:
         write_s = time.perf_counter() - t0
         logger.info("shard %d: wrote %s (%.1f MB in %.2f s)", self.shard_index, directory, size / 1e6, write_s)
         return {"directory": directory, "bytes": size, "write_s": write_s}
-
-    def _write_files(self, tmp: str) -> dict:
-        manifest: dict = {"format_version": FORMAT_VERSION, "shard_index": self.shard_index,
-                          "num_shards": self.num_shards, "tables": [], "files": {}}
-        for i, t in enumerate(self.tables):
-            os.makedirs(os.path.join(tmp, f"table{i}"))
-            files = write_streamed(os.path.join(tmp, f"table{i}"), t.rows)
-            for name in sorted(t.arrays):
-                files[name] = write_array(os.path.join(tmp, f"table{i}", f"{name}.npy"), t.arrays[name])
-            names = sorted(files)
-            manifest["files"].update({f"table{i}/{name}.npy": files[name] for name in names})
-            fsync_dir(os.path.join(tmp, f"table{i}"))
-            manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": names})
-        return manifest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,21 +13,16 @@ Example::
 Every public method takes one lock, so a threaded server may call them from several threads.
 Steps are int32 counters on the rows: 0 <= step < 2**31.
 
-Checkpoints: `save(dir)` / `load(dir)`, or `snapshot()` (under the lock: the only pause) then
-`ShardSnapshot.write(dir)` from any thread while the shard serves (copy-on-write, bounded extra
-memory: `embedding_ps.shard.cow`). The format, `verify_shard` and `CorruptShardError` live in
-`embedding_ps.shard.snapshot` and are exported here.
+Checkpoints: `save` / `load`, or `snapshot` then `ShardSnapshot.write` while the shard serves. The
+format, `verify_shard` and `CorruptShardError` live in `embedding_ps.shard.snapshot` (exported here).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 MAX_STEP = 2**31 - 1
 """Steps are int32 on the shard (a row's last-seen step)."""
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)     # glibc's (`release_free_heap`), else None
 
 
 class ShardState:
@@ -66,14 +62,10 @@ class ShardState:
 
     # ------------------------------------------------------------------ hot path
     def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows float32 [N, D] of ids int64 [N] (duplicates fine). Read-only: inserts nothing.
-
-        Ids without a row (never pushed, not admitted yet, evicted) get their deterministic init
-        row, or zeros if the table says `unadmitted = "zeros"`. `step`: the request's step; a pull
-        does not change last-seen, and a table with global weight decay returns its rows caught up
-        through step - 1 (`embedding_ps.shard.decay`). `out`: a float32 [N, D] contiguous tensor
-        to write the rows into and return (the server reuses reply buffers: a fresh [N, D]
-        allocation per request costs page faults); default a new tensor.
+        """Rows float32 [N, D] of ids int64 [N] (duplicates fine), as `TableShard.pull` says. Read-only:
+        changes no row and no last-seen. `out`: a float32 [N, D] contiguous tensor to write the rows
+        into and return (the server reuses reply buffers: a fresh [N, D] allocation per request costs
+        page faults); default a new tensor.
         """
         t = self._table(table)
         ids = self._ids(table, ids)
@@ -85,22 +77,17 @@ class ShardState:
             return t.pull(keys_of(ids, t.cfg), step, out)
 
     def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        """Apply gradients float32 [N, D] of ids int64 [N] at `step`.
-
-        Sums the gradients of duplicate ids, counts a sighting of every missing id (admission),
-        gives admitted ids their init row, runs the table's optimizer on the rows that exist,
-        updates count / last-seen / last-update and evicts past `max_rows`. Gradients of ids
-        that are not admitted are dropped. While a background save is written, the rows it has not
-        reached keep their pre-images first, or the push waits for the writer (`embedding_ps.shard.cow`).
+        """Apply gradients float32 [N, D] of ids int64 [N] at `step` (`TableShard.push`: admission,
+        optimizer, counters, eviction; the module doc of `embedding_ps.shard.table`). While a background
+        save is written, the rows it has not reached keep their pre-images first, or the push waits for
+        the writer (`embedding_ps.shard.cow`).
         """
         t = self._table(table)
         ids = self._ids(table, ids)
         self._check_step(step)
         if grads.dim() != 2 or grads.shape[0] != ids.shape[0] or grads.shape[1] != t.cfg.dim:
-            raise ValueError(
-                f"shard {self.shard_index} table {table} ({t.cfg.name!r}): grads must be "
-                f"[{ids.shape[0]}, {t.cfg.dim}], got {list(grads.shape)}"
-            )
+            raise ValueError(f"shard {self.shard_index} table {table} ({t.cfg.name!r}): grads must be "
+                             f"[{ids.shape[0]}, {t.cfg.dim}], got {list(grads.shape)}")
         if ids.shape[0] == 0:
             return
         grads = grads.detach().to(torch.float32).contiguous()
@@ -163,12 +150,8 @@ class ShardState:
         return out
 
     def dump_table(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(keys int64 [R] sorted, rows float32 [R, D], per-row state {name: [R] or [R, D]}).
-
-        Keys are raw ids for `dynamic` tables and hashed row indices for `hashed` ones; the dict
-        holds the optimizer state plus `count`, `last_seen`, `last_update` (and with global weight
-        decay `decay_step`: the rows come caught up through the latest step seen).
-        """
+        """`TableShard.dump` of table `table`: keys (raw ids for `dynamic` tables, hashed row indices for
+        `hashed` ones), rows, per-row state."""
         t = self._table(table)
         with self._lock:
             return t.dump()
@@ -185,9 +168,8 @@ class ShardState:
         with self._lock:
             t.truncate_eviction_log(through_step)
 
-    def load_dump(
-        self, table: int, keys: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor], step: int = 0
-    ) -> int:
+    def load_dump(self, table: int, keys: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor],
+                  step: int = 0) -> int:
         """Re-sharding: insert the rows of a `dump_table` (of any shard) that this shard owns.
 
         Keeps the keys with `shard_of(keys, num_shards) == shard_index`, so feeding every old
@@ -300,24 +282,13 @@ class ShardState:
 
     def _ids(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise ValueError(
-                f"shard {self.shard_index} table {table}: ids must be int64 [N], got {ids.dtype} {list(ids.shape)}"
-            )
+            raise ValueError(f"shard {self.shard_index} table {table}: ids must be int64 [N], got {ids.dtype} "
+                             f"{list(ids.shape)}")
         return ids.contiguous()
 
     def _check_step(self, step: int) -> None:
         if not 0 <= step <= MAX_STEP:
             raise ValueError(f"shard {self.shard_index}: step must be in [0, {MAX_STEP}], got {step}")
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """The C library's `malloc_trim` (glibc), or None."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
 
 
 def release_free_heap() -> None:
@@ -327,8 +298,8 @@ def release_free_heap() -> None:
     glibc's heap that still count as resident memory. A shard calls this after sweeps and loads,
     never on the hot path (trimmed pages fault in again, ~several us each on a VM).
     """
-    if (trim := _malloc_trim()) is not None:
-        trim(0)
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 __all__ = ["FORMAT_VERSION", "MAX_STEP", "CorruptShardError", "ShardState", "release_free_heap", "verify_shard"]

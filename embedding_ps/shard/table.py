@@ -163,7 +163,12 @@ class TableShard:
                 if n_ok == 0:
                     return
                 slots, grads = slots[ok], grads[torch.from_numpy(ok)]
-        slots, grads = self._merged(slots, grads)
+        # each slot once, its grads summed in arrival order (`native.merge_rows`); duplicates (e.g. sync mode: the
+        # step's pushes of all trainers) are found with a bitmap over the slots, kept all zero between calls
+        if self._dupbits.shape[0] * 8 < self.cap:
+            self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
+        if native.has_duplicates(slots, self._dupbits):
+            slots, grads = native.merge_rows(slots, grads.contiguous())
         cfg = self.cfg
         # C, if it runs this optimizer: the update, the counters and global decay's catch-up in one pass per row
         if cfg.kernel == "fbgemm" or not native.update(
@@ -174,16 +179,6 @@ class TableShard:
             self._push_torch(torch.from_numpy(slots).long(), grads, step)
         if self.cfg.max_rows and len(self.map) > self.cfg.max_rows:
             self._evict_lfu(len(self.map) - self.cfg.max_rows, step)
-
-    def _merged(self, slots: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-        """Each of slots int32 [N] once, its grads [N, D] summed in arrival order (`native.merge_rows`);
-        duplicates (e.g. sync mode: the step's pushes of all trainers) are found with a bitmap over
-        the slots, kept all zero between calls (`native.has_duplicates`)."""
-        if self._dupbits.shape[0] * 8 < self.cap:
-            self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
-        if native.has_duplicates(slots, self._dupbits):
-            return native.merge_rows(slots, grads.contiguous())
-        return slots, grads
 
     def _push_torch(self, u: torch.Tensor, g: torch.Tensor, step: int) -> None:
         """`optim.apply_update` of unique slots u int64 [U] and the row counters (adam, ftrl, fbgemm)."""
@@ -404,8 +399,7 @@ class TableShard:
         next push); copy=True: it is copied too (the others are new arrays anyway)."""
         arrays = {"free": self.free[: self.nfree].copy() if copy else self.free[: self.nfree]}
         arrays["map_keys"], arrays["map_slots"] = self.map.items()
-        for name, a in self.pending.state().items():
-            arrays[f"pending.{name}"] = a
+        arrays.update({f"pending.{name}": a for name, a in self.pending.state().items()})
         log_keys, log_steps = self.eviction_log()
         arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
         meta = {"hwm": self.hwm, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through,
