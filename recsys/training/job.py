@@ -1,8 +1,7 @@
-"""What a training job is, whichever engine runs it (the local launcher, `recsys.training.launch`, or
-Ray, `recsys.training.ray_launch`): the run directory prepared and locked (`prepared_run`), the
-attempt loop with its restarts (`run_attempts`), stop requests (`StopRequests`, `StopNow`), and the
-reading of a failed attempt (`JobFailure`, `WorkerError`, `read_worker_error`, `silent_ranks`).
-Both engines import this module; neither imports the other.
+"""What a training job is, whichever engine runs it (`recsys.training.launch` or `.ray_launch`: both
+import this module, neither the other): the run directory prepared and locked (`prepared_run`), the
+attempt loop with its restarts (`run_attempts`), stop requests (`StopRequests`), and the reading of a
+failed attempt (`JobFailure`, `WorkerError`, `read_worker_error`, `silent_ranks`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
 from recsys.config import ConfigError, JobConfig, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
-from recsys.training.checkpoint import check_resume_tables, load_saved_config
+from recsys.training.checkpoint import check_resume_tables, load_saved_config, read_manifest, resolve_resume
 from recsys.training.warm_start import InitSource, check_init_tables, resolve_init
 from recsys.training.procs import StopNow
 from recsys.rundir import (RunDirError, RunLock, UriLock, existing_run, local_run_dir, move_aside, run_path)
@@ -183,8 +182,6 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
     it fails naming the holder. `overwrite`: None (library use) takes the directory as it is; False
     (`recsys train`) refuses one that holds a run unless resuming; True moves that run aside first.
     Everything that can refuse reads only: nothing is written before the lock is held."""
-    from recsys.training.checkpoint import resolve_resume
-
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
     init = resolve_init(cfg.train.init_from) if cfg.train.init_from and checkpoint is None else None
     placement = resolve_placement(placements_of(cfg, checkpoint if init is None else init.root))
@@ -292,8 +289,6 @@ def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
 
 def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
     """The result of a graceful stop, with the line saying how to continue."""
-    from recsys.training.checkpoint import read_manifest
-
     info = json.loads((run_dir / "stopped.json").read_text()) if (run_dir / "stopped.json").exists() else None
     if info is None:         # stopped before the trainers ran: the job is where it began
         info = {"step": read_manifest(checkpoint)["step"] if checkpoint else 0,
@@ -380,8 +375,6 @@ def _before_restart(cfg: JobConfig, run_dir: Path, checkpoint: Path | None, stop
                     restarts: int) -> Path | None:
     """After a failed attempt: raise unless it is worth a restart, else log and record the restart and
     return the checkpoint it starts from."""
-    from recsys.training.checkpoint import resolve_resume
-
     if stops.requested.is_set():
         raise RuntimeError(f"{e} while stopping") from e
     if not e.killed or restarts >= cfg.train.max_restarts:

@@ -9,11 +9,9 @@ the terminal's process group, and die with the launcher (PR_SET_PDEATHSIG, throu
 It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
 waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
 
-Recovery (restarts after a kill, `job.run_attempts`) and the graceful stop (first SIGTERM / SIGINT:
-SIGUSR1 to the trainers, a checkpoint, `{"stopped": 1, ...}`; a second, or SIGHUP / SIGQUIT: `StopNow`,
-nothing saved) are as docs/operations.md describes them. An error the job raises itself is not
-retried: the first failing trainer's one-line error (`run_dir/errors/`) is raised as `WorkerError`,
-its traceback stays in `run_dir/logs/`.
+Recovery (restarts after a kill, `job.run_attempts`) and the graceful stop (`job.StopRequests`):
+docs/operations.md. An error the job raises itself is not retried: the first failing trainer's
+one-line error (`run_dir/errors/`) is raised as `WorkerError`, its traceback stays in `run_dir/logs/`.
 """
 
 from __future__ import annotations

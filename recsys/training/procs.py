@@ -6,14 +6,11 @@
                                ──fork──> trainer rank 0..W-1 (`worker.worker_main`, RANK / WORLD_SIZE /
                                                               MASTER_ADDR / MASTER_PORT set; gloo / NCCL)
 
-Why: a fresh interpreter spends a long time importing torch, and a local job would pay it three
-times over on the way to its first step (launcher, then shard and trainer side by side; the figures:
-BENCHMARKS.md, "benchmarks/startup.py"). The zygote starts when `recsys train` does and imports
-while the launcher reads the config and the data footers; each shard and trainer is then a fork of
-an interpreter that has imported everything and run nothing (no torch op, so no OpenMP threads:
-PLATFORM-NOTES' fork hazard does not arise), in milliseconds. A child gets the launcher's
-environment and working directory of the moment it is asked for (not the zygote's, which are those
-of its start).
+Why: a local job would otherwise import torch three times on the way to its first step (launcher, then
+shard and trainer side by side; docs/operations.md, and BENCHMARKS.md "benchmarks/startup.py"). Each
+child is a fork, in milliseconds, of an interpreter that has imported everything and run nothing (no
+torch op, so no OpenMP threads: PLATFORM-NOTES' fork hazard does not arise), with the launcher's
+environment and working directory of the moment it is asked for (not the zygote's).
 
 The pipes carry JSON lines, nothing pickled: requests `{"id", "target", "args", "env", "cwd", "log",
 "session", "deathsig"}` (target: one of TARGETS), events `{"id", "pid"}` once forked and `{"id",
@@ -322,8 +319,7 @@ def run_trainers(world: int, args: Sequence, check: Callable[[], None] = lambda:
 def stop(procs: Sequence, timeout_s: float = 10.0) -> None:
     """SIGTERM every process that runs, wait up to `timeout_s` in all, SIGKILL the rest."""
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
+        p.terminate()                       # (a no-op for one that has exited)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:

@@ -7,12 +7,10 @@
                              Ray Train sets up torch.distributed (gloo / NCCL); each runs `run_worker`,
                              the local launcher's trainer loop, with the shard addresses from the driver
 
-It is a launcher, not a second trainer: the run directory gets the local launcher's files, recovery
-is its attempt loop (`job.run_attempts`), and a trainer's own error is `WorkerError`, as
-docs/cluster.md ("Ray engine") describes; resources the cluster cannot grant within
-`cluster.start_timeout_s` end the job with `ClusterResourceError`. The token never touches a disk:
-Ray hands it to each actor and trainer, which keeps it for `ps.token_file` in an in-memory file of
-its own (`jobauth.memory_file`) that vanishes with the process, even after kill -9.
+A launcher, not a second trainer (docs/cluster.md, "Ray engine"): the local launcher's run directory
+files, attempt loop (`job.run_attempts`) and `WorkerError`; resources not granted within
+`cluster.start_timeout_s` end the job with `ClusterResourceError`. Each actor and trainer keeps the
+token Ray hands it in an in-memory file of its own (`jobauth.memory_file`): never on a disk.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from recsys.config import ConfigError, JobConfig, load_config, load_ps_config, to_toml
 from recsys.rundir import READY_TIMEOUT_S, run_path
+from recsys.runtime import apply_environment, setup_logging
 from recsys.training.jobauth import memory_file
 from recsys.training.job import (JobFailure, StopRequests, WorkerError, prepared_run, read_worker_error,
                                  run_attempts, write_processes)
@@ -76,15 +75,13 @@ class ShardActor:
 
     def __init__(self, config_toml: str, shard: int, token: str, run_dir: str, restore: str | None) -> None:
         from embedding_ps.shard.loop import serve
-        from recsys.runtime import apply_environment, setup_logging
         from recsys.training.reshard import shard_factory
 
         setup_logging(role=f"ps{shard}", log_file=str(Path(run_dir) / f"ps-{shard}.log"))
         apply_environment()
         self._fds, path, overrides = _private_config(config_toml, token)
         ps = load_ps_config(path, overrides)
-        self._dir = Path(tempfile.mkdtemp(prefix=f"recsys-ps{shard}-"))   # the ready file (no secret)
-        self._ready = self._dir / "ready"
+        self._ready = Path(tempfile.mkdtemp(prefix=f"recsys-ps{shard}-")) / "ready"     # (no secret)
         self._node = this_node()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -111,7 +108,7 @@ class ShardActor:
             time.sleep(0.02)
         if self._address is None:
             self._address = self._ready.read_text().strip()
-            shutil.rmtree(self._dir, ignore_errors=True)       # nothing left behind, even after kill -9
+            shutil.rmtree(self._ready.parent, ignore_errors=True)      # nothing left behind, even after kill -9
         return {"address": self._address, "pid": os.getpid(), **self._node}
 
     def wait(self) -> None:
@@ -123,7 +120,7 @@ class ShardActor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self._ready.parent, ignore_errors=True)
         for fd in self._fds:
             os.close(fd)
 
@@ -143,7 +140,6 @@ def _watch_shards(shards: list, done: threading.Event, rank: int) -> None:
 def train_loop(config: dict) -> None:
     """The Ray Train function: `run_worker` (the local launcher's trainer loop) in the process group
     Ray Train set up (RANK / WORLD_SIZE / LOCAL_RANK in the environment, as torch elastic sets them)."""
-    from recsys.runtime import apply_environment, setup_logging
     from recsys.training.worker import log_path, report_failure, run_worker
 
     rank, run_dir, verbose = int(os.environ.get("RANK", "0")), config["run_dir"], config["verbose"]
@@ -151,8 +147,7 @@ def train_loop(config: dict) -> None:
     apply_environment()
     fds, path, overrides = _private_config(config["config"], config["token"])
     done = threading.Event()
-    watchdog = threading.Thread(target=_watch_shards, args=(config["shards"], done, rank), daemon=True)
-    watchdog.start()
+    threading.Thread(target=_watch_shards, args=(config["shards"], done, rank), daemon=True).start()
     try:
         resolved_fd, resolved = memory_file("recsys-config.toml", to_toml(load_config(path, overrides)))
         fds.append(resolved_fd)                 # ps.token_file -> this trainer's in-memory token
@@ -177,10 +172,8 @@ def connect(cfg: JobConfig) -> bool:
     if cfg.cluster.address:
         ray.init(address=cfg.cluster.address, log_to_driver=False)
         return True
-    need: Counter[str] = Counter()
-    for bundle, count in ((cfg.cluster.ps_bundle(), cfg.ps.num_shards),
-                          (cfg.cluster.trainer_bundle(), cfg.train.num_trainers)):
-        need.update({k: v * count for k, v in bundle.items()})
+    need = Counter({k: v * cfg.ps.num_shards for k, v in cfg.cluster.ps_bundle().items()})
+    need.update({k: v * cfg.train.num_trainers for k, v in cfg.cluster.trainer_bundle().items()})
     custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU", "memory")}
     ray.init(address="local",                 # a new instance, not one `ray start` left on this machine
              num_cpus=max(os.cpu_count() or 1, int(need.get("CPU", 0) + 0.999)), resources=custom or None,
@@ -200,30 +193,24 @@ def _absolute(cfg: JobConfig) -> JobConfig:
                                                       num_workers=cfg.train.num_trainers))
 
 
-def _missing(role: str, key: str, bundle: dict[str, float], count: int) -> str:
-    """One line: what the cluster lacks for `count` bundles of `role`, and which nodes are dead.
-    Totals count the living nodes only (`ray.cluster_resources()` still counts a node lost moments ago)."""
-    nodes, free = ray.nodes(), ray.available_resources()
-    total: Counter[str] = Counter()
-    for n in nodes:
-        total.update(n["Resources"] if n["Alive"] else {})
-    short = [f"{k} {v * count:g} needed, {free.get(k, 0.0):g} free of {total.get(k, 0.0):g}"
-             for k, v in bundle.items() if v * count > free.get(k, 0.0) + 1e-9]
-    dead = [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n in nodes if not n["Alive"]]
-    return (f"cannot place {count} {role}(s) of {key} = {bundle}: "
-            f"{'; '.join(short) or 'no single node offers one bundle'}"
-            f"{'; lost nodes: ' + ', '.join(dead) if dead else ''}")
-
-
 def _reserve(role: str, key: str, bundle: dict[str, float], count: int, strategy: str, timeout_s: float):
-    """A ready placement group of `count` bundles, or ClusterResourceError after timeout_s."""
+    """A ready placement group of `count` bundles, or after timeout_s a ClusterResourceError: one line
+    saying what the cluster lacks and which nodes are dead (totals count the living nodes only:
+    `ray.cluster_resources()` still counts a node lost moments ago)."""
     pg = placement_group([dict(bundle)] * count, strategy=strategy, name=f"recsys-{role}")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        line = _missing(role, key, bundle, count)
+        nodes, free = ray.nodes(), ray.available_resources()
+        total = sum((Counter(n["Resources"]) for n in nodes if n["Alive"]), Counter())
+        short = [f"{k} {v * count:g} needed, {free.get(k, 0.0):g} free of {total.get(k, 0.0):g}"
+                 for k, v in bundle.items() if v * count > free.get(k, 0.0) + 1e-9]
+        dead = [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n in nodes if not n["Alive"]]
         remove_placement_group(pg)
-        raise ClusterResourceError(f"{line} (waited cluster.start_timeout_s = {timeout_s:g} s)") from None
+        raise ClusterResourceError(f"cannot place {count} {role}(s) of {key} = {bundle}: "
+                                   f"{'; '.join(short) or 'no single node offers one bundle'}"
+                                   f"{'; lost nodes: ' + ', '.join(dead) if dead else ''}"
+                                   f" (waited cluster.start_timeout_s = {timeout_s:g} s)") from None
     return pg
 
 
@@ -235,10 +222,9 @@ def start_shards(cfg: JobConfig, token: str, restore: Path | str | None) -> tupl
     remote = ray.remote(ShardActor)
     text = to_toml(cfg)
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
-    options = {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),   # exactly one bundle
-               **({"memory": bundle["memory"]} if "memory" in bundle else {}),
-               **({"resources": custom} if custom else {})}
-    actors = [remote.options(**options, max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
+    actors = [remote.options(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0),  # exactly one bundle
+                             memory=bundle.get("memory"), resources=custom or None,
+                             max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
                              scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                              ).remote(text, i, token, cfg.train.run_dir, None if restore is None else str(restore))
               for i in range(cfg.ps.num_shards)]
@@ -250,7 +236,7 @@ def start_shards(cfg: JobConfig, token: str, restore: Path | str | None) -> tupl
     return actors, infos, pg
 
 
-def stop_shards(actors: list, pg: object | None) -> None:
+def stop_shards(actors: list, pg: object) -> None:
     """Stop the shards (a clean stop, then kill) and free their placement group."""
     refs = [a.stop.remote() for a in actors]
     try:
@@ -258,19 +244,17 @@ def stop_shards(actors: list, pg: object | None) -> None:
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
-        if pg is not None:
-            remove_placement_group(pg)
+        remove_placement_group(pg)
 
 
-def _dead_shards(actors: list, infos: list[dict]) -> list[str]:
-    """The shards that died during the attempt, each as 'ps shard I (pid P on node N)'."""
-    dead = []
+def _dead_shard(actors: list, infos: list[dict]) -> str | None:
+    """The first shard that died during the attempt, as 'ps shard I (pid P on node N)'; None if none did."""
     for i, (a, info) in enumerate(zip(actors, infos)):
         try:
             ray.get(a.ready.remote(1.0), timeout=10)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            dead.append(f"ps shard {i} (pid {info['pid']} on node {info['node_ip']} {info['node_id'][:12]})")
-    return dead
+            return f"ps shard {i} (pid {info['pid']} on node {info['node_ip']} {info['node_id'][:12]})"
+    return None
 
 
 def _write_processes(run_dir: Path, infos: list[dict], earlier: list[dict]) -> list[dict]:
@@ -365,9 +349,8 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
             trainer.fit()
         except Exception as e:
             lines.stop()
-            dead = _dead_shards(actors, infos)
-            if dead:
-                raise JobFailure(f"{dead[0]} died during training", killed=True) from e
+            if dead := _dead_shard(actors, infos):
+                raise JobFailure(f"{dead} died during training", killed=True) from e
             raise _trainer_failure(e, run_dir) from e
         lines.stop()
         return json.loads((run_dir / "metrics.json").read_text())

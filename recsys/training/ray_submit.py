@@ -1,13 +1,10 @@
-"""`recsys ray-submit`: run `recsys train --config X` on a remote Ray cluster as a Ray job.
-
-What is shipped and run (the resolved config alone, as `job.toml`, the runtime_env `working_dir`;
-`recsys train --config job.toml`), why every path must be absolute or a URI, `--check`, `--no-wait` and
-the plain Ray CLI equivalent: docs/cluster.md, "Run on a Ray cluster: VMs". The job goes through Ray's
-Job Submission SDK (`ray.job_submission.JobSubmissionClient`, the dashboard's HTTP address,
-`http://HOST:8265`); the project itself must already be installed on the cluster's nodes (the image
-of deploy/Dockerfile). Waiting (the default), the exit code is the job's: 0 when it succeeded, the
-entrypoint's own exit code when it failed (2: bad input, see the README's exit codes), 1 when it was
-stopped or failed without one. Ray is imported only in here.
+"""`recsys ray-submit`: run `recsys train --config X` on a remote Ray cluster as a Ray job, through
+Ray's Job Submission SDK (`ray.job_submission.JobSubmissionClient`, the dashboard's HTTP address,
+`http://HOST:8265`). What is shipped and run, why every path must be absolute or a URI, `--check`,
+`--no-wait` and the plain Ray CLI equivalent: docs/cluster.md, "Run on a Ray cluster: VMs"; the
+project must already be installed on the nodes (deploy/Dockerfile). Waiting (the default), the exit
+code is the job's: 0 when it succeeded, the entrypoint's own when it failed (2: bad input, see the
+README's exit codes), 1 when it was stopped or failed without one. Ray is imported only in here.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -53,14 +51,9 @@ class Submission:
 
 def relative_paths(cfg: JobConfig) -> list[str]:
     """`key = value` of every path in `cfg` that is neither absolute nor a URI (`s3://...`)."""
-    found = []
-    for key in _PATH_KEYS:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        for path in (value if isinstance(value, tuple) else (value,)):
-            if isinstance(path, str) and path and "://" not in path and not Path(path).is_absolute():
-                found.append(f"{key} = {path!r}")
-    return found
+    values = {key: attrgetter(key)(cfg) for key in _PATH_KEYS}
+    return [f"{key} = {path!r}" for key, v in values.items() for path in (v if isinstance(v, tuple) else (v,))
+            if path and "://" not in path and not Path(path).is_absolute()]
 
 
 def build_submission(config: str | Path, overrides: Sequence[str] = (), *, check: bool = False,
@@ -70,8 +63,7 @@ def build_submission(config: str | Path, overrides: Sequence[str] = (), *, check
     Raises ConfigError for a bad config, or for a relative path in it (named with its key).
     """
     cfg = load_config(config, overrides)
-    relative = relative_paths(cfg)
-    if relative:
+    if relative := relative_paths(cfg):
         raise ConfigError(f"{config}: {'; '.join(relative)}: a job on a Ray cluster needs absolute paths or "
                           f"URIs (a relative path resolves inside Ray's temporary copy of the job's working "
                           f"directory on the node that runs it)")
