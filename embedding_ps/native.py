@@ -4,18 +4,10 @@ which: they call `gather`, `map_find`, `update`, ... here and get the same value
 (tests compare the two paths; `update` is the one that can decline, see its docstring). The
 `sv_*` functions wrap the serving kernel, which has no per-operation twin.
 
-The library is built from `csrc/` (`ps.c`: the shard's and client's operations, `pool.c`: the
-serving kernel, `native.h`: their shared parallel-for, SplitMix64, fp16 conversion and
-default-row formula; no Python or torch headers) by `embedding_ps.native_build` on first use. If
-there is no compiler or anything fails, one warning is logged and the reference bodies run.
-
-`set_enabled(False)` forces the reference bodies (a plain setting: embedding_ps reads no
-environment variables; the `recsys` entry points turn `EMBEDDING_PS_NATIVE=0` into this call).
-
-The C paths check dtypes, contiguity and sizes before passing raw pointers.
-
-Threads: `map_find`, `gather`, `init_bits` and `update` take `threads` (ps.threads of the shard;
-how the C splits the items: `csrc/ps.c`'s header), and ctypes releases the GIL for the call.
+The library (`csrc/`, see `csrc/native.h`) is built by `embedding_ps.native_build` on first use;
+if there is no compiler or anything fails, one warning is logged and the reference bodies run.
+`threads` (`map_find`, `gather`, `init_bits`, `update`) is the shard's ps.threads (how the C
+splits the items: `csrc/ps.c`'s header); ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
@@ -40,7 +32,9 @@ OPTIMIZERS = {name: code for code, name in enumerate(FUSED_OPTIMIZERS)}
 
 
 def set_enabled(enabled: bool) -> bool:
-    """Turn the native path on or off for this process; returns the previous setting."""
+    """Turn the native path on or off for this process (False: the reference bodies); returns the
+    previous setting. embedding_ps reads no environment variables: the `recsys` entry points turn
+    `EMBEDDING_PS_NATIVE=0` into this call."""
     prev = _state["enabled"]
     _state["enabled"] = bool(enabled)
     return prev
@@ -153,8 +147,7 @@ def to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weigh
     _require(weights is None or weights.shape == indices.shape, "to_example_major: weights must match indices")
     out = torch.empty_like(indices)
     out_w = torch.empty_like(weights) if weights is not None else None
-    em_lengths = torch.empty_like(lengths)
-    em_offsets = torch.empty_like(lengths)
+    em_lengths, em_offsets = torch.empty_like(lengths), torch.empty_like(lengths)
     if fb and (int(lengths.min()) < 0 or int(lengths.max()) > n) or int(lengths.sum()) != n:   # max <= n: no wrap
         raise ValueError(f"to_example_major: lengths must be >= 0 and sum to the {n} indices, got sum "
                          f"{int(lengths.sum())}")

@@ -66,9 +66,7 @@ def set_cache_dir(path: str | Path | None) -> None:
 
 
 def _cache_dirs() -> list[Path]:
-    dirs = []
-    if _state["cache_dir"] is not None:
-        dirs.append(_state["cache_dir"])
+    dirs = [] if _state["cache_dir"] is None else [_state["cache_dir"]]
     try:
         dirs.append(Path.home() / ".cache" / "recsys-hybrid")
     except RuntimeError:  # no home directory

@@ -1,6 +1,6 @@
 /* Shared infrastructure of the native library (`ps.c`: the shard's and client's hot operations,
  * `pool.c`: the serving kernel), compiled together into one shared object by
- * `embedding_ps/native.py`: one loader, one cache directory, one ABI number (`ps_abi_version`).
+ * `embedding_ps/native_build.py`: one loader, one cache directory, one ABI number (`ps_abi_version`).
  *
  * GNU C99 (gcc or clang: builtins, attributes, __atomic), no Python or torch headers: callers
  * pass raw pointers through ctypes after `native.py` checked dtypes, contiguity and sizes.
@@ -52,12 +52,7 @@ static inline void ps_parallel(ps_chunk_fn fn, void *ctx, int64_t n, int nthread
     struct ps_job jobs[PS_MAX_THREADS];
     pthread_t tid[PS_MAX_THREADS];
     int started[PS_MAX_THREADS];
-    for (int64_t i = 0; i < t; i++) {
-        jobs[i].fn = fn;
-        jobs[i].ctx = ctx;
-        jobs[i].lo = n * i / t;
-        jobs[i].hi = n * (i + 1) / t;
-    }
+    for (int64_t i = 0; i < t; i++) jobs[i] = (struct ps_job){fn, ctx, n * i / t, n * (i + 1) / t};
     for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, ps_job_run, &jobs[i]) == 0;
     fn(ctx, jobs[0].lo, jobs[0].hi);
     for (int64_t i = 1; i < t; i++) {
@@ -99,31 +94,23 @@ static inline float ps_h2f(uint16_t h) {
     return f;
 }
 
+/* x >> shift (1 <= shift < 32), rounded to nearest even */
+static inline uint32_t ps_rne(uint32_t x, uint32_t shift) {
+    const uint32_t r = x >> shift, rem = x & ((1u << shift) - 1), half = 1u << (shift - 1);
+    return r + (rem > half || (rem == half && (r & 1)));
+}
+
 /* float -> half, round to nearest even; inf / NaN kept (NaN payload's top bits, quieted) */
 static inline uint16_t ps_f2h(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000;
-    uint32_t ax = x & 0x7FFFFFFFu;
-    if (ax >= 0x7F800000u) { /* inf or nan */
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) /* inf or nan */
         return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? (0x200 | ((ax >> 13) & 0x3FF)) : 0));
-    }
     if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds to >= 65520: inf */
-    if (ax < 0x38800000u) {                                   /* below the smallest normal half */
-        if (ax < 0x33000000u) return (uint16_t)sign;          /* < 2**-25: rounds to zero */
-        uint32_t e = ax >> 23;
-        uint32_t man = (ax & 0x7FFFFF) | 0x800000;
-        uint32_t shift = 126 - e; /* 14 + (113 - e) - 1 + 1 */
-        uint32_t r = man >> shift;
-        uint32_t rem = man & ((1u << shift) - 1);
-        uint32_t half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ((ax - 0x38000000u) >> 13); /* rebias exponent 127 -> 15 */
-    uint32_t rem = ax & 0x1FFF;
-    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
-    return (uint16_t)(sign | r);
+    if (ax < 0x38800000u) /* below the smallest normal half: in units of 2**-24 (< 2**-25: rounds to zero) */
+        return (uint16_t)(sign | (ax < 0x33000000u ? 0 : ps_rne((ax & 0x7FFFFF) | 0x800000, 126 - (ax >> 23))));
+    return (uint16_t)(sign | ps_rne(ax - 0x38000000u, 13)); /* rebias exponent 127 -> 15 */
 }
 
 /* ------------------------------------------------------------------ default rows (init.py) */

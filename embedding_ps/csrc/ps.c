@@ -4,10 +4,8 @@
  * Part of the one native library (how it is built, loaded and called: native.h); every function
  * has a numpy/torch twin in `embedding_ps/reference.py`.
  *
- * Map layout (idmap.py): keys int64 [C], vals int32 [C], any C in [1, 2**32); vals >= 0 occupied,
- * -1 EMPTY (ends a probe chain), -2 TOMBSTONE (probed past, reusable by inserts). Linear
- * probing (bucket C - 1 wraps to 0) from home = ((splitmix64(key + GOLDEN) >> 32) * C) >> 32,
- * which is splitmix64(key + GOLDEN) >> (64 - b) when C = 2**b.
+ * Map layout and probing: idmap.py's docstring (keys int64 [C], vals int32 [C], any C in [1, 2**32);
+ * vals >= 0 occupied, -1 EMPTY, -2 TOMBSTONE; linear from home = ((splitmix64(key + GOLDEN) >> 32) * C) >> 32).
  *
  * Float math follows the torch ops of optim.py step by step in fp32 (scalars rounded to fp32
  * as torch does for a float32 tensor op with a Python scalar), so sgd and adagrad are bit-exact;
@@ -220,14 +218,13 @@ int64_t ps_unique(const int64_t *ids, int64_t n, int64_t *uniq, int64_t *inverse
  * all zero on entry, and is all zero again on return. */
 int ps_has_duplicates(const int32_t *slots, int64_t n, uint8_t *bitmap) {
     int dup = 0;
-    int64_t i;
-    for (i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         uint32_t s = (uint32_t)slots[i];
         uint8_t bit = (uint8_t)(1u << (s & 7));
         if (bitmap[s >> 3] & bit) dup = 1;
         bitmap[s >> 3] |= bit;
     }
-    for (i = 0; i < n; i++) bitmap[(uint32_t)slots[i] >> 3] = 0;
+    for (int64_t i = 0; i < n; i++) bitmap[(uint32_t)slots[i] >> 3] = 0;
     return dup;
 }
 
@@ -309,10 +306,8 @@ static int ps_sleep(int32_t *word, int32_t seen, const struct timespec *t0, int6
  * thread then sends the request while this copies, without the two contending for Python's GIL). */
 int ps_copy_finite(const uint32_t *restrict src, uint32_t *restrict dst, int64_t n, int wake_fd) {
     uint32_t acc = 0;
-    if (wake_fd >= 0) { /* wake another thread first (its work overlaps the copy); a full pipe is fine */
-        ssize_t w = write(wake_fd, "x", 1);
-        (void)w;
-    }
+    if (wake_fd >= 0) /* wake another thread first (its work overlaps the copy); a full pipe is fine */
+        (void)!write(wake_fd, "x", 1);
     for (int64_t i = 0; i < n; i++) {
         uint32_t u = src[i];
         dst[i] = u;
@@ -337,14 +332,11 @@ void ps_publish(int64_t *flag, int64_t value) {
  * than cores would take CPU from the very writer it waits for. Returns the value last read. */
 int64_t ps_wait_flag(const int64_t *flag, int64_t want, int64_t timeout_ns) {
     struct timespec t0;
-    for (int i = 0; i < 4096; i++) {
+    for (int64_t i = 0;; i++) {
         int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
         if (v == want || v == -want) return v;
-    }
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        int64_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
-        if (v == want || v == -want) return v;
+        if (i < 4096) continue; /* spinning */
+        if (i == 4096) clock_gettime(CLOCK_MONOTONIC, &t0);
         if (!ps_sleep((int32_t *)flag, (int32_t)(uint32_t)(uint64_t)v, &t0, timeout_ns)) return v;
     }
 }
@@ -613,16 +605,10 @@ static int32_t *ps_slot_order(const int32_t *slots, int64_t n) {
         if (slots[i] > top) top = slots[i];
     int shift = 0;
     while ((top >> shift) >= PS_SORT_BUCKETS) shift++;
-    int64_t count[PS_SORT_BUCKETS];
-    memset(count, 0, sizeof(count));
-    for (int64_t i = 0; i < n; i++) count[slots[i] >> shift]++;
-    int64_t sum = 0;
-    for (int j = 0; j < PS_SORT_BUCKETS; j++) {
-        int64_t c = count[j];
-        count[j] = sum;
-        sum += c;
-    }
-    for (int64_t i = 0; i < n; i++) order[count[slots[i] >> shift]++] = (int32_t)i;
+    int64_t start[PS_SORT_BUCKETS + 1] = {0}; /* counts, then each bucket's first position */
+    for (int64_t i = 0; i < n; i++) start[(slots[i] >> shift) + 1]++;
+    for (int j = 1; j < PS_SORT_BUCKETS; j++) start[j] += start[j - 1];
+    for (int64_t i = 0; i < n; i++) order[start[slots[i] >> shift]++] = (int32_t)i;
     return order;
 }
 

@@ -43,10 +43,8 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind_auth(config: PSConfig, host: str, shard_index: int) -> None:
-    """Refuse a non-loopback bind without auth and check the auth material exists.
-
-    Raises AuthConfigError before anything is bound.
-    """
+    """Refuse a non-loopback bind without auth and check the auth material exists: AuthConfigError
+    before anything is bound."""
     if config.auth in ("none", "auto"):
         if not is_loopback(host):
             raise AuthConfigError(
@@ -129,10 +127,8 @@ class _TokenAuthenticator(ThreadAuthenticator):
 
 
 def setup_server_plain(ctx: zmq.Context, sock: zmq.Socket, token: bytes) -> ThreadAuthenticator:
-    """Make `sock` a PLAIN server that accepts only peers giving `token`. Call before bind.
-
-    Returns the running authenticator; stop it when the socket closes.
-    """
+    """Make `sock` a PLAIN server that accepts only peers giving `token`. Call before bind; returns
+    the running authenticator (stop it when the socket closes)."""
     authenticator = _TokenAuthenticator(ctx, token)
     authenticator.start()
     sock.plain_server = True
@@ -168,16 +164,12 @@ class _AllowedKeys:
 
 
 def setup_server_curve(ctx: zmq.Context, sock: zmq.Socket, config: PSConfig) -> ThreadAuthenticator:
-    """Make `sock` a CURVE server that accepts only authorized client keys. Call before bind.
-
-    Returns the running authenticator; stop it when the socket closes.
-    """
+    """Make `sock` a CURVE server that accepts only authorized client keys; as `setup_server_plain`:
+    call before bind, stop the returned authenticator when the socket closes."""
     public, secret = zmq.auth.load_certificate(str(_curve_file(config, "server.key_secret")))
     allowed_dir = Path(config.curve_keys_dir) / "authorized_clients"
-    if allowed_dir.is_dir():
-        allowed = set(zmq.auth.load_certificates(str(allowed_dir)))
-    else:
-        allowed = {zmq.auth.load_certificate(str(_curve_file(config, "client.key")))[0]}
+    allowed = (set(zmq.auth.load_certificates(str(allowed_dir))) if allowed_dir.is_dir()
+               else {zmq.auth.load_certificate(str(_curve_file(config, "client.key")))[0]})
     if not allowed:
         raise AuthConfigError(f"ps.auth = 'curve': no public keys (*.key) in {str(allowed_dir)!r}")
     authenticator = ThreadAuthenticator(ctx)
@@ -202,12 +194,11 @@ def create_curve_keys(directory: str | os.PathLike) -> Path:
     """Write server.key(_secret), client.key(_secret) and authorized_clients/client.key."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    zmq.auth.create_certificates(str(out), "server")
-    zmq.auth.create_certificates(str(out), "client")
+    for who in ("server", "client"):
+        zmq.auth.create_certificates(str(out), who)
+        os.chmod(out / f"{who}.key_secret", 0o600)
     (out / "authorized_clients").mkdir(exist_ok=True)
     shutil.copy(out / "client.key", out / "authorized_clients" / "client.key")
-    for name in ("server.key_secret", "client.key_secret"):
-        os.chmod(out / name, 0o600)
     return out
 
 

@@ -151,9 +151,8 @@ class TableConfig:
             raise ValueError(f"{p}: {self.weight_decay_mode} weight decay needs lr * weight_decay < 1 (a row would "
                              f"flip sign or vanish each step), got {self.lr} * {self.weight_decay}")
         if self.kernel == "fbgemm" and self.optimizer not in FUSED_OPTIMIZERS:
-            raise ValueError(
-                f"{p}.kernel='fbgemm' supports optimizer {', '.join(FUSED_OPTIMIZERS)}; got {self.optimizer!r}"
-            )
+            raise ValueError(f"{p}.kernel='fbgemm' supports optimizer {', '.join(FUSED_OPTIMIZERS)}; got "
+                             f"{self.optimizer!r}")
         at_least(p, self, 0, "min_count", "ttl_steps", "max_rows", "cache_rows", "capacity")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
@@ -260,9 +259,7 @@ class PSConfig:
             raise ValueError(f"ps.num_workers must be <= {MAX_WORKERS}, got {self.num_workers}")
         at_least("ps", self, 1, "num_shards", "num_workers")
         if self.addresses and len(self.addresses) != self.num_shards:
-            raise ValueError(
-                f"ps.addresses has {len(self.addresses)} entries but ps.num_shards is {self.num_shards}"
-            )
+            raise ValueError(f"ps.addresses has {len(self.addresses)} entries but ps.num_shards is {self.num_shards}")
         if not (isinstance(self.shared_memory, bool) or self.shared_memory == "auto"):
             raise ValueError(f"ps.shared_memory must be true, false or 'auto', got {self.shared_memory!r}")
         if not 0 <= self.threads <= MAX_THREADS:

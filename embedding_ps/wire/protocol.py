@@ -1,11 +1,6 @@
-"""The PS wire format: explicit binary frames, never pickle (the spec: docs/wire.md, "Frames").
-
-A message is a list of ZeroMQ frames: a request is [header, auth, payload...], a reply
-[header, payload...] with the request's op, request id and client id echoed (an error reply: one
-UTF-8 frame with the message). The header is HEADER_FORMAT (60 bytes, little-endian); a PULL or
-PUSH carries T parts (tables) in one message (one request per shard a step); FLAG_SHM,
-FLAG_GRADS_LATE and FLAG_NOTIFY move its rows through a shared-memory segment (`embedding_ps.wire.shm`).
-A peer of another VERSION gets BAD_FRAME naming both versions.
+"""The PS wire format: explicit binary frames, never pickle. A request is the ZeroMQ frames
+[header, auth, payload...], a reply [header, payload...]; the header is HEADER_FORMAT (60 bytes,
+little-endian). Ops, payloads, flags, replies and versions: docs/wire.md, "Frames".
 """
 
 from __future__ import annotations
@@ -133,17 +128,12 @@ def unpack_header(buf: bytes | memoryview) -> Header:
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} not supported (this side speaks {VERSION}): trainers "
                             f"and PS shards must run the same release")
-    return Header(op=op, table=table, dtype=dtype, count=count, dim=dim, step=step, worker=worker,
-                  client=client, request=request, status=status, flags=flags, magic=magic,
-                  version=version)
+    return Header(op, table, dtype, count, dim, step, worker, client, request, status, flags)
 
 
 def peek_ids(buf: bytes | memoryview) -> tuple[int, int]:
     """(client, request) of a header that may be broken, for an error reply; (0, 0) if too short."""
-    if len(buf) < HEADER_SIZE:
-        return 0, 0
-    fields = _HEADER.unpack(bytes(buf[:HEADER_SIZE]))
-    return fields[12], fields[13]
+    return _HEADER.unpack_from(buf)[12:] if len(buf) >= HEADER_SIZE else (0, 0)
 
 
 def check_request(h: Header, num_frames: int) -> Op:
@@ -184,10 +174,8 @@ def row_dtype(code: int, what: str) -> DType:
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor (made contiguous) as a buffer zmq can send without a copy.
-
-    The buffer keeps the tensor's memory alive until zmq is done with it.
-    """
+    """The raw bytes of a CPU tensor (made contiguous) as a buffer zmq can send without a copy; the
+    buffer keeps the tensor's memory alive until zmq is done with it."""
     t = t.detach().contiguous()
     if t.numel() == 0:              # memoryview cannot cast a shape with a zero in it
         return memoryview(b"")
@@ -197,11 +185,9 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 
 
 def frame_tensor(buf: memoryview | bytes, dtype: DType, count: int, dim: int = 0) -> torch.Tensor:
-    """A tensor viewing `buf`: [count] if dim == 0 else [count, dim].
-
-    No copy for a writable buffer (a received zmq frame); a read-only one (bytes) is copied, since
-    torch tensors are always writable. The caller has checked the byte size (`expect_bytes`).
-    """
+    """A tensor viewing `buf`: [count] if dim == 0 else [count, dim]. No copy for a writable buffer
+    (a received zmq frame); a read-only one (bytes) is copied, since torch tensors are always
+    writable. The caller has checked the byte size (`expect_bytes`)."""
     tdtype = TORCH_DTYPES[dtype]
     shape = (count,) if dim == 0 else (count, dim)
     if count == 0 or len(buf) == 0:

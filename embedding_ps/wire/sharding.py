@@ -37,10 +37,7 @@ def splitmix64_np(keys: np.ndarray, *, copy: bool = True) -> np.ndarray:
     """uint64 [N] -> uint64 [N]: the SplitMix64 finalizer (the one Python copy in embedding_ps;
     `csrc/native.h` has the C one, pinned by tests/unit/test_splitmix64.py). `keys` may be int64 or
     uint64 and is not modified, unless `copy=False` and it is a uint64 array: then it is mixed in place."""
-    if keys.dtype != np.uint64:
-        z = np.array(keys, dtype=np.int64, copy=True).view(np.uint64)
-    else:
-        z = keys.copy() if copy else keys
+    z = keys.astype(np.uint64, copy=copy)      # int64 -> uint64: the same bits (a new array)
     z ^= z >> _S30
     z *= _C1
     z ^= z >> _S27
@@ -70,9 +67,7 @@ def _mix_mod(ids: torch.Tensor, n: int, what: str) -> torch.Tensor:
 
 def keys_of(ids: torch.Tensor, table: TableConfig) -> torch.Tensor:
     """int64 [N] -> int64 [N]: the key a shard stores for each id (the id itself, or its hashed row)."""
-    if table.kind == "hashed":
-        return hashed_row(ids, table.num_embeddings)
-    return ids
+    return hashed_row(ids, table.num_embeddings) if table.kind == "hashed" else ids
 
 
 def route(ids: torch.Tensor, table: TableConfig, num_shards: int) -> torch.Tensor:
