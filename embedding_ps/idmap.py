@@ -51,7 +51,6 @@ class IdMap:
         self.max_load = max_load
         self.threads = threads  # C threads of a native lookup (reads only); inserts run on one thread
         self._size = 0
-        self._tombs = 0
         self._reserved = 0  # buckets that `reserve` asked for: rehashes of up to max_load of them keep them
         self._alloc(self._buckets_for(capacity))
 
@@ -74,8 +73,8 @@ class IdMap:
     def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
         """Insert keys int64 [N] -> vals int32 [N] (>= 0).
 
-        The keys must be distinct and absent from the map (the caller looked them up first);
-        `contains`/`lookup` tell which. Growth happens here, before probing.
+        The keys must be distinct and absent from the map (the caller looked them up first with
+        `lookup`). Growth happens here, before probing.
         """
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         vals = np.ascontiguousarray(vals, dtype=np.int32)
@@ -94,9 +93,8 @@ class IdMap:
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         pos = native.map_find(self._keys, self._vals, keys, "pos", self.threads)   # bucket, -1 absent
         hit = pos >= 0
-        out = np.full(keys.shape[0], EMPTY, dtype=np.int32)
+        out = np.where(hit, self._vals[pos], EMPTY)       # int32 [N]
         p = np.unique(pos[hit])  # duplicate keys in one call delete once
-        out[hit] = self._vals[pos[hit]]
         self._vals[p] = TOMBSTONE
         self._size -= p.shape[0]
         self._tombs += p.shape[0]
@@ -119,7 +117,6 @@ class IdMap:
 
     def clear(self) -> None:
         self._size = 0
-        self._tombs = 0
         self._alloc(max(self._buckets_for(0), self._reserved))
 
     # ------------------------------------------------------------------ internals
@@ -135,13 +132,13 @@ class IdMap:
         # load >= 3/8 touches every page anyway.
         self._keys = np.full(buckets, 0, dtype=np.int64)
         self._vals = np.full(buckets, EMPTY, dtype=np.int32)
+        self._tombs = 0
 
     def _rehash(self, n: int) -> None:
         """Rebuild without tombstones in buckets for n entries (the reserved ones while n fits them)."""
         keys, vals = self.items()
         fits = self._reserved > 0 and n <= self.max_load * self._reserved
-        self._alloc(self._reserved if fits else max(self._buckets_for(n), 64))
-        self._tombs = 0
+        self._alloc(self._reserved if fits else self._buckets_for(n))
         native.map_place(self._keys, self._vals, keys, vals)
 
 

@@ -64,15 +64,12 @@ class LocalStore(EmbeddingStore):
         dim = call_dim(self.config, tables, ids)
         step = self.step if step is None else step
         out = torch.empty(sum(x.numel() for x in ids), dim)                  # [sum N_t, D]
-        start = 0
-        for t, x in zip(tables, ids):
-            part = out[start:start + x.numel()]
+        for t, x, part in zip(tables, ids, out.split([x.numel() for x in ids])):
             if len(self.states) == 1:
                 self.states[0].pull(t, x, step, out=part)
             else:
                 for state, pos in self._owners(t, x):
                     part[pos] = state.pull(t, x[pos], step)
-            start += x.numel()
         return done_future(out)
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
@@ -83,13 +80,11 @@ class LocalStore(EmbeddingStore):
         """
         call_dim(self.config, tables, ids, grads)
         step = self.step if step is None else step
-        by_table: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        by_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for t, x, g in zip(tables, ids, torch.split(grads.detach(), [x.numel() for x in ids])):
-            part = by_table.setdefault(t, ([], []))
-            part[0].append(x)
-            part[1].append(g)
-        for t, (xs, gs) in by_table.items():
-            x, g = (xs[0], gs[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(gs))   # [N, D]
+            by_table.setdefault(t, []).append((x, g))
+        for t, parts in by_table.items():
+            x, g = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]   # ids [N], grads [N, D]
             if len(self.states) == 1:
                 self.states[0].push(t, x, g, step)
             else:

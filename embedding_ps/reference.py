@@ -88,10 +88,8 @@ def map_place(kv: np.ndarray, vv: np.ndarray, keys: np.ndarray, vals: np.ndarray
 def unique(ids: torch.Tensor, counts: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """torch.unique's sort: (sorted distinct ids [U], inverse [N], occurrences [U] or None); the C
     gives the distinct ids in order of first appearance instead."""
-    if counts:
-        return torch.unique(ids, return_inverse=True, return_counts=True)
-    uniq, inverse = torch.unique(ids, return_inverse=True)
-    return uniq, inverse, None
+    out = torch.unique(ids, return_inverse=True, return_counts=counts)
+    return out if counts else (*out, None)
 
 
 def to_example_major(indices: torch.Tensor, lengths: torch.Tensor, B: int, weights: torch.Tensor | None = None

@@ -103,7 +103,7 @@ def done_future(value: object) -> Future:
 
 class UnknownTableError(IndexError, ValueError):
     """A table number outside ps.tables: an IndexError (as `LocalStore` and `ShardState` raise) and a
-    ValueError (a bad argument, as `PSClient` raised)."""
+    ValueError (a bad argument)."""
 
 
 def call_dim(config: PSConfig, tables: Sequence[int], ids: Sequence[torch.Tensor],

@@ -17,13 +17,10 @@ Refresh ahead (`refresh_ahead` = R >= 1, default 1; 0 turns it off): a hit for s
 was pulled for step s with t - s >= max(1, max_age - R), and no refresh already in flight, is
 served from the cache AND pulled again for step t, in a second call to the wrapped store that the
 step does not wait for; when it arrives the cached copy is replaced and counts as pulled for t.
-So a row looked up at least once every max_age - R steps is refreshed before it expires and keeps
-hitting, as long as a refresh arrives within R steps (a late one: the row expires and misses, as
-without). The bound is unchanged: a row is never served for a step more than max_age steps after
-the step it was pulled for. The shard sends such a row more often than without (once every
-max_age - R steps instead of every max_age + 1), and rows refreshed but not looked up again before
-they expire are sent for nothing: refresh ahead hides latency, it does not save shard work
-(BENCHMARKS.md, "benchmarks/row_cache.py").
+So a row looked up at least once every max_age - R steps keeps hitting if its refresh arrives
+within R steps (else it expires and misses); the max_age bound is unchanged. It hides latency, it
+does not save shard work: the shard sends such a row once every max_age - R steps instead of every
+max_age + 1, in vain for one not looked up again before it expires (BENCHMARKS.md, "benchmarks/row_cache.py").
 
 Background (`background=True`, what the trainer uses): every call runs on one thread of the
 cache's own, in the order made (pulls, pushes, barriers, saves, loads), so the caller's thread only
@@ -43,13 +40,13 @@ of a call's misses, the slots go to the misses that occur most often in the batc
 the sparse arch passes), not to the first ones to arrive. `benchmarks/row_cache.py` measures both
 (and both policies) on Zipf(1.05) streams (BENCHMARKS.md): DEFAULT_POLICY is its pick.
 
-Counting (`cache_counts()`, per table, since the last call): `hits` and `misses` per distinct id
-of each call (a hit: served from the cache without waiting for the store; what `cache/hit_rate`
-reports), `refreshes` (hits also pulled ahead: rows the shard still sends, off the critical path),
-and `lookups` / `lookup_hits`: the same weighted by each id's occurrences in the batch, when the
-caller passes `counts` (the trainer's sparse arch does: `SparseArch.lookup(counts=True)`). Rows live on `device` (the
-trainer's GPU when it trains on one): hits are gathered there and misses copied there, so a pull's
-rows come back on `device`; gradients go to the wrapped store on the CPU.
+Counting (`cache_counts()`, per table, since the last call; the metrics: `cache_metrics`): `hits` and
+`misses` per distinct id of each call (a hit: served without waiting for the store), `refreshes` (hits
+also pulled ahead), and `lookups` / `lookup_hits`, the same weighted by each id's occurrences in the
+batch when the caller passes `counts` (`SparseArch.lookup(counts=True)` does).
+
+Rows live on `device` (the trainer's GPU when it trains on one): a pull's rows come back there;
+gradients go to the wrapped store on the CPU.
 """
 
 from __future__ import annotations
@@ -102,12 +99,11 @@ class CachingStore(EmbeddingStore):
         for i, t in enumerate(config.tables):
             if t.cache_rows > 0:
                 by_dim.setdefault(t.dim, []).append(i)
-        self.where: dict[int, tuple[FusedRowCache, int]] = {}     # table -> (its cache, local index)
-        self.fused: list[tuple[FusedRowCache, list[int]]] = []    # (cache, its tables)
-        for dim, tables in by_dim.items():
-            cache = FusedRowCache([config.tables[i].cache_rows for i in tables], dim, policy, self.device)
-            self.fused.append((cache, tables))
-            self.where.update({t: (cache, k) for k, t in enumerate(tables)})
+        self.fused: list[tuple[FusedRowCache, list[int]]] = [           # (cache, its tables)
+            (FusedRowCache([config.tables[i].cache_rows for i in tables], dim, policy, self.device), tables)
+            for dim, tables in by_dim.items()]
+        self.where: dict[int, tuple[FusedRowCache, int]] = {           # table -> (its cache, local index)
+            t: (cache, k) for cache, tables in self.fused for k, t in enumerate(tables)}
         self._lock = threading.Lock()
         # background: lookups on one thread of their own (in call order), off the caller's
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="row-cache") if background else None
@@ -314,14 +310,19 @@ class _Plan:
     def issue(self, inner: EmbeddingStore, step: int) -> Future:
         """One call to the wrapped store: the uncached parts' ids, then each cached part's misses (a
         done Future of None when there are none)."""
-        tables = [self.tables[i] for i in self.uparts]
-        ids = [self.uniq[i] for i in self.uparts]
-        if self.cache is not None and self.miss.size:
-            tables_m, ids_m = _by_part(self.ids[self.miss], self.part[self.miss],
-                                       [self.tables[i] for i in self.cparts])
-            tables += tables_m
-            ids += ids_m
+        tables_m, ids_m = self._by_part(self.miss)
+        tables = [self.tables[i] for i in self.uparts] + tables_m
+        ids = [self.uniq[i] for i in self.uparts] + ids_m
         return inner.pull_many_async(tables, ids, step) if tables else done_future(None)
+
+    def _by_part(self, e: np.ndarray) -> tuple[list[int], list[torch.Tensor]]:
+        """Entries e [M] (increasing) -> (tables, ids per part) of the cached parts that have any, in part order."""
+        if not e.size:
+            return [], []
+        n = np.bincount(self.part[e], minlength=len(self.cparts))
+        pieces = torch.from_numpy(self.ids[e]).split(n.tolist())
+        keep = np.flatnonzero(n)
+        return [self.tables[self.cparts[i]] for i in keep], [pieces[i] for i in keep]
 
     def assemble(self, pulled: torch.Tensor | None, step: int) -> torch.Tensor:
         """The pulled rows [sum U_uncached + M, D] into the buffer and the cache; the rows [sum N, D]."""
@@ -332,7 +333,7 @@ class _Plan:
                 n = self.uniq[i].numel()
                 self.buf[self.starts[i]:self.starts[i] + n] = pulled[k:k + n]
                 k += n
-        if self.cache is not None and self.miss.size:
+        if self.miss.size:
             got = pulled[k:]                                                        # [M, D]
             move_rows(self.buf, self.pos[self.miss], got, None)
             self.cache.fill(self.ids[self.miss], self.tab[self.miss], self.lk.slot[self.miss], got, step,
@@ -341,13 +342,10 @@ class _Plan:
 
     def issue_refresh(self, inner: EmbeddingStore, step: int, lock: threading.Lock) -> None:
         """The hits due for a refresh, pulled again for `step` in a call nobody waits for."""
-        if self.cache is None or not self.lk.refresh.any():
+        if self.cache is None or not (r := np.flatnonzero(self.lk.refresh)).size:
             return
-        r = np.flatnonzero(self.lk.refresh)
         ids_r, tab_r, slot_r = self.ids[r], self.tab[r], self.lk.slot[r]
         cache, generation = self.cache, self.lk.generation
-        tables, ids = _by_part(ids_r, self.part[r], [self.tables[i] for i in self.cparts])
-        fut = inner.pull_many_async(tables, ids, step)
 
         def arrived(f: Future) -> None:
             try:
@@ -359,16 +357,7 @@ class _Plan:
             with lock:
                 cache.fill(ids_r, tab_r, slot_r, rows.to(cache.rows.device), step, generation)
 
-        fut.add_done_callback(arrived)
-
-
-def _by_part(ids: np.ndarray, part: np.ndarray, tables: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Entries ids [M] of cached parts part [M] (nondecreasing) -> (tables, ids per part) of the
-    parts that have any, in part order."""
-    n = np.bincount(part, minlength=len(tables))
-    pieces = torch.from_numpy(ids).split(n.tolist())
-    keep = np.flatnonzero(n)
-    return [tables[i] for i in keep], [pieces[i] for i in keep]
+        inner.pull_many_async(*self._by_part(r), step).add_done_callback(arrived)
 
 
 def cache_metrics(counts: dict[str, dict[str, int]]) -> dict[str, float]:

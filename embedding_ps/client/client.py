@@ -156,15 +156,13 @@ class PSClient:
         reqs, segs, fallbacks, words = self._requests(P.Op.PUSH, tables, shards, dim, step, self.notify and fast,
                                                       plan.by_shard(plan.to_sent(grads)), late)
 
-        def finish(replies: dict, busy: dict = segs) -> None:   # holds the segments until the reply
-            return None
-
         call = [] if segs else None
         future = (NotifiedFuture(words, lambda: None, lambda _: self._shm.settle(segs))
                   if words and len(words) == len(shards) else None)
         sent = False
         try:            # late: the I/O thread is woken by the first copy (no contention for the GIL)
-            fut = self._submit(P.Op.PUSH, reqs, finish, call, fallbacks, future, wake=not late)
+            # finish: None, holding the segments until the reply
+            fut = self._submit(P.Op.PUSH, reqs, lambda _, busy=segs: None, call, fallbacks, future, wake=not late)
             sent = True
         finally:
             if late:       # the shards wait for the grads (abandoned if _submit failed)
@@ -256,15 +254,13 @@ class PSClient:
         delay = 0.01
         while True:
             statuses = self.save_status()
-            writing = []
             for s, st in enumerate(statuses):
                 if st["root"] != directory:
                     raise SaveFailedError(s, self.addresses[s], f"its last save is {st['directory']!r} "
                                           f"({st['state']}), not one under {directory!r}")
                 if st["state"] == "failed":
                     raise SaveFailedError(s, self.addresses[s], f"save to {st['directory']} failed: {st['error']}")
-                if st["state"] != "done":
-                    writing.append(s)
+            writing = [s for s, st in enumerate(statuses) if st["state"] != "done"]
             if not writing:
                 return statuses
             left = deadline - time.monotonic()
@@ -338,8 +334,6 @@ class PSClient:
             m = sum(c.numel() for _, c in parts)
             rows_bytes = m * dim * P.ITEM_SIZE[self.wire]
             seg = self._shm.take(shard, shm.seg_bytes(rows_bytes, m, bool(late or notify)))   # rows, ids, trailer
-            if seg is not None:      # the ids int64 [M_s] after the rows (shm.ids_offset)
-                torch.cat([c for _, c in parts], out=shm.ids_view(seg[1], rows_bytes, m))
             flags = (P.FLAG_SHM | (P.FLAG_GRADS_LATE if late else 0) | (P.FLAG_NOTIFY if notify else 0)) if seg else 0
             h = self._header(op, step, dtype=self.wire, count=len(parts), dim=dim, flags=flags)
             g = None if grads is None else [c for _, c in grads[shard]]
@@ -347,6 +341,7 @@ class PSClient:
                 rows = [] if g is None else [P.tensor_frame(cat(g).to(P.TORCH_DTYPES[self.wire]))]
                 reqs.append((shard, h, [*frames(tables, parts), *rows]))
                 continue
+            torch.cat([c for _, c in parts], out=shm.ids_view(seg[1], rows_bytes, m))   # ids [M_s] (shm.ids_offset)
             if notify:               # its done word, reset to "not served"
                 words.append(shm.done_word(shm.trailer(seg[1], rows_bytes, m)))
                 words[-1][0] = 0

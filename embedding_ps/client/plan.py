@@ -65,12 +65,11 @@ class Plan:
         [N, D] in the caller's order. call: [the transport Call] (a retried one: rows are copied).
         With `pin`, rows that are copied here are copied into page-locked memory (a GPU trainer's
         next copy is then a DMA)."""
-        n = self.sent.numel()
         if self.order is None and len(counts) == 1:           # one shard: the frame itself (fp32)
             (shard, cs), = counts.items()
             out = _reply_rows(shard, cs, replies, dim, segs, call).float()
         else:
-            out = torch.empty(n, dim, pin_memory=pin)
+            out = torch.empty(self.sent.numel(), dim, pin_memory=pin)
             start = 0
             for shard in sorted(counts):                      # sent order is shard order
                 m = sum(counts[shard])
@@ -95,10 +94,9 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
     n, S, P_ = x.numel(), config.num_shards, len(ids)
     if S == 1:
         return Plan(x, None, [lens], gather)
-    if any(config.tables[t].kind == "hashed" for t in tables):
-        keys = torch.cat([keys_of(part, config.tables[t]) for t, part in zip(tables, ids)]) if n else x
-    else:
-        keys = x
+    keys = x
+    if n and any(config.tables[t].kind == "hashed" for t in tables):
+        keys = torch.cat([keys_of(part, config.tables[t]) for t, part in zip(tables, ids)])
     shard = shard_of(keys, S)                                                          # [U]
     part = torch.repeat_interleave(torch.arange(P_), torch.tensor(lens), output_size=n)   # [U]
     counts = torch.bincount(shard * P_ + part, minlength=S * P_).view(S, P_).tolist()
@@ -158,8 +156,7 @@ def index_frame(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]):
 
 def frames(tables: Sequence[int], parts: list[tuple[int, torch.Tensor]]) -> list:
     """The index [T, 2] and ids [M] frames of one shard's parts."""
-    ids = cat([c for _, c in parts])
-    return [index_frame(tables, parts), P.tensor_frame(ids)]
+    return [index_frame(tables, parts), P.tensor_frame(cat([c for _, c in parts]))]
 
 
 def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:

@@ -65,20 +65,11 @@ class FusedRowCache:
         self.policy = policy
         self.cap = np.asarray(caps, dtype=np.int64)                     # [T]
         self.base = np.cumsum(self.cap) - self.cap                      # [T] first slot of table k
-        self.used = np.zeros(len(caps), dtype=np.int64)                 # [T] slots handed out
-        self.spare: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in caps]   # evicted, free
-        total = int(self.cap.sum())
-        self.map = IdMap(total)                                         # combined key -> slot
-        self.ids = np.zeros(total, dtype=np.int64)                      # [C] id held by each slot
-        self.tab = np.full(total, -1, dtype=np.int32)                   # [C] its table, -1 free
-        self.pulled = np.full(total, NEVER, dtype=np.int64)             # [C] step its row was pulled for
-        self.refreshing = np.full(total, NEVER, dtype=np.int64)         # [C] step of a refresh requested
-        self.count = np.zeros(total, dtype=np.int64)                    # [C] lookups while cached
-        self.last = np.zeros(total, dtype=np.int64)                     # [C] last step looked up
-        self.rows = torch.zeros(total, dim, device=device)              # [C, D]
+        self.rows = torch.zeros(int(self.cap.sum()), dim, device=device)   # [C, D]
         self._mix = splitmix64_np(np.arange(1, len(caps) + 1, dtype=np.uint64))   # [T] per-table salt
-        self.generation = 0
         self.counts = {c: np.zeros(len(caps), dtype=np.int64) for c in COUNTS}   # per table [T], since taken
+        self.generation = -1
+        self.clear()
 
     def key(self, ids: np.ndarray, tab: np.ndarray) -> np.ndarray:
         """Combined keys int64 [U] of ids int64 [U] in local tables tab [U]."""
@@ -96,12 +87,12 @@ class FusedRowCache:
         n = ids.shape[0]
         ck = self.key(ids, tab)                                         # [U]
         slot = self.map.lookup(ck).astype(np.int64)                     # [U], -1 absent
+        absent = slot < 0
         pi = np.flatnonzero(slot >= 0)                                  # [P] present
         s = slot[pi]
         same = (self.ids[s] == ids[pi]) & (self.tab[s] == tab[pi])
-        collided = None
         if not same.all():          # another table's id under the same key: served, never cached
-            collided = pi[~same]
+            slot[pi[~same]] = UNCACHED
             pi, s = pi[same], s[same]
         age = step - self.pulled[s]                                     # [P]
         fresh = (age >= 0) & (age <= max_age)
@@ -115,10 +106,6 @@ class FusedRowCache:
         self.count[s] += 1
         self.last[s] = step
         self.pulled[s[~fresh]] = NEVER                                  # stale: refreshed by this pull
-        absent = slot < 0
-        if collided is not None:
-            absent[collided] = False
-            slot[collided] = UNCACHED
         a = np.flatnonzero(absent)
         if a.size:
             if counts is not None:
@@ -175,14 +162,17 @@ class FusedRowCache:
             self.pulled[s] = step
 
     def clear(self) -> None:
-        """Forget every row (the store's rows changed underneath: a LOAD)."""
-        self.map.clear()
-        self.tab[:] = -1
-        self.pulled[:] = NEVER
-        self.refreshing[:] = NEVER
-        self.count[:] = 0
-        self.used[:] = 0
-        self.spare = [np.zeros(0, dtype=np.int64) for _ in self.spare]
+        """Forget every row (the store's rows changed underneath: a LOAD); `rows` and the counts stay."""
+        total = self.rows.shape[0]
+        self.used = np.zeros(self.cap.shape[0], dtype=np.int64)          # [T] slots handed out
+        self.spare: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in self.cap]   # evicted, free
+        self.map = IdMap(total)                                         # combined key -> slot
+        self.ids = np.zeros(total, dtype=np.int64)                      # [C] id held by each slot
+        self.tab = np.full(total, -1, dtype=np.int32)                   # [C] its table, -1 free
+        self.pulled = np.full(total, NEVER, dtype=np.int64)             # [C] step its row was pulled for
+        self.refreshing = np.full(total, NEVER, dtype=np.int64)         # [C] step of a refresh requested
+        self.count = np.zeros(total, dtype=np.int64)                    # [C] lookups while cached
+        self.last = np.zeros(total, dtype=np.int64)                     # [C] last step looked up
         self.generation += 1
 
     def _undo_duplicates(self, dup: np.ndarray, dup_slots: np.ndarray, new: np.ndarray, a: np.ndarray) -> None:

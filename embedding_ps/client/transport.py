@@ -185,11 +185,8 @@ class IOThread(threading.Thread):
     def _loop(self) -> None:
         while True:
             poller = zmq.Poller()
-            poller.register(self.wake_r, zmq.POLLIN)
-            for sock in self.socks:
-                poller.register(sock, zmq.POLLIN)
-            for monitor in self.monitors:
-                poller.register(monitor, zmq.POLLIN)
+            for polled in [self.wake_r, *self.socks, *self.monitors]:
+                poller.register(polled, zmq.POLLIN)
             while True:
                 deadline = min((r.deadline for r in self.pending.values()), default=None)
                 wait = None if deadline is None else max(0, int(1000 * (deadline - time.monotonic())) + 1)
