@@ -86,17 +86,12 @@ class DeepFM(CTRModel):
         super().__init__()
         self.linear = LinearTerms(num_dense)
         self.fm = FieldWeightedFM(num_sparse) if config.fm_interaction == "fwfm" else FactorizationMachine()
-        self.dnn = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout,
-                       config.norm)
+        self.dnn = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout, config.norm)
         self.dnn_out = nn.Linear(self.dnn.out_features, 1)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
                 pooled_linear: torch.Tensor | None = None) -> torch.Tensor:
-        """dense [B, Dn], pooled [B, F, D], pooled_linear [B, F_lin] or None -> logits [B].
-
-        Without `pooled_linear` (no linear tables configured) the sparse first-order terms are
-        left out; the dense ones and the bias remain.
-        """
+        """dense [B, Dn], pooled [B, F, D], pooled_linear [B, F_lin] or None (see `LinearTerms`) -> logits [B]."""
         first = self.linear(dense, pooled_linear)                            # [B]
         second = self.fm(pooled)                                             # [B]
         x = torch.cat([dense, pooled.flatten(1)], dim=1)                     # [B, Dn + F*D]

@@ -142,11 +142,8 @@ class DLRM(CTRModel):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
                 pooled_linear: torch.Tensor | None = None) -> torch.Tensor:
-        """dense [B, Dn], pooled [B, F, D] -> logits [B].
-
-        `pooled_linear` is accepted so every arch shares one call; `build_model` refuses linear
-        tables for DLRM, so it is always None here.
-        """
+        """dense [B, Dn], pooled [B, F, D] -> logits [B] (`pooled_linear`: None, `build_model` refuses linear
+        tables for DLRM)."""
         x = self.dense_arch(dense) if self.dense_arch is not None else pooled.mean(dim=1)   # [B, D]
         x = self.inter_arch(x, pooled)                                       # [B, D + F(F+1)/2]
         return self.over_arch(x)                                             # [B]

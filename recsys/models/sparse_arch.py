@@ -33,12 +33,8 @@ from recsys.table_plans import TablePlan, plan_tables  # noqa: F401  (the plans,
 
 @dataclass
 class SparseLookup:
-    """One step's pulled rows; holds the leaves whose gradients go back to the store.
-
-    Rows travel per group of tables pooled together (`_groups`): a group is one
-    `pull_many_async` (one request per shard) whose rows [U_g, D] are the tables' unique rows back
-    to back, one leaf, and one `push_many_async` of its gradient.
-    """
+    """One step's pulled rows: per group of tables pooled together (`_groups`), one pull, one leaf
+    [U_g, D] (module docstring) and one `push_many_async` of its gradient back to the store."""
 
     store: EmbeddingStore
     plans: list[TablePlan]
@@ -111,13 +107,12 @@ class SparseLookup:
         B = self.batch_size
         feats_of = [[f for p in group for f in self.plans[p].features] for group in self.groups]
         dense_groups = [g for g, group in enumerate(self.groups) if not self.plans[group[0]].linear]
+        stacked = None
         if len(dense_groups) == 1 and feats_of[dense_groups[0]] == sorted(feats_of[dense_groups[0]]):
             # the usual case: one group holds every embedded feature, in order; pooled straight
             # into [B, F, D] (bags example-major), with no stack and no copy of its gradient
             g = dense_groups[0]
             stacked = self._pool_group(g, example_major=True).view(B, len(feats_of[g]), -1)
-        else:
-            stacked = None
         pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
         linear: dict[int, torch.Tensor] = {}   # feature index -> [B]
         for g, group in enumerate(self.groups):
@@ -246,8 +241,8 @@ class _SumPool(torch.autograd.Function):
     gradient of row u is the sum of grad[bag of id n] * weight[n] over the ids n with indices[n] = u:
     an embedding_bag over grad [bags, D] whose bag u holds those ids' bags (ids grouped by row
     with one stable argsort of `indices`). It reads each id's gradient once and writes each row
-    once, in parallel over rows; the zeros [U, D] + index_add_ it replaces ran on one thread and
-    was slower (BENCHMARKS.md, "benchmarks/sparse_step_cpu.py").
+    once, in parallel over rows (zeros [U, D] + index_add_ runs on one thread: BENCHMARKS.md,
+    "benchmarks/sparse_step_cpu.py").
     """
 
     @staticmethod

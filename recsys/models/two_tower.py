@@ -115,8 +115,7 @@ def in_batch_logits(u: torch.Tensor, v: torch.Tensor, log_q: torch.Tensor | None
 def in_batch_loss(logits: torch.Tensor) -> torch.Tensor:
     """Sampled softmax loss of `in_batch_logits` [B, B_g]: mean cross entropy with target column i
     (no labels: every row is a positive)."""
-    target = torch.arange(logits.shape[0], device=logits.device)
-    return F.cross_entropy(logits, target)
+    return F.cross_entropy(logits, torch.arange(logits.shape[0], device=logits.device))
 
 
 class TwoTower(CTRModel):
@@ -223,9 +222,8 @@ def tower_data(cfg: JobConfig, columns: tuple[str, ...]) -> DataConfig:
 
 def tower_sparse_arch(cfg: JobConfig, columns: tuple[str, ...]) -> SparseArch:
     """The sparse arch of one tower's sparse columns (same tables and pooling as in training)."""
-    m = cfg.model
     features = tower_data(cfg, columns).sparse_columns
-    return SparseArch(plan_tables(features, cfg.ps.tables, m.feature_tables, {}, m.table_pooling))
+    return SparseArch(plan_tables(features, cfg.ps.tables, cfg.model.feature_tables, {}, cfg.model.table_pooling))
 
 
 @torch.no_grad()

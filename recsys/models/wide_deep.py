@@ -37,16 +37,12 @@ class WideDeep(CTRModel):
     def __init__(self, config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> None:
         super().__init__()
         self.wide = LinearTerms(num_dense)
-        self.deep = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout,
-                        config.norm)
+        self.deep = MLP(num_dense + num_sparse * embedding_dim, config.top_mlp, config.dropout, config.norm)
         self.deep_out = nn.Linear(self.deep.out_features, 1)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
                 pooled_linear: torch.Tensor | None = None) -> torch.Tensor:
-        """dense [B, Dn], pooled [B, F, D], pooled_linear [B, F_lin] or None -> logits [B].
-
-        Without `pooled_linear` the wide part is only the dense linear term and the bias.
-        """
+        """dense [B, Dn], pooled [B, F, D], pooled_linear [B, F_lin] or None (see `LinearTerms`) -> logits [B]."""
         wide = self.wide(dense, pooled_linear)                               # [B]
         x = torch.cat([dense, pooled.flatten(1)], dim=1)                     # [B, Dn + F*D]
         deep = self.deep_out(self.deep(x)).squeeze(1)                        # [B]

@@ -20,7 +20,7 @@ import numpy as np
 from recsys.config import load_config
 from recsys.serving.errors import ExportError
 from recsys.serving.export_store import find_sorted
-from recsys.serving.export import new_manifest, publish, read_manifest, read_tensors, staging_dir, write_table
+from recsys.serving.export import new_manifest, read_manifest, read_tensors, staged, write_table
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path) ->
     base, delta = read_manifest(base_dir), read_manifest(delta_dir)
     check_applicable(base, delta, str(base_dir), str(delta_dir))
     precision = delta["precision"]
-    tmp = staging_dir(out)
-    try:
+    with staged(out) as tmp:
         entries = []
         for b_entry, d_entry in zip(base["tables"], delta["tables"]):
             b, d = read_table(base_dir, b_entry), read_table(delta_dir, d_entry)
@@ -95,10 +94,6 @@ def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path) ->
         dense = {k: v for k, v in delta["dense"].items() if k not in ("columns", "log1p", "fill")}
         origin = f"{base.get('origin')} + delta {delta_dir} ({delta.get('origin')})"
         manifest = new_manifest(cfg, tmp, "full", delta["step"], None, precision, entries, dense, origin, retrieval)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("applied %s (steps %d..%d) to %s (step %d) -> %s in %.1f s", delta_dir, delta["since"],
                 delta["step"], base_dir, base["step"], out, time.perf_counter() - t0)
     return manifest

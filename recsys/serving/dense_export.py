@@ -154,18 +154,13 @@ def check_no_pickle(path: Path) -> None:
 
 
 class FastScorer:
-    """Runs the exported program's own (lifted) graph, with less per-call overhead than `.module()`.
-
-    `ExportedProgram.module()` adds a per-call cost at B = 1 on top of the ops (measured:
-    benchmarks/history/figures-from-the-code.md): forward pre-hooks
-    check every input against the export's symbolic shape constraints through sympy, each
-    parameter is fetched through a chain of `nn.Module.__getattr__`, and the disabled-autocast
-    region is a `wrap_with_autocast` higher-order op. Here the program's `graph_module` (the graph
-    `torch.export` produced, parameters and buffers as inputs) is called directly with the
-    parameters and buffers fetched once at load, after a rewrite of
-    `wrap_with_autocast(enabled=False, f, *args)` into a plain call `f(*args)` (the same ops); the
-    constraint check becomes a check of the batch size and each input's trailing shape. Same
-    graph, same kernels, same results (test_export.py compares it with `.module()`).
+    """Runs the exported program's own (lifted) graph, without `.module()`'s per-call cost at B = 1
+    (benchmarks/history/figures-from-the-code.md: sympy checks of the shape constraints in forward
+    pre-hooks, parameters fetched through `nn.Module.__getattr__` chains, a `wrap_with_autocast` op).
+    Here `graph_module` is called with the parameters and buffers fetched once at load, after a
+    rewrite of `wrap_with_autocast(enabled=False, f, *args)` into `f(*args)`; the constraint check is
+    one of the batch size and each input's trailing shape. Same graph, kernels and results
+    (test_export.py compares it with `.module()`).
     """
 
     def __init__(self, gm: nn.Module, lifted: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> None:

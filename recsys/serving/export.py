@@ -28,6 +28,8 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -138,16 +140,15 @@ def features_section(cfg: JobConfig) -> dict:
     return section
 
 
-def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: int | None, files: dict, precision: str) -> dict:
+def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: np.ndarray | None, files: dict, precision: str) -> dict:
     tc = cfg.ps.tables[t]
     entry = {"name": tc.name, "index": t, "dim": tc.dim, "kind": tc.kind, "num_embeddings": tc.num_embeddings,
-             "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": rows,
-             "weight": {"dtype": str(storage_dtype(precision)),
-                        "width": width(precision, tc.dim)},
+             "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": int(rows),
+             "weight": {"dtype": str(storage_dtype(precision)), "width": width(precision, tc.dim)},
              "default": {"unadmitted": tc.unadmitted, "init": tc.init, "init_scale": tc.init_scale, "seed": tc.seed},
              "files": files}
     if tombstones is not None:
-        entry["tombstones"] = tombstones
+        entry["tombstones"] = int(tombstones.shape[0])
     return entry
 
 
@@ -184,25 +185,28 @@ def check_replaceable(out: Path, run_id: str, overwrite: bool) -> None:
                           f"{run_id or '(no run id)'}: choose another --out, or pass --overwrite to replace it")
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out`, replacing an older export there (never another directory)."""
-    if out.exists():
-        if not (out / "manifest.json").exists() and any(out.iterdir()):
-            raise ExportError(f"{out}: exists and is not an export; refusing to replace it")
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
-def staging_dir(out: Path) -> Path:
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A fresh directory beside `out` (with tables/) to write an export into: renamed to `out` when the
+    block ends, replacing an older export there (never another directory); removed when it raises."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "tables").mkdir(parents=True)
-    return tmp
+    try:
+        yield tmp
+        if out.exists():
+            if not (out / "manifest.json").exists() and any(out.iterdir()):
+                raise ExportError(f"{out}: exists and is not an export; refusing to replace it")
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_model(source: Source, out: str | Path, precision: str = "fp32", since: int | None = None,
@@ -225,29 +229,22 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
         raise ExportError(f"precision {precision!r}: a din model exports as fp32 or fp16 only (the quantized "
                           f"pooling kernel gives no per-position rows of the behavior lists)")
     t0 = time.perf_counter()
-    tmp = staging_dir(out)
-    try:
+    with staged(out) as tmp:
         shards = SavedShards(source)
         entries = []
         for t, tc in enumerate(cfg.ps.tables):
             part = shards.read_table(t, since)
-            matrix = quantize(part.rows, precision)
-            files = write_table(tmp, tc.name, part.ids, matrix, precision, tc.dim,
-                                part.tombstones if since is not None else None)
-            entries.append(table_entry(cfg, t, int(part.ids.shape[0]),
-                                       None if since is None else int(part.tombstones.shape[0]), files, precision))
+            tomb = part.tombstones if since is not None else None
+            files = write_table(tmp, tc.name, part.ids, quantize(part.rows, precision), precision, tc.dim, tomb)
+            entries.append(table_entry(cfg, t, part.ids.shape[0], tomb, files, precision))
             logger.info("table %s: %d rows%s", tc.name, part.ids.shape[0],
-                        "" if since is None else f", {part.tombstones.shape[0]} tombstones")
-            del part, matrix                         # one table in memory at a time
+                        "" if tomb is None else f", {tomb.shape[0]} tombstones")
+            del part, tomb                           # one table in memory at a time
         dense = dense_program(cfg, source.model_dir, tmp / "dense.pt2")      # the trainer's, when it saved one
         # two_tower: item vectors (items.parquet) and the user tower (user_tower.pt2), see retrieval.py
         retrieval = export_retrieval(cfg, source.model_dir, tmp, index) if cfg.model.arch == "two_tower" else None
         manifest = new_manifest(cfg, tmp, "full" if since is None else "delta", source.step, since,
                                 precision, entries, dense, source.origin, retrieval)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("exported %s at step %d (%s%s) to %s in %.1f s", source.origin, source.step, precision,
                 "" if since is None else f", delta since {since}", out, time.perf_counter() - t0)
     return manifest

@@ -20,11 +20,10 @@ exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. 
 first, `sv_misses` lists the -3 ids, Python computes their rows into one float32 buffer and points
 them there (-4 - offset), then `sv_pool` (how a bag sums its default rows: pool.c's `sv_bag`).
 
-The per-table path (the training `SparseArch` over the `ExportStore`; `QuantizedPooling` for int8 /
-int4) is the reference, which the Predictor uses where the kernel does not build or handle a layout
+The per-table path (predictor.py: where the kernel does not build or handle a layout) is the reference
 (tests/unit/recsys/serving/test_native_fused.py, test_native_half.py). Work is split over
-`torch.get_num_threads()` threads; not thread-safe (scratch buffers per instance), like the
-`Predictor`. Figures: BENCHMARKS.md, "benchmarks/serving.py".
+`torch.get_num_threads()` threads; not thread-safe (scratch buffers per instance). Figures:
+BENCHMARKS.md, "benchmarks/serving.py".
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from embedding_ps.init import init_rows
 from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
 from recsys.serving.export_store import TableView
-from recsys.serving.quantize import QUANTIZED, dequantize, split_fused, tbe_dim
+from recsys.serving.quantize import QUANTIZED, dequantize, tbe_rows
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +46,9 @@ _KIND = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
 _SMALL_MAP = 1 << 16        # buckets (16 B each) up to which a map gets 4 buckets per row rather than 2
 
 
-def _storage_use_count(t: torch.Tensor) -> int:
+def _use_count(t: torch.Tensor) -> int:
     """References to t's storage (every tensor viewing it, plus the temporary storage object)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_use_count = _storage_use_count if hasattr(torch._C, "_storage_Use_Count") else None
 
 
 class Unsupported(ValueError):
@@ -87,21 +83,18 @@ class NativePooling:
         self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
         self.per_table = self.quantized or precision == "fp16"
         self.table_rows: dict[int, torch.Tensor] = {}    # per-table row matrices (fp16, int8, int4)
-        self.dim_bytes: dict[int, int] = {}
-        if self.quantized:
-            self._build_quantized(slots, tables)
-        elif precision == "fp16":
-            self._build_half(slots, tables)
+        if self.per_table:
+            self._build_per_table(slots, tables)
         else:
             self._build_matrices(slots, tables)          # one float32 matrix per width
         self._build_maps(slots, tables)
         # -- slot descriptors (see embedding_ps/csrc/pool.c) --------------------------------------------------------
         desc = torch.zeros(len(slots), ps_native.SV_SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
         for s, (p, _) in enumerate(slots):
+            m = self.table_rows[p.table] if self.per_table else self.weights[self.dim_index[p.dim]]
             desc[s, 0], desc[s, 1] = self.map_at[p.table]
-            desc[s, 2] = self.hashed[s]
-            desc[s, 3] = self.slot_base[s]
-            desc[s, 5] = self.dim_bytes[p.table] if self.per_table else 4 * p.dim
+            desc[s, 2], desc[s, 3] = self.hashed[s], self.slot_base[s]
+            desc[s, 4], desc[s, 5] = m.data_ptr(), m.shape[1] * m.element_size()     # the slot's row matrix
             desc[s, 6], desc[s, 7], desc[s, 8] = _KIND[precision], p.dim, int(p.pooling == "mean")
             c = int(self.slot_class[s])                   # unknown ids: -1 zeros, -2 uniform (in C), -3 here
             if c >= 0 and self.classes[c][2] == "uniform":
@@ -117,9 +110,6 @@ class NativePooling:
             desc[s, 9], desc[s, 10], desc[s, 11] = 1, pos, len(linear)
         self.slots = desc
         self.caller_defaults = bool((desc[:, 12] == -3).any())     # some default rows computed in Python
-        self._slot_tables = [p.table for p, _ in slots]
-        self._slot_dims = [p.dim for p, _ in slots]
-        self._set_addresses()
         self._out: torch.Tensor | None = None             # the last output buffer (see _output)
         self._out_refs = 0
         self._rows = torch.empty(0, dtype=torch.int32)    # scratch (see _scratch)
@@ -168,32 +158,21 @@ class NativePooling:
         self.weights = [torch.cat(parts[d]) if parts[d] else torch.zeros(0, d) for d in dims]
         self.slot_base = torch.tensor([base_of[p.table] for p, _ in slots], dtype=torch.int64)
 
-    def _build_quantized(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """int8 / int4 rows per table: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's f16 values)."""
+    def _build_per_table(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """Rows per table, a private copy (the export's matrix may be a read-only memory map of a file a
+        later export replaces). int8 / int4: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's
+        f16 values). fp16: float16 [R, D] as stored, allocated by torch: 64-byte aligned, so a 32-byte
+        row (D = 16) never straddles two cache lines (numpy's large arrays start 16 bytes into a page:
+        fewer b4096 rows/s, benchmarks/serving.py)."""
         for t in sorted({p.table for p, _ in slots}):
             m = np.asarray(tables[t].matrix)
-            codes, scale, bias = split_fused(m, self.precision)
-            ncodes = tbe_dim(self.precision, tables[t].cfg.dim) // (2 if self.precision == "int4" else 1)
-            rows = np.empty((m.shape[0], 8 + ncodes), np.uint8)
-            sb = np.stack([scale, bias], axis=1).astype(np.float16).astype(np.float32)     # [R, 2]
-            rows[:, :8] = sb.view(np.uint8)
-            rows[:, 8:] = codes[:, :ncodes]
-            self.table_rows[t] = torch.from_numpy(rows)
-            self.dim_bytes[t] = rows.shape[1]
-        self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
-
-    def _build_half(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """fp16 rows per table as stored: float16 [R, D], a private copy (the export's matrix may be a
-        read-only memory map of a file a later export replaces), allocated by torch: 64-byte
-        aligned, so a 32-byte row (D = 16) never straddles two cache lines (numpy's large arrays
-        start 16 bytes into a page: fewer b4096 rows/s, benchmarks/serving.py)."""
-        for t in sorted({p.table for p, _ in slots}):
-            m = np.asarray(tables[t].matrix).view(np.float16)                                # [R, D]
-            rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
-            if m.shape[0]:
-                rows.numpy()[:] = m
+            if self.quantized:
+                rows = torch.from_numpy(tbe_rows(m, self.precision, np.float32))
+            else:
+                rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
+                if m.shape[0]:
+                    rows.numpy()[:] = m.view(np.float16)
             self.table_rows[t] = rows
-            self.dim_bytes[t] = 2 * tables[t].cfg.dim
         self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
 
     def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
@@ -215,12 +194,6 @@ class NativePooling:
             at, b = self.map_at[t]
             ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
             ps_native.sv_map_build(self.buckets[at:at + (1 << b)], ids, self.kernel)
-
-    def _set_addresses(self) -> None:
-        """Column 4 of the slot descriptors: the address of each slot's row matrix."""
-        for s, t in enumerate(self._slot_tables):
-            m = self.table_rows[t] if self.per_table else self.weights[self.dim_index[self._slot_dims[s]]]
-            self.slots[s, 4] = m.data_ptr()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}
@@ -287,8 +260,7 @@ class NativePooling:
         if out is not None and out.numel() >= n and _use_count(out) == self._out_refs:
             return out[:n]
         out = torch.empty(n)
-        if _use_count is not None:
-            self._out, self._out_refs = out, _use_count(out)
+        self._out, self._out_refs = out, _use_count(out)
         return out
 
     def _defaults(self, rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, misses: int,

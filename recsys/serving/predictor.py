@@ -100,34 +100,30 @@ class Predictor:
         if "retrieval" in self.manifest:
             self._open_retrieval(self.manifest["retrieval"], self.root)
         self.fused = fused              # pooled() through NativePooling where it builds (False: the per-table path)
-        for d in deltas:
-            self._merge_delta(d)
+        self.apply_delta(*deltas)
+
+    def apply_delta(self, *delta_dirs: str | Path) -> None:
+        """Merge delta exports, in order, into the tables (in memory) and take the last one's dense model and step."""
+        for delta_dir in delta_dirs:
+            delta_dir = self._local(delta_dir)
+            delta = read_manifest(delta_dir, self.verify)
+            mine = dict(self.manifest, step=self.step)
+            check_applicable(mine, delta, f"{self.root} (at step {self.step})", str(delta_dir))
+            for i, entry in enumerate(delta["tables"]):
+                d = read_table(delta_dir, entry)
+                view = self.tables[i]
+                ids, matrix = merge_table(view.ids, view.matrix, d["ids"], d["weight"], d["tombstones"])
+                self.tables[i] = TableView(view.cfg, ids, matrix, self.precision)
+            self.scorer = load_dense(delta_dir / "dense.pt2")
+            self.step = int(delta["step"])
+            self.score_rate = manifest_score_rate(delta)               # the delta's model, the delta's run config
+            self._store = ExportStore(self.tables)
+            self._pooling = None
+            if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
+                self._open_retrieval(delta["retrieval"], delta_dir)
+            logger.info("applied delta %s: now at step %d", delta_dir, self.step)
         self.native: NativePooling | None = (make_pooling(self.sparse.plans, self.tables, self.precision)
-                                             if fused else None)
-
-    def apply_delta(self, delta_dir: str | Path) -> None:
-        """Merge a delta export into the tables (in memory) and take its dense model and step."""
-        self._merge_delta(delta_dir)
-        self.native = make_pooling(self.sparse.plans, self.tables, self.precision) if self.fused else None
-
-    def _merge_delta(self, delta_dir: str | Path) -> None:
-        delta_dir = self._local(delta_dir)
-        delta = read_manifest(delta_dir, self.verify)
-        mine = dict(self.manifest, step=self.step)
-        check_applicable(mine, delta, f"{self.root} (at step {self.step})", str(delta_dir))
-        for i, entry in enumerate(delta["tables"]):
-            d = read_table(delta_dir, entry)
-            view = self.tables[i]
-            ids, matrix = merge_table(view.ids, view.matrix, d["ids"], d["weight"], d["tombstones"])
-            self.tables[i] = TableView(view.cfg, ids, matrix, self.precision)
-        self.scorer = load_dense(delta_dir / "dense.pt2")
-        self.step = int(delta["step"])
-        self.score_rate = manifest_score_rate(delta)               # the delta's model, the delta's run config
-        self._store = ExportStore(self.tables)
-        self._pooling = None
-        if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
-            self._open_retrieval(delta["retrieval"], delta_dir)
-        logger.info("applied delta %s: now at step %d", delta_dir, self.step)
+                                             if self.fused else None)
 
     def _local(self, path: str | Path) -> Path:
         """`path` itself, or a URI's export fetched into this Predictor's temporary directory."""
@@ -147,8 +143,7 @@ class Predictor:
     def lookup(self, table: str | int, ids: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Rows float32 [N, D] of raw ids int64 [N] of a table (by name or index)."""
         t = self._by_name[table] if isinstance(table, str) else table
-        ids = torch.as_tensor(ids, dtype=torch.int64)
-        return self.tables[t].rows(ids)
+        return self.tables[t].rows(torch.as_tensor(ids, dtype=torch.int64))
 
     def pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pooled embeddings [B, F, D] and linear terms [B, F_lin] (None without linear tables)."""

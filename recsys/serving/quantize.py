@@ -84,13 +84,14 @@ def split_fused(matrix: np.ndarray, precision: str) -> tuple[np.ndarray, np.ndar
     return matrix[:, :-tail], sb[:, 0].astype(np.float32), sb[:, 1].astype(np.float32)
 
 
-def tbe_rows(matrix: np.ndarray, precision: str) -> np.ndarray:
-    """A quantized matrix [R, W] -> fbgemm inference TBE rows uint8 [R, 4 + codes]: f16 scale | f16 bias | codes."""
+def tbe_rows(matrix: np.ndarray, precision: str, scale_dtype: type = np.float16) -> np.ndarray:
+    """A quantized matrix [R, W] -> fbgemm inference TBE rows uint8 [R, 4 + codes]: f16 scale | f16 bias | codes
+    (`scale_dtype` np.float32: [R, 8 + codes], the same f16-rounded values as float32, for native_fused)."""
     codes, scale, bias = split_fused(matrix, precision)
-    out = np.empty((matrix.shape[0], 4 + codes.shape[1]), np.uint8)
-    sb = np.stack([scale, bias], axis=1).astype(np.float16)                 # [R, 2]
-    out[:, :4] = sb.view(np.uint8)
-    out[:, 4:] = codes
+    sb = np.stack([scale, bias], axis=1).astype(np.float16).astype(scale_dtype)   # [R, 2]
+    out = np.empty((matrix.shape[0], 2 * sb.itemsize + codes.shape[1]), np.uint8)
+    out[:, :2 * sb.itemsize] = sb.view(np.uint8)
+    out[:, 2 * sb.itemsize:] = codes
     return out
 
 

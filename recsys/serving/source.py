@@ -27,7 +27,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -40,9 +39,21 @@ from recsys.models.replicated import REPLICATED_FILE, read_replicated
 from recsys.rundir import model_root
 from recsys.serving.errors import ExportError
 
-T = TypeVar("T")
 _LAYOUT = ("name", "dim", "kind", "num_embeddings")
 """The table fields an export needs to match between the saved shards and the config."""
+
+
+def _guard(read: Callable) -> Callable:
+    """`read`, with a damaged or mismatched saved shard (ValueError, incl. CorruptShardError) or a
+    missing file reported as ExportError."""
+    def guarded(*args):
+        try:
+            return read(*args)
+        except ExportError:
+            raise
+        except (ValueError, OSError) as e:
+            raise ExportError(str(e)) from e
+    return guarded
 
 
 @dataclass(frozen=True)
@@ -103,8 +114,9 @@ class SavedShards:
     def __init__(self, source: Source) -> None:
         self.source = source
         self._replicated_state: dict | None = None
-        self.shards = [_guard(lambda i=i: self._open(i)) for i in range(source.config.ps.num_shards)]
+        self.shards = [self._open(i) for i in range(source.config.ps.num_shards)]
 
+    @_guard
     def _open(self, index: int) -> SavedShard:
         ps = self.source.config.ps
         directory = shard_dir(self.source.model_dir / "ps", index)
@@ -123,7 +135,7 @@ class SavedShards:
         cfg = self.source.config.ps.tables[t]
         if cfg.placement == "replicated":
             return self._replicated(cfg)
-        parts = [_guard(lambda s=s: self._read_shard(s, t, cfg, since)) for s in self.shards]
+        parts = [self._read_shard(s, t, cfg, since) for s in self.shards]
         ids, rows, tomb = (np.concatenate(column) for column in zip(*parts))
         del parts
         order = np.argsort(ids, kind="stable")
@@ -151,6 +163,7 @@ class SavedShards:
             raise ExportError(f"{path}: table {cfg.name!r} is {tuple(rows.shape)} with {ids.size} ids; dim {cfg.dim}")
         return TableRows(ids, rows.contiguous(), np.zeros(0, np.int64))
 
+    @_guard
     def _read_shard(self, saved: SavedShard, t: int, cfg: TableConfig, since: int | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys int64 [R_i], rows float32 [R_i, D], tombstones int64 [E_i]) of one shard's table."""
@@ -184,13 +197,3 @@ class SavedShards:
         keys, steps = saved.array(t, "evlog_keys"), saved.array(t, "evlog_steps")
         return np.unique(keys[steps >= since].astype(np.int64))
 
-
-def _guard(read: Callable[[], T]) -> T:
-    """`read()`, with a damaged or mismatched saved shard (ValueError, incl. CorruptShardError) or a
-    missing file reported as ExportError."""
-    try:
-        return read()
-    except ExportError:
-        raise
-    except (ValueError, OSError) as e:
-        raise ExportError(str(e)) from e
