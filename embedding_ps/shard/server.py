@@ -20,6 +20,7 @@ Pushes and barriers are not idempotent: the shard keeps the replies of the last 
 from __future__ import annotations
 
 import functools
+import hmac
 import itertools
 import json
 import logging
@@ -36,7 +37,7 @@ import zmq
 from embedding_ps import native
 from embedding_ps.wire import protocol as P
 from embedding_ps import remote
-from embedding_ps.wire.auth import job_tag, token_matches
+from embedding_ps.wire.auth import job_tag
 from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.gates import Gate, make_gate
 from embedding_ps.shard.replybuffers import ReplyBuffers
@@ -151,7 +152,7 @@ class ShardServer:
             op = P.check_request(header, len(frames))
             if header.step < 0:
                 raise P.ProtocolError(f"{op.name}: step must be >= 0, got {header.step}", P.Status.BAD_VALUE)
-            if self.token is not None and not token_matches(self.token, _buf(frames[1])):
+            if self.token is not None and not hmac.compare_digest(self.token, bytes(_buf(frames[1]))):
                 raise P.ProtocolError("authentication failed: wrong or missing token", P.Status.UNAUTHORIZED)
             key = (header.client, header.request)
             if op in _NOT_IDEMPOTENT and key in self.replay:

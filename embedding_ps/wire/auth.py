@@ -81,11 +81,6 @@ def read_secret(path: str | os.PathLike, what: str) -> bytes:
     return token
 
 
-def token_matches(expected: bytes, got: bytes | memoryview) -> bool:
-    """Constant-time comparison of the configured token with a request's auth frame."""
-    return hmac.compare_digest(expected, bytes(got))
-
-
 PLAIN_USER = b"recsys-ps"
 """The PLAIN user name of every client (the token is the password)."""
 NO_JOB = "0" * 8
@@ -203,5 +198,5 @@ def create_curve_keys(directory: str | os.PathLike) -> Path:
 
 
 __all__ = ["AuthConfigError", "NO_JOB", "PLAIN_USER", "is_loopback", "check_bind_auth", "load_token",
-           "read_secret", "token_matches", "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve",
+           "read_secret", "job_tag", "setup_server_plain", "setup_client_plain", "setup_server_curve",
            "setup_client_curve", "create_curve_keys"]
