@@ -9,23 +9,15 @@ Layout (`run_dir/checkpoints/step-0000000100/`)::
     trainer/state.pt       dense optimizer, LR schedule, step, torch RNG
     trainer/loaders.json   every rank's data reader position (ParquetLoader.state_dict)
 
-The cut (`Checkpointer.save` at step t, called by every rank between steps):
-- sync mode: rank 0 asks the shards to save "at step t"; a shard defers the request until every
-  step < t is applied, and step t's pushes are held back until all trainers' barrier(t), which
-  rank 0 sends only after the shards answered. So the cut is exactly the step boundary.
-- async mode: every rank waits for its pushes to be acknowledged, all ranks meet at a barrier,
-  the shards snapshot, and the ranks meet again before any new push: the cut holds every push of
-  steps < t and none of step t. Each shard's rows are as the PS applied them, so a resumed async run
-  continues from that state; it does not replay the same staleness pattern (no async run does).
+The cut (`Checkpointer.save` at step t, called by every rank between steps; docs/operations.md
+"Consistency"). Sync mode: the shards save "at step t", deferred until every step < t is applied,
+and step t waits for all trainers' barrier(t), which rank 0 sends only after the shards answered.
+Async mode: every rank's pushes acknowledged, a barrier, the snapshot, a barrier before any new push.
 
-With `train.checkpoint_background` the shards snapshot copy-on-write (`embedding_ps.shard.cow`, docs/
-operations.md "Pause") and write it while training goes on; a thread of rank 0 waits for the writes,
-writes the manifest and renames the temporary directory into place: a `step-*` directory is complete.
-
-A run directory on a URI (`s3://...`, docs/storage.md "Checkpoints"): a checkpoint is written in place,
-complete once its manifest.json exists (written last); the shards upload their own parts
-(`embedding_ps.remote`), rank 0 stages its files in the local scratch directory
-(`recsys.rundir.local_run_dir`) and uploads them, then the manifest.
+With `train.checkpoint_background` (docs/operations.md "Pause") a thread of rank 0 waits for the
+shards' writes, writes the manifest and renames the temporary directory into place: a `step-*`
+directory is complete. On a URI run directory (docs/storage.md "Checkpoints") rank 0 stages its files
+in the local scratch directory (`recsys.rundir.local_run_dir`), uploads them, then the manifest.
 """
 
 from __future__ import annotations
@@ -169,9 +161,8 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
             raise CorruptCheckpointError(f"--resume {resume}: {e} (resume from another checkpoint, e.g. "
                                          f"--resume latest)") from None
         return path
-    found = list_checkpoints(run_dir)
     failed = []
-    for path in reversed(found):
+    for path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
         except CorruptCheckpointError as e:

@@ -77,14 +77,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The dense optimizer of `model` (`train.dense_optimizer`, `dense_lr`, `dense_weight_decay`).
-
-    Without weight decay: one group of every parameter (the optimizer state layout of the checkpoints
-    of runs without the option, which therefore load). With it, two groups
-    (`param_groups`): adam becomes AdamW (decoupled: p -= lr * wd * p beside the Adam step); sgd and
-    adagrad take torch's `weight_decay`, which adds wd * p to the gradient (for sgd that is the same
-    as a decoupled shrink by lr * wd; for adagrad the term goes through the adaptive scaling).
-    torch's classes, without the torch._dynamo import of their first use (`recsys.eager_optim`).
+    """The dense optimizer of `model` (`train.dense_optimizer`, `dense_lr`, `dense_weight_decay`: how each
+    optimizer decays, docs/config.md): torch's classes, without the torch._dynamo import of their first
+    use (`recsys.eager_optim`). Without weight decay one group of every parameter (the optimizer state
+    layout of the checkpoints of runs without the option, which therefore load); with it, `param_groups`.
     """
     wd = cfg.dense_weight_decay
     params = param_groups(model, wd) if wd > 0 else list(model.parameters())

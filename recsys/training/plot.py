@@ -75,8 +75,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key, points in series.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=key,
-                    marker="." if len(points) < 50 else None)
+            ax.plot(*zip(*points), label=key, marker="." if len(points) < 50 else None)
         if best is not None and name in ("loss", "auc"):
             ax.axvline(best, color="grey", linestyle="--", linewidth=1, label=f"best (step {best})")
         if len(series) > 1 or best is not None:

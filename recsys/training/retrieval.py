@@ -89,7 +89,6 @@ def retrieval_metrics_of(cfg: JobConfig, sparse: SparseArch, store: EmbeddingSto
     popular = np.broadcast_to(best, (len(relevant), best.size))             # the same list for every user
     out = retrieval_metrics(top, relevant, ks)
     out.update({f"popular_{k}": v for k, v in retrieval_metrics(popular, relevant, ks).items()})
-    out.update(eval_users=float(len(relevant)), items=float(item_ids.size),
-               eval_examples=float(sum_rows))
+    out.update(eval_users=float(len(relevant)), items=float(item_ids.size), eval_examples=float(sum_rows))
     logger.info("retrieval eval: %s", {k: round(v, 4) for k, v in out.items()})
     return out

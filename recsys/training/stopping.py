@@ -12,8 +12,7 @@ combined over the process group (MAX): every rank stops after the same step, whi
 consistent checkpoint needs. `StopAgreement` reduces step t's flags while step t + 1 trains
 (async_op) and reads the result after step t + 1: one step after the request, and no rank waits at
 the boundary for a slower one (`stop_agreed`, the blocking form, is one more sync point a step).
-A second signal (more than DUPLICATE_WINDOW_S after the first) restores the default action and
-re-sends itself: the process dies by it at once (no checkpoint).
+A second signal stops the process at once, without a checkpoint (`stop_handler`).
 
 Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
 launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a

@@ -1,15 +1,9 @@
 """Trainer: one process per rank. Sparse rows come from the PS, the dense model trains under DDP.
 
-A step, in both modes::
-
-    ids --unique--> pull rows [U, D] --embedding_bag--> pooled [B, F, D] --model--> logits [B]
-    loss.backward()  -> dense grads allreduced by DDP, row grads [U, D] pushed to the PS
-
-`sync`: push(t), then barrier(t); the PS applies the step's summed row gradients once, and the
-next pull waits for that. Row gradients are scaled by 1/W so that, with DDP averaging the dense
-gradients, W trainers compute exactly what one process computes on the concatenated batch.
-`async`: the next batch's rows are pulled while the current batch computes, and each push is
-applied by the PS on arrival. The mode is chosen once, as a `recsys.training.step` strategy.
+A step (docs/architecture.md "A step"; how it meets the PS in each ps.mode: `recsys.training.step`):
+the batch's unique rows [U, D] pulled and pooled, the model's logits [B], backward; DDP allreduces
+the dense gradients and the row gradients are pushed scaled by 1/W, so that in sync mode W trainers
+compute exactly what one process computes on the concatenated batch.
 
 The loop (`train`, as torchtitan's): `_prepared_steps` hands out batches whose rows are being pulled,
 `train_step` trains each, `_after_step` keeps the books (progress, log window + TTL sweep, validation,
@@ -20,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import sys
@@ -119,6 +114,16 @@ class _Run:
     stop: bool = False              # early stopping: end the run after this step
 
 
+def _ahead(items: Iterator, depth: int) -> Iterator:
+    """`items` in order, each handed out once the `depth` items after it are taken (their pulls sent)."""
+    taken: deque = deque()
+    for item in items:
+        taken.append(item)
+        if len(taken) > depth:
+            yield taken.popleft()
+    yield from taken
+
+
 class Trainer:
     """Build / train_step / train / predict / close for one rank."""
 
@@ -140,8 +145,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.device == "cuda" \
             else torch.device(cfg.train.device)
         # a row cache (async mode only: JobConfig refuses it in sync), which train lookups pass the ids' counts;
-        # rows pulled K = train.pull_ahead_batches batches ahead already miss K steps of updates, so cached
-        # rows may be ps.max_staleness - K steps older
+        # rows pulled K = train.pull_ahead_batches ahead already miss K steps: cached ones live ps.max_staleness - K
         self._cached = any(t.cache_rows > 0 for t in cfg.ps.tables)
         self.store = CachingStore(store, cfg.ps, max_age=cfg.ps.max_staleness - cfg.train.pull_ahead_batches,
                                   device=self.device, background=True) if self._cached else store
@@ -313,11 +317,8 @@ class Trainer:
         DDP averages the dense gradients over the W ranks and the PS sums the row gradients, so a
         rank whose loss (a mean over its rows) is weighted by this (and whose row gradients, which
         carry the weight, are pushed times 1 / W) contributes exactly its part of the mean over the
-        concatenated batch, whatever the split (sync mode's equivalence with one process). Batches
-        can only differ with data.drop_last = false (an epoch's last batch), and only sync mode is
-        exact, so only then is the global batch size summed (one small all_reduce, on an epoch's last
-        step, or on every step under data.on_bad_rows = "skip"; every rank decides alike).
-        """
+        concatenated batch, whatever the split. Which steps sum the global batch size (one small
+        all_reduce): `_uneven_batches`, `_any_step_uneven`."""
         if not self._uneven_batches:
             return 1.0
         total = int(all_reduce(torch.tensor([rows], dtype=torch.int64)).item())
@@ -393,20 +394,10 @@ class Trainer:
         """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
         (async) the pulls of the next train.pull_ahead_batches batches (steps t + 1 .. t + K, not past
         max_steps) are issued before step t is handed out; sync mode pulls nothing ahead."""
-        batches = self._batches(run)
-        max_steps = self._last_step
-        depth = self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0
-        ahead: deque[PreparedStep] = deque()      # steps self.step + 1, ... with their pulls in flight
-        while not max_steps or self.step < max_steps:
-            current = ahead.popleft() if ahead else next(batches, None)
-            if current is None:
-                return
-            while len(ahead) < depth and (not max_steps or self.step + 1 + len(ahead) < max_steps):
-                nxt = next(batches, None)
-                if nxt is None:
-                    break
-                ahead.append(nxt)
-            yield current
+        steps = self._batches(run)
+        if self._last_step:
+            steps = itertools.islice(steps, max(0, self._last_step - self.step))
+        return _ahead(steps, self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0)
 
     def _after_step(self, run: _Run, prepared: PreparedStep, loss: float) -> None:
         """Bookkeeping after step `self.step`: progress, trace, log window (+ TTL sweep), checkpoint."""
@@ -483,8 +474,7 @@ class Trainer:
             trace_dir.mkdir(parents=True, exist_ok=True)
             np.save(trace_dir / f"rank{self.rank}-steps{self.start_step}-{self.step}.npy", np.concatenate(run.trace),
                     allow_pickle=False)
-        elapsed = time.perf_counter() - run.t_start
-        out = {"steps": float(self.step), "train_s": elapsed, "samples": float(run.samples)}
+        out = {"steps": float(self.step), "train_s": time.perf_counter() - run.t_start, "samples": float(run.samples)}
         max_steps = self._last_step
         if max_steps and self.step < max_steps and not (run.stop or self.stopped):
             # the data (train.epochs passes over data.train_paths) ran out first: say so once
@@ -552,17 +542,13 @@ class Trainer:
                                             world_size=self.world_size) as loader:
             store = self.scoring_store
             pulled = ((batch, self.sparse.lookup(batch, store)) for batch in loader)   # pulls sent as it is read
-            current = next(pulled, None)
-            while current is not None:
-                nxt = next(pulled, None)
-                batch, lookup = current
+            for batch, lookup in _ahead(pulled, 1):
                 scores.append(probabilities(self.forward(batch, lookup, train=False), rate))
                 labels.append(batch.labels)
                 if batch.example_weights is not None:
                     weights.append(batch.example_weights)
                 for name, col in batch.extras.items():
                     extras.setdefault(name, []).append(np.asarray(col))
-                current = nxt
         self.model.train()
         def cat(xs: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(xs) if xs else torch.zeros(0)

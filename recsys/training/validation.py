@@ -2,10 +2,8 @@
 `train.validate_every`, `early_stop_metric`, `early_stop_patience` and `keep_best`: docs/config.md).
 
 `Validation` decides when a pass is due and whether its metrics are a new best; the trainer runs
-the pass (every rank scores its part of the eval files, the metrics are reduced over the ranks, so
-every rank takes the same decisions) and saves `RUN_DIR/best/`. Its state (best value and step,
-passes without improvement) is part of every checkpoint, so a resumed run keeps its best-so-far and
-its patience.
+the pass and saves `RUN_DIR/best/` (`Trainer._validate`). Its state (best value and step, passes
+without improvement) is part of every checkpoint, so a resumed run keeps its best-so-far and patience.
 """
 
 from __future__ import annotations

@@ -283,8 +283,7 @@ def score_test(trainer: Trainer, store: EmbeddingStore, cfg: JobConfig, out: Pat
         if rank == 0:
             store.load(ps_dir(run_path(best, "model")))
         barrier()                 # nobody pulls before the shards hold the best rows
-        dense = storage.read_bytes(run_path(best, "model", "dense.pt"))
-        trainer.model.load_state_dict(load_bytes(dense))
+        trainer.model.load_state_dict(load_bytes(storage.read_bytes(run_path(best, "model", "dense.pt"))))
         if trainer.replicated is not None:
             trainer.replicated.load_state(saved_replicated(run_path(best, "model")), where=str(best))
         trainer.strategy.resumed(trainer.step)       # async: progress again after the LOAD
