@@ -114,8 +114,7 @@ def _cmd_print_config(args: argparse.Namespace) -> int:
             raise ConfigError(f"--explain: {e}") from None
         sys.stdout.write(text + "\n")
         return 0
-    cfg = load_config(args.config, args.overrides)
-    sys.stdout.write(to_toml(cfg))
+    sys.stdout.write(to_toml(load_config(args.config, args.overrides)))
     return 0
 
 
@@ -161,9 +160,8 @@ def _cmd_gen_data(args: argparse.Namespace) -> int:
 def _cmd_convert_criteo(args: argparse.Namespace) -> int:
     from data.criteo import convert_criteo
 
-    summary = convert_criteo(args.input, args.out_dir, rows_per_file=args.rows_per_file,
-                             row_group_rows=args.row_group_rows, compression=args.compression)
-    logger.info("wrote %s", summary)
+    logger.info("wrote %s", convert_criteo(args.input, args.out_dir, rows_per_file=args.rows_per_file,
+                                           row_group_rows=args.row_group_rows, compression=args.compression))
     return 0
 
 
@@ -574,12 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `recsys` command (and `python -m recsys.cli`): `main`, then a quick exit.
-
-    When `main` returns, everything the command wrote is closed; what is left is the interpreter's
-    teardown of the ~3,000 modules torch brings (about 1 s once torch.export or an optimizer has
-    loaded torch._dynamo: a shard, the launcher after an export). So: wait for any non-daemon
-    thread, run the atexit handlers (logging's flush among them), flush stdio, and os._exit."""
+    """The `recsys` command (and `python -m recsys.cli`): `main`, then a quick exit. Once `main` returns, all
+    the command wrote is closed; the interpreter's teardown of torch's ~3,000 modules (about 1 s once torch._dynamo
+    is loaded: a shard, the launcher after an export) is skipped: non-daemon threads are waited for, the atexit
+    handlers run (logging's flush among them), stdio is flushed, then os._exit."""
     rc = main()
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:

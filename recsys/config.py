@@ -3,9 +3,8 @@
 A job config is a TOML file with one section per package (the fields of `JobConfig`; every key:
 docs/config.md), each a frozen dataclass. The loader checks names, types and `Literal` choices itself
 and turns the dataclasses' own `__post_init__` range checks into `ConfigError`s naming the file.
-`--set section.key=value` overrides are parsed as TOML values and go through the same code.
-Then the `{date}`, `{date-N}`, `{date+N}` placeholders of the data paths and train.run_dir are filled
-in with data.date (`--date`, `fill_dates`), so the resolved config names the day's paths.
+`--set section.key=value` overrides are parsed as TOML values and go through the same code. Then the
+date placeholders of the paths are filled in with data.date (`--date`, `fill_dates`; docs/daily.md).
 """
 
 from __future__ import annotations
@@ -75,18 +74,12 @@ class TrainConfig:
     run_dir: str = "runs/default"
     """Where the resolved config, processes.json, metrics and the final model go."""
     run_id: str = ""
-    """The run's id: random, set when a run starts ("" in a config you write), kept by `--resume`;
-    written into the run's config.toml, every checkpoint manifest, metrics.json and every export
-    and delta manifest, so that nothing of another run is mixed in (export-apply and Predictor
-    refuse a delta of another run)."""
+    """The run's id: random, set when a run starts ("" in a config you write), kept by `--resume`; where
+    it is written and what it guards: docs/operations.md ("The run directory")."""
     init_from: str = ""
     """Warm start (`recsys train --init-from`): a run directory (its best model if it kept one, else
-    its last), a checkpoint directory or a local path or URI of either. The new run starts from its
-    rows with their optimizer state and counters, its dense weights and (from a checkpoint) dense
-    optimizer state, on a fresh data position; the step counter continues from the source's step
-    (TTL, staleness and delta exports count on), and train.max_steps counts this run's steps. Tables
-    added since start empty; a table whose dim, kind or optimizer changed is an error naming it.
-    Ignored by --resume (a resumed run continues its own checkpoint)."""
+    its last), a checkpoint directory or a local path or URI of either; what the new run takes from it:
+    docs/daily.md ("Warm start"). Ignored by --resume (a resumed run continues its own checkpoint)."""
     init_step: int = 0
     """The step train.init_from's model had reached (set by `recsys train`): this run's step counter
     starts there, and it ends at init_step + train.max_steps."""
@@ -94,14 +87,12 @@ class TrainConfig:
     """Run ids this run was warm-started from, oldest first (set by `recsys train --init-from`):
     a delta of this run applies to an export of any of them (export-apply, Predictor)."""
     save_program: bool = False
-    """Also write the served dense program (`model/dense.pt2`, torch.export) when the run's model is
-    saved: the trainer has torch.export's imports loaded already, and an export of this model then copies
-    it instead of importing and tracing again (figures: benchmarks/history/figures-from-the-code.md).
-    `recsys daily` sets it."""
+    """Also save the served dense program (`model/dense.pt2`, torch.export) with the run's model, which an
+    export then copies instead of importing torch.export and tracing again (the trainer has it loaded;
+    figures: benchmarks/history/figures-from-the-code.md). `recsys daily` sets it."""
     scratch_dir: str = ""
-    """When `run_dir` is a URI (`s3://...`, see docs/storage.md): the local directory for what
-    only this machine's processes need (pid and ready files, logs, errors, processes.json, checkpoint
-    staging); "": <system temp>/recsys-scratch/<name>-<hash of run_dir>. Unused for a local run_dir."""
+    """When `run_dir` is a URI: the local directory for what only this machine's processes need (docs/storage.md,
+    "What goes where"); "": <system temp>/recsys-scratch/<name>-<hash of run_dir>. Unused for a local run_dir."""
     num_threads: int = 0
     """torch intra-op threads per process (0: cores / processes)."""
     eval_auc: Literal["exact", "streaming"] = "exact"
@@ -115,9 +106,8 @@ class TrainConfig:
     checkpoint_background: bool = True
     """Shards snapshot in memory and write while training goes on (False: training waits for the write)."""
     max_restarts: int = 3
-    """The local launcher restarts the job from the latest checkpoint this many times after a PS
-    shard or a trainer is killed (exit by a signal: kill -9, OOM); an error raised by the job itself
-    is not retried."""
+    """The local launcher restarts the job from the latest checkpoint this many times after a PS shard or
+    a trainer is killed (exit by a signal: kill -9, OOM); an error raised by the job itself is not retried."""
     trace_column: str = ""
     """Debugging: write the values of this passthrough column for every trained example to
     `run_dir/trace/` (one .npy per rank and attempt), to check the data order."""
@@ -219,9 +209,9 @@ class JobConfig:
             raise ValueError(f"train.trace_column = {self.train.trace_column!r} must be one of "
                              f"data.passthrough_columns {list(self.data.passthrough_columns)}")
         for seq, cand in self.model.sequence_features.items():
-            for key, col in ((seq, seq), (seq, cand)):
+            for col in (seq, cand):
                 if col not in self.data.sparse_columns:
-                    raise ValueError(f"model.sequence_features.{key}: {col!r} is not in data.sparse_columns "
+                    raise ValueError(f"model.sequence_features.{seq}: {col!r} is not in data.sparse_columns "
                                      f"{list(self.data.sparse_columns)}")
             own = self.model.feature_tables.get(seq)
             if own is not None and own != self.model.feature_tables.get(cand, cand):
@@ -367,15 +357,12 @@ def group_optimizers(raw: dict[str, Any], source: str) -> None:
 
 
 def expand_tables(raw: dict[str, Any], source: str) -> None:
-    """Apply `[ps.table_defaults]` and `model.linear_tables` to the raw config, in place.
-
-    Every field of `ps.table_defaults` is the default of that field for every table (a table's own value
-    wins); a `data.sparse_columns` column whose table (`model.feature_tables`, else its own name) is not
-    in `ps.tables` gets one, made from the defaults; with `model.linear_tables` every sparse column
-    without a `model.linear_feature_tables` entry gets a dim-1 table `<column>_linear` (same pooling as
-    its embedding table). New tables follow the given ones, in column order, so the expanded config
-    (`print-config`) loads back to the same tables.
-    """
+    """Apply `[ps.table_defaults]` and `model.linear_tables` to the raw config, in place: a default applies
+    to every table that does not set its own value; a `data.sparse_columns` column whose table
+    (`model.feature_tables`, else its own name) is not in `ps.tables` gets one made from the defaults, and with
+    `model.linear_tables` one without a `model.linear_feature_tables` entry a dim-1 `<column>_linear` (its
+    embedding table's pooling). New tables follow the given ones, in column order, so the expanded config
+    (`print-config`) loads back to the same tables. A default that no table takes is a warning."""
     ps, model, data = raw.get("ps", {}), raw.get("model", {}), raw.get("data", {})
     if not all(isinstance(x, dict) for x in (ps, model, data)):
         return                                   # `build` names the section that is not a table
@@ -391,9 +378,9 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
     tables = ps.setdefault("tables", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         return
-    unused = {key: [t.get("name") for t in tables if key in t] for key in defaults}   # the tables' own values
+    setters = {key: [t.get("name") for t in tables if key in t] for key in defaults}   # the tables' own values
     tables[:] = [{**defaults, **t} for t in tables]             # a table's own value wins
-    n_given = len(tables)
+    given = len(tables)
     names = {t.get("name") for t in tables}
     columns = data.get("sparse_columns", [])
     columns = [c for c in columns if isinstance(c, str)] if isinstance(columns, list) else []
@@ -423,20 +410,11 @@ def expand_tables(raw: dict[str, Any], source: str) -> None:
             linear_map[column] = name
             if (own := feature_tables.get(column, column)) in pooling:      # the pooling of its embedding table
                 pooling.setdefault(name, pooling[own])
-    _warn_unused_defaults(defaults, unused, n_given, tables[n_given:], source)
-
-
-def _warn_unused_defaults(defaults: dict, own: dict[str, list], n_given: int, created: list[dict],
-                          source: str) -> None:
-    """Warn for each `ps.table_defaults` key that no table takes: every table of `ps.tables` sets its own
-    value (`own`: their names) and no table was made from the defaults (a `<column>_linear` table takes
-    every default but dim)."""
-    for key, value in defaults.items():
-        takers = [t for t in created if key != "dim" or t.get("dim") == value]
-        if n_given and len(own[key]) == n_given and not takers:
+    for key, value in defaults.items():     # a default no table takes (a _linear table takes every one but dim)
+        if given and len(setters[key]) == given and not any(key != "dim" or t["dim"] == value for t in tables[given:]):
             logger.warning("%s: ps.table_defaults.%s = %r applies to no table: every table of ps.tables sets "
                            "its own %s (%s); set it there (ps.tables[i].%s), or drop the tables' own value",
-                           source, key, value, key, ", ".join(map(str, own[key])), key)
+                           source, key, value, key, ", ".join(map(str, setters[key])), key)
 
 
 DATED_KEYS = (("data", "train_paths"), ("data", "eval_paths"), ("data", "test_paths"), ("data", "item_paths"),
@@ -530,23 +508,17 @@ def _convert(tp: Any, value: Any, *, source: str, key: str) -> Any:
             raise bad(f"one of {', '.join(repr(a) for a in args)}")
         return value
     if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        for arg in args:
             try:
                 return _convert(arg, value, source=source, key=key)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0])
-    if origin is tuple:
+    if origin is tuple:                     # a config's tuples are all tuple[X, ...]
         if not isinstance(value, (list, tuple)):
             raise bad("a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise bad(f"a list of {len(args)} items")
-        return tuple(_convert(a, v, source=source, key=f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_convert(args[0], v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             raise bad("a table")

@@ -33,7 +33,6 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("eval", EvalConfig, "Offline evaluation (retrieval metrics)."),
     ("cluster", ClusterConfig, "Which engine places the processes: the local launcher or a Ray cluster."),
 )
-_SKIP = ("ps", "tables")     # documented as its own section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +47,6 @@ class Key:
     def dotted(self) -> str:
         return f"{self.section}.{self.name}"
 
-    @property
-    def summary(self) -> str:
-        """The docstring's first sentence."""
-        end = self.doc.find(". ")
-        return self.doc if end < 0 else self.doc[:end + 1]
-
 
 @cache
 def _docstrings(cls: type) -> dict[str, tuple[str, str]]:
@@ -63,10 +56,8 @@ def _docstrings(cls: type) -> dict[str, tuple[str, str]]:
     out = {}
     for node, nxt in zip(body, [*body[1:], None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            doc = ""
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                doc = " ".join(nxt.value.value.split())
-            out[node.target.id] = (ast.unparse(node.annotation), doc)
+            doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
+            out[node.target.id] = (ast.unparse(node.annotation), " ".join(str(doc).split()))
     return out
 
 
@@ -83,7 +74,7 @@ def keys() -> list[Key]:
     for section, cls, _ in SECTIONS:
         docs = _docstrings(cls)
         for f in dataclasses.fields(cls):
-            if (section, f.name) == _SKIP:
+            if (section, f.name) == ("ps", "tables"):     # documented as its own section
                 continue
             annotation, doc = docs[f.name]
             out.append(Key(section, f.name, annotation, _default(f), doc))
@@ -96,9 +87,7 @@ def explain(dotted: str) -> str:
     name = dotted.replace("ps.table_defaults.", "ps.tables.")
     for k in keys():
         if k.dotted == name:
-            lines = [f"{dotted}: {k.type} = {k.default}", ""]
-            lines += textwrap.wrap(k.doc or "(no description)", 100)
-            return "\n".join(lines)
+            return "\n".join([f"{dotted}: {k.type} = {k.default}", "", *textwrap.wrap(k.doc, 100)])
     import difflib
     close = difflib.get_close_matches(name, [k.dotted for k in keys()], n=4)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -106,11 +95,11 @@ def explain(dotted: str) -> str:
 
 
 def section(name: str) -> str:
-    """Every key of one section, one line each."""
+    """Every key of one section, one line each (its docstring's first sentence)."""
     rows = [k for k in keys() if k.section == name]
     if not rows:
         raise ValueError(f"no config section {name!r}: one of {', '.join(s for s, _, _ in SECTIONS)}")
-    return "\n".join(f"{k.dotted} = {k.default}    # {k.summary}" for k in rows)
+    return "\n".join(f"{k.dotted} = {k.default}    # {k.doc[:k.doc.find('. ') + 1] or k.doc}" for k in rows)
 
 
 def _cell(text: str) -> str:

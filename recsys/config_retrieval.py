@@ -42,8 +42,7 @@ def check_two_tower(model: Any, data: Any, train: Any) -> None:
             raise ValueError(f"model.{key} needs at least one sparse column (an id), got {list(feats)}")
     if both := sorted(set(model.user_features) & set(model.item_features)):
         raise ValueError(f"model.user_features and model.item_features share {both}: a column is in one tower")
-    missing = [c for c in data.sparse_columns if c not in model.user_features and c not in model.item_features]
-    if missing:
+    if missing := [c for c in data.sparse_columns if c not in model.user_features and c not in model.item_features]:
         raise ValueError(f"data.sparse_columns {missing} are in neither model.user_features nor model.item_features")
     for side in ("item", "user"):
         feature, feats = getattr(model, f"{side}_id_feature"), getattr(model, f"{side}_features")

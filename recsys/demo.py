@@ -42,10 +42,9 @@ def run_demo(out: str, rows: int = 600_000) -> int:
                                        override("data.eval_paths", [f"{data_dir}/part-00003.parquet"]),
                                        override("train.run_dir", str(Path(out) / "run"))])
     metrics = launch_train(cfg)
-    ratio = metrics["auc"] / metrics["oracle_auc"]
     sys.stdout.write(
         f"\nquickstart: eval AUC {metrics['auc']:.4f} vs oracle AUC {metrics['oracle_auc']:.4f} "
-        f"({ratio:.3f}x), logloss {metrics['logloss']:.4f}, NE {metrics['ne']:.4f}, "
+        f"({metrics['auc'] / metrics['oracle_auc']:.3f}x), logloss {metrics['logloss']:.4f}, NE {metrics['ne']:.4f}, "
         f"{metrics['samples_per_s']:.0f} samples/s, {time.perf_counter() - t0:.0f} s in all; "
         f"run directory {cfg.train.run_dir}\n")
     return 0

@@ -156,12 +156,10 @@ def split_files(files: list[str]) -> tuple[list[str], list[str], list[str], str]
     """(train, validation, test, how it was decided). By name when any file's path names a role
     ("val" / "valid" / "validation" / "eval" / "dev", "test"; the rest train); else by order, the last two
     of three or more files validation and test (`resolve_paths` sorts a directory's files by name)."""
-    role = {f: "test" if _TEST.search(Path(f).stem.lower()) or _TEST.search(Path(f).parent.name.lower())
-            else "val" if _VAL.search(Path(f).stem.lower()) or _VAL.search(Path(f).parent.name.lower())
-            else "train" for f in files}
-    if any(r != "train" for r in role.values()) and any(r == "train" for r in role.values()):
-        return ([f for f in files if role[f] == "train"], [f for f in files if role[f] == "val"],
-                [f for f in files if role[f] == "test"], "by file name")
+    names = {f: f"{Path(f).parent.name}/{Path(f).stem}".lower() for f in files}   # '/' bounds a word
+    role = {f: "test" if _TEST.search(n) else "val" if _VAL.search(n) else "train" for f, n in names.items()}
+    if "train" in role.values() and len(set(role.values())) > 1:
+        return (*([f for f in files if role[f] == r] for r in ("train", "val", "test")), "by file name")
     if len(files) >= 3:
         return files[:-2], [files[-2]], [files[-1]], "by order: the last two by name (no file is named val / test)"
     return files, [], [], "all files train (fewer than 3, none named val / test)"
@@ -236,11 +234,9 @@ def init_config(data: list[str], label: str, out: str | None = None, dense: tupl
     if not files:
         raise InitConfigError(f"--data {' '.join(data)}: no Parquet files there")
     cols, sample = classify(files, label, tuple(dense), tuple(ignore), sample_rows)
-    run = run_dir or f"runs/{Path(out).stem if out else 'my-model'}"
-    text = render(files, label, cols, sample, run)
+    text = render(files, label, cols, sample, run_dir or f"runs/{Path(out).stem if out else 'my-model'}")
     if out:
-        p = Path(out)
-        if p.exists():
+        if Path(out).exists():
             raise InitConfigError(f"--out {out}: exists (pick another name, or remove it)")
-        p.write_text(text)
+        Path(out).write_text(text)
     return text

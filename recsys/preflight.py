@@ -1,11 +1,6 @@
-"""Checks a job can run before any process starts (`recsys train`, `eval`, `predict`, `export`).
-
-Reads only Parquet footers (`data.parquet.scan_files`: columns, types, row counts), never rows, so a
-config or schema problem is reported in about a second instead of after the shards and trainers
-have started. Problems raise `PreflightError` (a `ConfigError`: the CLI prints one line
-`error: <file or key>: <what> (<how to fix>)` and exits 2). Problems that only rows show (a bad
-label at row 5,000,000) are still found by the trainers while reading.
-"""
+"""Checks a job can run before any process starts (`recsys train`, `eval`, `predict`, `export`; README,
+"Commands"): from Parquet footers only (`data.parquet.scan_files`), never rows, so a config or schema
+problem is one `error:` line (`PreflightError`, a `ConfigError`) in about a second."""
 
 from __future__ import annotations
 

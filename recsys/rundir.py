@@ -1,14 +1,13 @@
 """The run directory's layout (config.toml, metrics, model/, best/, checkpoints/: docs/operations.md), one
 owner for both training (writes it) and serving (reads it). RUN_DIR may be a URI (`recsys.storage`): what
 only this machine's processes use then lives in a local scratch directory (`local_run_dir`).
-`recsys eval`, `predict` and `export --run` use the best model when the run kept one, else the last
-(`--last` asks for the last).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -81,12 +80,9 @@ READY_TIMEOUT_S = 120.0
 
 
 def wait_for_shards(ready_files: list[str] | list[Path], timeout_s: float) -> list[str]:
-    """The shards' addresses, read from their ready files (`recsys ps --ready-file`) as they appear.
-
-    The local launcher starts the trainers while its shards start (both forks of the zygote,
-    `recsys.training.procs`): a trainer waits here for the shards, and the launcher's
-    `ShardWatchdog` ends the job if a shard dies first. Raises TimeoutError naming the shard and
-    its log after `timeout_s`."""
+    """The shards' addresses, read from their ready files (`recsys ps --ready-file`) as they appear: a
+    local trainer starts with its shards and waits here (the launcher's `ShardWatchdog` ends the job if
+    a shard dies first). Raises TimeoutError naming the shard and its log after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     addresses = []
     for shard, ready in enumerate(map(Path, ready_files)):
@@ -164,11 +160,8 @@ def existing_run(run_dir: str | Path) -> list[str]:
 
 def move_aside(run_dir: Path) -> Path:
     """Rename a local run directory's run files into RUN_DIR/../NAME.old-YYYYmmdd-HHMMSS; returns it."""
-    old = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    n = 0
-    while old.exists():
-        n += 1
-        old = old.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+    stamp = f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    old = next(p for n in itertools.count() if not (p := run_dir.with_name(f"{stamp}-{n}" if n else stamp)).exists())
     old.mkdir()
     for child in sorted(run_dir.iterdir()):
         if child.name != LOCK_FILE:
@@ -181,12 +174,10 @@ URI_LOCK = ".lock.json"
 
 
 class UriLock:
-    """A lock object RUN_URI/.lock.json ({"run_id", "pid", "host", "since"}) written by the launcher of a
-    URI run directory after its checks and removed when it ends; another launcher that finds it refuses,
-    naming the holder. Object stores offer no atomic create here, so two launchers starting within the
-    same second can both pass: the local flock (`RunLock`) covers one machine, this object the others.
-    A lock left by a launcher that died on this host (its pid is gone) is taken over; one of another
-    host is named, with how to remove it."""
+    """The lock object RUN_URI/.lock.json ({"run_id", "pid", "host", "since"}) of a URI run directory,
+    written after the launcher's checks (what it refuses: docs/operations.md). Object stores offer no atomic
+    create here, so two launchers starting within the same second can both pass: the local flock
+    (`RunLock`) covers one machine, this object the others."""
 
     def __init__(self, run_dir: str) -> None:
         self.path = str(run_path(run_dir, URI_LOCK))

@@ -15,8 +15,7 @@ def setup_logging(verbose: bool = False, role: str | None = None, log_file: str 
     """The one place logging is configured; every entry point (this CLI, `recsys.train`, a trainer
     process of the local launcher) calls it. `role` (e.g. "trainer1") replaces the logger name;
     `log_file`: every record also goes there (appended; a trainer's log in the run directory)."""
-    name = role if role is not None else "%(name)s"
-    fmt = f"%(asctime)s %(levelname)s {name}: %(message)s"
+    fmt = f"%(asctime)s %(levelname)s {role or '%(name)s'}: %(message)s"
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt)
     # a host that configured logging first (a Ray worker) keeps its handlers; our level still applies
     logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)

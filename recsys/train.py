@@ -1,12 +1,9 @@
 """Trainer entry for torchrun (multi-node): `torchrun ... -m recsys.train --config X --set ps.addresses=[...]`.
 
-The PS shards run elsewhere (`recsys ps` on the PS hosts); ps.addresses lists them in shard order.
-`--resume latest|PATH` continues from a checkpoint: rank 0 tells the running shards to load its
-rows (same shard count), every rank restores its dense state and data position. When torchrun
-restarts the workers (`--max-restarts`, after a trainer died), they resume from the latest
-checkpoint by themselves. SIGTERM / SIGINT (torchrun forwards them to every worker): the trainers
-finish the current step, write a checkpoint and exit 0; a second signal stops at once. The run directory must be on
-a filesystem every trainer and shard sees.
+The PS shards run elsewhere (`recsys ps` on the PS hosts, docs/cluster.md); ps.addresses lists them in
+shard order. `--resume latest|PATH` continues from a checkpoint (rank 0 tells the running shards to load
+its rows), workers restarted by torchrun from the latest; SIGTERM / SIGINT stop after the step with a
+checkpoint (docs/operations.md). The run directory must be on a filesystem every trainer and shard sees.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ A space of choice / randint / qrandint keys only runs no combination twice (`dis
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -85,14 +86,8 @@ def distinct_trials(params: Sequence[Param], trials: int, seed: int = 0) -> list
     n = math.prod(len(v) for v in values)
     if n > MAX_ENUMERATED:
         return None
-    out = []
-    for index in random.Random(seed).sample(range(n), min(trials, n)):
-        point = {}
-        for p, v in zip(reversed(params), reversed(values)):      # index in mixed radix, the last key fastest
-            index, i = divmod(index, len(v))
-            point[p.key] = v[i]
-        out.append({p.key: point[p.key] for p in params})
-    return out
+    combos = list(itertools.product(*values))           # the last key fastest
+    return [dict(zip((p.key for p in params), combos[i])) for i in random.Random(seed).sample(range(n), min(trials, n))]
 
 
 def override(key: str, value: Any) -> str:
