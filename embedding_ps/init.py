@@ -27,8 +27,7 @@ def init_rows(keys: torch.Tensor, dim: int, seed: int, init: str, scale: float) 
     n = keys.shape[0]
     if init == "zeros" or n == 0:
         return torch.zeros(n, dim, dtype=torch.float32)
-    # float32 [N, D] in (-1, 1), per the module docstring (`native.init_bits`: a shard initialises
-    # every new id's row, on its pull and again when admitted on its push)
+    # float32 [N, D]: the module docstring's v (hot: a new id's row is made on its pull and its admitting push)
     v = torch.from_numpy(native.init_bits(keys.numpy(), dim, seed_mix(seed)))
     if init == "uniform":
         return v.mul_(scale)

@@ -99,8 +99,7 @@ class LocalStore(EmbeddingStore):
         self.step = step + 1
 
     def barrier_async(self, step: int) -> Future[None]:
-        self.barrier(step)
-        return done_future(None)
+        return done_future(self.barrier(step))
 
     def sweep(self, step: int) -> list[dict]:
         """`ShardState.sweep(step)` of every shard, in shard order."""
@@ -113,14 +112,11 @@ class LocalStore(EmbeddingStore):
         only matters over the network; `step`, default `self.step`: the save's step, through which a
         table with global weight decay writes its rows decayed, `ShardState.save`).
         [{"shard", "directory", "background": False, "write_s", "bytes"}, ...] as PSClient.save."""
-        out = []
         step = self.step if step is None else step
-        for i, state in enumerate(self.states):
-            info = state.save(shard_dir(directory, i), step=step)
-            out.append({"shard": i, "directory": info["directory"], "background": False,
-                        "write_s": info["write_s"], "bytes": info["bytes"]})
+        infos = [state.save(shard_dir(directory, i), step=step) for i, state in enumerate(self.states)]
         self._last_save = directory
-        return out
+        return [{"shard": i, "directory": info["directory"], "background": False, "write_s": info["write_s"],
+                 "bytes": info["bytes"]} for i, info in enumerate(infos)]
 
     def wait_saved(self, directory: str, timeout_s: float) -> list[dict]:
         """The statuses of the last save, which `save` finished before returning; RuntimeError if it
@@ -148,12 +144,8 @@ class LocalStore(EmbeddingStore):
     def _owners(self, table: int, ids: torch.Tensor) -> list[tuple[ShardState, torch.Tensor]]:
         """(state, positions int64 [N_s]) of every shard that owns some of `ids` [N]."""
         owner = route(ids, self.config.tables[table], self.config.num_shards)      # [N]
-        out = []
-        for s, state in enumerate(self.states):
-            pos = torch.nonzero(owner == s).flatten()
-            if pos.numel():
-                out.append((state, pos))
-        return out
+        return [(state, pos) for s, state in enumerate(self.states)
+                if (pos := torch.nonzero(owner == s).flatten()).numel()]
 
 
 __all__ = ["LocalStore"]

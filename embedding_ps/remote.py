@@ -1,18 +1,12 @@
-"""A shard's seam to remote storage: saves to and loads from a pyarrow filesystem URI.
+"""A shard's seam to remote storage: saves to and loads from a pyarrow filesystem URI (docs/storage.md:
+the schemes, endpoint and credentials; "Checkpoints": on a multi-host job each shard writes its own part).
 
-A save directory may be a local path or a URI (`s3://bucket/run/.../ps`, `gs://...`, `hdfs://...`,
-`file:///...`): on a multi-host job each shard writes its own part of a checkpoint to the shared
-URI itself. Object stores have no atomic rename of directories, so a remote save is
-"write-then-marker": the shard writes its files into a local temporary directory exactly as a
-local save does (checksums computed while writing), then uploads them, `manifest.json` last. A
-reader treats a shard directory without its manifest as unfinished (`snapshot.read_manifest`).
-Loading downloads a shard directory into a local temporary directory and reads it from there.
-
-Endpoint and credentials are what pyarrow takes (environment variables, URI query parameters; the
-list: docs/storage.md); the query stays at the end of every path made with `join`.
-
-This module is the only place in `embedding_ps` that knows about URIs; `recsys.storage` uses its
-`is_uri` / `join` so both sides name a shard's directory the same way.
+A remote save is "write-then-marker" (object stores cannot rename a directory): the shard's files are
+written into a local temporary directory as a local save writes them (checksums computed while
+writing), then uploaded, `manifest.json` last; a reader treats a shard directory without it as
+unfinished (`snapshot.read_manifest`). A load downloads the directory first. This is the only place in
+`embedding_ps` that knows about URIs; `recsys.storage` uses its `is_uri` / `join` so both sides name a
+shard's directory the same way.
 """
 
 from __future__ import annotations
@@ -97,9 +91,7 @@ def upload_dir(local: str, uri: str, last: str) -> None:
     """
     fs, root = resolve(uri)
     delete_tree(uri)
-    rels = []
-    for dirpath, _, names in os.walk(local):
-        rels += [os.path.relpath(os.path.join(dirpath, n), local) for n in names]
+    rels = [os.path.relpath(os.path.join(dirpath, n), local) for dirpath, _, names in os.walk(local) for n in names]
     for rel in sorted(rels, key=lambda r: (r == last, r)):
         _copy(pafs.LocalFileSystem(), os.path.join(local, rel), fs, f"{root}/{rel}")
 

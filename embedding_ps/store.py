@@ -7,14 +7,12 @@
 Two Protocols, and nothing else is used at these seams (no `getattr` probing, no private
 members): `EmbeddingStore`, implemented by `embedding_ps.client.client.PSClient` (the shards over the
 network), `embedding_ps.local.LocalStore` (the shards' states in this process: offline eval, tests)
-and `embedding_ps.client.cache.CachingStore` (a row cache in front of either); and its read-only half
-`RowSource`, all that the export-backed store of `recsys.serving` (the rows of an export) is.
-Test doubles implement these Protocols too. A store that subclasses one explicitly (`LocalStore`,
-`CachingStore`) inherits `pull` / `push` as one-part calls of the `*_many_async` ones.
+and `embedding_ps.client.cache.CachingStore` (a row cache in front of either), and its read-only half
+`RowSource`. Test doubles implement them too. A store that subclasses one explicitly (`LocalStore`,
+`CachingStore`) inherits `pull` / `push` as one-part calls of the `*_many_async` ones, blocking.
 
 Rows are addressed by table index (into `ps.tables`) and int64 ids; the tables of one multi-table
 call share the embedding dim D; rows and gradients are in the caller's order, table after table.
-A single table is a call with one part (`pull` / `push` are that, blocking).
 """
 
 from __future__ import annotations

@@ -40,7 +40,5 @@ def check_torch_fbgemm() -> None:
     want = SUPPORTED_PAIRS.get(_minor(torch_v))
     for dist, v in fbgemm:
         if want is None or _minor(v) != want:
-            raise ImportError(
-                f"torch {torch_v} with {dist} {v} is not a supported pair (they are ABI-locked); "
-                f"supported: {need}. {hint}"
-            )
+            raise ImportError(f"torch {torch_v} with {dist} {v} is not a supported pair (they are ABI-locked); "
+                              f"supported: {need}. {hint}")

@@ -112,8 +112,7 @@ class CachingStore(EmbeddingStore):
     @property
     def step(self) -> int:
         """The step a call without one carries: the wrapped store's, or with `background` this
-        wrapper's copy of it (a barrier for step t sets t + 1 at once, as the store would, although
-        the store's own barrier call may still wait on the cache's thread)."""
+        wrapper's copy of it (module docstring, "Background")."""
         return self.inner.step if self._worker is None else self._step
 
     @step.setter
@@ -129,9 +128,8 @@ class CachingStore(EmbeddingStore):
 
         Every part's distinct rows go into one buffer [sum U_t, D] (hits now, misses when they
         arrive), which is the result itself when the parts' ids are distinct (what the sparse arch
-        sends), else expanded to the caller's order. `counts` (optional, per part
-        [N_t]): how often each id occurs in the batch, for the per-lookup hit rate. With
-        `background`, the lookup itself runs on the cache's thread, calls in the order made."""
+        sends), else expanded to the caller's order. `counts` (optional, per part [N_t]): how often
+        each id occurs in the batch, for the per-lookup hit rate."""
         if len(tables) != len(ids) or not tables:
             raise ValueError(f"CachingStore: {len(tables)} tables for {len(ids)} id tensors (need as many, >= 1)")
         step = self.step if step is None else step
@@ -166,9 +164,8 @@ class CachingStore(EmbeddingStore):
 
     def push_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor], grads: torch.Tensor,
                         step: int | None = None) -> Future[None]:
-        """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not; with
-        `background` through the cache's thread, so that the wrapped store sees pulls and pushes in
-        the order they were made (a pull made before a push never sees it: exact with max_age 0)."""
+        """Every row's grads [sum N_t, D] go to the wrapped store (on the CPU), cached or not, in
+        order with the pulls (module docstring, "Background")."""
         grads = grads.detach().to("cpu")
         step = self.step if step is None else step
         return self._chain(lambda: self.inner.push_many_async(tables, ids, grads, step))
@@ -216,9 +213,7 @@ class CachingStore(EmbeddingStore):
         """{table name: (hits, misses)} of every cached table since the last call (then reset)."""
         return {name: (c["hits"], c["misses"]) for name, c in self.cache_counts().items()}
 
-    # -- everything else is the wrapped store's ---------------------------------------------------
-
-    # (with `background` each goes to the store after every pull and push made before it)
+    # -- everything else is the wrapped store's (in call order: `_call`) ---------------------------
 
     def barrier(self, step: int) -> None:
         self._step = step + 1

@@ -6,18 +6,16 @@
         rows = ps.pull(0, ids)                 # one table: a request with one part
         ps.barrier(step)                       # sync mode: "this worker is done with `step`"
 
-`PSClient` implements `embedding_ps.store.EmbeddingStore` (the contract: rows in the caller's order,
-one dim D per call). A trainer's step touches every table: each shard gets one PULL / PUSH whose
-parts are the tables' ids routed to it (wire: `embedding_ps.wire.protocol`). A shard request over
-ps.max_frame_bytes is sent as one request per table instead (and one table's request over it is
-refused: split the ids).
+`PSClient` implements `embedding_ps.store.EmbeddingStore`. A trainer's step touches every table:
+each shard gets one PULL / PUSH whose parts are the tables' ids routed to it (wire:
+`embedding_ps.wire.protocol`). A shard request over ps.max_frame_bytes is sent as one request per
+table instead (and one table's request over it is refused: split the ids).
 
-The caller's thread deduplicates (when `dedup`: `plan.dedup_ids`), routes (`plan.plan_call`, argsort +
-bincount, no loop per id) and encodes; the I/O thread (`embedding_ps.client.transport`) sends, matches
-replies by request id, retries and assembles the result. Rows and gradients travel as
-ps.wire_dtype (fp32, fp16 or bf16); with ps.shared_memory, those of a shard on this host (1 MB or
-more) go through shared-memory segments instead (`embedding_ps.wire.shm`), and a pull from one shard
-returns a tensor viewing its segment (reused for another request only once that tensor is gone).
+The caller's thread deduplicates (when `dedup`: `plan.dedup_ids`), routes (`plan.plan_call`) and
+encodes; the I/O thread (`embedding_ps.client.transport`) sends, matches replies by request id,
+retries and assembles the result. Rows and gradients travel as ps.wire_dtype; with
+ps.shared_memory, those of a shard on this host go through shared-memory segments instead
+(docs/wire.md), and a pull from one shard returns a tensor viewing its segment.
 
 Timeouts and retries: a request unanswered for ps.timeout_s is sent again, up to ps.retries
 times, then its future fails with ShardUnavailableError naming the shard index and address. A
@@ -113,7 +111,6 @@ class PSClient:
                         step: int | None = None) -> "Future[torch.Tensor]":
         """A Future of float32 rows [sum N_t, D]: the rows of every table's int64 ids [N_t], in order."""
         dim = call_dim(self.config, tables, ids)
-        ids = [x.detach().cpu() for x in ids]
         plan = plan_call(self.config, self.dedup, tables, ids)
         shards = plan.by_shard(plan.sent)
         if not shards:
@@ -141,7 +138,6 @@ class PSClient:
                         step: int | None = None) -> "Future[None]":
         """Send float32 grads [sum N_t, D] of every table's ids [N_t] (rows in pull_many's order)."""
         dim = call_dim(self.config, tables, ids, grads)
-        ids = [x.detach().cpu() for x in ids]
         grads = grads.detach().to("cpu", torch.float32)
         plan = plan_call(self.config, self.dedup, tables, ids)
         shards = plan.by_shard(plan.sent)

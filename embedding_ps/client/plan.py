@@ -1,13 +1,6 @@
-"""The PS client's bookkeeping around a request (`embedding_ps.client.client`): how its ids travel and
-how the rows come back.
-
-    plan_call      every table's ids of one call -> Plan: deduplicated (optional), routed and grouped
-                   by shard together, in a few whole-call ops (argsort + bincount, no loop per id)
-    index_frame    a shard's parts -> the index frame int64 [T, 2] (table, count); `frames` adds the ids
-    Plan.assemble  every shard's PULL reply (a frame, or rows in its shared-memory segment) -> float32
-                   rows [sum N_t, D] in the caller's order
-    combine        futures -> one future of their combined results (a call split per table)
-"""
+"""The PS client's bookkeeping around a request (`embedding_ps.client.client`): `plan_call` routes a
+call's ids by shard, `Plan.assemble` puts the replies' rows back in the caller's order, `combine`
+joins futures (a call split per table)."""
 
 from __future__ import annotations
 
@@ -84,6 +77,7 @@ class Plan:
 def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequence[torch.Tensor]) -> Plan:
     """Route every part's ids [N_t] of one call at once (each part made distinct first with
     `dedup`): one shard_of over all ids, one stable argsort, one bincount of (shard, part)."""
+    ids = [x.detach().cpu() for x in ids]
     gather = None
     if dedup:
         pairs = [dedup_ids(x) for x in ids]
@@ -170,13 +164,9 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
             left[0] -= 1
             if left[0]:
                 return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-            return
         try:
             out.set_result(join([f.result() for f in futures]))
-        except Exception as e:
+        except BaseException as e:
             out.set_exception(e)
 
     for f in futures:

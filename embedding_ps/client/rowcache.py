@@ -7,11 +7,9 @@ whose slots are full and needs an eviction runs code of its own (a partial sort 
 every few steps: an eviction frees the C/64 lowest-ranked rows at once).
 
 Layout: table k owns slots [base[k], base[k] + cap[k]) (`TableConfig.cache_rows` of them) of
-`rows` [sum cap, D] on `device`; per slot its id, its table (-1: free), the step its row was pulled
-for (`pulled`), lookups while cached (`count`), last step looked up (`last`) and the step a
-refresh-ahead pull was requested for (`refreshing`). `rows` is zeroed when the cache is built
-(sum cap x D x 4 bytes, at once): first touches of fresh pages while the cache fills slowed
-the steps (benchmarks/history/2026-11-25.md).
+`rows` [sum cap, D] on `device`, and per slot the arrays that `clear()` makes. `rows` is zeroed when
+the cache is built (sum cap x D x 4 bytes, at once): first touches of fresh pages while the cache
+fills slowed the steps (benchmarks/history/2026-11-25.md).
 
 Combined key: splitmix64(id ^ splitmix64(k + 1)), a bijection of the id for one table, so two ids
 of one table never share a key; two tables' ids may (probability ~ n^2 / 2^64), which the slot's

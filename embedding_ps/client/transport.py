@@ -209,11 +209,11 @@ class IOThread(threading.Thread):
             if item is None:
                 return False
             for req in item:
-                self.pending[req.request] = req
                 self._send(req)
         return True
 
     def _send(self, req: Request) -> None:
+        self.pending[req.request] = req
         if self.refused[req.shard] is not None:
             self._refuse(req)
             return
@@ -242,7 +242,14 @@ class IOThread(threading.Thread):
                 continue   # the late answer to a retried request
             call = req.call
             if header.status == P.Status.NO_SHM and req.fallback is not None:
-                self._resend_through_socket(req, _reply_text(frames))
+                # resent under a new request id: a late NO_SHM of a retry of the old one is dropped
+                try:
+                    req.request, req.frames = req.fallback(_reply_text(frames))
+                except Exception as e:  # noqa: BLE001 - never leave the caller waiting
+                    self._fail(call, e)
+                    continue
+                req.fallback, req.attempts = None, 0
+                self._send(req)
                 continue
             if header.status != P.Status.OK:
                 self._fail(call, PSRequestError(shard, self.addresses[shard], call.op.name, header.status,
@@ -255,18 +262,6 @@ class IOThread(threading.Thread):
                     call.future.set_result(call.finish(call.parts))
                 except Exception as e:   # a reply that does not fit its request
                     call.future.set_exception(e)
-
-    def _resend_through_socket(self, req: Request, message: str) -> None:
-        """The shard could not open the request's segment (nothing applied): send it again with the
-        rows in a frame, under a new request id (a late NO_SHM of a retry of the old one is dropped)."""
-        try:
-            req.request, req.frames = req.fallback(message)
-        except Exception as e:  # noqa: BLE001 - never leave the caller waiting
-            self._fail(req.call, e)
-            return
-        req.fallback, req.attempts = None, 0
-        self.pending[req.request] = req
-        self._send(req)
 
     def _expire(self) -> bool:
         now = time.monotonic()
@@ -305,8 +300,7 @@ class IOThread(threading.Thread):
         while not self.inbox.empty():
             calls.update(req.call for req in self.inbox.get_nowait() or ())
         for call in calls:
-            if not call.future.done():
-                call.future.set_exception(err)
+            self._fail(call, err)
 
 
 def _reply_text(frames: list) -> str:

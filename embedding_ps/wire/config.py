@@ -21,12 +21,9 @@ OPTIMIZER_KEYS: dict[str, tuple[str, ...]] = {
 FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 """The optimizers with a C update (`embedding_ps.native.OPTIMIZERS`, in ps.c's enum order) and an fbgemm one."""
 
-MAX_SHARDS = 4096
-"""Most PS shards of a job (each is a process)."""
-MAX_WORKERS = 65536
-"""Most trainers pushing to the shards."""
-MAX_DIM = 65536
-"""Widest embedding row."""
+MAX_SHARDS = 4096               # PS shards of a job (each is a process)
+MAX_WORKERS = 65536             # trainers pushing to the shards
+MAX_DIM = 65536                 # widest embedding row
 MAX_THREADS = 64
 """Most worker threads per shard (ps.threads)."""
 
@@ -280,8 +277,7 @@ class PSConfig:
             raise ValueError("ps.curve_keys_dir must be set when ps.auth = 'curve'")
 
 
-DEFAULT_MAX_THREADS = 4
-"""ps.threads = 0 uses at most this many: beyond ~4 threads one request's rows are too few to share."""
+DEFAULT_MAX_THREADS = 4     # ps.threads = 0 uses at most this many: beyond, one request's rows are too few to share
 
 
 def shard_threads(threads: int) -> int:

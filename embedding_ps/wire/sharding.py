@@ -1,12 +1,7 @@
 """Which shard owns an id: the one function shared by client, server, re-sharding and export.
 
-`shard_of(keys, S) = splitmix64(keys as uint64) % S`, where `splitmix64` is the finalizer of
-Steele et al.'s SplitMix64 generator (the same 64-bit mix as `java.util.SplittableRandom`):
-
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
-    z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-    z =  z ^ (z >> 31)                         (wrapping uint64 arithmetic)
-
+`shard_of(keys, S) = splitmix64(keys as uint64) % S`, where `splitmix64` (`splitmix64_np`) is the
+finalizer of Steele et al.'s SplitMix64 generator (the same 64-bit mix as `java.util.SplittableRandom`).
 Tables of kind `hashed` first map a raw id to a row index `splitmix64(id) % num_embeddings`
 (`hashed_row`); the row index is the key the shard stores and the key that is routed, so every
 id that shares a row lands on the shard that holds that row (`keys_of` / `route`). A client
