@@ -79,7 +79,6 @@ class RowStream:
         self._side: dict[str, torch.Tensor] | None = None
         self._slot = np.full(0, -1, dtype=np.int32)     # entry -> row, -1: free
         self._ehwm = 0                                  # entries [0, _ehwm) have been used
-        self.size(0, 1)
 
     def size(self, capacity: int, chunk_rows: int) -> None:
         """Set the side buffer's entries and the rows per chunk (`CowSave`: its share of the bound)."""

@@ -83,10 +83,8 @@ class StepBuffer:
 
     def pop_ready(self) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
         """The lowest step if every worker arrived: (step, {table: (ids [M], grads [M, D])})."""
-        if not self.steps:
-            return None
-        step = min(self.steps)
-        if len(self.steps[step].arrived) < self.num_workers:
+        step = min(self.steps, default=None)
+        if step is None or len(self.steps[step].arrived) < self.num_workers:
             return None
         entry = self.steps.pop(step)
         self.last_applied = step

@@ -120,16 +120,11 @@ def _write_ready(path: str, address: str) -> None:
 
 
 def _prime_malloc() -> None:
-    """Free one large block so glibc raises its mmap threshold (to ~30 MB) now.
-
-    Below that threshold, request-sized blocks (zmq's receive buffers, push temporaries) come
-    from the heap and are reused; above it each is a fresh mmap whose every page faults in again
-    (the faults and time it costs a 100k-row d64 push: benchmarks/history/figures-from-the-code.md).
-    glibc raises the threshold
-    itself after the first such free, but only if one happens to come along.
-    """
-    block = torch.empty(30 << 20, dtype=torch.uint8)
-    del block
+    """Free one large block so glibc raises its mmap threshold (to ~30 MB) now, as it does after the
+    first such free if one comes along. Below that threshold, request-sized blocks (zmq's receive
+    buffers, push temporaries) come from the heap and are reused; above it each is a fresh mmap whose
+    every page faults in again (the cost for a 100k-row d64 push: benchmarks/history/figures-from-the-code.md)."""
+    torch.empty(30 << 20, dtype=torch.uint8)      # freed at once
 
 
 class BindError(OSError):

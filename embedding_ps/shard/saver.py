@@ -78,6 +78,7 @@ class BackgroundSaver:
             self._end("failed", error=f"{type(e).__name__}: {e}", write_s=time.perf_counter() - t0)
             raise
         self._end("done", write_s=info.get("write_s", time.perf_counter() - t0), bytes=info.get("bytes"))
+        logger.info("%s: saved to %s", self.name, directory)
         return {"shard": self.shard, "directory": directory, "background": False, "write_s": self._status["write_s"],
                 "bytes": self._status["bytes"]}
 
@@ -113,11 +114,10 @@ class BackgroundSaver:
         try:
             try:
                 info = snap.write(directory)
+                end = {"state": "done", "write_s": info["write_s"], "bytes": info["bytes"]}
             except Exception as e:     # reported through the status; the shard keeps serving
                 logger.exception("%s: background save to %s failed", self.name, directory)
                 end = {"state": "failed", "error": f"{type(e).__name__}: {e}", "write_s": time.perf_counter() - t0}
-            else:
-                end = {"state": "done", "write_s": info["write_s"], "bytes": info["bytes"]}
             stats = snap.stats()
             self._end(**end, **{k: stats.get(k) for k in _COW_KEYS})
         finally:

@@ -1,17 +1,11 @@
 """One PS shard's requests: `ShardServer` decodes a request, validates it, calls the shard's state
-(`embedding_ps.shard.state.ShardState`: rows, optimizer state, save/load) and the mode's gate
-(`embedding_ps.shard.gates`: `SyncGate` or `AsyncGate`, chosen at start), and encodes the reply
-(wire format: docs/wire.md). No sockets here: the loop that binds, parks the requests that must
-wait and retries them is `embedding_ps.shard.loop` (`recsys ps`). A bad request gets an error reply;
-the loop never dies on input.
-
-Rows travel on one path: PULL and PUSH carry the parts of several tables (a trainer's whole step
-for this shard); every part is validated before any is applied (a bad request changes nothing).
-A LOAD forgets every step (trainers restarted from a checkpoint count again from its step).
-SAVE (in sync mode, for step t: once no step < t is pending) writes the shard's files before
-replying, or with protocol.FLAG_BACKGROUND snapshots, replies and writes on a thread
-(`embedding_ps.shard.saver`). Shared-memory rows (FLAG_SHM, the NO_SHM answer): docs/wire.md; sync
-mode copies pushed gradients out of the segment (the gate keeps them).
+(`embedding_ps.shard.state.ShardState`) and the mode's gate (`embedding_ps.shard.gates`, chosen at
+start), and encodes the reply (frames, shared-memory rows, SAVE's flags: docs/wire.md). No sockets
+here: the loop that binds, parks the requests that must wait and retries them is
+`embedding_ps.shard.loop` (`recsys ps`). A bad request gets an error reply and changes nothing (every
+part of a PULL / PUSH is validated before any is applied); the loop never dies on input. A LOAD
+forgets every step (trainers restarted from a checkpoint count again from its step); a sync-mode SAVE
+for step t waits until no step < t is pending.
 
 Pushes and barriers are not idempotent: the shard keeps the replies of the last REPLAY_ENTRIES
 (client, request id) pairs and answers a retried request from that cache without applying it twice.
@@ -189,25 +183,6 @@ class ShardServer:
 
     # -- validation helpers -------------------------------------------------------------------
 
-    def _segment(self, h: P.Header, name: memoryview, nbytes: int) -> np.ndarray:
-        """uint8 [nbytes] view of the client's shared-memory segment `name`; NO_SHM if this shard
-        cannot open it (off here, another /dev/shm, another user), BAD_VALUE for a malformed name or size."""
-        what = f"{P.Op(h.op).name} with shared memory"
-        if self.shm is None:
-            raise P.ProtocolError(f"{what} refused: this shard does not take shared memory (ps.shared_memory "
-                                  f"is {self.config.shared_memory!r} here, or this host has no /dev/shm)",
-                                  P.Status.NO_SHM)
-        if len(name) > 128:
-            raise P.ProtocolError(f"{what}: segment name of {len(name)} bytes", P.Status.BAD_VALUE)
-        try:
-            seg = self.shm.attach(bytes(name), nbytes)
-        except OSError as e:         # e.g. FileNotFoundError: the client's /dev/shm is not this one
-            raise P.ProtocolError(f"{what}: segment not opened here ({e})", P.Status.NO_SHM) from None
-        except ValueError as e:
-            raise P.ProtocolError(f"{what}: {e}", P.Status.BAD_VALUE) from None
-        self.shm_requests += 1
-        return seg
-
     def _paths(self, h: P.Header, payload: list) -> tuple[str, str]:
         """(the directory a SAVE / LOAD names, this shard's directory under it); BAD_VALUE if that lies
         outside ps.storage_root once '..' and symlinks are resolved."""
@@ -223,9 +198,7 @@ class ShardServer:
             if not remote.within(self.storage_root, path):
                 raise P.ProtocolError(f"{what} of {path!r} refused: outside ps.storage_root {self.storage_root!r}",
                                       P.Status.BAD_VALUE)
-            return root, path
-        real = os.path.realpath(path)
-        if real != self.storage_root and not real.startswith(self.storage_root + os.sep):
+        elif (real := os.path.realpath(path)) != self.storage_root and not real.startswith(self.storage_root + os.sep):
             raise P.ProtocolError(f"{what} of {path!r} refused: it resolves to {real!r}, outside "
                                   f"ps.storage_root {self.storage_root!r}", P.Status.BAD_VALUE)
         return root, path
@@ -268,15 +241,27 @@ class ShardServer:
                            shm=shm, ids_in_seg=ids_in_seg,
                            bounds=list(zip(tables, itertools.accumulate([0, *counts[:-1]]), counts)))
 
-    def _attach(self, h: P.Header, req: RowsRequest, name: memoryview) -> None:
-        """With FLAG_SHM: open the client's segment `name`; the row data, and the ids and the trailer
-        when they travel there too, become views of it."""
+    def _attach(self, h: P.Header, req: RowsRequest, payload: list) -> None:
+        """With FLAG_SHM: open the client's segment (named by `payload[2]`); the row data, and the ids
+        and the trailer when they travel there too, become views of it. NO_SHM if this shard cannot
+        open it (off here, another /dev/shm, another user), BAD_VALUE for a malformed name or size."""
         if not req.shm:
             return
+        what = f"{P.Op(h.op).name} with shared memory"
+        if self.shm is None:
+            raise P.ProtocolError(f"{what} refused: this shard does not take shared memory (ps.shared_memory "
+                                  f"is {self.config.shared_memory!r} here, or this host has no /dev/shm)",
+                                  P.Status.NO_SHM)
         with_trailer = bool(h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY))
         # rows [| ids int64 [M] [| trailer]]
         nbytes = seg_bytes(req.nbytes, req.total, with_trailer) if req.ids_in_seg else req.nbytes
-        seg = self._segment(h, name, nbytes)
+        try:
+            seg = self.shm.attach(bytes(payload[2]), nbytes)
+        except OSError as e:         # e.g. FileNotFoundError: the client's /dev/shm is not this one
+            raise P.ProtocolError(f"{what}: segment not opened here ({e})", P.Status.NO_SHM) from None
+        except ValueError as e:
+            raise P.ProtocolError(f"{what}: {e}", P.Status.BAD_VALUE) from None
+        self.shm_requests += 1
         if req.ids_in_seg:
             req.ids = ids_view(seg, req.nbytes, req.total)
             if with_trailer:
@@ -291,23 +276,20 @@ class ShardServer:
                                   f"ps.max_frame_bytes = {self.config.max_frame_bytes}", P.Status.BAD_VALUE)
         if self.gate.must_wait(h.step):
             return DEFERRED
-        self._attach(h, req, payload[2] if req.shm else None)
+        self._attach(h, req, payload)
         self.gate.pulled(h.step)
-        if req.seg is not None and req.dtype == P.DType.FP32:
-            out = P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim)   # [M, D], the client's memory
-        else:
-            out = self.buffers.tensor(torch.float32, (req.total, h.dim))    # [M, D], a reused reply buffer
+        # [M, D] in the wire dtype: the client's segment or a reused reply buffer (fp32: gathered into it)
+        wire = (P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim) if req.seg is not None
+                else self.buffers.tensor(P.TORCH_DTYPES[req.dtype], (req.total, h.dim)))
+        out = wire if req.dtype == P.DType.FP32 else self.buffers.tensor(torch.float32, (req.total, h.dim))
         for t, a, n in req.bounds:
             if n:          # each part straight into its contiguous rows of `out`
                 self.state.pull(t, req.ids[a:a + n], h.step, out=out[a:a + n])
-        if req.dtype != P.DType.FP32:
-            wire = (P.frame_tensor(memoryview(req.seg), req.dtype, req.total, h.dim) if req.seg is not None
-                    else self.buffers.tensor(P.TORCH_DTYPES[req.dtype], (req.total, h.dim)))
-            out = wire.copy_(out)
+        if out is not wire:
+            wire.copy_(out)
         req.notify_done(h)     # the caller may take the rows now
-        if req.seg is not None:
-            return [h.reply().pack()]       # the rows are in the client's segment
-        return [h.reply().pack(), P.tensor_frame(out)]
+        # with shared memory the rows are in the client's segment
+        return [h.reply().pack()] if req.seg is not None else [h.reply().pack(), P.tensor_frame(wire)]
 
     def _push(self, h: P.Header, payload: list) -> list:
         """Every part's grads to the gate: applied now (async) or at the step's last barrier (sync)."""
@@ -319,7 +301,7 @@ class ShardServer:
         late = req.shm and bool(h.flags & P.FLAG_GRADS_LATE)     # the client writes the grads as this runs
         if late and (not req.ids_in_seg or req.dtype != P.DType.FP32):
             raise P.ProtocolError("PUSH: late grads need fp32 grads and the ids in the segment", P.Status.BAD_VALUE)
-        self._attach(h, req, payload[2] if req.shm else None)
+        self._attach(h, req, payload)
         if req.ids_in_seg and self.gate.holds_pushes:
             req.ids = req.ids.clone()          # kept past the reply: not the client's memory
         part_ids = [req.ids[a:a + n] for _, a, n in req.bounds]
@@ -384,11 +366,8 @@ class ShardServer:
             return DEFERRED
         self.save_root = root     # the directory the client named (SAVE_STATUS: "root")
         self.state.advance(h.step)    # global weight decay: the save writes rows decayed through step - 1
-        if h.flags & P.FLAG_BACKGROUND:
-            return self._json(h, self.saver.start(self.state, path, h.step))
-        reply = self.saver.save(self.state, path, h.step)
-        logger.info("%s: saved to %s", self.name, path)
-        return self._json(h, reply)
+        save = self.saver.start if h.flags & P.FLAG_BACKGROUND else self.saver.save
+        return self._json(h, save(self.state, path, h.step))
 
     def _save_status(self, h: P.Header, payload: list) -> list:
         return self._json(h, {**self.saver.status(), "root": self.save_root})
@@ -431,9 +410,5 @@ def _buf(frame: Any) -> memoryview:
 
 
 def _json_default(obj: Any) -> Any:
-    """What `json.dumps` writes for a tensor (its list), a numpy scalar (its value), anything else (its str)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "item"):        # numpy scalars
-        return obj.item()
-    return str(obj)
+    """What `json.dumps` writes for a tensor or numpy value (its list or scalar), anything else (its str)."""
+    return obj.tolist() if hasattr(obj, "tolist") else str(obj)

@@ -1,8 +1,7 @@
 """The one owner of a saved shard on disk: its name, its writer, its verified readers.
 
-Where a save goes: shard `i` of a save under `root` is `root/shard{i}` (`shard_dir`; every path
-of that form in the project comes from here, and `saved_shard_dirs(root)` lists them back).
-A saved shard is one directory (format 2)::
+Shard `i` of a save under `root` is `root/shard{i}` (`shard_dir`, the only maker of such paths;
+`saved_shard_dirs(root)` lists them back), one directory (format 2)::
 
     manifest.json        {"format_version": 2, "shard_index": i, "num_shards": n,
                           "tables": [{"layout": {...}, "meta": {...}, "arrays": [names]}, ...],
@@ -16,14 +15,12 @@ naming the file. Format 1 saves (no "files") still load, unchecked.
 
 Writing: a save is atomic: everything is written (and fsynced) into `<dir>.tmp-<pid>`, which is
 renamed into place; an older save at `<dir>` is replaced only then. A failed write removes its tmp dir.
-`ShardSnapshot` (from `ShardState.snapshot()`) holds copies of the small arrays and, per table, a
-`RowStream` (`embedding_ps.shard.cow`) that hands the slot-major arrays over chunk by chunk as they were
-at the snapshot (copy-on-write: bounded extra memory), so `write` runs without the lock, e.g. on a
-background thread while the shard serves. The files are the same bytes either way.
+`ShardSnapshot` (from `ShardState.snapshot()`) holds copies of the small arrays and each table's
+slot-major arrays as they were at the snapshot, handed over chunk by chunk (copy-on-write,
+`embedding_ps.shard.cow`), so `write` runs without the lock, e.g. on a background thread while the
+shard serves. The files are the same bytes either way.
 
-Reading: `SavedShard(dir)` reads and checks the manifest once; its `array` / `table_arrays` /
-`dump_table` return verified arrays (read into memory, or memory-mapped), `layout(t)` / `meta(t)`
-the table's saved fields. Every reader of a save (restore, re-sharding, export) goes through it.
+Reading: every reader of a save (restore, re-sharding, export) goes through `SavedShard`.
 """
 
 from __future__ import annotations

@@ -143,9 +143,8 @@ def check_request(h: Header, num_frames: int) -> Op:
     except ValueError:
         raise ProtocolError(f"unknown op {h.op}") from None
     payload = REQUEST_PAYLOADS[op] + (op == Op.PULL and bool(h.flags & FLAG_SHM))   # + the segment's name
-    want = 2 + payload
-    if num_frames != want:
-        raise ProtocolError(f"{op.name} request must have {want} frames (header, auth, "
+    if num_frames != 2 + payload:
+        raise ProtocolError(f"{op.name} request must have {2 + payload} frames (header, auth, "
                             f"{payload} payload), got {num_frames}")
     return op
 

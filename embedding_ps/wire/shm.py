@@ -49,9 +49,8 @@ SETTLE_GRACE_S = 0.0005
 
 def is_local(address: str) -> bool:
     """Whether a shard address (`tcp://host:port`, `ipc://path`) is on this host by its name (`is_loopback`)."""
-    if address.startswith("ipc://"):
-        return True
-    return address.startswith("tcp://") and is_loopback(address[len("tcp://"):].rsplit(":", 1)[0])
+    return address.startswith("ipc://") or (address.startswith("tcp://")
+                                             and is_loopback(address[len("tcp://"):].rsplit(":", 1)[0]))
 
 
 def ids_offset(rows_bytes: int) -> int:
