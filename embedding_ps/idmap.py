@@ -8,17 +8,11 @@ so every 64-bit key (0, negatives, int64 min/max) is storable. 12 bytes per buck
 Probing is linear (bucket C - 1 wraps to 0) from `home = ((splitmix64(key + GOLDEN) >> 32) * C) >> 32`,
 the top bits of a mix different from the shard hash (`shard_of` uses `splitmix64(key)`), so the
 ids that one shard holds still spread over all buckets; for C = 2**b it is the mix's top b bits.
-C is a power of two as the map grows by itself, or any multiple of 64 after `reserve(n)`, which
-sizes the map for n entries at exactly `max_load` (a table with a capacity hint: 12 / max_load
-bytes per entry, with no power-of-two rounding and no rehash until n).
+C is a power of two as the map grows by itself, or any multiple of 64 after `reserve(n)`.
 
 Every operation takes a whole batch of keys. The map grows (rehashes into twice the buckets) when
 live entries plus tombstones pass `max_load`, and rehashes in place when tombstones crowd it.
-Probes and inserts are `native.map_find` / `native.map_place`: one key at a time in C on the same
-arrays (an insert takes the first free bucket of its chain), or, where the library does not load,
-numpy probe rounds over every key still searching and inserts by scatter-then-verify (all
-candidates write their key, the last write wins, read it back, the losers probe on:
-`embedding_ps.reference`).
+Probes and inserts are `native.map_find` / `native.map_place` (C, or `embedding_ps.reference`'s numpy).
 
 `BoundedCounter` (at the end) counts sightings of ids that are not admitted yet, with a hard
 bound on how many ids it remembers.
@@ -81,8 +75,6 @@ class IdMap:
         if keys.shape != vals.shape:
             raise ValueError(f"IdMap.insert: {keys.shape[0]} keys but {vals.shape[0]} values")
         n = keys.shape[0]
-        if n == 0:
-            return
         if self._size + self._tombs + n > self.max_load * self.num_buckets:
             self._rehash(self._size + n)
         self._tombs -= native.map_place(self._keys, self._vals, keys, vals)   # takes free buckets, tombstones too
@@ -90,8 +82,7 @@ class IdMap:
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         """Remove keys int64 [N]; returns int32 [N]: the removed value, -1 where a key was absent."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        pos = native.map_find(self._keys, self._vals, keys, "pos", self.threads)   # bucket, -1 absent
+        pos = native.map_find(self._keys, self._vals, np.ascontiguousarray(keys, dtype=np.int64), "pos", self.threads)
         hit = pos >= 0
         out = np.where(hit, self._vals[pos], EMPTY)       # int32 [N]
         p = np.unique(pos[hit])  # duplicate keys in one call delete once
@@ -109,7 +100,8 @@ class IdMap:
 
     def reserve(self, n: int) -> None:
         """Room for `n` entries in all (live + tombstones) without a rehash, in the fewest buckets:
-        ceil(n / max_load) rounded up to a multiple of 64 (not a power of two). Never shrinks."""
+        ceil(n / max_load) rounded up to a multiple of 64 (not a power of two: a table with a capacity hint
+        costs 12 / max_load bytes per entry). Never shrinks."""
         buckets = -(-max(int(np.ceil(n / self.max_load)), 64) // 64) * 64
         self._reserved = max(self._reserved, buckets)
         if buckets > self.num_buckets:
@@ -126,10 +118,8 @@ class IdMap:
         return 2 * b if n > 0.75 * self.max_load * b else b
 
     def _alloc(self, buckets: int) -> None:
-        # Keys are only read where vals says occupied or tombstone, but their pages are written
-        # now: random inserts would fault them in one by one (slower inserts:
-        # benchmarks/history/figures-from-the-code.md), and a map at
-        # load >= 3/8 touches every page anyway.
+        # np.full, not np.zeros: the key pages are written now, not faulted in one by one by random inserts
+        # (slower: benchmarks/history/figures-from-the-code.md); a map at load >= 3/8 touches every page anyway
         self._keys = np.full(buckets, 0, dtype=np.int64)
         self._vals = np.full(buckets, EMPTY, dtype=np.int32)
         self._tombs = 0

@@ -1,13 +1,11 @@
 """The native library: one self-choosing function per hot operation, each running C when the
-library loads and its numpy/torch body (`embedding_ps.reference`) otherwise. Callers never ask
-which: they call `gather`, `map_find`, `update`, ... here and get the same values either way
+library loads and its numpy/torch body (`embedding_ps.reference`) otherwise, with the same values
 (tests compare the two paths; `update` is the one that can decline, see its docstring). The
 `sv_*` functions wrap the serving kernel, which has no per-operation twin.
 
-The library (`csrc/`, see `csrc/native.h`) is built by `embedding_ps.native_build` on first use;
-if there is no compiler or anything fails, one warning is logged and the reference bodies run.
-`threads` (`map_find`, `gather`, `init_bits`, `update`) is the shard's ps.threads (how the C
-splits the items: `csrc/ps.c`'s header); ctypes releases the GIL for the call.
+The library (`csrc/`, see `csrc/native.h`) is built by `embedding_ps.native_build` on first use
+(docs/performance.md, "The native library"). `threads` is the shard's ps.threads (how the C splits
+the items: `csrc/ps.c`'s header); ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
@@ -203,7 +201,7 @@ def gather(weights: torch.Tensor, slots: np.ndarray, out: torch.Tensor, threads:
     rows with slot < 0 are left untouched. Returns how many there were.
 
     decay_steps (int32 [C], global weight decay, `embedding_ps.shard.decay`): a row k = target -
-    decay_steps[slot] > 0 steps behind comes scaled by decay^k (`GlobalDecay.pulled`'s math)."""
+    decay_steps[slot] > 0 steps behind comes scaled by decay^k."""
     _check(slots, np.int32, "slots"), _check(out, torch.float32, "out")
     half = weights.dtype == torch.float16
     _check(weights, torch.float16 if half else torch.float32, "weights")

@@ -160,7 +160,7 @@ def decay_scales(decay: float, behind: np.ndarray) -> torch.Tensor:
 
 
 def scale_behind(rows: torch.Tensor, behind: np.ndarray, decay: float) -> None:
-    """rows float32 [N, D] in place: each row behind[i] = k > 0 steps behind times decay^k."""
+    """rows [N, D] (fp32, or fp16: scaled in fp32) in place: each row behind[i] = k > 0 steps behind times decay^k."""
     late = np.flatnonzero(behind > 0)
     if late.shape[0]:
         i = torch.from_numpy(late)
@@ -194,8 +194,12 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor, wake_fd: int = -1) -> bool
 
 
 def publish(flag: np.ndarray, value: int) -> None:
-    """flag int64 [1] = value (a plain store: ordered after earlier stores on x86's TSO)."""
+    """flag int64 [1] = value (a plain store: ordered after earlier stores on x86's TSO); as `notify`,
+    word int32 [1] = value: no futex to wake, a waiter sees it on its next poll."""
     flag[0] = value
+
+
+notify = publish
 
 
 def wait_flag(flag: np.ndarray, want: int, timeout_s: float) -> int:
@@ -204,11 +208,6 @@ def wait_flag(flag: np.ndarray, want: int, timeout_s: float) -> int:
     while (got := int(flag[0])) not in (want, -want) and time.monotonic() < end:
         os.sched_yield()
     return got
-
-
-def notify(word: np.ndarray, value: int) -> None:
-    """word int32 [1] = value: no futex to wake; a waiter sees it on its next poll."""
-    word[0] = value
 
 
 def wait_word(word: np.ndarray, timeout_s: float) -> int:

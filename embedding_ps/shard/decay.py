@@ -124,17 +124,12 @@ class GlobalDecay:
         """A save's chunk {"weights": [n, D], "decay_step": int32 [n], ...} (writable copies) with the
         weights caught up through `target` in place. None (an unset clock): the rows as they are, with
         the decay steps they had then (0; a push after a snapshot may have fixed the live ones since)."""
-        if target is None:
-            chunk["decay_step"][:] = 0
-            return chunk
         d = chunk["decay_step"]
-        k = target - d.astype(np.int64)
-        late = np.flatnonzero(k > 0)
-        if late.shape[0]:
-            w = chunk["weights"]
-            scaled = w[late].astype(np.float32) * decay_scales(self.factor, k[late]).numpy()[:, None]
-            w[late] = scaled.astype(w.dtype)
-            d[late] = target
+        if target is None:
+            d[:] = 0
+        else:      # fp16 rows are scaled in fp32 and rounded once
+            scale_behind(torch.from_numpy(chunk["weights"]), target - d.astype(np.int64), self.factor)
+            np.maximum(d, target, out=d)
         return chunk
 
 

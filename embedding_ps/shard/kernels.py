@@ -1,17 +1,11 @@
 """The shard's update kernels: `TableConfig.kernel` resolved per table, and fbgemm's fused CPU update.
 
-Kernels (`TableConfig.kernel`):
-
-    native   (default) the shard's own update: `csrc/ps.c`'s ps_update (sgd, adagrad, rowwise_adagrad)
-             when the C library is loaded, else the vectorized torch of `optim.py` (always for adam, ftrl)
-    fbgemm   fbgemm's fused CPU TBE backward (sgd, adagrad, rowwise_adagrad, as the C update: no Adam,
-             LAMB or FTRL on CPU), `fbgemm_update` below, only when a table asks for it
-    auto, torch   older names of `native`: configs that name them keep loading
-
-`resolve` turns a table's config into a concrete one once, when the table is made
-(`TableShard.__init__`): kernel "native" or "fbgemm", so the push path only sees those two. Why one
-default, the native update, and fbgemm only on a table's request (the faster path depends on the CPU):
-docs/performance.md, "The update kernel of a table"; BENCHMARKS.md, "benchmarks/ps_table.py".
+`resolve` turns a table's kernel into "native" (`csrc/ps.c`'s ps_update for sgd, adagrad and
+rowwise_adagrad when the C library is loaded, else the vectorized torch of `optim.py`) or "fbgemm"
+(`fbgemm_update` below: the same three, no Adam, LAMB or FTRL on CPU; "auto" and "torch" are older
+names of "native") once, when the table is made (`TableShard.__init__`), so the push path only sees
+those two. Why native is the default and fbgemm only on a table's request: docs/performance.md, "The
+update kernel of a table"; BENCHMARKS.md, "benchmarks/ps_table.py".
 
 `fbgemm_update` calls the CPU backward op of fbgemm's table-batched embedding (TBE) directly,
 with one table whose rows are our slot-major `weights` [C, D] and one bag per unique slot (SUM
@@ -52,11 +46,8 @@ def fbgemm_available() -> bool:
 
 
 def resolve(cfg: TableConfig, native_loaded: bool) -> tuple[TableConfig, str]:
-    """(cfg with the concrete kernel "native" or "fbgemm", a line naming the update that runs).
-
-    Called once per table (`TableShard.__init__`); a resolved config resolves to itself.
-    `native_loaded`: the C library is loaded.
-    """
+    """(cfg with the concrete kernel "native" or "fbgemm", a line naming the update that runs); a resolved
+    config resolves to itself. `native_loaded`: the C library is loaded."""
     if cfg.kernel == "fbgemm":
         return cfg, "fbgemm (configured)"
     if not native_loaded:

@@ -119,8 +119,7 @@ def _adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g
              tmp: torch.Tensor) -> torch.Tensor:
     h = torch.index_select(st["sum_sq"], 0, slots, out=tmp).addcmul_(g, g)  # [U, D]
     st["sum_sq"].index_copy_(0, slots, h)
-    denom = h.sqrt_().add_(cfg.eps)
-    return torch.div(g, denom, out=tmp).mul_(-cfg.lr)
+    return torch.div(g, h.sqrt_().add_(cfg.eps), out=tmp).mul_(-cfg.lr)
 
 
 def _rowwise_adagrad(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor,
@@ -150,18 +149,17 @@ def _adam(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: t
 
 
 def _ftrl(cfg: TableConfig, w: torch.Tensor, st: dict, slots: torch.Tensor, g: torch.Tensor, tmp: torch.Tensor) -> None:
-    alpha = cfg.lr
     rows = w.index_select(0, slots).float()  # [U, D]
     z = st["z"].index_select(0, slots)
     n = st["n"].index_select(0, slots)
     n_new = torch.addcmul(n, g, g)
     sqrt_n_new = n_new.sqrt()
-    sigma = (sqrt_n_new - n.sqrt_()).div_(alpha)
+    sigma = (sqrt_n_new - n.sqrt_()).div_(cfg.lr)
     z.add_(g).sub_(sigma.mul_(rows))
     st["z"].index_copy_(0, slots, z)
     st["n"].index_copy_(0, slots, n_new)
     shrunk = z - torch.sign(z) * cfg.ftrl_l1
-    new_w = shrunk.neg_().div_(sqrt_n_new.add_(cfg.ftrl_beta).div_(alpha).add_(cfg.ftrl_l2))
+    new_w = shrunk.neg_().div_(sqrt_n_new.add_(cfg.ftrl_beta).div_(cfg.lr).add_(cfg.ftrl_l2))
     new_w.masked_fill_(z.abs() <= cfg.ftrl_l1, 0.0)
     w.index_copy_(0, slots, new_w.to(w.dtype))
 

@@ -74,14 +74,12 @@ def finite_rows(config: PSConfig, tables: list[int], counts: list[int], grads: t
         return None
     if config.on_nonfinite == "skip":
         return finite
-    bad = int((~finite).sum())
-    first = int((~finite).nonzero()[0])
+    bad = ~finite
+    first = int(bad.nonzero()[0])
     part = int(np.searchsorted(np.cumsum(counts), first, side="right"))     # the part holding row `first`
-    start = sum(counts[:part])
-    name = config.tables[tables[part]].name
-    raise P.ProtocolError(f"PUSH: {bad} row(s) with NaN or infinite gradients (first: part {part}, table "
-                          f"{name!r}, row {first - start}); nothing applied (ps.on_nonfinite = 'error')",
-                          P.Status.BAD_VALUE)
+    raise P.ProtocolError(f"PUSH: {int(bad.sum())} row(s) with NaN or infinite gradients (first: part {part}, table "
+                          f"{config.tables[tables[part]].name!r}, row {first - sum(counts[:part])}); nothing "
+                          "applied (ps.on_nonfinite = 'error')", P.Status.BAD_VALUE)
 
 
 __all__ = ["GRADS_WAIT_S", "WRITER_CHECK_S", "finite_rows", "wait_late"]

@@ -69,10 +69,6 @@ class ShardState:
         """
         t = self._table(table)
         ids = self._ids(table, ids)
-        if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (ids.shape[0], t.cfg.dim)
-                                or not out.is_contiguous()):
-            raise ValueError(f"shard {self.shard_index} table {table}: out must be contiguous float32 "
-                             f"[{ids.shape[0]}, {t.cfg.dim}], got {out.dtype} {list(out.shape)}")
         with self._lock:
             return t.pull(keys_of(ids, t.cfg), step, out)
 
@@ -140,33 +136,27 @@ class ShardState:
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict[str, int | float]:
         """Flat stats: `<table name>/<key>` for every table, plus totals `rows` and `bytes`."""
-        out: dict[str, int | float] = {"rows": 0, "bytes": 0}
         with self._lock:
-            for t in self.tables:
-                s = t.stats()
-                out["rows"] += s["rows"]
-                out["bytes"] += s["bytes"]
-                out.update({f"{t.cfg.name}/{k}": v for k, v in s.items()})
+            per_table = [(t.cfg.name, t.stats()) for t in self.tables]
+        out = {total: sum(s[total] for _, s in per_table) for total in ("rows", "bytes")}
+        out.update({f"{name}/{k}": v for name, s in per_table for k, v in s.items()})
         return out
 
     def dump_table(self, table: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """`TableShard.dump` of table `table`: keys (raw ids for `dynamic` tables, hashed row indices for
         `hashed` ones), rows, per-row state."""
-        t = self._table(table)
         with self._lock:
-            return t.dump()
+            return self._table(table).dump()
 
     def eviction_log(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys int64 [E], steps int64 [E]) evicted since the last truncation, oldest first."""
-        t = self._table(table)
         with self._lock:
-            return t.eviction_log()
+            return self._table(table).eviction_log()
 
     def truncate_eviction_log(self, table: int, through_step: int) -> None:
         """Forget the eviction records of steps <= through_step (after a delta export read them)."""
-        t = self._table(table)
         with self._lock:
-            t.truncate_eviction_log(through_step)
+            self._table(table).truncate_eviction_log(through_step)
 
     def load_dump(self, table: int, keys: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor],
                   step: int = 0) -> int:

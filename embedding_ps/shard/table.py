@@ -7,10 +7,9 @@ int64, `count << 32 | last_seen`: one random access per pushed row instead of tw
 LFU eviction order (count, then last_seen) is simply the order of `meta`. A table with
 `row_counters = false` has no `meta` (8 bytes a row less; nothing that reads it is configured).
 Capacity C doubles when slots run out; the spare part is allocated with `torch.empty` and never
-written until used, so untouched pages cost no resident memory. With a `capacity` hint the slot
-arrays and the id map are sized for this shard's share up front (`reserve_rows`): no doubling
-of the map and no regrow (which holds old and new arrays at once) on the way there.
-Evicted slots go on a free stack and are reused first.
+written until used, so untouched pages cost no resident memory. A `capacity` hint sizes the slot
+arrays and the id map for this shard's share up front (`reserve_rows`; docs/performance.md, "Large
+tables": no regrow, which holds old and new arrays at once). Evicted slots go on a free stack and are reused first.
 
 Keys are what `sharding.keys_of` returns: the raw id for `dynamic` tables, the hashed row index
 for `hashed` ones. Row init is `init.init_rows(key, ...)`, a pure function of (seed, key).
@@ -73,8 +72,8 @@ def reserve_rows(cfg: TableConfig, num_shards: int) -> int:
 class TableShard:
     """The rows of one table that one shard owns. Not thread-safe: `ShardState` serializes calls."""
 
-    def __init__(self, cfg: TableConfig, where: str = "", threads: int = 1, num_shards: int = 1) -> None:
-        self.where = where or f"table {cfg.name!r}"
+    def __init__(self, cfg: TableConfig, where: str, threads: int, num_shards: int) -> None:
+        self.where = where
         # the kernel resolved once, to "native" or "fbgemm": all the push path sees
         self.cfg, why = kernels.resolve(cfg, native.available())
         # the default, native, at debug level: a job or an eval with many tables logs one line each
@@ -138,11 +137,9 @@ class TableShard:
         # one pass copies (widens fp16, catches up global decay) the rows that exist
         decay = (self.decay_step, target, self.decay.factor) if target is not None else (None, 0, 1.0)
         if native.gather(self.weights, snp, out, self.threads, *decay) != 0:   # keys without a row
-            miss = torch.from_numpy(snp < 0)
-            if self.cfg.unadmitted == "zeros":
-                out[miss] = 0.0
-            else:
-                out[miss] = init_rows(keys[miss], self.cfg.dim, self.cfg.seed, self.cfg.init, self.cfg.init_scale)
+            cfg, miss = self.cfg, torch.from_numpy(snp < 0)
+            out[miss] = 0.0 if cfg.unadmitted == "zeros" else init_rows(keys[miss], cfg.dim, cfg.seed, cfg.init,
+                                                                        cfg.init_scale)
         return out
 
     def push(self, keys: torch.Tensor, grads: torch.Tensor, step: int, slots: np.ndarray | None = None) -> None:
@@ -164,9 +161,7 @@ class TableShard:
                     return
                 slots, grads = slots[ok], grads[torch.from_numpy(ok)]
         # each slot once, its grads summed in arrival order (`native.merge_rows`); duplicates (e.g. sync mode: the
-        # step's pushes of all trainers) are found with a bitmap over the slots, kept all zero between calls
-        if self._dupbits.shape[0] * 8 < self.cap:
-            self._dupbits = np.zeros((self.cap + 7) // 8, dtype=np.uint8)
+        # step's pushes of all trainers) are found with a bitmap over the slots (`_dupbits`)
         if native.has_duplicates(slots, self._dupbits):
             slots, grads = native.merge_rows(slots, grads.contiguous())
         cfg = self.cfg
@@ -182,12 +177,9 @@ class TableShard:
 
     def _push_torch(self, u: torch.Tensor, g: torch.Tensor, step: int) -> None:
         """`optim.apply_update` of unique slots u int64 [U] and the row counters (adam, ftrl, fbgemm)."""
-        if self._scratch.numel() < g.numel():
-            scratch = torch.empty(g.numel())
-            if g.numel() <= _MAX_SCRATCH:  # keep it for the next push unless it is huge
-                self._scratch = scratch
-        else:
-            scratch = self._scratch
+        scratch = self._scratch if self._scratch.numel() >= g.numel() else torch.empty(g.numel())
+        if g.numel() <= _MAX_SCRATCH:  # keep it for the next push unless it is huge
+            self._scratch = scratch
         apply_update(self.ucfg, self.weights, self.state, u, g, scratch[: g.numel()].view(g.shape))
         if self.meta is None:
             return
@@ -203,45 +195,35 @@ class TableShard:
 
     # ------------------------------------------------------------------ admission / allocation
     def _admit_missing(self, knp: np.ndarray, slots: np.ndarray, miss: np.ndarray, step: int) -> None:
-        """Give rows to the missing keys that pass admission; writes their slots into `slots` [N]."""
+        """Give rows to the missing keys that pass admission (the module doc); writes their slots into `slots` [N]."""
+        cfg = self.cfg
         mk, inv = knp[miss], None
         if has_duplicates(mk):  # the same new id twice in one push
             mk, inv = np.unique(mk, return_inverse=True)
-        admit = self._admission(mk, step)
-        if not admit.any():
-            return
-        new = np.full(mk.shape[0], -1, dtype=np.int32)
-        new[admit] = self._allocate(mk[admit], step)
-        slots[miss] = new if inv is None else new[inv]
-
-    def _admission(self, keys: np.ndarray, step: int) -> np.ndarray:
-        """Distinct missing keys int64 [K] -> bool [K]: admitted on this push."""
-        cfg = self.cfg
-        need = max(cfg.min_count, 1)
-        counted = np.ones(keys.shape[0], dtype=bool)
+        admit = np.ones(mk.shape[0], dtype=bool)  # this sighting counts
         if cfg.admit_probability < 1.0:     # the coin of (table seed, key, step): a float64 in [0, 1)
-            z = splitmix64_np(keys.view(np.uint64) ^ np.uint64(self._admit_key))
+            z = splitmix64_np(mk.view(np.uint64) ^ np.uint64(self._admit_key))
             z += np.uint64((step * GOLDEN) & (2**64 - 1))
-            counted = (splitmix64_np(z) >> np.uint64(11)).astype(np.float64) * 2.0**-53 < cfg.admit_probability
-        if need == 1:
-            return counted
-        counts = np.zeros(keys.shape[0], dtype=np.int32)
-        counts[counted] = self.pending.add(keys[counted], step)
-        admit = counts >= need
+            admit = (splitmix64_np(z) >> np.uint64(11)).astype(np.float64) * 2.0**-53 < cfg.admit_probability
+        if cfg.min_count > 1:
+            counts = np.zeros(mk.shape[0], dtype=np.int32)
+            counts[admit] = self.pending.add(mk[admit], step)
+            admit = counts >= cfg.min_count
+            if admit.any():
+                self.pending.remove(mk[admit])
         if admit.any():
-            self.pending.remove(keys[admit])
-        return admit
+            new = np.full(mk.shape[0], -1, dtype=np.int32)
+            new[admit] = self._allocate(mk[admit], step)
+            slots[miss] = new if inv is None else new[inv]
 
     def _allocate(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Distinct absent keys int64 [K] -> their new slots int32 [K], rows and state initialised."""
-        k = keys.shape[0]
-        take = min(k, self.nfree)
+        take = min(keys.shape[0], self.nfree)
         reuse = self.free[self.nfree - take : self.nfree][::-1].copy()
         self.nfree -= take
-        fresh = k - take
-        if self.hwm + fresh > self.cap:
-            self._grow(self.hwm + fresh)
-        lo, hi = self.hwm, self.hwm + fresh
+        lo, hi = self.hwm, self.hwm + keys.shape[0] - take     # fresh slots
+        if hi > self.cap:
+            self._grow(hi)
         slots = np.concatenate([reuse, np.arange(lo, hi, dtype=np.int32)])
         self.hwm = hi
         cfg = self.cfg
@@ -258,7 +240,7 @@ class TableShard:
                 t.index_fill_(0, r, fill)
                 t[lo:hi] = fill
         self.map.insert(keys, slots)
-        self.totals["admitted"] += k
+        self.totals["admitted"] += keys.shape[0]
         return slots
 
     def _grow(self, need: int) -> None:
@@ -269,6 +251,7 @@ class TableShard:
         for name, t in self.state.items():
             self.state[name] = _regrow(t, cap, self.hwm)
         self.cap = cap
+        self._dupbits = np.zeros((cap + 7) // 8, dtype=np.uint8)
         logger.debug("%s: capacity %d rows", self.where, cap)
 
     # ------------------------------------------------------------------ eviction
@@ -286,7 +269,7 @@ class TableShard:
         self.free[self.nfree : self.nfree + n] = slots
         self.nfree += n
         self.totals[f"evicted_{reason}"] += n
-        self.evlog.append((keys.copy(), step))
+        self.evlog.append((keys, step))     # keys[order]: a new array
         self.evlog_len += n
         while self.evlog_len > self.cfg.eviction_log_max and self.evlog:
             old_keys, old_step = self.evlog.pop(0)
@@ -400,8 +383,7 @@ class TableShard:
         arrays = {"free": self.free[: self.nfree].copy() if copy else self.free[: self.nfree]}
         arrays["map_keys"], arrays["map_slots"] = self.map.items()
         arrays.update({f"pending.{name}": a for name, a in self.pending.state().items()})
-        log_keys, log_steps = self.eviction_log()
-        arrays["evlog_keys"], arrays["evlog_steps"] = log_keys.numpy(), log_steps.numpy()
+        arrays["evlog_keys"], arrays["evlog_steps"] = (t.numpy() for t in self.eviction_log())
         meta = {"hwm": self.hwm, "capacity": self.cap, "evlog_lost_through": self.evlog_lost_through,
                 "pending_dropped": self.pending.dropped}
         meta.update(self.totals)
@@ -419,10 +401,8 @@ class TableShard:
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """The slot-major tensors [C, ...]: weights, each optimizer state, the counters."""
-        out = {"weights": self.weights}
-        out.update({f"state.{name}": t for name, t in self.state.items()})
-        out.update({name: t for name, t in zip(_COUNTERS, (self.meta, self.decay_step)) if t is not None})
-        return out
+        counters = {name: t for name, t in zip(_COUNTERS, (self.meta, self.decay_step)) if t is not None}
+        return {"weights": self.weights, **{f"state.{name}": t for name, t in self.state.items()}, **counters}
 
     def from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, int]) -> None:
         """Replace all state with a saved table's: `to_arrays`' and the slot-major arrays (copied)."""
@@ -449,8 +429,7 @@ class TableShard:
                       if k.shape[0]]
         self.evlog_len = int(log_keys.shape[0])
         self.evlog_lost_through = int(meta["evlog_lost_through"])
-        for key in self.totals:
-            self.totals[key] = int(meta[key])
+        self.totals = {key: int(meta[key]) for key in self.totals}
         if self.decay is not None:
             self.decay.loaded(meta, "decay_step" in arrays)
 
@@ -473,6 +452,5 @@ class TableShard:
 def _regrow(t: torch.Tensor, cap: int, keep: int) -> torch.Tensor:
     """A tensor of `cap` rows (spare rows untouched, so not resident) holding t's first `keep` rows."""
     new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype)
-    if keep:
-        new[:keep].copy_(t[:keep])
+    new[:keep].copy_(t[:keep])
     return new
