@@ -39,10 +39,12 @@ ArrayLike = torch.Tensor | np.ndarray
 # Exact metrics
 
 
-def _pair(labels: ArrayLike, scores: ArrayLike) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels, scores -> float64 CPU tensors [N], checked: same length, N > 0, labels in {0, 1}."""
-    y = torch.as_tensor(labels).detach().to("cpu", torch.float64).reshape(-1)   # [N]
-    s = torch.as_tensor(scores).detach().to("cpu", torch.float64).reshape(-1)   # [N]
+def _pair(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """labels, scores (, weights) -> float64 CPU tensors [N] (weights None stays None), checked: same
+    length, N > 0, labels in {0, 1}, weights finite and >= 0."""
+    y, s, w = (None if x is None else torch.as_tensor(x).detach().to("cpu", torch.float64).reshape(-1)
+               for x in (labels, scores, weights))                                # [N] each
     if y.numel() != s.numel():
         raise ValueError(f"labels and scores differ in length: {y.numel()} vs {s.numel()}")
     if y.numel() == 0:
@@ -50,7 +52,12 @@ def _pair(labels: ArrayLike, scores: ArrayLike) -> tuple[torch.Tensor, torch.Ten
     if not bool(((y == 0) | (y == 1)).all()):
         bad = y[(y != 0) & (y != 1)][:5].tolist()
         raise ValueError(f"labels must be 0 or 1, got values such as {bad}")
-    return y, s
+    if w is not None and w.numel() != y.numel():
+        raise ValueError(f"weights and labels differ in length: {w.numel()} vs {y.numel()}")
+    if w is not None and not bool((torch.isfinite(w) & (w >= 0)).all()):
+        bad = w[~torch.isfinite(w) | (w < 0)][:5].tolist()
+        raise ValueError(f"weights must be finite and >= 0, got values such as {bad}")
+    return y, s, w
 
 
 def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> float:
@@ -61,8 +68,8 @@ def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) 
     only finite. NaN (with a warning) when every label is the same: with no positive-negative pair
     the AUC is undefined. With `weights` [N] (>= 0) a pair counts w_pos * w_neg, else 1.
     """
-    y, s = _pair(labels, scores)
-    w = torch.ones_like(y) if weights is None else _weights(weights, y)
+    y, s, w = _pair(labels, scores, weights)
+    w = torch.ones_like(y) if w is None else w
     _, inverse = torch.unique(s, sorted=True, return_inverse=True)
     pos, neg = torch.bincount(inverse, w * y), torch.bincount(inverse, w * (1 - y))   # [G] per distinct score
     value = _auc_of_groups(pos, neg)
@@ -80,17 +87,6 @@ def _auc_of_groups(pos: torch.Tensor, neg: torch.Tensor) -> float:
         return math.nan
     wins = (pos * (torch.cumsum(neg, 0) - 0.5 * neg)).sum()             # negatives below, half the tied ones
     return float(wins) / (num_pos * num_neg)
-
-
-def _weights(weights: ArrayLike, y: torch.Tensor) -> torch.Tensor:
-    """weights -> float64 CPU [N], checked against labels y [N]: same length, finite, >= 0."""
-    w = torch.as_tensor(weights).detach().to("cpu", torch.float64).reshape(-1)  # [N]
-    if w.numel() != y.numel():
-        raise ValueError(f"weights and labels differ in length: {w.numel()} vs {y.numel()}")
-    ok = torch.isfinite(w) & (w >= 0)
-    if not bool(ok.all()):
-        raise ValueError(f"weights must be finite and >= 0, got values such as {w[~ok][:5].tolist()}")
-    return w
 
 
 def _sums(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,14 +160,13 @@ class StreamingAUC:
     def update(self, labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> None:
         """Add a batch: labels {0, 1} [N], scores in [0, 1] [N] (ValueError outside: pass sigmoid(logits)),
         optional weights [N] >= 0 (each example counts that much instead of 1)."""
-        y, s = _pair(labels, scores)
+        y, s, w = _pair(labels, scores, weights)
         lo, hi = float(s.min()), float(s.max())
         if not (0.0 <= lo and hi <= 1.0):   # also catches NaN
             raise ValueError(f"StreamingAUC needs scores in [0, 1], got min {lo} max {hi}; pass probabilities")
         K = self.num_buckets
         bucket = (s * K).long().clamp_(max=K - 1)                        # [N], a score of 1.0 -> K-1
         flat = y.long() * K + bucket                                      # [N] index into hist.view(-1)
-        w = None if weights is None else _weights(weights, y)
         self.hist += torch.bincount(flat, weights=w, minlength=2 * K).view(2, K).to(torch.float64)
 
     def merge(self, other: StreamingAUC) -> StreamingAUC:
@@ -213,24 +208,18 @@ class CTRMetrics:
         self.streaming_auc = StreamingAUC(num_buckets)
         self.exact_auc = exact_auc
         self.weighted = weighted
-        self._labels: list[torch.Tensor] = []
-        self._scores: list[torch.Tensor] = []
-        self._weights: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor] = []          # exact_auc: per update [labels, scores(, weights)] [2 | 3, N]
 
     def update(self, labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> None:
         """Add a batch: labels {0, 1} [N], scores (probabilities) [N], weights [N] (>= 0) when weighted."""
         if (weights is not None) != self.weighted:
             raise ValueError(f"CTRMetrics(weighted={self.weighted}).update needs weights "
                              f"{'[N]' if self.weighted else 'None'}")
-        y, s = _pair(labels, scores)
-        w = None if weights is None else _weights(weights, y)
+        y, s, w = _pair(labels, scores, weights)
         self.streaming_auc.update(y, s, w)                                # also checks 0 <= s <= 1
         self.sums += _sums(y, s, w)
         if self.exact_auc:
-            self._labels.append(y)
-            self._scores.append(s)
-            if w is not None:
-                self._weights.append(w)
+            self._kept.append(torch.stack([y, s] if w is None else [y, s, w]))
 
     def merge(self, other: CTRMetrics) -> CTRMetrics:
         """Add `other`'s state into this one; returns self."""
@@ -238,9 +227,7 @@ class CTRMetrics:
             raise ValueError("cannot merge CTRMetrics with and without exact_auc / weighted")
         self.sums += other.sums
         self.streaming_auc.merge(other.streaming_auc)
-        self._labels += other._labels
-        self._scores += other._scores
-        self._weights += other._weights
+        self._kept += other._kept
         return self
 
     def reduced(self) -> CTRMetrics:
@@ -252,38 +239,26 @@ class CTRMetrics:
         out = copy.deepcopy(self)
         if not is_distributed():
             return out
-        K = self.streaming_auc.num_buckets
         S = self.sums.numel()
         total = all_reduce(torch.cat([self.sums, self.streaming_auc.hist.view(-1)]))   # [S + 2K]
-        out.sums = total[:S].clone()
-        out.streaming_auc.hist = total[S:].view(2, K).clone()
+        out.sums, out.streaming_auc.hist = total[:S].clone(), total[S:].view(2, -1).clone()
         if self.exact_auc:
-            def gathered(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-                mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-                return [torch.cat(all_gather_parts(mine))]
-
-            out._labels, out._scores = gathered(self._labels), gathered(self._scores)
-            if self.weighted:
-                out._weights = gathered(self._weights)
+            k = 3 if self.weighted else 2
+            mine = torch.cat(self._kept, dim=1) if self._kept else torch.zeros(k, 0, dtype=torch.float64)   # [k, N]
+            out._kept = [torch.cat([p.view(k, -1) for p in all_gather_parts(mine.reshape(-1))], dim=1)]
         return out
 
     def compute(self) -> dict[str, float]:
         """{"auc", "logloss", "ne", "calibration", "count"} of what was added here (see `reduced`)."""
         if self.sums[4] == 0:
             raise ValueError("CTRMetrics.compute: no examples were added")
-        if self.exact_auc:
-            auc_value = auc(torch.cat(self._labels), torch.cat(self._scores),
-                            torch.cat(self._weights) if self.weighted else None)
-        else:
-            auc_value = self.streaming_auc.compute()
+        auc_value = auc(*torch.cat(self._kept, dim=1)) if self.exact_auc else self.streaming_auc.compute()
         return {"auc": auc_value, **_of_sums(self.sums)}
 
     def reset(self) -> None:
         self.sums.zero_()
         self.streaming_auc.hist.zero_()
-        self._labels.clear()
-        self._scores.clear()
-        self._weights.clear()
+        self._kept.clear()
 
 
 def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,

@@ -51,10 +51,9 @@ class DCN(CTRModel):
     """DCN-v2 on the concatenation of the dense features and the flattened embeddings.
 
     Args:
-        config: `model.num_cross_layers`, `model.dcn_structure` (`stacked` | `parallel`),
-            `model.top_mlp` (the deep part's widths), `model.dropout`, `model.norm`
-            (in the deep MLP; the cross net has none). `model.bottom_mlp` is
-            not used: the dense features enter the cross net as they are, as in the paper.
+        config: `model.num_cross_layers`, `model.dcn_structure` (`stacked` | `parallel`), `model.top_mlp`
+            (the deep part's widths), `model.dropout`, `model.norm` (in the deep MLP; the cross net has
+            none). `model.bottom_mlp` is not used: the dense features enter the cross net as they are, as in the paper.
         num_dense: Dn.
         num_sparse: F.
         embedding_dim: D.

@@ -50,10 +50,9 @@ class AttentionUnit(nn.Module):
         q = query.unsqueeze(1).expand_as(keys)                               # [B, L, D]
         x = torch.cat([q, keys, q - keys, q * keys], dim=2)                  # [B, L, 4D]
         score = self.out(self.mlp(x)).squeeze(2)                             # [B, L]
-        m = mask.to(score.dtype)                                             # [B, L]
         if self.softmax:   # a large negative, not -inf: an all-padding row stays finite (then zeroed)
             score = torch.softmax(score.masked_fill(~mask, -1e9), dim=1)     # [B, L]
-        weights = score * m                                                  # [B, L], 0 at padding
+        weights = score * mask.to(score.dtype)                               # [B, L], 0 at padding
         interest = torch.bmm(weights.unsqueeze(1), keys).squeeze(1)          # [B, D]
         return interest, weights
 

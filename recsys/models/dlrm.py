@@ -113,9 +113,8 @@ class DLRM(CTRModel):
     """The dense part of DLRM: DenseArch, InteractionArch and OverArch put together.
 
     Args:
-        config: `model.bottom_mlp` (its last width must equal `embedding_dim`; empty: derived from
-            it, `default_bottom_mlp`), `model.top_mlp`,
-            `model.dropout`, `model.norm` (in both MLPs).
+        config: `model.bottom_mlp` (its last width must equal `embedding_dim`; empty: derived from it,
+            `default_bottom_mlp`), `model.top_mlp`, `model.dropout`, `model.norm` (in both MLPs).
         num_dense: Dn; 0: no bottom MLP, the embeddings interact among themselves (module docstring).
         num_sparse: F, the number of pooled embeddings per example.
         embedding_dim: D.

@@ -58,17 +58,6 @@ _STATE_COPIES = {"sgd": 0, "adagrad": 1, "adam": 2}
 # which tables, and their vocabularies
 
 
-def table_columns(cfg: JobConfig) -> dict[str, list[str]]:
-    """Table name -> the data.sparse_columns that read it (embedding and first-order lookups)."""
-    from recsys.models import build_sparse_arch      # models/__init__ imports this module
-
-    cols = cfg.data.sparse_columns
-    out: dict[str, list[str]] = {}
-    for plan in build_sparse_arch(cfg).plans:
-        out.setdefault(plan.name, []).extend(cols[f] for f in plan.features)
-    return {k: list(dict.fromkeys(v)) for k, v in out.items()}
-
-
 def table_bytes(tc: TableConfig, rows: int) -> int:
     """fp32 bytes a replicated table takes on a trainer: weight, gradient and optimizer state."""
     per_row = tc.dim * (2 + _STATE_COPIES.get(tc.optimizer, 0)) + (1 if tc.optimizer == "rowwise_adagrad" else 0)
@@ -76,18 +65,20 @@ def table_bytes(tc: TableConfig, rows: int) -> int:
 
 
 def vocabularies(cfg: JobConfig, names: Iterable[str]) -> dict[str, np.ndarray]:
-    """Table name -> sorted distinct ids [R] of the columns that read it, over data.train_paths."""
+    """Table name -> sorted distinct ids [R] of the data.sparse_columns that read it (embedding and
+    first-order lookups), over data.train_paths."""
+    from recsys.models import build_sparse_arch      # models/__init__ imports this module
+
     names = list(names)
     if not names:
         return {}
-    by_table = table_columns(cfg)
-    columns = sorted({c for n in names for c in by_table.get(n, [])})
+    by_table: dict[str, set[str]] = {}
+    for plan in build_sparse_arch(cfg).plans:
+        by_table.setdefault(plan.name, set()).update(cfg.data.sparse_columns[f] for f in plan.features)
+    columns = sorted({c for n in names for c in by_table.get(n, ())})
     per_column = distinct_ids(cfg.data, cfg.data.train_paths, columns)
-    out = {}
-    for n in names:
-        parts = [per_column[c] for c in by_table.get(n, [])]
-        out[n] = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-    return out
+    parts = {n: [per_column[c] for c in by_table.get(n, ())] for n in names}
+    return {n: np.unique(np.concatenate(p)) if p else np.zeros(0, np.int64) for n, p in parts.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,7 +409,7 @@ def build_replicated(cfg: JobConfig, state: dict[str, torch.Tensor] | None = Non
 __all__ = ["REPLICATED_FILE", "Placement", "ReplicatedStore", "ReplicatedTables", "TableOptimizer", "TrainModules",
            "build_replicated", "read_replicated",
            "load_bytes", "log_placement", "resolve_placement", "save_bytes",
-           "table_bytes", "table_columns", "vocabularies"]
+           "table_bytes", "vocabularies"]
 
 
 class TrainModules(nn.Module):
@@ -444,13 +435,12 @@ class ReplicatedStore:
         self.inner, self.tables = inner, tables
         self.local = {i: n for i, n in enumerate(names) if n in tables.configs}
 
-    def _rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+    def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        if table not in self.local:
+            return self.inner.pull(table, ids, step)
         with torch.no_grad():
             rows, idx = self.tables.rows(self.local[table], ids)
-            return rows.detach().index_select(0, idx.to(rows.device)).cpu()
-
-    def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        return self._rows(table, ids) if table in self.local else self.inner.pull(table, ids, step)
+            return rows.index_select(0, idx.to(rows.device)).cpu()
 
     def pull_many_async(self, tables, ids, step=None, **kwargs):  # noqa: ANN001, ANN003 (the Protocol's)
         if not any(t in self.local for t in tables):

@@ -55,9 +55,7 @@ def truncate_batch(batch: Batch, features: list[int], max_len: int) -> Batch:
         return batch
     weights = batch.weights
     if weights is not None:             # the same cut, on the weights aligned with the ids
-        weights = truncate_lists(KeyedJagged(kj.keys, torch.arange(batch.sparse.values.numel()),
-                                             batch.sparse.lengths), features, max_len).values
-        weights = batch.weights[weights]
+        weights = truncate_lists(KeyedJagged(kj.keys, weights, batch.sparse.lengths), features, max_len).values
     return dataclasses.replace(batch, sparse=kj, weights=weights)
 
 
@@ -93,20 +91,10 @@ def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[tor
 
 
 class SequenceSparseArch(SparseArch):
-    """A SparseArch that also serves per-position rows of its behavior lists (DIN).
-
-    Example::
-
-        arch = SequenceSparseArch(plans, [SequencePlan("hist", 3, 2)], max_len=20)
-        lookup = arch.lookup(batch, store)
-        pooled, _ = lookup.wait()                          # [B, F, D]
-        behaviors, mask = arch.behaviors(lookup)           # [B, 1, 20, D], [B, 1, 20]
-    """
+    """A SparseArch that also serves per-position rows of its behavior lists (DIN): the module docstring's example."""
 
     def __init__(self, plans: list[TablePlan], sequences: list[SequencePlan], max_len: int) -> None:
         super().__init__(plans)
-        if not sequences:
-            raise ValueError("SequenceSparseArch needs at least one sequence feature")
         self.sequences = sequences
         self.max_len = max_len
 

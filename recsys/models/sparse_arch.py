@@ -57,26 +57,9 @@ class SparseLookup:
     single: list[bool] = field(default_factory=list)   # per plan: one id per bag (known on the host)
     feature_ids: list[int] = field(default_factory=list)   # per batch feature: its ids in the batch (host)
 
-    def dedup_together(self, values: dict[int, torch.Tensor]) -> None:
-        """The ids, inverse indices (and counts) of the plans `values` holds (plan index -> ids [N_t]),
-        deduplicated in one batched pass where the ids are (`on_device.dedup_tables`); the unique ids
-        (and counts) come to the host in one copy."""
-        uniq, inverse, occ = dedup_tables(list(values.values()), self.counts is not None)
-        for k, p in enumerate(values):
-            self.ids[p], self.inverse[p] = uniq[k], inverse[k]
-            if self.counts is not None:
-                self.counts[p] = occ[k]
-
-    def search_replicated(self, tables, values: dict[int, torch.Tensor], group_of: dict[int, int]) -> None:  # noqa: ANN001
-        """The replicated plans' rows (their table's weight [R, D], the missed ids' default rows [E, D]
-        or None) and inverse indices [N_t], every table's vocabulary searched at once
-        (`ReplicatedTables.rows_parts_many`: one read-back of the hits with ids on a GPU)."""
-        parts = tables.rows_parts_many([(self.plans[p].name, v) for p, v in values.items()])
-        for p, (weight, extra, inverse) in zip(values, parts):
-            self.local[group_of[p]], self.inverse[p] = (weight, extra), inverse
-
     def issue(self, step: int | None) -> None:
         """Start every group's pull (one multi-table request per shard each)."""
+        self.pulled_rows = sum(u.numel() for u in self.ids)
         for g, group in enumerate(self.groups):
             if g in self.local:            # a replicated table: no pull
                 self.futures.append(None)
@@ -114,23 +97,19 @@ class SparseLookup:
             g = dense_groups[0]
             stacked = self._pool_group(g, example_major=True).view(B, len(feats_of[g]), -1)
         pooled: dict[int, torch.Tensor] = {}   # feature index -> [B, D]
-        linear: dict[int, torch.Tensor] = {}   # feature index -> [B]
+        linear: dict[int, torch.Tensor] = {}   # feature index -> [B, 1]
         for g, group in enumerate(self.groups):
             if stacked is not None and g in dense_groups:
                 continue
             out = self._pool_group(g)                       # [sum(F_t) * B, D]
-            feats = feats_of[g]
-            linear_group = self.plans[group[0]].linear
+            into = linear if self.plans[group[0]].linear else pooled
             # one view + unbind: its backward is one stack, where B-row slices would each
             # allocate and add a full-size zero gradient (quadratic in the number of features)
-            for f, piece in zip(feats, out.view(len(feats), B, -1).unbind(0)):   # [B, D] each
-                if linear_group:
-                    linear[f] = piece[:, 0]
-                else:
-                    pooled[f] = piece
+            for f, piece in zip(feats_of[g], out.view(len(feats_of[g]), B, -1).unbind(0)):   # [B, D] each
+                into[f] = piece
         if stacked is None:
             stacked = torch.stack([pooled[f] for f in sorted(pooled)], dim=1)  # [B, F, D]
-        lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
+        lin = torch.cat([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
         return stacked, lin
 
     def _pool_group(self, g: int, example_major: bool = False) -> torch.Tensor:
@@ -293,14 +272,8 @@ def _groups(plans: list[TablePlan], replicated: bool = False) -> list[list[int]]
 
 
 class SparseArch:
-    """Turns a Batch's KeyedJagged ids into pulls and, after backward, pushes.
-
-    Example::
-
-        arch = SparseArch(plans)
-        lookup = arch.lookup(batch, store)
-        pooled, linear = lookup.wait()     # [B, F, D], [B, F_lin] | None
-    """
+    """Turns a Batch's KeyedJagged ids into pulls and, after backward, pushes (`SparseArch(plans)`, then
+    the module docstring's step)."""
 
     sequences: tuple = ()
     """The behavior lists looked up per position (`sequence.SequenceSparseArch`, din); none here."""
@@ -316,10 +289,8 @@ class SparseArch:
         pulled rows [U, D] cross to it (not the pooled [B, F, D], twice their size with one id per
         bag) and pooling's forward and backward run there."""
         self.device_ids = False
-        """Ids on the device too (the trainer sets it on a GPU; `recsys.models.on_device`): the batch's
-        ids cross once, every PS table is deduplicated in one batched sort there and only the unique
-        ids come back for the pulls. Off: the host deduplicates (`native.unique`, C on the CPU).
-        With no `device` (CPU) the same code runs on the host."""
+        """Ids on the device too (the trainer sets it on a GPU: `recsys.models.on_device`, docs/performance.md).
+        Off: the host deduplicates (`native.unique`, C). With no `device` (CPU) the same code runs on the host."""
 
     def use_replicated(self, tables) -> None:
         """Look up the plans of `placement = "replicated"` tables in `tables` (a
@@ -329,9 +300,8 @@ class SparseArch:
 
     def lookup(self, batch: Batch, store: EmbeddingStore, step: int | None = None, counts: bool = False
                ) -> SparseLookup:
-        """Issue the pulls of `batch`'s unique ids (async, all in flight). `counts`: pass each unique
-        id's occurrences to `store.pull_many_async(counts=)`, which a row cache
-        (`embedding_ps.client.cache.CachingStore`) takes for its per-lookup hit rate."""
+        """Issue the pulls of `batch`'s unique ids (async, all in flight). `counts`: pass each unique id's occurrences
+        to `store.pull_many_async(counts=)` (a row cache's per-lookup hit rate, `client.cache.CachingStore`)."""
         B = batch.batch_size
         lengths_h = batch.sparse.lengths.view(len(batch.sparse.keys), B).to(torch.int64)   # [F, B] (host)
         per_feature = lengths_h.sum(dim=1)                          # [F]
@@ -342,11 +312,9 @@ class SparseArch:
         look = SparseLookup(store, self.plans, self.groups, [], [], [], [], [], B, device=self.device, stream=stream,
                             counts=[] if counts else None, feature_ids=counts_l)   # counts: a row cache's hit rate
         t0 = time.perf_counter()
-        local_of = {}              # plan index -> its group, for the replicated plans
-        if self.replicated is not None:
-            local_of = {group[0]: g for g, group in enumerate(self.groups) if self.plans[group[0]].replicated}
-        batched: dict[int, torch.Tensor] = {}      # plan index -> its ids, deduplicated together (device_ids)
-        replicated: dict[int, torch.Tensor] = {}   # plan index -> its ids, searched in its table's vocabulary
+        local_of = {} if self.replicated is None else {   # plan index -> its group, for the replicated plans
+            group[0]: g for g, group in enumerate(self.groups) if self.plans[group[0]].replicated}
+        batched, replicated = {}, {}   # plan index -> ids: deduplicated together (device_ids) / vocabulary searched
         with on_stream(stream):
             all_values = to_device(batch.sparse.values, dev)
             lengths = to_device(lengths_h, dev)
@@ -360,16 +328,14 @@ class SparseArch:
                 else:
                     lens = lengths[list(plan.features)].reshape(-1)                    # [F_t * B]
                     offsets = torch.cumsum(lens, 0) - lens                             # [F_t * B]
-                uniq = inverse = occ = None
+                uniq, inverse, occ = _NO_IDS, None, _NO_IDS      # the batched and replicated plans': set below
                 if i in local_of:      # a replicated table: the ids' rows in its parameter, no dedup, no pull
                     replicated[i] = values
-                    uniq, occ = _NO_IDS, (None if look.counts is None else _NO_IDS)
                 elif self.device_ids:
                     batched[i] = values
                 else:
-                    # one C pass (ids in order of first appearance) or torch.unique's sort: training does not
-                    # depend on the order: the pooled rows are the same bits, so are sum pooling's per-id
-                    # gradients (`_SumPool` sums a row's ids in batch order); torch's mean backward to rounding
+                    # one C pass (ids in order of first appearance) or torch.unique's sort; training does not depend
+                    # on the order: same pooled bits and (`_SumPool` sums in batch order) sum grads; mean's to rounding
                     uniq, inverse, occ = native.unique(values, look.counts is not None)   # [U], [N_t], [U] | None
                 if look.counts is not None:
                     look.counts.append(occ)
@@ -379,11 +345,16 @@ class SparseArch:
                 look.offsets.append(offsets)
                 look.lengths.append(lens)
                 look.single.append(all(single_f[f] for f in plan.features))
-            if batched:
-                look.dedup_together(batched)
-            if replicated:
-                look.search_replicated(self.replicated, replicated, local_of)
-        look.pulled_rows = sum(u.numel() for u in look.ids)
+            if batched:        # deduplicated in one batched pass, the unique ids (and counts) to the host in one copy
+                uniq, inverse, occ = dedup_tables(list(batched.values()), counts)
+                for k, i in enumerate(batched):
+                    look.ids[i], look.inverse[i] = uniq[k], inverse[k]
+                    if counts:
+                        look.counts[i] = occ[k]
+            if replicated:     # every vocabulary searched at once: one read-back of the hits with ids on a GPU
+                parts = self.replicated.rows_parts_many([(self.plans[i].name, v) for i, v in replicated.items()])
+                for i, (weight, extra, inverse) in zip(replicated, parts):
+                    look.local[local_of[i]], look.inverse[i] = (weight, extra), inverse
         look.issue(step)
         look.pull_s = time.perf_counter() - t0
         return look

@@ -146,11 +146,9 @@ class TwoTower(CTRModel):
         self.item_id_feature = config.item_id_feature
         self.temperature = config.temperature
         self.logq = config.logq_correction
-        D = embedding_dim
-        self.user_tower = Tower(len(self.user_dense) + len(self.user_sparse) * D, config.top_mlp,
-                                config.tower_dim, config.dropout, config.norm)
-        self.item_tower = Tower(len(self.item_dense) + len(self.item_sparse) * D, config.top_mlp,
-                                config.tower_dim, config.dropout, config.norm)
+        self.user_tower, self.item_tower = (      # user first: the init draws' order
+            Tower(len(d) + len(f) * embedding_dim, config.top_mlp, config.tower_dim, config.dropout, config.norm)
+            for d, f in (user, item))
         self.freq = FrequencyEstimator(config.num_freq_buckets)
         # equal on every rank by construction (global ids): not broadcast by DDP each step
         self._ddp_params_and_buffers_to_ignore = ["freq.counts", "freq.total"]
