@@ -121,6 +121,5 @@ def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
             keep = np.repeat(valid, lens)
             child = child.filter(pa.array(keep))
             lens = np.where(valid, lens, 0)
-            offsets = np.zeros(lens.size + 1, np.int64)
-            np.cumsum(lens, out=offsets[1:])
+            offsets = np.concatenate(([0], np.cumsum(lens)))
     return offsets, child

@@ -3,8 +3,7 @@
 Shapes: B examples, F sparse features, Dn dense features, N ids in the batch (N = sum(lengths)).
 
 `KeyedJagged` stores one form only, the per-(feature, example) `lengths`; `offsets()` is computed
-when asked. `validate_batch()` checks every invariant and raises ValueError with the actual
-numbers; hot-path code does not check its inputs.
+when asked. Hot-path code does not check its inputs: `validate_batch()` does.
 """
 
 from __future__ import annotations

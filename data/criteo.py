@@ -47,6 +47,13 @@ CRITEO_SCHEMA = pa.schema(
     + [pa.field(c, pa.int64()) for c in SPARSE_COLUMNS]
     + [pa.field("row_id", pa.int64(), nullable=False)]
 )
+_CSV_OPTIONS = (      # pyarrow's read, parse and convert options (C fields as strings)
+    pacsv.ReadOptions(column_names=list(TSV_COLUMNS), block_size=_BLOCK_BYTES, use_threads=True),
+    pacsv.ParseOptions(delimiter="\t", quote_char=False, double_quote=False, escape_char=False,
+                       newlines_in_values=False, ignore_empty_lines=False),
+    pacsv.ConvertOptions(column_types={"label": pa.int64(), **{c: pa.int64() for c in DENSE_COLUMNS},
+                                       **{c: pa.string() for c in SPARSE_COLUMNS}},
+                         null_values=[""], strings_can_be_null=False, quoted_strings_can_be_null=False))
 
 _NIBBLE = np.full(256, 255, np.uint8)
 _NIBBLE[np.frombuffer(b"0123456789abcdefABCDEF", np.uint8)] = [*range(16), *range(10, 16)]
@@ -108,9 +115,7 @@ def _convert(batch: pa.RecordBatch, first_line: int) -> tuple[pa.Table, tuple[in
 
     Rows from the bad one on are dropped, so the table holds only rows before it.
     """
-    n = batch.num_rows
-    label = batch.column("label")
-    label_np = label.fill_null(-1).to_numpy(zero_copy_only=False)
+    label_np = batch.column("label").fill_null(-1).to_numpy(zero_copy_only=False)
     bad_label = (label_np != 0) & (label_np != 1)
     bad: tuple[int, str] | None = None
     if bad_label.any():
@@ -121,23 +126,11 @@ def _convert(batch: pa.RecordBatch, first_line: int) -> tuple[pa.Table, tuple[in
         raw = batch.column(c)
         values, null, first_bad = hex_to_int64(raw)
         if first_bad >= 0 and (bad is None or first_bad < bad[0]):
-            text = raw[first_bad].as_py()
-            bad = (first_bad, f"column {c}: '{text[:40]}' is not a hex id of 1-{_MAX_HEX} digits")
+            bad = (first_bad, f"column {c}: '{raw[first_bad].as_py()[:40]}' is not a hex id of 1-{_MAX_HEX} digits")
         cols[c] = pa.array(values, mask=null)
-    cols["row_id"] = pa.array(np.arange(first_line - 1, first_line - 1 + n, dtype=np.int64))
+    cols["row_id"] = pa.array(np.arange(first_line - 1, first_line - 1 + batch.num_rows, dtype=np.int64))
     table = pa.table(cols, schema=CRITEO_SCHEMA)
     return (table.slice(0, bad[0]) if bad else table), bad
-
-
-def _csv_options() -> tuple[pacsv.ReadOptions, pacsv.ParseOptions, pacsv.ConvertOptions]:
-    read = pacsv.ReadOptions(column_names=list(TSV_COLUMNS), block_size=_BLOCK_BYTES, use_threads=True)
-    parse = pacsv.ParseOptions(delimiter="\t", quote_char=False, double_quote=False,
-                               escape_char=False, newlines_in_values=False, ignore_empty_lines=False)
-    types = {"label": pa.int64(), **{c: pa.int64() for c in DENSE_COLUMNS},
-             **{c: pa.string() for c in SPARSE_COLUMNS}}
-    convert = pacsv.ConvertOptions(column_types=types, null_values=[""], strings_can_be_null=False,
-                                   quoted_strings_can_be_null=False)
-    return read, parse, convert
 
 
 def _line_problem(line: bytes) -> str | None:
@@ -164,8 +157,7 @@ def _locate_bad_line(path: str, start_line: int) -> tuple[int, str, list[bytes]]
     good: list[bytes] = []
     with open(path, "rb") as f:
         for number, raw in enumerate(itertools.islice(f, start_line - 1, None), start_line):
-            line = raw.rstrip(b"\n").rstrip(b"\r")
-            why = _line_problem(line)
+            why = _line_problem(raw.rstrip(b"\n").rstrip(b"\r"))
             if why is not None:
                 return number, why, good
             good.append(raw if raw.endswith(b"\n") else raw + b"\n")
@@ -189,7 +181,7 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
                         row_group_rows=row_group_rows, compression=compression)
     rows = 0
     try:
-        with pacsv.open_csv(path, *_csv_options()) as reader:
+        with pacsv.open_csv(path, *_CSV_OPTIONS) as reader:
             for batch in reader:
                 table, bad = _convert(batch, rows + 1)
                 writer.write(table)
@@ -203,7 +195,7 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
             raise CriteoFormatError(f"{path}: after line {rows}: {e}") from e
         line, why, good = found
         if good:                                       # the lines `_line_problem` passed, before the bad one
-            batch = pacsv.read_csv(io.BytesIO(b"".join(good)), *_csv_options())
+            batch = pacsv.read_csv(io.BytesIO(b"".join(good)), *_CSV_OPTIONS)
             table, _ = _convert(batch.combine_chunks().to_batches()[0], rows + 1)
             writer.write(table)
             rows += table.num_rows

@@ -13,10 +13,6 @@ stream leaves [starts[window] + offset, end) unread. When the world size changes
 rank_stream: new rank r of W' reads rows [r R / W', (r + 1) R / W') of it, in that order. Since a
 plan's state is (segments, rows done), the remainder of a remainder is found the same way, so
 chains of world sizes (2 -> 1 -> 2 -> 3) still read every example of the epoch exactly once.
-
-    unread = [seg for st in old_states for seg in after(plan_of(st), done_of(st))]
-    plan = share(unread, rank=r, world_size=W)     # this rank's segments
-    parts = plan_parts(plan, done, streams)         # what to decode, window by window
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from typing import Any
 from data.sharding import Windows, cut
 
 __all__ = ["STATE_VERSION", "Segment", "Part", "after", "share", "plan_rows", "plan_parts", "plan_row_groups",
-           "plan_from_json", "stream_rows", "check_state", "check_old_states", "unread_segments"]
+           "stream_rows", "check_state", "check_old_states", "unread_segments"]
 
 STATE_VERSION = 2
 """Of ParquetLoader.state_dict(); 2 added 'elastic', 'segments' and 'done' (a version 1 state loads)."""
@@ -127,26 +123,6 @@ def plan_row_groups(parts: Sequence[Part], streams: Mapping[tuple[int, int], Win
 
 # -- state ------------------------------------------------------------------------------------------
 
-def plan_from_json(value: Any, done: Any, total_rows: int, where: str) -> list[Segment]:
-    """The plan of a state's 'segments' with its 'done' checked against it; ValueError naming the key."""
-    if not isinstance(value, list):
-        raise ValueError(f"{where} 'segments' must be a list of [world, rank, lo, hi], got {value!r}")
-    plan = []
-    for i, v in enumerate(value):
-        ok = isinstance(v, list) and len(v) == 4 and all(type(x) is int for x in v)
-        if ok:
-            world, rank, lo, hi = v
-            ok = world >= 1 and 0 <= rank < world and 0 <= lo <= hi <= stream_rows(total_rows, world, rank)
-        if not ok:
-            raise ValueError(f"{where} 'segments'[{i}] must be [world, rank, lo, hi] with 0 <= rank < world "
-                             f"and 0 <= lo <= hi <= the stream's rows (of {total_rows} in all), got {v!r}")
-        plan.append(Segment(*v))
-    if type(done) is not int or not 0 <= done <= plan_rows(plan):
-        raise ValueError(f"{where} 'done' must be an int in [0, {plan_rows(plan)}] (the rows of its "
-                         f"segments), got {done!r}")
-    return plan
-
-
 def check_state(state: Any, where: str, expected: dict[str, Any], total_rows: int) -> list[Segment] | None:
     """ValueError naming the key and value unless `state` (a loader's state_dict()) is well formed
     and was saved with the `expected` values; its elastic plan, or None for a rank-stream position."""
@@ -161,10 +137,27 @@ def check_state(state: Any, where: str, expected: dict[str, Any], total_rows: in
         v = state.get(key)
         if type(v) is not int or v < 0:
             raise ValueError(f"{where} '{key}' must be an int >= 0, got {v!r}")
-    elastic = state.get("elastic", 0)                       # (absent from version 1)
+    elastic, segments, done = state.get("elastic", 0), state.get("segments"), state.get("done")  # (not in version 1)
     if elastic not in (0, 1):
         raise ValueError(f"{where} 'elastic' must be 0 or 1, got {elastic!r}")
-    return plan_from_json(state.get("segments"), state.get("done"), total_rows, where) if elastic else None
+    if not elastic:
+        return None
+    if not isinstance(segments, list):
+        raise ValueError(f"{where} 'segments' must be a list of [world, rank, lo, hi], got {segments!r}")
+    plan = []
+    for i, v in enumerate(segments):
+        ok = isinstance(v, list) and len(v) == 4 and all(type(x) is int for x in v)
+        if ok:
+            world, rank, lo, hi = v
+            ok = world >= 1 and 0 <= rank < world and 0 <= lo <= hi <= stream_rows(total_rows, world, rank)
+        if not ok:
+            raise ValueError(f"{where} 'segments'[{i}] must be [world, rank, lo, hi] with 0 <= rank < world "
+                             f"and 0 <= lo <= hi <= the stream's rows (of {total_rows} in all), got {v!r}")
+        plan.append(Segment(*v))
+    if type(done) is not int or not 0 <= done <= plan_rows(plan):
+        raise ValueError(f"{where} 'done' must be an int in [0, {plan_rows(plan)}] (the rows of its "
+                         f"segments), got {done!r}")
+    return plan
 
 
 def check_old_states(states: Any) -> int:

@@ -88,13 +88,6 @@ def zipf_pmf(vocab: int, s: float) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # chunks and parts
 # ---------------------------------------------------------------------------------------------
-def _binned_auc(pos: np.ndarray, neg: np.ndarray) -> float:
-    """AUC from histograms of a score over the same bins (ties within a bin count half)."""
-    neg_below = np.cumsum(neg) - neg
-    total = float(pos.sum()) * float(neg.sum())
-    return float(((pos * neg_below).sum() + 0.5 * (pos * neg).sum()) / total) if total else float("nan")
-
-
 def iter_chunks(chunk: Callable[[int], pa.Table], rows: int) -> Iterator[pa.Table]:
     """chunk(0), chunk(1), ... (GEN_CHUNK rows each), the last cut to end at row `rows`: tables of at
     most GEN_CHUNK rows, rows 0..rows-1 in order. Memory: one chunk."""
@@ -165,8 +158,10 @@ def write_parts(preset: str, schema: pa.Schema, tables: Callable[[], Iterator[pa
     summary = {"preset": preset, "rows": rows, "seed": seed, "model_seed": model_seed,
                "files": [f for f, _ in files], "rows_per_file": [r for _, r in files], "seconds": round(secs, 3)}
     if oracle:
-        summary.update(ctr=float(hist[1].sum() / rows), mean_p_true=p_sum / rows,
-                       oracle_auc=_binned_auc(hist[1], hist[0]))
+        neg, pos = hist                                  # the AUC of the bins: ties within a bin count half
+        pairs = float(pos.sum()) * float(neg.sum())
+        auc = float(((pos * (np.cumsum(neg) - neg)).sum() + 0.5 * (pos * neg).sum()) / pairs) if pairs else float("nan")
+        summary.update(ctr=float(pos.sum() / rows), mean_p_true=p_sum / rows, oracle_auc=auc)
     logger.info("gen-data %s: %d rows in %d files%s, %.0f rows/s", preset, rows, num_files,
                 f", ctr {summary['ctr']:.4f}, oracle AUC {summary['oracle_auc']:.4f}" if oracle else "",
                 rows / max(secs, 1e-9))

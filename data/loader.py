@@ -8,21 +8,15 @@
         state = loader.state_dict()     # JSON-able; into the checkpoint
     loader.close()
 
-Order: data/sharding.py (the rank's share of the rows, cut into windows of `shuffle_buffer_rows`
-shuffled inside; all seeded). The position is (epoch, window, offset inside the window), so
-`state_dict()` after any batch and `load_state_dict()` into a new loader continue with exactly the
-rows an uninterrupted read would have given, without storing rows. Under on_bad_rows = "skip" the
-offset counts the rows kept.
-Resuming: `load_state_dict(state)`, then iterate epochs from `state["epoch"]`; `set_epoch` of that
-epoch keeps the restored position, `set_epoch` of any other epoch starts that epoch afresh. Ranks
-read within one row of each other; `num_batches` (exact unless rows are skipped) lets a DDP trainer
-agree on a common step count. Elastic: `resume_from(states of all old ranks)` continues the epoch
-with another number of ranks, each reading its share of the rows no old rank has read
-(data/elastic.py); `remaining_batches` gives the count for that epoch.
+Order: data/sharding.py. The position is (epoch, window, offset inside the window; under
+on_bad_rows = "skip" the offset counts the rows kept), so `state_dict()` after any batch and
+`load_state_dict()` into a new loader continue with exactly the rows an uninterrupted read would
+have given, without storing rows; then iterate epochs from `state["epoch"]`. Ranks read within one
+row of each other; `num_batches` lets a DDP trainer agree on a common step count. Another number
+of ranks: `resume_from` (data/elastic.py), with `remaining_batches` for that epoch.
 
 A daemon thread decodes `prefetch_batches` batches ahead; its exceptions are raised in the
-consumer. The position reported is that of the batches the consumer has received, not of the
-ones decoded ahead.
+consumer. The position reported is that of the batches the consumer has received.
 """
 
 from __future__ import annotations
@@ -110,7 +104,6 @@ class ParquetLoader:
         self._resume = False
         self._plan: list[Segment] | None = None
         """an elastic plan (data/elastic.py) for this epoch, with _offset its rows done; None: the rank stream"""
-        self._rank_rows = stream_rows(self.total_rows, world_size, rank)
 
     # -- sizes --------------------------------------------------------------------------------
 
@@ -132,12 +125,12 @@ class ParquetLoader:
     @property
     def num_rows(self) -> int:
         """Rows this rank reads per epoch (the same every epoch; fewer if bad rows are skipped)."""
-        return self._rank_rows
+        return stream_rows(self.total_rows, self._reader.world_size, self._reader.rank)
 
     @property
     def num_batches(self) -> int:
         """Batches this rank yields per epoch (fewer if bad rows are skipped)."""
-        return self._batches_of(self._rank_rows)
+        return self._batches_of(self.num_rows)
 
     @property
     def remaining_batches(self) -> int:
@@ -203,8 +196,7 @@ class ParquetLoader:
             source.close()
 
     def _stop_active(self) -> None:
-        it = self._active() if self._active is not None else None
-        if it is not None:
+        if self._active is not None and (it := self._active()) is not None:
             it.close()
         self._active = None
 

@@ -169,9 +169,7 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
     Schema errors always raise: no row of such a file could be read.
     """
     sources, skipped = [], []
-    is_list: tuple[bool, ...] | None = None
-    id_types: tuple[str, ...] = ()
-    first = ""
+    first, want = "", ()                             # the first file and its (is_list, id type) per column
     for path in files:
         bad, cause = "", None                        # bad: why the file is skipped (or raises)
         try:
@@ -188,21 +186,20 @@ def scan_files(cfg: DataConfig, files: list[str]) -> tuple[list[ParquetSource], 
             logger.warning("skipping %s", bad)
             skipped.append(path)
             continue
-        kinds = _check_schema(path, schema, cfg, md.num_row_groups)
-        types = tuple(id_type(schema.field(c).type) for c in cfg.sparse_columns)
-        if is_list is None:
-            is_list, id_types, first = kinds, types, path
-        elif kinds != is_list or types != id_types:
-            f = next(i for i, ab in enumerate(zip(zip(kinds, types), zip(is_list, id_types))) if ab[0] != ab[1])
-            col = cfg.sparse_columns[f]
-            was = (f"{'a list' if is_list[f] else 'a one-id'} column" if kinds[f] != is_list[f]
-                   else f"a column of {id_types[f]} ids")
+        kinds = tuple(zip(_check_schema(path, schema, cfg, md.num_row_groups),
+                          (id_type(schema.field(c).type) for c in cfg.sparse_columns)))
+        if not first:
+            first, want = path, kinds
+        elif kinds != want:
+            f = next(i for i, k in enumerate(kinds) if k != want[i])
+            col, (lists, ids) = cfg.sparse_columns[f], want[f]
+            was = f"{'a list' if lists else 'a one-id'} column" if kinds[f][0] != lists else f"a column of {ids} ids"
             raise DataError(f"{path} (schema), column '{col}': wrong type {schema.field(col).type}: it is {was} "
                             f"in {first}")
         sources.append(ParquetSource(path, md, tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))))
     if not sources:
         raise DataError(f"no readable rows in {len(files)} files (skipped: {skipped})")
-    return sources, is_list, skipped
+    return sources, tuple(is_list for is_list, _ in want), skipped
 
 
 def scoring_config(cfg: DataConfig, paths: tuple[str, ...] | list[str]) -> DataConfig:

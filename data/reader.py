@@ -1,10 +1,6 @@
-"""The rank's read plan: (file, row group) units -> shuffled windows of rows -> `Batch`es.
-
-`Reader` is what `data.loader.ParquetLoader` runs (on its prefetch thread): `_Files` keeps a few
-Parquet files open and reads row groups (the next ones ahead on a thread), `Reader.stream` /
-`plan_stream` name the window parts of the rank's stream (data/sharding.py) or of an elastic plan's
-segments (data/elastic.py), which `Reader._items` cuts into batches of exactly `batch_size` rows,
-and each `Item` carries the batch with the reader position after it.
+"""The rank's read plan: (file, row group) units -> shuffled windows of rows -> `Batch`es, each in an
+`Item` with the position after it; `Reader` is what `data.loader.ParquetLoader` runs (on its prefetch
+thread) over the rank's stream (data/sharding.py) or an elastic plan (data/elastic.py).
 """
 
 from __future__ import annotations

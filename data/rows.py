@@ -98,8 +98,7 @@ class Rows:
         lists = []
         for c in self.lists:
             lens, sel = take_jagged(c.offsets, idx)
-            offsets = np.zeros(lens.size + 1, np.int64)
-            np.cumsum(lens, out=offsets[1:])
+            offsets = np.concatenate(([0], np.cumsum(lens)))
             lists.append(ListColumn(c.values.take(sel), offsets, None if c.weights is None else c.weights.take(sel)))
         return Rows(self.labels.take(idx), self.dense.take(idx, axis=0), scalars, lists,
                     {k: v.take(idx, axis=0) for k, v in self.extras.items()},

@@ -103,8 +103,4 @@ class Windows:
             self.windows.append(cur)
         self.starts = [0, *accumulate(sum(p.num_rows for p in win) for win in self.windows)]
         """[num_windows + 1]: window w holds rows [starts[w], starts[w + 1]) of the stream"""
-        self.num_rows = self.starts[-1]
-
-    @property
-    def num_windows(self) -> int:
-        return len(self.windows)
+        self.num_rows, self.num_windows = self.starts[-1], len(self.windows)

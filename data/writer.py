@@ -1,12 +1,5 @@
-"""`PartWriter`: streams Arrow tables into `part-%05d.parquet` files of given row counts.
-
-Used by `data.genbase.write_parts` (every synthetic preset) and `data.criteo.convert_criteo`::
-
-    w = PartWriter(out_dir, schema, rows_of_file=lambda i: 100_000, row_group_rows=65536, compression="zstd")
-    for table in tables:
-        w.write(table)
-    files = w.close()          # [(path, rows)] per file
-"""
+"""`PartWriter`: streams Arrow tables into `part-%05d.parquet` files of given row counts (every
+synthetic preset's `data.genbase.write_parts`, and `data.criteo.convert_criteo`)."""
 
 from __future__ import annotations
 
@@ -40,7 +33,7 @@ class PartWriter:
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self._writer: pq.ParquetWriter | None = None
-        self._file_index, self._file_left = -1, 0
+        self._file_left = 0
         self.files: list[tuple[str, int]] = []
 
     def write(self, table: pa.Table) -> None:
@@ -48,19 +41,14 @@ class PartWriter:
         self._pending_rows += table.num_rows
         while self._pending_rows > 0:
             if self._file_left == 0:
-                self._open_next()
+                self._finish_file()
+                self._file_left = self._rows_of_file(len(self.files))
+                self.files.append((str(self.out_dir / f"part-{len(self.files):05d}.parquet"), 0))
+                self._writer = pq.ParquetWriter(self.files[-1][0] + ".tmp", self.schema, compression=self._compression)
             n = min(self._rg, self._file_left)
             if self._pending_rows < n:
                 return
             self._write_group(n)
-
-    def _open_next(self) -> None:
-        self._finish_file()
-        self._file_index += 1
-        self._file_left = self._rows_of_file(self._file_index)
-        path = self.out_dir / f"part-{self._file_index:05d}.parquet.tmp"
-        self._writer = pq.ParquetWriter(path, self.schema, compression=self._compression)
-        self.files.append((str(path)[: -len(".tmp")], 0))
 
     def _write_group(self, n: int) -> None:
         """Writes the first n pending rows as one row group of the current file."""
