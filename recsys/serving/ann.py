@@ -55,8 +55,7 @@ class AnnIndex:
               ef_search: int = DEFAULTS["ef_search"]) -> "AnnIndex":
         faiss = _faiss()
         t0 = time.perf_counter()
-        x = np.ascontiguousarray(vectors.detach().numpy() if isinstance(vectors, torch.Tensor) else vectors,
-                                 dtype=np.float32)
+        x = np.ascontiguousarray(vectors.detach().numpy(), dtype=np.float32)
         index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = ef_construction
         index.add(x)
@@ -93,8 +92,7 @@ class AnnIndex:
     def search(self, queries: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries float32 [B, d] -> (item ids int64 [B, k], scores float32 [B, k]), best first."""
         k = min(k, self.ids.size)
-        q = np.ascontiguousarray(queries.detach().numpy() if isinstance(queries, torch.Tensor) else queries,
-                                 dtype=np.float32)
+        q = np.ascontiguousarray(queries.detach().numpy(), dtype=np.float32)
         if q.shape[0] == 0 or k == 0:
             return np.zeros((q.shape[0], k), np.int64), np.zeros((q.shape[0], k), np.float32)
         params = _faiss().SearchParametersHNSW(efSearch=max(int(self.params["ef_search"]), k))

@@ -44,13 +44,12 @@ class Served:
         first = Predictor(export, deltas=list(deltas))           # checks the files' sha256
         self.predictors = [first] + [Predictor(export, deltas=list(deltas), verify=False) for _ in range(workers - 1)]
         self.export, self.deltas, self.generation = str(export), [str(d) for d in deltas], generation
-        cfg = first.config
         self.columns = Columns.of(first.decoder.cfg)
         self.user_columns = None if first.user_decoder is None else Columns.of(first.user_decoder.cfg)
         m = first.manifest
         self.metadata = {
             "run_id": m.get("run_id", ""), "step": first.step, "precision": first.precision,
-            "export": self.export, "deltas": self.deltas, "generation": generation, "arch": cfg.model.arch,
+            "export": self.export, "deltas": self.deltas, "generation": generation, "arch": first.config.model.arch,
             "tables": [{"name": t.cfg.name, "dim": t.cfg.dim, "rows": int(t.ids.shape[0])} for t in first.tables],
             "columns": self.columns.describe(), "calibration": m.get("calibration"),
             "score_rate": first.score_rate, "topk": None if first.index is None else {

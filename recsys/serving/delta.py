@@ -21,6 +21,7 @@ from recsys.config import load_config
 from recsys.serving.errors import ExportError
 from recsys.serving.export_store import find_sorted
 from recsys.serving.export import new_manifest, read_manifest, read_tensors, staged, write_table
+from recsys.serving.source import LAYOUT
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,9 @@ def check_applicable(base: dict, delta: dict, base_where: str, delta_where: str)
                           f"(neither that run nor one it was warm-started from): apply deltas of the base's own run")
     if base["precision"] != delta["precision"]:
         raise ExportError(f"{delta_where}: precision {delta['precision']}, {base_where} has {base['precision']}")
-    def layout(m: dict) -> list[tuple]:
-        return [(t["name"], t["dim"], t["kind"], t["num_embeddings"]) for t in m["tables"]]
-
-    if layout(base) != layout(delta):
-        raise ExportError(f"{delta_where}: tables {layout(delta)} differ from {base_where}'s {layout(base)}")
+    b_tables, d_tables = ([tuple(t[k] for k in LAYOUT) for t in m["tables"]] for m in (base, delta))
+    if b_tables != d_tables:
+        raise ExportError(f"{delta_where}: tables {d_tables} differ from {base_where}'s {b_tables}")
 
 
 def merge_table(base_ids: np.ndarray, base_rows: np.ndarray, delta_ids: np.ndarray, delta_rows: np.ndarray,
@@ -80,9 +79,8 @@ def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path) ->
             ids, rows = merge_table(b["ids"], b["weight"], d["ids"], d["weight"], d["tombstones"])
             del b, d
             files = write_table(tmp, d_entry["name"], ids, rows, precision, d_entry["dim"])
-            entry = {k: v for k, v in d_entry.items() if k != "tombstones"}
-            entry.update(rows=int(ids.shape[0]), files=files)
-            entries.append(entry)
+            entries.append(dict({k: v for k, v in d_entry.items() if k != "tombstones"}, rows=int(ids.shape[0]),
+                                files=files))
             del ids, rows
         shutil.copyfile(delta_dir / "dense.pt2", tmp / "dense.pt2")
         retrieval = delta.get("retrieval")         # two_tower: the delta holds every item vector and the user tower
@@ -90,10 +88,9 @@ def apply_delta(base_dir: str | Path, delta_dir: str | Path, out: str | Path) ->
             for name in (retrieval["items_file"], retrieval["user_tower_file"], retrieval.get("index", {}).get("file")):
                 if name:
                     shutil.copyfile(delta_dir / name, tmp / name)
-        cfg = load_config(delta_dir / "config.toml")
-        dense = {k: v for k, v in delta["dense"].items() if k not in ("columns", "log1p", "fill")}
         origin = f"{base.get('origin')} + delta {delta_dir} ({delta.get('origin')})"
-        manifest = new_manifest(cfg, tmp, "full", delta["step"], None, precision, entries, dense, origin, retrieval)
+        manifest = new_manifest(load_config(delta_dir / "config.toml"), tmp, "full", delta["step"], None, precision,
+                                entries, delta["dense"], origin, retrieval)
     logger.info("applied %s (steps %d..%d) to %s (step %d) -> %s in %.1f s", delta_dir, delta["since"],
                 delta["step"], base_dir, base["step"], out, time.perf_counter() - t0)
     return manifest

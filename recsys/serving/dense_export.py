@@ -52,8 +52,7 @@ class Scorer(nn.Module):
 
 
 class SequenceScorer(Scorer):
-    """din as served: (dense [B, Dn], pooled [B, F, D], behaviors [B, S, L, D], mask bool [B, S, L]) -> logits [B]
-    f32."""
+    """din as served: (dense, pooled, behaviors [B, S, L, D], mask bool [B, S, L]) -> logits [B] f32."""
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, behaviors: torch.Tensor,   # type: ignore[override]
                 mask: torch.Tensor) -> torch.Tensor:
@@ -70,7 +69,6 @@ def export_dense(cfg: JobConfig, state_dict_path: Path, out_path: Path) -> dict:
     except (OSError, RuntimeError) as e:
         raise ExportError(f"{state_dict_path}: unreadable dense state ({e})") from None
     model.load_state_dict(state)
-    model.eval()
     info, args = program_inputs(cfg, sparse)
     export_program((SequenceScorer if sparse.sequences else Scorer)(model, cfg.train.autocast).eval(), args, out_path)
     return info
@@ -154,14 +152,11 @@ def check_no_pickle(path: Path) -> None:
 
 
 class FastScorer:
-    """Runs the exported program's own (lifted) graph, without `.module()`'s per-call cost at B = 1
-    (benchmarks/history/figures-from-the-code.md: sympy checks of the shape constraints in forward
-    pre-hooks, parameters fetched through `nn.Module.__getattr__` chains, a `wrap_with_autocast` op).
-    Here `graph_module` is called with the parameters and buffers fetched once at load, after a
-    rewrite of `wrap_with_autocast(enabled=False, f, *args)` into `f(*args)`; the constraint check is
-    one of the batch size and each input's trailing shape. Same graph, kernels and results
-    (test_export.py compares it with `.module()`).
-    """
+    """Runs the exported program's own (lifted) graph without `.module()`'s per-call cost at B = 1 (sympy
+    checks of the shape constraints in forward pre-hooks, parameters fetched through `nn.Module.__getattr__`
+    chains, a `wrap_with_autocast` op; benchmarks/history/figures-from-the-code.md): `graph_module` called
+    with the parameters and buffers fetched once at load, disabled autocasts inlined, one check of the batch
+    size and each input's trailing shape. Same graph, kernels and results (test_export.py compares)."""
 
     def __init__(self, gm: nn.Module, lifted: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> None:
         self.gm, self.lifted, self.shapes = gm, lifted, shapes
@@ -185,9 +180,8 @@ class FastScorer:
             lifted.append(value.detach())
         metas = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
         shapes = [tuple(int(d) for d in metas[spec.arg.name].shape[1:]) for spec in sig.input_specs[len(kinds) - user:]]
-        gm = program.graph_module
-        _inline_disabled_autocast(gm)
-        return cls(gm, lifted, shapes)
+        _inline_disabled_autocast(program.graph_module)
+        return cls(program.graph_module, lifted, shapes)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         B = args[0].shape[0]
@@ -201,19 +195,14 @@ class FastScorer:
 def _inline_disabled_autocast(gm: nn.Module) -> None:
     """Replace `wrap_with_autocast(device, dtype, False, cache, f, *args)` nodes by `f(*args)`."""
     hop, graph = torch.ops.higher_order.wrap_with_autocast, gm.graph
-    changed = False
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not hop or node.args[2] is not False:
-            continue
-        fn = node.args[4]
-        if getattr(fn, "op", None) != "get_attr":
-            continue
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is hop and n.args[2] is False
+             and getattr(n.args[4], "op", None) == "get_attr"]
+    for node in nodes:
         with graph.inserting_before(node):
-            call = graph.call_module(fn.target, tuple(node.args[5:]))
+            call = graph.call_module(node.args[4].target, tuple(node.args[5:]))
         node.replace_all_uses_with(call)
         graph.erase_node(node)
-        changed = True
-    if changed:
+    if nodes:
         graph.eliminate_dead_code()
         gm.recompile()
 

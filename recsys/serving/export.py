@@ -41,7 +41,7 @@ import safetensors.numpy
 from recsys.config import JobConfig, to_toml
 from recsys.serving.dense_export import dense_program
 from recsys.serving.retrieval import export_retrieval
-from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused, storage_dtype, width
+from recsys.serving.quantize import PRECISIONS, QUANTIZED, quantize, split_fused
 from recsys.serving.source import SavedShards, Source
 from recsys.calibration import manifest_section
 from recsys.manifest import check_files, write_manifest
@@ -96,19 +96,16 @@ def write_table(root: Path, name: str, ids: np.ndarray, matrix: np.ndarray, prec
     if not _SAFE_NAME.match(name) or name.startswith("."):
         raise ExportError(f"table {name!r}: name is not usable as a file name (letters, digits, _ . - only)")
     files = {"safetensors": f"tables/{name}.safetensors", "parquet": f"tables/{name}.parquet"}
-    tensors = {"ids": ids.astype(np.int64, copy=False)}
+    tensors = {"ids": ids.astype(np.int64, copy=False), "weight": matrix}
     if tombstones is not None:
         tensors["tombstones"] = tombstones.astype(np.int64, copy=False)
-    tensors["weight"] = matrix
     write_tensors(root / files["safetensors"], tensors, {"table": name, "precision": precision, "dim": str(dim)})
-    cols: dict[str, pa.Array] = {"id": pa.array(ids, pa.int64())}
+    codes, scale_bias = matrix, {}
     if precision in QUANTIZED:
         codes, scale, bias = split_fused(matrix, precision)
-        flat = np.ascontiguousarray(codes).reshape(-1)
-        cols["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint8()), codes.shape[1])
-        cols["scale"], cols["bias"] = pa.array(scale), pa.array(bias)
-    else:
-        cols["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(matrix).reshape(-1)), dim)
+        scale_bias = {"scale": pa.array(scale), "bias": pa.array(bias)}
+    vector = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(codes).reshape(-1)), codes.shape[1])
+    cols = {"id": pa.array(ids, pa.int64()), "vector": vector, **scale_bias}
     meta = {"recsys.table": name, "recsys.precision": precision, "recsys.dim": str(dim)}
     pq.write_table(pa.table(cols).replace_schema_metadata(meta), root / files["parquet"],
                    row_group_size=_ROW_GROUP, compression="zstd")
@@ -125,26 +122,22 @@ def write_table(root: Path, name: str, ids: np.ndarray, matrix: np.ndarray, prec
 
 def features_section(cfg: JobConfig) -> dict:
     """Sparse features in the order the dense program takes them, with their tables and pooling."""
-    names = cfg.data.sparse_columns
-    out: dict[str, list] = {"pooled": [], "linear": []}
-    arch = build_sparse_arch(cfg)
-    for plan in arch.plans:
-        for f in plan.features:
-            out["linear" if plan.linear else "pooled"].append(
-                (f, {"feature": names[f], "table": plan.name, "pooling": plan.pooling, "dim": plan.dim,
-                     "weight_column": cfg.data.weight_columns.get(names[f])}))
-    section = {k: [e for _, e in sorted(v, key=lambda x: x[0])] for k, v in out.items()}
+    arch, names = build_sparse_arch(cfg), cfg.data.sparse_columns
+    by_feature = sorted(((f, p) for p in arch.plans for f in p.features), key=lambda x: x[0])    # stable: plan order
+    section = {kind: [{"feature": names[f], "table": p.name, "pooling": p.pooling, "dim": p.dim,
+                       "weight_column": cfg.data.weight_columns.get(names[f])}
+                      for f, p in by_feature if p.linear == (kind == "linear")] for kind in ("pooled", "linear")}
     if cfg.model.sequence_features:      # din: these pooled features also come per position (dense "behaviors")
         section["sequences"] = [{"feature": s.name, "candidate": names[s.candidate], "max_len": cfg.model.max_seq_len}
                                 for s in arch.sequences]
     return section
 
 
-def table_entry(cfg: JobConfig, t: int, rows: int, tombstones: np.ndarray | None, files: dict, precision: str) -> dict:
+def table_entry(cfg: JobConfig, t: int, matrix: np.ndarray, tombstones: np.ndarray | None, files: dict) -> dict:
     tc = cfg.ps.tables[t]
     entry = {"name": tc.name, "index": t, "dim": tc.dim, "kind": tc.kind, "num_embeddings": tc.num_embeddings,
-             "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": int(rows),
-             "weight": {"dtype": str(storage_dtype(precision)), "width": width(precision, tc.dim)},
+             "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": int(matrix.shape[0]),
+             "weight": {"dtype": str(matrix.dtype), "width": int(matrix.shape[1])},
              "default": {"unadmitted": tc.unadmitted, "init": tc.init, "init_scale": tc.init_scale, "seed": tc.seed},
              "files": files}
     if tombstones is not None:
@@ -235,11 +228,12 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
         for t, tc in enumerate(cfg.ps.tables):
             part = shards.read_table(t, since)
             tomb = part.tombstones if since is not None else None
-            files = write_table(tmp, tc.name, part.ids, quantize(part.rows, precision), precision, tc.dim, tomb)
-            entries.append(table_entry(cfg, t, part.ids.shape[0], tomb, files, precision))
+            matrix = quantize(part.rows, precision)
+            files = write_table(tmp, tc.name, part.ids, matrix, precision, tc.dim, tomb)
+            entries.append(table_entry(cfg, t, matrix, tomb, files))
             logger.info("table %s: %d rows%s", tc.name, part.ids.shape[0],
                         "" if tomb is None else f", {tomb.shape[0]} tombstones")
-            del part, tomb                           # one table in memory at a time
+            del part, tomb, matrix                   # one table in memory at a time
         dense = dense_program(cfg, source.model_dir, tmp / "dense.pt2")      # the trainer's, when it saved one
         # two_tower: item vectors (items.parquet) and the user tower (user_tower.pt2), see retrieval.py
         retrieval = export_retrieval(cfg, source.model_dir, tmp, index) if cfg.model.arch == "two_tower" else None

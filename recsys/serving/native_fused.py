@@ -8,17 +8,15 @@ pooling group (dim, pooling mode, linear or not), as `SparseArch` groups them; t
 are gathered into slot order when that order is not the batch's. The kernel's side (the hash map's
 buckets and probing, the slot descriptor, the float math that makes the outputs bit-equal to the
 per-table path, the threads) is `embedding_ps/csrc/pool.c`'s header; this module builds what it
-indexes: one hash map per table (its load: `_build_maps`; hashed tables' keys are computed in the
-kernel's loop), the row matrices (fp32: one float32 matrix per width, the tables back to back; fp16:
-float16, one per table; int8 / int4: f32 scale | f32 bias | codes, the f16-rounded values fbgemm's
-TBE uses) and the outputs, pooled [B, F, D] (feature order) and linear [B, F_lin] in one buffer.
+indexes: one hash map per table (`_build_maps`; hashed tables' keys are computed in the kernel's
+loop), the row matrices (`_build_matrices`, `_build_per_table`) and the outputs, pooled [B, F, D]
+(feature order) and linear [B, F_lin] in one buffer.
 
-An unknown id gets its slot's code: -1 (zeros default), -2 (uniform default, computed in the kernel
-exactly as `embedding_ps.init.init_rows` computes it), -3 (other defaults, e.g. normal: Python's,
-`init_rows` once per class of tables sharing (dim, seed, init, init_scale)). When no slot has code
--3 (the usual case), one call (`sv_pool`) looks up and pools, block by block; otherwise `sv_lookup`
-first, `sv_misses` lists the -3 ids, Python computes their rows into one float32 buffer and points
-them there (-4 - offset), then `sv_pool` (how a bag sums its default rows: pool.c's `sv_bag`).
+An unknown id gets its slot's code (pool.c's field 12): -1 zeros, -2 uniform (in the kernel), -3 other
+defaults (e.g. normal): `init_rows` in Python once per class of tables sharing (dim, seed, init,
+init_scale). When no slot has code -3 (the usual case), one call (`sv_pool`) looks up and pools,
+block by block; otherwise `sv_lookup` first, `sv_misses` lists the -3 ids, Python computes their rows
+into one float32 buffer and points them there (-4 - offset), then `sv_pool` (pool.c's `sv_bag`).
 
 The per-table path (predictor.py: where the kernel does not build or handle a layout) is the reference
 (tests/unit/recsys/serving/test_native_fused.py, test_native_half.py). Work is split over
@@ -81,7 +79,7 @@ class NativePooling:
         if max(p.dim for p, _ in slots) > ps_native.SV_MAX_DIM:
             raise Unsupported(f"tables wider than {ps_native.SV_MAX_DIM}")
         self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
-        self.per_table = self.quantized or precision == "fp16"
+        self.per_table = precision != "fp32"
         self.table_rows: dict[int, torch.Tensor] = {}    # per-table row matrices (fp16, int8, int4)
         if self.per_table:
             self._build_per_table(slots, tables)
@@ -91,7 +89,7 @@ class NativePooling:
         # -- slot descriptors (see embedding_ps/csrc/pool.c) --------------------------------------------------------
         desc = torch.zeros(len(slots), ps_native.SV_SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
         for s, (p, _) in enumerate(slots):
-            m = self.table_rows[p.table] if self.per_table else self.weights[self.dim_index[p.dim]]
+            m = self.table_rows[p.table] if self.per_table else self.weights[p.dim]
             desc[s, 0], desc[s, 1] = self.map_at[p.table]
             desc[s, 2], desc[s, 3] = self.hashed[s], self.slot_base[s]
             desc[s, 4], desc[s, 5] = m.data_ptr(), m.shape[1] * m.element_size()     # the slot's row matrix
@@ -120,7 +118,6 @@ class NativePooling:
     def _plan(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> list[tuple[TablePlan, int]]:
         """Slots (grouped as SparseArch groups), hashed tables and classes of default rows; returns the slots."""
         self.precision = precision
-        self.quantized = precision in QUANTIZED
         groups: dict[tuple[int, str, bool], list[tuple[TablePlan, int]]] = {}
         for p in plans:                                   # SparseArch's grouping: (dim, pooling, linear)
             for f in p.features:
@@ -142,20 +139,12 @@ class NativePooling:
 
     def _build_matrices(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
         """fp32: one float32 matrix per width, the tables' rows back to back."""
-        dims = sorted({p.dim for p, _ in slots})
-        self.dim_index = {d: i for i, d in enumerate(dims)}
         base_of: dict[int, int] = {}
-        parts: dict[int, list[torch.Tensor]] = {d: [] for d in dims}
-        size = dict.fromkeys(dims, 0)
-        for p, _ in slots:
-            if p.table in base_of:
-                continue
-            base_of[p.table] = size[p.dim]
-            m = tables[p.table].matrix
-            parts[p.dim].append(dequantize(np.asarray(m), self.precision, p.dim) if m.shape[0]
-                                else torch.zeros(0, p.dim))
-            size[p.dim] += m.shape[0]
-        self.weights = [torch.cat(parts[d]) if parts[d] else torch.zeros(0, d) for d in dims]
+        parts: dict[int, list[torch.Tensor]] = {}
+        for t, d in dict.fromkeys((p.table, p.dim) for p, _ in slots):
+            base_of[t] = sum(m.shape[0] for m in parts.setdefault(d, []))
+            parts[d].append(dequantize(np.asarray(tables[t].matrix), "fp32", d))
+        self.weights = {d: torch.cat(m) for d, m in parts.items()}                 # width -> matrix
         self.slot_base = torch.tensor([base_of[p.table] for p, _ in slots], dtype=torch.int64)
 
     def _build_per_table(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
@@ -166,7 +155,7 @@ class NativePooling:
         fewer b4096 rows/s, benchmarks/serving.py)."""
         for t in sorted({p.table for p, _ in slots}):
             m = np.asarray(tables[t].matrix)
-            if self.quantized:
+            if self.precision in QUANTIZED:
                 rows = torch.from_numpy(tbe_rows(m, self.precision, np.float32))
             else:
                 rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
@@ -184,21 +173,17 @@ class NativePooling:
         bits = {t: b + 1 if 2 << b <= _SMALL_MAP else b for t, b in bits.items()}
         if max(bits.values()) > 32:                                      # the kernel keeps homes as uint32
             raise Unsupported("a table of more than 2**31 rows")
-        self.map_at: dict[int, tuple[int, int]] = {}
-        total = 0
-        for t in used:
-            self.map_at[t] = (total, bits[t])
-            total += 1 << bits[t]
-        self.buckets = torch.full((total, 2), -1, dtype=torch.int64)                    # [C, 2] (key, row)
+        sizes = [1 << bits[t] for t in used]
+        self.map_at = {t: (sum(sizes[:i]), bits[t]) for i, t in enumerate(used)}       # table -> (offset, bits)
+        self.buckets = torch.full((sum(sizes), 2), -1, dtype=torch.int64)                # [C, 2] (key, row)
         for t in used:
             at, b = self.map_at[t]
             ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
             ps_native.sv_map_build(self.buckets[at:at + (1 << b)], ids, self.kernel)
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}
-        (fp16: float16 rows; fp32: one float32 matrix per width)."""
-        rows = self.table_rows.values() if self.per_table else self.weights
+        """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}."""
+        rows = self.table_rows.values() if self.per_table else self.weights.values()
         return {"rows": sum(m.nbytes for m in rows), "maps": self.buckets.nbytes}
 
     # -- per request --------------------------------------------------------------------------------
@@ -275,14 +260,13 @@ class NativePooling:
         parts, at = [], 0
         for c, (dim, seed, init, scale) in enumerate(self.classes):
             idx = (cls == c).nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            vals = init_rows(keys[idx], dim, seed, init, scale)                        # [M_c, D_c]
             n = idx.numel()
+            if n == 0:
+                continue
             if at + n * dim >= 2**31 - 4:
                 raise ValueError(f"serving: {n} default rows of width {dim} in one request: too many for int32 rows")
             rows[where[idx]] = (-4 - at - torch.arange(n, dtype=torch.int64) * dim).to(torch.int32)
-            parts.append(vals.view(-1))
+            parts.append(init_rows(keys[idx], dim, seed, init, scale).view(-1))          # [M_c * D_c]
             at += n * dim
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

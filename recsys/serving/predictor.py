@@ -93,8 +93,6 @@ class Predictor:
         # fewer scores than rows (data.on_bad_rows = "skip" is for training files)
         self.decoder = TableDecoder(dataclasses.replace(self.config.data, on_bad_rows="error"))
         self.user_decoder: TableDecoder | None = None          # two_tower: the user columns' rows
-        self._store = ExportStore(self.tables)
-        self._pooling: QuantizedPooling | None = None
         self.index: ItemIndex | None = None           # two_tower exports: top-k over the item vectors
         self.exact_index: ExactIndex | None = None    # ... always exact (the same as index without an ANN)
         if "retrieval" in self.manifest:
@@ -117,11 +115,11 @@ class Predictor:
             self.scorer = load_dense(delta_dir / "dense.pt2")
             self.step = int(delta["step"])
             self.score_rate = manifest_score_rate(delta)               # the delta's model, the delta's run config
-            self._store = ExportStore(self.tables)
-            self._pooling = None
             if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
                 self._open_retrieval(delta["retrieval"], delta_dir)
             logger.info("applied delta %s: now at step %d", delta_dir, self.step)
+        self._store = ExportStore(self.tables)
+        self._pooling: QuantizedPooling | None = None
         self.native: NativePooling | None = (make_pooling(self.sparse.plans, self.tables, self.precision)
                                              if self.fused else None)
 
@@ -198,13 +196,10 @@ class Predictor:
 
     def topk(self, user_features: Batch | pa.Table | list[dict], k: int,
              exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """The k items of largest <user, item> for every row: (item ids int64 [B, k], scores
-        float32 [B, k]), best first. Searched by `self.index`: the export's ANN index (faiss HNSW,
-        approximate: the ids may miss some of the exact top k) when it has one and the Predictor
-        was not opened with index="exact", else `ExactIndex` (batched matmul over the item matrix);
-        `exact` True: `ExactIndex` whatever the Predictor holds."""
+        """The k items of largest <user, item> for every row: (item ids int64 [B, k], scores float32 [B, k]),
+        best first, searched by `self.index` (the `index` of __init__; an ANN index may miss some of the
+        exact top k); `exact` True: `ExactIndex` (batched matmul) whatever the Predictor holds."""
         queries = self.user_vectors(user_features)          # raises for an export without item vectors
-        assert self.index is not None and self.exact_index is not None
         return (self.exact_index if exact else self.index).search(queries, k)
 
     def predict(self, data: Batch | pa.Table | list[dict]) -> np.ndarray:
@@ -224,8 +219,7 @@ class Predictor:
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     @staticmethod
-    def _batch_of_rows(rows: list[dict], decoder: TableDecoder | None) -> Batch:
+    def _batch_of_rows(rows: list[dict], decoder: TableDecoder) -> Batch:
         """The common rows straight to a Batch (`TableDecoder.decode_rows`), others through a table of them."""
-        assert decoder is not None
         batch = decoder.decode_rows(rows)
         return batch if batch is not None else decoder.decode(to_table(rows, Columns.of(decoder.cfg)), "<rows>")

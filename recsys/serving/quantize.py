@@ -35,15 +35,6 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 QUANTIZED = ("int8", "int4")
 
 
-def width(precision: str, dim: int) -> int:
-    """Columns of the stored matrix of a D-wide table."""
-    return {"fp32": dim, "fp16": dim, "int8": dim + 8, "int4": tbe_dim("int4", dim) // 2 + 4}[precision]
-
-
-def storage_dtype(precision: str) -> np.dtype:
-    return np.dtype({"fp32": np.float32, "fp16": np.float16, "int8": np.uint8, "int4": np.uint8}[precision])
-
-
 def quantize(rows: torch.Tensor, precision: str) -> np.ndarray:
     """float32 [R, D] -> the stored matrix (see the module docstring)."""
     rows = rows.detach().to(torch.float32).contiguous()

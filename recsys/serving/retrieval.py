@@ -88,9 +88,8 @@ class ExactIndex:
 
 
 def export_retrieval(cfg: JobConfig, model_dir: Path, out: Path, index: str = "exact") -> dict:
-    """Write items.parquet and user_tower.pt2 into `out`; returns the manifest's "retrieval" section.
-    `index` "ann": also an ANN index over the item vectors (ann.py: items.faiss, its parameters in
-    the section's "index")."""
+    """Write items.parquet and user_tower.pt2 (`index` "ann": also items.faiss, ann.py) into `out`;
+    returns the manifest's "retrieval" section."""
     sparse, model = build_job_model(cfg)
     model.load_state_dict(torch.load(model_dir / "dense.pt", map_location="cpu", weights_only=True))
     model.eval()

@@ -39,8 +39,8 @@ from recsys.models.replicated import REPLICATED_FILE, read_replicated
 from recsys.rundir import model_root
 from recsys.serving.errors import ExportError
 
-_LAYOUT = ("name", "dim", "kind", "num_embeddings")
-"""The table fields an export needs to match between the saved shards and the config."""
+LAYOUT = ("name", "dim", "kind", "num_embeddings")
+"""The table fields an export needs to match: between the saved shards and the config, a delta and its base."""
 
 
 def _guard(read: Callable) -> Callable:
@@ -124,7 +124,7 @@ class SavedShards:
             saved = SavedShard(directory)
         except FileNotFoundError:
             raise ExportError(f"{directory}: missing (ps.num_shards = {ps.num_shards})") from None
-        saved.check(ps.tables, shard_index=index, num_shards=ps.num_shards, fields=_LAYOUT)
+        saved.check(ps.tables, shard_index=index, num_shards=ps.num_shards, fields=LAYOUT)
         return saved
 
     def read_table(self, t: int, since: int | None = None) -> TableRows:
@@ -168,10 +168,7 @@ class SavedShards:
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys int64 [R_i], rows float32 [R_i, D], tombstones int64 [E_i]) of one shard's table."""
         keys, slots = saved.live_slots(t)
-        tomb = np.zeros(0, np.int64)
-        if since is not None:
-            tomb = self._evictions(saved, t, since, cfg)
-            tomb = tomb[~np.isin(tomb, keys)]                                # evicted, then admitted again
+        tomb = np.zeros(0, np.int64) if since is None else self._evictions(saved, t, since, cfg, keys)
         if since is not None and not is_global(cfg):    # global weight decay: every row changes every step
             if "meta" not in saved.array_names(t):
                 raise ExportError(f"{saved.directory}/table{t}: table {cfg.name!r} was saved without row counters "
@@ -187,7 +184,7 @@ class SavedShards:
         rows = np.asarray(weights[slots], dtype=np.float32)                  # [R_i, D], fp16 tables widen
         return np.array(keys, dtype=np.int64), rows, tomb
 
-    def _evictions(self, saved: SavedShard, t: int, since: int, cfg: TableConfig) -> np.ndarray:
+    def _evictions(self, saved: SavedShard, t: int, since: int, cfg: TableConfig, live: np.ndarray) -> np.ndarray:
         lost = int(saved.meta(t).get("evlog_lost_through", -1))
         if lost >= since:
             raise ExportError(
@@ -195,5 +192,6 @@ class SavedShards:
                 f"(records through step {lost} were dropped past eviction_log_max = {cfg.eviction_log_max}); "
                 f"a delta since {since} cannot name every evicted id: make a full export")
         keys, steps = saved.array(t, "evlog_keys"), saved.array(t, "evlog_steps")
-        return np.unique(keys[steps >= since].astype(np.int64))
+        tomb = np.unique(keys[steps >= since].astype(np.int64))
+        return tomb[~np.isin(tomb, live)]                                    # evicted, then admitted again
 

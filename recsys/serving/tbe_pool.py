@@ -86,19 +86,13 @@ class QuantizedPooling:
         return out.index_add_(0, bag[miss], rows)
 
     def _split(self, out: torch.Tensor, extra: list, B: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pooled: dict[int, torch.Tensor] = {}
-        linear: dict[int, torch.Tensor] = {}
+        pieces: dict[tuple[bool, int], torch.Tensor] = {}                    # (linear, feature) -> [B, D]
         k = 0
         for plan, add in zip(self.plans, extra):
             for j, f in enumerate(plan.features):
-                piece = out[:, self.columns[k]:self.columns[k] + plan.dim]     # [B, D]
-                if add is not None:
-                    piece = piece + add[j * B:(j + 1) * B]
-                if plan.linear:
-                    linear[f] = piece[:, 0]
-                else:
-                    pooled[f] = piece
+                piece = out[:, self.columns[k]:self.columns[k] + plan.dim]
+                pieces[plan.linear, f] = piece if add is None else piece + add[j * B:(j + 1) * B]
                 k += 1
-        stacked = torch.stack([pooled[f] for f in sorted(pooled)], dim=1)    # [B, F, D]
-        lin = torch.stack([linear[f] for f in sorted(linear)], dim=1) if linear else None
-        return stacked, lin
+        pooled = [pieces[key] for key in sorted(pieces) if not key[0]]
+        linear = [pieces[key][:, 0] for key in sorted(pieces) if key[0]]
+        return torch.stack(pooled, dim=1), torch.stack(linear, dim=1) if linear else None     # [B, F, D], [B, F_lin]
