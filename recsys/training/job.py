@@ -1,8 +1,5 @@
 """What a training job is, whichever engine runs it (`recsys.training.launch` or `.ray_launch`: both
-import this module, neither the other): the run directory prepared and locked (`prepared_run`), the
-attempt loop with its restarts (`run_attempts`), stop requests (`StopRequests`), and the reading of a
-failed attempt (`JobFailure`, `WorkerError`, `read_worker_error`, `silent_ranks`).
-"""
+import this module, neither the other; what is where: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -42,7 +39,7 @@ class StopRequests:
     """The launcher's SIGTERM / SIGINT handling while `launch_train` runs (main thread only).
 
     First signal: `requested` is set and every trainer that has written its pid file (run_dir/pids)
-    gets SIGUSR1, also those that start later (a thread watches until `close`). Second: StopNow.
+    gets SIGUSR1, also those that start later (a thread watches until the block ends). Second: StopNow.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -77,11 +74,10 @@ class StopRequests:
 
     def _forward(self) -> None:
         while True:
-            for pid in [r["pid"] for r in trainer_records(self.run_dir, "pids") if "pid" in r]:
-                if pid not in self._signalled:
-                    self._signalled.add(pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGUSR1)
+            for pid in {r["pid"] for r in trainer_records(self.run_dir, "pids") if "pid" in r} - self._signalled:
+                self._signalled.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
             if self._done.wait(0.1):
                 return
 
@@ -182,6 +178,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
     it fails naming the holder. `overwrite`: None (library use) takes the directory as it is; False
     (`recsys train`) refuses one that holds a run unless resuming; True moves that run aside first.
     Everything that can refuse reads only: nothing is written before the lock is held."""
+    # the shards wait for every trainer's barrier: they must know how many there are
+    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
     init = resolve_init(cfg.train.init_from) if cfg.train.init_from and checkpoint is None else None
     placement = resolve_placement(placements_of(cfg, checkpoint if init is None else init.root))
@@ -255,10 +253,8 @@ def _saved_train(path: Path | str) -> dict:
 
 def _warm_start_of(cfg: JobConfig, checkpoint: Path | str) -> JobConfig:
     """`cfg` with train.init_from, init_step and lineage as the checkpoint's run had them."""
-    saved = _saved_train(run_path(checkpoint, "config.toml"))
-    keep = {k: saved[k] for k in ("init_from", "init_step", "lineage") if k in saved}
-    if "lineage" in keep:
-        keep["lineage"] = tuple(keep["lineage"])
+    saved = _saved_train(run_path(checkpoint, "config.toml")).items()
+    keep = {k: tuple(v) if k == "lineage" else v for k, v in saved if k in ("init_from", "init_step", "lineage")}
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **keep)) if keep else cfg
 
 
@@ -289,10 +285,9 @@ def placements_of(cfg: JobConfig, checkpoint: Path | str | None) -> JobConfig:
 
 def _stopped(run_dir: Path, config_path: Path, checkpoint: Path | None) -> dict:
     """The result of a graceful stop, with the line saying how to continue."""
-    info = json.loads((run_dir / "stopped.json").read_text()) if (run_dir / "stopped.json").exists() else None
-    if info is None:         # stopped before the trainers ran: the job is where it began
-        info = {"step": read_manifest(checkpoint)["step"] if checkpoint else 0,
-                "checkpoint": str(checkpoint) if checkpoint else None}
+    stopped = run_dir / "stopped.json"         # none: stopped before the trainers ran, where the job began
+    info = json.loads(stopped.read_text()) if stopped.exists() else {
+        "step": read_manifest(checkpoint)["step"] if checkpoint else 0, "checkpoint": checkpoint and str(checkpoint)}
     logger.warning("stopped at step %d (checkpoint %s); continue with: recsys train --config %s --resume latest",
                    info["step"], info["checkpoint"] or "none: nothing trained yet", config_path)
     return {"stopped": 1, "step": info["step"], "checkpoint": info["checkpoint"]}
@@ -335,10 +330,8 @@ def closing_summary(cfg: JobConfig, metrics: dict) -> str:
     last model, where the curves are, and the next commands."""
     run = cfg.train.run_dir
     nums = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    head = f"done: run {run} ({cfg.train.run_id}): {int(nums.get('steps', 0))} steps"
-    if "samples_per_s" in nums:
-        head += f", {nums['samples_per_s']:,.0f} samples/s"
-    lines = [head]
+    lines = [f"done: run {run} ({cfg.train.run_id}): {int(nums.get('steps', 0))} steps"
+             + (f", {nums['samples_per_s']:,.0f} samples/s" if "samples_per_s" in nums else "")]
     best = int(nums.get("best_step", -1))
     if best >= 0:
         metric = cfg.train.early_stop_metric

@@ -1,13 +1,7 @@
-"""Local launcher: `recsys train` starts the PS shards and the trainers on this machine.
-
-    launcher ──zygote──> ps shard 0..N-1   (`recsys ps ...`; die with the launcher)
-             ──zygote──> trainer rank 0..W-1 (worker_main; gloo / NCCL)
-
-Both are forks of one process that imported torch and the rest once (`recsys.training.procs`), out of
-the terminal's process group, and die with the launcher (PR_SET_PDEATHSIG, through that process).
-
-It writes the run directory (resolved config, processes.json, metrics.jsonl, metrics.json),
-waits, reports, and on exit, error or Ctrl-C tears every process down: no orphans.
+"""Local launcher: `recsys train` starts the PS shards and the trainers on this machine, as forks of
+one preloaded process, out of the terminal's process group, that die with the launcher
+(`recsys.training.procs`, its diagram). It writes the run directory (resolved config, processes.json,
+metrics.jsonl, metrics.json), waits, reports, and on exit, error or Ctrl-C tears every process down.
 
 Recovery (restarts after a kill, `job.run_attempts`) and the graceful stop (`job.StopRequests`):
 docs/operations.md. An error the job raises itself is not retried: the first failing trainer's
@@ -17,7 +11,6 @@ one-line error (`run_dir/errors/`) is raised as `WorkerError`, its traceback sta
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -51,20 +44,16 @@ def spawn_shards(cfg: JobConfig, config_path: Path, run_dir: Path,
     init: a warm start's saved PS directory (its tables taken by name, `reshard.init_shard`).
     overrides: `--set` values for the shards (the job's auth: `jobauth.job_auth`).
     """
+    extra = [a for value in overrides for a in ("--set", value)]
+    extra += (["--restore", str(restore)] if restore is not None else
+              ["--init-from", str(init)] if init is not None else [])
+    ready_files = [run_dir / f"ps-{shard}.ready" for shard in range(cfg.ps.num_shards)]
     procs: list[ForkedProcess] = []
-    ready_files = []
-    for shard in range(cfg.ps.num_shards):
-        ready = run_dir / f"ps-{shard}.ready"
+    for shard, ready in enumerate(ready_files):
         ready.unlink(missing_ok=True)
-        ready_files.append(ready)
         argv = ["ps", "--config", str(config_path), "--shard", str(shard), "--port", "0", "--ready-file", str(ready)]
-        for value in overrides:
-            argv += ["--set", value]
-        if restore is not None:
-            argv += ["--restore", str(restore)]
-        elif init is not None:
-            argv += ["--init-from", str(init)]
-        procs.append(zygote().start("shard", argv, child_env(1), log=str(run_dir / f"ps-{shard}.log"), session=True))
+        procs.append(zygote().start("shard", [*argv, *extra], child_env(1), log=str(run_dir / f"ps-{shard}.log"),
+                                    session=True))
     return procs, ready_files
 
 
@@ -184,8 +173,6 @@ def launch_train(cfg: JobConfig, resume: str | None = None, verbose: bool = Fals
 
         return launch_train_ray(cfg, resume=resume, verbose=verbose, overwrite=overwrite)
     check_devices(cfg)
-    # the shards wait for every trainer's barrier: they must know how many there are
-    cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, num_workers=cfg.train.num_trainers))
     with job_zygote(), prepared_run(cfg, resume, overwrite) as (cfg, run_dir, config_path, checkpoint, init), \
             StopRequests(run_dir) as stops, job_auth(cfg.ps, run_dir) as auth:
         return run_attempts(cfg, config_path, run_dir, checkpoint, stops, verbose, functools.partial(_attempt, auth),

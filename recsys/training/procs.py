@@ -12,11 +12,9 @@ child is a fork, in milliseconds, of an interpreter that has imported everything
 torch op, so no OpenMP threads: PLATFORM-NOTES' fork hazard does not arise), with the launcher's
 environment and working directory of the moment it is asked for (not the zygote's).
 
-The pipes carry JSON lines, nothing pickled: requests `{"id", "target", "args", "env", "cwd", "log",
-"session", "deathsig"}` (target: one of TARGETS), events `{"id", "pid"}` once forked and `{"id",
-"exit"}` when reaped (`os.waitstatus_to_exitcode`: -N for signal N). `ForkedProcess` is the launcher's
-handle, with subprocess.Popen's members the launcher uses (pid, args, poll, returncode, wait,
-terminate, kill): the zygote is the children's parent, so their exit codes arrive as events.
+The pipes carry JSON lines, nothing pickled: requests (`Zygote.start`), events `{"id", "pid"}` once
+forked and `{"id", "exit"}` when reaped (-N: signal N), by which the launcher's `ForkedProcess` handles
+learn their children's exit codes (the zygote is their parent).
 
 Lifetimes: one zygote a job (`job_zygote`: it serves the job's restarts too, and ends with it); it
 dies with the launcher (PR_SET_PDEATHSIG) and exits when its request pipe closes; each child dies
@@ -205,9 +203,7 @@ class Zygote:
         with self._changed:
             if ident in self._exits:
                 return self._exits[ident]
-        if self.alive():
-            return None
-        return None if os.path.exists(f"/proc/{pid}") and not _zombie(pid) else -signal.SIGKILL
+        return None if self.alive() or not _gone(pid) else -signal.SIGKILL
 
     def close(self) -> None:
         """End the zygote (its children are the caller's to stop first)."""
@@ -218,7 +214,8 @@ class Zygote:
         self.proc.wait(timeout=30)
 
 
-def _zombie(pid: int) -> bool:
+def _gone(pid: int) -> bool:
+    """No process `pid`, or only its zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
@@ -245,9 +242,8 @@ def zygote_pid() -> int | None:
     return z.proc.pid if z is not None and z.alive() else None
 
 
-def prestart() -> None:
-    """Start the zygote now, so that it imports while this process does other work (`recsys train`)."""
-    zygote()
+prestart = zygote
+"""Start the zygote now, so that it imports while this process does other work (`recsys train`)."""
 
 
 @contextlib.contextmanager

@@ -7,10 +7,8 @@
                              Ray Train sets up torch.distributed (gloo / NCCL); each runs `run_worker`,
                              the local launcher's trainer loop, with the shard addresses from the driver
 
-A launcher, not a second trainer (docs/cluster.md, "Ray engine"): the local launcher's run directory
-files, attempt loop (`job.run_attempts`) and `WorkerError`; resources not granted within
-`cluster.start_timeout_s` end the job with `ClusterResourceError`. Each actor and trainer keeps the
-token Ray hands it in an in-memory file of its own (`jobauth.memory_file`): never on a disk.
+A launcher, not a second trainer: the local launcher's run directory files, attempt loop
+(`job.run_attempts`) and `WorkerError`; resources and the token's in-memory files: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -189,17 +187,16 @@ def _absolute(cfg: JobConfig) -> JobConfig:
     data = dataclasses.replace(cfg.data, **{k: tuple(fix(p) for p in getattr(cfg.data, k))
                                             for k in ("train_paths", "eval_paths", "test_paths", "item_paths")})
     return dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, run_dir=fix(cfg.train.run_dir)),
-                               ps=dataclasses.replace(cfg.ps, storage_root=fix(cfg.ps.storage_root),
-                                                      num_workers=cfg.train.num_trainers))
+                               ps=dataclasses.replace(cfg.ps, storage_root=fix(cfg.ps.storage_root)))
 
 
-def _reserve(role: str, key: str, bundle: dict[str, float], count: int, strategy: str, timeout_s: float):
-    """A ready placement group of `count` bundles, or after timeout_s a ClusterResourceError: one line
-    saying what the cluster lacks and which nodes are dead (totals count the living nodes only:
-    `ray.cluster_resources()` still counts a node lost moments ago)."""
-    pg = placement_group([dict(bundle)] * count, strategy=strategy, name=f"recsys-{role}")
+def _reserve(cfg: JobConfig, role: str, key: str, bundle: dict[str, float], count: int):
+    """A ready placement group of `count` bundles (cluster.placement), or after cluster.start_timeout_s a
+    ClusterResourceError: one line saying what the cluster lacks and which nodes are dead (totals count
+    the living nodes only: `ray.cluster_resources()` still counts a node lost moments ago)."""
+    pg = placement_group([dict(bundle)] * count, strategy=cfg.cluster.placement.upper(), name=f"recsys-{role}")
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
+        ray.get(pg.ready(), timeout=cfg.cluster.start_timeout_s)
     except ray.exceptions.GetTimeoutError:
         nodes, free = ray.nodes(), ray.available_resources()
         total = sum((Counter(n["Resources"]) for n in nodes if n["Alive"]), Counter())
@@ -210,15 +207,14 @@ def _reserve(role: str, key: str, bundle: dict[str, float], count: int, strategy
         raise ClusterResourceError(f"cannot place {count} {role}(s) of {key} = {bundle}: "
                                    f"{'; '.join(short) or 'no single node offers one bundle'}"
                                    f"{'; lost nodes: ' + ', '.join(dead) if dead else ''}"
-                                   f" (waited cluster.start_timeout_s = {timeout_s:g} s)") from None
+                                   f" (waited cluster.start_timeout_s = {cfg.cluster.start_timeout_s:g} s)") from None
     return pg
 
 
 def start_shards(cfg: JobConfig, token: str, restore: Path | str | None) -> tuple[list, list[dict], object]:
     """ps.num_shards shard actors in one placement group; their handles, infos (address, pid, node) and the group."""
     bundle = cfg.cluster.ps_bundle()
-    pg = _reserve("ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards,
-                  cfg.cluster.placement.upper(), cfg.cluster.start_timeout_s)
+    pg = _reserve(cfg, "ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards)
     remote = ray.remote(ShardActor)
     text = to_toml(cfg)
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
@@ -247,28 +243,24 @@ def stop_shards(actors: list, pg: object) -> None:
         remove_placement_group(pg)
 
 
-def _dead_shard(actors: list, infos: list[dict]) -> str | None:
-    """The first shard that died during the attempt, as 'ps shard I (pid P on node N)'; None if none did."""
-    for i, (a, info) in enumerate(zip(actors, infos)):
-        try:
-            ray.get(a.ready.remote(1.0), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return f"ps shard {i} (pid {info['pid']} on node {info['node_ip']} {info['node_id'][:12]})"
-    return None
-
-
 def _write_processes(run_dir: Path, infos: list[dict], earlier: list[dict]) -> list[dict]:
     """processes.json as the local launcher writes it, with each process's node (node_id, node_ip)."""
     shards = [{k: v for k, v in info.items() if k != "address"} for info in infos]
     return write_processes(run_dir, shards, earlier, node=this_node())
 
 
-def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
-    """What a failed fit() means: a trainer process died (JobFailure, worth a restart), or a trainer's
-    own error (WorkerError, its one line)."""
+def _failure(e: BaseException, run_dir: Path, actors: list, infos: list[dict]) -> Exception:
+    """What a failed fit() means: a shard or a trainer process died (JobFailure, worth a restart), or a
+    trainer's own error (WorkerError, its one line)."""
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
     from ray.train.v2.api.exceptions import WorkerGroupError
 
+    for i, (a, info) in enumerate(zip(actors, infos)):
+        try:
+            ray.get(a.ready.remote(1.0), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return JobFailure(f"ps shard {i} (pid {info['pid']} on node {info['node_ip']} {info['node_id'][:12]}) "
+                              f"died during training", killed=True)
     failures = getattr(e, "worker_failures", {}) if isinstance(e, WorkerGroupError) else {}
     # a dead worker process: its actor's error, or the health check that found the actor gone
     died = sorted(r for r, err in failures.items()
@@ -281,14 +273,13 @@ def _trainer_failure(e: BaseException, run_dir: Path) -> Exception:
     return WorkerError(line if line is not None else " ".join(str(e).split())[:500])
 
 
-STEP_LINE = re.compile(r" trainer0: (epoch \d+/\d+ )?step \d+")
-"""Rank 0's step lines (recsys.metrics.step_line) in its log, which the driver prints as they come."""
-
-
 class StepLines(threading.Thread):
-    """Prints rank 0's step lines on the driver while the Ray trainers run (Ray does not forward the
-    workers' output: log_to_driver is off): it follows run_dir/logs/trainer-0.log, which rank 0
-    writes on storage every node sees, from where it ended when this attempt began."""
+    """Prints rank 0's step lines (`recsys.metrics.step_line`) on the driver while the Ray trainers run
+    (Ray does not forward the workers' output: log_to_driver is off): it follows
+    run_dir/logs/trainer-0.log, which rank 0 writes on storage every node sees, from where it ended
+    when this attempt began."""
+
+    STEP_LINE = re.compile(r" trainer0: (epoch \d+/\d+ )?step \d+")
 
     def __init__(self, path: Path, poll_s: float = 0.5) -> None:
         super().__init__(name="rank 0 step lines", daemon=True)
@@ -310,7 +301,7 @@ class StepLines(threading.Thread):
         end = chunk.rfind(b"\n") + 1          # whole lines only: the rest comes next time
         self.offset += end
         for line in chunk[:end].decode("utf-8", "replace").splitlines():
-            if STEP_LINE.search(line):
+            if self.STEP_LINE.search(line):
                 logger.info("%s", line.split(" trainer0: ", 1)[1])
 
     def stop(self) -> None:
@@ -332,8 +323,8 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
         _write_processes(run_dir, infos, earlier)
         logger.info("ps shards ready at %s", ", ".join(f"{i['address']} (node {i['node_id'][:12]})" for i in infos))
         bundle, strategy = cfg.cluster.trainer_bundle(), cfg.cluster.placement.upper()    # SPREAD | PACK
-        remove_placement_group(_reserve("trainer", "cluster.trainer_resources", bundle, cfg.train.num_trainers,
-                                        strategy, cfg.cluster.start_timeout_s))   # fail fast, in one line
+        remove_placement_group(_reserve(cfg, "trainer", "cluster.trainer_resources", bundle,
+                                        cfg.train.num_trainers))   # fail fast, in one line
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"config": to_toml(cfg), "token": token, "addresses": [i["address"] for i in infos],
@@ -349,9 +340,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
             trainer.fit()
         except Exception as e:
             lines.stop()
-            if dead := _dead_shard(actors, infos):
-                raise JobFailure(f"{dead} died during training", killed=True) from e
-            raise _trainer_failure(e, run_dir) from e
+            raise _failure(e, run_dir, actors, infos) from e
         lines.stop()
         return json.loads((run_dir / "metrics.json").read_text())
     finally:

@@ -31,9 +31,6 @@ _PATH_KEYS = ("data.train_paths", "data.eval_paths", "data.test_paths", "data.it
               "train.run_dir", "ps.storage_root", "ps.token_file", "ps.curve_keys_dir")
 """Config keys that name files or directories the job reads or writes on the cluster."""
 
-_STATUS_WAIT_S = 60.0
-"""How long, after the job's log stream closed, its status may take to leave PENDING / RUNNING."""
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Submission:
@@ -126,8 +123,8 @@ def follow(client: Any, job_id: str, out: TextIO) -> int:
             out.flush()
 
     asyncio.run(tail())
-    deadline = time.monotonic() + _STATUS_WAIT_S
-    while True:                 # the log stream can close a moment before the status turns
+    deadline = time.monotonic() + 60.0
+    while True:         # the log stream can close before the status leaves PENDING / RUNNING (up to 60 s)
         info = client.get_job_info(job_id)
         status = str(getattr(info.status, "value", info.status))
         if status not in ("PENDING", "RUNNING") or time.monotonic() > deadline:
