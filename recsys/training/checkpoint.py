@@ -6,13 +6,12 @@ Layout (`run_dir/checkpoints/step-0000000100/`)::
     config.toml            the resolved job config
     model/dense.pt         dense state_dict (what `recsys eval` / `recsys export` read)
     model/ps/shard{i}/     each shard's own save (its manifest.json has its files' checksums)
-    trainer/state.pt       dense optimizer, LR schedule, step, torch RNG
+    trainer/state.pt       dense (+ replicated tables') optimizer, LR schedule, step, torch RNG, validation record
     trainer/loaders.json   every rank's data reader position (ParquetLoader.state_dict)
 
-The cut (`Checkpointer.save` at step t, called by every rank between steps; docs/operations.md
-"Consistency"). Sync mode: the shards save "at step t", deferred until every step < t is applied,
-and step t waits for all trainers' barrier(t), which rank 0 sends only after the shards answered.
-Async mode: every rank's pushes acknowledged, a barrier, the snapshot, a barrier before any new push.
+The cut (`Checkpointer.save` at step t, called by every rank between steps): docs/operations.md
+"Consistency"; in sync mode step t waits for all trainers' barrier(t), which rank 0 sends only after
+the shards answered.
 
 With `train.checkpoint_background` (docs/operations.md "Pause") a thread of rank 0 waits for the
 shards' writes, writes the manifest and renames the temporary directory into place: a `step-*`
@@ -75,10 +74,6 @@ class TrainParts:
     table_optimizer: TableOptimizer | None = None           # their optimizers (trainer/state.pt)
 
 
-def checkpoints_dir(run_dir: str | Path) -> Path | str:
-    return run_path(run_dir, "checkpoints")
-
-
 def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
     """RUN_DIR/checkpoints/step-N: a Path, or a URI string when the run directory is one."""
     return run_path(run_dir, "checkpoints", f"{PREFIX}{step:010d}")
@@ -86,7 +81,7 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
 
 def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
     """Complete checkpoint directories (renamed into place; on a URI: with their manifest), oldest first."""
-    root = checkpoints_dir(run_dir)
+    root = run_path(run_dir, "checkpoints")
     if storage.is_uri(root):
         names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
         return [run_path(root, n) for n in names if storage.is_file(run_path(root, n, "manifest.json"))]
@@ -165,14 +160,13 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | str | None:
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
+            return path
         except CorruptCheckpointError as e:
             logger.warning("skipping checkpoint %s: %s", storage.basename(path), e)
             failed.append(f"{storage.basename(path)}: {e}")
-            continue
-        return path
     if failed:      # starting from step 0 would overwrite them and the model: the user decides
         raise CorruptCheckpointError(
-            f"--resume latest: none of the {len(failed)} checkpoints of {checkpoints_dir(run_dir)} verifies "
+            f"--resume latest: none of the {len(failed)} checkpoints of {run_path(run_dir, 'checkpoints')} verifies "
             f"({'; '.join(failed)}); resume from a given one with --resume PATH, or start a new run_dir")
     return None
 
@@ -181,7 +175,7 @@ def prune(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and the unfinished saves of steps before
     the newest (a killed attempt's `.tmp-step-*`; on a URI, `step-*` without a manifest)."""
     done = list_checkpoints(run_dir)
-    root = checkpoints_dir(run_dir)
+    root = run_path(run_dir, "checkpoints")
     newest = storage.basename(done[-1]) if done else ""
     kept = {storage.basename(path) for path in done[-keep:]}
     for name in storage.list_dir(root):
@@ -290,7 +284,12 @@ class Checkpointer:
                 torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
                 if parts.replicated is not None:
                     (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated.state()))
-                torch.save(trainer_state(parts, step, validation), tmp / "trainer" / "state.pt")
+                state = {"step": step, "optimizer": parts.optimizer.state_dict(),
+                         "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                         "validation": dict(validation)}
+                if parts.table_optimizer is not None:
+                    state["table_optimizer"] = parts.table_optimizer.state_dict()
+                torch.save(state, tmp / "trainer" / "state.pt")
             except (OSError, RuntimeError) as e:     # torch.save wraps the OSError of a full disk in a RuntimeError
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointWriteError(write_failure(str(root), e)) from e
@@ -349,17 +348,6 @@ class Checkpointer:
 
 # ---------------------------------------------------------------------------------------------
 # trainer state
-
-
-def trainer_state(parts: TrainParts, step: int, validation: dict[str, Any]) -> dict[str, Any]:
-    """The dense optimizer, LR schedule, step, RNG and early-stopping record of a trainer (tensors
-    and numbers only)."""
-    state = {"step": step, "optimizer": parts.optimizer.state_dict(),
-             "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-             "validation": dict(validation)}
-    if parts.table_optimizer is not None:
-        state["table_optimizer"] = parts.table_optimizer.state_dict()
-    return state
 
 
 def read_checked(root: Path | str, rel: str, manifest: dict[str, Any]) -> bytes:

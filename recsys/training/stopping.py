@@ -9,14 +9,9 @@
 The handler only sets a flag (a signal may arrive in the middle of a collective or a PS call; the
 step that is running finishes normally). Ranks see a signal at different moments, so the flags are
 combined over the process group (MAX): every rank stops after the same step, which is what a
-consistent checkpoint needs. `StopAgreement` reduces step t's flags while step t + 1 trains
-(async_op) and reads the result after step t + 1: one step after the request, and no rank waits at
-the boundary for a slower one (`stop_agreed`, the blocking form, is one more sync point a step).
-A second signal stops the process at once, without a checkpoint (`stop_handler`).
-
-Who sends what: torchrun's agent forwards the SIGTERM / SIGINT it got to every worker; the local
-launcher (`recsys train`) keeps SIGTERM / SIGINT for itself and sends SIGUSR1 to its trainers (a
-SIGTERM from the launcher there means an abort: another rank failed).
+consistent checkpoint needs (`StopAgreement`; `stop_agreed`, the blocking form, is one more sync
+point a step). A second signal stops the process at once, without a checkpoint (`stop_handler`).
+Who sends which signal: docs/operations.md "Graceful stop", `recsys.training.worker.worker_main`.
 """
 
 from __future__ import annotations
@@ -97,7 +92,8 @@ def stop_agreed(world_size: int) -> bool:
 
 
 class StopAgreement:
-    """The ranks' stop requests combined one step behind, without waiting at the step boundary.
+    """The ranks' stop requests combined one step behind: step t's flags are reduced (async_op) while
+    step t + 1 trains, so no rank waits at the step boundary for a slower one.
 
     after_step() at every step boundary, on every rank: True when some rank had asked to stop at the
     previous boundary (one process: this process's request, at once). close() waits for the reduction

@@ -5,7 +5,7 @@ the batch's unique rows [U, D] pulled and pooled, the model's logits [B], backwa
 the dense gradients and the row gradients are pushed scaled by 1/W, so that in sync mode W trainers
 compute exactly what one process computes on the concatenated batch.
 
-The loop (`train`, as torchtitan's): `_prepared_steps` hands out batches whose rows are being pulled,
+The loop (`train`, as torchtitan's): `_batches` hands out batches whose rows are being pulled,
 `train_step` trains each, `_after_step` keeps the books (progress, log window + TTL sweep, validation,
 checkpoint).
 """
@@ -86,16 +86,6 @@ class StepTimes:
             "time/ps_wait_ms": 1e3 * self.ps_wait / n,
             "ps/rows_per_step": self.ps_rows / n,
         }
-
-
-@dataclass(slots=True)
-class PreparedStep:
-    """A batch ready to train: its rows are being pulled (`lookup`)."""
-
-    batch: Batch
-    lookup: SparseLookup
-    position: dict                  # the reader's state after this batch (what a checkpoint saves)
-    end_of_epoch: bool = False      # the epoch's last step (train.validate_every = "epoch")
 
 
 @dataclass
@@ -312,13 +302,9 @@ class Trainer:
         return float(out[0])
 
     def _batch_share(self, rows: int) -> float:
-        """W * rows / (rows of every rank's batch this step), 1.0 when the ranks' batches are equal.
-
-        DDP averages the dense gradients over the W ranks and the PS sums the row gradients, so a
-        rank whose loss (a mean over its rows) is weighted by this (and whose row gradients, which
-        carry the weight, are pushed times 1 / W) contributes exactly its part of the mean over the
-        concatenated batch, whatever the split. Which steps sum the global batch size (one small
-        all_reduce): `_uneven_batches`, `_any_step_uneven`."""
+        """W * rows / (rows of every rank's batch this step), 1.0 when the ranks' batches are equal: the
+        loss weight of a rank's part of the mean over the concatenated batch, whatever the split (module
+        docstring). Which steps sum the global batch size (one all_reduce): `_uneven_batches`, `_any_step_uneven`."""
         if not self._uneven_batches:
             return 1.0
         total = int(all_reduce(torch.tensor([rows], dtype=torch.int64)).item())
@@ -329,24 +315,36 @@ class Trainer:
     def train(self) -> dict[str, float]:
         if self.scoring_only:
             raise RuntimeError("this Trainer was built with scoring_only=True (eval / predict): it has no optimizer")
-        run = self._start_run()
-        agreement = stopping.StopAgreement(self.world_size)
-        redirect = contextlib.nullcontext()
-        if run.bar is not None:
+        self.model.train()
+        total = self._last_step or self.start_step + self.cfg.train.epochs * self.loader.num_batches
+        bar, redirect = None, contextlib.nullcontext()
+        if self.rank == 0 and sys.stderr.isatty():      # a tqdm bar on stderr when it is a terminal
+            from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
+            bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+            bar.update(self.step)
             redirect = logging_redirect_tqdm()      # log lines print above the bar, not over it
+        t = time.perf_counter()
+        run = _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar, total=total,
+                   first=self.step)
+        # the steps until the data or train.max_steps ends; async mode sends the pulls of steps t + 1 .. t + K
+        # (K = train.pull_ahead_batches, not past max_steps) before step t trains, sync mode none ahead
+        steps = self._batches(run)
+        if self._last_step:
+            steps = itertools.islice(steps, max(0, self._last_step - self.step))
+        steps = _ahead(steps, self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0)
+        agreement = stopping.StopAgreement(self.world_size)
         with redirect:
-            for prepared in self._prepared_steps(run):
+            for batch, lookup, position, end_of_epoch in steps:
                 try:
-                    loss = self.train_step(prepared.batch, prepared.lookup, run.window,
-                                           end_of_epoch=prepared.end_of_epoch)
+                    loss = self.train_step(batch, lookup, run.window, end_of_epoch=end_of_epoch)
                 except NonFiniteLossError as e:
-                    rows = self.loader.describe_rows(run.position, prepared.position)
+                    rows = self.loader.describe_rows(run.position, position)
                     raise NonFiniteLossError(f"{e} on the batch of {rows} (check those rows' values, or lower "
                                              f"train.dense_lr / the tables' lr)") from None
                 self.step += 1
-                self._after_step(run, prepared, loss)
+                self._after_step(run, batch, position, end_of_epoch, loss)
                 if run.stop:
                     break
                 if agreement.after_step():     # SIGTERM / SIGINT: every rank stops here (one step later)
@@ -355,23 +353,10 @@ class Trainer:
         agreement.close()              # the reduction still in flight (on an error: the process ends)
         return self._finish_run(run)
 
-    def _start_run(self) -> _Run:
-        self.model.train()
-        total = self._last_step or self.start_step + self.cfg.train.epochs * self.loader.num_batches
-        bar = None
-        if self.rank == 0 and sys.stderr.isatty():      # a tqdm bar on stderr when it is a terminal
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
-            bar.update(self.step)
-        t = time.perf_counter()
-        return _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar, total=total,
-                    first=self.step)
-
-    def _batches(self, run: _Run) -> Iterator[PreparedStep]:
+    def _batches(self, run: _Run) -> Iterator[tuple[Batch, SparseLookup, dict, bool]]:
         """The training steps over all epochs (from a restored position on), numbered on from `self.step`:
-        each batch with its rows' pulls sent, the reader position after it and whether it is the epoch's
-        last. The seconds spent reading it go to the log window."""
+        (batch, its rows' pulls sent, the reader position after it: what a checkpoint saves, whether it is
+        the epoch's last). The seconds spent reading it go to the log window."""
         step = self.step
         for epoch in range(self._start_epoch, self.cfg.train.epochs):
             self.loader.set_epoch(epoch)        # a restored position of this epoch is kept
@@ -386,23 +371,13 @@ class Trainer:
                     break
                 run.window.data += time.perf_counter() - t0
                 position = self.loader.state_dict()
-                yield PreparedStep(batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), position,
-                                   i == steps - 1)
+                yield batch, self.sparse.lookup(batch, self.store, step, counts=self._cached), position, i == steps - 1
                 step += 1
 
-    def _prepared_steps(self, run: _Run) -> Iterator[PreparedStep]:
-        """The steps to train, until the data or train.max_steps ends. With a prefetching strategy
-        (async) the pulls of the next train.pull_ahead_batches batches (steps t + 1 .. t + K, not past
-        max_steps) are issued before step t is handed out; sync mode pulls nothing ahead."""
-        steps = self._batches(run)
-        if self._last_step:
-            steps = itertools.islice(steps, max(0, self._last_step - self.step))
-        return _ahead(steps, self.cfg.train.pull_ahead_batches if self.strategy.prefetch else 0)
-
-    def _after_step(self, run: _Run, prepared: PreparedStep, loss: float) -> None:
+    def _after_step(self, run: _Run, batch: Batch, position: dict, end_of_epoch: bool, loss: float) -> None:
         """Bookkeeping after step `self.step`: progress, trace, log window (+ TTL sweep), checkpoint."""
-        batch, w = prepared.batch, run.window
-        run.position = prepared.position
+        w = run.window
+        run.position = position
         if self.cfg.train.trace_column:
             run.trace.append(np.asarray(batch.extras[self.cfg.train.trace_column]))
         w.steps += 1
@@ -414,7 +389,7 @@ class Trainer:
             run.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if self.step % self.cfg.train.log_every == 0:
             self._end_window(run)
-        if self.validation.due(self.step, prepared.end_of_epoch):
+        if self.validation.due(self.step, end_of_epoch):
             self._validate(run)
         if self.checkpointer.due(self.step):
             self.checkpoint(run.position)

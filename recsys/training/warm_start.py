@@ -45,14 +45,24 @@ class InitSource:
 
 
 def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
-    """`train.init_from` -> InitSource: a checkpoint directory (verified), or a run directory (its best
-    model, RUN_DIR/best, when it kept one, else RUN_DIR/model with metrics.json's step count).
+    """`train.init_from` -> InitSource: a checkpoint directory (verified), a full fp32 export (local;
+    quantized rows would not train on), or a run directory (its best model, RUN_DIR/best, when it kept
+    one, else RUN_DIR/model with metrics.json's step count).
 
     Raises CorruptCheckpointError or ConfigError naming what is missing or damaged."""
     remote = storage.is_uri(path)
     root = path if remote else Path(path)
     if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "tables")):
-        return _export_source(root, verify)
+        from recsys.serving.export import read_manifest as read_export
+
+        if remote:
+            raise ConfigError(f"train.init_from = {root}: an export as the source must be local (download it, or "
+                              f"give the run or checkpoint it came from)")
+        manifest = read_export(root, verify=verify)
+        if manifest["kind"] != "full" or manifest["precision"] != "fp32":
+            raise ConfigError(f"train.init_from = {root}: a {manifest['precision']} {manifest['kind']} export; a "
+                              f"warm start needs a full fp32 export (or the run / checkpoint it came from)")
+        return InitSource(root, root, int(manifest["step"]), load_saved_config(root), False, manifest, export=True)
     if storage.exists(run_path(root, "manifest.json")) and storage.exists(run_path(root, "trainer")):
         manifest = verify_checkpoint(root) if verify else read_manifest(root)
         return InitSource(root, run_path(root, "model"), int(manifest["step"]), load_saved_config(root), True, manifest)
@@ -70,20 +80,6 @@ def resolve_init(path: str | Path, verify: bool = True) -> InitSource:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{run_path(root, 'metrics.json')}: no readable step count ({e})") from None
     return InitSource(root, run_path(root, "model"), step, load_saved_config(root), False, {})
-
-
-def _export_source(root: Path | str, verify: bool) -> InitSource:
-    """An export directory as a warm start's source (fp32 only: quantized rows would not train on)."""
-    from recsys.serving.export import read_manifest as read_export
-
-    if storage.is_uri(root):
-        raise ConfigError(f"train.init_from = {root}: an export as the source must be local (download it, or "
-                          f"give the run or checkpoint it came from)")
-    manifest = read_export(root, verify=verify)
-    if manifest["kind"] != "full" or manifest["precision"] != "fp32":
-        raise ConfigError(f"train.init_from = {root}: a {manifest['precision']} {manifest['kind']} export; a warm "
-                          f"start needs a full fp32 export (or the run / checkpoint it came from)")
-    return InitSource(root, root, int(manifest["step"]), load_saved_config(root), False, manifest, export=True)
 
 
 def export_rows(root: Path | str, manifest: dict[str, Any], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

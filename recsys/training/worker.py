@@ -47,10 +47,6 @@ def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-RUN_FILES = ("metrics.json", "metrics.jsonl", "ps_stats.json")
-"""What rank 0 writes locally and copies to a URI run directory at the end (`publish_run_files`)."""
-
-
 def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -> None:
     """Dense state (rank 0) plus every shard's own dump, written by the shards themselves
     (`model_dir` may be a URI: then the shards upload their parts, see embedding_ps.remote)."""
@@ -70,32 +66,24 @@ def ps_dir(model_dir: Path | str) -> str:
     return path if isinstance(path, str) else str(path.resolve())
 
 
-def publish_run_files(local: Path, run_dir: str, names: tuple[str, ...] = RUN_FILES) -> None:
-    """A URI run directory: copy rank 0's local run files (metrics, shard stats) to it."""
+def publish_run_files(local: Path, run_dir: str, names: tuple[str, ...]) -> None:
+    """A URI run directory: copy rank 0's local run files `names` (metrics, shard stats) to it."""
     for name in names:
         if (local / name).is_file():
             storage.write_bytes(run_path(run_dir, name), (local / name).read_bytes())
 
 
-STOPPED_FILE = "stopped.json"
-"""Rank 0 writes it when a stop request ended the run: {"step", "checkpoint"}."""
-
-
 def check_shards(store: PSClient, world: int) -> None:
     """At connect time: every shard expects this job's trainer count and shard count, else one
-    ConfigError naming the shard and the flag to start it with (a shard started with another
-    ps.num_workers refused the first PUSH of a worker outside its range, under a gloo traceback).
-    Shards started by hand are then told to exit by `recsys.train` (`stop_shards_after`)."""
+    ConfigError naming the shard and the flag to start it with (not a refused PUSH under a gloo
+    traceback later). Shards started by hand are then told to exit by `recsys.train` (`stop_shards_after`)."""
+    n = len(store.addresses)
+    expected = (("num_workers", world, f"{world} trainers run"), ("num_shards", n, f"ps.addresses names {n}"))
     for info, address in zip(store.health(), store.addresses):
-        workers = info.get("num_workers", world)
-        if workers != world:
-            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_workers = {workers}, "
-                              f"but {world} trainers run: start the shards with --set ps.num_workers={world}")
-        shards = info.get("num_shards", len(store.addresses))
-        if shards != len(store.addresses):
-            raise ConfigError(f"ps shard {info.get('shard')} at {address} was started with ps.num_shards = {shards}, "
-                              f"but ps.addresses names {len(store.addresses)}: start every shard with "
-                              f"--set ps.num_shards={len(store.addresses)}")
+        for key, want, but in expected:
+            if info[key] != want:
+                raise ConfigError(f"ps shard {info['shard']} at {address} was started with ps.{key} = {info[key]}, "
+                                  f"but {but}: start the shards with --set ps.{key}={want}")
 
 
 def log_path(run_dir: str | Path, rank: int) -> Path:
@@ -153,12 +141,9 @@ def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: 
     """Entry point of a trainer process started by the local launcher (a fork of its zygote,
     `recsys.training.procs.run_trainers`, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set):
     logging and environment settings, the shards' addresses (from their ready files: the launcher
-    starts trainers and shards together), then `recsys.training.worker.run_worker` (with `overrides`:
-    the job's ps.auth, `jobauth.job_auth`).
-
-    SIGUSR1 (the launcher's stop request) ends training after the current step with a checkpoint;
-    SIGTERM (the launcher stopping the trainers after a failure) ends the process at once. An error
-    exits with code 2 after `report_failure` (no traceback on the terminal without `verbose`).
+    starts trainers and shards together), then `run_worker` (with `overrides`: the job's ps.auth,
+    `jobauth.job_auth`). SIGUSR1 (the launcher's stop request) ends training after the current step
+    with a checkpoint; SIGTERM (the launcher stopping the trainers after a failure) ends it at once.
     """
     rank = int(os.environ.get("RANK", "0"))
     stopping.install(signal.SIGUSR1)
@@ -227,7 +212,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         if trainer.stopped:                # a stop request: the checkpoint is written, nothing else
             if rank == 0:
                 where = checkpoint_path(cfg.train.run_dir, trainer.step)
-                (out / STOPPED_FILE).write_text(json.dumps({"step": trainer.step, "checkpoint": str(where)}))
+                (out / "stopped.json").write_text(json.dumps({"step": trainer.step, "checkpoint": str(where)}))
                 logger.info("stopped at step %d; checkpoint %s", trainer.step, where)
                 if storage.is_uri(cfg.train.run_dir):      # the log so far, for a resume on another machine
                     publish_run_files(out, cfg.train.run_dir, ("metrics.jsonl",))
@@ -238,8 +223,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
         final["samples_per_s"] = float(all_reduce(torch.tensor([samples_per_s], dtype=torch.float64)).item())
         final.update({k: summary[k] for k in ("checkpoint_pause_s", "val_passes", "best_step", "best_val_logloss",
                                               "best_val_auc", "early_stopped") if k in summary})
-        trainer.strategy.drain()
-        barrier()      # every rank's last pushes are acknowledged before the shards save
+        barrier()      # every rank's last pushes (drained by `train`) are acknowledged before the shards save
         if rank == 0:           # the model first: a failing eval below loses nothing of the training
             save_model(trainer, store, run_path(cfg.train.run_dir, "model"))
             (out / "ps_stats.json").write_text(json.dumps(store.stats(), indent=1))
@@ -259,7 +243,7 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
             (out / "metrics.json").write_text(json.dumps(report, indent=1))
             logger.info("final metrics: %s", report)
             if storage.is_uri(cfg.train.run_dir):
-                publish_run_files(out, cfg.train.run_dir)
+                publish_run_files(out, cfg.train.run_dir, ("metrics.json", "metrics.jsonl", "ps_stats.json"))
         barrier()
     finally:
         if trainer is not None:
@@ -308,6 +292,4 @@ def trim_metrics(path: Path, step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     keep = [x for x in lines if before(x)]
     if len(keep) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+        storage.write_text(path, "".join(keep))      # atomic: a temporary file renamed into place
