@@ -41,7 +41,6 @@ class LocalStore(EmbeddingStore):
         self.config = config
         self.states = states
         self.step = 0
-        """The step requests carry when none is given; `barrier(t)` sets it to t + 1."""
         self._last_save: str | None = None
 
     @classmethod

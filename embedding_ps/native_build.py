@@ -1,11 +1,8 @@
-"""Building the native library: `csrc/` compiled with the system C compiler (`cc`, else `gcc`,
-else `clang`; `-O3 -shared -fPIC -ffp-contract=off`, never `-march=native`: the cached library
-may move between machines) into the directory given to `set_cache_dir` (the `recsys` entry points
-pass `$XDG_CACHE_HOME/recsys-hybrid/`), else `~/.cache/recsys-hybrid/`, else a per-user temp
-directory, named by a hash of the sources, the flags and the machine, and written atomically
-(compiled to a temporary name, then renamed); loaded with ctypes, every function typed, and its
-`ps_abi_version()` checked against `ABI`. `embedding_ps.native` loads it once per process
-(`native.lib()`) and owns the operations.
+"""Building the native library: `csrc/` compiled with the system C compiler (never `-march=native`:
+the cached library may move between machines) into a cache directory named by `set_cache_dir` (the
+`recsys` entry points pass `$XDG_CACHE_HOME/recsys-hybrid/`), else `~/.cache/recsys-hybrid/`, else a
+per-user temp directory (`cached_library`), then loaded and checked (`build`). `embedding_ps.native`
+loads it once per process (`native.lib()`) and owns the operations.
 """
 
 from __future__ import annotations

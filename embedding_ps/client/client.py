@@ -75,11 +75,9 @@ class PSClient:
     library; a duplicate's gradients are summed here, in arrival order). A caller whose ids are
     already unique (the sparse arch) passes False and saves that pass; duplicates stay correct
     either way (the shard sums duplicate gradients), they only cost wire bytes.
-    late_grads: a shared-memory push of fp32 grads sends the request first, then copies the grads into
-    the segment (protocol.FLAG_GRADS_LATE; the shard waits for them). notify: the shard wakes the
-    caller through the segment once it served the request (protocol.FLAG_NOTIFY,
-    `segments.NotifiedFuture`) instead of the caller waiting for the reply. Both on in the product (the
-    measured winners); benchmarks/ps_shm_push.py and ps_throughput.py compare them with off.
+    late_grads, notify: shared-memory requests use protocol.FLAG_GRADS_LATE (fp32 pushes) and
+    FLAG_NOTIFY (`segments.NotifiedFuture`; docs/wire.md). Both on in the product (the measured
+    winners); benchmarks/ps_shm_push.py and ps_throughput.py compare them with off.
     pin_rows: pulled rows assembled from several shards' replies land in page-locked memory (a
     trainer on a GPU: `recsys.models.on_device` then copies them without staging; needs CUDA).
     """
@@ -397,8 +395,7 @@ class PSClient:
 
     def _too_big(self, op: str, tables: Sequence[int], shards: dict[int, list[tuple[int, torch.Tensor]]],
                  dim: int) -> bool:
-        """Whether a shard's request would pass ps.max_frame_bytes (the shard refuses those). Several
-        tables: True (the caller sends one request per table); one table: ValueError (split the ids)."""
+        """Whether a shard's request would pass ps.max_frame_bytes (module docstring); one table: ValueError."""
         limit = self.config.max_frame_bytes
         for shard, parts in shards.items():
             n = sum(c.numel() for _, c in parts)

@@ -76,12 +76,9 @@ class FusedRowCache:
 
     def lookup(self, ids: np.ndarray, tab: np.ndarray, step: int, max_age: int, refresh_after: int | None,
                counts: np.ndarray | None = None) -> Lookup:
-        """Entries (ids int64 [U], local table int32 [U]; distinct pairs) looked up for `step`.
-
-        A hit: cached, pulled for a step s with 0 <= step - s <= max_age. A hit with
-        step - s >= refresh_after and no refresh in flight is marked `refresh` (None: never).
-        A miss gets a slot when one is free or evictable (never one this step looked up).
-        `counts` [U]: the entry's occurrences in the batch, for the per-lookup hit rate."""
+        """Entries (ids int64 [U], local table int32 [U]; distinct pairs) looked up for `step`: hits,
+        refreshes (refresh_after None: never) and slots of misses as `embedding_ps.client.cache`'s module
+        docstring says. `counts` [U]: the entry's occurrences in the batch, for the per-lookup hit rate."""
         n = ids.shape[0]
         ck = self.key(ids, tab)                                         # [U]
         slot = self.map.lookup(ck).astype(np.int64)                     # [U], -1 absent

@@ -27,8 +27,7 @@ class ClientSegments:
     (taken on the caller's thread, discarded on the I/O thread)."""
 
     def __init__(self, addresses: Sequence[str], mode: Mode, job: str = NO_JOB) -> None:
-        """`job`: the job's tag. `settle_s` (SETTLE_S): how long a request that finds no idle segment
-        may wait for one on its way back (0: never wait; benchmarks/shm_segments.py compares the two)."""
+        """`job`: the job's tag. `settle_s`: SETTLE_S, or 0 (never wait; benchmarks/shm_segments.py)."""
         self.addresses = list(addresses)
         self.local = {s for s, a in enumerate(self.addresses) if client_uses(mode, a)}
         self.pool = ShmPool(POOL_BYTES, job) if self.local and available() else None

@@ -215,19 +215,13 @@ class PSConfig:
     built in code with it empty does not confine (library use, tests)."""
     shared_memory: bool | Literal["auto"] = "auto"
     """PULL / PUSH rows of 1 MB or more between a client and a shard on one host go through
-    shared-memory segments in /dev/shm (`embedding_ps.wire.shm`) instead of the socket: the shard writes
-    pulled rows into the client's segment, which the client returns without a copy, and reads pushed
-    gradients from it. "auto" (default): with the shards whose address is loopback (127.x,
-    localhost, ::1: the local launcher's), and a shard takes it when bound to loopback; true: tried
-    with every shard, taken whatever the bind; false: off. A shard that cannot open the client's
-    segment (off there, or no shared /dev/shm) makes the client fall back to the socket (one
-    warning), never an error. Linux only (elsewhere: the socket)."""
+    shared-memory segments in /dev/shm (`embedding_ps.wire.shm`) instead of the socket. "auto"
+    (default): with loopback shards; true: with every shard; false: off. Who takes it and the
+    fallback to the socket: docs/performance.md, "The native library"."""
     threads: int = 0
-    """Worker threads per shard for the native data path: id-map lookups, gathers, optimizer updates
-    of a request are split into contiguous chunks of its (unique) rows, one per
-    thread, so two threads never update one row; inserts stay on one thread. 1: one thread; 0: what
-    the machine has to spare, half the CPUs this process may run on, at most 4 (`shard_threads`; 1 on
-    a 2-core machine). Results do not depend on it."""
+    """Worker threads per shard for the native data path (docs/performance.md, "The native library").
+    1: one thread; 0: half the CPUs this process may run on, at most 4 (`shard_threads`). Results do not
+    depend on it."""
     tables: tuple[TableConfig, ...] = ()
     """Embedding tables; every shard holds its part of each."""
     replicate_max_rows: int = 10_000

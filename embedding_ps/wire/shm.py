@@ -79,8 +79,7 @@ def ids_view(seg: np.ndarray, rows_bytes: int, m: int) -> torch.Tensor:
 
 
 def trailer(seg: np.ndarray, rows_bytes: int, m: int) -> np.ndarray:
-    """int64 [4] view (ready, finite, done | unused, unused) of the trailer after the ids int64 [m] of
-    a segment uint8 [>= ...] whose rows take rows_bytes."""
+    """int64 [4] view of the trailer (TRAILER_BYTES) after the ids int64 [m] of a segment's rows_bytes rows."""
     start = seg_bytes(rows_bytes, m, trailer=False)
     return seg[start:start + TRAILER_BYTES].view(np.int64)
 
