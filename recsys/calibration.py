@@ -1,14 +1,7 @@
-"""Click probabilities of a model trained on negatively downsampled data (`data.negative_sampling_rate`).
-
-If the training data kept each negative (label 0) with probability r and the loss did not weigh
-them back (`data.negative_sampling_correction = "calibrate"`, the default), the model learns
-p = p_true / (p_true + (1 - p_true) r), and the click probability is recovered as (He et al., 2014,
-"Practical Lessons from Predicting Clicks on Ads at Facebook")::
-
-    p' = p / (p + (1 - p) / r) = sigmoid(logit + log r)
-
-With `"weight"` the training loss weighs each negative by 1 / r (recsys/training/loss.py): the model
-learns p_true itself and its scores are left as they are. Doing both would correct twice.
+"""Click probabilities of a model trained on negatively downsampled data (`data.negative_sampling_rate` r;
+its two corrections: docs/models.md, "Example weights and negative downsampling"). Under "calibrate" the
+model learns p = p_true / (p_true + (1 - p_true) r), recovered as p' = p / (p + (1 - p) / r) =
+sigmoid(logit + log r) (He et al., 2014, "Practical Lessons from Predicting Clicks on Ads at Facebook").
 
 `score_rate` is the r the scores are corrected by (1.0: none). Eval, validation and `recsys predict`
 (recsys/training) take it from the job config; the `Predictor` (recsys/serving) from the export
@@ -38,16 +31,12 @@ def data_score_rate(data: DataConfig) -> float:
 
 def probabilities(logits: torch.Tensor, rate: float) -> torch.Tensor:
     """Calibrated click probabilities [B] of logits [B]: sigmoid(logit + log rate); sigmoid(logit) at rate 1."""
-    if rate == 1.0:
-        return torch.sigmoid(logits)
-    return torch.sigmoid(logits + math.log(rate))
+    return torch.sigmoid(logits if rate == 1.0 else logits + math.log(rate))
 
 
 def calibrate(p: torch.Tensor, rate: float) -> torch.Tensor:
     """p / (p + (1 - p) / rate): the same correction on probabilities [N] (p itself at rate 1)."""
-    if rate == 1.0:
-        return p
-    return p / (p + (1 - p) / rate)
+    return p if rate == 1.0 else p / (p + (1 - p) / rate)
 
 
 def manifest_section(data: DataConfig) -> dict[str, Any]:

@@ -233,8 +233,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     preflight_train(cfg, resume=args.resume)
     from recsys.training.launch import launch_train
 
-    launch_train(cfg, resume=args.resume, verbose=args.verbose,    # a graceful stop also exits 0
-                 overwrite=args.overwrite)
+    launch_train(cfg, resume=args.resume, verbose=args.verbose, overwrite=args.overwrite)   # a graceful stop: 0 too
     return 0
 
 

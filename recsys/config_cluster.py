@@ -1,8 +1,7 @@
 """The `[cluster]` section: which engine places the job's processes (`ClusterConfig`; an example: docs/cluster.md).
 
-A resource table maps a Ray resource name to an amount: `CPU` and `GPU` (numbers, fractions allowed),
-`memory` (bytes, or a string such as "512MiB" / "32GiB" / "2GB"), and any custom resource of the
-cluster's nodes (`ps = 1`). `resources(...)` turns a table into the numbers Ray takes.
+A resource table maps a Ray resource name (`CPU`, `GPU`, `memory`, or a custom one of the cluster's nodes,
+`ps = 1`) to an amount (a number, fractions allowed; `memory` also a size string: `parse_bytes`).
 """
 
 from __future__ import annotations

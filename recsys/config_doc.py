@@ -114,11 +114,9 @@ def markdown() -> str:
            "`recsys print-config --explain KEY`; the resolved config of a job: `recsys print-config --config X`.",
            "", f"{len(keys())} keys. Every key can be set in the TOML file or with `--set section.key=value`.", ""]
     for name, _, about in SECTIONS:
-        out += [f"## [{name}]", "", about, "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        for k in keys():
-            if k.section == name:
-                out.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.doc or '-')} |")
-        out.append("")
+        out += [f"## [{name}]", "", about, "", "| key | type | default | meaning |", "|---|---|---|---|",
+                *(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.doc or '-')} |"
+                  for k in keys() if k.section == name), ""]
     return "\n".join(out)
 
 

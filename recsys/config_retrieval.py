@@ -1,6 +1,5 @@
 """Config of retrieval (two-tower) jobs: the `[eval]` section and the cross-section checks of
-`model.arch = "two_tower"` (kept out of config.py, which holds the other sections; an example: docs/models.md).
-"""
+`model.arch = "two_tower"` (an example: docs/models.md)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ from recsys.tune_space import override
 logger = logging.getLogger(__name__)
 
 QUICKSTART = resources.files("recsys") / "configs" / "quickstart.toml"
-"""The quickstart job config, shipped as package data."""
 
 
 def run_demo(out: str, rows: int = 600_000) -> int:

@@ -1,11 +1,5 @@
-"""The collectives of recsys: reduce or gather over the ranks (on the backend's device), or do nothing in one process.
-
-    total = all_reduce(torch.tensor([x]))                       # sum over every rank (float64 [1])
-    fewest = all_reduce(torch.tensor([n]), dist.ReduceOp.MIN)   # the smallest n of any rank
-    parts = all_gather_parts(ids)                               # every rank's 1-D tensor, in rank order
-    barrier()                                                   # wait for every rank
-
-Without an initialized process group (or with one rank) the result is a copy of the input, so
+"""The collectives of recsys: reduce or gather over the ranks (on the backend's device), or do nothing in one
+process: without an initialized process group (or with one rank) the result is a copy of the input, so
 callers need no `if distributed:` of their own.
 """
 
@@ -28,9 +22,7 @@ def barrier() -> None:
 
 def collective_device() -> torch.device:
     """NCCL only reduces CUDA tensors; gloo reduces CPU ones."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:

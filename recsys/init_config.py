@@ -14,9 +14,8 @@ Tables are one per id column (`[ps.table_defaults]` makes them) with the recipe 
 good results" (DeepFM, Adam, L2, batch norm, early stopping): `placement = "auto"` trains a column of
 at most 10,000 distinct ids as a dense parameter on the trainers and bigger ones on the PS; a column
 whose ids are mostly seen once gets admission (`min_count = 2`) and a capacity hint; the dim grows
-with the largest vocabulary (8 up to 10k ids, 16 up to 1M, 32 beyond). The files are split by name
-into train / validation / test when there are three or more (first ones train, next to last
-validates, last tests), else all train.
+with the largest vocabulary (8 up to 10k ids, 16 up to 1M, 32 beyond). Train / validation / test
+files: `split_files`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
 """File manifests of checkpoints and exports: reading, size + sha256 of every file, and their check.
-
-    manifest = read_manifest(root, CorruptCheckpointError, kind="a complete checkpoint",
-                             format="recsys-checkpoint", version=("version", 1))
-    check_files(root, manifest["files"], CorruptCheckpointError)
-
 A manifest's `files` maps a path relative to its directory to `{"size": bytes, "sha256": hex}` (the
 PS shards' own manifests use the same form), so a truncated or altered file is named, not loaded.
 """

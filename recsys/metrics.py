@@ -61,13 +61,10 @@ def _pair(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None
 
 
 def auc(labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> float:
-    """Exact ROC AUC: P(score of a positive > score of a negative), ties counted as 1/2.
-
-    Per distinct score (one sort, O(N log N)) the positive and negative weight; a positive wins the
-    negative weight below its score and half of its own score's. Scores need not be probabilities,
-    only finite. NaN (with a warning) when every label is the same: with no positive-negative pair
-    the AUC is undefined. With `weights` [N] (>= 0) a pair counts w_pos * w_neg, else 1.
-    """
+    """Exact ROC AUC: P(score of a positive > score of a negative), ties counted as 1/2 (weighted: the
+    module docstring). Per distinct score (one sort, O(N log N)) the positive and negative weight; a
+    positive wins the negative weight below its score and half of its own score's. Scores need not be
+    probabilities, only finite. NaN (with a warning) when every label is the same."""
     y, s, w = _pair(labels, scores, weights)
     w = torch.ones_like(y) if w is None else w
     _, inverse = torch.unique(s, sorted=True, return_inverse=True)
@@ -94,10 +91,9 @@ def _sums(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None = None) -> to
     w [N] when given (the weight sum is then sum w, else the count); loss as in `logloss`."""
     p = s.clamp(EPS, 1 - EPS)
     loss = -(y * torch.log(p) + (1 - y) * torch.log1p(-p))           # [N]
-    n = torch.tensor(float(y.numel()), dtype=torch.float64)
-    if w is None:
-        return torch.stack([loss.sum(), y.sum(), s.sum(), n, n])
-    return torch.stack([(w * loss).sum(), (w * y).sum(), (w * s).sum(), w.sum(), n])
+    w = torch.ones_like(y) if w is None else w                         # x 1.0: the same sums
+    return torch.stack([(w * loss).sum(), (w * y).sum(), (w * s).sum(), w.sum(),
+                        torch.tensor(float(y.numel()), dtype=torch.float64)])
 
 
 def _of_sums(sums: torch.Tensor) -> dict[str, float]:
@@ -193,14 +189,7 @@ class CTRMetrics:
     Keeps sums [loss, labels, scores, weight, count] and a `StreamingAUC`; with `exact_auc=True` it
     also keeps every (label, score) pair (16 bytes per example, 24 weighted) to compute the exact
     AUC. `weighted=True`: every update gives per-example weights [N] and the sums are weighted
-    (see the module docstring); without, the weight sum is the count.
-
-    Example::
-
-        m = CTRMetrics()
-        for batch in eval_batches:
-            m.update(batch.labels, torch.sigmoid(model(...)))
-        result = m.reduced().compute()   # on every rank; {"auc", "logloss", "ne", "calibration", "count"}
+    (see the module docstring); without, the weight sum is the count. Use: `eval_metrics`.
     """
 
     def __init__(self, num_buckets: int = 10_000, exact_auc: bool = False, weighted: bool = False) -> None:
@@ -263,9 +252,8 @@ class CTRMetrics:
 
 def eval_metrics(labels: torch.Tensor, scores: torch.Tensor, p_true: torch.Tensor | None,
                  exact_auc: bool = True, weights: torch.Tensor | None = None) -> dict[str, float]:
-    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every
-    rank's part of the eval set. exact_auc=False uses the bucketed streaming AUC (for large evals).
-    `weights` [N]: per-row weights (data.example_weight_column); every metric but the count is weighted."""
+    """auc, logloss, ne, calibration, eval_examples (and oracle_auc when p_true is known) over every rank's
+    part of the eval set; exact_auc=False: the bucketed streaming AUC (large evals); `weights` [N]: per row."""
     m = CTRMetrics(exact_auc=exact_auc, weighted=weights is not None)
     m.update(labels, scores, weights)
     out = m.reduced().compute()
@@ -315,9 +303,8 @@ def step_line(values: Mapping[str, float], step: int, verbose: bool = False) -> 
     """`epoch 1/2 step 40/120 eta 0:01:10 | loss/train=0.45 ...`: the progress/* values (the trainer's
     `progress/epoch`, `progress/epochs`, `progress/total_steps`, `progress/eta_s`) as a prefix, then
     the LINE_KEYS present (every key with `verbose`, or when none is: final/*, test/*), NaN ones left out."""
-    head = f"step {step}"
-    if "progress/total_steps" in values:
-        head = f"step {step}/{int(values['progress/total_steps'])}"
+    total = values.get("progress/total_steps")
+    head = f"step {step}" if total is None else f"step {step}/{int(total)}"
     if "progress/epoch" in values:
         head = f"epoch {int(values['progress/epoch'])}/{int(values.get('progress/epochs', 0))} {head}"
     eta = values.get("progress/eta_s")
@@ -355,17 +342,9 @@ class MetricLogger(MetricSink):
     Keys must carry a namespace, `section/name` (`loss/train`, `ps/pull_ms`, `data/wait_frac`);
     each JSON line is `{"step": int, "time": unix seconds, key: value, ...}` with NaN and inf
     written as null, so every line is strict JSON. The file is flushed after each line, so a
-    crashed run keeps what it logged.
-
-    Args:
-        path: the `metrics.jsonl` file (truncated unless `append`); its folder is created.
-        tensorboard: also write scalars to `<path's folder>/tensorboard` if tensorboard is installed.
-        append: continue an existing file instead of starting over.
-
-    Example::
-
-        with MetricLogger(run_dir / "metrics.jsonl") as ml:
-            ml.log({"loss/train": 0.45, "ps/pull_ms": 3.2}, step=100)
+    crashed run keeps what it logged. `path`: the `metrics.jsonl` file, its folder created (truncated,
+    or continued with `append`); `tensorboard`: scalars also to `<path's folder>/tensorboard` if
+    tensorboard is installed.
     """
 
     def __init__(self, path: str | Path, *, tensorboard: bool = True, append: bool = False) -> None:

@@ -115,12 +115,9 @@ class RunDirError(ValueError):
 
 
 class RunLock:
-    """An exclusive `fcntl.flock` on LOCAL_RUN_DIR/.lock held for the launcher's life.
-
-    The holder writes {"pid", "host", "run_dir", "since"} into the file; a second launcher reads it to
-    name the holder and changes nothing. The kernel drops the lock when the holder dies (kill -9
-    too), so a crashed launcher never leaves a stale lock. Not across machines: a URI run_dir is
-    locked in this machine's scratch directory only."""
+    """An exclusive `fcntl.flock` on LOCAL_RUN_DIR/.lock held for the launcher's life (docs/operations.md),
+    the file holding {"pid", "host", "run_dir", "since"}. The kernel drops it when the holder dies (kill -9
+    too): no stale lock. Not across machines: a URI run_dir is locked in this machine's scratch directory only."""
 
     def __init__(self, local_dir: Path, run_dir: str) -> None:
         import fcntl
@@ -170,7 +167,6 @@ def move_aside(run_dir: Path) -> Path:
 
 
 URI_LOCK = ".lock.json"
-"""RUN_URI/.lock.json: who holds a URI run directory (object stores have no flock)."""
 
 
 class UriLock:

@@ -12,9 +12,8 @@ NATIVE_ENV_VAR = "EMBEDDING_PS_NATIVE"
 
 
 def setup_logging(verbose: bool = False, role: str | None = None, log_file: str | None = None) -> None:
-    """The one place logging is configured; every entry point (this CLI, `recsys.train`, a trainer
-    process of the local launcher) calls it. `role` (e.g. "trainer1") replaces the logger name;
-    `log_file`: every record also goes there (appended; a trainer's log in the run directory)."""
+    """`role` (e.g. "trainer1") replaces the logger name; `log_file`: every record also goes there
+    (appended; a trainer's log in the run directory)."""
     fmt = f"%(asctime)s %(levelname)s {role or '%(name)s'}: %(message)s"
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt)
     # a host that configured logging first (a Ray worker) keeps its handlers; our level still applies
@@ -37,8 +36,7 @@ def _quiet_fbgemm(record: logging.LogRecord) -> bool:
 
 
 def apply_environment() -> None:
-    """Environment variables recsys passes to the packages as plain settings (they read none):
-    EMBEDDING_PS_NATIVE and XDG_CACHE_HOME (where the shard's C fast path is cached)."""
+    """EMBEDDING_PS_NATIVE and XDG_CACHE_HOME (where the shard's C fast path is cached) as native's settings."""
     value, xdg = os.environ.get(NATIVE_ENV_VAR), os.environ.get("XDG_CACHE_HOME")
     if value is None and not xdg:
         return

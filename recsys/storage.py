@@ -1,11 +1,8 @@
 """Where run directories, checkpoints and exports live: a local path or any pyarrow filesystem URI
-(`s3://bucket/prefix`, `gs://...`, `hdfs://host:port/...`, `file:///abs/path`; which paths, endpoint and
-credentials: docs/storage.md).
-
-`resolve` turns a path into (pyarrow filesystem, path inside it); the rest are the few operations the
-project needs. Data paths are read by `data/`, a shard's own save by `embedding_ps.remote`, whose
-`is_uri` / `join` are used here so both name directories the same way. Object stores cannot rename a
-directory atomically, so a remote directory is complete once its `manifest.json` is written, last.
+(`s3://bucket/prefix`, `gs://...`, `hdfs://host:port/...`, `file:///abs/path`; which paths, endpoint,
+credentials, and why a remote directory is complete once its `manifest.json` is written: docs/storage.md).
+Data paths are read by `data/`, a shard's own save by `embedding_ps.remote`, whose `is_uri` / `join` are
+used here so both name directories the same way.
 """
 
 from __future__ import annotations

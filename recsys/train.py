@@ -47,7 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "latest"          # torchrun restarted the workers: continue where the job was
     checkpoint = resolve_resume(cfg.train.run_dir, resume) if resume else None
-    # torchrun's agent forwards the SIGTERM / SIGINT it gets: stop after the step, with a checkpoint
     stopping.install(signal.SIGTERM, signal.SIGINT)
     try:
         run_worker(str(resolved), list(cfg.ps.addresses), str(local),
