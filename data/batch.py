@@ -151,34 +151,6 @@ def _check_tensor(name: str, t: Any, dtype: torch.dtype, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dims, got shape {list(t.shape)}")
 
 
-def validate_keyed_jagged(kj: KeyedJagged, batch_size: int) -> None:
-    """Raises ValueError naming the broken invariant of `kj` and the actual numbers."""
-    _check_tensor("sparse.values", kj.values, torch.int64, 1)
-    _check_tensor("sparse.lengths", kj.lengths, torch.int32, 1)
-    F = len(kj.keys)
-    if len(set(kj.keys)) != F:
-        raise ValueError(f"sparse.keys has duplicates: {list(kj.keys)}")
-    n_len = kj.lengths.numel()
-    if F == 0:
-        if n_len or kj.values.numel():
-            raise ValueError(f"sparse has no keys but {n_len} lengths and {kj.values.numel()} values")
-        return
-    if n_len % F:
-        raise ValueError(f"sparse.lengths has {n_len} entries, not a multiple of F = {F} keys")
-    if n_len != F * batch_size:
-        raise ValueError(f"sparse.lengths has {n_len} entries, expected F * B = {F} * {batch_size}")
-    if n_len and int(kj.lengths.min()) < 0:
-        i = int(torch.argmin(kj.lengths))
-        raise ValueError(f"sparse.lengths[{i}] = {int(kj.lengths[i])} is negative "
-                         f"(feature '{kj.keys[i // (n_len // F)]}')")
-    total = int(kj.lengths.sum(dtype=torch.int64))
-    if total != kj.values.numel():
-        raise ValueError(f"sum(sparse.lengths) = {total} != sparse.values.numel() = {kj.values.numel()}")
-    if total and int(kj.values.min()) < 0:
-        i = int(torch.argmin(kj.values))
-        raise ValueError(f"sparse.values[{i}] = {int(kj.values[i])} is a negative id")
-
-
 def validate_batch(batch: Batch) -> None:
     """Checks every invariant of `batch`; raises ValueError with the actual shapes and values."""
     _check_tensor("labels", batch.labels, torch.float32, 1)
@@ -191,7 +163,28 @@ def validate_batch(batch: Batch) -> None:
         if bool(bad.any()):
             idx = bad.nonzero()[0].tolist()
             raise ValueError(f"{name}{idx} = {t[tuple(idx)].item()} is not finite")
-    validate_keyed_jagged(batch.sparse, B)
+    kj = batch.sparse
+    _check_tensor("sparse.values", kj.values, torch.int64, 1)
+    _check_tensor("sparse.lengths", kj.lengths, torch.int32, 1)
+    F, n_len = len(kj.keys), kj.lengths.numel()
+    if len(set(kj.keys)) != F:
+        raise ValueError(f"sparse.keys has duplicates: {list(kj.keys)}")
+    if F == 0 and (n_len or kj.values.numel()):
+        raise ValueError(f"sparse has no keys but {n_len} lengths and {kj.values.numel()} values")
+    if F and n_len % F:
+        raise ValueError(f"sparse.lengths has {n_len} entries, not a multiple of F = {F} keys")
+    if n_len != F * B:
+        raise ValueError(f"sparse.lengths has {n_len} entries, expected F * B = {F} * {B}")
+    if n_len and int(kj.lengths.min()) < 0:
+        i = int(torch.argmin(kj.lengths))
+        raise ValueError(f"sparse.lengths[{i}] = {int(kj.lengths[i])} is negative "
+                         f"(feature '{kj.keys[i // (n_len // F)]}')")
+    total = int(kj.lengths.sum(dtype=torch.int64))
+    if total != kj.values.numel():
+        raise ValueError(f"sum(sparse.lengths) = {total} != sparse.values.numel() = {kj.values.numel()}")
+    if total and int(kj.values.min()) < 0:
+        i = int(torch.argmin(kj.values))
+        raise ValueError(f"sparse.values[{i}] = {int(kj.values[i])} is a negative id")
     if batch.weights is not None:
         _check_tensor("weights", batch.weights, torch.float32, 1)
         if batch.weights.numel() != batch.sparse.values.numel():

@@ -1,15 +1,12 @@
 """Criteo Display Advertising TSV -> Parquet, streaming in bounded memory (`recsys convert-criteo`).
 
 Input lines: `label \\t I1..I13 \\t C1..C26`, 40 tab-separated fields, an empty field is missing.
-Output files `out_dir/part-%05d.parquet` of `rows_per_file` rows, columns
-
-    label  float32 0/1           row_id  int64, 0-based line index in the input
-    I1..I13  int64, null = empty     C1..C26  int64, null = empty
-
-A C field is hex (8 digits in Criteo, up to 16 accepted) parsed as uint64 and reinterpreted as int64.
-pyarrow's streaming CSV reader parses blocks of `_BLOCK_BYTES` with explicit column types (C as
-strings), the hex conversion runs vectorized in numpy, and `PartWriter` writes row groups as they
-fill: memory holds a block and a row group, whatever the input size.
+Output files `out_dir/part-%05d.parquet` of `rows_per_file` rows, columns `CRITEO_SCHEMA` (an empty
+field null; `row_id`: the 0-based line index in the input). A C field is hex (8 digits in Criteo, up
+to 16 accepted) parsed as uint64 and reinterpreted as int64. pyarrow's streaming CSV reader parses
+blocks of `_BLOCK_BYTES` with explicit column types (C as strings), the hex conversion runs
+vectorized in numpy, and `PartWriter` writes row groups as they fill: memory holds a block and a
+row group, whatever the input size.
 
 A bad line (wrong field count, a non-integer I field, bad hex, a label other than 0/1, an empty
 line) raises `CriteoFormatError` naming the file and the 1-based line number. The files written
@@ -141,26 +138,9 @@ def _line_problem(line: bytes) -> str | None:
     if fields[0] not in (b"0", b"1"):
         return f"label must be 0 or 1, got '{fields[0][:40].decode(errors='replace')}'"
     for name, f in zip(TSV_COLUMNS[1:], fields[1:]):
-        pattern = _INT_RE if name.startswith("I") else _HEX_RE
+        pattern, kind = (_INT_RE, "an integer") if name.startswith("I") else (_HEX_RE, "a hex id")
         if f and not (pattern.fullmatch(f) and (pattern is _HEX_RE or -(2**63) <= int(f) < 2**63)):
-            kind = "an integer" if name.startswith("I") else "a hex id"
             return f"column {name}: '{f[:40].decode(errors='replace')}' is not {kind}"
-    return None
-
-
-def _locate_bad_line(path: str, start_line: int) -> tuple[int, str, list[bytes]] | None:
-    """Scans from 1-based `start_line` for the first bad line: (line, reason, good lines before it).
-
-    Runs only after pyarrow refused a block (its errors carry no line number); reads the file
-    line by line from the start, so it costs one pass over the head of the file.
-    """
-    good: list[bytes] = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(itertools.islice(f, start_line - 1, None), start_line):
-            why = _line_problem(raw.rstrip(b"\n").rstrip(b"\r"))
-            if why is not None:
-                return number, why, good
-            good.append(raw if raw.endswith(b"\n") else raw + b"\n")
     return None
 
 
@@ -168,8 +148,7 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
                    row_group_rows: int = 131072, compression: str = "zstd") -> dict:
     """Converts a Criteo TSV into `out_dir/part-%05d.parquet` files of `rows_per_file` rows.
 
-    Returns {input, rows, files, rows_per_file, seconds, rows_per_s}. Raises CriteoFormatError
-    (file and line) on the first bad line, after closing the files that hold the lines before it.
+    Returns {input, rows, files, rows_per_file, seconds, rows_per_s}; a bad line: see the module docstring.
     """
     if rows_per_file < 1:
         raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file}")
@@ -189,11 +168,16 @@ def convert_criteo(input_path: str, out_dir: str, *, rows_per_file: int = 4_000_
                 if bad is not None:
                     raise CriteoFormatError(f"{path}: line {rows + 1}: {bad[1]} "
                                             f"({rows} lines before it were written)")
-    except pa.ArrowInvalid as e:
-        found = _locate_bad_line(path, rows + 1)
-        if found is None:
+    except pa.ArrowInvalid as e:           # its errors carry no line number: find the bad line after line `rows`
+        good, why = [], None
+        with open(path, "rb") as f:
+            for line, raw in enumerate(itertools.islice(f, rows, None), rows + 1):
+                why = _line_problem(raw.rstrip(b"\n").rstrip(b"\r"))
+                if why is not None:
+                    break
+                good.append(raw if raw.endswith(b"\n") else raw + b"\n")
+        if why is None:
             raise CriteoFormatError(f"{path}: after line {rows}: {e}") from e
-        line, why, good = found
         if good:                                       # the lines `_line_problem` passed, before the bad one
             batch = pacsv.read_csv(io.BytesIO(b"".join(good)), *_CSV_OPTIONS)
             table, _ = _convert(batch.combine_chunks().to_batches()[0], rows + 1)

@@ -84,8 +84,7 @@ def after(plan: Sequence[Segment], done: int) -> list[Segment]:
 
 
 def share(plan: Sequence[Segment], *, rank: int, world_size: int) -> list[Segment]:
-    """Rank `rank`'s contiguous part of `plan`: rows [rank R / W, (rank + 1) R / W) of its R rows, with
-    neighbours that continue each other's stream joined."""
+    """Rank `rank`'s part of `plan` (cut as the module docstring says); neighbours that continue one stream joined."""
     total, out = plan_rows(plan), []
     for s in cut(plan, rank * total // world_size, (rank + 1) * total // world_size):    # no part is empty
         if out and (out[-1].world, out[-1].rank, out[-1].hi) == (s.world, s.rank, s.lo):
@@ -146,14 +145,12 @@ def check_state(state: Any, where: str, expected: dict[str, Any], total_rows: in
         raise ValueError(f"{where} 'segments' must be a list of [world, rank, lo, hi], got {segments!r}")
     plan = []
     for i, v in enumerate(segments):
-        ok = isinstance(v, list) and len(v) == 4 and all(type(x) is int for x in v)
-        if ok:
-            world, rank, lo, hi = v
-            ok = world >= 1 and 0 <= rank < world and 0 <= lo <= hi <= stream_rows(total_rows, world, rank)
-        if not ok:
+        s = Segment(*v) if isinstance(v, list) and len(v) == 4 and all(type(x) is int for x in v) else None
+        if s is None or not (s.world >= 1 and 0 <= s.rank < s.world
+                             and 0 <= s.lo <= s.hi <= stream_rows(total_rows, s.world, s.rank)):
             raise ValueError(f"{where} 'segments'[{i}] must be [world, rank, lo, hi] with 0 <= rank < world "
                              f"and 0 <= lo <= hi <= the stream's rows (of {total_rows} in all), got {v!r}")
-        plan.append(Segment(*v))
+        plan.append(s)
     if type(done) is not int or not 0 <= done <= plan_rows(plan):
         raise ValueError(f"{where} 'done' must be an int in [0, {plan_rows(plan)}] (the rows of its "
                          f"segments), got {done!r}")
@@ -166,14 +163,13 @@ def check_old_states(states: Any) -> int:
     if isinstance(states, dict) or not isinstance(states, Sequence) or not states:
         raise ValueError(f"resume_from needs a list of the loader states of all old ranks, got "
                          f"{'an empty ' if isinstance(states, Sequence) else ''}{type(states).__name__}")
+    ranks: dict[Any, list[int]] = {}                    # epoch -> the old ranks at it
     for i, st in enumerate(states):
-        if not isinstance(st, dict) or (st.get("rank"), st.get("world_size")) != (i, len(states)):
-            got = (st.get("rank"), st.get("world_size")) if isinstance(st, dict) else (None, None)
+        got = (st.get("rank"), st.get("world_size")) if isinstance(st, dict) else (None, None)
+        if got != (i, len(states)):
             raise ValueError(f"states[{i}] has rank = {got[0]!r}, world_size = {got[1]!r}; resume_from "
                              f"needs the states of all {len(states)} old ranks in rank order")
-    ranks: dict[Any, list[int]] = {}
-    for i, s in enumerate(states):
-        ranks.setdefault(s.get("epoch"), []).append(i)
+        ranks.setdefault(st.get("epoch"), []).append(i)
     if len(ranks) != 1:
         where = "; ".join(f"epoch {e!r}: ranks {r}" for e, r in ranks.items())
         raise ValueError(f"the old ranks' loader states are at different epochs ({where}); "

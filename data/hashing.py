@@ -38,32 +38,6 @@ def splitmix64_finalize(z: np.ndarray) -> np.ndarray:
     return z
 
 
-def fnv1a64_bytes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """FNV-1a 64 of N byte strings: row i is `data[offsets[i]:offsets[i + 1]]`.
-
-    data uint8 [total bytes], offsets int [N + 1] (need not start at 0) -> uint64 [N].
-    """
-    starts = offsets[:-1].astype(np.int64)
-    lens = np.diff(offsets).astype(np.int64)
-    n = lens.size
-    h = np.full(n, FNV_OFFSET, dtype=np.uint64)
-    if n == 0 or int(lens.max()) == 0:
-        return h
-    order = np.argsort(-lens, kind="stable")              # longest first
-    sorted_lens = lens[order]
-    pos = starts[order]                                   # [N] byte index of each row's next byte
-    hs = h[order]
-    # active[p] = rows with more than p bytes = a prefix of the sorted rows
-    active = np.searchsorted(-sorted_lens, -np.arange(int(sorted_lens[0])), side="left")
-    for k in active.tolist():
-        seg = hs[:k]
-        seg ^= data[pos[:k]]
-        seg *= FNV_PRIME
-        pos[:k] += 1
-    h[order] = hs
-    return h
-
-
 def string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(data uint8 [bytes], offsets [N + 1]) of a string / binary array, zero-copy, slice-aware."""
     t = arr.type
@@ -90,6 +64,21 @@ def hash_strings(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         idx = arr.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         return table[idx] if table.size else np.zeros(len(arr), np.int64)
     data, offsets = string_buffers(arr)
-    z = splitmix64_finalize(fnv1a64_bytes(data, offsets))
+    lens = np.diff(offsets).astype(np.int64)
+    h = np.full(lens.size, FNV_OFFSET, dtype=np.uint64)                 # FNV-1a 64 of each row's bytes
+    if lens.size and int(lens.max()):
+        order = np.argsort(-lens, kind="stable")          # longest first
+        sorted_lens = lens[order]
+        pos = offsets[order].astype(np.int64)             # [N] byte index of each row's next byte
+        hs = h[order]
+        # active[p] = rows with more than p bytes = a prefix of the sorted rows
+        active = np.searchsorted(-sorted_lens, -np.arange(int(sorted_lens[0])), side="left")
+        for k in active.tolist():
+            seg = hs[:k]
+            seg ^= data[pos[:k]]
+            seg *= FNV_PRIME
+            pos[:k] += 1
+        h[order] = hs
+    z = splitmix64_finalize(h)
     z &= MASK63
     return z.view(np.int64)

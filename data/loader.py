@@ -223,11 +223,10 @@ class ParquetLoader:
         """Continue from `state` (from `state_dict()` of a loader over the same data and layout, with
         the same rank and world size; see resume_from for another world size)."""
         plan = self._check_state(state, "loader state")
-        current = self.state_dict()
         for key in ("rank", "world_size"):
-            if state.get(key) != current[key]:
+            if state.get(key) != (mine := getattr(self._reader, key)):
                 raise ValueError(f"loader state was saved with {key} = {state.get(key)!r}, this loader has "
-                                 f"{current[key]!r}; the position would not match (resume_from takes the "
+                                 f"{mine!r}; the position would not match (resume_from takes the "
                                  f"states of all ranks of another world size)")
         self._stop_active()
         self._epoch, self._batches, self._bad = state["epoch"], state["batches"], state["num_bad_rows"]
@@ -256,8 +255,7 @@ class ParquetLoader:
         self._bad = sum(st["num_bad_rows"] for st in states) if r.rank == 0 else 0
 
     def _check_state(self, state: Any, where: str) -> list[Segment] | None:
-        """ValueError naming the key unless `state` fits this loader's data and layout; its elastic
-        plan (None for a rank-stream position)."""
+        """`check_state` against this loader's data and layout."""
         r = self._reader
         return check_state(state, where, {"seed": self.config.seed, "shuffle": int(self.config.shuffle),
                                           "window_rows": r.window_rows, "dataset": r.fingerprint}, self.total_rows)

@@ -3,17 +3,11 @@
 Ten one-id columns and nothing else, as in the small public CTR sets (Frappe, MovieLens-tag, Avazu
 slices): a user and an item of a few thousand ids each, Zipf-distributed (a few heavy users and
 popular items, a long tail seen once or twice), the item's category (a function of the item), and
-seven small context fields of 3-50 values. Labels come from a known logistic model with a
-first-order effect per id and planted pairwise interactions, so a factorization machine (or
-DeepFM) beats logistic regression, which sees only the first-order part::
-
-    logit = bias + sum_f w_f(id_f) + sum_{(f,g,s) in pairs} s * <v_f(id_f), v_g(id_g)> / sqrt(K)
-    label ~ Bernoulli(sigmoid(logit)),  p_true = sigmoid(logit)      (logit clipped to +-LOGIT_CLIP)
-
-w_f(r) = w_scale_f * N(0, 1) and v_f(r) ~ N(0, I_K) are functions of (model_seed, field, rank r)
-(hashed, as in `data.synthetic`); v_f is centered under the field's own id distribution, so an
-interaction has no linear part. The planted pairs: user x item_category (a user's taste for a
-category: the strongest), item x hour, device x item_category, city x item_category.
+seven small context fields of 3-50 values. Labels come from the hidden model of `data.synthetic`
+without rank decay (w_f, v_f hashed from (model_seed, field, rank), v_f centered; the planted pairs
+`ONEHOT.pairs`, the strongest a user's taste for an item_category), its logit clipped to
++-LOGIT_CLIP: a factorization machine (or DeepFM) beats logistic regression, which sees only the
+first-order part.
 
 Ranks: `user`, `item` and the Zipf context fields draw rank ~ `data.genbase.zipf_ranks(zipf)`
 (zipf 0: uniform); `item_category` is not drawn: it is category(item), a fixed random map of the

@@ -44,20 +44,19 @@ class Item:
 
 
 class _Files:
-    """Reads the row groups of a stream in order, `readahead` row groups ahead on a worker thread.
+    """Reads the row groups of a stream in order, with `readahead` one row group ahead on a worker thread.
 
     `keys` is the order the producer will ask for (source, row group); the open Parquet files (a
-    few, LRU) are used by the worker thread only (or by the caller's thread when readahead = 0).
+    few, LRU) are used by the worker thread only (or by the caller's thread without readahead).
     """
 
     def __init__(self, sources: list[ParquetSource], columns: tuple[str, ...], keys: list[tuple[int, int]],
-                 readahead: int) -> None:
+                 readahead: bool) -> None:
         self.sources, self.columns = sources, columns
         self.open: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self.keys = deque(keys)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-read") if readahead > 0 else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-read") if readahead else None
         self.ahead: deque[tuple[tuple[int, int], Future[pa.Table]]] = deque()
-        self.readahead = readahead
         self.key: tuple[int, int] | None = None
         self.table: pa.Table | None = None
 
@@ -87,7 +86,7 @@ class _Files:
         else:
             fut = self.ahead.popleft()[1] if self.ahead and self.ahead[0][0] == key else \
                 self.pool.submit(self._read, src, rg)
-            for nxt in islice(self.keys, len(self.ahead), self.readahead):
+            for nxt in islice(self.keys, len(self.ahead), 1):
                 self.ahead.append((nxt, self.pool.submit(self._read, *nxt)))
             table = fut.result()
         self.key, self.table = key, table
@@ -179,7 +178,7 @@ class Reader:
         empty, or with `strict` (a resumed rank-stream position) a ValueError.
         """
         files = _Files(self.sources, self.decoder.columns, plan_row_groups(parts, streams),
-                       1 if self.cfg.prefetch_batches > 0 else 0)
+                       self.cfg.prefetch_batches > 0)
         B, carry, filled, bad = self.cfg.batch_size, [], 0, 0   # carry: (rows, index) of the next batch's `filled` rows
         try:
             for i, p in enumerate(parts):

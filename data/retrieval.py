@@ -17,8 +17,7 @@ ITEM_BASE + i (int64).
 
 A model that finds the structure ranks a user's cluster's popular items first; the most-popular
 baseline ranks the global popular items, of which only ~1/NUM_CLUSTERS are in the user's cluster.
-Rows come in chunks of GEN_CHUNK made from an RNG seeded by (seed, chunk): the same seed gives the
-same rows whatever the number of files.
+Determinism as in `data.synthetic` (chunks of GEN_CHUNK rows, each from an RNG seeded by (seed, chunk)).
 """
 
 from __future__ import annotations

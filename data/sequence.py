@@ -19,8 +19,7 @@ same for the candidate and the list. Only the last `window` behaviors count, so 
 older ones (no `model.max_seq_len` cut) is misled by the old categories. A model without `hist`
 knows only the candidate's average appeal.
 
-Columns: label f32, I1 int64, ctx int64, item int64, hist list<int64>, row_id int64, p_true f32.
-Determinism as in `data.synthetic`.
+Columns: `SEQUENCE_SCHEMA`. Determinism as in `data.synthetic`.
 """
 
 from __future__ import annotations
@@ -98,16 +97,15 @@ def _chunk(t: SequenceTruth, seed: int, chunk: int) -> pa.Table:
                         (u[2] * p.num_categories).astype(np.int64))
     item = t.items(cand_cat, u[3])                                        # [n]
     m = np.bincount(row, recent & (cat == cand_cat[row]), minlength=n)    # [n] recent matches
-    extra = r[7]
-    ctx = extra.integers(0, p.ctx_vocab, n)
-    dense = np.floor(np.exp(1.0 + 1.2 * extra.standard_normal(n))).astype(np.int64)
+    ctx = r[7].integers(0, p.ctx_vocab, n)
+    dense = np.floor(np.exp(1.0 + 1.2 * r[7].standard_normal(n))).astype(np.int64)
     logit = (p.bias + p.affinity * np.tanh(m / 3.0) + p.item_w * t.w_item[item] + p.ctx_w * t.w_ctx[ctx]
              + p.dense_beta * np.log1p(dense))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     cols = {"I1": pa.array(dense), "ctx": pa.array(ids_of_ranks("ctx", ctx)),
             "item": pa.array(ids_of_ranks("item", item)),
             "hist": pa.ListArray.from_arrays(offsets, pa.array(ids_of_ranks("item", hist)))}
-    return planted_table(SEQUENCE_SCHEMA, chunk, cols, logit, extra)
+    return planted_table(SEQUENCE_SCHEMA, chunk, cols, logit, r[7])
 
 
 def iter_sequence_rows(rows: int, seed: int, model_seed: int = 0) -> Iterator[pa.Table]:
