@@ -31,14 +31,6 @@ KIND = "faiss_hnsw_flat_ip"
 DEFAULTS = {"M": 32, "ef_construction": 100, "ef_search": 100}
 
 
-def _faiss():
-    try:
-        import faiss
-    except ImportError as e:          # a dependency of recsys-hybrid; only a broken install lacks it
-        raise ExportError(f"an ANN index needs the faiss-cpu package ({e})") from None
-    return faiss
-
-
 class AnnIndex:
     """Approximate top-k by inner product (faiss HNSW); rows the graph search leaves short of k
     (possible only when k approaches the number of items) are answered by `exact`."""
@@ -53,7 +45,7 @@ class AnnIndex:
     def build(cls, ids: np.ndarray, vectors: torch.Tensor, exact=None, M: int = DEFAULTS["M"],
               ef_construction: int = DEFAULTS["ef_construction"],
               ef_search: int = DEFAULTS["ef_search"]) -> "AnnIndex":
-        faiss = _faiss()
+        import faiss        # a dependency, imported (slowly) at the first use
         t0 = time.perf_counter()
         x = np.ascontiguousarray(vectors.detach().numpy(), dtype=np.float32)
         index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
@@ -68,7 +60,7 @@ class AnnIndex:
 
     def save(self, root: Path) -> dict:
         """Write the index to root / ANN_FILE; returns the manifest's retrieval "index" section."""
-        faiss = _faiss()
+        import faiss
         faiss.write_index(self.index, str(root / ANN_FILE))
         return {"kind": KIND, "file": ANN_FILE, "library": "faiss-cpu", "library_version": faiss.__version__,
                 "metric": "inner_product", "num_items": int(self.index.ntotal), **self.params}
@@ -78,7 +70,7 @@ class AnnIndex:
         """The index of an export's manifest section (the vectors memory-mapped, the graph read)."""
         if section.get("kind") != KIND:
             raise ExportError(f"{root}: retrieval index kind {section.get('kind')!r}, this version reads {KIND!r}")
-        faiss = _faiss()
+        import faiss
         path = root / section["file"]
         try:
             index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
@@ -91,11 +83,12 @@ class AnnIndex:
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries float32 [B, d] -> (item ids int64 [B, k], scores float32 [B, k]), best first."""
+        import faiss
         k = min(k, self.ids.size)
         q = np.ascontiguousarray(queries.detach().numpy(), dtype=np.float32)
         if q.shape[0] == 0 or k == 0:
             return np.zeros((q.shape[0], k), np.int64), np.zeros((q.shape[0], k), np.float32)
-        params = _faiss().SearchParametersHNSW(efSearch=max(int(self.params["ef_search"]), k))
+        params = faiss.SearchParametersHNSW(efSearch=max(int(self.params["ef_search"]), k))
         scores, rows = self.index.search(q, k, params=params)                  # [B, k], [B, k]; -1: none
         ids = self.ids[np.maximum(rows, 0)]
         short = np.flatnonzero((rows < 0).any(axis=1))

@@ -133,18 +133,6 @@ def features_section(cfg: JobConfig) -> dict:
     return section
 
 
-def table_entry(cfg: JobConfig, t: int, matrix: np.ndarray, tombstones: np.ndarray | None, files: dict) -> dict:
-    tc = cfg.ps.tables[t]
-    entry = {"name": tc.name, "index": t, "dim": tc.dim, "kind": tc.kind, "num_embeddings": tc.num_embeddings,
-             "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": int(matrix.shape[0]),
-             "weight": {"dtype": str(matrix.dtype), "width": int(matrix.shape[1])},
-             "default": {"unadmitted": tc.unadmitted, "init": tc.init, "init_scale": tc.init_scale, "seed": tc.seed},
-             "files": files}
-    if tombstones is not None:
-        entry["tombstones"] = int(tombstones.shape[0])
-    return entry
-
-
 def read_manifest(root: str | Path, verify: bool = True) -> dict:
     """manifest.json of an export; with `verify`, every file's size and sha256 are checked.
 
@@ -229,8 +217,13 @@ def export_model(source: Source, out: str | Path, precision: str = "fp32", since
             part = shards.read_table(t, since)
             tomb = part.tombstones if since is not None else None
             matrix = quantize(part.rows, precision)
-            files = write_table(tmp, tc.name, part.ids, matrix, precision, tc.dim, tomb)
-            entries.append(table_entry(cfg, t, matrix, tomb, files))
+            entry = {"name": tc.name, "index": t, "dim": tc.dim, "kind": tc.kind, "num_embeddings": tc.num_embeddings,
+                     "pooling": cfg.model.table_pooling.get(tc.name, "sum"), "rows": int(matrix.shape[0]),
+                     "weight": {"dtype": str(matrix.dtype), "width": int(matrix.shape[1])},
+                     "default": {"unadmitted": tc.unadmitted, "init": tc.init, "init_scale": tc.init_scale,
+                                 "seed": tc.seed},
+                     "files": write_table(tmp, tc.name, part.ids, matrix, precision, tc.dim, tomb)}
+            entries.append(entry if tomb is None else dict(entry, tombstones=int(tomb.shape[0])))
             logger.info("table %s: %d rows%s", tc.name, part.ids.shape[0],
                         "" if tomb is None else f", {tomb.shape[0]} tombstones")
             del part, tomb, matrix                   # one table in memory at a time

@@ -88,16 +88,12 @@ class ExportStore:
         self.tables = list(tables)
         self.step = 0
 
-    # -- rows -------------------------------------------------------------------------------------
-
     def pull(self, table: int, ids: torch.Tensor, step: int | None = None) -> torch.Tensor:
         return self.tables[table].rows(ids)
 
     def pull_many_async(self, tables: Sequence[int], ids: Sequence[torch.Tensor],
                         step: int | None = None) -> "Future[torch.Tensor]":
         return pull_each(self, tables, ids, step)
-
-    # -- steps ------------------------------------------------------------------------------------
 
     def barrier(self, step: int) -> None:
         self.step = step + 1

@@ -3,14 +3,12 @@
     pooling = make_pooling(plans, tables, precision)   # NativePooling, or None without a compiler
     pooled, linear = pooling.pool(batch)                # [B, F, D], [B, F_lin] | None
 
-A "slot" is one (table, sparse feature) pair of the `SparseArch` plans; slots are ordered by
-pooling group (dim, pooling mode, linear or not), as `SparseArch` groups them; the batch's values
-are gathered into slot order when that order is not the batch's. The kernel's side (the hash map's
-buckets and probing, the slot descriptor, the float math that makes the outputs bit-equal to the
-per-table path, the threads) is `embedding_ps/csrc/pool.c`'s header; this module builds what it
-indexes: one hash map per table (`_build_maps`; hashed tables' keys are computed in the kernel's
-loop), the row matrices (`_build_matrices`, `_build_per_table`) and the outputs, pooled [B, F, D]
-(feature order) and linear [B, F_lin] in one buffer.
+A "slot" is one (table, sparse feature) pair of the `SparseArch` plans, ordered by pooling group
+(dim, pooling mode, linear or not) as `SparseArch` groups them; the batch's values are gathered into
+slot order when that order is not the batch's. The kernel's side (hash maps, slot descriptor, the float
+math that makes the outputs bit-equal to the per-table path, threads) is `embedding_ps/csrc/pool.c`'s
+header; this module builds what it indexes: one hash map per table, the row matrices, and the outputs,
+pooled [B, F, D] (feature order) and linear [B, F_lin] in one buffer.
 
 An unknown id gets its slot's code (pool.c's field 12): -1 zeros, -2 uniform (in the kernel), -3 other
 defaults (e.g. normal): `init_rows` in Python once per class of tables sharing (dim, seed, init,
@@ -36,7 +34,7 @@ from embedding_ps.init import init_rows
 from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
 from recsys.serving.export_store import TableView
-from recsys.serving.quantize import QUANTIZED, dequantize, tbe_rows
+from recsys.serving.quantize import QUANTIZED, tbe_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +77,13 @@ class NativePooling:
         if max(p.dim for p, _ in slots) > ps_native.SV_MAX_DIM:
             raise Unsupported(f"tables wider than {ps_native.SV_MAX_DIM}")
         self.dim, self.num_pooled, self.num_linear = slots[pooled[0][1]][0].dim, len(pooled), len(linear)
-        self.per_table = precision != "fp32"
-        self.table_rows: dict[int, torch.Tensor] = {}    # per-table row matrices (fp16, int8, int4)
-        if self.per_table:
-            self._build_per_table(slots, tables)
-        else:
-            self._build_matrices(slots, tables)          # one float32 matrix per width
-        self._build_maps(slots, tables)
+        self._build_tables(slots, tables)
         # -- slot descriptors (see embedding_ps/csrc/pool.c) --------------------------------------------------------
         desc = torch.zeros(len(slots), ps_native.SV_SLOT_FIELDS, dtype=torch.int64)   # [S, 16]
         for s, (p, _) in enumerate(slots):
-            m = self.table_rows[p.table] if self.per_table else self.weights[p.dim]
+            m = self.table_rows[p.table]
             desc[s, 0], desc[s, 1] = self.map_at[p.table]
-            desc[s, 2], desc[s, 3] = self.hashed[s], self.slot_base[s]
+            desc[s, 2] = self.hashed[s]                  # desc[s, 3], the row base, stays 0: rows are table-local
             desc[s, 4], desc[s, 5] = m.data_ptr(), m.shape[1] * m.element_size()     # the slot's row matrix
             desc[s, 6], desc[s, 7], desc[s, 8] = _KIND[precision], p.dim, int(p.pooling == "mean")
             c = int(self.slot_class[s])                   # unknown ids: -1 zeros, -2 uniform (in C), -3 here
@@ -137,37 +129,16 @@ class NativePooling:
         self.slot_class = torch.tensor(cls, dtype=torch.int64)                              # [S]
         return slots
 
-    def _build_matrices(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """fp32: one float32 matrix per width, the tables' rows back to back."""
-        base_of: dict[int, int] = {}
-        parts: dict[int, list[torch.Tensor]] = {}
-        for t, d in dict.fromkeys((p.table, p.dim) for p, _ in slots):
-            base_of[t] = sum(m.shape[0] for m in parts.setdefault(d, []))
-            parts[d].append(dequantize(np.asarray(tables[t].matrix), "fp32", d))
-        self.weights = {d: torch.cat(m) for d, m in parts.items()}                 # width -> matrix
-        self.slot_base = torch.tensor([base_of[p.table] for p, _ in slots], dtype=torch.int64)
+    def _build_tables(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
+        """Per table read by some slot, its rows and its hash map.
 
-    def _build_per_table(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """Rows per table, a private copy (the export's matrix may be a read-only memory map of a file a
-        later export replaces). int8 / int4: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's
-        f16 values). fp16: float16 [R, D] as stored, allocated by torch: 64-byte aligned, so a 32-byte
-        row (D = 16) never straddles two cache lines (numpy's large arrays start 16 bytes into a page:
-        fewer b4096 rows/s, benchmarks/serving.py)."""
-        for t in sorted({p.table for p, _ in slots}):
-            m = np.asarray(tables[t].matrix)
-            if self.precision in QUANTIZED:
-                rows = torch.from_numpy(tbe_rows(m, self.precision, np.float32))
-            else:
-                rows = torch.empty(m.shape[0], tables[t].cfg.dim, dtype=torch.float16)
-                if m.shape[0]:
-                    rows.numpy()[:] = m.view(np.float16)
-            self.table_rows[t] = rows
-        self.slot_base = torch.zeros(len(slots), dtype=torch.int64)              # rows are table-local
-
-    def _build_maps(self, slots: list[tuple[TablePlan, int]], tables: list[TableView]) -> None:
-        """One hash map per table read by some slot: ids -> local rows, 2**bits >= 4 * rows buckets
-        while that is at most _SMALL_MAP buckets, else 2**bits >= 2 * rows (a low load: fewer second probes
-        and mispredicted branches)."""
+        Rows: a private copy (the export's matrix may be a read-only memory map of a file a later export
+        replaces). int8 / int4: uint8 [R, 8 + codes] = f32 scale | f32 bias | codes (TBE's f16 values).
+        fp32 / fp16: [R, D] as stored, allocated by torch: 64-byte aligned, so a 32-byte row (fp16, D = 16)
+        never straddles two cache lines (numpy's large arrays start 16 bytes into a page: fewer b4096
+        rows/s, benchmarks/serving.py). Map: ids -> local rows, 2**bits >= 4 * rows buckets while that is
+        at most _SMALL_MAP buckets, else 2**bits >= 2 * rows (a low load: fewer second probes and
+        mispredicted branches)."""
         used = sorted({p.table for p, _ in slots})
         bits = {t: max(1, (2 * len(tables[t].ids) - 1).bit_length()) for t in used}
         bits = {t: b + 1 if 2 << b <= _SMALL_MAP else b for t, b in bits.items()}
@@ -176,15 +147,24 @@ class NativePooling:
         sizes = [1 << bits[t] for t in used]
         self.map_at = {t: (sum(sizes[:i]), bits[t]) for i, t in enumerate(used)}       # table -> (offset, bits)
         self.buckets = torch.full((sum(sizes), 2), -1, dtype=torch.int64)                # [C, 2] (key, row)
+        self.table_rows: dict[int, torch.Tensor] = {}                                    # table -> its rows
         for t in used:
             at, b = self.map_at[t]
             ids = torch.from_numpy(np.array(tables[t].ids, dtype=np.int64))             # a copy: may be read-only
             ps_native.sv_map_build(self.buckets[at:at + (1 << b)], ids, self.kernel)
+            m = np.asarray(tables[t].matrix)
+            if self.precision in QUANTIZED:
+                rows = torch.from_numpy(tbe_rows(m, self.precision, np.float32))
+            else:
+                rows = torch.empty(m.shape[0], tables[t].cfg.dim,
+                                   dtype=torch.float16 if self.precision == "fp16" else torch.float32)
+                if m.shape[0]:
+                    rows.numpy()[:] = m.view(rows.numpy().dtype)
+            self.table_rows[t] = rows
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this instance holds for pooling: {"rows": the row matrices, "maps": the hash maps}."""
-        rows = self.table_rows.values() if self.per_table else self.weights.values()
-        return {"rows": sum(m.nbytes for m in rows), "maps": self.buckets.nbytes}
+        return {"rows": sum(m.nbytes for m in self.table_rows.values()), "maps": self.buckets.nbytes}
 
     # -- per request --------------------------------------------------------------------------------
 
@@ -250,12 +230,15 @@ class NativePooling:
 
     def _defaults(self, rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, misses: int,
                   B: int) -> torch.Tensor:
-        """The default rows of the unknown ids of tables with a default the kernel does not compute
-        (rows -3; `init_rows` per class), flat float32, and their rows pointed
-        at them (-4 - offset)."""
+        """The default rows of the ids of rows -3 (module docstring), flat float32; points those rows at them."""
         where, bag = ps_native.sv_misses(rows, offsets, misses, self.kernel)          # [M], [M]
         slot = bag if B == 1 else bag.div(B, rounding_mode="floor")                   # [M]
-        keys = self._miss_keys(values[where], slot)
+        keys = values[where]                          # [M] (a copy): hashed tables' keys splitmix64(id) % n
+        if self.any_hashed:
+            mod = self.hashed[slot]                                                    # [M], 0: not hashed
+            h = mod > 0
+            keys[h] = torch.from_numpy((splitmix64_np(keys[h].numpy()) % mod[h].numpy().astype(np.uint64))
+                                       .astype(np.int64))
         cls = self.slot_class[slot]                                                    # [M]
         parts, at = [], 0
         for c, (dim, seed, init, scale) in enumerate(self.classes):
@@ -269,15 +252,3 @@ class NativePooling:
             parts.append(init_rows(keys[idx], dim, seed, init, scale).view(-1))          # [M_c * D_c]
             at += n * dim
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _miss_keys(self, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """Keys [M] of unknown ids [M]: hashed tables' `splitmix64(id) % num_embeddings`, else the id."""
-        if not self.any_hashed:
-            return ids
-        n = self.hashed[slot]                                                          # [M], 0: not hashed
-        h = n > 0
-        keys = ids.clone()
-        if bool(h.any()):
-            keys[h] = torch.from_numpy((splitmix64_np(ids[h].numpy()) % n[h].numpy().astype(np.uint64))
-                                       .astype(np.int64))
-        return keys

@@ -10,11 +10,9 @@
 
 Lookup: `export_store.TableView` (an id the table lacks gets the table's default, as a PS pull).
 
-Pooling (the hot path): `native_fused.NativePooling` (`make_pooling`, when the Predictor opens), else
-(no C compiler, or `fused=False`: the reference tests and benchmarks compare with) the per-table path:
-fp32 / fp16 rows through `ExportStore` (a read-only `embedding_ps.store.RowSource`) to the training
-`recsys.models.SparseArch`, int8 / int4 through fbgemm's TBE (`tbe_pool.QuantizedPooling`). Both, and
-what they cost: docs/serving.md, "Export for serving"; BENCHMARKS.md, "benchmarks/serving.py".
+Pooling (the hot path): `native_fused.NativePooling` where it builds, else (or with `fused=False`, the
+reference) the per-table path: fp32 / fp16 rows through `ExportStore` to the training `SparseArch`,
+int8 / int4 through fbgemm's TBE (`tbe_pool.QuantizedPooling`). Both, and what they cost: docs/serving.md.
 
 Scores: sigmoid(logits), calibrated as the manifest's "calibration" section says (`recsys.calibration`);
 `logits` stay the dense model's own.
