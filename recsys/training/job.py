@@ -107,8 +107,7 @@ def read_worker_error(run_dir: Path) -> str | None:
 
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
-             "Connection refused")
-"""What a collective (gloo, NCCL) or the rendezvous store says when a peer process is gone."""
+             "Connection refused")          # what a collective (gloo, NCCL) or rendezvous says of a gone peer
 
 
 def silent_ranks(run_dir: Path, world: int, since: float) -> list[int]:
@@ -312,16 +311,26 @@ def run_attempts(cfg: JobConfig, config_path: Path, run_dir: Path, checkpoint: P
                     return _stopped(run_dir, config_path, checkpoint)
                 logger.info("%s", closing_summary(cfg, metrics))
                 return metrics
-            except JobFailure as e:
-                checkpoint = _before_restart(cfg, run_dir, checkpoint, stops, e, restarts)
+            except JobFailure as e:         # raise unless it is worth a restart, else log and record it
+                if stops.requested.is_set():
+                    raise RuntimeError(f"{e} while stopping") from e
+                if not e.killed or restarts >= cfg.train.max_restarts:
+                    raise RuntimeError(str(e) + ("" if not e.killed else f" (after {restarts} restarts; "
+                                       f"train.max_restarts = {cfg.train.max_restarts})")) from e
                 restarts += 1
+                checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
+                where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
+                logger.warning("%s; restart %d/%d from %s", e, restarts, cfg.train.max_restarts, where)
+                with open(run_dir / "restarts.jsonl", "a") as f:
+                    f.write(json.dumps({"time": time.time(), "restart": restarts, "reason": str(e),
+                                        "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
+                write_run_dir(cfg, run_dir)          # forget the dead attempt's trainer pids
                 sweep_segments("of the failed attempt")
     finally:
         sweep_segments("at exit")
 
 
-CTR_METRICS = ("auc", "logloss", "ne", "calibration")
-"""The metrics of a scored data set the closing summary shows (eval of the last model, test)."""
+CTR_METRICS = ("auc", "logloss", "ne", "calibration")     # the closing summary's metrics of a scored data set
 
 
 def closing_summary(cfg: JobConfig, metrics: dict) -> str:
@@ -363,21 +372,3 @@ def sweep_segments(what: str) -> None:
     if count:
         logger.info("removed %d shared-memory segments (%.1f MiB) %s", count, size / 2**20, what)
 
-
-def _before_restart(cfg: JobConfig, run_dir: Path, checkpoint: Path | None, stops: StopRequests, e: JobFailure,
-                    restarts: int) -> Path | None:
-    """After a failed attempt: raise unless it is worth a restart, else log and record the restart and
-    return the checkpoint it starts from."""
-    if stops.requested.is_set():
-        raise RuntimeError(f"{e} while stopping") from e
-    if not e.killed or restarts >= cfg.train.max_restarts:
-        raise RuntimeError(str(e) + ("" if not e.killed else f" (after {restarts} restarts; "
-                           f"train.max_restarts = {cfg.train.max_restarts})")) from e
-    checkpoint = resolve_resume(cfg.train.run_dir, "latest") or checkpoint  # none yet: where it began
-    where = f"checkpoint {checkpoint}" if checkpoint else "step 0 (no checkpoint yet)"
-    logger.warning("%s; restart %d/%d from %s", e, restarts + 1, cfg.train.max_restarts, where)
-    with open(run_dir / "restarts.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.time(), "restart": restarts + 1, "reason": str(e),
-                            "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")
-    write_run_dir(cfg, run_dir)          # forget the dead attempt's trainer pids
-    return checkpoint

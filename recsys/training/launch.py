@@ -3,9 +3,8 @@ one preloaded process, out of the terminal's process group, that die with the la
 (`recsys.training.procs`, its diagram). It writes the run directory (resolved config, processes.json,
 metrics.jsonl, metrics.json), waits, reports, and on exit, error or Ctrl-C tears every process down.
 
-Recovery (restarts after a kill, `job.run_attempts`) and the graceful stop (`job.StopRequests`):
-docs/operations.md. An error the job raises itself is not retried: the first failing trainer's
-one-line error (`run_dir/errors/`) is raised as `WorkerError`, its traceback stays in `run_dir/logs/`.
+Recovery (restarts after a kill, `job.run_attempts`), the graceful stop (`job.StopRequests`) and an
+error the job raises itself (not retried: `job.WorkerError`, from `run_dir/errors/`): docs/operations.md.
 """
 
 from __future__ import annotations
@@ -65,15 +64,11 @@ def shard_error(log: Path) -> str:
         lines = [x.strip() for x in log.read_text(errors="replace").splitlines()[-200:] if x.strip()]
     except OSError:
         return ""
-    mine = [x for x in lines if x.startswith("error: ")]
-    if mine:
-        return ": " + mine[-1].removeprefix("error: ")
+    mine = [x.removeprefix("error: ") for x in lines if x.startswith("error: ")]
+    # else `recsys ps`'s own report of an unexpected error, else a traceback's last line
     logged = [m.group(1) for x in lines if (m := re.search(r" ERROR [\w.]+: (.*)$", x))]
-    if logged:                                   # `recsys ps`'s own report of an unexpected error
-        return ": " + logged[-1]
-    if lines and "Error" in lines[-1].split(":", 1)[0]:
-        return ": " + lines[-1]
-    return ""
+    found = mine or logged or [x for x in lines[-1:] if "Error" in x.split(":", 1)[0]]
+    return ": " + found[-1] if found else ""
 
 
 class ShardWatchdog:

@@ -48,8 +48,7 @@ TARGETS = {"shard": ("recsys.cli:entry", "recsys-ps"),
 """The only functions a child runs (a request names one by key), and the /proc/PID/comm it gets
 (benchmarks/cpu_time.py tells roles by it)."""
 
-START_TIMEOUT_S = 300.0
-"""How long a request waits for its fork (the zygote may still be importing, on a loaded machine)."""
+START_TIMEOUT_S = 300.0  # a request waits this for its fork (the zygote may still be importing, on a loaded machine)
 
 
 class StopNow(BaseException):
@@ -115,12 +114,6 @@ class ForkedProcess:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
@@ -315,13 +308,13 @@ def run_trainers(world: int, args: Sequence, check: Callable[[], None] = lambda:
 def stop(procs: Sequence, timeout_s: float = 10.0) -> None:
     """SIGTERM every process that runs, wait up to `timeout_s` in all, SIGKILL the rest."""
     for p in procs:
-        p.terminate()                       # (a no-op for one that has exited)
+        p.send_signal(signal.SIGTERM)       # (a no-op for one that has exited)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            p.send_signal(signal.SIGKILL)
             p.wait(timeout=5)
 
 

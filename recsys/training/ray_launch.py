@@ -211,38 +211,6 @@ def _reserve(cfg: JobConfig, role: str, key: str, bundle: dict[str, float], coun
     return pg
 
 
-def start_shards(cfg: JobConfig, token: str, restore: Path | str | None) -> tuple[list, list[dict], object]:
-    """ps.num_shards shard actors in one placement group; their handles, infos (address, pid, node) and the group."""
-    bundle = cfg.cluster.ps_bundle()
-    pg = _reserve(cfg, "ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards)
-    remote = ray.remote(ShardActor)
-    text = to_toml(cfg)
-    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
-    actors = [remote.options(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0),  # exactly one bundle
-                             memory=bundle.get("memory"), resources=custom or None,
-                             max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                             ).remote(text, i, token, cfg.train.run_dir, None if restore is None else str(restore))
-              for i in range(cfg.ps.num_shards)]
-    try:
-        infos = ray.get([a.ready.remote(READY_TIMEOUT_S) for a in actors], timeout=READY_TIMEOUT_S + 30)
-    except BaseException:
-        stop_shards(actors, pg)
-        raise
-    return actors, infos, pg
-
-
-def stop_shards(actors: list, pg: object) -> None:
-    """Stop the shards (a clean stop, then kill) and free their placement group."""
-    refs = [a.stop.remote() for a in actors]
-    try:
-        ray.wait(refs, num_returns=len(refs), timeout=15)
-    finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        remove_placement_group(pg)
-
-
 def _write_processes(run_dir: Path, infos: list[dict], earlier: list[dict]) -> list[dict]:
     """processes.json as the local launcher writes it, with each process's node (node_id, node_ip)."""
     shards = [{k: v for k, v in info.items() if k != "address"} for info in infos]
@@ -317,9 +285,18 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
     from ray.train.torch import TorchTrainer
 
     actors, infos, pg = [], [], None
-    try:
-        restore = None if checkpoint is None else run_path(checkpoint, "model", "ps")
-        actors, infos, pg = start_shards(cfg, token, restore)
+    try:                                  # ps.num_shards shard actors in one placement group, one bundle each
+        bundle = cfg.cluster.ps_bundle()
+        pg = _reserve(cfg, "ps shard", "cluster.ps_resources", bundle, cfg.ps.num_shards)
+        remote, text = ray.remote(ShardActor), to_toml(cfg)
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+        restore = None if checkpoint is None else str(run_path(checkpoint, "model", "ps"))
+        actors = [remote.options(
+            num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0), memory=bundle.get("memory"),
+            resources=custom or None, max_restarts=0, max_concurrency=cfg.train.num_trainers + 4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(text, i, token, cfg.train.run_dir, restore) for i in range(cfg.ps.num_shards)]
+        infos = ray.get([a.ready.remote(READY_TIMEOUT_S) for a in actors], timeout=READY_TIMEOUT_S + 30)
         _write_processes(run_dir, infos, earlier)
         logger.info("ps shards ready at %s", ", ".join(f"{i['address']} (node {i['node_id'][:12]})" for i in infos))
         bundle, strategy = cfg.cluster.trainer_bundle(), cfg.cluster.placement.upper()    # SPREAD | PACK
@@ -327,7 +304,7 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
                                         cfg.train.num_trainers))   # fail fast, in one line
         trainer = TorchTrainer(
             train_loop,
-            train_loop_config={"config": to_toml(cfg), "token": token, "addresses": [i["address"] for i in infos],
+            train_loop_config={"config": text, "token": token, "addresses": [i["address"] for i in infos],
                                "run_dir": str(run_dir), "verbose": verbose, "shards": actors,
                                "resume": None if checkpoint is None else str(checkpoint)},
             scaling_config=ScalingConfig(num_workers=cfg.train.num_trainers, use_gpu=cfg.cluster.use_gpu,
@@ -344,8 +321,14 @@ def _attempt(token: str, cfg: JobConfig, config_path: Path, run_dir: Path, check
         lines.stop()
         return json.loads((run_dir / "metrics.json").read_text())
     finally:
-        if actors:
-            stop_shards(actors, pg)
+        if actors:                        # a clean stop, then kill; their placement group freed
+            refs = [a.stop.remote() for a in actors]
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=15)
+            finally:
+                for a in actors:
+                    ray.kill(a, no_restart=True)
+                remove_placement_group(pg)
         earlier[:] = _write_processes(run_dir, infos, earlier)
 
 

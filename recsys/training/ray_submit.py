@@ -24,8 +24,7 @@ from recsys.config import ConfigError, JobConfig, load_config, to_toml
 
 logger = logging.getLogger(__name__)
 
-JOB_CONFIG_NAME = "job.toml"
-"""The name of the shipped config in the job's working directory."""
+JOB_CONFIG_NAME = "job.toml"     # the shipped config's name in the job's working directory
 
 _PATH_KEYS = ("data.train_paths", "data.eval_paths", "data.test_paths", "data.item_paths",
               "train.run_dir", "ps.storage_root", "ps.token_file", "ps.curve_keys_dir")

@@ -1,14 +1,10 @@
 """`recsys tune`: hyperparameter search over a job config with Ray Tune and an ASHA scheduler.
 
 What a search runs and writes (one real `recsys train` job per trial, recsys/training/tune_trial.py,
-in `TUNE_DIR/trials/<trial id>/`; the engine its jobs run on; results.csv, best.toml, trials.png):
-README.md, "Hyperparameter search". Here besides: the space file (recsys/tune_space.py) is checked
-before Ray starts; Tune itself runs on a local Ray instance of `--max-concurrent` CPUs; a trial
-validates every epoch with early stopping (`train.validate_every = "epoch"`,
-`train.early_stop_patience = 2` where the config sets neither), each pass reported to Tune. Tune's
-own state is in TUNE_DIR/ray: after a Ctrl-C the same command resumes the search (finished trials are
-kept; a stopped job continues from its checkpoint); the search space and --trials of the first run
-hold (Tune restores them), a changed --space is not read again. trials.png needs matplotlib.
+in `TUNE_DIR/trials/<trial id>/`; the engine its jobs run on; results.csv, best.toml, trials.png) and
+how a Ctrl-C'd search resumes: README.md, "Hyperparameter search". Tune runs on a local Ray instance
+of `--max-concurrent` CPUs with its state in TUNE_DIR/ray: a resumed search keeps the first run's
+space and --trials (Tune restores them; a changed --space is not read again).
 """
 
 from __future__ import annotations

@@ -51,10 +51,9 @@ class JobSpec:
     metric: str
     env_names: tuple[str, ...] = ()
     """The names of `recsys tune`'s own environment variables: a job gets the Tune worker's environment
-    without the variables Ray added to it (RAY_RAYLET_PID, RAY_JOB_ID, ... of Tune's own Ray instance, which
-    made a job on the Ray engine, `cluster.engine = "ray"`, lose its actors on the cluster). Names only: the
-    values are the worker's, inherited from this command through Ray's local instance, and the spec (values
-    may be secrets) need not carry them through Ray's object store."""
+    without those Ray added (RAY_RAYLET_PID, RAY_JOB_ID, ... of Tune's instance: a job on the Ray engine
+    would lose its actors on the cluster). Names only: the values (maybe secrets) are the worker's,
+    inherited from this command, and stay out of Ray's object store."""
 
 
 def val_lines(run_dir: Path) -> list[dict]:
