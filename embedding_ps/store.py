@@ -129,12 +129,17 @@ def call_dim(config: PSConfig, tables: Sequence[int], ids: Sequence[torch.Tensor
     return dim
 
 
+def cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts back to back (a single part itself: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
 def pull_each(store: RowSource, tables: Sequence[int], ids: Sequence[torch.Tensor],
               step: int | None = None) -> Future[torch.Tensor]:
     """`pull_many_async` of a store that answers at once (an export, replicated tables): a done Future of
     its one-table `pull`s, in order."""
     parts = [store.pull(t, x, step) for t, x in zip(tables, ids)]
-    return done_future(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return done_future(cat(parts))
 
 
-__all__ = ["EmbeddingStore", "RowSource", "UnknownTableError", "call_dim", "done_future", "pull_each"]
+__all__ = ["EmbeddingStore", "RowSource", "UnknownTableError", "call_dim", "cat", "done_future", "pull_each"]

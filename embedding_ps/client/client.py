@@ -49,9 +49,9 @@ from embedding_ps import native
 from embedding_ps.wire import shm
 from embedding_ps.wire.auth import job_tag, load_token
 from embedding_ps.wire.config import PSConfig
-from embedding_ps.client.plan import cat, combine, frames, index_frame, plan_call
+from embedding_ps.client.plan import combine, frames, index_frame, plan_call
 from embedding_ps.client.segments import ClientSegments, LateGrads, NotifiedFuture
-from embedding_ps.store import call_dim, done_future
+from embedding_ps.store import call_dim, cat, done_future
 from embedding_ps.client.transport import Call, IOThread, PSRequestError, Request, ShardError, ShardUnavailableError
 
 logger = logging.getLogger(__name__)

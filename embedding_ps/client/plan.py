@@ -16,6 +16,7 @@ import torch
 from embedding_ps import native
 from embedding_ps.wire import protocol as P
 from embedding_ps.wire.config import PSConfig
+from embedding_ps.store import cat
 from embedding_ps.wire.sharding import keys_of, shard_of
 
 
@@ -120,11 +121,6 @@ def gather_of(uniq: Sequence[torch.Tensor], inverse: Sequence[torch.Tensor | Non
     return cat([p + off if off else p for p, off in zip(parts, offsets)])
 
 
-def cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parts back to back (a single part itself: no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
-
-
 def _reply_rows(shard: int, cs: list[int], replies: dict[int, tuple[P.Header, list]], dim: int,
                 segs: dict | None, call: list | None) -> torch.Tensor:
     """One shard's PULL reply (or its rows in shared-memory segment segs[shard]) -> rows [sum cs, D]
@@ -174,4 +170,4 @@ def combine(futures: list[Future], join: Callable[[list], Any]) -> Future:
     return out
 
 
-__all__ = ["Plan", "cat", "combine", "dedup_ids", "frames", "gather_of", "index_frame", "plan_call"]
+__all__ = ["Plan", "combine", "dedup_ids", "frames", "gather_of", "index_frame", "plan_call"]

@@ -44,13 +44,9 @@ def build_model(model_cfg: ModelConfig, *, num_dense: int, num_sparse: int, embe
     reproducible init. Raises ValueError when the sizes do not fit the arch, naming the field.
     `sequences` (din only): (behavior list, candidate) feature index pairs into the F features.
     """
-    if num_dense < 0:
-        raise ValueError(f"num_dense must be >= 0, got {num_dense}")
     if num_sparse < 1:
         raise ValueError(f"model.arch = {model_cfg.arch!r} needs at least one sparse feature, "
                          f"got num_sparse={num_sparse}")
-    if embedding_dim < 1:
-        raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
     if model_cfg.arch == "two_tower":
         raise ValueError("model.arch = 'two_tower' splits the columns into towers: "
                          "build it with build_dense_model(cfg)")
@@ -80,13 +76,17 @@ def build_sparse_arch(cfg: JobConfig) -> SparseArch:
 
 def build_dense_model(cfg: JobConfig, sparse: SparseArch) -> CTRModel:
     """The dense model for the pooled features `sparse` produces (one dim D: JobConfig checks it),
-    initialised from `train.seed`."""
+    initialised from `train.seed`. Two-tower's towers take their columns by name (model.user_features /
+    item_features), each in the order of data.dense_columns / data.sparse_columns."""
     plans = [p for p in sparse.plans if not p.linear]
     if not plans:
         raise ValueError("data.sparse_columns maps no feature to an embedding table: the model has no input")
     torch.manual_seed(cfg.train.seed)
     if cfg.model.arch == "two_tower":
-        return TwoTower.from_job(cfg, embedding_dim=plans[0].dim)
+        split = lambda names: ([i for i, c in enumerate(cfg.data.dense_columns) if c in names],  # noqa: E731
+                               [i for i, c in enumerate(cfg.data.sparse_columns) if c in names])
+        return TwoTower(cfg.model, user=split(cfg.model.user_features), item=split(cfg.model.item_features),
+                        embedding_dim=plans[0].dim)
     return build_model(cfg.model, num_dense=len(cfg.data.dense_columns),
                        num_sparse=sum(len(p.features) for p in plans), embedding_dim=plans[0].dim,
                        sequences=tuple((s.feature, s.candidate) for s in sparse.sequences))

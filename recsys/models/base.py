@@ -5,10 +5,9 @@ names no architecture (the predictor runs the exported dense program, `recsys/se
     logits = model(dense, pooled, linear, *args, **kwargs)   # [B, Dn], [B, F, D], [B, F_lin] | None -> [B]
     loss = model.loss(logits, labels) if model.in_batch_softmax else <the trainer's weighted BCE>
 
-The defaults are a CTR model's: called with (dense, pooled, linear) alone, one logit a row,
-trained on BCE; `linear` holds the dim-1 rows of model.linear_feature_tables, pulled from the PS like
-any other embedding, for the models with `needs_linear_terms`. DIN adds the behavior rows of its
-lists; two-tower adds the batch's item ids in training and trains with its in-batch softmax.
+The defaults are a CTR model's: called with (dense, pooled, linear) alone (`linear`: see
+`needs_linear_terms`), one logit a row, trained on BCE. DIN adds the behavior rows of its lists;
+two-tower adds the batch's item ids in training and trains with its in-batch softmax.
 """
 
 from __future__ import annotations
@@ -24,7 +23,9 @@ if TYPE_CHECKING:
 
 
 class CTRModel(nn.Module):
-    """The base of every architecture in `recsys.models.ARCHS` (and two-tower)."""
+    """The base of every architecture in `recsys.models.ARCHS` (and two-tower). `build_model` builds an
+    ARCHS class as `cls(config, *, num_dense=Dn, num_sparse=F, embedding_dim=D)`: Dn dense features (0
+    allowed), F pooled embeddings of dim D a row; each class's Args name the config fields it reads."""
 
     needs_linear_terms = False
     """Pull the dim-1 rows of model.linear_feature_tables and pass them as `linear` (deepfm, wide_deep)."""

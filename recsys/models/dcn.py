@@ -54,9 +54,6 @@ class DCN(CTRModel):
         config: `model.num_cross_layers`, `model.dcn_structure` (`stacked` | `parallel`), `model.top_mlp`
             (the deep part's widths), `model.dropout`, `model.norm` (in the deep MLP; the cross net has
             none). `model.bottom_mlp` is not used: the dense features enter the cross net as they are, as in the paper.
-        num_dense: Dn.
-        num_sparse: F.
-        embedding_dim: D.
 
     Example::
 
@@ -73,10 +70,7 @@ class DCN(CTRModel):
         self.structure = config.dcn_structure
         self.cross = CrossNet(in_features, config.num_cross_layers)
         self.deep = MLP(in_features, config.top_mlp, config.dropout, config.norm)
-        if self.structure == "stacked":
-            head_in = self.deep.out_features                                  # cross feeds deep
-        else:
-            head_in = in_features + self.deep.out_features                    # cross | deep
+        head_in = (0 if self.structure == "stacked" else in_features) + self.deep.out_features   # [cross |] deep
         self.final = nn.Linear(head_in, 1)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,

@@ -69,9 +69,6 @@ class DeepFM(CTRModel):
     Args:
         config: `model.top_mlp` (the DNN's hidden widths), `model.dropout`, `model.norm`,
             `model.fm_interaction` ("fm" or "fwfm"). `model.bottom_mlp` is not used.
-        num_dense: Dn (0 is allowed).
-        num_sparse: F.
-        embedding_dim: D.
 
     Example::
 

@@ -63,9 +63,7 @@ class DIN(CTRModel):
     Args:
         config: `model.attention_mlp`, `model.attention_softmax`, `model.top_mlp` (the MLP's hidden
             widths), `model.dropout`, `model.norm`.
-        num_dense: Dn (0 is allowed).
         num_sparse: F, every sparse feature the sparse arch pools (the behavior lists included).
-        embedding_dim: D.
         sequences: (behavior list feature, candidate feature) index pairs into the F pooled features.
 
     Example::

@@ -23,13 +23,8 @@ from recsys.models.base import CTRModel
 
 
 class DenseArch(nn.Module):
-    """Bottom MLP: the dense features become one more D-dim vector beside the F embeddings.
-
-    Args:
-        in_features: number of dense features, Dn.
-        layer_sizes: widths of the bottom MLP; the last one is the embedding dim D.
-        dropout: dropout probability after each ReLU.
-        norm: `model.norm` after each Linear ("none", "batch", "layer").
+    """Bottom MLP (args as `MLP`'s, the last width the embedding dim D): the dense features [B, Dn]
+    become one more D-dim vector beside the F embeddings.
 
     Example::
 
@@ -84,13 +79,8 @@ class InteractionArch(nn.Module):
 
 
 class OverArch(nn.Module):
-    """Top MLP, then one linear layer without activation down to the logit.
-
-    Args:
-        in_features: width of the interaction output.
-        layer_sizes: hidden widths of the top MLP (the final width-1 layer is added here).
-        dropout: dropout probability after each hidden ReLU.
-        norm: `model.norm` after each hidden Linear (the final width-1 layer has none).
+    """Top MLP over the interaction output (args as `MLP`'s), then one linear layer without norm or
+    activation down to the logit.
 
     Example::
 
@@ -116,8 +106,6 @@ class DLRM(CTRModel):
         config: `model.bottom_mlp` (its last width must equal `embedding_dim`; empty: derived from it,
             `default_bottom_mlp`), `model.top_mlp`, `model.dropout`, `model.norm` (in both MLPs).
         num_dense: Dn; 0: no bottom MLP, the embeddings interact among themselves (module docstring).
-        num_sparse: F, the number of pooled embeddings per example.
-        embedding_dim: D.
 
     Example::
 
@@ -130,10 +118,8 @@ class DLRM(CTRModel):
         super().__init__()
         bottom = config.bottom_mlp or default_bottom_mlp(embedding_dim)     # not given: [max(64, 2D), D]
         if num_dense > 0 and bottom[-1] != embedding_dim:
-            raise ValueError(
-                f"model.bottom_mlp must end in the embedding dim {embedding_dim} (the bottom output is dotted "
-                f"with the embeddings), got {list(config.bottom_mlp)}"
-            )
+            raise ValueError(f"model.bottom_mlp must end in the embedding dim {embedding_dim} (the bottom output is "
+                             f"dotted with the embeddings), got {list(config.bottom_mlp)}")
         self.dense_arch = DenseArch(num_dense, bottom, config.dropout, config.norm) if num_dense > 0 else None
         self.inter_arch = InteractionArch(num_sparse, with_dense=num_dense > 0)
         self.over_arch = OverArch(embedding_dim + self.inter_arch.out_features_extra, config.top_mlp,

@@ -52,8 +52,9 @@ class LinearTerms(nn.Module):
     """First-order part of a logit: bias + w . dense + the sum of the features' dim-1 PS rows.
 
     The sparse weights are not parameters of this module: they live in dim-1 tables on the PS
-    and arrive already pooled as `pooled_linear` [B, F_lin], so summing them is the whole
-    "wide" sparse term (a one-hot linear model, written as lookups).
+    (`model.linear_feature_tables`, trained by the PS's optimizer, e.g. FTRL) and arrive already pooled
+    as `pooled_linear` [B, F_lin], so summing them is the whole "wide" sparse term (a one-hot linear
+    model, written as lookups).
 
     Args:
         num_dense: number of dense features, Dn (0 leaves only the bias and the sparse terms).

@@ -1,22 +1,13 @@
-"""A batch's ids and a step's rows between the host and the training device (issue #32).
-
-With train.device = "cuda" the trainer's sparse arch (`SparseArch.device_ids`) works on the GPU as
-TorchRec does, and only what the PS needs crosses to the host; what crosses, when and on which stream:
-docs/performance.md, "Training on a GPU". Here besides: `dedup_tables` is two stable sorts over every
-PS table's ids at once (no per-table call); the gradients' copy starts after an event of the compute
-stream, and the push waits for that copy's event, not for the GPU.
+"""A batch's ids and a step's rows between the host and the training device (issue #32): what crosses,
+when, on which stream and where the host waits: docs/performance.md, "Training on a GPU".
 
 Pinned buffers come from torch's caching host allocator (`pin_memory()` / `pin_memory=True`): a block
 is reused once the copies that used it have finished (torch records their events), so no step
 allocates page-locked memory anew. The compute stream waits for the side stream by events
-(`wait_stream`), never by a host synchronization; the host waits only where it must have a value:
-the unique ids it pulls with (and whether a replicated table's ids all hit its vocabulary), a gradient
-it sends, and the trainer's loss.
-
-The same code runs with device = cpu (tests run it so): no streams, no pinning, the copies are the
-tensors themselves. The CPU trainer keeps the C dedup of `embedding_ps.native.unique` (one hash
-pass a table, faster there than sorting); `dedup_tables` gives the same rows, pooled sums and row
-gradients in another order of the unique ids (sorted).
+(`wait_stream`), never by a host synchronization. With device = cpu the same code runs (tests run it
+so): no streams, no pinning, the copies are the tensors themselves. `dedup_tables` gives the rows,
+pooled sums and row gradients of the CPU trainer's `embedding_ps.native.unique` (one hash pass a table,
+faster on the host than sorting) in another order of the unique ids (sorted).
 """
 
 from __future__ import annotations
@@ -25,6 +16,9 @@ import contextlib
 import itertools
 
 import torch
+
+from embedding_ps.store import cat
+
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -101,7 +95,7 @@ def dedup_tables(values: list[torch.Tensor], counts: bool = False
     if N == 0:
         return ([empty_host] * P, [torch.zeros(0, dtype=torch.int64, device=device)] * P,
                 [empty_host] * P if counts else None)
-    ids = torch.cat(values) if P > 1 else values[0]                                           # [N]
+    ids = cat(values)                                                                         # [N]
     table = torch.repeat_interleave(torch.arange(P, device=device), torch.tensor(sizes).to(device),
                                     output_size=N)                                            # [N]
     by_id = torch.argsort(ids, stable=True)

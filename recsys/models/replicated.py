@@ -1,7 +1,6 @@
-"""Replicated tables: small-vocabulary embedding tables trained on every trainer as dense parameters.
-
-A table with `placement = "replicated"` (or `"auto"`, resolved here from the training data) does not
-live on the PS. Every trainer holds it whole::
+"""Replicated tables: small-vocabulary embedding tables trained on every trainer as dense parameters
+(`placement = "replicated"`, or `"auto"` resolved here from the training data by `resolve_placement`;
+the rule, and how such a table trains: docs/config.md, `placement`). Every trainer holds it whole::
 
     keys    int64 [R]       its vocabulary: the distinct ids of the training data, sorted
     weight  float32 [R, D]  row r is id keys[r]; an nn.Parameter trained by a torch optimizer
@@ -9,20 +8,15 @@ live on the PS. Every trainer holds it whole::
 A batch's ids become row indices by a binary search in `keys`; the sparse arch pools them from
 `weight` with the same kernels as pulled rows, so autograd gives a dense [R, D] gradient, which DDP
 all-reduces with the dense model's (the table sits in the module DDP wraps, `TrainModules`). The
-optimizer (`TableOptimizer`: the table's `optimizer`, `lr`, `weight_decay`) updates every row every
-step, as torch's optimizers do for an `nn.Embedding`: the dense semantics a plain PyTorch model has
-(its weight decay and Adam moments act on all rows), where the PS updates only the touched rows.
-In sync mode W trainers equal one process on the global batch, like PS tables.
+optimizer (`TableOptimizer`) updates every row every step, as torch's optimizers do for an
+`nn.Embedding` (its weight decay and Adam moments act on all rows), where the PS updates only the
+touched rows. In sync mode W trainers equal one process on the global batch, like PS tables.
 
-An id outside the vocabulary (not in the training data) gets the table's default row, the row a PS
-pull returns for an id it never trained and an export serves for an id it lacks (`unadmitted`: the
-deterministic init row of (seed, id), or zeros); it is not trained. The vocabulary is fixed for the
-run: it is saved with the weights (`model/replicated.pt`: `NAME.ids`, `NAME.weight`) and a resumed
-run keeps it (ids new in the data then resolve to the default row; a table whose data grew past its
-vocabulary is retrained, or warm-started, with a new run).
-
-`resolve_placement` decides `auto` before any process starts, by the table's distinct ids over the
-columns that read it (the rule: `ps.replicate_max_rows` / `ps.replicate_max_bytes`, docs/config.md).
+An id outside the vocabulary gets the table's `unadmitted` default row (the deterministic init row
+of (seed, id), or zeros), untrained. The vocabulary is fixed for the run: it is saved with the
+weights (`model/replicated.pt`: `NAME.ids`, `NAME.weight`) and a resumed run keeps it (ids new in
+the data then resolve to the default row; a table whose data grew past its vocabulary is retrained,
+or warm-started, with a new run).
 """
 
 from __future__ import annotations
@@ -91,12 +85,10 @@ class Placement:
 
 
 def resolve_placement(cfg: JobConfig) -> Placement:
-    """Decide `auto` tables from the training data's distinct ids (see the module docstring).
+    """Decide `auto` tables from the training data's distinct ids, before any process starts.
 
     Raises ConfigError when the `replicated` tables alone do not fit ps.replicate_max_bytes."""
     ps = cfg.ps
-    if all(t.placement == "ps" for t in ps.tables):
-        return Placement(cfg, {}, {t.name: {"placement": "ps", "why": "placement = 'ps'"} for t in ps.tables})
     eligible = [t for t in ps.tables if t.placement == "replicated" or _why_ps(t) is None]
     vocab = vocabularies(cfg, [t.name for t in eligible])
     report: dict[str, dict] = {}

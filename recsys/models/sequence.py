@@ -1,10 +1,9 @@
 """Unpooled sequence lookups (DIN's behavior lists): per-position rows [B, L, D] and a mask [B, L].
 
-A behavior list column (`model.sequence_features = {hist = "item"}`) reads the table of its
-candidate feature, so it sits in the same `TablePlan` as the candidate: its ids are in the same
-unique set, pulled once, in the same leaf [U_g, D]. The sparse arch pools it like any feature (the
-DIN model leaves that pooled bag out); `SequenceSparseArch.behaviors` gathers the same leaf again, one row per
-position, so the rows' gradient is the sum of both uses and goes back in the usual push::
+A behavior list column reads its candidate's table, in the candidate's `TablePlan` (one unique set,
+pull and push for both: docs/models.md, "Behavior sequences: DIN"). The sparse arch pools it like any
+feature (DIN leaves that bag out); `SequenceSparseArch.behaviors` gathers the same leaf [U_g, D] again,
+one row per position, so the rows' gradient is the sum of both uses::
 
     arch = SequenceSparseArch(plans, plan_sequences(features, {"hist": "item"}), max_len=50)
     lookup = arch.lookup(batch, store)                   # the lists cut to their last 50 ids first
@@ -12,9 +11,8 @@ position, so the rows' gradient is the sum of both uses and goes back in the usu
     behaviors, mask = arch.behaviors(lookup)             # [B, S, L, D] f32, [B, S, L] bool
     logits = din(dense, pooled, linear, behaviors, mask)
 
-A list keeps the column's order (most recent last). Truncation keeps the last `max_len` ids;
-position l < length holds the list's l-th kept id, positions from the length on are padding (row 0
-of nothing: zeros, mask False).
+Position l < length holds the list's l-th kept id (the column's order, most recent last); positions
+from the length on are padding (zeros, mask False).
 """
 
 from __future__ import annotations

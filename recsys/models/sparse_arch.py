@@ -7,13 +7,11 @@ For one step::
     ... forward, loss.backward() ...
     lookup.push(scale)                          # row gradients [U, D] of every table -> store
 
-The rows of each group of tables sharing (dim, pooling mode) come back as one leaf tensor
-[U_g, D] with requires_grad (the tables' unique rows back to back: one multi-table pull, one
-request per shard), so autograd gives their gradient
-directly; no embedding table lives in the trainer. Pooling is one `F.embedding_bag` per group, so
-the whole batch pools in a handful of kernel calls, not one per feature; sum pooling's backward is
-one more embedding_bag (`_SumPool`), and the usual single group pools example-major, straight into
-[B, F, D].
+The rows of each group of tables sharing (dim, pooling mode) come back as one leaf tensor [U_g, D]
+with requires_grad (the tables' unique rows back to back: one multi-table pull, one request per
+shard), so autograd gives their gradient directly; no embedding table lives in the trainer. Pooling
+is one `F.embedding_bag` per group (`SparseLookup._pool_group`; sum pooling's backward: `_SumPool`),
+not one per feature.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 
 from data.batch import Batch
 from embedding_ps import native
-from embedding_ps.store import EmbeddingStore
+from embedding_ps.store import EmbeddingStore, cat
 from recsys.models.on_device import compute_waits, dedup_tables, on_stream, side_stream, to_device, to_host_async
 from recsys.table_plans import TablePlan, plan_tables  # noqa: F401  (the plans, torch-free)
 
@@ -102,11 +100,10 @@ class SparseLookup:
             if stacked is not None and g in dense_groups:
                 continue
             out = self._pool_group(g)                       # [sum(F_t) * B, D]
-            into = linear if self.plans[group[0]].linear else pooled
-            # one view + unbind: its backward is one stack, where B-row slices would each
+            # one view + unbind ([B, D] each): its backward is one stack, where B-row slices would each
             # allocate and add a full-size zero gradient (quadratic in the number of features)
-            for f, piece in zip(feats_of[g], out.view(len(feats_of[g]), B, -1).unbind(0)):   # [B, D] each
-                into[f] = piece
+            into = linear if self.plans[group[0]].linear else pooled
+            into.update(zip(feats_of[g], out.view(len(feats_of[g]), B, -1).unbind(0)))
         if stacked is None:
             stacked = torch.stack([pooled[f] for f in sorted(pooled)], dim=1)  # [B, F, D]
         lin = torch.cat([linear[f] for f in sorted(linear)], dim=1) if linear else None  # [B, F_lin]
@@ -128,7 +125,6 @@ class SparseLookup:
         mode = self.plans[group[0]].pooling
         # batch.weights covers every feature (1.0 where a feature has no weight column): every plan has
         # weights or none does; only sum pooling takes them (JobConfig rejects them on mean-pooled tables)
-        cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]   # noqa: E731
         idx, offs, lens = cat(indices), cat(offsets), cat([self.lengths[p] for p in group])
         w = cat([self.weights[p] for p in group]) if mode == "sum" and self.weights[group[0]] is not None else None
         single = all(self.single[p] for p in group)                   # one id per bag (from the host lengths)
@@ -184,13 +180,6 @@ class PendingPush:
             self.futures.append(self.store.push_many_async(*call))
         self.copies = []
         return self.futures
-
-
-def _features_of(values: torch.Tensor, features, starts: list[int], counts: list[int]) -> torch.Tensor:  # noqa: ANN001
-    """The values [N_t] of `features` (indices) out of the batch-wide jagged values (feature f's at
-    starts[f], counts[f] of them), in feature order."""
-    pieces = [values[starts[f]:starts[f] + counts[f]] for f in features]
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
@@ -285,9 +274,8 @@ class SparseArch:
         """The trainer's `ReplicatedTables` (`use_replicated`); None: every table comes from the store
         (serving and export read replicated tables from the export like any other)."""
         self.device: torch.device | None = None
-        """Where lookups pool (`SparseLookup.device`); the trainer sets its train.device. On a GPU the
-        pulled rows [U, D] cross to it (not the pooled [B, F, D], twice their size with one id per
-        bag) and pooling's forward and backward run there."""
+        """Where lookups pool (`SparseLookup.device`; the trainer sets its train.device): on a GPU the
+        pulled rows [U, D] cross to it, not the pooled [B, F, D] (twice their size with one id per bag)."""
         self.device_ids = False
         """Ids on the device too (the trainer sets it on a GPU: `recsys.models.on_device`, docs/performance.md).
         Off: the host deduplicates (`native.unique`, C). With no `device` (CPU) the same code runs on the host."""
@@ -320,7 +308,7 @@ class SparseArch:
             lengths = to_device(lengths_h, dev)
             all_weights = None if batch.weights is None else to_device(batch.weights, dev)
             bag_starts = torch.cumsum(lengths, 1) - lengths             # [F, B] per feature
-            of_plan = lambda x, plan: _features_of(x, plan.features, starts_l, counts_l)   # noqa: E731
+            of_plan = lambda x, p: cat([x[starts_l[f]:starts_l[f] + counts_l[f]] for f in p.features])  # noqa: E731
             for i, plan in enumerate(self.plans):
                 values = of_plan(all_values, plan)                                     # [N_t]
                 if len(plan.features) == 1:          # views of the batch-wide [F, B] tensors

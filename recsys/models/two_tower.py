@@ -136,7 +136,6 @@ class TwoTower(CTRModel):
     """
 
     in_batch_softmax = True
-    """In training: `item_ids` are passed (`extra_inputs`) and `loss` (not BCE) is taken of the [B, B_g] logits."""
 
     def __init__(self, config: ModelConfig, *, user: tuple[list[int], list[int]],
                  item: tuple[list[int], list[int]], embedding_dim: int) -> None:
@@ -166,18 +165,6 @@ class TwoTower(CTRModel):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return in_batch_loss(logits)
-
-    @classmethod
-    def from_job(cls, cfg: JobConfig, embedding_dim: int) -> "TwoTower":
-        """The model of a job: tower inputs by column name (model.user_features / item_features), each
-        tower's columns in the order of data.dense_columns / data.sparse_columns."""
-        dense, sparse = list(cfg.data.dense_columns), list(cfg.data.sparse_columns)
-
-        def split(names: tuple[str, ...]) -> tuple[list[int], list[int]]:
-            return ([i for i, c in enumerate(dense) if c in names], [i for i, c in enumerate(sparse) if c in names])
-
-        return cls(cfg.model, user=split(cfg.model.user_features), item=split(cfg.model.item_features),
-                   embedding_dim=embedding_dim)
 
     def user_vectors(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """The batch's dense [B, Dn] and pooled [B, F, D] (every column) -> user vectors [B, d]."""

@@ -4,10 +4,6 @@
 
     logit = LinearTerms(dense, pooled_linear)          wide: bias + w.dense + sum of dim-1 PS rows
           + MLP([dense | flatten(pooled)]) -> Linear   deep
-
-The wide part's sparse weights are one dim-1 PS row per id (`model.linear_feature_tables`), so
-"one-hot features times weights" is a lookup and a sum, and the PS's optimizer (e.g. FTRL)
-trains them.
 """
 
 from __future__ import annotations
