@@ -82,12 +82,10 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path | str:
 def list_checkpoints(run_dir: str | Path) -> list[Path] | list[str]:
     """Complete checkpoint directories (renamed into place; on a URI: with their manifest), oldest first."""
     root = run_path(run_dir, "checkpoints")
+    names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
     if storage.is_uri(root):
-        names = [n for n in storage.list_dir(root) if n.startswith(PREFIX)]
         return [run_path(root, n) for n in names if storage.is_file(run_path(root, n, "manifest.json"))]
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return [root / n for n in names if (root / n).is_dir()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,11 +261,10 @@ class Checkpointer:
         run_dir/checkpoints/step-N; such a save does not count as the periodic checkpoint.
         """
         t0 = time.perf_counter()
-        self._raise_finisher_error()
+        self.join()                       # rank 0: one checkpoint in flight at a time
         loader_states = gather_json(loader_state, self.world_size)
         barrier()                         # async: every rank's pushes acknowledged before the snapshot
         if self.rank == 0:
-            self.join()                   # one checkpoint in flight at a time
             root = checkpoint_path(self.cfg.train.run_dir, step) if target is None else target
             remote = storage.is_uri(root)
             if remote:         # written in place, complete once its manifest is (module docstring)
@@ -338,9 +335,6 @@ class Checkpointer:
         if self._finisher is not None:
             self._finisher.join(timeout=SAVE_TIMEOUT_S)
             self._finisher = None
-        self._raise_finisher_error()
-
-    def _raise_finisher_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"a background checkpoint failed: {err}") from err

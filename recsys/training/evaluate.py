@@ -2,11 +2,8 @@
 
 The saved PS shards are loaded into in-process shard states (same sharding as in training), the
 dense state into the model, and the trainer's own forward path scores the data, so offline
-scores are the training job's scores, not a re-implementation of them.
-
-Scores are calibrated for `data.negative_sampling_rate` (recsys.calibration); the metrics are
-weighted by `data.example_weight_column` when the files have it (docs/models.md, "Example weights and
-negative downsampling"; how each metric is weighted: recsys.metrics).
+scores are the training job's scores, not a re-implementation of them (calibrated as `Trainer.score`,
+weighted as `recsys.metrics` says; docs/models.md "Example weights and negative downsampling").
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""The CTR training loss: binary cross-entropy per row, weighted, averaged over the batch's rows.
+"""The CTR training loss: sum_i w_i * BCE(logit_i, y_i) / B over the batch's B rows (docs/models.md
+"Example weights and negative downsampling"); `row_weights` gives w, `ctr_loss` the loss.
 
-    weights = row_weights(labels, batch.example_weights, cfg.data)    # float32 [B] or None
-    loss = ctr_loss(logits, labels, weights)                           # scalar
-
-    loss = sum_i w_i * BCE(logit_i, y_i) / B
-
-w_i = the row's example weight (`data.example_weight_column`, 1 without one), times 1 / r on a
-negative (label 0) when `data.negative_sampling_correction = "weight"` and the data's negatives were
-kept with probability r < 1 (a row whose label is above 0 is not a negative: it weighs 1).
-
-The normalization is B, the rows of the batch, not sum(w): the trainer's sync mode scales each
-rank's loss by its share of the global batch (`Trainer._batch_share`), which makes W trainers equal
-one process on the concatenated batch only for a sum over rows divided by the row count. With no
-weights (None) this is `nn.BCEWithLogitsLoss()` exactly, and weights of 1.0 give the same bits
-(torch multiplies each row's loss by its weight before the mean).
+The normalization is B, not sum(w): sync mode scales each rank's loss by its share of the global batch
+(`Trainer.train_step`), which makes W trainers equal one process on the concatenated batch only for a
+sum over rows divided by the row count. Without weights (None) this is `nn.BCEWithLogitsLoss()`
+exactly, and weights of 1.0 give the same bits (torch multiplies each row's loss by its weight before the mean).
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from data.config import DataConfig
 
 
 def negative_weight(data: DataConfig) -> float:
-    """The loss weight of a negative row: 1 / r under correction "weight", else 1.0."""
+    """The loss weight of a negative (label 0) row: 1 / r under correction "weight" and r < 1, else 1.0."""
     r = data.negative_sampling_rate
     return 1.0 / r if data.negative_sampling_correction == "weight" and r < 1.0 else 1.0
 

@@ -1,10 +1,5 @@
-"""Graceful stop of a training process: the first signal asks, a second one stops at once.
-
-    install(signal.SIGTERM, signal.SIGINT)              # in the main thread, before training
-    ...
-    agreement = StopAgreement(world_size)
-    if agreement.after_step():         # at every step boundary, on every rank
-        checkpoint; exit 0
+"""Graceful stop of a training process: the first signal asks (`install`; the trainer then stops with a
+checkpoint once `StopAgreement.after_step` says so), a second one stops at once.
 
 The handler only sets a flag (a signal may arrive in the middle of a collective or a PS call; the
 step that is running finishes normally). Ranks see a signal at different moments, so the flags are
@@ -31,6 +26,9 @@ from recsys.dist import all_reduce, collective_device
 logger = logging.getLogger(__name__)
 
 _requested = threading.Event()
+requested = _requested.is_set       # whether this process was asked to stop
+request = _requested.set            # ask it to stop at the next step boundary (what the first signal does)
+reset = _requested.clear            # forget a request (tests run several trainings in one process)
 
 DUPLICATE_WINDOW_S = 1.0
 """A signal this soon after the first is the same request delivered twice (under torchrun a Ctrl-C
@@ -67,21 +65,6 @@ def install(*signals: signal.Signals) -> None:
         return
     for sig in signals:
         signal.signal(sig, _handler)
-
-
-def requested() -> bool:
-    """Whether this process was asked to stop."""
-    return _requested.is_set()
-
-
-def request() -> None:
-    """Ask this process to stop at the next step boundary (what the first signal does)."""
-    _requested.set()
-
-
-def reset() -> None:
-    """Forget a request (tests run several trainings in one process)."""
-    _requested.clear()
 
 
 def stop_agreed(world_size: int) -> bool:

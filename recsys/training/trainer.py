@@ -4,10 +4,6 @@ A step (docs/architecture.md "A step"; how it meets the PS in each ps.mode: `rec
 the batch's unique rows [U, D] pulled and pooled, the model's logits [B], backward; DDP allreduces
 the dense gradients and the row gradients are pushed scaled by 1/W, so that in sync mode W trainers
 compute exactly what one process computes on the concatenated batch.
-
-The loop (`train`, as torchtitan's): `_batches` hands out batches whose rows are being pulled,
-`train_step` trains each, `_after_step` keeps the books (progress, log window + TTL sweep, validation,
-checkpoint).
 """
 
 from __future__ import annotations
@@ -206,9 +202,7 @@ class Trainer:
         without max_steps train.epochs x the batches of an epoch / grad_accum_steps, from the train
         files' row counts (the same on every rank: DDP's ranks must agree on the LR)."""
         t = self.cfg.train
-        if t.lr_decay not in ("linear", "cosine"):
-            return t.max_steps
-        if t.max_steps:
+        if t.max_steps or t.lr_decay not in ("linear", "cosine"):      # the other decays never read it
             return max(1, t.max_steps // t.grad_accum_steps)
         rows, B = self.loader.total_rows // self.world_size, self.cfg.data.batch_size
         batches = rows // B if self.cfg.data.drop_last else -(-rows // B)
@@ -255,8 +249,9 @@ class Trainer:
         in size between ranks (the loop knows; the default assumes it may)."""
         acc = self.cfg.train.grad_accum_steps
         last_micro = (self.step + 1) % acc == 0
-        # W * this rank's share of the global batch
-        share = self._batch_share(batch.batch_size) if end_of_epoch or self._any_step_uneven else 1.0
+        share = 1.0     # W * this rank's rows / every rank's rows this step: its part of the mean over all ranks' rows
+        if self._uneven_batches and (end_of_epoch or self._any_step_uneven):
+            share = self.world_size * batch.batch_size / int(all_reduce(torch.tensor([batch.batch_size])).item())
         sync_ctx = self.ddp.no_sync() if (not last_micro and hasattr(self.ddp, "no_sync")) else contextlib.nullcontext()
         with sync_ctx:
             logits = self.forward(batch, lookup)
@@ -301,15 +296,6 @@ class Trainer:
             times.auc.update(batch.labels, out[1:])
         return float(out[0])
 
-    def _batch_share(self, rows: int) -> float:
-        """W * rows / (rows of every rank's batch this step), 1.0 when the ranks' batches are equal: the
-        loss weight of a rank's part of the mean over the concatenated batch, whatever the split (module
-        docstring). Which steps sum the global batch size (one all_reduce): `_uneven_batches`, `_any_step_uneven`."""
-        if not self._uneven_batches:
-            return 1.0
-        total = int(all_reduce(torch.tensor([rows], dtype=torch.int64)).item())
-        return self.world_size * rows / total
-
     # -- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
@@ -322,8 +308,7 @@ class Trainer:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
-            bar.update(self.step)
+            bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True, leave=False)
             redirect = logging_redirect_tqdm()      # log lines print above the bar, not over it
         t = time.perf_counter()
         run = _Run(window=StepTimes(), t_start=t, t_log=t, position=self.loader.state_dict(), bar=bar, total=total,

@@ -1,9 +1,7 @@
 """Periodic validation, early stopping and the best model's bookkeeping (the settings,
 `train.validate_every`, `early_stop_metric`, `early_stop_patience` and `keep_best`: docs/config.md).
-
-`Validation` decides when a pass is due and whether its metrics are a new best; the trainer runs
-the pass and saves `RUN_DIR/best/` (`Trainer._validate`). Its state (best value and step, passes
-without improvement) is part of every checkpoint, so a resumed run keeps its best-so-far and patience.
+The trainer runs the passes and saves `RUN_DIR/best/` (`Trainer._validate`); the record (best value and
+step, passes without improvement) is in every checkpoint, so a resumed run keeps its best-so-far and patience.
 """
 
 from __future__ import annotations
@@ -33,12 +31,11 @@ class Validation:
         self.metric = t.early_stop_metric
         self.patience = t.early_stop_patience
         self.keep_best = t.keep_best
-        self.enabled = bool(cfg.data.eval_paths) and self.every not in (0, "0")
         self.state = ValidationState()
 
     def due(self, step: int, end_of_epoch: bool) -> bool:
         """Whether a pass runs after `step` steps (`end_of_epoch`: the step ended an epoch)."""
-        return self.enabled and (end_of_epoch if self.every == "epoch" else step % int(self.every) == 0)
+        return end_of_epoch if self.every == "epoch" else self.every != 0 and step % self.every == 0
 
     def record(self, metrics: dict[str, float], step: int) -> bool:
         """Note a pass's metrics; True if it is the best so far (lower logloss / higher auc)."""

@@ -38,15 +38,6 @@ from recsys.rundir import READY_TIMEOUT_S, best_dir, has_best, run_path, wait_fo
 logger = logging.getLogger(__name__)
 
 
-def _setup_process(cfg: JobConfig, rank: int, world: int) -> None:
-    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // world)
-    torch.set_num_threads(threads)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
-    if cfg.train.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -> None:
     """Dense state (rank 0) plus every shard's own dump, written by the shards themselves
     (`model_dir` may be a URI: then the shards upload their parts, see embedding_ps.remote)."""
@@ -139,12 +130,10 @@ def worker_main(config_path: str, ready_files: list[str], run_dir: str, resume: 
                 load_shards: bool = False, verbose: bool = False, init: str | None = None,
                 overrides: Sequence[str] = ()) -> None:
     """Entry point of a trainer process started by the local launcher (a fork of its zygote,
-    `recsys.training.procs.run_trainers`, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set):
-    logging and environment settings, the shards' addresses (from their ready files: the launcher
-    starts trainers and shards together), then `run_worker` (with `overrides`: the job's ps.auth,
-    `jobauth.job_auth`). SIGUSR1 (the launcher's stop request) ends training after the current step
-    with a checkpoint; SIGTERM (the launcher stopping the trainers after a failure) ends it at once.
-    """
+    `recsys.training.procs.run_trainers`, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set; the
+    shards start with it: their addresses come from their ready files). `overrides`: the job's ps.auth
+    (`jobauth.job_auth`). SIGUSR1 (the launcher's stop request) ends training after the current step
+    with a checkpoint; SIGTERM (the launcher stopping the trainers after a failure) ends it at once."""
     rank = int(os.environ.get("RANK", "0"))
     stopping.install(signal.SIGUSR1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # only the launcher's requests count
@@ -175,7 +164,11 @@ def run_worker(config_path: str, addresses: list[str], run_dir: str, resume: str
     if cfg.ps.num_workers != world:
         raise ValueError(f"{config_path}: ps.num_workers = {cfg.ps.num_workers} but {world} trainers run; "
                          f"the shards would wait for workers that never come")
-    _setup_process(cfg, rank, world)
+    torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // world))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
+    if cfg.train.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     out = Path(run_dir)
     write_record(out, "pids", rank, {"role": "trainer", "rank": rank, "pid": os.getpid(), **(node or {})})
     if resume is not None and rank == 0:
