@@ -61,15 +61,11 @@ STALL_S = 120.0
 
 
 class RowStream:
-    """One table's slot-major arrays, frozen at `rows` rows, handed to the writer chunk by chunk.
+    """One table's slot-major arrays, frozen at `rows` rows, handed to the writer chunk by chunk: a
+    `snapshot.TableSnapshot.rows` whose chunks are views of a reused buffer, valid until the next one."""
 
-    `specs` {name: (shape, dtype)} of the saved arrays; `chunks()` yields {name: ndarray [n, ...]}
-    for consecutive row ranges covering [0, rows) in order (views of a reused buffer, valid until
-    the next chunk is asked for).
-    """
-
-    def __init__(self, save: "CowSave", index: int, tensors: Callable[[], dict[str, torch.Tensor]], rows: int) -> None:
-        self.save, self.index, self.tensors, self.rows = save, index, tensors, rows
+    def __init__(self, save: "CowSave", tensors: Callable[[], dict[str, torch.Tensor]], rows: int) -> None:
+        self.save, self.tensors, self.rows = save, tensors, rows
         live = tensors()
         self.specs = {n: ((rows, *t.shape[1:]), t.numpy().dtype) for n, t in live.items()}
         self.row_bytes = sum(int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size() for t in live.values())
@@ -117,7 +113,7 @@ class RowStream:
         """The frozen rows, chunk by chunk (each copied under the shard's lock; see the module doc)."""
         if self.rows == 0:
             with self.save.cond:
-                self.save.table_done(self.index)
+                self.release()
             return
         n = max(1, min(self.chunk_rows, self.rows))
         with self.save.cond:
@@ -128,14 +124,16 @@ class RowStream:
             with self.save.cond:
                 t0 = time.perf_counter()
                 self._copy_chunk(buf, lo, hi)
-                self.save.held(time.perf_counter() - t0)
+                held = time.perf_counter() - t0
+                self.save.hold_total_s += held
+                self.save.hold_max_s = max(self.save.hold_max_s, held)
             yield {name: b[: hi - lo].numpy() for name, b in buf.items()}
         # no try/finally here: a generator finalized by the GC in a thread holding the lock would
         # deadlock on it. A failed write ends the save through `CowSave.close` instead.
         del buf
         with self.save.cond:
             self.save.account_chunk(0)
-            self.save.table_done(self.index)
+            self.release()
 
     def _copy_chunk(self, buf: dict[str, torch.Tensor], lo: int, hi: int) -> None:
         """Under the lock: buf[:hi-lo] = rows [lo, hi) as of the snapshot; frees their entries."""
@@ -158,9 +156,10 @@ class RowStream:
         self.save.changed()
 
     def release(self) -> None:
-        """Drop the side buffer and flags (the save ended)."""
+        """Drop the side buffer and flags (every row written, or the save ended): waiting updates go on."""
         self._side, self._slot, self.saved = None, np.full(0, -1, dtype=np.int32), np.zeros(0, dtype=bool)
         self._free, self._nfree, self.capacity, self.done = np.zeros(0, dtype=np.int32), 0, 0, self.rows
+        self.save.changed()
 
 
 class CowSave:
@@ -180,7 +179,7 @@ class CowSave:
         self.preserved = 0                  # pre-images saved, over all tables
         self.waits, self.wait_s, self.wait_max_s, self.hold_max_s, self.hold_total_s = 0, 0.0, 0.0, 0.0, 0.0
         self._chunk_bytes = 0
-        self.streams = [RowStream(self, i, fn, rows) for i, (fn, rows) in enumerate(tables)]
+        self.streams = [RowStream(self, fn, rows) for fn, rows in tables]
         rows_bytes = [s.rows * s.row_bytes for s in self.streams]
         self.rows_bytes = sum(rows_bytes)
         self.bound_bytes = int(math.floor(extra_memory * self.rows_bytes))
@@ -204,8 +203,7 @@ class CowSave:
     # -- accounting --------------------------------------------------------------------------------
     @property
     def extra_bytes(self) -> int:
-        """Bytes held now for the save: small copies, flags, chunk buffer, 8 bytes per side entry and the
-        rows of the entries in use."""
+        """Bytes held now for the save (what the module doc's "Accounted extra memory" lists)."""
         return (self.fixed_bytes + self._chunk_bytes
                 + sum(s.capacity * s.entry_bytes - s._nfree * s.row_bytes for s in self.streams))
 
@@ -213,18 +211,10 @@ class CowSave:
         self._chunk_bytes = nbytes
         self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
 
-    def held(self, seconds: float) -> None:
-        self.hold_total_s += seconds
-        self.hold_max_s = max(self.hold_max_s, seconds)
-
     def changed(self) -> None:
         """The writer moved on: updates waiting for room may go on."""
         self.progress += 1
         self.cond.notify_all()
-
-    def table_done(self, index: int) -> None:
-        self.streams[index].release()
-        self.changed()
 
     def stats(self) -> dict[str, float | int]:
         return {"extra_bytes_peak": self.extra_bytes_peak, "extra_bytes_bound": self.bound_bytes,
@@ -278,7 +268,6 @@ class CowSave:
         self.closed = True
         for s in self.streams:
             s.release()
-        self.cond.notify_all()
 
 
 __all__ = ["CHUNK_BYTES", "CowSave", "RowStream"]

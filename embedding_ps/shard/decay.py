@@ -71,11 +71,6 @@ class GlobalDecay:
         elif target > self.clock:
             self.clock = target
 
-    def loaded(self, meta: dict, with_steps: bool) -> None:
-        """After `TableShard.from_arrays`: the save's clock, or unset for a save without decay steps."""
-        clock = meta.get("decay_clock") if with_steps else None
-        self.clock = None if clock is None else int(clock)
-
     def loaded_rows(self, dstep: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor | None) -> None:
         """Rows `slots` int64 [R] inserted by re-sharding, with their decay steps int [R] (None: unknown:
         caught up through the clock, or at the first step while it is unset)."""
@@ -89,7 +84,7 @@ class GlobalDecay:
 
     # -- catch-up --------------------------------------------------------------------------------
     def touch(self, weights: torch.Tensor, dstep: torch.Tensor, slots: np.ndarray, step: int) -> None:
-        """Before step `step`'s update of rows `slots` int32 [N] (duplicates fine): catch them up
+        """After `advance` to `step`, before its update of rows `slots` int32 [N] (duplicates fine): catch them up
         through `step` in place (step's own decay included). The C update does this in its own pass
         (`native.update` with decay steps); this is the path of the torch and fbgemm updates."""
         d = dstep.numpy()
@@ -102,7 +97,6 @@ class GlobalDecay:
             rows = weights.index_select(0, s).float().mul_(decay_scales(self.factor, k).unsqueeze(1))    # [K, D]
             weights.index_copy_(0, s, rows.to(weights.dtype))
             d[slots] = step
-        self.clock = step if self.clock is None else max(self.clock, step)
 
     def pull_target(self, step: int) -> int | None:
         """The step a pull of `step` returns rows caught up through: step - 1, noted on the clock; None
@@ -112,17 +106,9 @@ class GlobalDecay:
         self.clock = max(self.clock, step - 1)
         return step - 1
 
-    def caught_up(self, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """Scale copies rows float32 [R, D] with decay steps int32 [R] through the clock, in place;
-        returns their decay steps then (int32 [R])."""
-        if self.clock is None:
-            return steps.clone()
-        scale_behind(rows, self.clock - steps.numpy().astype(np.int64), self.factor)
-        return torch.maximum(steps, torch.tensor(self.clock, dtype=torch.int32))
-
     def catch_up_chunk(self, chunk: dict[str, np.ndarray], target: int | None) -> dict[str, np.ndarray]:
-        """A save's chunk {"weights": [n, D], "decay_step": int32 [n], ...} (writable copies) with the
-        weights caught up through `target` in place. None (an unset clock): the rows as they are, with
+        """A save's chunk or a dump's rows {"weights": [n, D], "decay_step": int32 [n], ...} (writable copies)
+        with the weights caught up through `target` in place. None (an unset clock): the rows as they are, with
         the decay steps they had then (0; a push after a snapshot may have fixed the live ones since)."""
         d = chunk["decay_step"]
         if target is None:

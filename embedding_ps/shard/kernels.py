@@ -2,10 +2,9 @@
 
 `resolve` turns a table's kernel into "native" (`csrc/ps.c`'s ps_update for sgd, adagrad and
 rowwise_adagrad when the C library is loaded, else the vectorized torch of `optim.py`) or "fbgemm"
-(`fbgemm_update` below: the same three, no Adam, LAMB or FTRL on CPU; "auto" and "torch" are older
-names of "native") once, when the table is made (`TableShard.__init__`), so the push path only sees
-those two. Why native is the default and fbgemm only on a table's request: docs/performance.md, "The
-update kernel of a table"; BENCHMARKS.md, "benchmarks/ps_table.py".
+(`fbgemm_update` below: the same three) once, when the table is made (`TableShard.__init__`), so the
+push path only sees those two (which to pick, and the old names "auto" / "torch": docs/performance.md, "The
+update kernel of a table"; BENCHMARKS.md, "benchmarks/ps_table.py").
 
 `fbgemm_update` calls the CPU backward op of fbgemm's table-batched embedding (TBE) directly,
 with one table whose rows are our slot-major `weights` [C, D] and one bag per unique slot (SUM

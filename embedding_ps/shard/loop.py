@@ -56,8 +56,7 @@ def run_loop(server: ShardServer, sock: zmq.Socket, stop: threading.Event) -> No
                 break
             if not _serve(server, sock, msg):
                 deferred.append(msg)
-                continue
-            if deferred and (_op_of(msg) == P.Op.BARRIER or server.wakeup()):
+            elif deferred and (_op_of(msg) == P.Op.BARRIER or server.wakeup()):
                 deferred = _retry(server, sock, deferred)
 
 

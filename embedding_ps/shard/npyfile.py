@@ -31,7 +31,6 @@ def write_array(path: str, a: np.ndarray) -> dict:
     """Write `a` as a .npy file (fsynced); returns {"size", "sha256"} of the bytes written."""
     if a.dtype.hasobject:
         raise ValueError(f"{path}: array of dtype {a.dtype} holds Python objects; only plain arrays are saved")
-    a = np.ascontiguousarray(a)
     with NpyWriter(path, a.shape, a.dtype) as w:
         w.write(a)
     return w.result
@@ -125,11 +124,9 @@ def parse_npy(path: str, buf: np.ndarray) -> np.ndarray:
     """The array stored in .npy bytes `buf` uint8 [size], viewing them (no copy)."""
     head = io.BytesIO(buf[: min(buf.shape[0], 1 << 16)].tobytes())
     try:
-        version = np.lib.format.read_magic(head)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if fmt.read_magic(head) == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read(head)
     except ValueError as e:
         raise CorruptShardError(f"{path}: not a .npy file ({e})") from None
     if dtype.hasobject:

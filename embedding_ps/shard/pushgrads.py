@@ -1,13 +1,5 @@
-"""A PUSH's gradients on the shard: waiting for those a client writes late, and the finite check.
-
-Both run before any row changes, so a refused push applies nothing (`embedding_ps.shard.server`):
-
-    wait_late     FLAG_GRADS_LATE (protocol): the client sent the request before writing the grads
-                  into its shared-memory segment; wait for the trailer's ready word (bounded), and
-                  tell whether the client's copy found every grad finite (then no check here)
-    finite_rows   one sum over the grads (NaN and inf propagate through it); only if it is not
-                  finite, the rows: ps.on_nonfinite "error" refuses the push naming the first bad
-                  row, "skip" keeps the finite rows
+"""A PUSH's gradients on the shard: waiting for those a client writes late (FLAG_GRADS_LATE: docs/wire.md),
+and the finite check. Both run before any row changes, so a refused push applies nothing.
 """
 
 from __future__ import annotations
@@ -65,8 +57,9 @@ def wait_late(request: int, trailer: np.ndarray, timeout_s: float, alive: Callab
 
 def finite_rows(config: PSConfig, tables: list[int], counts: list[int], grads: torch.Tensor
                 ) -> torch.Tensor | None:
-    """None if every gradient of grads [M, D] is finite; else, under ps.on_nonfinite = "skip", a bool
-    [M] of the finite rows; under "error" a BAD_VALUE ProtocolError naming them (part, table, row)."""
+    """None if every gradient of grads [M, D] is finite (one sum first: NaN and inf propagate through it); else,
+    under ps.on_nonfinite = "skip", a bool [M] of the finite rows; under "error" a BAD_VALUE ProtocolError naming
+    them (part, table, row)."""
     if grads.numel() == 0 or math.isfinite(float(grads.sum())):
         return None
     finite = torch.isfinite(grads).all(dim=1)                          # [M]

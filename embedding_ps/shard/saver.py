@@ -1,9 +1,5 @@
-"""A PS shard's saves: blocking, or snapshot now + write on a background thread; the last one's status.
-
-The server's loop calls `start` (background) or `save` (blocking) while handling a SAVE request and
-`status` for SAVE_STATUS. `start` takes the snapshot (`ShardState.snapshot`: copy-on-write, the
-shard's only pause) and a thread writes it while the loop keeps serving. While `busy` the server
-parks SAVE and LOAD requests and retries them once `take_finished` says the write ended.
+"""A PS shard's saves: blocking (`save`), or snapshot now + write on a background thread (`start`); the
+last one's status.
 
 Status of the last save (what SAVE_STATUS returns)::
 
@@ -46,7 +42,7 @@ class BackgroundSaver:
         self.busy = False
         """True while a write runs (its status is not final yet)."""
         self._finished = threading.Event()
-        self._status = self._fresh(None, "none")
+        self._begin(None, "none")
 
     def start(self, state: Any, directory: str, step: int) -> dict:
         """Snapshot `state` now, write it to `directory` on a thread; returns the SAVE reply body.
@@ -54,9 +50,7 @@ class BackgroundSaver:
         (nothing is started then).
         """
         snap = state.snapshot()
-        with self._lock:
-            self._status = self._fresh(directory, "writing", snapshot_s=snap.snapshot_s, prepare_s=0.0,
-                                       background=True, step=step)
+        self._begin(directory, "writing", snapshot_s=snap.snapshot_s, prepare_s=0.0, background=True, step=step)
         self.busy = True
         self._finished.clear()
         self._snap = snap          # handed over through an attribute, so the thread's args keep no reference
@@ -70,8 +64,7 @@ class BackgroundSaver:
     def save(self, state: Any, directory: str, step: int) -> dict:
         """`state.save(directory)` now (blocking, not while `busy`); recorded in the status, errors re-raised."""
         t0 = time.perf_counter()
-        with self._lock:
-            self._status = self._fresh(directory, "writing", background=False, step=step)
+        self._begin(directory, "writing", background=False, step=step)
         try:
             info = state.save(directory) or {}
         except Exception as e:
@@ -129,10 +122,11 @@ class BackgroundSaver:
         with self._lock:
             self._status.update(state=state, **fields)
 
-    def _fresh(self, directory: str | None, state: str, **fields: Any) -> dict:
-        return {"shard": self.shard, "directory": directory, "state": state, "error": None, "write_s": None,
-                "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None,
-                **dict.fromkeys(_COW_KEYS), **fields}
+    def _begin(self, directory: str | None, state: str, **fields: Any) -> None:
+        with self._lock:
+            self._status = {"shard": self.shard, "directory": directory, "state": state, "error": None, "write_s": None,
+                            "bytes": None, "snapshot_s": None, "prepare_s": None, "background": None, "step": None,
+                            **dict.fromkeys(_COW_KEYS), **fields}
 
 
 __all__ = ["BackgroundSaver"]

@@ -33,7 +33,7 @@ from embedding_ps.wire import protocol as P
 from embedding_ps import remote
 from embedding_ps.wire.auth import job_tag
 from embedding_ps.wire.config import PSConfig
-from embedding_ps.shard.gates import Gate, make_gate
+from embedding_ps.shard.gates import Gate, RowSink, make_gate
 from embedding_ps.shard.replybuffers import ReplyBuffers
 from embedding_ps.shard.pushgrads import finite_rows, wait_late
 from embedding_ps.shard.saver import BackgroundSaver
@@ -52,13 +52,11 @@ DEFERRED = object()
 _NOT_IDEMPOTENT = (P.Op.PUSH, P.Op.BARRIER)
 
 
-class ShardStateLike(Protocol):
-    """What the server needs of a shard's state: `embedding_ps.shard.state.ShardState` (whose methods say
-    what each does), or a test double."""
+class ShardStateLike(RowSink, Protocol):
+    """What the server needs of a shard's state (a gate's `RowSink` and more): `embedding_ps.shard.state.ShardState`
+    (whose methods say what each does), or a test double."""
 
     def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def push(self, table: int, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None: ...
 
     def sweep(self, step: int) -> dict: ...
 
@@ -307,8 +305,7 @@ class ShardServer:
         part_ids = [req.ids[a:a + n] for _, a, n in req.bounds]
         try:
             # the client still writes the grads: a gate that applies pushes on arrival looks the ids up
-            # meanwhile, each table once in the request (`ShardState.hint_slots`; the push of these very
-            # id tensors takes the slots over), then waits
+            # meanwhile (each table once: `ShardState.hint_slots`), then waits
             if late and not self.gate.holds_pushes and len(set(req.tables)) == len(req.tables):
                 for t, i in zip(req.tables, part_ids):
                     if i.numel():
@@ -316,44 +313,37 @@ class ShardServer:
             # `checked`: the client's copy found every grad finite
             checked = late and wait_late(h.request, req.trailer, self.config.timeout_s,
                                          functools.partial(writer_alive, bytes(payload[2])))
-            self.gate.push(h.worker, h.step, self._push_parts(h, req, part_ids, payload, checked))
+            raw = memoryview(req.seg) if req.seg is not None else payload[2]
+            grads = P.frame_tensor(raw, req.dtype, req.total, h.dim).float()     # [M, D]
+            if req.seg is not None and self.gate.holds_pushes and req.dtype == P.DType.FP32:
+                grads = grads.clone()          # kept past the reply: not the client's memory
+            keep = None if checked else finite_rows(self.config, req.tables, req.counts, grads)
+            if keep is not None:               # None: all finite
+                self.nonfinite_skipped += int((~keep).sum())
+            parts = []
+            for (t, a, n), i in zip(req.bounds, part_ids):
+                g = grads[a:a + n]
+                if keep is not None:
+                    i, g = i[keep[a:a + n]], g[keep[a:a + n]]
+                if i.numel():
+                    parts.append((t, i, g))
+            self.gate.push(h.worker, h.step, parts)
         finally:
             if late:
                 self.state.clear_hints()
         req.notify_done(h)     # the caller may go on now
         return [h.reply().pack()]
 
-    def _push_parts(self, h: P.Header, req: RowsRequest, part_ids: list, payload: list, checked: bool) -> list:
-        """[(table, ids [n], grads float32 [n, D])] of a PUSH (grads from its frame or segment), after the
-        finite check unless `checked`; ProtocolError under ps.on_nonfinite = "error"."""
-        raw = memoryview(req.seg) if req.seg is not None else payload[2]
-        grads = P.frame_tensor(raw, req.dtype, req.total, h.dim).float()     # [M, D]
-        if req.seg is not None and self.gate.holds_pushes and req.dtype == P.DType.FP32:
-            grads = grads.clone()          # kept past the reply: not the client's memory
-        keep = None if checked else finite_rows(self.config, req.tables, req.counts, grads)
-        if keep is not None:               # None: all finite
-            self.nonfinite_skipped += int((~keep).sum())
-        parts = []
-        for (t, a, n), i in zip(req.bounds, part_ids):
-            g = grads[a:a + n]
-            if keep is not None:
-                i, g = i[keep[a:a + n]], g[keep[a:a + n]]
-            if i.numel():
-                parts.append((t, i, g))
-        return parts
-
     def _barrier(self, h: P.Header, payload: list) -> list:
         self.gate.barrier(h.worker, h.step)
         return [h.reply().pack()]
 
     def _stats(self, h: P.Header, payload: list) -> list:
-        info = {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
-                "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
-                "state": self.state.stats(), "save": self.saver.status(),
-                "nonfinite_rows_skipped": self.nonfinite_skipped, "shm_requests": self.shm_requests,
-                "shm_refused": self.shm_refused,
-                **self.gate.stats()}
-        return self._json(h, info)
+        return self._json(h, {"shard": self.shard, "num_shards": self.config.num_shards, "mode": self.config.mode,
+                              "requests": self.counts, "errors": self.errors, "replay_entries": len(self.replay),
+                              "state": self.state.stats(), "save": self.saver.status(),
+                              "nonfinite_rows_skipped": self.nonfinite_skipped, "shm_requests": self.shm_requests,
+                              "shm_refused": self.shm_refused, **self.gate.stats()})
 
     def _health(self, h: P.Header, payload: list) -> list:
         return self._json(h, {"shard": self.shard, "ok": True, "pid": os.getpid(), "mode": self.config.mode,
@@ -386,8 +376,7 @@ class ShardServer:
         if self.saver.busy:
             return DEFERRED
         self.state.load(path)
-        # the trainers restart from the loaded state: forget the steps and progress of the old run
-        self.gate = make_gate(self.config, self.state)
+        self.gate = make_gate(self.config, self.state)     # a fresh one: a LOAD forgets every step (module doc)
         logger.info("%s: loaded from %s", self.name, path)
         return self._json(h, {"shard": self.shard, "directory": path})
 

@@ -15,10 +15,8 @@ naming the file. Format 1 saves (no "files") still load, unchecked.
 
 Writing: a save is atomic: everything is written (and fsynced) into `<dir>.tmp-<pid>`, which is
 renamed into place; an older save at `<dir>` is replaced only then. A failed write removes its tmp dir.
-`ShardSnapshot` (from `ShardState.snapshot()`) holds copies of the small arrays and each table's
-slot-major arrays as they were at the snapshot, handed over chunk by chunk (copy-on-write,
-`embedding_ps.shard.cow`), so `write` runs without the lock, e.g. on a background thread while the
-shard serves. The files are the same bytes either way.
+A `ShardSnapshot` (`ShardState.snapshot()`, copy-on-write) is written without the shard's lock, e.g. on
+a background thread while the shard serves, into the same bytes as a blocking save.
 
 Reading: every reader of a save (restore, re-sharding, export) goes through `SavedShard`.
 """

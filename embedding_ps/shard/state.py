@@ -63,12 +63,9 @@ class ShardState:
     # ------------------------------------------------------------------ hot path
     def pull(self, table: int, ids: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows float32 [N, D] of ids int64 [N] (duplicates fine), as `TableShard.pull` says. Read-only:
-        changes no row and no last-seen. `out`: a float32 [N, D] contiguous tensor to write the rows
-        into and return (the server reuses reply buffers: a fresh [N, D] allocation per request costs
-        page faults); default a new tensor.
-        """
-        t = self._table(table)
-        ids = self._ids(table, ids)
+        changes no row and no last-seen. `out`: a float32 [N, D] contiguous tensor to write the rows into
+        and return (the server's reusable reply buffers, `replybuffers`); default a new tensor."""
+        t, ids = self._table_ids(table, ids)
         with self._lock:
             return t.pull(keys_of(ids, t.cfg), step, out)
 
@@ -78,8 +75,7 @@ class ShardState:
         save is written, the rows it has not reached keep their pre-images first, or the push waits for
         the writer (`embedding_ps.shard.cow`).
         """
-        t = self._table(table)
-        ids = self._ids(table, ids)
+        t, ids = self._table_ids(table, ids)
         self._check_step(step)
         if grads.dim() != 2 or grads.shape[0] != ids.shape[0] or grads.shape[1] != t.cfg.dim:
             raise ValueError(f"shard {self.shard_index} table {table} ({t.cfg.name!r}): grads must be "
@@ -113,8 +109,7 @@ class ShardState:
         """Look up the slots of ids int64 [N] now, for the next `push` of this very tensor to `table`
         (the server, while a client still writes that push's grads: protocol.FLAG_GRADS_LATE). Valid
         while nothing else changes the table's map: the server calls `clear_hints` once it pushed."""
-        t = self._table(table)
-        ids = self._ids(table, ids)
+        t, ids = self._table_ids(table, ids)
         with self._lock:
             self._hints[table] = (ids, t.map.lookup(keys_of(ids, t.cfg).numpy()))     # int32 [N], -1: no row
 
@@ -173,7 +168,7 @@ class ShardState:
             t.load_rows(keys, rows[mine], {k: v[mine] for k, v in state.items()}, step)
         return int(mine.sum())
 
-    def load_resharded(self, directories: list[str], step: int = 0) -> int:
+    def load_resharded(self, directories: list[str]) -> int:
         """Re-sharding N -> M from disk: take this shard's rows from every `save`d shard of an old layout.
 
         `directories` are all N old shard directories (any num_shards, same tables). Rows, optimizer
@@ -186,7 +181,7 @@ class ShardState:
             saved = self._open(directory)
             saved.check(self.config.tables)
             for i in range(saved.num_tables):
-                taken += self.load_dump(i, *saved.dump_table(i), step=step)
+                taken += self.load_dump(i, *saved.dump_table(i))
         release_free_heap()
         return taken
 
@@ -245,8 +240,7 @@ class ShardState:
         """
         saved = self._open(directory)
         saved.check(self.config.tables, shard_index=self.shard_index, num_shards=self.config.num_shards)
-        # memory-mapped (hashed through the mapping before any state changes): the files' bytes stay
-        # page cache, not a second resident copy of the shard beside the table being filled
+        # memory-mapped (`SavedShard.array`): no second resident copy of the shard beside the table being filled
         tables = [saved.table_arrays(i, mmap=True) for i in range(saved.num_tables)]
         with self._lock:
             if self._cow is not None:
@@ -270,11 +264,12 @@ class ShardState:
             raise IndexError(f"shard {self.shard_index}: table {table} out of range [0, {len(self.tables)})")
         return self.tables[table]
 
-    def _ids(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+    def _table_ids(self, table: int, ids: torch.Tensor) -> tuple[TableShard, torch.Tensor]:
+        t = self._table(table)
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise ValueError(f"shard {self.shard_index} table {table}: ids must be int64 [N], got {ids.dtype} "
                              f"{list(ids.shape)}")
-        return ids.contiguous()
+        return t, ids.contiguous()
 
     def _check_step(self, step: int) -> None:
         if not 0 <= step <= MAX_STEP:

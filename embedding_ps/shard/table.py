@@ -74,7 +74,6 @@ class TableShard:
 
     def __init__(self, cfg: TableConfig, where: str, threads: int, num_shards: int) -> None:
         self.where = where
-        # the kernel resolved once, to "native" or "fbgemm": all the push path sees
         self.cfg, why = kernels.resolve(cfg, native.available())
         # the default, native, at debug level: a job or an eval with many tables logs one line each
         logger.log(logging.INFO if self.cfg.kernel == "fbgemm" else logging.DEBUG, "%s: update kernel %s",
@@ -350,7 +349,9 @@ class TableShard:
             extra["last_update"] = extra["last_seen"].clone()
         rows = self.weights.index_select(0, s).float()
         if self.decay is not None:  # caught up through the clock (copies: the table is not changed)
-            extra["decay_step"] = self.decay.caught_up(rows, self.decay_step.index_select(0, s))
+            extra["decay_step"] = self.decay_step.index_select(0, s)
+            self.decay.catch_up_chunk({"weights": rows.numpy(), "decay_step": extra["decay_step"].numpy()},
+                                      self.decay.clock)
         return torch.from_numpy(keys), rows, extra
 
     def load_rows(self, keys: torch.Tensor, rows: torch.Tensor, extra: dict[str, torch.Tensor], step: int) -> None:
@@ -430,8 +431,9 @@ class TableShard:
         self.evlog_len = int(log_keys.shape[0])
         self.evlog_lost_through = int(meta["evlog_lost_through"])
         self.totals = {key: int(meta[key]) for key in self.totals}
-        if self.decay is not None:
-            self.decay.loaded(meta, "decay_step" in arrays)
+        if self.decay is not None:  # the save's clock, or unset for a save without decay steps
+            clock = meta.get("decay_clock") if "decay_step" in arrays else None
+            self.decay.clock = None if clock is None else int(clock)
 
     # ------------------------------------------------------------------ global decay
     def advance(self, step: int) -> None:
