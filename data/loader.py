@@ -223,8 +223,8 @@ class ParquetLoader:
         """Continue from `state` (from `state_dict()` of a loader over the same data and layout, with
         the same rank and world size; see resume_from for another world size)."""
         plan = self._check_state(state, "loader state")
-        for key in ("rank", "world_size"):
-            if state.get(key) != (mine := getattr(self._reader, key)):
+        for key, mine in (("rank", self._reader.rank), ("world_size", self._reader.world_size)):
+            if state.get(key) != mine:
                 raise ValueError(f"loader state was saved with {key} = {state.get(key)!r}, this loader has "
                                  f"{mine!r}; the position would not match (resume_from takes the "
                                  f"states of all ranks of another world size)")
