@@ -234,9 +234,8 @@ class NativePooling:
         where, bag = ps_native.sv_misses(rows, offsets, misses, self.kernel)          # [M], [M]
         slot = bag if B == 1 else bag.div(B, rounding_mode="floor")                   # [M]
         keys = values[where]                          # [M] (a copy): hashed tables' keys splitmix64(id) % n
-        if self.any_hashed:
-            mod = self.hashed[slot]                                                    # [M], 0: not hashed
-            h = mod > 0
+        mod = self.hashed[slot] if self.any_hashed else None                          # [M], 0: not hashed
+        if mod is not None and bool((h := mod > 0).any()):
             keys[h] = torch.from_numpy((splitmix64_np(keys[h].numpy()) % mod[h].numpy().astype(np.uint64))
                                        .astype(np.int64))
         cls = self.slot_class[slot]                                                    # [M]
