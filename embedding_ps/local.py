@@ -28,7 +28,7 @@ from embedding_ps.wire.config import PSConfig
 from embedding_ps.shard.state import ShardState
 from embedding_ps.wire.sharding import route
 from embedding_ps.shard.snapshot import shard_dir
-from embedding_ps.store import EmbeddingStore, call_dim, done_future
+from embedding_ps.store import EmbeddingStore, call_dim, cat, done_future
 
 
 class LocalStore(EmbeddingStore):
@@ -83,7 +83,7 @@ class LocalStore(EmbeddingStore):
         for t, x, g in zip(tables, ids, torch.split(grads.detach(), [x.numel() for x in ids])):
             by_table.setdefault(t, []).append((x, g))
         for t, parts in by_table.items():
-            x, g = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]   # ids [N], grads [N, D]
+            x, g = map(cat, zip(*parts))                      # ids [N], grads [N, D]
             if len(self.states) == 1:
                 self.states[0].push(t, x, g, step)
             else:

@@ -85,7 +85,7 @@ def plan_call(config: PSConfig, dedup: bool, tables: Sequence[int], ids: Sequenc
         ids = [u for u, _ in pairs]
         gather = gather_of(ids, [inv for _, inv in pairs])
     lens = [x.numel() for x in ids]
-    x = torch.cat(ids) if len(ids) > 1 else ids[0]                                    # [U]
+    x = cat(ids)                                                                       # [U]
     n, S, P_ = x.numel(), config.num_shards, len(ids)
     if S == 1:
         return Plan(x, None, [lens], gather)

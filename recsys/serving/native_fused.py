@@ -31,6 +31,7 @@ import torch
 
 from embedding_ps import native as ps_native
 from embedding_ps.init import init_rows
+from embedding_ps.store import cat
 from embedding_ps.wire.sharding import splitmix64_np
 from recsys.models.sparse_arch import TablePlan
 from recsys.serving.export_store import TableView
@@ -250,4 +251,4 @@ class NativePooling:
             rows[where[idx]] = (-4 - at - torch.arange(n, dtype=torch.int64) * dim).to(torch.int32)
             parts.append(init_rows(keys[idx], dim, seed, init, scale).view(-1))          # [M_c * D_c]
             at += n * dim
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return cat(parts)
