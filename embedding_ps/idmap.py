@@ -75,6 +75,8 @@ class IdMap:
         if keys.shape != vals.shape:
             raise ValueError(f"IdMap.insert: {keys.shape[0]} keys but {vals.shape[0]} values")
         n = keys.shape[0]
+        if n == 0:
+            return
         if self._size + self._tombs + n > self.max_load * self.num_buckets:
             self._rehash(self._size + n)
         self._tombs -= native.map_place(self._keys, self._vals, keys, vals)   # takes free buckets, tombstones too

@@ -250,6 +250,8 @@ class ShardServer:
             raise P.ProtocolError(f"{what} refused: this shard does not take shared memory (ps.shared_memory "
                                   f"is {self.config.shared_memory!r} here, or this host has no /dev/shm)",
                                   P.Status.NO_SHM)
+        if len(payload[2]) > 128:
+            raise P.ProtocolError(f"{what}: segment name of {len(payload[2])} bytes", P.Status.BAD_VALUE)
         with_trailer = bool(h.flags & (P.FLAG_GRADS_LATE | P.FLAG_NOTIFY))
         # rows [| ids int64 [M] [| trailer]]
         nbytes = seg_bytes(req.nbytes, req.total, with_trailer) if req.ids_in_seg else req.nbytes

@@ -66,6 +66,10 @@ class ShardState:
         changes no row and no last-seen. `out`: a float32 [N, D] contiguous tensor to write the rows into
         and return (the server's reusable reply buffers, `replybuffers`); default a new tensor."""
         t, ids = self._table_ids(table, ids)
+        if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (ids.shape[0], t.cfg.dim)
+                                or not out.is_contiguous()):
+            raise ValueError(f"shard {self.shard_index} table {table}: out must be contiguous float32 "
+                             f"[{ids.shape[0]}, {t.cfg.dim}], got {out.dtype} {list(out.shape)}")
         with self._lock:
             return t.pull(keys_of(ids, t.cfg), step, out)
 
