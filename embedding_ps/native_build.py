@@ -84,14 +84,15 @@ def cached_library(flags: tuple[str, ...]) -> Path:
     key = b"".join((_CSRC / f).read_bytes() for f in _SOURCES + _HEADERS)
     key += repr((flags, _LIBS, platform.machine(), platform.system())).encode()
     name = f"_native-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    for d in _cache_dirs():
+    dirs = _cache_dirs()
+    for d in dirs:
         if (d / name).is_file():
             return d / name
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
     errors = []
-    for d in _cache_dirs():
+    for d in dirs:
         try:
             d.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp.so", dir=d)

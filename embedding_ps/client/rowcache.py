@@ -83,7 +83,7 @@ class FusedRowCache:
         ck = self.key(ids, tab)                                         # [U]
         slot = self.map.lookup(ck).astype(np.int64)                     # [U], -1 absent
         absent = slot < 0
-        pi = np.flatnonzero(slot >= 0)                                  # [P] present
+        pi = np.flatnonzero(~absent)                                    # [P] present
         s = slot[pi]
         same = (self.ids[s] == ids[pi]) & (self.tab[s] == tab[pi])
         if not same.all():          # another table's id under the same key: served, never cached

@@ -124,9 +124,7 @@ class RowStream:
             with self.save.cond:
                 t0 = time.perf_counter()
                 self._copy_chunk(buf, lo, hi)
-                held = time.perf_counter() - t0
-                self.save.hold_total_s += held
-                self.save.hold_max_s = max(self.save.hold_max_s, held)
+                self.save.held(time.perf_counter() - t0)
             yield {name: b[: hi - lo].numpy() for name, b in buf.items()}
         # no try/finally here: a generator finalized by the GC in a thread holding the lock would
         # deadlock on it. A failed write ends the save through `CowSave.close` instead.
@@ -207,9 +205,17 @@ class CowSave:
         return (self.fixed_bytes + self._chunk_bytes
                 + sum(s.capacity * s.entry_bytes - s._nfree * s.row_bytes for s in self.streams))
 
+    def _note_peak(self) -> None:
+        self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
+
     def account_chunk(self, nbytes: int) -> None:
         self._chunk_bytes = nbytes
-        self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
+        self._note_peak()
+
+    def held(self, seconds: float) -> None:
+        """The writer held the lock `seconds` to copy a chunk."""
+        self.hold_total_s += seconds
+        self.hold_max_s = max(self.hold_max_s, seconds)
 
     def changed(self) -> None:
         """The writer moved on: updates waiting for room may go on."""
@@ -238,7 +244,7 @@ class CowSave:
                 rows = stream.need(candidates())
                 if rows.shape[0] <= stream._nfree:
                     stream.preserve(rows)
-                    self.extra_bytes_peak = max(self.extra_bytes_peak, self.extra_bytes)
+                    self._note_peak()
                     return
                 if t0 is None:
                     t0 = time.perf_counter()

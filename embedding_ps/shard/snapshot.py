@@ -225,9 +225,10 @@ class ShardSnapshot:
                 files = write_streamed(table_dir, t.rows)
                 for name in sorted(t.arrays):
                     files[name] = write_array(os.path.join(table_dir, f"{name}.npy"), t.arrays[name])
-                manifest["files"].update({f"table{i}/{name}.npy": files[name] for name in sorted(files)})
+                names = sorted(files)
+                manifest["files"].update({f"table{i}/{name}.npy": files[name] for name in names})
                 fsync_dir(table_dir)
-                manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": sorted(files)})
+                manifest["tables"].append({"layout": t.layout, "meta": t.meta, "arrays": names})
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
