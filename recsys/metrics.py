@@ -156,7 +156,10 @@ class StreamingAUC:
     def update(self, labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> None:
         """Add a batch: labels {0, 1} [N], scores in [0, 1] [N] (ValueError outside: pass sigmoid(logits)),
         optional weights [N] >= 0 (each example counts that much instead of 1)."""
-        y, s, w = _pair(labels, scores, weights)
+        self._add(*_pair(labels, scores, weights))
+
+    def _add(self, y: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None) -> None:
+        """`update` of inputs `_pair` has checked."""
         lo, hi = float(s.min()), float(s.max())
         if not (0.0 <= lo and hi <= 1.0):   # also catches NaN
             raise ValueError(f"StreamingAUC needs scores in [0, 1], got min {lo} max {hi}; pass probabilities")
@@ -197,7 +200,7 @@ class CTRMetrics:
         self.streaming_auc = StreamingAUC(num_buckets)
         self.exact_auc = exact_auc
         self.weighted = weighted
-        self._kept: list[torch.Tensor] = []          # exact_auc: per update [labels, scores(, weights)] [2 | 3, N]
+        self._kept: list[tuple[torch.Tensor, ...]] = []    # exact_auc: per update (labels, scores(, weights)) [N]
 
     def update(self, labels: ArrayLike, scores: ArrayLike, weights: ArrayLike | None = None) -> None:
         """Add a batch: labels {0, 1} [N], scores (probabilities) [N], weights [N] (>= 0) when weighted."""
@@ -205,10 +208,10 @@ class CTRMetrics:
             raise ValueError(f"CTRMetrics(weighted={self.weighted}).update needs weights "
                              f"{'[N]' if self.weighted else 'None'}")
         y, s, w = _pair(labels, scores, weights)
-        self.streaming_auc.update(y, s, w)                                # also checks 0 <= s <= 1
+        self.streaming_auc._add(y, s, w)                                  # also checks 0 <= s <= 1
         self.sums += _sums(y, s, w)
         if self.exact_auc:
-            self._kept.append(torch.stack([y, s] if w is None else [y, s, w]))
+            self._kept.append((y, s) if w is None else (y, s, w))
 
     def merge(self, other: CTRMetrics) -> CTRMetrics:
         """Add `other`'s state into this one; returns self."""
@@ -233,15 +236,16 @@ class CTRMetrics:
         out.sums, out.streaming_auc.hist = total[:S].clone(), total[S:].view(2, -1).clone()
         if self.exact_auc:
             k = 3 if self.weighted else 2
-            mine = torch.cat(self._kept, dim=1) if self._kept else torch.zeros(k, 0, dtype=torch.float64)   # [k, N]
-            out._kept = [torch.cat([p.view(k, -1) for p in all_gather_parts(mine.reshape(-1))], dim=1)]
+            mine = (torch.stack([torch.cat(c) for c in zip(*self._kept)]) if self._kept     # [k, N]
+                    else torch.zeros(k, 0, dtype=torch.float64))
+            out._kept = [tuple(torch.cat([p.view(k, -1) for p in all_gather_parts(mine.reshape(-1))], dim=1))]
         return out
 
     def compute(self) -> dict[str, float]:
         """{"auc", "logloss", "ne", "calibration", "count"} of what was added here (see `reduced`)."""
         if self.sums[4] == 0:
             raise ValueError("CTRMetrics.compute: no examples were added")
-        auc_value = auc(*torch.cat(self._kept, dim=1)) if self.exact_auc else self.streaming_auc.compute()
+        auc_value = auc(*map(torch.cat, zip(*self._kept))) if self.exact_auc else self.streaming_auc.compute()
         return {"auc": auc_value, **_of_sums(self.sums)}
 
     def reset(self) -> None:
