@@ -267,7 +267,7 @@ class Checkpointer:
         if self.rank == 0:
             root = checkpoint_path(self.cfg.train.run_dir, step) if target is None else target
             remote = storage.is_uri(root)
-            if remote:         # written in place, complete once its manifest is (module docstring)
+            if remote:         # written in place, complete once its manifest is (docs/storage.md, "Checkpoints")
                 tmp = self.local_dir / "staging" / storage.basename(root)
                 storage.delete_tree(root)
             else:

@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 from data.parquet import with_id_types
 from embedding_ps.wire.shm import sweep_dead
 from recsys import storage
-from recsys.config import ConfigError, JobConfig, to_toml
+from recsys.config import ConfigError, JobConfig, read_toml, to_toml
 from recsys.models.replicated import log_placement, resolve_placement
 from recsys.training.checkpoint import check_resume_tables, load_saved_config, read_manifest, resolve_resume
 from recsys.training.warm_start import InitSource, check_init_tables, resolve_init
@@ -244,8 +243,8 @@ def prepared_run(cfg: JobConfig, resume: str | None, overwrite: bool | None = No
 def _saved_train(path: Path | str) -> dict:
     """The [train] section of a saved config.toml ({} when it is missing or unreadable)."""
     try:
-        train = tomllib.loads(storage.read_text(path)).get("train", {})
-    except (OSError, ValueError):             # (tomllib.TOMLDecodeError is a ValueError)
+        train = read_toml(path).get("train", {})
+    except (OSError, ValueError):             # (ConfigError is a ValueError)
         return {}
     return train if isinstance(train, dict) else {}
 

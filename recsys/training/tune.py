@@ -35,7 +35,7 @@ def trial_defaults(config: str, overrides: Sequence[str]) -> list[str]:
     except ConfigError:
         cfg = None                  # e.g. early_stop_patience without validate_every: the default below mends it
     out = []
-    if cfg is None or cfg.train.validate_every in (0, "0"):
+    if cfg is None or cfg.train.validate_every == 0:
         out.append('train.validate_every="epoch"')
         cfg = load_config(config, [*overrides, *out])     # any other error (no data.eval_paths too) is raised here
     if cfg.train.early_stop_patience == 0:
