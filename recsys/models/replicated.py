@@ -38,6 +38,7 @@ from embedding_ps.store import RowSource, pull_each
 from recsys import eager_optim, storage
 from recsys.config import ConfigError, JobConfig
 from recsys.rundir import run_path
+from recsys.table_plans import table_plans
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +62,11 @@ def table_bytes(tc: TableConfig, rows: int) -> int:
 def vocabularies(cfg: JobConfig, names: Iterable[str]) -> dict[str, np.ndarray]:
     """Table name -> sorted distinct ids [R] of the data.sparse_columns that read it (embedding and
     first-order lookups), over data.train_paths."""
-    from recsys.models import build_sparse_arch      # models/__init__ imports this module
-
     names = list(names)
     if not names:
         return {}
     by_table: dict[str, set[str]] = {}
-    for plan in build_sparse_arch(cfg).plans:
+    for plan in table_plans(cfg)[0]:
         by_table.setdefault(plan.name, set()).update(cfg.data.sparse_columns[f] for f in plan.features)
     columns = sorted({c for n in names for c in by_table.get(n, ())})
     per_column = distinct_ids(cfg.data, cfg.data.train_paths, columns)
