@@ -100,26 +100,28 @@ class Predictor:
 
     def apply_delta(self, *delta_dirs: str | Path) -> None:
         """Merge delta exports, in order, into the tables (in memory) and take the last one's dense model and step."""
-        for delta_dir in delta_dirs:
-            delta_dir = self._local(delta_dir)
-            delta = read_manifest(delta_dir, self.verify)
-            mine = dict(self.manifest, step=self.step)
-            check_applicable(mine, delta, f"{self.root} (at step {self.step})", str(delta_dir))
-            for i, entry in enumerate(delta["tables"]):
-                d = read_table(delta_dir, entry)
-                view = self.tables[i]
-                ids, matrix = merge_table(view.ids, view.matrix, d["ids"], d["weight"], d["tombstones"])
-                self.tables[i] = TableView(view.cfg, ids, matrix, self.precision)
-            self.scorer = load_dense(delta_dir / "dense.pt2")
-            self.step = int(delta["step"])
-            self.score_rate = manifest_score_rate(delta)               # the delta's model, the delta's run config
-            if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
-                self._open_retrieval(delta["retrieval"], delta_dir)
-            logger.info("applied delta %s: now at step %d", delta_dir, self.step)
-        self._store = ExportStore(self.tables)
-        self._pooling: QuantizedPooling | None = None
-        self.native: NativePooling | None = (make_pooling(self.sparse.plans, self.tables, self.precision)
-                                             if self.fused else None)
+        try:
+            for delta_dir in delta_dirs:
+                delta_dir = self._local(delta_dir)
+                delta = read_manifest(delta_dir, self.verify)
+                mine = dict(self.manifest, step=self.step)
+                check_applicable(mine, delta, f"{self.root} (at step {self.step})", str(delta_dir))
+                for i, entry in enumerate(delta["tables"]):
+                    d = read_table(delta_dir, entry)
+                    view = self.tables[i]
+                    ids, matrix = merge_table(view.ids, view.matrix, d["ids"], d["weight"], d["tombstones"])
+                    self.tables[i] = TableView(view.cfg, ids, matrix, self.precision)
+                self.scorer = load_dense(delta_dir / "dense.pt2")
+                self.step = int(delta["step"])
+                self.score_rate = manifest_score_rate(delta)               # the delta's model, the delta's run config
+                if "retrieval" in delta:            # a two_tower delta holds every item vector and the user tower
+                    self._open_retrieval(delta["retrieval"], delta_dir)
+                logger.info("applied delta %s: now at step %d", delta_dir, self.step)
+        finally:            # the rows served are the tables' as merged so far, also after a delta that failed
+            self._store = ExportStore(self.tables)
+            self._pooling: QuantizedPooling | None = None
+            self.native: NativePooling | None = (make_pooling(self.sparse.plans, self.tables, self.precision)
+                                                 if self.fused else None)
 
     def _local(self, path: str | Path) -> Path:
         """`path` itself, or a URI's export fetched into this Predictor's temporary directory."""
