@@ -29,10 +29,16 @@ from recsys.table_plans import SequencePlan
 
 def truncate_lists(kj: KeyedJagged, features: list[int], max_len: int) -> KeyedJagged:
     """`kj` with the bags of `features` cut to their last `max_len` ids (ids [N] -> [N'], lengths [F * B])."""
+    cut = _cut(kj, features, max_len)
+    return kj if cut is None else KeyedJagged(kj.keys, kj.values[cut[0]], cut[1])
+
+
+def _cut(kj: KeyedJagged, features: list[int], max_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keep bool [N], new lengths [F * B]) of `truncate_lists`; None when no bag is longer than `max_len`."""
     B = kj.stride
     lengths = kj.lengths.view(len(kj.keys), B).to(torch.int64)            # [F, B]
     if not features or B == 0 or int(lengths[features].max()) <= max_len:
-        return kj
+        return None
     N = kj.values.numel()
     flat = lengths.reshape(-1)                                             # [F * B]
     starts = torch.cumsum(flat, 0) - flat                                  # [F * B]
@@ -43,18 +49,18 @@ def truncate_lists(kj: KeyedJagged, features: list[int], max_len: int) -> KeyedJ
     cut_bag = cut.repeat_interleave(B)                                     # [F * B]
     keep = ~cut_bag[bag] | (pos >= flat[bag] - max_len)                    # [N]: the last max_len of a cut bag
     new_len = torch.where(cut_bag, flat.clamp(max=max_len), flat)          # [F * B]
-    return KeyedJagged(kj.keys, kj.values[keep], new_len.to(kj.lengths.dtype))
+    return keep, new_len.to(kj.lengths.dtype)
 
 
 def truncate_batch(batch: Batch, features: list[int], max_len: int) -> Batch:
     """`batch` with its behavior lists cut to their most recent `max_len` ids (per-id weights alike)."""
-    kj = truncate_lists(batch.sparse, features, max_len)
-    if kj is batch.sparse:
+    kj = batch.sparse
+    cut = _cut(kj, features, max_len)
+    if cut is None:
         return batch
-    weights = batch.weights
-    if weights is not None:             # the same cut, on the weights aligned with the ids
-        weights = truncate_lists(KeyedJagged(kj.keys, weights, batch.sparse.lengths), features, max_len).values
-    return dataclasses.replace(batch, sparse=kj, weights=weights)
+    keep, lengths = cut
+    weights = None if batch.weights is None else batch.weights[keep]      # aligned with the ids
+    return dataclasses.replace(batch, sparse=KeyedJagged(kj.keys, kj.values[keep], lengths), weights=weights)
 
 
 def sequence_rows(lookup: SparseLookup, feature: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
