@@ -108,7 +108,7 @@ def planted_table(schema: pa.Schema, chunk: int, cols: dict[str, pa.Array], logi
     n = len(logit)
     p_true = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
     label = (rng.random(n) < p_true.astype(np.float64)).astype(np.float32)
-    row_id = pa.array(np.arange(chunk * n, (chunk + 1) * n, dtype=np.int64))
+    row_id = pa.array(np.arange(chunk * GEN_CHUNK, chunk * GEN_CHUNK + n, dtype=np.int64))
     return pa.table({"label": pa.array(label), **cols, "row_id": row_id, "p_true": pa.array(p_true)}, schema=schema)
 
 

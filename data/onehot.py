@@ -71,7 +71,6 @@ LOGIT_CLIP = 15.0
 """The logit is clipped to +-15, so p_true stays inside (0, 1) in float32 (a handful of rows reach it)."""
 ONEHOT_FIELDS = tuple(f.name for f in ONEHOT.fields)
 """The id columns, in file order."""
-ONEHOT_SCHEMA = planted_schema(*(pa.field(f, pa.int64(), nullable=False) for f in ONEHOT_FIELDS))
 ONEHOT_SPLIT = (50_000, 6_000, 30_000)
 """Rows of part-00000 (train), part-00001 (validation), part-00002 (test) by default."""
 
@@ -81,6 +80,7 @@ class OnehotTruth:
 
     def __init__(self, p: OnehotPreset, model_seed: int = 0) -> None:
         self.p = p
+        self.schema = planted_schema(*(pa.field(f.name, pa.int64(), nullable=False) for f in p.fields))
         self.children: dict[str, np.ndarray] = {}                  # child field -> [parent V] child rank
         self.pmf: dict[str, np.ndarray] = {}                       # field -> [V] probability of each rank
         self.w: dict[str, np.ndarray] = {}
@@ -121,7 +121,7 @@ def _chunk(t: OnehotTruth, seed: int, chunk: int) -> pa.Table:
         if f.parent:
             ranks[f.name] = t.children[f.name][ranks[f.parent]]
     cols = {f.name: pa.array(ids_of_ranks(f.name, ranks[f.name])) for f in t.p.fields}
-    return planted_table(ONEHOT_SCHEMA, chunk, cols, t.logit(ranks), _rng(seed, chunk, len(t.p.fields)))
+    return planted_table(t.schema, chunk, cols, t.logit(ranks), _rng(seed, chunk, len(t.p.fields)))
 
 
 def generate_onehot(*, out_dir: str, seed: int, split: Sequence[int] = ONEHOT_SPLIT, row_group_rows: int = 65536,
@@ -129,6 +129,6 @@ def generate_onehot(*, out_dir: str, seed: int, split: Sequence[int] = ONEHOT_SP
     """Writes sum(split) rows of the onehot preset, file i (`out_dir/part-%05d.parquet`) holding the
     next split[i] rows (default: train, validation, test); returns `data.synthetic.generate`'s summary."""
     rows, truth = sum(split), OnehotTruth(ONEHOT, model_seed)
-    return write_parts("onehot", ONEHOT_SCHEMA, lambda: iter_chunks(lambda c: _chunk(truth, seed, c), rows),
+    return write_parts("onehot", truth.schema, lambda: iter_chunks(lambda c: _chunk(truth, seed, c), rows),
                        rows=rows, num_files=len(split), out_dir=out_dir, seed=seed, row_group_rows=row_group_rows,
                        compression=compression, model_seed=model_seed, rows_per_file=tuple(split))
