@@ -2,7 +2,7 @@
 
     python benchmarks/serving.py [--json] [--rows N] [--extra-rows N] [--zipf A] [--unseen P]
                                  [--requests N] [--threads T] [--allow-missing-baseline]
-                                 [--latencies FILE]
+                                 [--latencies FILE] [--timed-s S] [--workdir DIR]
 
 Builds a criteo-like model in-process (configs/quickstart.toml: DLRM, 26 one-id + 2 multi-hot
 mean-pooled features, D = 16): trains it for a few steps on `--rows` synthetic rows, adds
@@ -22,8 +22,8 @@ Per precision, in the same run, on the same exported tables:
   `pooling` says which) and predictions/s of `Predictor.predict`; `per_table_per_s_b4096`: the
   per-table path (`Predictor(fused=False)`: SparseArch over the export, or fbgemm's TBE for
   int8 / int4) on the same requests, for comparison;
-- memory: `pooling_rows_mib` / `pooling_maps_mib`, what `NativePooling` holds (row matrices: fp16
-  as float16, int8 / int4 as scale | bias | codes, fp32 one float32 matrix a width; hash maps);
+- memory: `pooling_rows_mib` / `pooling_maps_mib`, what `NativePooling` holds (row matrices per
+  table: fp32 / fp16 as stored, int8 / int4 as scale | bias | codes; hash maps);
 - baseline: TorchRec's quantized inference `torchrec.quant.embedding_modules.EmbeddingBagCollection`
   (one fbgemm IntNBit TBE per pooling mode, data type = the export's precision, loaded with the
   export's own rows) on the same requests, pooling only. TorchRec takes row indices, not raw
@@ -50,6 +50,7 @@ Measured figures: BENCHMARKS.md, "benchmarks/serving.py".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -342,7 +343,7 @@ def build(tmp: Path, a: argparse.Namespace) -> dict:
         built = json.loads(done.read_text())
         if built["sizes"] != sizes:
             raise SystemExit(f"serving.py: --workdir {tmp} holds an export of {built['sizes']}, not {sizes}")
-        return built
+        return {**built, "reused": True}          # build_s: the run that built it
     t0 = time.perf_counter()
     run_dir, eval_file = make_run(tmp, a.rows, a.extra_rows, a.steps)
     build_s = time.perf_counter() - t0
@@ -357,8 +358,9 @@ def build(tmp: Path, a: argparse.Namespace) -> dict:
 
 def run(a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.threads)
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
-        tmp = Path(a.workdir).resolve() if a.workdir else Path(scratch)
+    scratch = contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="bench-serving-")
+    with scratch as where:
+        tmp = Path(where).resolve()
         tmp.mkdir(parents=True, exist_ok=True)
         built = build(tmp, a)
         source = resolve_source(run=built["run_dir"])
@@ -367,7 +369,7 @@ def run(a: argparse.Namespace) -> dict:
         decoded = decode_table(cfg, table)
         res, label, calls = {}, "", {}
         for prec in PRECISIONS:
-            res[prec], label, calls[prec] = bench_precision(Path(tmp) / prec, decoded, a.zipf, a.unseen,
+            res[prec], label, calls[prec] = bench_precision(tmp / prec, decoded, a.zipf, a.unseen,
                                                             a.requests, a.allow_missing_baseline, a.timed_s)
     b1 = {"p50_ms_b1": max(res[x]["p50_ms_b1"] for x in TARGETED),
           "p99_ms_b1": max(res[x]["p99_ms_b1"] for x in TARGETED)}
@@ -377,7 +379,7 @@ def run(a: argparse.Namespace) -> dict:
             "ratio_b4096_vs_baseline": min(r["ratio_b4096_vs_baseline"] for r in res.values()),
             "baseline": label,
             "detail": {"rows_C1": built["rows"]["C1"], "rows_total": sum(built["rows"].values()),
-                       "build_s": built["build_s"], "threads": a.threads, "cpus": os.cpu_count(),
+                       "build_s": built["build_s"], "export_reused": built.get("reused", False), "threads": a.threads, "cpus": os.cpu_count(),
                        "zipf": a.zipf, "unseen": a.unseen, "requests_b1": a.requests, "results": res}}
 
 
