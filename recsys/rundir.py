@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import socket
@@ -158,7 +157,10 @@ def existing_run(run_dir: str | Path) -> list[str]:
 def move_aside(run_dir: Path) -> Path:
     """Rename a local run directory's run files into RUN_DIR/../NAME.old-YYYYmmdd-HHMMSS; returns it."""
     stamp = f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-    old = next(p for n in itertools.count() if not (p := run_dir.with_name(f"{stamp}-{n}" if n else stamp)).exists())
+    old, n = run_dir.with_name(stamp), 0
+    while old.exists():                       # a second move within the same second
+        n += 1
+        old = run_dir.with_name(f"{stamp}-{n}")
     old.mkdir()
     for child in sorted(run_dir.iterdir()):
         if child.name != LOCK_FILE:

@@ -188,6 +188,14 @@ def prune(run_dir: str | Path, keep: int) -> None:
 # saving (every rank calls Checkpointer.save at the same step)
 
 
+def write_model_state(model_dir: str | Path, model: torch.nn.Module, replicated: ReplicatedTables | None) -> None:
+    """A model directory's (a path or URI) dense.pt and, with replicated tables, their file; each written
+    atomically. The shards write their own part (model/ps)."""
+    storage.write_bytes(run_path(model_dir, "dense.pt"), save_bytes(model.state_dict()))
+    if replicated is not None:
+        storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(replicated.state()))
+
+
 def gather_json(obj: Any, world_size: int) -> list[Any]:
     """`obj` of every rank, in rank order, sent as UTF-8 bytes over the process group (no pickle)."""
     if world_size == 1 or not dist.is_initialized():
@@ -278,9 +286,7 @@ class Checkpointer:
                 (tmp / "model").mkdir()
                 (tmp / "config.toml").write_text(to_toml(self.cfg))
                 (tmp / "trainer" / "loaders.json").write_text(json.dumps(loader_states, indent=1))
-                torch.save(parts.model.state_dict(), tmp / "model" / "dense.pt")
-                if parts.replicated is not None:
-                    (tmp / "model" / REPLICATED_FILE).write_bytes(save_bytes(parts.replicated.state()))
+                write_model_state(tmp / "model", parts.model, parts.replicated)
                 state = {"step": step, "optimizer": parts.optimizer.state_dict(),
                          "scheduler": parts.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
                          "validation": dict(validation)}

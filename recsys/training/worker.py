@@ -25,10 +25,10 @@ from recsys.config import ConfigError, JobConfig, load_config
 from recsys.dist import all_reduce, barrier
 from recsys.manifest import write_json_atomic
 from recsys.metrics import MetricLogger, NullMetricLogger
-from recsys.models.replicated import REPLICATED_FILE, load_bytes, save_bytes
+from recsys.models.replicated import load_bytes
 from recsys.models.replicated import read_replicated as saved_replicated
 from recsys.training import stopping
-from recsys.training.checkpoint import checkpoint_path, read_manifest
+from recsys.training.checkpoint import checkpoint_path, read_manifest, write_model_state
 from recsys.training.warm_start import resolve_init, source_replicated
 from recsys.training.trainer import Trainer
 from recsys.runtime import apply_environment, setup_logging
@@ -41,9 +41,7 @@ logger = logging.getLogger(__name__)
 def save_model(trainer: Trainer, store: EmbeddingStore, model_dir: Path | str) -> None:
     """Dense state (rank 0) plus every shard's own dump, written by the shards themselves
     (`model_dir` may be a URI: then the shards upload their parts, see embedding_ps.remote)."""
-    storage.write_bytes(run_path(model_dir, "dense.pt"), save_bytes(trainer.model.state_dict()))   # atomic
-    if trainer.replicated is not None:
-        storage.write_bytes(run_path(model_dir, REPLICATED_FILE), save_bytes(trainer.replicated.state()))
+    write_model_state(model_dir, trainer.model, trainer.replicated)
     if trainer.cfg.train.save_program and not storage.is_uri(model_dir):
         from recsys.serving.dense_export import save_program   # torch.export: loaded here by the optimizer
 
