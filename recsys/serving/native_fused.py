@@ -33,7 +33,7 @@ from embedding_ps import native as ps_native
 from embedding_ps.init import init_rows
 from embedding_ps.store import cat
 from embedding_ps.wire.sharding import splitmix64_np
-from recsys.models.sparse_arch import TablePlan
+from recsys.models.sparse_arch import TablePlan, _groups
 from recsys.serving.export_store import TableView
 from recsys.serving.quantize import QUANTIZED, tbe_rows
 
@@ -111,11 +111,7 @@ class NativePooling:
     def _plan(self, plans: list[TablePlan], tables: list[TableView], precision: str) -> list[tuple[TablePlan, int]]:
         """Slots (grouped as SparseArch groups), hashed tables and classes of default rows; returns the slots."""
         self.precision = precision
-        groups: dict[tuple[int, str, bool], list[tuple[TablePlan, int]]] = {}
-        for p in plans:                                   # SparseArch's grouping: (dim, pooling, linear)
-            for f in p.features:
-                groups.setdefault((p.dim, p.pooling, p.linear), []).append((p, f))
-        slots = [s for g in groups.values() for s in g]
+        slots = [(plans[i], f) for g in _groups(plans) for i in g for f in plans[i].features]    # SparseArch's groups
         self.slot_feature = torch.tensor([f for _, f in slots], dtype=torch.int64)          # [S]
         self._feature_order = None                        # set at the first batch (number of keys known then)
         cfgs = [tables[p.table].cfg for p, _ in slots]
